@@ -1,0 +1,42 @@
+#include "common/daemon.h"
+
+#include <signal.h>
+
+#include <cstdio>
+
+#include "absl/strings/str_cat.h"
+
+namespace gradmesh {
+
+void BlockTerminationSignals() {
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGTERM);
+  sigaddset(&set, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &set, nullptr);
+}
+
+std::string WaitForTerminationSignal() {
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGTERM);
+  sigaddset(&set, SIGINT);
+  int sig = 0;
+  while (sigwait(&set, &sig) != 0) {
+  }
+  return sig == SIGTERM ? "SIGTERM" : "SIGINT";
+}
+
+absl::Status WritePortFile(const std::string& path, int port) {
+  const std::string tmp = absl::StrCat(path, ".tmp");
+  std::FILE* f = std::fopen(tmp.c_str(), "w");
+  if (f == nullptr) return absl::InternalError(absl::StrCat("cannot write port file ", tmp));
+  std::fprintf(f, "%d\n", port);
+  std::fclose(f);
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+    return absl::InternalError(absl::StrCat("cannot rename ", tmp, " to ", path));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace gradmesh

@@ -1,0 +1,27 @@
+// Process plumbing shared by the daemons' main() functions.
+//
+// Thread safety: BlockTerminationSignals() must be called before any thread is started;
+// WaitForTerminationSignal() blocks the calling thread.
+#ifndef GRADMESH_COMMON_DAEMON_H_
+#define GRADMESH_COMMON_DAEMON_H_
+
+#include <string>
+
+#include "absl/status/status.h"
+
+namespace gradmesh {
+
+// Blocks SIGTERM and SIGINT in the calling thread and every thread it starts later, so they
+// can be received synchronously by WaitForTerminationSignal().
+void BlockTerminationSignals();
+
+// Waits for SIGTERM or SIGINT; returns the signal's name.
+std::string WaitForTerminationSignal();
+
+// Writes `port` to `path` atomically (write to a temp file, then rename), so a launcher that
+// started the daemon with --port=0 can read the bound port as soon as the file exists.
+absl::Status WritePortFile(const std::string& path, int port);
+
+}  // namespace gradmesh
+
+#endif  // GRADMESH_COMMON_DAEMON_H_

@@ -1,0 +1,30 @@
+// gRPC plumbing shared by daemons and clients: channels and servers with explicit message
+// size limits on both ends (gRPC's 4 MiB receive default is too small for tensor chunks).
+//
+// Thread safety: pure functions.
+#ifndef GRADMESH_COMMON_GRPC_UTIL_H_
+#define GRADMESH_COMMON_GRPC_UTIL_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include <grpcpp/channel.h>
+#include <grpcpp/server_builder.h>
+
+namespace gradmesh {
+
+struct RpcOptions {
+  // Largest message sent or received, bytes. Default 256 MiB.
+  int64_t max_message_bytes = 256ll << 20;
+};
+
+// An insecure channel to `address` ("host:port") with the limits of `options`.
+std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address, const RpcOptions& options);
+
+// Applies the limits of `options` to a server being built.
+void ConfigureServerBuilder(const RpcOptions& options, grpc::ServerBuilder* builder);
+
+}  // namespace gradmesh
+
+#endif  // GRADMESH_COMMON_GRPC_UTIL_H_

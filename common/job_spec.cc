@@ -1,0 +1,225 @@
+#include "common/job_spec.h"
+
+#include <fstream>
+#include <sstream>
+#include <vector>
+
+#include <google/protobuf/descriptor.h>
+#include <google/protobuf/util/json_util.h>
+#include <yaml-cpp/yaml.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/status.h"
+
+namespace gradmesh {
+namespace {
+
+namespace pb = google::protobuf;
+
+std::string JsonQuote(const std::string& s) {
+  std::string out = "\"";
+  for (char c : s) {
+    switch (c) {
+      case '"': out += "\\\""; break;
+      case '\\': out += "\\\\"; break;
+      case '\n': out += "\\n"; break;
+      case '\t': out += "\\t"; break;
+      case '\r': out += "\\r"; break;
+      default:
+        if (static_cast<unsigned char>(c) < 0x20) {
+          out += absl::StrCat("\\u00", absl::Hex(static_cast<unsigned char>(c), absl::kZeroPad2));
+        } else {
+          out.push_back(c);
+        }
+    }
+  }
+  return out + "\"";
+}
+
+std::string Where(const std::string& path) {
+  return path.empty() ? "job spec" : absl::StrCat("job spec at \"", path, "\"");
+}
+
+absl::Status ScalarToJson(const YAML::Node& node, const pb::FieldDescriptor* field,
+                          const std::string& path, std::string* out);
+
+// Converts a YAML map to JSON for `desc`, rejecting keys that are not fields of it.
+absl::Status MessageToJson(const YAML::Node& node, const pb::Descriptor* desc,
+                           const std::string& path, std::string* out) {
+  if (!node.IsMap()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(Where(path), ": expected a mapping for ", desc->name()));
+  }
+  std::vector<std::string> parts;
+  for (const auto& kv : node) {
+    const std::string key = kv.first.as<std::string>();
+    const pb::FieldDescriptor* field = desc->FindFieldByName(key);
+    if (field == nullptr) field = desc->FindFieldByCamelcaseName(key);
+    if (field == nullptr) {
+      std::vector<std::string> known;
+      for (int i = 0; i < desc->field_count(); ++i) known.push_back(desc->field(i)->name());
+      return absl::InvalidArgumentError(absl::StrCat("unknown field \"", key, "\" in ",
+                                                     Where(path), " (known fields: ",
+                                                     absl::StrJoin(known, ", "), ")"));
+    }
+    const std::string child = path.empty() ? key : absl::StrCat(path, ".", key);
+    std::string value;
+    if (field->is_repeated()) {
+      if (!kv.second.IsSequence()) {
+        return absl::InvalidArgumentError(absl::StrCat(Where(child), ": expected a list"));
+      }
+      std::vector<std::string> items;
+      int i = 0;
+      for (const auto& item : kv.second) {
+        std::string v;
+        const std::string item_path = absl::StrCat(child, "[", i++, "]");
+        if (field->type() == pb::FieldDescriptor::TYPE_MESSAGE) {
+          RETURN_IF_ERROR(MessageToJson(item, field->message_type(), item_path, &v));
+        } else {
+          RETURN_IF_ERROR(ScalarToJson(item, field, item_path, &v));
+        }
+        items.push_back(std::move(v));
+      }
+      value = absl::StrCat("[", absl::StrJoin(items, ","), "]");
+    } else if (field->type() == pb::FieldDescriptor::TYPE_MESSAGE) {
+      RETURN_IF_ERROR(MessageToJson(kv.second, field->message_type(), child, &value));
+    } else {
+      RETURN_IF_ERROR(ScalarToJson(kv.second, field, child, &value));
+    }
+    parts.push_back(absl::StrCat(JsonQuote(field->name()), ":", value));
+  }
+  *out = absl::StrCat("{", absl::StrJoin(parts, ","), "}");
+  return absl::OkStatus();
+}
+
+absl::Status ScalarToJson(const YAML::Node& node, const pb::FieldDescriptor* field,
+                          const std::string& path, std::string* out) {
+  if (!node.IsScalar()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(Where(path), ": expected a single value for ", field->name()));
+  }
+  const std::string text = node.Scalar();
+  switch (field->cpp_type()) {
+    case pb::FieldDescriptor::CPPTYPE_STRING:
+    case pb::FieldDescriptor::CPPTYPE_ENUM:
+      *out = JsonQuote(text);
+      return absl::OkStatus();
+    case pb::FieldDescriptor::CPPTYPE_BOOL:
+      if (text != "true" && text != "false") {
+        return absl::InvalidArgumentError(
+            absl::StrCat(Where(path), ": expected true or false, got \"", text, "\""));
+      }
+      *out = text;
+      return absl::OkStatus();
+    default:
+      // Numbers: passed through quoted so protobuf's JSON parser checks range and syntax
+      // (it accepts numbers as strings for every numeric type).
+      *out = JsonQuote(text);
+      return absl::OkStatus();
+  }
+}
+
+}  // namespace
+
+absl::StatusOr<JobSpec> ParseJobSpec(const std::string& text) {
+  YAML::Node root;
+  try {
+    root = YAML::Load(text);
+  } catch (const YAML::Exception& e) {
+    return absl::InvalidArgumentError(absl::StrCat("job spec is not valid YAML/JSON: ", e.what()));
+  }
+  if (!root.IsDefined() || root.IsNull()) {
+    return absl::InvalidArgumentError("job spec is empty");
+  }
+  std::string json;
+  try {
+    RETURN_IF_ERROR(MessageToJson(root, JobSpec::descriptor(), "", &json));
+  } catch (const YAML::Exception& e) {
+    return absl::InvalidArgumentError(absl::StrCat("job spec: ", e.what()));
+  }
+  JobSpec spec;
+  pb::util::JsonParseOptions options;
+  options.ignore_unknown_fields = false;
+  const auto status = pb::util::JsonStringToMessage(json, &spec, options);
+  if (!status.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("job spec has a value of the wrong type: ", status.message().as_string()));
+  }
+  return spec;
+}
+
+absl::StatusOr<JobSpec> LoadJobSpecFile(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot read job spec file ", path));
+  std::stringstream ss;
+  ss << in.rdbuf();
+  auto spec = ParseJobSpec(ss.str());
+  if (!spec.ok()) return Annotate(spec.status(), path);
+  return spec;
+}
+
+void ApplyJobSpecDefaults(int num_servers, JobSpec* spec) {
+  if (spec->name().empty()) spec->set_name("job");
+  if (spec->model().name().empty()) spec->mutable_model()->set_name("mlp");
+  if (spec->dataset().name().empty()) spec->mutable_dataset()->set_name("mnist");
+  OptimizerSpec* opt = spec->mutable_optimizer();
+  if (opt->name().empty()) opt->set_name("adam");
+  if (opt->lr() == 0) opt->set_lr(opt->name() == "sgd" ? 0.01 : 1e-3);
+  if (spec->batch_size() == 0) spec->set_batch_size(64);
+  if (spec->epochs() == 0 && spec->steps() == 0) spec->set_epochs(1);
+  if (spec->mode().empty()) spec->set_mode("async");
+  if (spec->num_workers() == 0) spec->set_num_workers(1);
+  if (spec->num_shards() == 0) spec->set_num_shards(num_servers > 0 ? num_servers : 1);
+  if (spec->chunk_bytes() == 0) spec->set_chunk_bytes(1 << 20);
+  if (spec->seed() == 0) spec->set_seed(1);
+  if (spec->log_every() == 0) spec->set_log_every(50);
+}
+
+absl::Status ValidateJobSpec(const JobSpec& spec) {
+  for (char c : spec.name()) {
+    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+                    c == '_' || c == '.' || c == '-';
+    if (!ok) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "job spec: name \"", spec.name(), "\" may only use letters, digits, '_', '.', '-'"));
+    }
+  }
+  if (spec.batch_size() <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("job spec: batch_size must be > 0, got ", spec.batch_size()));
+  }
+  if (spec.epochs() < 0 || spec.steps() < 0) {
+    return absl::InvalidArgumentError("job spec: epochs and steps must be >= 0");
+  }
+  if (spec.num_workers() <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("job spec: num_workers must be > 0, got ", spec.num_workers()));
+  }
+  if (spec.num_shards() <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("job spec: num_shards must be > 0, got ", spec.num_shards()));
+  }
+  if (spec.chunk_bytes() < 4 || spec.chunk_bytes() % 4 != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "job spec: chunk_bytes must be a positive multiple of 4, got ", spec.chunk_bytes()));
+  }
+  if (!(spec.optimizer().lr() > 0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("job spec: optimizer.lr must be > 0, got ", spec.optimizer().lr()));
+  }
+  if (spec.log_every() < 0) {
+    return absl::InvalidArgumentError("job spec: log_every must be >= 0");
+  }
+  return absl::OkStatus();
+}
+
+std::string JobSpecToJson(const JobSpec& spec) {
+  std::string out;
+  pb::util::JsonPrintOptions options;
+  options.preserve_proto_field_names = true;
+  (void)pb::util::MessageToJsonString(spec, &out, options);
+  return out;
+}
+
+}  // namespace gradmesh

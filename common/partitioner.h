@@ -1,0 +1,65 @@
+// Deterministic partitioning of a job's tensors into chunks and of chunks onto shards.
+//
+// Every tensor is cut into chunks of `chunk_elems` elements (the last one may be shorter).
+// Chunks are placed greedily, largest first (ties: tensor index, then chunk index), each on
+// the shard holding the fewest elements so far (ties: lowest shard index). The result depends
+// only on (tensor sizes, chunk_elems, num_shards), so workers and servers that build a
+// Partition from the same layout agree on every chunk's owner. Greedy placement guarantees
+// that the most and least loaded shards differ by at most one chunk (<= chunk_elems elements).
+//
+// Thread safety: immutable after Create(); safe to share.
+#ifndef GRADMESH_COMMON_PARTITIONER_H_
+#define GRADMESH_COMMON_PARTITIONER_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace gradmesh {
+
+struct ChunkInfo {
+  int32_t tensor = 0;  // Index of the tensor in the layout.
+  int32_t chunk = 0;   // Index of the chunk within the tensor.
+  int64_t offset = 0;  // First element of the chunk within the tensor.
+  int64_t numel = 0;   // Elements in the chunk (> 0).
+  int32_t shard = 0;   // Owning shard.
+};
+
+class Partition {
+ public:
+  // InvalidArgument if chunk_elems <= 0, num_shards <= 0, a size is negative, or a tensor
+  // would need more than 2^31 chunks.
+  static absl::StatusOr<Partition> Create(const std::vector<int64_t>& tensor_numels,
+                                          int64_t chunk_elems, int32_t num_shards);
+
+  int32_t num_shards() const { return num_shards_; }
+  int64_t chunk_elems() const { return chunk_elems_; }
+  int32_t num_tensors() const { return static_cast<int32_t>(first_chunk_.size()); }
+  int64_t tensor_numel(int32_t t) const { return tensor_numels_[t]; }
+  int32_t num_chunks(int32_t tensor) const;
+
+  // All chunks, ordered by (tensor, chunk).
+  const std::vector<ChunkInfo>& chunks() const { return chunks_; }
+  // Index into chunks() of (tensor, chunk), or -1 if there is no such chunk.
+  int64_t Find(int32_t tensor, int32_t chunk) const;
+  // Indices into chunks() of the chunks owned by `shard`, ordered by (tensor, chunk).
+  const std::vector<int64_t>& shard_chunks(int32_t shard) const { return shard_chunks_[shard]; }
+  // Elements owned by `shard`.
+  int64_t shard_elements(int32_t shard) const { return shard_elements_[shard]; }
+
+ private:
+  Partition() = default;
+
+  int32_t num_shards_ = 0;
+  int64_t chunk_elems_ = 0;
+  std::vector<int64_t> tensor_numels_;
+  std::vector<int64_t> first_chunk_;  // Index in chunks_ of each tensor's chunk 0.
+  std::vector<ChunkInfo> chunks_;
+  std::vector<std::vector<int64_t>> shard_chunks_;
+  std::vector<int64_t> shard_elements_;
+};
+
+}  // namespace gradmesh
+
+#endif  // GRADMESH_COMMON_PARTITIONER_H_

@@ -1,0 +1,105 @@
+#include "common/partitioner.h"
+
+#include <algorithm>
+#include <random>
+#include <vector>
+
+#include "common/status_testing.h"
+#include "gtest/gtest.h"
+
+namespace gradmesh {
+namespace {
+
+// Every element of every tensor is owned by exactly one chunk of exactly one shard, and the
+// shards' loads differ by at most one chunk.
+void CheckInvariants(const std::vector<int64_t>& numels, int64_t chunk, int32_t shards) {
+  ASSERT_OK_AND_ASSIGN(Partition p, Partition::Create(numels, chunk, shards));
+  std::vector<std::vector<int>> owner(numels.size());
+  for (size_t t = 0; t < numels.size(); ++t) owner[t].assign(numels[t], 0);
+  int64_t covered = 0;
+  for (int32_t s = 0; s < shards; ++s) {
+    int64_t load = 0;
+    for (int64_t idx : p.shard_chunks(s)) {
+      const ChunkInfo& c = p.chunks()[idx];
+      EXPECT_EQ(c.shard, s);
+      EXPECT_GT(c.numel, 0);
+      EXPECT_LE(c.numel, chunk);
+      for (int64_t i = c.offset; i < c.offset + c.numel; ++i) ++owner[c.tensor][i];
+      load += c.numel;
+      covered += c.numel;
+    }
+    EXPECT_EQ(load, p.shard_elements(s));
+  }
+  for (size_t t = 0; t < numels.size(); ++t) {
+    for (int64_t i = 0; i < numels[t]; ++i) ASSERT_EQ(owner[t][i], 1) << "tensor " << t << " elem " << i;
+  }
+  int64_t total = 0;
+  for (int64_t n : numels) total += n;
+  EXPECT_EQ(covered, total);
+  int64_t lo = p.shard_elements(0), hi = p.shard_elements(0);
+  for (int32_t s = 1; s < shards; ++s) {
+    lo = std::min(lo, p.shard_elements(s));
+    hi = std::max(hi, p.shard_elements(s));
+  }
+  EXPECT_LE(hi - lo, chunk) << "shards unbalanced by more than one chunk";
+}
+
+TEST(PartitionerTest, MlpLayoutOnTwoShards) {
+  // MLP 784-256-256-10 weights and biases, 64 Ki-element chunks.
+  CheckInvariants({200704, 256, 65536, 256, 2560, 10}, 65536, 2);
+}
+
+TEST(PartitionerTest, RandomLayouts) {
+  std::mt19937 rng(7);
+  for (int trial = 0; trial < 50; ++trial) {
+    std::vector<int64_t> numels(1 + rng() % 8);
+    for (auto& n : numels) n = rng() % 5000;
+    CheckInvariants(numels, 1 + rng() % 700, 1 + rng() % 5);
+  }
+}
+
+TEST(PartitionerTest, ExactPlacement) {
+  // Chunks of 4: t0 = [4,4,2], t1 = [3]. Largest first: (0,0)->s0, (0,1)->s1, (1,0)->s0? No:
+  // after (0,0) s0=4, (0,1) s1=4, then (1,0) size 3 -> s0 (tie, lowest), then (0,2) -> s1.
+  ASSERT_OK_AND_ASSIGN(Partition p, Partition::Create({10, 3}, 4, 2));
+  ASSERT_EQ(p.chunks().size(), 4u);
+  EXPECT_EQ(p.num_chunks(0), 3);
+  EXPECT_EQ(p.num_chunks(1), 1);
+  EXPECT_EQ(p.chunks()[p.Find(0, 0)].shard, 0);
+  EXPECT_EQ(p.chunks()[p.Find(0, 1)].shard, 1);
+  EXPECT_EQ(p.chunks()[p.Find(1, 0)].shard, 0);
+  EXPECT_EQ(p.chunks()[p.Find(0, 2)].shard, 1);
+  EXPECT_EQ(p.chunks()[p.Find(0, 2)].offset, 8);
+  EXPECT_EQ(p.chunks()[p.Find(0, 2)].numel, 2);
+  EXPECT_EQ(p.shard_elements(0), 7);
+  EXPECT_EQ(p.shard_elements(1), 6);
+  EXPECT_EQ(p.Find(0, 3), -1);
+  EXPECT_EQ(p.Find(2, 0), -1);
+  EXPECT_EQ(p.Find(-1, 0), -1);
+}
+
+TEST(PartitionerTest, DeterministicAcrossCalls) {
+  ASSERT_OK_AND_ASSIGN(Partition a, Partition::Create({1000, 77, 5000, 1}, 128, 3));
+  ASSERT_OK_AND_ASSIGN(Partition b, Partition::Create({1000, 77, 5000, 1}, 128, 3));
+  ASSERT_EQ(a.chunks().size(), b.chunks().size());
+  for (size_t i = 0; i < a.chunks().size(); ++i) EXPECT_EQ(a.chunks()[i].shard, b.chunks()[i].shard);
+}
+
+TEST(PartitionerTest, RejectsBadArguments) {
+  EXPECT_STATUS_MSG(Partition::Create({10}, 0, 2), absl::StatusCode::kInvalidArgument,
+                    "chunk_elems");
+  EXPECT_STATUS_MSG(Partition::Create({10}, 4, 0), absl::StatusCode::kInvalidArgument,
+                    "num_shards");
+  EXPECT_STATUS_MSG(Partition::Create({-1}, 4, 1), absl::StatusCode::kInvalidArgument,
+                    "negative");
+}
+
+TEST(PartitionerTest, EmptyTensorHasNoChunks) {
+  ASSERT_OK_AND_ASSIGN(Partition p, Partition::Create({0, 5}, 4, 2));
+  EXPECT_EQ(p.num_chunks(0), 0);
+  EXPECT_EQ(p.num_chunks(1), 2);
+  EXPECT_EQ(p.Find(0, 0), -1);
+}
+
+}  // namespace
+}  // namespace gradmesh

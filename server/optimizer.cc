@@ -1,0 +1,170 @@
+#include "server/optimizer.h"
+
+#include <cmath>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+namespace gradmesh {
+namespace {
+
+// torch::optim::SGD (1.13): d = g + wd * p; with momentum: buf = d on the first step, else
+// buf = momentum * buf + (1 - dampening) * d; d = nesterov ? d + momentum * buf : buf;
+// p -= lr * d.
+class Sgd final : public Optimizer {
+ public:
+  explicit Sgd(const OptimizerSpec& s)
+      : lr_(static_cast<float>(s.lr())),
+        momentum_(static_cast<float>(s.momentum())),
+        dampening_(static_cast<float>(s.dampening())),
+        weight_decay_(static_cast<float>(s.weight_decay())),
+        nesterov_(s.nesterov()) {}
+
+  int num_slots() const override { return momentum_ != 0 ? 1 : 0; }
+
+  void Apply(int64_t step, float lr_scale, const float* grad, float* param, float* const* slots,
+             int64_t n) const override {
+    const float lr = lr_ * lr_scale;
+    if (momentum_ == 0) {
+      for (int64_t i = 0; i < n; ++i) {
+        float d = grad[i];
+        if (weight_decay_ != 0) d = d + weight_decay_ * param[i];
+        param[i] = param[i] - lr * d;
+      }
+      return;
+    }
+    float* buf = slots[0];
+    const float keep = 1 - dampening_;
+    for (int64_t i = 0; i < n; ++i) {
+      float d = grad[i];
+      if (weight_decay_ != 0) d = d + weight_decay_ * param[i];
+      buf[i] = step == 1 ? d : momentum_ * buf[i] + keep * d;
+      d = nesterov_ ? d + momentum_ * buf[i] : buf[i];
+      param[i] = param[i] - lr * d;
+    }
+  }
+
+ private:
+  const float lr_, momentum_, dampening_, weight_decay_;
+  const bool nesterov_;
+};
+
+// torch::optim::Adam / AdamW (1.13):
+//   adam:  g += wd * p            adamw: p *= 1 - lr * wd
+//   m = b1 * m + (1 - b1) * g;  v = b2 * v + (1 - b2) * g * g
+//   denom = sqrt(v) / sqrt(1 - b2^t) + eps;  p -= lr / (1 - b1^t) * m / denom
+class Adam final : public Optimizer {
+ public:
+  Adam(const OptimizerSpec& s, bool decoupled)
+      : lr_(s.lr()),
+        beta1_(s.beta1() != 0 ? s.beta1() : 0.9),
+        beta2_(s.beta2() != 0 ? s.beta2() : 0.999),
+        eps_(s.eps() != 0 ? s.eps() : 1e-8),
+        weight_decay_(static_cast<float>(s.weight_decay())),
+        decoupled_(decoupled) {}
+
+  int num_slots() const override { return 2; }
+
+  void Apply(int64_t step, float lr_scale, const float* grad, float* param, float* const* slots,
+             int64_t n) const override {
+    const double lr = lr_ * lr_scale;
+    // Scalars computed in double, as torch does on the host, then used as float.
+    const double bias1 = 1 - std::pow(beta1_, static_cast<double>(step));
+    const double bias2 = 1 - std::pow(beta2_, static_cast<double>(step));
+    const float step_size = static_cast<float>(lr / bias1);
+    const float sqrt_bias2 = static_cast<float>(std::sqrt(bias2));
+    const float b1 = static_cast<float>(beta1_), b2 = static_cast<float>(beta2_);
+    const float one_minus_b1 = static_cast<float>(1 - beta1_);
+    const float one_minus_b2 = static_cast<float>(1 - beta2_);
+    const float eps = static_cast<float>(eps_);
+    const float decay = static_cast<float>(1 - lr * weight_decay_);
+    float* m = slots[0];
+    float* v = slots[1];
+    for (int64_t i = 0; i < n; ++i) {
+      float g = grad[i];
+      float p = param[i];
+      if (weight_decay_ != 0) {
+        if (decoupled_) {
+          p = p * decay;
+        } else {
+          g = g + weight_decay_ * p;
+        }
+      }
+      m[i] = m[i] * b1 + one_minus_b1 * g;
+      v[i] = v[i] * b2 + one_minus_b2 * g * g;
+      const float denom = std::sqrt(v[i]) / sqrt_bias2 + eps;
+      param[i] = p - step_size * (m[i] / denom);
+    }
+  }
+
+ private:
+  const double lr_, beta1_, beta2_, eps_;
+  const float weight_decay_;
+  const bool decoupled_;
+};
+
+absl::Status CheckRange(const char* name, double v, double lo, double hi) {
+  if (!(v >= lo && v < hi)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("optimizer.", name, " must be in [", lo, ", ", hi, "), got ", v));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckCommon(const OptimizerSpec& s) {
+  if (!(s.lr() > 0) || !std::isfinite(s.lr())) {
+    return absl::InvalidArgumentError(absl::StrCat("optimizer.lr must be > 0, got ", s.lr()));
+  }
+  return CheckRange("weight_decay", s.weight_decay(), 0, 1e9);
+}
+
+}  // namespace
+
+OptimizerRegistry OptimizerRegistry::WithBuiltins() {
+  OptimizerRegistry r;
+  r.Register("sgd", [](const OptimizerSpec& s) -> absl::StatusOr<std::unique_ptr<Optimizer>> {
+    if (absl::Status st = CheckCommon(s); !st.ok()) return st;
+    if (absl::Status st = CheckRange("momentum", s.momentum(), 0, 1); !st.ok()) return st;
+    if (absl::Status st = CheckRange("dampening", s.dampening(), 0, 1); !st.ok()) return st;
+    if (s.nesterov() && (s.momentum() <= 0 || s.dampening() != 0)) {
+      return absl::InvalidArgumentError(
+          "optimizer.nesterov needs momentum > 0 and dampening = 0");
+    }
+    return std::unique_ptr<Optimizer>(new Sgd(s));
+  });
+  for (bool decoupled : {false, true}) {
+    r.Register(decoupled ? "adamw" : "adam",
+               [decoupled](const OptimizerSpec& s) -> absl::StatusOr<std::unique_ptr<Optimizer>> {
+                 if (absl::Status st = CheckCommon(s); !st.ok()) return st;
+                 if (absl::Status st = CheckRange("beta1", s.beta1(), 0, 1); !st.ok()) return st;
+                 if (absl::Status st = CheckRange("beta2", s.beta2(), 0, 1); !st.ok()) return st;
+                 if (absl::Status st = CheckRange("eps", s.eps(), 0, 1); !st.ok()) return st;
+                 return std::unique_ptr<Optimizer>(new Adam(s, decoupled));
+               });
+  }
+  return r;
+}
+
+void OptimizerRegistry::Register(const std::string& name, Factory factory) {
+  factories_[name] = std::move(factory);
+}
+
+std::vector<std::string> OptimizerRegistry::names() const {
+  std::vector<std::string> out;
+  for (const auto& kv : factories_) out.push_back(kv.first);
+  return out;
+}
+
+absl::StatusOr<std::unique_ptr<Optimizer>> OptimizerRegistry::Create(
+    const OptimizerSpec& spec) const {
+  auto it = factories_.find(spec.name());
+  if (it == factories_.end()) {
+    return absl::InvalidArgumentError(absl::StrCat("unknown optimizer \"", spec.name(),
+                                                   "\" (known: ", absl::StrJoin(names(), ", "),
+                                                   ")"));
+  }
+  return it->second(spec);
+}
+
+}  // namespace gradmesh

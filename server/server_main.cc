@@ -1,0 +1,101 @@
+// gradmesh_server: one parameter-server shard.
+//
+//   gradmesh_server --port=7001 [--host=0.0.0.0] [--port_file=F] [--max_message_mb=256]
+//
+// Serves ParameterService until SIGTERM/SIGINT, then stops accepting calls, lets calls in
+// flight finish (up to --shutdown_grace_s) and exits 0.
+#include <memory>
+#include <string>
+#include <thread>
+
+#include <grpcpp/server.h>
+#include <grpcpp/server_builder.h>
+#include <unistd.h>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "common/daemon.h"
+#include "common/grpc_util.h"
+#include "common/logging.h"
+#include "server/parameter_service.h"
+#include "server/shard.h"
+
+ABSL_FLAG(std::string, host, "0.0.0.0", "Address to listen on.");
+ABSL_FLAG(int, port, 7001, "Port to listen on (0 = pick a free one; see --port_file).");
+ABSL_FLAG(std::string, port_file, "", "If set, the bound port is written to this file.");
+ABSL_FLAG(int64_t, max_message_mb, 256, "Largest gRPC message sent or received, MiB.");
+ABSL_FLAG(std::string, node, "", "Node name in logs (default: host name).");
+ABSL_FLAG(int, shutdown_grace_s, 5, "Seconds to let calls in flight finish on shutdown.");
+ABSL_FLAG(int64_t, dedupe_window, 4096, "Push request ids remembered per worker.");
+
+namespace gradmesh {
+namespace {
+
+struct ServerMainOptions {
+  std::string address;
+  std::string port_file;
+  std::string node;
+  int shutdown_grace_s = 5;
+  RpcOptions rpc;
+  ShardOptions shard;
+};
+
+std::string HostName() {
+  char buf[256] = {0};
+  if (gethostname(buf, sizeof(buf) - 1) != 0) return "unknown";
+  return buf;
+}
+
+int Run(ServerMainOptions options) {
+  Logger logger({Kv("node", options.node), Kv("role", "server")});
+  options.shard.logger = &logger;
+  auto shard = Shard::Create(options.shard);
+  if (!shard.ok()) {
+    logger.Error("bad_options", {Kv("error", shard.status().ToString())});
+    return 2;
+  }
+  ParameterServiceImpl service(shard->get());
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort(options.address, grpc::InsecureServerCredentials(), &port);
+  ConfigureServerBuilder(options.rpc, &builder);
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (server == nullptr || port == 0) {
+    logger.Error("listen_failed", {Kv("address", options.address)});
+    return 1;
+  }
+  if (!options.port_file.empty()) {
+    absl::Status st = WritePortFile(options.port_file, port);
+    if (!st.ok()) {
+      logger.Error("port_file_failed", {Kv("error", st.ToString())});
+      return 1;
+    }
+  }
+  logger.Info("listening", {Kv("address", options.address), Kv("port", port)});
+  const std::string sig = WaitForTerminationSignal();
+  logger.Info("shutting_down", {Kv("signal", sig)});
+  server->Shutdown(std::chrono::system_clock::now() +
+                   std::chrono::seconds(options.shutdown_grace_s));
+  server->Wait();
+  logger.Info("stopped");
+  return 0;
+}
+
+}  // namespace
+}  // namespace gradmesh
+
+int main(int argc, char** argv) {
+  gradmesh::BlockTerminationSignals();
+  absl::ParseCommandLine(argc, argv);
+  gradmesh::ServerMainOptions options;
+  options.address = absl::StrCat(absl::GetFlag(FLAGS_host), ":", absl::GetFlag(FLAGS_port));
+  options.port_file = absl::GetFlag(FLAGS_port_file);
+  options.node = absl::GetFlag(FLAGS_node).empty() ? gradmesh::HostName() : absl::GetFlag(FLAGS_node);
+  options.shutdown_grace_s = absl::GetFlag(FLAGS_shutdown_grace_s);
+  options.rpc.max_message_bytes = absl::GetFlag(FLAGS_max_message_mb) << 20;
+  options.shard.dedupe_window = absl::GetFlag(FLAGS_dedupe_window);
+  return gradmesh::Run(std::move(options));
+}

@@ -1,0 +1,74 @@
+// Shard: the core of one parameter-server shard, independent of any transport.
+//
+// A shard holds, for each job it serves, the chunks of the job's tensors that the partitioner
+// assigns to it (common/partitioner.h), with per-element optimizer slots and a version per
+// chunk. Pushes are validated completely (ownership, length, dtype, finiteness, worker range)
+// before anything changes, so a bad request never alters state; then the job's consistency
+// policy decides when the optimizer runs. Each chunk has its own lock, so pushes from many
+// workers to different chunks proceed in parallel. Retried pushes (same job, worker and
+// request id, within the last `dedupe_window` requests of that worker) are acknowledged and
+// not applied again.
+//
+// The gRPC adapter (server/parameter_service.h) only converts between wire and these calls;
+// the request/response types are the proto messages of proto/gradmesh.proto.
+//
+// Thread safety: all methods may be called concurrently. Calls block only on chunk and job
+// locks (and on the consistency policy, for pulls).
+#ifndef GRADMESH_SERVER_SHARD_H_
+#define GRADMESH_SERVER_SHARD_H_
+
+#include <memory>
+#include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "common/logging.h"
+#include "proto/gradmesh.pb.h"
+#include "server/consistency.h"
+#include "server/optimizer.h"
+
+namespace gradmesh {
+
+struct ShardOptions {
+  // Retried-push detection: request ids remembered per (job, worker). Default 4096.
+  int64_t dedupe_window = 4096;
+  // Buckets of the staleness histogram (the last one counts >= buckets-1). Default 16.
+  int32_t staleness_buckets = 16;
+  // Optimizers and consistency policies known to this shard. Default: the built-ins.
+  OptimizerRegistry optimizers = OptimizerRegistry::WithBuiltins();
+  ConsistencyRegistry consistency = ConsistencyRegistry::WithBuiltins();
+  // Not owned; may be null.
+  const Logger* logger = nullptr;
+};
+
+class Shard {
+ public:
+  // InvalidArgument for nonsensical options.
+  static absl::StatusOr<std::unique_ptr<Shard>> Create(ShardOptions options);
+  ~Shard();
+
+  Shard(const Shard&) = delete;
+  Shard& operator=(const Shard&) = delete;
+
+  absl::StatusOr<InitJobResponse> InitJob(const InitJobRequest& request);
+  absl::StatusOr<PushResponse> Push(const PushRequest& request);
+  // Fills `response` (passed in so large payloads are written once, in place).
+  absl::Status Pull(const PullRequest& request, PullResponse* response);
+  absl::Status Finish(const FinishRequest& request);
+  absl::StatusOr<JobInfoResponse> GetJobInfo(const JobInfoRequest& request);
+
+ private:
+  struct Job;
+  explicit Shard(ShardOptions options);
+  absl::StatusOr<std::shared_ptr<Job>> FindJob(const std::string& name);
+
+  const ShardOptions options_;
+  absl::Mutex mu_;
+  absl::flat_hash_map<std::string, std::shared_ptr<Job>> jobs_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace gradmesh
+
+#endif  // GRADMESH_SERVER_SHARD_H_
