@@ -1,0 +1,320 @@
+#include "server/shard.h"
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <thread>
+#include <vector>
+
+#include "common/partitioner.h"
+#include "common/status_testing.h"
+#include "gtest/gtest.h"
+
+namespace gradmesh {
+namespace {
+
+std::string Bytes(const std::vector<float>& v) {
+  return std::string(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(float));
+}
+std::vector<float> Floats(const std::string& b) {
+  std::vector<float> v(b.size() / sizeof(float));
+  std::memcpy(v.data(), b.data(), b.size());
+  return v;
+}
+
+// Job "j": tensors a[10] and b[3x4], chunks of 4 elements, 2 shards, plain SGD lr 0.5.
+// Initial value of element i of tensor t is 100 * t + i.
+InitJobRequest MakeInit(int32_t shard_index, int32_t num_workers = 2) {
+  InitJobRequest r;
+  r.set_job("j");
+  auto* a = r.add_tensors();
+  a->set_name("a");
+  a->add_shape(10);
+  auto* b = r.add_tensors();
+  b->set_name("b");
+  b->add_shape(3);
+  b->add_shape(4);
+  r.set_chunk_elems(4);
+  r.set_num_shards(2);
+  r.set_shard_index(shard_index);
+  r.mutable_optimizer()->set_name("sgd");
+  r.mutable_optimizer()->set_lr(0.5);
+  r.set_num_workers(num_workers);
+  auto p = Partition::Create({10, 12}, 4, 2).value();
+  for (int64_t idx : p.shard_chunks(shard_index)) {
+    const ChunkInfo& c = p.chunks()[idx];
+    std::vector<float> v(c.numel);
+    for (int64_t i = 0; i < c.numel; ++i) v[i] = static_cast<float>(100 * c.tensor + c.offset + i);
+    ChunkData* d = r.add_initial();
+    d->set_tensor(c.tensor);
+    d->set_chunk(c.chunk);
+    d->set_dtype(FLOAT32);
+    d->set_data(Bytes(v));
+  }
+  return r;
+}
+
+class ShardTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto shard = Shard::Create(ShardOptions());
+    ASSERT_OK(shard);
+    shard_ = std::move(shard).value();
+    partition_ = std::make_unique<Partition>(Partition::Create({10, 12}, 4, 2).value());
+    ASSERT_OK_AND_ASSIGN(InitJobResponse r, shard_->InitJob(MakeInit(0)));
+    EXPECT_TRUE(r.created());
+  }
+
+  // A chunk owned by shard 0 and one owned by shard 1.
+  ChunkInfo Owned() { return partition_->chunks()[partition_->shard_chunks(0)[0]]; }
+  ChunkInfo NotOwned() { return partition_->chunks()[partition_->shard_chunks(1)[0]]; }
+
+  PushRequest MakePush(const ChunkInfo& c, float value, uint64_t id, int32_t worker = 0) {
+    PushRequest p;
+    p.set_job("j");
+    p.set_worker(worker);
+    p.set_step(1);
+    p.set_request_id(id);
+    ChunkData* d = p.add_chunks();
+    d->set_tensor(c.tensor);
+    d->set_chunk(c.chunk);
+    d->set_dtype(FLOAT32);
+    d->set_data(Bytes(std::vector<float>(c.numel, value)));
+    return p;
+  }
+
+  std::vector<float> PullOne(const ChunkInfo& c, int64_t* version = nullptr) {
+    PullRequest req;
+    req.set_job("j");
+    ChunkData* d = req.add_chunks();
+    d->set_tensor(c.tensor);
+    d->set_chunk(c.chunk);
+    PullResponse resp;
+    EXPECT_OK(shard_->Pull(req, &resp));
+    EXPECT_EQ(resp.chunks_size(), 1);
+    if (version != nullptr) *version = resp.chunks(0).version();
+    return Floats(resp.chunks(0).data());
+  }
+
+  std::vector<std::vector<float>> PullAllOwned() {
+    PullRequest req;
+    req.set_job("j");
+    PullResponse resp;
+    EXPECT_OK(shard_->Pull(req, &resp));
+    std::vector<std::vector<float>> out;
+    for (const auto& c : resp.chunks()) out.push_back(Floats(c.data()));
+    return out;
+  }
+
+  std::unique_ptr<Shard> shard_;
+  std::unique_ptr<Partition> partition_;
+};
+
+TEST_F(ShardTest, PullReturnsInitialValuesOfOwnedChunks) {
+  PullRequest req;
+  req.set_job("j");
+  PullResponse resp;
+  ASSERT_OK(shard_->Pull(req, &resp));
+  ASSERT_EQ(resp.chunks_size(), static_cast<int>(partition_->shard_chunks(0).size()));
+  for (int i = 0; i < resp.chunks_size(); ++i) {
+    const ChunkInfo& c = partition_->chunks()[partition_->shard_chunks(0)[i]];
+    EXPECT_EQ(resp.chunks(i).tensor(), c.tensor);
+    EXPECT_EQ(resp.chunks(i).chunk(), c.chunk);
+    EXPECT_EQ(resp.chunks(i).version(), 0);
+    std::vector<float> v = Floats(resp.chunks(i).data());
+    ASSERT_EQ(static_cast<int64_t>(v.size()), c.numel);
+    for (int64_t k = 0; k < c.numel; ++k) EXPECT_EQ(v[k], 100 * c.tensor + c.offset + k);
+  }
+}
+
+TEST_F(ShardTest, PushAppliesSgdAndBumpsVersion) {
+  const ChunkInfo c = Owned();
+  ASSERT_OK_AND_ASSIGN(PushResponse r, shard_->Push(MakePush(c, 2.0f, 1)));
+  EXPECT_FALSE(r.duplicate());
+  ASSERT_EQ(r.new_versions_size(), 1);
+  EXPECT_EQ(r.new_versions(0), 1);
+  int64_t version = -1;
+  std::vector<float> v = PullOne(c, &version);
+  EXPECT_EQ(version, 1);
+  for (int64_t k = 0; k < c.numel; ++k) EXPECT_EQ(v[k], 100 * c.tensor + c.offset + k - 1.0f);
+}
+
+TEST_F(ShardTest, RetriedPushIsAppliedOnce) {
+  const ChunkInfo c = Owned();
+  ASSERT_OK(shard_->Push(MakePush(c, 2.0f, 77)));
+  ASSERT_OK_AND_ASSIGN(PushResponse again, shard_->Push(MakePush(c, 2.0f, 77)));
+  EXPECT_TRUE(again.duplicate());
+  // Same id from another worker is a different request.
+  ASSERT_OK_AND_ASSIGN(PushResponse other, shard_->Push(MakePush(c, 2.0f, 77, 1)));
+  EXPECT_FALSE(other.duplicate());
+  int64_t version = -1;
+  std::vector<float> v = PullOne(c, &version);
+  EXPECT_EQ(version, 2);
+  EXPECT_EQ(v[0], 100 * c.tensor + c.offset - 2.0f);
+  ASSERT_OK_AND_ASSIGN(JobInfoResponse info, shard_->GetJobInfo([] {
+    JobInfoRequest r;
+    r.set_job("j");
+    return r;
+  }()));
+  EXPECT_EQ(info.pushes_applied(), 2);
+  EXPECT_EQ(info.duplicates_dropped(), 1);
+  EXPECT_EQ(info.workers(0).pushes_applied(), 1);
+  EXPECT_EQ(info.workers(1).pushes_applied(), 1);
+}
+
+TEST_F(ShardTest, BadPushesAreRejectedAndChangeNothing) {
+  const auto before = PullAllOwned();
+  const ChunkInfo c = Owned();
+
+  PushRequest p = MakePush(c, 1.0f, 1);
+  p.set_job("nope");
+  EXPECT_STATUS_MSG(shard_->Push(p), absl::StatusCode::kNotFound, "job nope");
+
+  p = MakePush(c, 1.0f, 2);
+  p.mutable_chunks(0)->set_tensor(7);
+  EXPECT_STATUS_MSG(shard_->Push(p), absl::StatusCode::kNotFound, "tensor 7");
+
+  p = MakePush(c, 1.0f, 3);
+  p.mutable_chunks(0)->set_chunk(99);
+  EXPECT_STATUS_MSG(shard_->Push(p), absl::StatusCode::kNotFound, "chunk 99 does not exist");
+
+  p = MakePush(c, 1.0f, 4);
+  p.mutable_chunks(0)->mutable_data()->resize(c.numel * 4 - 4);
+  EXPECT_STATUS_MSG(shard_->Push(p), absl::StatusCode::kInvalidArgument,
+                    "float32 values (" + std::to_string(c.numel * 4) + " bytes), got " +
+                        std::to_string(c.numel * 4 - 4) + " bytes");
+
+  p = MakePush(c, 1.0f, 5);
+  p.mutable_chunks(0)->set_dtype(FLOAT16);
+  EXPECT_STATUS_MSG(shard_->Push(p), absl::StatusCode::kInvalidArgument, "dtype FLOAT16");
+
+  p = MakePush(c, 1.0f, 6);
+  p.set_worker(2);
+  EXPECT_STATUS_MSG(shard_->Push(p), absl::StatusCode::kInvalidArgument, "worker 2 not in [0, 2)");
+
+  // A valid chunk followed by a NaN chunk: nothing at all may be applied.
+  p = MakePush(c, 1.0f, 7);
+  const ChunkInfo c2 = partition_->chunks()[partition_->shard_chunks(0)[1]];
+  ChunkData* d = p.add_chunks();
+  d->set_tensor(c2.tensor);
+  d->set_chunk(c2.chunk);
+  std::vector<float> nan(c2.numel, 1.0f);
+  nan[c2.numel - 1] = std::numeric_limits<float>::quiet_NaN();
+  d->set_data(Bytes(nan));
+  EXPECT_STATUS_MSG(shard_->Push(p), absl::StatusCode::kInvalidArgument,
+                    "element " + std::to_string(c2.numel - 1) + " is not finite");
+  std::vector<float> inf(c.numel, 1.0f);
+  inf[0] = std::numeric_limits<float>::infinity();
+  p = MakePush(c, 1.0f, 8);
+  p.mutable_chunks(0)->set_data(Bytes(inf));
+  EXPECT_STATUS_MSG(shard_->Push(p), absl::StatusCode::kInvalidArgument, "element 0 is not finite");
+
+  p = MakePush(NotOwned(), 1.0f, 9);
+  EXPECT_STATUS_MSG(shard_->Push(p), absl::StatusCode::kFailedPrecondition,
+                    "belongs to shard 1, not shard 0");
+
+  p = MakePush(c, 1.0f, 10);
+  *p.add_chunks() = p.chunks(0);
+  EXPECT_STATUS_MSG(shard_->Push(p), absl::StatusCode::kInvalidArgument, "appears twice");
+
+  EXPECT_EQ(PullAllOwned(), before);
+  ASSERT_OK_AND_ASSIGN(JobInfoResponse info, shard_->GetJobInfo([] {
+    JobInfoRequest r;
+    r.set_job("j");
+    return r;
+  }()));
+  EXPECT_EQ(info.pushes_applied(), 0);
+  // A rejected request id is not remembered: a corrected retry is applied.
+  ASSERT_OK_AND_ASSIGN(PushResponse ok, shard_->Push(MakePush(c, 1.0f, 7)));
+  EXPECT_FALSE(ok.duplicate());
+}
+
+TEST_F(ShardTest, InitJobIsIdempotentAndRejectsConflicts) {
+  ASSERT_OK_AND_ASSIGN(InitJobResponse again, shard_->InitJob(MakeInit(0)));
+  EXPECT_FALSE(again.created());
+  InitJobRequest other = MakeInit(0, /*num_workers=*/3);
+  EXPECT_STATUS_MSG(shard_->InitJob(other), absl::StatusCode::kFailedPrecondition,
+                    "already exists on this shard with a different layout");
+}
+
+TEST_F(ShardTest, InitJobValidatesInput) {
+  InitJobRequest r = MakeInit(1);
+  r.set_job("k");
+  r.mutable_optimizer()->set_name("rmsprop");
+  EXPECT_STATUS_MSG(shard_->InitJob(r), absl::StatusCode::kInvalidArgument,
+                    "unknown optimizer \"rmsprop\" (known: adam, adamw, sgd)");
+  r = MakeInit(1);
+  r.set_job("k");
+  r.set_consistency("eventually");
+  EXPECT_STATUS_MSG(shard_->InitJob(r), absl::StatusCode::kInvalidArgument,
+                    "unknown consistency mode \"eventually\" (known: async)");
+  r = MakeInit(1);
+  r.set_job("k");
+  r.mutable_initial()->RemoveLast();
+  EXPECT_STATUS_MSG(shard_->InitJob(r), absl::StatusCode::kInvalidArgument,
+                    "but the request carries initial values for");
+  r = MakeInit(1);
+  r.set_job("k");
+  r.set_shard_index(2);
+  EXPECT_STATUS_MSG(shard_->InitJob(r), absl::StatusCode::kInvalidArgument,
+                    "shard_index 2 not in [0, 2)");
+  r = MakeInit(1);
+  r.set_job("k");
+  r.mutable_tensors(1)->set_name("a");
+  EXPECT_STATUS_MSG(shard_->InitJob(r), absl::StatusCode::kInvalidArgument, "repeated name");
+  // None of the failures created the job.
+  JobInfoRequest q;
+  q.set_job("k");
+  EXPECT_STATUS(shard_->GetJobInfo(q), absl::StatusCode::kNotFound);
+}
+
+TEST_F(ShardTest, StalenessIsRecorded) {
+  const ChunkInfo c = Owned();
+  // Three pushes all computed from version 0: staleness 0, 1, 2.
+  for (uint64_t id = 1; id <= 3; ++id) ASSERT_OK(shard_->Push(MakePush(c, 0.1f, id)));
+  JobInfoRequest q;
+  q.set_job("j");
+  ASSERT_OK_AND_ASSIGN(JobInfoResponse info, shard_->GetJobInfo(q));
+  ASSERT_EQ(info.staleness_histogram_size(), 16);
+  EXPECT_EQ(info.staleness_histogram(0), 1);
+  EXPECT_EQ(info.staleness_histogram(1), 1);
+  EXPECT_EQ(info.staleness_histogram(2), 1);
+  EXPECT_EQ(info.workers(0).last_step(), 1);
+}
+
+TEST_F(ShardTest, ConcurrentPushersAllApplied) {
+  const ChunkInfo c = Owned();
+  constexpr int kThreads = 4, kPushes = 250;
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = 0; i < kPushes; ++i) {
+        EXPECT_OK(shard_->Push(MakePush(c, 0.25f, t * 100000 + i, t % 2)));
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  int64_t version = -1;
+  std::vector<float> v = PullOne(c, &version);
+  EXPECT_EQ(version, kThreads * kPushes);
+  // Each push subtracts 0.5 * 0.25 = 0.125 exactly (representable), 1000 times.
+  EXPECT_EQ(v[0], 100 * c.tensor + c.offset - 125.0f);
+}
+
+TEST_F(ShardTest, FinishMarksWorker) {
+  FinishRequest f;
+  f.set_job("j");
+  f.set_worker(1);
+  f.set_step(9);
+  ASSERT_OK(shard_->Finish(f));
+  f.set_worker(5);
+  EXPECT_STATUS(shard_->Finish(f), absl::StatusCode::kInvalidArgument);
+  JobInfoRequest q;
+  q.set_job("j");
+  ASSERT_OK_AND_ASSIGN(JobInfoResponse info, shard_->GetJobInfo(q));
+  EXPECT_FALSE(info.workers(0).finished());
+  EXPECT_TRUE(info.workers(1).finished());
+}
+
+}  // namespace
+}  // namespace gradmesh

@@ -1,0 +1,85 @@
+// ParameterClient: how a worker talks to the parameter-server shards of its job.
+//
+// The Trainer sees only this interface (no gRPC); NewGrpcParameterClient() returns the gRPC
+// implementation. A client is bound to one job and one worker rank. It cuts every tensor into
+// chunks with the shared partitioner (common/partitioner.h), sends each shard one message per
+// operation carrying all of that shard's chunks (small tensors fused), talks to all shards in
+// parallel, and remembers the version of every chunk it last pulled so that each push carries
+// the version its gradient was computed from.
+//
+// Retries: UNAVAILABLE, DEADLINE_EXCEEDED and ABORTED are retried with exponential backoff
+// (bounded and logged); a retried push reuses its request id, so a shard that already applied
+// it acknowledges without applying it again.
+//
+// Thread safety: all methods may be called concurrently; each call blocks until every shard
+// answered (or retries are exhausted).
+#ifndef GRADMESH_WORKER_PARAMETER_CLIENT_H_
+#define GRADMESH_WORKER_PARAMETER_CLIENT_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "common/grpc_util.h"
+#include "common/logging.h"
+#include "proto/gradmesh.pb.h"
+
+namespace gradmesh {
+
+// Everything a shard needs to know about a job, as the worker sees it.
+struct JobLayout {
+  std::string job;
+  std::vector<TensorSpec> tensors;
+  int64_t chunk_elems = 262144;  // 1 MiB of float32.
+  OptimizerSpec optimizer;
+  std::string consistency = "async";
+  int32_t num_workers = 1;
+};
+
+class ParameterClient {
+ public:
+  virtual ~ParameterClient() = default;
+
+  // Registers the job on every shard with `initial` values (one span per tensor, layout
+  // order). Idempotent: if the job exists with the same layout nothing changes.
+  virtual absl::Status InitJob(const std::vector<absl::Span<const float>>& initial) = 0;
+
+  // Pushes one gradient per tensor (layout order) computed at `step`.
+  virtual absl::Status Push(int64_t step, const std::vector<absl::Span<const float>>& grads) = 0;
+
+  // Overwrites `params` (one span per tensor, layout order) with the shards' current values.
+  virtual absl::Status Pull(const std::vector<absl::Span<float>>& params) = 0;
+
+  // Tells every shard this worker is done.
+  virtual absl::Status Finish(int64_t step) = 0;
+
+  // Job state as seen by each shard, in shard order.
+  virtual absl::StatusOr<std::vector<JobInfoResponse>> GetJobInfo() = 0;
+
+  // Bytes of tensor payload sent and received so far (excluding protocol overhead).
+  virtual int64_t bytes_pushed() const = 0;
+  virtual int64_t bytes_pulled() const = 0;
+};
+
+struct GrpcParameterClientOptions {
+  std::vector<std::string> servers;  // "host:port" of each shard, shard order. Required.
+  int32_t worker = 0;                // This worker's rank.
+  RpcOptions rpc;
+  absl::Duration rpc_deadline = absl::Seconds(60);  // Per attempt.
+  int32_t max_attempts = 8;                          // Per RPC, first try included.
+  absl::Duration initial_backoff = absl::Milliseconds(100);
+  absl::Duration max_backoff = absl::Seconds(5);
+  const Logger* logger = nullptr;  // Not owned; may be null.
+};
+
+// InvalidArgument if the layout or options are unusable (no servers, bad rank, ...).
+absl::StatusOr<std::unique_ptr<ParameterClient>> NewGrpcParameterClient(
+    JobLayout layout, GrpcParameterClientOptions options);
+
+}  // namespace gradmesh
+
+#endif  // GRADMESH_WORKER_PARAMETER_CLIENT_H_

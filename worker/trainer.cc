@@ -1,0 +1,225 @@
+#include "worker/trainer.h"
+
+#include <torch/torch.h>
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "common/status.h"
+#include "worker/dataset.h"
+#include "worker/model.h"
+
+namespace gradmesh {
+namespace {
+
+double Seconds(absl::Time since) { return absl::ToDoubleSeconds(absl::Now() - since); }
+
+}  // namespace
+
+Trainer::Trainer(TrainerOptions options, ClientFactory client_factory)
+    : options_(std::move(options)), client_factory_(std::move(client_factory)) {}
+Trainer::~Trainer() = default;
+
+absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerOptions options,
+                                                         ClientFactory client_factory) {
+  const JobSpec& spec = options.spec;
+  if (options.rank < 0 || options.rank >= spec.num_workers()) {
+    return absl::InvalidArgumentError(absl::StrCat("trainer: rank ", options.rank,
+                                                   " not in [0, ", spec.num_workers(), ")"));
+  }
+  if (options.intra_op_threads < 1) {
+    return absl::InvalidArgumentError("trainer: intra_op_threads must be >= 1");
+  }
+  if (!client_factory) return absl::InvalidArgumentError("trainer: no client factory");
+  return std::unique_ptr<Trainer>(new Trainer(std::move(options), std::move(client_factory)));
+}
+
+absl::StatusOr<TrainResult> Trainer::Run() {
+  const JobSpec& spec = options_.spec;
+  const Logger* log = options_.logger;
+  torch::set_num_threads(options_.intra_op_threads);
+
+  const std::string data_path = spec.dataset().path().empty()
+                                    ? absl::StrCat(options_.data_dir, "/", spec.dataset().name())
+                                    : spec.dataset().path();
+  ASSIGN_OR_RETURN(DatasetFiles data, LoadDataset(spec.dataset().name(), data_path));
+  ASSIGN_OR_RETURN(std::unique_ptr<Model> model, CreateModel(spec.model(), spec.seed()));
+  std::vector<torch::Tensor> params = model->Parameters();
+  const std::vector<std::string> names = model->ParameterNames();
+
+  JobLayout layout;
+  layout.job = spec.name();
+  layout.chunk_elems = spec.chunk_bytes() / static_cast<int64_t>(sizeof(float));
+  layout.optimizer = spec.optimizer();
+  layout.consistency = spec.mode();
+  layout.num_workers = spec.num_workers();
+  std::vector<absl::Span<float>> param_spans;
+  std::vector<absl::Span<const float>> initial;
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (params[i].scalar_type() != torch::kFloat || !params[i].is_contiguous()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "trainer: parameter ", names[i], " must be a contiguous float32 tensor"));
+    }
+    TensorSpec t;
+    t.set_name(names[i]);
+    for (int64_t d : params[i].sizes()) t.add_shape(d);
+    layout.tensors.push_back(t);
+    param_spans.emplace_back(params[i].data_ptr<float>(), params[i].numel());
+    initial.emplace_back(params[i].data_ptr<float>(), params[i].numel());
+  }
+  ASSIGN_OR_RETURN(std::unique_ptr<ParameterClient> client, client_factory_(layout));
+
+  // Every worker offers the same seeded initial values; the first InitJob wins, the rest see
+  // the job already exists. Then everyone starts from the shards' values.
+  RETURN_IF_ERROR(client->InitJob(initial));
+  {
+    torch::NoGradGuard no_grad;
+    RETURN_IF_ERROR(client->Pull(param_spans));
+  }
+
+  BatchLoader::Options lo;
+  lo.rank = options_.rank;
+  lo.world_size = spec.num_workers();
+  lo.batch_size = spec.batch_size();
+  lo.epochs = spec.epochs();
+  lo.max_steps = spec.steps();
+  lo.seed = spec.seed();
+  ASSIGN_OR_RETURN(std::unique_ptr<BatchLoader> loader,
+                   BatchLoader::Create(&data.train, data.mean, data.stddev, lo));
+  const int64_t total = loader->total_steps();
+  const auto& img = data.train;
+  LogInfo(log, "train_start",
+          {Kv("job", spec.name()), Kv("rank", options_.rank), Kv("model", spec.model().name()),
+           Kv("dataset", spec.dataset().name()), Kv("params", [&] {
+             int64_t n = 0;
+             for (auto& p : params) n += p.numel();
+             return n;
+           }()),
+           Kv("steps", total), Kv("steps_per_epoch", loader->steps_per_epoch()),
+           Kv("batch", spec.batch_size()), Kv("mode", spec.mode())});
+
+  TrainResult result;
+  model->SetTraining(true);
+  const absl::Time start = absl::Now();
+  absl::Time window_start = start;
+  double window_loss = 0;
+  int64_t window_steps = 0;
+  int64_t step = 0;
+  std::vector<absl::Span<const float>> grads(params.size());
+  while (true) {
+    if (stop_requested_.load()) {
+      result.stopped_early = true;
+      LogInfo(log, "stop_requested", {Kv("job", spec.name()), Kv("step", step)});
+      break;
+    }
+    absl::Time t0 = absl::Now();
+    std::optional<Batch> batch = loader->Next();
+    if (!batch.has_value()) break;
+    result.data_s += Seconds(t0);
+
+    t0 = absl::Now();
+    torch::Tensor x = torch::from_blob(batch->x.data(), {batch->size, 1, img.rows, img.cols},
+                                       torch::kFloat);
+    torch::Tensor y = torch::from_blob(batch->y.data(), {batch->size}, torch::kLong);
+    for (auto& p : params) p.mutable_grad() = torch::Tensor();
+    ASSIGN_OR_RETURN(torch::Tensor loss, CrossEntropyLoss(model.get(), x, y));
+    try {
+      loss.backward();
+    } catch (const c10::Error& e) {
+      return absl::InternalError(absl::StrCat("trainer: backward failed at step ", step, ": ",
+                                              e.what_without_backtrace()));
+    }
+    const double loss_value = loss.item<double>();
+    for (size_t i = 0; i < params.size(); ++i) {
+      const torch::Tensor& g = params[i].grad();
+      if (!g.defined()) {
+        return absl::InternalError(absl::StrCat("trainer: no gradient for ", names[i]));
+      }
+      grads[i] = absl::Span<const float>(g.data_ptr<float>(), g.numel());
+    }
+    result.compute_s += Seconds(t0);
+
+    t0 = absl::Now();
+    RETURN_IF_ERROR(Annotate(client->Push(step, grads), absl::StrCat("step ", step)));
+    {
+      torch::NoGradGuard no_grad;
+      RETURN_IF_ERROR(Annotate(client->Pull(param_spans), absl::StrCat("step ", step)));
+    }
+    result.comm_s += Seconds(t0);
+
+    ++step;
+    result.samples += batch->size;
+    window_loss += loss_value;
+    ++window_steps;
+    if (spec.log_every() > 0 && (step % spec.log_every() == 0 || step == total)) {
+      const double dt = Seconds(window_start);
+      result.final_loss = window_loss / window_steps;
+      LogInfo(log, "progress",
+              {Kv("job", spec.name()), Kv("rank", options_.rank), Kv("step", step),
+               Kv("total", total), Kv("epoch", batch->epoch + 1),
+               Kv("epochs", spec.steps() > 0 ? (total + loader->steps_per_epoch() - 1) /
+                                                   loader->steps_per_epoch()
+                                             : spec.epochs()),
+               Kv("loss", absl::StrFormat("%.4f", result.final_loss)),
+               Kv("samples_per_s",
+                  absl::StrFormat("%.0f", window_steps * spec.batch_size() / dt)),
+               Kv("data_ms", absl::StrFormat("%.1f", 1e3 * result.data_s / step)),
+               Kv("compute_ms", absl::StrFormat("%.1f", 1e3 * result.compute_s / step)),
+               Kv("comm_ms", absl::StrFormat("%.1f", 1e3 * result.comm_s / step))});
+      window_start = absl::Now();
+      window_loss = 0;
+      window_steps = 0;
+    }
+  }
+  if (window_steps > 0) result.final_loss = window_loss / window_steps;
+  result.steps = step;
+  result.wall_s = Seconds(start);
+  result.samples_per_s = result.wall_s > 0 ? result.samples / result.wall_s : 0;
+  result.bytes_pushed = client->bytes_pushed();
+  result.bytes_pulled = client->bytes_pulled();
+  RETURN_IF_ERROR(client->Finish(step));
+
+  if (options_.evaluate && !result.stopped_early) {
+    // Wait for every worker so the evaluated model is the job's final one.
+    const absl::Time deadline = absl::Now() + options_.wait_for_workers;
+    while (true) {
+      ASSIGN_OR_RETURN(std::vector<JobInfoResponse> infos, client->GetJobInfo());
+      int32_t finished = 0;
+      for (const WorkerState& w : infos[0].workers()) finished += w.finished() ? 1 : 0;
+      if (finished == spec.num_workers()) break;
+      if (absl::Now() > deadline) {
+        return absl::DeadlineExceededError(absl::StrCat(
+            "trainer: only ", finished, " of ", spec.num_workers(),
+            " workers finished job ", spec.name(), " within the wait bound"));
+      }
+      absl::SleepFor(absl::Milliseconds(200));
+    }
+    {
+      torch::NoGradGuard no_grad;
+      RETURN_IF_ERROR(client->Pull(param_spans));
+    }
+    model->SetTraining(false);
+    int64_t correct = 0;
+    std::vector<Batch> eval = MakeEvalBatches(data.test, data.mean, data.stddev, 1000);
+    for (Batch& b : eval) {
+      torch::Tensor x =
+          torch::from_blob(b.x.data(), {b.size, 1, data.test.rows, data.test.cols}, torch::kFloat);
+      torch::Tensor y = torch::from_blob(b.y.data(), {b.size}, torch::kLong);
+      ASSIGN_OR_RETURN(int64_t c, CountCorrect(model.get(), x, y));
+      correct += c;
+    }
+    result.test_accuracy = static_cast<double>(correct) / data.test.size;
+    LogInfo(log, "evaluated", {Kv("job", spec.name()), Kv("rank", options_.rank),
+                               Kv("accuracy", absl::StrFormat("%.4f", result.test_accuracy)),
+                               Kv("test_samples", data.test.size)});
+    if (!spec.output().empty()) {
+      RETURN_IF_ERROR(model->Save(spec.output()));
+      LogInfo(log, "model_saved", {Kv("job", spec.name()), Kv("path", spec.output())});
+    }
+  }
+  return result;
+}
+
+}  // namespace gradmesh

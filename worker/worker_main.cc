@@ -1,0 +1,176 @@
+// gradmesh_worker: trains one worker's share of a job against parameter-server shards.
+//
+//   gradmesh_worker --job=job.yaml --servers=127.0.0.1:7001,127.0.0.1:7002 --rank=0
+//
+// Flags given explicitly override the job spec's fields. Prints one final line
+//   event=done ... steps=... samples=... wall_s=... samples_per_s=... accuracy=...
+// and exits 0 on success, 1 on a training error, 2 on bad flags or spec.
+// SIGTERM/SIGINT stop the run after the current step (the worker still reports Finish).
+#include <unistd.h>
+
+#include <cstdlib>
+#include <string>
+#include <thread>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "common/daemon.h"
+#include "common/job_spec.h"
+#include "common/logging.h"
+#include "common/status.h"
+#include "worker/parameter_client.h"
+#include "worker/trainer.h"
+
+ABSL_FLAG(std::string, job, "", "Job spec file (YAML or JSON). Empty: defaults plus flags.");
+ABSL_FLAG(std::string, servers, "", "Comma-separated host:port of the shards, shard order.");
+ABSL_FLAG(int, rank, 0, "This worker's rank in [0, num_workers).");
+ABSL_FLAG(std::string, data_dir, "/var/lib/gradmesh/data",
+          "Directory holding one folder per dataset (mnist/, fashion-mnist/).");
+ABSL_FLAG(int, threads, 1, "LibTorch intra-op threads.");
+ABSL_FLAG(std::string, node, "", "Node name in logs (default: host name).");
+ABSL_FLAG(bool, evaluate, true, "Rank 0 waits for all workers, evaluates and saves the model.");
+ABSL_FLAG(int64_t, max_message_mb, 256, "Largest gRPC message sent or received, MiB.");
+// Overrides of job spec fields (applied when set).
+ABSL_FLAG(std::string, name, "", "Job name.");
+ABSL_FLAG(std::string, model, "", "Model: mlp, lenet or torchscript.");
+ABSL_FLAG(std::string, model_path, "", "TorchScript file for --model=torchscript.");
+ABSL_FLAG(std::string, dataset, "", "Dataset: mnist or fashion-mnist.");
+ABSL_FLAG(std::string, mode, "", "Consistency mode: async.");
+ABSL_FLAG(std::string, optimizer, "", "Optimizer: sgd, adam or adamw.");
+ABSL_FLAG(double, lr, 0, "Learning rate.");
+ABSL_FLAG(int, batch_size, 0, "Samples per worker per step.");
+ABSL_FLAG(int, epochs, 0, "Epochs.");
+ABSL_FLAG(int64_t, steps, 0, "Steps per worker (instead of epochs).");
+ABSL_FLAG(int, num_workers, 0, "Number of workers.");
+ABSL_FLAG(int64_t, chunk_bytes, 0, "Partition chunk size in bytes.");
+ABSL_FLAG(int, log_every, 0, "Steps between progress lines.");
+ABSL_FLAG(std::string, output, "", "Where rank 0 saves the final model.");
+ABSL_FLAG(uint64_t, seed, 0, "Seed for initialisation and data order.");
+
+namespace gradmesh {
+namespace {
+
+std::string HostName() {
+  char buf[256] = {0};
+  if (gethostname(buf, sizeof(buf) - 1) != 0) return "unknown";
+  return buf;
+}
+
+struct WorkerMainOptions {
+  TrainerOptions trainer;
+  GrpcParameterClientOptions client;
+  std::string node;
+};
+
+// Reads the spec file and flags into options; InvalidArgument on anything unusable.
+absl::StatusOr<WorkerMainOptions> ParseOptions() {
+  WorkerMainOptions o;
+  JobSpec spec;
+  if (!absl::GetFlag(FLAGS_job).empty()) {
+    auto loaded = LoadJobSpecFile(absl::GetFlag(FLAGS_job));
+    if (!loaded.ok()) return loaded.status();
+    spec = *loaded;
+  }
+  if (!absl::GetFlag(FLAGS_name).empty()) spec.set_name(absl::GetFlag(FLAGS_name));
+  if (!absl::GetFlag(FLAGS_model).empty()) spec.mutable_model()->set_name(absl::GetFlag(FLAGS_model));
+  if (!absl::GetFlag(FLAGS_model_path).empty()) {
+    spec.mutable_model()->set_path(absl::GetFlag(FLAGS_model_path));
+  }
+  if (!absl::GetFlag(FLAGS_dataset).empty()) {
+    spec.mutable_dataset()->set_name(absl::GetFlag(FLAGS_dataset));
+  }
+  if (!absl::GetFlag(FLAGS_mode).empty()) spec.set_mode(absl::GetFlag(FLAGS_mode));
+  if (!absl::GetFlag(FLAGS_optimizer).empty()) {
+    spec.mutable_optimizer()->set_name(absl::GetFlag(FLAGS_optimizer));
+  }
+  if (absl::GetFlag(FLAGS_lr) != 0) spec.mutable_optimizer()->set_lr(absl::GetFlag(FLAGS_lr));
+  if (absl::GetFlag(FLAGS_batch_size) != 0) spec.set_batch_size(absl::GetFlag(FLAGS_batch_size));
+  if (absl::GetFlag(FLAGS_epochs) != 0) spec.set_epochs(absl::GetFlag(FLAGS_epochs));
+  if (absl::GetFlag(FLAGS_steps) != 0) spec.set_steps(absl::GetFlag(FLAGS_steps));
+  if (absl::GetFlag(FLAGS_num_workers) != 0) spec.set_num_workers(absl::GetFlag(FLAGS_num_workers));
+  if (absl::GetFlag(FLAGS_chunk_bytes) != 0) spec.set_chunk_bytes(absl::GetFlag(FLAGS_chunk_bytes));
+  if (absl::GetFlag(FLAGS_log_every) != 0) spec.set_log_every(absl::GetFlag(FLAGS_log_every));
+  if (!absl::GetFlag(FLAGS_output).empty()) spec.set_output(absl::GetFlag(FLAGS_output));
+  if (absl::GetFlag(FLAGS_seed) != 0) spec.set_seed(absl::GetFlag(FLAGS_seed));
+
+  for (absl::string_view s : absl::StrSplit(absl::GetFlag(FLAGS_servers), ',', absl::SkipEmpty())) {
+    o.client.servers.emplace_back(s);
+  }
+  if (o.client.servers.empty()) {
+    return absl::InvalidArgumentError("--servers is required (host:port of each shard)");
+  }
+  ApplyJobSpecDefaults(static_cast<int>(o.client.servers.size()), &spec);
+  RETURN_IF_ERROR(ValidateJobSpec(spec));
+  if (spec.num_shards() != static_cast<int>(o.client.servers.size())) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "job spec asks for %d shards but --servers lists %d", spec.num_shards(),
+        o.client.servers.size()));
+  }
+  o.trainer.spec = spec;
+  o.trainer.rank = absl::GetFlag(FLAGS_rank);
+  o.trainer.data_dir = absl::GetFlag(FLAGS_data_dir);
+  o.trainer.intra_op_threads = absl::GetFlag(FLAGS_threads);
+  o.trainer.evaluate = absl::GetFlag(FLAGS_evaluate) && o.trainer.rank == 0;
+  o.client.worker = o.trainer.rank;
+  o.client.rpc.max_message_bytes = absl::GetFlag(FLAGS_max_message_mb) << 20;
+  o.node = absl::GetFlag(FLAGS_node).empty() ? HostName() : absl::GetFlag(FLAGS_node);
+  return o;
+}
+
+int Run() {
+  auto parsed = ParseOptions();
+  if (!parsed.ok()) {
+    Logger({Kv("role", "worker")}).Error("bad_arguments", {Kv("error", parsed.status().ToString())});
+    return 2;
+  }
+  WorkerMainOptions o = std::move(parsed).value();
+  Logger logger({Kv("node", o.node), Kv("role", "worker")});
+  o.trainer.logger = &logger;
+  o.client.logger = &logger;
+  logger.Info("job_spec", {Kv("job", o.trainer.spec.name()), Kv("spec", JobSpecToJson(o.trainer.spec))});
+  const GrpcParameterClientOptions client_options = o.client;
+  auto trainer = Trainer::Create(o.trainer, [&client_options](JobLayout layout) {
+    return NewGrpcParameterClient(std::move(layout), client_options);
+  });
+  if (!trainer.ok()) {
+    logger.Error("bad_arguments", {Kv("error", trainer.status().ToString())});
+    return 2;
+  }
+  // Stop after the current step on SIGTERM/SIGINT.
+  std::thread signals([t = trainer->get(), &logger] {
+    const std::string sig = WaitForTerminationSignal();
+    logger.Info("signal", {Kv("signal", sig)});
+    t->RequestStop();
+  });
+  signals.detach();
+  auto result = (*trainer)->Run();
+  if (!result.ok()) {
+    logger.Error("failed", {Kv("job", o.trainer.spec.name()), Kv("error", result.status().ToString())});
+    return 1;
+  }
+  const TrainResult& r = *result;
+  logger.Info("done", {Kv("job", o.trainer.spec.name()), Kv("steps", r.steps), Kv("samples", r.samples),
+                       Kv("wall_s", absl::StrFormat("%.2f", r.wall_s)),
+                       Kv("samples_per_s", absl::StrFormat("%.1f", r.samples_per_s)),
+                       Kv("loss", absl::StrFormat("%.4f", r.final_loss)),
+                       Kv("accuracy", absl::StrFormat("%.4f", r.test_accuracy)),
+                       Kv("data_s", absl::StrFormat("%.2f", r.data_s)),
+                       Kv("compute_s", absl::StrFormat("%.2f", r.compute_s)),
+                       Kv("comm_s", absl::StrFormat("%.2f", r.comm_s)),
+                       Kv("bytes_pushed", r.bytes_pushed), Kv("bytes_pulled", r.bytes_pulled),
+                       Kv("stopped_early", r.stopped_early ? "true" : "false")});
+  return 0;
+}
+
+}  // namespace
+}  // namespace gradmesh
+
+int main(int argc, char** argv) {
+  gradmesh::BlockTerminationSignals();
+  absl::ParseCommandLine(argc, argv);
+  // OpenBLAS sizes its thread pool when the library loads, before main(): launchers set
+  // OPENBLAS_NUM_THREADS=1 when several processes share the cores (see deploy/).
+  return gradmesh::Run();
+}
