@@ -22,7 +22,15 @@ def _system_libs_impl(rctx):
         extra = [p for p in parts[1].split(" ") if p] if len(parts) > 1 else []
         includes = [p for p in parts[2].split(" ") if p] if len(parts) > 2 else []
         linkopts = _pkg_config(rctx, "--libs", pkgs) + extra
-        copts = ["-isystem" + i for i in includes]
+        copts = []
+        # Include dirs outside /usr/include do not propagate through copts, so they are
+        # linked into this repository and exported with `includes` (and their headers
+        # declared, so sandboxed compiles see them).
+        inc_dirs = []
+        for i, path in enumerate(includes):
+            link = "%s_include_%d" % (name, i)
+            rctx.symlink(path, link)
+            inc_dirs.append(link)
         for f in _pkg_config(rctx, "--cflags-only-I", pkgs):
             if f.startswith("-I") and f[2:] != "/usr/include":
                 copts.append("-isystem" + f[2:])
@@ -30,6 +38,9 @@ def _system_libs_impl(rctx):
         build.append('    name = "%s",' % name)
         build.append("    linkopts = %s," % repr(linkopts))
         build.append("    copts = %s," % repr(copts))
+        if inc_dirs:
+            build.append("    hdrs = glob(%s)," % repr([d + "/**/*.h" for d in inc_dirs]))
+            build.append("    includes = %s," % repr(inc_dirs))
         build.append("    defines = %s," % repr([]))
         build.append(")")
         build.append("")

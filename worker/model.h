@@ -1,0 +1,117 @@
+// Models trained by workers: a small interface over LibTorch modules, the built-in MNIST
+// architectures, TorchScript modules from disk, and a registry that builds them by name.
+//
+// Built-in models ("mlp", "lenet") take inputs [N, 1, 28, 28] float32 and return logits
+// [N, 10]. Their initial weights depend only on the seed given to CreateModel, so every
+// worker of a job constructs identical parameters. A "torchscript" model is whatever module
+// the user saved with torch.jit.save; its parameters are trained in place.
+//
+// Errors never escape as exceptions: LibTorch's c10::Error and std::exception are caught at
+// this boundary and returned as absl::Status with a message saying what failed.
+//
+// Thread safety: a Model is not thread-safe; use each from one thread at a time. Distinct
+// Model objects may be used concurrently. CreateModel / ModelRegistry::Create seed LibTorch's
+// process-global RNG (torch::manual_seed), so they must not run concurrently with each other
+// or with any other use of that RNG (random tensor creation, dropout, ...) in the process.
+#ifndef GRADMESH_WORKER_MODEL_H_
+#define GRADMESH_WORKER_MODEL_H_
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "proto/gradmesh.pb.h"
+
+namespace gradmesh {
+
+// A trainable classifier.
+class Model {
+ public:
+  virtual ~Model() = default;
+
+  // Computes logits [N, num_classes] for a batch x [N, 1, 28, 28] of float32. Records the
+  // autograd graph unless the caller holds a torch::NoGradGuard. INVALID_ARGUMENT if x has
+  // the wrong shape or type or the module fails on it.
+  virtual absl::StatusOr<torch::Tensor> Forward(const torch::Tensor& x) = 0;
+
+  // The trainable leaf tensors, in a fixed order that is the same for every instance of the
+  // same architecture; backward() fills their .grad(). They alias the model's storage, so
+  // updating them in place (under torch::NoGradGuard) updates the model.
+  virtual std::vector<torch::Tensor> Parameters() = 0;
+
+  // Dotted names ("fc1.weight", ...) of Parameters(), in the same order.
+  virtual std::vector<std::string> ParameterNames() = 0;
+
+  // Switches between training and evaluation behaviour (matters for modules with dropout or
+  // batch norm).
+  virtual void SetTraining(bool training) = 0;
+
+  // Writes the model to `path`. Built-in models use torch::save of the module (load it back
+  // with torch::load into a module of the same architecture); TorchScript models use
+  // Module::save, so CreateModel({name: "torchscript", path}) reads the file back.
+  virtual absl::Status Save(const std::string& path) = 0;
+};
+
+// Builds a model from its spec. Called after the registry has seeded LibTorch's RNG.
+using ModelFactory =
+    std::function<absl::StatusOr<std::unique_ptr<Model>>(const ModelSpec& spec)>;
+
+// Maps model names to factories. A plain value: build one with WithBuiltins() (or empty and
+// Register() your own) and pass it where needed; there is no process-wide registry.
+//
+// Thread safety: const methods may be called concurrently with each other (but see the note
+// on the RNG above); Register() must not race with anything.
+class ModelRegistry {
+ public:
+  ModelRegistry() = default;
+
+  // A registry holding "lenet", "mlp" and "torchscript".
+  static ModelRegistry WithBuiltins();
+
+  // Adds `factory` under `name`. INVALID_ARGUMENT if name is empty or factory is null,
+  // ALREADY_EXISTS if name is taken.
+  absl::Status Register(const std::string& name, ModelFactory factory);
+
+  // Seeds LibTorch's global RNG with `seed`, then runs the factory for spec.name().
+  // INVALID_ARGUMENT listing the known names if there is none.
+  absl::StatusOr<std::unique_ptr<Model>> Create(const ModelSpec& spec, uint64_t seed) const;
+
+  // Registered names, sorted.
+  std::vector<std::string> Names() const;
+
+ private:
+  std::map<std::string, ModelFactory> factories_;
+};
+
+// ModelRegistry::WithBuiltins().Create(spec, seed):
+// * "mlp": 784-256-256-10 perceptron with ReLU; the input is flattened.
+//   Parameters fc1.weight, fc1.bias, fc2.weight, fc2.bias, fc3.weight, fc3.bias.
+// * "lenet": LeNet-5 style CNN: conv 1->6 5x5 (padding 2), ReLU, max-pool 2; conv 6->16 5x5,
+//   ReLU, max-pool 2; fc 400->120, ReLU; fc 120->84, ReLU; fc 84->10. Parameters
+//   conv1.{weight,bias}, conv2.{weight,bias}, fc1..fc3.{weight,bias}.
+// * "torchscript": torch::jit::load(spec.path()) (NOT_FOUND if the file does not exist,
+//   INVALID_ARGUMENT if it cannot be loaded or has no parameters), put in training mode with
+//   requires_grad set on every parameter. Parameters in Module::named_parameters() order.
+//   The seed does not affect it.
+// Not thread-safe: see the note on the RNG above.
+absl::StatusOr<std::unique_ptr<Model>> CreateModel(const ModelSpec& spec, uint64_t seed);
+
+// Mean cross-entropy loss of model->Forward(x) against class indices y ([N], int64), with
+// the autograd graph attached (call .backward() on it). INVALID_ARGUMENT on bad shapes.
+absl::StatusOr<torch::Tensor> CrossEntropyLoss(Model* model, const torch::Tensor& x,
+                                               const torch::Tensor& y);
+
+// Number of samples in x whose arg-max logit equals y. Runs without autograd.
+absl::StatusOr<int64_t> CountCorrect(Model* model, const torch::Tensor& x,
+                                     const torch::Tensor& y);
+
+}  // namespace gradmesh
+
+#endif  // GRADMESH_WORKER_MODEL_H_
