@@ -26,22 +26,26 @@ class Sgd final : public Optimizer {
   void Apply(int64_t step, float lr_scale, const float* grad, float* param, float* const* slots,
              int64_t n) const override {
     const float lr = lr_ * lr_scale;
+    const float wd = weight_decay_;
+    // Separate branch-free loops per variant so each one vectorises.
     if (momentum_ == 0) {
-      for (int64_t i = 0; i < n; ++i) {
-        float d = grad[i];
-        if (weight_decay_ != 0) d = d + weight_decay_ * param[i];
-        param[i] = param[i] - lr * d;
-      }
+      for (int64_t i = 0; i < n; ++i) param[i] = param[i] - lr * (grad[i] + wd * param[i]);
       return;
     }
     float* buf = slots[0];
+    const float m = momentum_;
     const float keep = 1 - dampening_;
-    for (int64_t i = 0; i < n; ++i) {
-      float d = grad[i];
-      if (weight_decay_ != 0) d = d + weight_decay_ * param[i];
-      buf[i] = step == 1 ? d : momentum_ * buf[i] + keep * d;
-      d = nesterov_ ? d + momentum_ * buf[i] : buf[i];
-      param[i] = param[i] - lr * d;
+    if (step == 1) {
+      for (int64_t i = 0; i < n; ++i) buf[i] = grad[i] + wd * param[i];
+    } else {
+      for (int64_t i = 0; i < n; ++i) buf[i] = m * buf[i] + keep * (grad[i] + wd * param[i]);
+    }
+    if (nesterov_) {
+      for (int64_t i = 0; i < n; ++i) {
+        param[i] = param[i] - lr * ((grad[i] + wd * param[i]) + m * buf[i]);
+      }
+    } else {
+      for (int64_t i = 0; i < n; ++i) param[i] = param[i] - lr * buf[i];
     }
   }
 
@@ -81,16 +85,11 @@ class Adam final : public Optimizer {
     const float decay = static_cast<float>(1 - lr * weight_decay_);
     float* m = slots[0];
     float* v = slots[1];
+    const float wd = decoupled_ ? 0.0f : weight_decay_;
+    const float keep = decoupled_ ? decay : 1.0f;
     for (int64_t i = 0; i < n; ++i) {
-      float g = grad[i];
-      float p = param[i];
-      if (weight_decay_ != 0) {
-        if (decoupled_) {
-          p = p * decay;
-        } else {
-          g = g + weight_decay_ * p;
-        }
-      }
+      const float p = param[i] * keep;
+      const float g = grad[i] + wd * param[i];
       m[i] = m[i] * b1 + one_minus_b1 * g;
       v[i] = v[i] * b2 + one_minus_b2 * g * g;
       const float denom = std::sqrt(v[i]) / sqrt_bias2 + eps;
