@@ -18,6 +18,9 @@ std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address, const Rpc
   // Each client gets its own TCP connection rather than sharing one per target: pushes of
   // different workers in one process must not serialise on one socket.
   args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, ClampToInt(options.min_reconnect_backoff_ms));
+  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, ClampToInt(options.min_reconnect_backoff_ms));
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, ClampToInt(options.max_reconnect_backoff_ms));
   return grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
 }
 

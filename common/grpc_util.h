@@ -17,6 +17,10 @@ namespace gradmesh {
 struct RpcOptions {
   // Largest message sent or received, bytes. Default 256 MiB.
   int64_t max_message_bytes = 256ll << 20;
+  // Reconnection to a peer that went away: first retry after this long, doubling up to
+  // max. gRPC's defaults (1 s, 120 s) are too slow for a shard that restarts in a second.
+  int64_t min_reconnect_backoff_ms = 100;
+  int64_t max_reconnect_backoff_ms = 5000;
 };
 
 // An insecure channel to `address` ("host:port") with the limits of `options`.

@@ -4,6 +4,7 @@
 #include <deque>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -29,7 +30,9 @@ struct WorkerRecord {
   int64_t last_step = -1;
   bool finished = false;
   int64_t pushes_applied = 0;
-  absl::flat_hash_set<uint64_t> recent_ids;
+  // Request ids of the last dedupe_window applied pushes (true) and of pushes being applied
+  // now (false); id_order lists the applied ones, oldest first.
+  absl::flat_hash_map<uint64_t, bool> recent_ids;
   std::deque<uint64_t> id_order;
 };
 
@@ -112,11 +115,17 @@ absl::Status ValidateLayout(const InitJobRequest& r) {
                                                      " has an empty or repeated name \"",
                                                      ts.name(), "\""));
     }
+    int64_t numel = 1;
     for (int64_t d : ts.shape()) {
       if (d < 0) {
         return absl::InvalidArgumentError(absl::StrCat("InitJob: job ", r.job(), " tensor ",
                                                        ts.name(), " has a negative dimension"));
       }
+      if (d != 0 && numel > (int64_t{1} << 40) / d) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "InitJob: job ", r.job(), " tensor ", ts.name(), " has more than 2^40 elements"));
+      }
+      numel *= d;
     }
   }
   if (r.num_shards() <= 0 || r.shard_index() < 0 || r.shard_index() >= r.num_shards()) {
@@ -188,9 +197,11 @@ absl::StatusOr<InitJobResponse> Shard::InitJob(const InitJobRequest& request) {
   job->layout = layout;
   std::vector<int64_t> numels;
   for (const TensorSpec& t : layout.tensors()) numels.push_back(Numel(t));
-  ASSIGN_OR_RETURN(Partition partition,
-                   Partition::Create(numels, layout.chunk_elems(), layout.num_shards()));
-  job->partition = std::make_unique<Partition>(std::move(partition));
+  auto partition = Partition::Create(numels, layout.chunk_elems(), layout.num_shards());
+  if (!partition.ok()) {
+    return Annotate(partition.status(), absl::StrCat("InitJob: job ", request.job()));
+  }
+  job->partition = std::make_unique<Partition>(std::move(partition).value());
   {
     auto opt = options_.optimizers.Create(layout.optimizer());
     if (!opt.ok()) return Annotate(opt.status(), absl::StrCat("InitJob: job ", request.job()));
@@ -290,17 +301,21 @@ absl::StatusOr<PushResponse> Shard::Push(const PushRequest& request) {
   {
     absl::MutexLock lock(&job->mu);
     WorkerRecord& w = job->workers[request.worker()];
-    if (w.recent_ids.contains(request.request_id())) {
+    auto it = w.recent_ids.find(request.request_id());
+    if (it != w.recent_ids.end()) {
+      if (!it->second) {
+        // The original is still being applied (e.g. waiting at a barrier): the client retries
+        // ABORTED with backoff and will then be told it is a duplicate, or may apply it if
+        // the original failed.
+        return absl::AbortedError(absl::StrCat("Push: job ", request.job(), " worker ",
+                                               request.worker(), " request ",
+                                               request.request_id(), " is still in progress"));
+      }
       ++job->duplicates;
       response.set_duplicate(true);
       return response;
     }
-    w.recent_ids.insert(request.request_id());
-    w.id_order.push_back(request.request_id());
-    if (static_cast<int64_t>(w.id_order.size()) > options_.dedupe_window) {
-      w.recent_ids.erase(w.id_order.front());
-      w.id_order.pop_front();
-    }
+    w.recent_ids.emplace(request.request_id(), false);
   }
 
   std::vector<int64_t> staleness(targets.size(), 0);
@@ -332,6 +347,12 @@ absl::StatusOr<PushResponse> Shard::Push(const PushRequest& request) {
   {
     absl::MutexLock lock(&job->mu);
     WorkerRecord& w = job->workers[request.worker()];
+    w.recent_ids[request.request_id()] = true;
+    w.id_order.push_back(request.request_id());
+    if (static_cast<int64_t>(w.id_order.size()) > options_.dedupe_window) {
+      w.recent_ids.erase(w.id_order.front());
+      w.id_order.pop_front();
+    }
     w.last_step = std::max(w.last_step, request.step());
     ++w.pushes_applied;
     ++job->pushes_applied;

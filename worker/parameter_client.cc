@@ -6,14 +6,17 @@
 #include <random>
 
 #include <grpcpp/client_context.h>
+#include <grpcpp/generic/generic_stub.h>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/blocking_counter.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "common/numeric.h"
 #include "common/partitioner.h"
 #include "common/status.h"
+#include "common/tensor_wire.h"
 #include "proto/gradmesh.grpc.pb.h"
 
 namespace gradmesh {
@@ -39,7 +42,9 @@ class GrpcParameterClient final : public ParameterClient {
         incarnation_(static_cast<uint64_t>(std::random_device{}()) << 32),
         versions_(partition_.chunks().size(), 0) {
     for (const std::string& addr : options_.servers) {
-      stubs_.push_back(ParameterService::NewStub(MakeChannel(addr, options_.rpc)));
+      auto channel = MakeChannel(addr, options_.rpc);
+      stubs_.push_back(ParameterService::NewStub(channel));
+      generic_stubs_.push_back(std::make_unique<grpc::GenericStub>(channel));
     }
   }
 
@@ -64,39 +69,49 @@ class GrpcParameterClient final : public ParameterClient {
     std::vector<InitJobResponse> resps(NumShards());
     return CallAll<InitJobRequest, InitJobResponse>(
         "InitJob", reqs, &resps,
-        [](ParameterService::Stub* stub, grpc::ClientContext* ctx, const InitJobRequest* req,
+        [this](int32_t shard, grpc::ClientContext* ctx, const InitJobRequest* req,
            InitJobResponse* resp, std::function<void(grpc::Status)> done) {
-          stub->async()->InitJob(ctx, req, resp, std::move(done));
+          stubs_[shard]->async()->InitJob(ctx, req, resp, std::move(done));
         });
   }
 
   absl::Status Push(int64_t step, const std::vector<absl::Span<const float>>& grads) override {
     RETURN_IF_ERROR(CheckSpans("Push", grads));
-    std::vector<PushRequest> reqs(NumShards());
+    // Shards reject non-finite gradients, but each only for its own chunks: checking here
+    // keeps a bad step from being applied on some shards and not others.
+    for (size_t t = 0; t < grads.size(); ++t) {
+      const int64_t bad = FirstNonFinite(grads[t].data(), static_cast<int64_t>(grads[t].size()));
+      if (bad >= 0) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "Push: job ", layout_.job, " step ", step, " gradient of ",
+            layout_.tensors[t].name(), " element ", bad, " is not finite; nothing was sent"));
+      }
+    }
+    // Gradients are referenced by the request buffers, not copied (common/tensor_wire.h);
+    // `grads` stays alive until every shard has answered.
+    std::vector<grpc::ByteBuffer> reqs(NumShards());
     int64_t bytes = 0;
     {
       absl::MutexLock lock(&mu_);
       for (int32_t s = 0; s < NumShards(); ++s) {
-        PushRequest& r = reqs[s];
-        r.set_job(layout_.job);
-        r.set_worker(options_.worker);
-        r.set_step(step);
-        r.set_request_id(incarnation_ | next_request_++);
+        std::vector<PushChunkRef> refs;
         for (int64_t idx : partition_.shard_chunks(s)) {
           const ChunkInfo& c = partition_.chunks()[idx];
-          ChunkData* d = r.add_chunks();
-          FillChunk(c, grads[c.tensor].data(), d);
-          d->set_version(versions_[idx]);
+          refs.push_back({c.tensor, c.chunk, versions_[idx], grads[c.tensor].data() + c.offset,
+                          c.numel});
           bytes += c.numel * static_cast<int64_t>(sizeof(float));
         }
+        reqs[s] = EncodePushRequest(layout_.job, options_.worker, step,
+                                    incarnation_ | next_request_++, refs);
       }
     }
-    std::vector<PushResponse> resps(NumShards());
-    RETURN_IF_ERROR((CallAll<PushRequest, PushResponse>(
+    std::vector<grpc::ByteBuffer> resps(NumShards());
+    RETURN_IF_ERROR((CallAll<grpc::ByteBuffer, grpc::ByteBuffer>(
         "Push", reqs, &resps,
-        [](ParameterService::Stub* stub, grpc::ClientContext* ctx, const PushRequest* req,
-           PushResponse* resp, std::function<void(grpc::Status)> done) {
-          stub->async()->Push(ctx, req, resp, std::move(done));
+        [this](int32_t shard, grpc::ClientContext* ctx, const grpc::ByteBuffer* req,
+               grpc::ByteBuffer* resp, std::function<void(grpc::Status)> done) {
+          generic_stubs_[shard]->UnaryCall(ctx, "/gradmesh.ParameterService/Push",
+                                           grpc::StubOptions(), req, resp, std::move(done));
         })));
     bytes_pushed_ += bytes;
     return absl::OkStatus();
@@ -105,41 +120,57 @@ class GrpcParameterClient final : public ParameterClient {
   absl::Status Pull(const std::vector<absl::Span<float>>& params) override {
     std::vector<absl::Span<const float>> views(params.begin(), params.end());
     RETURN_IF_ERROR(CheckSpans("Pull", views));
-    std::vector<PullRequest> reqs(NumShards());
+    std::vector<grpc::ByteBuffer> reqs(NumShards());
     for (int32_t s = 0; s < NumShards(); ++s) {
-      reqs[s].set_job(layout_.job);
-      reqs[s].set_worker(options_.worker);
+      PullRequest r;
+      r.set_job(layout_.job);
+      r.set_worker(options_.worker);
+      const std::string wire = r.SerializeAsString();
+      grpc::Slice slice(wire.data(), wire.size());
+      reqs[s] = grpc::ByteBuffer(&slice, 1);
     }
-    std::vector<PullResponse> resps(NumShards());
-    RETURN_IF_ERROR((CallAll<PullRequest, PullResponse>(
+    std::vector<grpc::ByteBuffer> resps(NumShards());
+    RETURN_IF_ERROR((CallAll<grpc::ByteBuffer, grpc::ByteBuffer>(
         "Pull", reqs, &resps,
-        [](ParameterService::Stub* stub, grpc::ClientContext* ctx, const PullRequest* req,
-           PullResponse* resp, std::function<void(grpc::Status)> done) {
-          stub->async()->Pull(ctx, req, resp, std::move(done));
+        [this](int32_t shard, grpc::ClientContext* ctx, const grpc::ByteBuffer* req,
+               grpc::ByteBuffer* resp, std::function<void(grpc::Status)> done) {
+          generic_stubs_[shard]->UnaryCall(ctx, "/gradmesh.ParameterService/Pull",
+                                           grpc::StubOptions(), req, resp, std::move(done));
         })));
+    // Each shard answers with its owned chunks in partition order; values are copied from
+    // gRPC's buffers straight into the caller's tensors.
     int64_t bytes = 0;
     absl::MutexLock lock(&mu_);
     for (int32_t s = 0; s < NumShards(); ++s) {
       const auto& owned = partition_.shard_chunks(s);
-      if (resps[s].chunks_size() != static_cast<int>(owned.size())) {
-        return absl::InternalError(absl::StrCat("Pull: shard ", s, " (", options_.servers[s],
-                                                ") returned ", resps[s].chunks_size(),
-                                                " chunks, expected ", owned.size(),
-                                                "; is it serving a different layout?"));
+      size_t i = 0;
+      absl::Status st = DecodePullResponse(
+          resps[s], [&](int32_t tensor, int32_t chunk, int64_t version, int32_t dtype,
+                        int64_t size) -> absl::StatusOr<char*> {
+            if (i >= owned.size()) {
+              return absl::InternalError(absl::StrCat("more chunks than the ", owned.size(),
+                                                      " this shard owns"));
+            }
+            const ChunkInfo& c = partition_.chunks()[owned[i]];
+            const int64_t want = c.numel * static_cast<int64_t>(sizeof(float));
+            if (tensor != c.tensor || chunk != c.chunk || size != want ||
+                (dtype != FLOAT32 && dtype != DTYPE_UNSPECIFIED)) {
+              return absl::InternalError(absl::StrCat(
+                  "chunk ", i, " is (", tensor, ",", chunk, ") with ", size,
+                  " bytes of dtype ", dtype, ", expected (", c.tensor, ",", c.chunk, ") with ",
+                  want, " bytes of FLOAT32"));
+            }
+            versions_[owned[i]] = version;
+            ++i;
+            bytes += want;
+            return reinterpret_cast<char*>(params[c.tensor].data() + c.offset);
+          });
+      if (st.ok() && i != owned.size()) {
+        st = absl::InternalError(absl::StrCat("returned ", i, " chunks, expected ", owned.size()));
       }
-      for (size_t i = 0; i < owned.size(); ++i) {
-        const ChunkInfo& c = partition_.chunks()[owned[i]];
-        const ChunkData& d = resps[s].chunks(static_cast<int>(i));
-        const size_t want = static_cast<size_t>(c.numel) * sizeof(float);
-        if (d.tensor() != c.tensor || d.chunk() != c.chunk || d.data().size() != want) {
-          return absl::InternalError(absl::StrCat("Pull: shard ", s, " returned chunk (",
-                                                  d.tensor(), ",", d.chunk(), ") of ",
-                                                  d.data().size(), " bytes, expected (",
-                                                  c.tensor, ",", c.chunk, ") of ", want));
-        }
-        std::memcpy(params[c.tensor].data() + c.offset, d.data().data(), want);
-        versions_[owned[i]] = d.version();
-        bytes += static_cast<int64_t>(want);
+      if (!st.ok()) {
+        return Annotate(st, absl::StrCat("Pull: shard ", s, " (", options_.servers[s],
+                                         "); is it serving a different layout?"));
       }
     }
     bytes_pulled_ += bytes;
@@ -156,9 +187,9 @@ class GrpcParameterClient final : public ParameterClient {
     std::vector<FinishResponse> resps(NumShards());
     return CallAll<FinishRequest, FinishResponse>(
         "Finish", reqs, &resps,
-        [](ParameterService::Stub* stub, grpc::ClientContext* ctx, const FinishRequest* req,
+        [this](int32_t shard, grpc::ClientContext* ctx, const FinishRequest* req,
            FinishResponse* resp, std::function<void(grpc::Status)> done) {
-          stub->async()->Finish(ctx, req, resp, std::move(done));
+          stubs_[shard]->async()->Finish(ctx, req, resp, std::move(done));
         });
   }
 
@@ -168,9 +199,9 @@ class GrpcParameterClient final : public ParameterClient {
     std::vector<JobInfoResponse> resps(NumShards());
     RETURN_IF_ERROR((CallAll<JobInfoRequest, JobInfoResponse>(
         "GetJobInfo", reqs, &resps,
-        [](ParameterService::Stub* stub, grpc::ClientContext* ctx, const JobInfoRequest* req,
+        [this](int32_t shard, grpc::ClientContext* ctx, const JobInfoRequest* req,
            JobInfoResponse* resp, std::function<void(grpc::Status)> done) {
-          stub->async()->GetJobInfo(ctx, req, resp, std::move(done));
+          stubs_[shard]->async()->GetJobInfo(ctx, req, resp, std::move(done));
         })));
     return resps;
   }
@@ -223,7 +254,7 @@ class GrpcParameterClient final : public ParameterClient {
         contexts[i] = std::make_unique<grpc::ClientContext>();
         contexts[i]->set_deadline(absl::ToChronoTime(absl::Now() + options_.rpc_deadline));
         (*resps)[s].Clear();
-        call(stubs_[s].get(), contexts[i].get(), &reqs[s], &(*resps)[s],
+        call(s, contexts[i].get(), &reqs[s], &(*resps)[s],
              [&results, &done, i](grpc::Status st) {
                results[i] = std::move(st);
                done.DecrementCount();
@@ -261,6 +292,8 @@ class GrpcParameterClient final : public ParameterClient {
   const Partition partition_;
   const uint64_t incarnation_;  // High bits of request ids: distinct per client instance.
   std::vector<std::unique_ptr<ParameterService::Stub>> stubs_;
+  // Push and Pull go through generic stubs to avoid copying tensor data.
+  std::vector<std::unique_ptr<grpc::GenericStub>> generic_stubs_;
   std::atomic<int64_t> bytes_pushed_{0};
   std::atomic<int64_t> bytes_pulled_{0};
 

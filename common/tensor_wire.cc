@@ -1,0 +1,144 @@
+#include "common/tensor_wire.h"
+
+#include <google/protobuf/io/coded_stream.h>
+#include <google/protobuf/wire_format_lite.h>
+#include <grpcpp/support/proto_buffer_reader.h>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+
+namespace gradmesh {
+namespace {
+
+using google::protobuf::io::CodedInputStream;
+
+// Field numbers and wire types of proto/gradmesh.proto.
+constexpr uint32_t kVarint = 0, kLengthDelimited = 2;
+constexpr uint32_t Tag(uint32_t field, uint32_t type) { return (field << 3) | type; }
+constexpr int kFloat32 = 1;  // DType.FLOAT32
+
+void PutVarint(uint64_t v, std::string* out) {
+  while (v >= 0x80) {
+    out->push_back(static_cast<char>(v | 0x80));
+    v >>= 7;
+  }
+  out->push_back(static_cast<char>(v));
+}
+
+size_t VarintSize(uint64_t v) {
+  size_t n = 1;
+  while (v >= 0x80) {
+    v >>= 7;
+    ++n;
+  }
+  return n;
+}
+
+// Appends an int field (skipped when zero, as proto3 does).
+void PutIntField(uint32_t field, int64_t v, std::string* out) {
+  if (v == 0) return;
+  PutVarint(Tag(field, kVarint), out);
+  PutVarint(static_cast<uint64_t>(v), out);
+}
+
+}  // namespace
+
+grpc::ByteBuffer EncodePushRequest(const std::string& job, int32_t worker, int64_t step,
+                                   uint64_t request_id, const std::vector<PushChunkRef>& chunks) {
+  std::vector<grpc::Slice> slices;
+  std::string head;
+  if (!job.empty()) {
+    PutVarint(Tag(1, kLengthDelimited), &head);
+    PutVarint(job.size(), &head);
+    head += job;
+  }
+  PutIntField(2, worker, &head);
+  PutIntField(3, step, &head);
+  if (request_id != 0) {
+    PutVarint(Tag(4, kVarint), &head);
+    PutVarint(request_id, &head);
+  }
+  for (const PushChunkRef& c : chunks) {
+    // ChunkData header: fields 1-4, then the data field's tag and length.
+    std::string chunk_head;
+    PutIntField(1, c.tensor, &chunk_head);
+    PutIntField(2, c.chunk, &chunk_head);
+    PutIntField(3, c.version, &chunk_head);
+    PutIntField(4, kFloat32, &chunk_head);
+    const uint64_t bytes = static_cast<uint64_t>(c.numel) * sizeof(float);
+    if (bytes > 0) {
+      PutVarint(Tag(6, kLengthDelimited), &chunk_head);
+      PutVarint(bytes, &chunk_head);
+    }
+    PutVarint(Tag(5, kLengthDelimited), &head);
+    PutVarint(chunk_head.size() + bytes, &head);
+    head += chunk_head;
+    if (bytes > 0) {
+      slices.emplace_back(head.data(), head.size());  // Copies the small header.
+      head.clear();
+      slices.emplace_back(static_cast<const void*>(c.data), bytes, grpc::Slice::STATIC_SLICE);
+    }
+  }
+  if (!head.empty()) slices.emplace_back(head.data(), head.size());
+  return grpc::ByteBuffer(slices.data(), slices.size());
+}
+
+absl::Status DecodePullResponse(const grpc::ByteBuffer& buffer, const PullChunkSink& sink) {
+  grpc::ByteBuffer copy(buffer);  // Shares slices (refcounted); the reader consumes it.
+  grpc::ProtoBufferReader reader(&copy);
+  CodedInputStream in(&reader);
+  in.SetTotalBytesLimit(INT32_MAX);
+  int index = 0;
+  while (true) {
+    const uint32_t tag = in.ReadTag();
+    if (tag == 0) break;  // End of message.
+    if (tag != Tag(1, kLengthDelimited)) {
+      if (!google::protobuf::internal::WireFormatLite::SkipField(&in, tag)) {
+        return absl::DataLossError("PullResponse: malformed field");
+      }
+      continue;
+    }
+    uint32_t len;
+    if (!in.ReadVarint32(&len)) return absl::DataLossError("PullResponse: truncated chunk");
+    const auto limit = in.PushLimit(static_cast<int>(len));
+    uint64_t tensor = 0, chunk = 0, version = 0, dtype = 0;
+    bool got_data = false;
+    while (true) {
+      const uint32_t t = in.ReadTag();
+      if (t == 0) break;
+      const uint32_t field = t >> 3;
+      if ((t & 7) == kVarint && field >= 1 && field <= 4) {
+        uint64_t v;
+        if (!in.ReadVarint64(&v)) return absl::DataLossError("PullResponse: bad varint");
+        (field == 1 ? tensor : field == 2 ? chunk : field == 3 ? version : dtype) = v;
+      } else if (t == Tag(6, kLengthDelimited)) {
+        uint32_t bytes;
+        if (!in.ReadVarint32(&bytes)) return absl::DataLossError("PullResponse: bad length");
+        auto dest = sink(static_cast<int32_t>(tensor), static_cast<int32_t>(chunk),
+                         static_cast<int64_t>(version), static_cast<int32_t>(dtype), bytes);
+        if (!dest.ok()) return dest.status();
+        if (!in.ReadRaw(*dest, static_cast<int>(bytes))) {
+          return absl::DataLossError(absl::StrCat("PullResponse: chunk ", index, " truncated"));
+        }
+        got_data = true;
+      } else if (!google::protobuf::internal::WireFormatLite::SkipField(&in, t)) {
+        return absl::DataLossError("PullResponse: malformed chunk field");
+      }
+    }
+    if (!in.ConsumedEntireMessage() || in.BytesUntilLimit() != 0) {
+      return absl::DataLossError(absl::StrCat("PullResponse: chunk ", index, " truncated"));
+    }
+    in.PopLimit(limit);
+    if (!got_data) {
+      // Zero-length data (an empty chunk) is legal protobuf: report it with 0 bytes.
+      auto dest = sink(static_cast<int32_t>(tensor), static_cast<int32_t>(chunk),
+                       static_cast<int64_t>(version), static_cast<int32_t>(dtype), 0);
+      if (!dest.ok()) return dest.status();
+    }
+    ++index;
+  }
+  if (!in.ConsumedEntireMessage()) return absl::DataLossError("PullResponse: malformed");
+  return absl::OkStatus();
+}
+
+}  // namespace gradmesh
