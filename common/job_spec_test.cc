@@ -97,5 +97,16 @@ TEST(JobSpecTest, JsonRoundTrip) {
   EXPECT_EQ(back.SerializeAsString(), spec.SerializeAsString());
 }
 
+TEST(JobSpecTest, ShippedExamplesAreValid) {
+  for (const char* path : {"deploy/jobs/mnist_mlp.yaml", "deploy/jobs/fashion_lenet.yaml"}) {
+    ASSERT_OK_AND_ASSIGN(JobSpec spec, LoadJobSpecFile(path));
+    ApplyJobSpecDefaults(2, &spec);
+    EXPECT_OK(ValidateJobSpec(spec)) << path;
+    EXPECT_EQ(spec.num_workers(), 2) << path;
+  }
+  EXPECT_STATUS_MSG(LoadJobSpecFile("deploy/jobs/missing.yaml"), absl::StatusCode::kNotFound,
+                    "deploy/jobs/missing.yaml");
+}
+
 }  // namespace
 }  // namespace gradmesh

@@ -60,6 +60,7 @@ WPIDS=()
 for ((r = 0; r < WORKERS; r++)); do
   "$RUN_DIR/gradmesh_worker" --servers="$SERVERS" --rank=$r --num_workers="$WORKERS" \
     --name="$JOB" --model="$MODEL" --dataset="$DATASET" --mode="$MODE" --epochs="$EPOCHS" \
+    --optimizer=adam --lr=0.001 --lr_schedule=cosine \
     --data_dir="$DATA_DIR" --log_every=25 --output="$RUN_DIR/model.pt" \
     --node="worker$r" 2>"$RUN_DIR/worker$r.log" &
   WPIDS+=($!)

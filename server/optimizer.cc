@@ -1,5 +1,6 @@
 #include "server/optimizer.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "absl/status/status.h"
@@ -115,10 +116,47 @@ absl::Status CheckCommon(const OptimizerSpec& s) {
   if (!(s.lr() > 0) || !std::isfinite(s.lr())) {
     return absl::InvalidArgumentError(absl::StrCat("optimizer.lr must be > 0, got ", s.lr()));
   }
+  if (absl::Status st = ValidateLrSchedule(s); !st.ok()) return st;
   return CheckRange("weight_decay", s.weight_decay(), 0, 1e9);
 }
 
+constexpr double kPi = 3.14159265358979323846;
+
 }  // namespace
+
+absl::Status ValidateLrSchedule(const OptimizerSpec& s) {
+  if (s.lr_schedule() != "" && s.lr_schedule() != "constant" && s.lr_schedule() != "cosine") {
+    return absl::InvalidArgumentError(absl::StrCat("unknown optimizer.lr_schedule \"",
+                                                   s.lr_schedule(),
+                                                   "\" (known: constant, cosine)"));
+  }
+  if (s.lr_schedule() == "cosine" && s.decay_updates() <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "optimizer.decay_updates must be > 0 for the cosine schedule, got ", s.decay_updates()));
+  }
+  if (!(s.min_lr_fraction() >= 0 && s.min_lr_fraction() <= 1)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "optimizer.min_lr_fraction must be in [0, 1], got ", s.min_lr_fraction()));
+  }
+  if (s.warmup_updates() < 0) {
+    return absl::InvalidArgumentError("optimizer.warmup_updates must be >= 0");
+  }
+  return absl::OkStatus();
+}
+
+float LrScheduleFactor(const OptimizerSpec& s, int64_t update) {
+  double f = 1.0;
+  if (s.lr_schedule() == "cosine") {
+    const double d = static_cast<double>(s.decay_updates());
+    const double progress = std::min(static_cast<double>(update), d) / d;
+    const double m = s.min_lr_fraction();
+    f = m + (1 - m) * 0.5 * (1 + std::cos(kPi * progress));
+  }
+  if (update < s.warmup_updates()) {
+    f *= static_cast<double>(update + 1) / static_cast<double>(s.warmup_updates());
+  }
+  return static_cast<float>(f);
+}
 
 OptimizerRegistry OptimizerRegistry::WithBuiltins() {
   OptimizerRegistry r;

@@ -41,6 +41,14 @@ class Optimizer {
                      float* const* slots, int64_t n) const = 0;
 };
 
+// Factor by which spec.lr is scaled for the update with 0-based index `update` of a chunk,
+// following spec.lr_schedule (see OptimizerSpec in gradmesh.proto). Assumes the spec passed
+// ValidateLrSchedule().
+float LrScheduleFactor(const OptimizerSpec& spec, int64_t update);
+
+// InvalidArgument for an unknown schedule (listing the known ones) or bad parameters.
+absl::Status ValidateLrSchedule(const OptimizerSpec& spec);
+
 class OptimizerRegistry {
  public:
   using Factory =

@@ -155,5 +155,45 @@ TEST(OptimizerTest, RegistryRejectsUnknownNamesAndBadHyperParameters) {
   EXPECT_STATUS_MSG(registry.Create(s), absl::StatusCode::kInvalidArgument, "beta2");
 }
 
+TEST(LrScheduleTest, ConstantCosineAndWarmup) {
+  OptimizerSpec s;
+  s.set_lr(0.1);
+  EXPECT_EQ(LrScheduleFactor(s, 0), 1.0f);
+  EXPECT_EQ(LrScheduleFactor(s, 123456), 1.0f);
+  s.set_lr_schedule("cosine");
+  s.set_decay_updates(100);
+  ASSERT_OK(ValidateLrSchedule(s));
+  EXPECT_FLOAT_EQ(LrScheduleFactor(s, 0), 1.0f);
+  EXPECT_FLOAT_EQ(LrScheduleFactor(s, 50), 0.5f);
+  EXPECT_NEAR(LrScheduleFactor(s, 25), 0.5 * (1 + std::cos(M_PI * 0.25)), 1e-7);
+  EXPECT_FLOAT_EQ(LrScheduleFactor(s, 100), 0.0f);
+  EXPECT_FLOAT_EQ(LrScheduleFactor(s, 1000), 0.0f);
+  s.set_min_lr_fraction(0.1);
+  EXPECT_FLOAT_EQ(LrScheduleFactor(s, 100), 0.1f);
+  EXPECT_FLOAT_EQ(LrScheduleFactor(s, 50), 0.55f);
+  s.set_warmup_updates(4);
+  EXPECT_NEAR(LrScheduleFactor(s, 0), 0.25 * (0.1 + 0.9 * 0.5 * (1 + std::cos(0.0))), 1e-7);
+  EXPECT_NEAR(LrScheduleFactor(s, 3), 1.0 * (0.1 + 0.9 * 0.5 * (1 + std::cos(M_PI * 0.03))), 1e-6);
+}
+
+TEST(LrScheduleTest, Validation) {
+  OptimizerSpec s;
+  s.set_name("adam");
+  s.set_lr(0.1);
+  s.set_lr_schedule("exponential");
+  EXPECT_STATUS_MSG(OptimizerRegistry::WithBuiltins().Create(s),
+                    absl::StatusCode::kInvalidArgument,
+                    "unknown optimizer.lr_schedule \"exponential\" (known: constant, cosine)");
+  s.set_lr_schedule("cosine");
+  EXPECT_STATUS_MSG(ValidateLrSchedule(s), absl::StatusCode::kInvalidArgument,
+                    "decay_updates must be > 0");
+  s.set_decay_updates(10);
+  s.set_min_lr_fraction(1.5);
+  EXPECT_STATUS_MSG(ValidateLrSchedule(s), absl::StatusCode::kInvalidArgument, "min_lr_fraction");
+  s.set_min_lr_fraction(0);
+  s.set_warmup_updates(-1);
+  EXPECT_STATUS_MSG(ValidateLrSchedule(s), absl::StatusCode::kInvalidArgument, "warmup_updates");
+}
+
 }  // namespace
 }  // namespace gradmesh

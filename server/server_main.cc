@@ -74,7 +74,8 @@ int Run(ServerMainOptions options) {
       return 1;
     }
   }
-  logger.Info("listening", {Kv("address", options.address), Kv("port", port)});
+  const std::string host = options.address.substr(0, options.address.rfind(':'));
+  logger.Info("listening", {Kv("address", absl::StrCat(host, ":", port)), Kv("port", port)});
   const std::string sig = WaitForTerminationSignal();
   logger.Info("shutting_down", {Kv("signal", sig)});
   server->Shutdown(std::chrono::system_clock::now() +

@@ -332,8 +332,9 @@ absl::StatusOr<PushResponse> Shard::Push(const PushRequest& request) {
       const int64_t n = chunk.info.numel;
       for (int s = 0; s < opt.num_slots(); ++s) slot_ptrs[s] = chunk.slots.data() + s * n;
       staleness[i] = c.version() < chunk.version ? chunk.version - c.version() : 0;
+      const float scale = lr_scale * LrScheduleFactor(job->layout.optimizer(), chunk.version);
       ++chunk.version;
-      opt.Apply(chunk.version, lr_scale, grad, chunk.values.data(), slot_ptrs.data(), n);
+      opt.Apply(chunk.version, scale, grad, chunk.values.data(), slot_ptrs.data(), n);
       response.set_new_versions(static_cast<int>(i), chunk.version);
     }
   };

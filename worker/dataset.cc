@@ -223,6 +223,13 @@ absl::StatusOr<ImageSet> LoadIdxPair(const std::string& images_path,
   return set;
 }
 
+std::vector<std::string> KnownDatasets() {
+  std::vector<std::string> known;
+  for (const DatasetInfo& d : kDatasets) known.push_back(d.name);
+  std::sort(known.begin(), known.end());
+  return known;
+}
+
 absl::StatusOr<DatasetFiles> LoadDataset(const std::string& name, const std::string& dir) {
   const DatasetInfo* info = nullptr;
   std::vector<std::string> known;

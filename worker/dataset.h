@@ -71,6 +71,9 @@ struct DatasetFiles {
 // dimensions and that every label is below num_classes (INVALID_ARGUMENT otherwise).
 absl::StatusOr<DatasetFiles> LoadDataset(const std::string& name, const std::string& dir);
 
+// Names LoadDataset() accepts, sorted.
+std::vector<std::string> KnownDatasets();
+
 // A mini-batch, normalised and ready to become tensors.
 struct Batch {
   int64_t size = 0;              // Samples in this batch.

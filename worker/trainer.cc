@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "common/status.h"
 #include "worker/dataset.h"
@@ -33,6 +34,19 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerOptions options,
     return absl::InvalidArgumentError("trainer: intra_op_threads must be >= 1");
   }
   if (!client_factory) return absl::InvalidArgumentError("trainer: no client factory");
+  // Names are checked here, before any work, so a bad spec fails as bad arguments.
+  const std::vector<std::string> models = ModelRegistry::WithBuiltins().Names();
+  if (std::find(models.begin(), models.end(), spec.model().name()) == models.end()) {
+    return absl::InvalidArgumentError(absl::StrCat("unknown model \"", spec.model().name(),
+                                                   "\"; known models: ",
+                                                   absl::StrJoin(models, ", ")));
+  }
+  const std::vector<std::string> datasets = KnownDatasets();
+  if (std::find(datasets.begin(), datasets.end(), spec.dataset().name()) == datasets.end()) {
+    return absl::InvalidArgumentError(absl::StrCat("unknown dataset \"", spec.dataset().name(),
+                                                   "\"; known datasets: ",
+                                                   absl::StrJoin(datasets, ", ")));
+  }
   return std::unique_ptr<Trainer>(new Trainer(std::move(options), std::move(client_factory)));
 }
 
@@ -49,10 +63,25 @@ absl::StatusOr<TrainResult> Trainer::Run() {
   std::vector<torch::Tensor> params = model->Parameters();
   const std::vector<std::string> names = model->ParameterNames();
 
+  BatchLoader::Options lo;
+  lo.rank = options_.rank;
+  lo.world_size = spec.num_workers();
+  lo.batch_size = spec.batch_size();
+  lo.epochs = spec.epochs();
+  lo.max_steps = spec.steps();
+  lo.seed = spec.seed();
+  ASSIGN_OR_RETURN(std::unique_ptr<BatchLoader> loader,
+                   BatchLoader::Create(&data.train, data.mean, data.stddev, lo));
   JobLayout layout;
   layout.job = spec.name();
   layout.chunk_elems = spec.chunk_bytes() / static_cast<int64_t>(sizeof(float));
   layout.optimizer = spec.optimizer();
+  if (!layout.optimizer.lr_schedule().empty() && layout.optimizer.lr_schedule() != "constant" &&
+      layout.optimizer.decay_updates() == 0) {
+    // Every worker derives the same value: chunk updates over the whole job (one per push of
+    // any worker in async mode).
+    layout.optimizer.set_decay_updates(loader->total_steps() * spec.num_workers());
+  }
   layout.consistency = spec.mode();
   layout.num_workers = spec.num_workers();
   std::vector<absl::Span<float>> param_spans;
@@ -79,15 +108,6 @@ absl::StatusOr<TrainResult> Trainer::Run() {
     RETURN_IF_ERROR(client->Pull(param_spans));
   }
 
-  BatchLoader::Options lo;
-  lo.rank = options_.rank;
-  lo.world_size = spec.num_workers();
-  lo.batch_size = spec.batch_size();
-  lo.epochs = spec.epochs();
-  lo.max_steps = spec.steps();
-  lo.seed = spec.seed();
-  ASSIGN_OR_RETURN(std::unique_ptr<BatchLoader> loader,
-                   BatchLoader::Create(&data.train, data.mean, data.stddev, lo));
   const int64_t total = loader->total_steps();
   const auto& img = data.train;
   LogInfo(log, "train_start",

@@ -4,7 +4,9 @@
 //
 // Flags given explicitly override the job spec's fields. Prints one final line
 //   event=done ... steps=... samples=... wall_s=... samples_per_s=... accuracy=...
-// and exits 0 on success, 1 on a training error, 2 on bad flags or spec.
+// and exits 0 on success, 1 on a training error (including a spec the shards refuse, such as
+// an unknown optimizer or mode), 2 on bad flags or spec detected locally (unknown fields,
+// ranges, unknown model or dataset).
 // SIGTERM/SIGINT stop the run after the current step (the worker still reports Finish).
 #include <unistd.h>
 
@@ -40,6 +42,7 @@ ABSL_FLAG(std::string, dataset, "", "Dataset: mnist or fashion-mnist.");
 ABSL_FLAG(std::string, mode, "", "Consistency mode: async.");
 ABSL_FLAG(std::string, optimizer, "", "Optimizer: sgd, adam or adamw.");
 ABSL_FLAG(double, lr, 0, "Learning rate.");
+ABSL_FLAG(std::string, lr_schedule, "", "Learning-rate schedule: constant or cosine.");
 ABSL_FLAG(int, batch_size, 0, "Samples per worker per step.");
 ABSL_FLAG(int, epochs, 0, "Epochs.");
 ABSL_FLAG(int64_t, steps, 0, "Steps per worker (instead of epochs).");
@@ -86,6 +89,9 @@ absl::StatusOr<WorkerMainOptions> ParseOptions() {
     spec.mutable_optimizer()->set_name(absl::GetFlag(FLAGS_optimizer));
   }
   if (absl::GetFlag(FLAGS_lr) != 0) spec.mutable_optimizer()->set_lr(absl::GetFlag(FLAGS_lr));
+  if (!absl::GetFlag(FLAGS_lr_schedule).empty()) {
+    spec.mutable_optimizer()->set_lr_schedule(absl::GetFlag(FLAGS_lr_schedule));
+  }
   if (absl::GetFlag(FLAGS_batch_size) != 0) spec.set_batch_size(absl::GetFlag(FLAGS_batch_size));
   if (absl::GetFlag(FLAGS_epochs) != 0) spec.set_epochs(absl::GetFlag(FLAGS_epochs));
   if (absl::GetFlag(FLAGS_steps) != 0) spec.set_steps(absl::GetFlag(FLAGS_steps));

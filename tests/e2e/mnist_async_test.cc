@@ -212,7 +212,8 @@ TEST_F(E2eTest, MlpAsyncTwoShardsTwoWorkers) {
         absl::StrCat("worker", r),
         {"--servers=" + absl::StrJoin(addresses_, ","), absl::StrCat("--rank=", r),
          absl::StrCat("--num_workers=", kWorkers), absl::StrCat("--epochs=", kEpochs),
-         "--model=mlp", "--dataset=mnist", "--mode=async", "--name=" + job,
+         "--model=mlp", "--dataset=mnist", "--mode=async", "--lr_schedule=cosine",
+         "--name=" + job,
          "--data_dir=" + DataDir(), "--log_every=100", "--output=" + model_path,
          absl::StrCat("--node=worker", r)}));
     ASSERT_NE(workers.back(), nullptr);
@@ -407,11 +408,9 @@ TEST_F(E2eTest, UnknownModelAndModeAgainstServer) {
     args.push_back("--name=bad-model");
     args.push_back("--model=nosuchmodel");
     WorkerRun run = RunWorker("unknown_model", args);
-    // The model name is only checked when the trainer builds the model, after the flags and
-    // spec were accepted, so this is reported as a training failure (exit 1, event=failed),
-    // not as bad arguments (2) -- although worker_main.cc documents 2 for a bad spec.
-    EXPECT_EQ(run.exit_code, 1);
-    EXPECT_EQ(LinesWith(run.log, "event=failed").size(), 1u) << run.log;
+    // Model and dataset names are checked before any work: bad arguments, exit 2.
+    EXPECT_EQ(run.exit_code, 2);
+    EXPECT_EQ(LinesWith(run.log, "event=bad_arguments").size(), 1u) << run.log;
     EXPECT_NE(run.error.find("INVALID_ARGUMENT"), std::string::npos) << run.log;
     EXPECT_NE(run.error.find("unknown model \"nosuchmodel\""), std::string::npos) << run.log;
     EXPECT_NE(run.error.find("known models: lenet, mlp, torchscript"), std::string::npos)
