@@ -1,5 +1,6 @@
 #include "common/daemon.h"
 
+#include <malloc.h>
 #include <signal.h>
 
 #include <cstdio>
@@ -25,6 +26,11 @@ std::string WaitForTerminationSignal() {
   while (sigwait(&set, &sig) != 0) {
   }
   return sig == SIGTERM ? "SIGTERM" : "SIGINT";
+}
+
+void TuneAllocatorForLargeMessages() {
+  mallopt(M_MMAP_THRESHOLD, 256 << 20);
+  mallopt(M_TRIM_THRESHOLD, 1 << 30);
 }
 
 absl::Status WritePortFile(const std::string& path, int port) {

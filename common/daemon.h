@@ -18,6 +18,13 @@ void BlockTerminationSignals();
 // Waits for SIGTERM or SIGINT; returns the signal's name.
 std::string WaitForTerminationSignal();
 
+// Keeps large message buffers (up to 256 MiB) in the malloc heap instead of mmap()ing and
+// unmapping each one: tensor messages of several MiB are allocated per RPC, and fresh
+// mappings cost page faults and zeroing on every message (measured: +25-40% push/pull
+// goodput at 4 MiB). Freed memory is kept for reuse up to 1 GiB above the heap top.
+// Call once at the start of main().
+void TuneAllocatorForLargeMessages();
+
 // Writes `port` to `path` atomically (write to a temp file, then rename), so a launcher that
 // started the daemon with --port=0 can read the bound port as soon as the file exists.
 absl::Status WritePortFile(const std::string& path, int port);

@@ -90,6 +90,7 @@ int Run(ServerMainOptions options) {
 
 int main(int argc, char** argv) {
   gradmesh::BlockTerminationSignals();
+  gradmesh::TuneAllocatorForLargeMessages();
   absl::ParseCommandLine(argc, argv);
   gradmesh::ServerMainOptions options;
   options.address = absl::StrCat(absl::GetFlag(FLAGS_host), ":", absl::GetFlag(FLAGS_port));

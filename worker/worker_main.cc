@@ -175,6 +175,7 @@ int Run() {
 
 int main(int argc, char** argv) {
   gradmesh::BlockTerminationSignals();
+  gradmesh::TuneAllocatorForLargeMessages();
   absl::ParseCommandLine(argc, argv);
   // OpenBLAS sizes its thread pool when the library loads, before main(): launchers set
   // OPENBLAS_NUM_THREADS=1 when several processes share the cores (see deploy/).

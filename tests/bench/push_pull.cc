@@ -27,6 +27,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
+#include "common/daemon.h"
 #include "common/grpc_util.h"
 #include "server/parameter_service.h"
 #include "server/shard.h"
@@ -159,5 +160,6 @@ int Run() {
 
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
+  gradmesh::TuneAllocatorForLargeMessages();  // As the daemons do.
   return gradmesh::Run();
 }
