@@ -174,6 +174,11 @@ void ApplyJobSpecDefaults(int num_servers, JobSpec* spec) {
   if (spec->chunk_bytes() == 0) spec->set_chunk_bytes(1 << 20);
   if (spec->seed() == 0) spec->set_seed(1);
   if (spec->log_every() == 0) spec->set_log_every(50);
+  if (spec->barrier_timeout_s() == 0) spec->set_barrier_timeout_s(120);
+  DurabilitySpec* d = spec->mutable_durability();
+  if (d->mode().empty()) d->set_mode("none");
+  if (d->snapshot_every_updates() == 0) d->set_snapshot_every_updates(1000);
+  if (d->snapshot_every_seconds() == 0 && d->mode() != "none") d->set_snapshot_every_seconds(30);
 }
 
 absl::Status ValidateJobSpec(const JobSpec& spec) {
@@ -210,6 +215,18 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
   }
   if (spec.log_every() < 0) {
     return absl::InvalidArgumentError("job spec: log_every must be >= 0");
+  }
+  const std::string& dm = spec.durability().mode();
+  if (dm != "none" && dm != "periodic" && dm != "every_update" && !dm.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "job spec: durability.mode \"", dm, "\" is not one of none, periodic, every_update"));
+  }
+  if (spec.durability().snapshot_every_updates() < 0 ||
+      spec.durability().snapshot_every_seconds() < 0) {
+    return absl::InvalidArgumentError("job spec: snapshot intervals must be >= 0");
+  }
+  if (spec.barrier_timeout_s() < 0) {
+    return absl::InvalidArgumentError("job spec: barrier_timeout_s must be >= 0");
   }
   return absl::OkStatus();
 }

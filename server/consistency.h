@@ -1,17 +1,29 @@
 // Consistency policies: when a shard applies pushed gradients and when a pull may proceed.
 //
-// A policy is chosen per job by name (JobSpec.mode / InitJobRequest.consistency) through a
-// ConsistencyRegistry; unknown names are InvalidArgument listing the known ones.
+// A policy is chosen per job by its mode string (JobSpec.mode / InitJobRequest.consistency)
+// through a ConsistencyRegistry: "name" or "name:param". Unknown names or bad parameters are
+// InvalidArgument listing the known modes.
 //
-//   "async": every push is applied on arrival; pulls never wait. Staleness (chunk version at
-//            apply time minus the version the gradient was computed from) is recorded by the
-//            shard for every applied chunk.
+//   "async"   Every push is applied on arrival; pulls never wait.
+//   "ssp:<s>" Pushes are applied on arrival. A worker that has pushed c steps may pull only
+//             when the slowest unfinished worker has pushed at least c - s steps (its pull
+//             waits), so no worker runs more than s clocks ahead. s = 0 is lock-step.
+//   "sync"    Bulk-synchronous: for each step the shard waits for the pushes of all N
+//             workers, averages their gradients in rank order (so the result does not depend
+//             on arrival order), applies the optimizer once, and only then acknowledges the
+//             pushes. A worker that pulls after its push therefore sees step t applied.
+//
+// Waits are bounded by the job's barrier timeout: then the waiting push (sync) or pull (ssp)
+// fails with FAILED_PRECONDITION naming the workers that did not arrive, and nothing of it is
+// applied (sync).
 //
 // Thread safety: a policy instance belongs to one job of one shard; its methods are called
-// concurrently from many RPC threads and must be internally synchronised.
+// concurrently from many RPC threads and are internally synchronised. OnPush and BeforePull
+// may block up to the barrier timeout.
 #ifndef GRADMESH_SERVER_CONSISTENCY_H_
 #define GRADMESH_SERVER_CONSISTENCY_H_
 
+#include <cstdint>
 #include <functional>
 #include <map>
 #include <memory>
@@ -19,36 +31,71 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 
 namespace gradmesh {
 
+// A push that an update completes.
+struct RequestRef {
+  int32_t worker = 0;
+  int64_t step = 0;
+  uint64_t request_id = 0;
+};
+
+// Gradients for some chunks of one shard: one validated push, or (sync) the average of all
+// workers' pushes of a step. Pointers stay valid for the duration of the call they are
+// passed to.
+struct ChunkUpdate {
+  std::vector<int64_t> chunks;         // Partition indices of the chunks.
+  std::vector<int64_t> numels;         // Elements of each chunk.
+  std::vector<const float*> grads;     // numels[i] floats per chunk.
+  std::vector<int64_t> base_versions;  // Version each gradient was computed from.
+  std::vector<RequestRef> requests;    // Pushes this update completes.
+};
+
+// Applies an update to the shard's chunks (and logs it, for durable jobs).
+using ApplyFn = std::function<absl::Status(const ChunkUpdate&)>;
+
 struct ConsistencyConfig {
-  std::string name;     // Registry key.
-  int32_t num_workers;  // Workers of the job (> 0).
+  std::string mode;          // "async", "ssp:3", "sync".
+  int32_t num_workers = 1;   // > 0.
+  absl::Duration barrier_timeout = absl::Seconds(120);
+};
+
+struct ConsistencyStats {
+  int64_t max_clock_lead = 0;  // ssp: largest lead at which a pull was served.
+  double barrier_wait_s = 0;   // Total time pushes/pulls waited for other workers.
 };
 
 class ConsistencyPolicy {
  public:
   virtual ~ConsistencyPolicy() = default;
-  virtual std::string name() const = 0;
+  virtual std::string mode() const = 0;
 
-  // Called for a validated push of `worker` at `step`. `apply(lr_scale)` applies the push's
-  // gradients to its chunks; the policy calls it (now, or never for a dropped push) and
-  // returns what the push returns to the worker.
-  virtual absl::Status OnPush(int32_t worker, int64_t step,
-                              const std::function<void(float lr_scale)>& apply) = 0;
+  // A validated push (exactly one request). The policy calls `apply` (now, or once all
+  // workers' pushes of the step have arrived) and returns the push's outcome.
+  virtual absl::Status OnPush(const ChunkUpdate& push, const ApplyFn& apply) = 0;
 
-  // Called before serving a pull of `worker`, which is at `step`. May block (bounded
-  // staleness); returns an error to fail the pull.
-  virtual absl::Status BeforePull(int32_t worker, int64_t step) = 0;
+  // Before serving a pull of `worker`. May block; an error fails the pull.
+  virtual absl::Status BeforePull(int32_t worker) = 0;
+
+  // `worker` will push no more.
+  virtual void OnFinish(int32_t worker) = 0;
+
+  // Restores clocks after a shard restart: steps pushed so far per worker, and who finished.
+  virtual void Restore(const std::vector<int64_t>& pushed_steps,
+                       const std::vector<bool>& finished) = 0;
+
+  virtual ConsistencyStats stats() const = 0;
 };
 
 class ConsistencyRegistry {
  public:
-  using Factory =
-      std::function<absl::StatusOr<std::unique_ptr<ConsistencyPolicy>>(const ConsistencyConfig&)>;
+  // `param` is the text after ':' in the mode ("" if none).
+  using Factory = std::function<absl::StatusOr<std::unique_ptr<ConsistencyPolicy>>(
+      const ConsistencyConfig& config, const std::string& param)>;
 
-  // A registry holding "async".
+  // A registry holding "async", "ssp" and "sync".
   static ConsistencyRegistry WithBuiltins();
 
   void Register(const std::string& name, Factory factory);

@@ -2,6 +2,9 @@
 //
 //   gradmesh_server --port=7001 [--host=0.0.0.0] [--port_file=F] [--max_message_mb=256]
 //
+// With --data_dir, jobs that ask for durability keep their state in RocksDB there, and a
+// restart on the same directory restores them (see server/shard.h).
+//
 // Serves ParameterService until SIGTERM/SIGINT, then stops accepting calls, lets calls in
 // flight finish (up to --shutdown_grace_s) and exits 0.
 #include <memory>
@@ -21,6 +24,7 @@
 #include "common/logging.h"
 #include "server/parameter_service.h"
 #include "server/shard.h"
+#include "server/shard_store.h"
 
 ABSL_FLAG(std::string, host, "0.0.0.0", "Address to listen on.");
 ABSL_FLAG(int, port, 7001, "Port to listen on (0 = pick a free one; see --port_file).");
@@ -29,6 +33,12 @@ ABSL_FLAG(int64_t, max_message_mb, 256, "Largest gRPC message sent or received, 
 ABSL_FLAG(std::string, node, "", "Node name in logs (default: host name).");
 ABSL_FLAG(int, shutdown_grace_s, 5, "Seconds to let calls in flight finish on shutdown.");
 ABSL_FLAG(int64_t, dedupe_window, 4096, "Push request ids remembered per worker.");
+ABSL_FLAG(std::string, data_dir, "",
+          "RocksDB directory for durable job state (jobs with durability periodic or "
+          "every_update). Empty: memory only. A restarted shard restores every job found here.");
+ABSL_FLAG(bool, fsync, false,
+          "Sync RocksDB's WAL on every write (survive machine crashes, not just process "
+          "crashes); costs an fsync per update.");
 
 namespace gradmesh {
 namespace {
@@ -37,6 +47,8 @@ struct ServerMainOptions {
   std::string address;
   std::string port_file;
   std::string node;
+  std::string data_dir;
+  bool fsync = false;
   int shutdown_grace_s = 5;
   RpcOptions rpc;
   ShardOptions shard;
@@ -51,10 +63,25 @@ std::string HostName() {
 int Run(ServerMainOptions options) {
   Logger logger({Kv("node", options.node), Kv("role", "server")});
   options.shard.logger = &logger;
+  if (!options.data_dir.empty()) {
+    ShardStore::Options so;
+    so.fsync = options.fsync;
+    auto store = ShardStore::Open(options.data_dir, so);
+    if (!store.ok()) {
+      logger.Error("store_open_failed", {Kv("error", store.status().ToString())});
+      return 1;
+    }
+    options.shard.store = std::move(store).value();
+  }
+  const absl::Time restore_start = absl::Now();
   auto shard = Shard::Create(options.shard);
   if (!shard.ok()) {
-    logger.Error("bad_options", {Kv("error", shard.status().ToString())});
-    return 2;
+    logger.Error("start_failed", {Kv("error", shard.status().ToString())});
+    return shard.status().code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
+  }
+  if (!options.data_dir.empty()) {
+    logger.Info("state_loaded", {Kv("dir", options.data_dir),
+                                 Kv("ms", absl::ToInt64Milliseconds(absl::Now() - restore_start))});
   }
   ParameterServiceImpl service(shard->get());
   grpc::ServerBuilder builder;
@@ -99,5 +126,7 @@ int main(int argc, char** argv) {
   options.shutdown_grace_s = absl::GetFlag(FLAGS_shutdown_grace_s);
   options.rpc.max_message_bytes = absl::GetFlag(FLAGS_max_message_mb) << 20;
   options.shard.dedupe_window = absl::GetFlag(FLAGS_dedupe_window);
+  options.data_dir = absl::GetFlag(FLAGS_data_dir);
+  options.fsync = absl::GetFlag(FLAGS_fsync);
   return gradmesh::Run(std::move(options));
 }

@@ -12,6 +12,9 @@
 #include "common/numeric.h"
 #include "common/partitioner.h"
 #include "common/status.h"
+#include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "server/state.pb.h"
 #include "google/protobuf/util/message_differencer.h"
 
 namespace gradmesh {
@@ -36,6 +39,8 @@ struct WorkerRecord {
   std::deque<uint64_t> id_order;
 };
 
+enum class Durability { kNone, kPeriodic, kEveryUpdate };
+
 struct Shard::Job {
   // Constant after InitJob.
   InitJobRequest layout;  // The InitJob request without initial values.
@@ -45,12 +50,31 @@ struct Shard::Job {
   // Owned chunks, keyed by index in partition->chunks().
   absl::flat_hash_map<int64_t, std::unique_ptr<Chunk>> chunks;
   int64_t owned_elements = 0;
+  Durability durability = Durability::kNone;
+  bool sync_mode = false;
+
+  // Updates hold this shared (exclusive when logging, so log order is apply order);
+  // snapshots hold it exclusive to see a consistent state.
+  absl::Mutex apply_mu;
+  // Updates applied; the number of the last logged one. Written under `mu` by a holder of
+  // apply_mu, so holding either lock exclusively gives a stable value.
+  int64_t seq = 0;
 
   absl::Mutex mu;
   std::vector<WorkerRecord> workers ABSL_GUARDED_BY(mu);
   std::vector<int64_t> staleness ABSL_GUARDED_BY(mu);
   int64_t pushes_applied ABSL_GUARDED_BY(mu) = 0;
   int64_t duplicates ABSL_GUARDED_BY(mu) = 0;
+  int64_t updates_applied ABSL_GUARDED_BY(mu) = 0;
+  // Snapshot bookkeeping.
+  bool snapshot_running ABSL_GUARDED_BY(mu) = false;
+  int64_t snapshot_update ABSL_GUARDED_BY(mu) = 0;
+  absl::Time snapshot_time ABSL_GUARDED_BY(mu);
+  int64_t snapshots ABSL_GUARDED_BY(mu) = 0;
+  double last_snapshot_s ABSL_GUARDED_BY(mu) = 0;
+  int64_t last_snapshot_bytes ABSL_GUARDED_BY(mu) = 0;
+  bool restored ABSL_GUARDED_BY(mu) = false;
+  int64_t replayed ABSL_GUARDED_BY(mu) = 0;
 };
 
 namespace {
@@ -102,8 +126,24 @@ const float* FloatView(const std::string& data, std::vector<float>* scratch) {
   return scratch->data();
 }
 
+absl::StatusOr<Durability> ParseDurability(const DurabilitySpec& d) {
+  if (d.mode().empty() || d.mode() == "none") return Durability::kNone;
+  if (d.mode() == "periodic") return Durability::kPeriodic;
+  if (d.mode() == "every_update") return Durability::kEveryUpdate;
+  return absl::InvalidArgumentError(absl::StrCat("unknown durability mode \"", d.mode(),
+                                                 "\" (known: every_update, none, periodic)"));
+}
+
 absl::Status ValidateLayout(const InitJobRequest& r) {
   if (r.job().empty()) return absl::InvalidArgumentError("InitJob: job name is empty");
+  for (char c : r.job()) {
+    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+                    c == '_' || c == '.' || c == '-';
+    if (!ok) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "InitJob: job name \"", r.job(), "\" may only use letters, digits, '_', '.', '-'"));
+    }
+  }
   if (r.tensors_size() == 0) {
     return absl::InvalidArgumentError(absl::StrCat("InitJob: job ", r.job(), " has no tensors"));
   }
@@ -137,13 +177,34 @@ absl::Status ValidateLayout(const InitJobRequest& r) {
     return absl::InvalidArgumentError(
         absl::StrCat("InitJob: job ", r.job(), " num_workers must be > 0"));
   }
-  return absl::OkStatus();
+  if (r.barrier_timeout_s() < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("InitJob: job ", r.job(), " barrier_timeout_s must be >= 0"));
+  }
+  const DurabilitySpec& d = r.durability();
+  if (d.snapshot_every_updates() < 0 || d.snapshot_every_seconds() < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "InitJob: job ", r.job(), " snapshot intervals must be >= 0"));
+  }
+  return ParseDurability(d).status();
 }
 
 int64_t Numel(const TensorSpec& t) {
   int64_t n = 1;
   for (int64_t d : t.shape()) n *= d;
   return n;
+}
+
+// Fills defaults the shard relies on, so equal requests compare equal.
+InitJobRequest NormalizedLayout(const InitJobRequest& request) {
+  InitJobRequest layout = request;
+  layout.clear_initial();
+  if (layout.consistency().empty()) layout.set_consistency("async");
+  if (layout.barrier_timeout_s() == 0) layout.set_barrier_timeout_s(120);
+  DurabilitySpec* d = layout.mutable_durability();
+  if (d->mode().empty()) d->set_mode("none");
+  if (d->snapshot_every_updates() == 0) d->set_snapshot_every_updates(1000);
+  return layout;
 }
 
 }  // namespace
@@ -158,24 +219,74 @@ absl::StatusOr<std::unique_ptr<Shard>> Shard::Create(ShardOptions options) {
   if (options.staleness_buckets < 2) {
     return absl::InvalidArgumentError("ShardOptions.staleness_buckets must be >= 2");
   }
-  return std::unique_ptr<Shard>(new Shard(std::move(options)));
+  std::unique_ptr<Shard> shard(new Shard(std::move(options)));
+  RETURN_IF_ERROR(shard->Restore());
+  return shard;
 }
 
 absl::StatusOr<std::shared_ptr<Shard::Job>> Shard::FindJob(const std::string& name) {
   absl::MutexLock lock(&mu_);
   auto it = jobs_.find(name);
   if (it == jobs_.end()) {
+    if (options_.store != nullptr) {
+      return absl::NotFoundError(absl::StrCat(
+          "job ", name, " is not known to this shard: its data dir ", options_.store->dir(),
+          " holds no state for it (InitJob creates it; was the shard restarted on another "
+          "directory?)"));
+    }
     return absl::NotFoundError(absl::StrCat("job ", name, " is not known to this shard"));
   }
   return it->second;
 }
 
+absl::StatusOr<std::shared_ptr<Shard::Job>> Shard::BuildJob(const InitJobRequest& layout) const {
+  auto job = std::make_shared<Job>();
+  job->layout = layout;
+  std::vector<int64_t> numels;
+  for (const TensorSpec& t : layout.tensors()) numels.push_back(Numel(t));
+  auto partition = Partition::Create(numels, layout.chunk_elems(), layout.num_shards());
+  if (!partition.ok()) {
+    return Annotate(partition.status(), absl::StrCat("InitJob: job ", layout.job()));
+  }
+  job->partition = std::make_unique<Partition>(std::move(partition).value());
+  auto opt = options_.optimizers.Create(layout.optimizer());
+  if (!opt.ok()) return Annotate(opt.status(), absl::StrCat("InitJob: job ", layout.job()));
+  job->optimizer = std::move(opt).value();
+  ConsistencyConfig config;
+  config.mode = layout.consistency();
+  config.num_workers = layout.num_workers();
+  config.barrier_timeout = absl::Seconds(layout.barrier_timeout_s());
+  auto policy = options_.consistency.Create(config);
+  if (!policy.ok()) return Annotate(policy.status(), absl::StrCat("InitJob: job ", layout.job()));
+  job->policy = std::move(policy).value();
+  job->sync_mode = job->policy->mode() == "sync";
+  ASSIGN_OR_RETURN(job->durability, ParseDurability(layout.durability()));
+  if (job->durability != Durability::kNone && options_.store == nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "InitJob: job ", layout.job(), " asks for durability ", layout.durability().mode(),
+        " but this shard has no data directory (start it with --data_dir)"));
+  }
+  const Partition& p = *job->partition;
+  const int num_slots = job->optimizer->num_slots();
+  for (int64_t idx : p.shard_chunks(layout.shard_index())) {
+    auto chunk = std::make_unique<Chunk>(p.chunks()[idx]);
+    {
+      absl::MutexLock lock(&chunk->mu);
+      chunk->slots.assign(static_cast<size_t>(num_slots) * chunk->info.numel, 0.0f);
+    }
+    job->chunks.emplace(idx, std::move(chunk));
+    job->owned_elements += p.chunks()[idx].numel;
+  }
+  absl::MutexLock lock(&job->mu);
+  job->workers.resize(layout.num_workers());
+  job->staleness.assign(options_.staleness_buckets, 0);
+  job->snapshot_time = absl::Now();
+  return job;
+}
+
 absl::StatusOr<InitJobResponse> Shard::InitJob(const InitJobRequest& request) {
   RETURN_IF_ERROR(ValidateLayout(request));
-  InitJobRequest layout = request;
-  layout.clear_initial();
-  if (layout.consistency().empty()) layout.set_consistency("async");
-
+  const InitJobRequest layout = NormalizedLayout(request);
   {
     absl::MutexLock lock(&mu_);
     auto it = jobs_.find(request.job());
@@ -183,8 +294,8 @@ absl::StatusOr<InitJobResponse> Shard::InitJob(const InitJobRequest& request) {
       if (!google::protobuf::util::MessageDifferencer::Equals(it->second->layout, layout)) {
         return absl::FailedPreconditionError(absl::StrCat(
             "InitJob: job ", request.job(),
-            " already exists on this shard with a different layout, optimizer, mode or worker "
-            "count; use another job name"));
+            " already exists on this shard with a different layout, optimizer, mode, "
+            "durability or worker count; use another job name"));
       }
       InitJobResponse response;
       response.set_created(false);
@@ -193,38 +304,15 @@ absl::StatusOr<InitJobResponse> Shard::InitJob(const InitJobRequest& request) {
   }
 
   // Build the job outside the lock: copying initial values can take a while.
-  auto job = std::make_shared<Job>();
-  job->layout = layout;
-  std::vector<int64_t> numels;
-  for (const TensorSpec& t : layout.tensors()) numels.push_back(Numel(t));
-  auto partition = Partition::Create(numels, layout.chunk_elems(), layout.num_shards());
-  if (!partition.ok()) {
-    return Annotate(partition.status(), absl::StrCat("InitJob: job ", request.job()));
-  }
-  job->partition = std::make_unique<Partition>(std::move(partition).value());
-  {
-    auto opt = options_.optimizers.Create(layout.optimizer());
-    if (!opt.ok()) return Annotate(opt.status(), absl::StrCat("InitJob: job ", request.job()));
-    job->optimizer = std::move(opt).value();
-    auto policy = options_.consistency.Create({layout.consistency(), layout.num_workers()});
-    if (!policy.ok()) {
-      return Annotate(policy.status(), absl::StrCat("InitJob: job ", request.job()));
-    }
-    job->policy = std::move(policy).value();
-  }
+  ASSIGN_OR_RETURN(std::shared_ptr<Job> job, BuildJob(layout));
   const Partition& p = *job->partition;
   const int32_t me = layout.shard_index();
-  for (int64_t idx : p.shard_chunks(me)) {
-    job->chunks.emplace(idx, std::make_unique<Chunk>(p.chunks()[idx]));
-    job->owned_elements += p.chunks()[idx].numel;
-  }
   // Initial values: exactly the owned chunks, each once.
   if (request.initial_size() != static_cast<int>(job->chunks.size())) {
     return absl::InvalidArgumentError(absl::StrCat(
         "InitJob: job ", request.job(), " shard ", me, " owns ", job->chunks.size(),
         " chunks but the request carries initial values for ", request.initial_size()));
   }
-  const int num_slots = job->optimizer->num_slots();
   for (const ChunkData& c : request.initial()) {
     const std::string where = ChunkName(request.job(), layout, c.tensor(), c.chunk());
     const int64_t idx = p.Find(c.tensor(), c.chunk());
@@ -241,12 +329,6 @@ absl::StatusOr<InitJobResponse> Shard::InitJob(const InitJobRequest& request) {
     }
     chunk.values.resize(chunk.info.numel);
     std::memcpy(chunk.values.data(), c.data().data(), c.data().size());
-    chunk.slots.assign(static_cast<size_t>(num_slots) * chunk.info.numel, 0.0f);
-  }
-  {
-    absl::MutexLock lock(&job->mu);
-    job->workers.resize(layout.num_workers());
-    job->staleness.assign(options_.staleness_buckets, 0);
   }
   InitJobResponse response;
   {
@@ -260,12 +342,256 @@ absl::StatusOr<InitJobResponse> Shard::InitJob(const InitJobRequest& request) {
     response.set_created(inserted);
   }
   if (response.created()) {
+    if (job->durability != Durability::kNone) {
+      // The layout and initial values become durable together (one batch), before any push
+      // can be acknowledged.
+      MaybeSnapshot(job.get(), /*force=*/true);
+    }
     LogInfo(options_.logger, "job_created",
             {Kv("job", request.job()), Kv("shard", me), Kv("chunks", job->chunks.size()),
              Kv("elements", job->owned_elements), Kv("optimizer", layout.optimizer().name()),
-             Kv("mode", layout.consistency()), Kv("workers", layout.num_workers())});
+             Kv("mode", layout.consistency()), Kv("workers", layout.num_workers()),
+             Kv("durability", layout.durability().mode())});
   }
   return response;
+}
+
+absl::Status Shard::ApplyUpdate(Job* job, const ChunkUpdate& u, bool replay) {
+  const bool log = job->durability == Durability::kEveryUpdate && !replay;
+  if (log) {
+    job->apply_mu.Lock();
+  } else {
+    job->apply_mu.ReaderLock();
+  }
+  // Apply under the job's apply lock; released on every path below.
+  struct Unlock {
+    absl::Mutex* mu;
+    bool exclusive;
+    ~Unlock() {
+      if (exclusive) {
+        mu->Unlock();
+      } else {
+        mu->ReaderUnlock();
+      }
+    }
+  } unlock{&job->apply_mu, log};
+
+  if (log) {
+    // Write-ahead: the update is in the log before anything changes or is acknowledged.
+    state::UpdateRecord rec;
+    rec.set_seq(job->seq + 1);
+    for (size_t i = 0; i < u.chunks.size(); ++i) {
+      const ChunkInfo& info = job->partition->chunks()[u.chunks[i]];
+      ChunkData* g = rec.add_grads();
+      g->set_tensor(info.tensor);
+      g->set_chunk(info.chunk);
+      g->set_version(u.base_versions[i]);
+      g->set_data(reinterpret_cast<const char*>(u.grads[i]),
+                  static_cast<size_t>(u.numels[i]) * sizeof(float));
+    }
+    for (const RequestRef& r : u.requests) {
+      state::RequestRef* out = rec.add_requests();
+      out->set_worker(r.worker);
+      out->set_step(r.step);
+      out->set_request_id(r.request_id);
+    }
+    RETURN_IF_ERROR(Annotate(options_.store->AppendUpdate(job->layout.job(), rec),
+                             absl::StrCat("Push: job ", job->layout.job(), " not applied")));
+  }
+  const Optimizer& opt = *job->optimizer;
+  const OptimizerSpec& spec = job->layout.optimizer();
+  const bool damping = job->layout.staleness_damping();
+  std::vector<float*> slot_ptrs(opt.num_slots());
+  std::vector<int64_t> staleness(u.chunks.size(), 0);
+  for (size_t i = 0; i < u.chunks.size(); ++i) {
+    Chunk& chunk = *job->chunks.at(u.chunks[i]);
+    absl::MutexLock lock(&chunk.mu);
+    const int64_t n = chunk.info.numel;
+    for (int s = 0; s < opt.num_slots(); ++s) slot_ptrs[s] = chunk.slots.data() + s * n;
+    staleness[i] = u.base_versions[i] < chunk.version ? chunk.version - u.base_versions[i] : 0;
+    float scale = LrScheduleFactor(spec, chunk.version);
+    if (damping) scale /= static_cast<float>(1 + staleness[i]);
+    ++chunk.version;
+    opt.Apply(chunk.version, scale, u.grads[i], chunk.values.data(), slot_ptrs.data(), n);
+  }
+
+  absl::MutexLock lock(&job->mu);
+  ++job->seq;
+  ++job->updates_applied;
+  const int64_t last = static_cast<int64_t>(job->staleness.size()) - 1;
+  for (int64_t st : staleness) ++job->staleness[std::min(st, last)];
+  for (const RequestRef& r : u.requests) {
+    WorkerRecord& w = job->workers[r.worker];
+    w.last_step = std::max(w.last_step, r.step);
+    ++w.pushes_applied;
+    ++job->pushes_applied;
+    w.recent_ids[r.request_id] = true;
+    w.id_order.push_back(r.request_id);
+    if (static_cast<int64_t>(w.id_order.size()) > options_.dedupe_window) {
+      w.recent_ids.erase(w.id_order.front());
+      w.id_order.pop_front();
+    }
+  }
+  return absl::OkStatus();
+}
+
+void Shard::MaybeSnapshot(Job* job, bool force) {
+  if (job->durability == Durability::kNone) return;
+  const DurabilitySpec& d = job->layout.durability();
+  {
+    absl::MutexLock lock(&job->mu);
+    if (job->snapshot_running) return;
+    const bool by_count =
+        job->updates_applied - job->snapshot_update >= d.snapshot_every_updates();
+    // Time-based snapshots would differ between shards of a sync job: count only there.
+    const bool by_time = !job->sync_mode && d.snapshot_every_seconds() > 0 &&
+                         job->updates_applied > job->snapshot_update &&
+                         absl::Now() - job->snapshot_time >=
+                             absl::Seconds(d.snapshot_every_seconds());
+    if (!force && !by_count && !by_time) return;
+    job->snapshot_running = true;
+  }
+  const absl::Time start = absl::Now();
+  std::map<int64_t, state::ChunkState> chunks;
+  state::JobSnapshot snap;
+  {
+    // Exclusive: no update is half-applied while we copy.
+    absl::WriterMutexLock apply_lock(&job->apply_mu);
+    for (const auto& [idx, chunk] : job->chunks) {
+      absl::MutexLock lock(&chunk->mu);
+      state::ChunkState& cs = chunks[idx];
+      cs.set_version(chunk->version);
+      cs.set_values(reinterpret_cast<const char*>(chunk->values.data()),
+                    chunk->values.size() * sizeof(float));
+      cs.set_slots(reinterpret_cast<const char*>(chunk->slots.data()),
+                   chunk->slots.size() * sizeof(float));
+    }
+    absl::MutexLock lock(&job->mu);
+    snap.set_seq(job->seq);
+    for (const WorkerRecord& w : job->workers) {
+      state::WorkerSnapshot* ws = snap.add_workers();
+      ws->set_last_step(w.last_step);
+      ws->set_finished(w.finished);
+      ws->set_pushes_applied(w.pushes_applied);
+      for (uint64_t id : w.id_order) ws->add_recent_ids(id);
+    }
+    snap.set_pushes_applied(job->pushes_applied);
+    snap.set_duplicates(job->duplicates);
+    for (int64_t s : job->staleness) snap.add_staleness(s);
+  }
+  // A forced snapshot (job creation, job end) also (re)writes the layout: the first one must.
+  auto bytes = options_.store->WriteSnapshot(job->layout.job(), force ? &job->layout : nullptr,
+                                             chunks, snap);
+  const double secs = absl::ToDoubleSeconds(absl::Now() - start);
+  absl::MutexLock lock(&job->mu);
+  job->snapshot_running = false;
+  if (!bytes.ok()) {
+    LogError(options_.logger, "snapshot_failed",
+             {Kv("job", job->layout.job()), Kv("error", bytes.status().ToString())});
+    return;
+  }
+  job->snapshot_update = snap.seq();
+  job->snapshot_time = absl::Now();
+  ++job->snapshots;
+  job->last_snapshot_s = secs;
+  job->last_snapshot_bytes = *bytes;
+  LogInfo(options_.logger, "snapshot",
+          {Kv("job", job->layout.job()), Kv("update", snap.seq()), Kv("bytes", *bytes),
+           Kv("ms", absl::StrFormat("%.1f", secs * 1e3))});
+}
+
+absl::Status Shard::Restore() {
+  if (options_.store == nullptr) return absl::OkStatus();
+  ASSIGN_OR_RETURN(std::vector<ShardStore::StoredJob> stored, options_.store->LoadAll());
+  for (ShardStore::StoredJob& s : stored) {
+    const std::string& name = s.layout.job();
+    ASSIGN_OR_RETURN(std::shared_ptr<Job> job, BuildJob(s.layout));
+    for (auto& [idx, chunk] : job->chunks) {
+      auto it = s.chunks.find(idx);
+      absl::MutexLock lock(&chunk->mu);
+      const size_t want_values = chunk->info.numel * sizeof(float);
+      if (it == s.chunks.end() || it->second.values().size() != want_values ||
+          it->second.slots().size() != chunk->slots.size() * sizeof(float)) {
+        return absl::DataLossError(absl::StrCat("restoring job ", name, " from ",
+                                                options_.store->dir(), ": chunk ", idx,
+                                                " is missing or has the wrong size"));
+      }
+      chunk->version = it->second.version();
+      chunk->values.resize(chunk->info.numel);
+      std::memcpy(chunk->values.data(), it->second.values().data(), want_values);
+      std::memcpy(chunk->slots.data(), it->second.slots().data(), it->second.slots().size());
+    }
+    {
+      absl::WriterMutexLock apply_lock(&job->apply_mu);
+      absl::MutexLock lock(&job->mu);
+      job->seq = s.snapshot.seq();
+      for (int w = 0; w < s.snapshot.workers_size() && w < static_cast<int>(job->workers.size());
+           ++w) {
+        const state::WorkerSnapshot& ws = s.snapshot.workers(w);
+        WorkerRecord& r = job->workers[w];
+        r.last_step = ws.last_step();
+        r.finished = ws.finished();
+        r.pushes_applied = ws.pushes_applied();
+        for (uint64_t id : ws.recent_ids()) {
+          r.recent_ids[id] = true;
+          r.id_order.push_back(id);
+        }
+      }
+      job->pushes_applied = s.snapshot.pushes_applied();
+      job->duplicates = s.snapshot.duplicates();
+      for (int i = 0; i < s.snapshot.staleness_size() &&
+                      i < static_cast<int>(job->staleness.size());
+           ++i) {
+        job->staleness[i] = s.snapshot.staleness(i);
+      }
+      job->updates_applied = s.snapshot.seq();
+      job->snapshot_update = s.snapshot.seq();
+      job->restored = true;
+    }
+    // Replay logged updates in order, through the same code that applied them.
+    for (const state::UpdateRecord& rec : s.log) {
+      ChunkUpdate u;
+      std::vector<std::vector<float>> scratch(rec.grads_size());
+      for (int i = 0; i < rec.grads_size(); ++i) {
+        const ChunkData& g = rec.grads(i);
+        const int64_t idx = job->partition->Find(g.tensor(), g.chunk());
+        if (idx < 0 || job->chunks.find(idx) == job->chunks.end() ||
+            g.data().size() != job->partition->chunks()[idx].numel * sizeof(float)) {
+          return absl::DataLossError(absl::StrCat("restoring job ", name, ": log record ",
+                                                  rec.seq(), " names a chunk this shard "
+                                                  "does not own or has the wrong size"));
+        }
+        u.chunks.push_back(idx);
+        u.numels.push_back(job->partition->chunks()[idx].numel);
+        u.grads.push_back(FloatView(g.data(), &scratch[i]));
+        u.base_versions.push_back(g.version());
+      }
+      for (const state::RequestRef& r : rec.requests()) {
+        u.requests.push_back({r.worker(), r.step(), r.request_id()});
+      }
+      RETURN_IF_ERROR(ApplyUpdate(job.get(), u, /*replay=*/true));
+    }
+    std::vector<int64_t> pushed;
+    std::vector<bool> finished;
+    int64_t replayed;
+    {
+      absl::MutexLock lock(&job->mu);
+      for (const WorkerRecord& w : job->workers) {
+        pushed.push_back(w.last_step + 1);
+        finished.push_back(w.finished);
+      }
+      job->replayed = static_cast<int64_t>(s.log.size());
+      replayed = job->replayed;
+    }
+    job->policy->Restore(pushed, finished);
+    LogInfo(options_.logger, "job_restored",
+            {Kv("job", name), Kv("snapshot_update", s.snapshot.seq()),
+             Kv("replayed_updates", replayed), Kv("dir", options_.store->dir()),
+             Kv("durability", s.layout.durability().mode())});
+    absl::MutexLock lock(&mu_);
+    jobs_.emplace(name, std::move(job));
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<PushResponse> Shard::Push(const PushRequest& request) {
@@ -277,10 +603,12 @@ absl::StatusOr<PushResponse> Shard::Push(const PushRequest& request) {
                                                    job->layout.num_workers(), ")"));
   }
   // Validate everything before changing anything.
+  ChunkUpdate update;
   std::vector<Chunk*> targets;
-  targets.reserve(request.chunks_size());
   absl::flat_hash_set<int64_t> seen;
-  for (const ChunkData& c : request.chunks()) {
+  std::vector<std::vector<float>> scratch(request.chunks_size());
+  for (int i = 0; i < request.chunks_size(); ++i) {
+    const ChunkData& c = request.chunks(i);
     const std::string where = ChunkName(request.job(), job->layout, c.tensor(), c.chunk());
     const int64_t idx = p.Find(c.tensor(), c.chunk());
     if (idx < 0) return absl::NotFoundError(absl::StrCat("Push: ", where, " does not exist"));
@@ -295,7 +623,12 @@ absl::StatusOr<PushResponse> Shard::Push(const PushRequest& request) {
     }
     RETURN_IF_ERROR(CheckDenseFloats(c, it->second->info.numel, absl::StrCat("Push: ", where)));
     targets.push_back(it->second.get());
+    update.chunks.push_back(idx);
+    update.numels.push_back(it->second->info.numel);
+    update.grads.push_back(FloatView(c.data(), &scratch[i]));
+    update.base_versions.push_back(c.version());
   }
+  update.requests.push_back({request.worker(), request.step(), request.request_id()});
 
   PushResponse response;
   {
@@ -318,48 +651,22 @@ absl::StatusOr<PushResponse> Shard::Push(const PushRequest& request) {
     w.recent_ids.emplace(request.request_id(), false);
   }
 
-  std::vector<int64_t> staleness(targets.size(), 0);
-  response.mutable_new_versions()->Resize(static_cast<int>(targets.size()), 0);
-  const Optimizer& opt = *job->optimizer;
-  auto apply = [&](float lr_scale) {
-    std::vector<float> scratch;
-    std::vector<float*> slot_ptrs(opt.num_slots());
-    for (size_t i = 0; i < targets.size(); ++i) {
-      Chunk& chunk = *targets[i];
-      const ChunkData& c = request.chunks(static_cast<int>(i));
-      const float* grad = FloatView(c.data(), &scratch);
-      absl::MutexLock lock(&chunk.mu);
-      const int64_t n = chunk.info.numel;
-      for (int s = 0; s < opt.num_slots(); ++s) slot_ptrs[s] = chunk.slots.data() + s * n;
-      staleness[i] = c.version() < chunk.version ? chunk.version - c.version() : 0;
-      const float scale = lr_scale * LrScheduleFactor(job->layout.optimizer(), chunk.version);
-      ++chunk.version;
-      opt.Apply(chunk.version, scale, grad, chunk.values.data(), slot_ptrs.data(), n);
-      response.set_new_versions(static_cast<int>(i), chunk.version);
-    }
-  };
-  absl::Status st = job->policy->OnPush(request.worker(), request.step(), apply);
+  absl::Status st = job->policy->OnPush(update, [this, &job](const ChunkUpdate& u) {
+    return ApplyUpdate(job.get(), u, /*replay=*/false);
+  });
   if (!st.ok()) {
     // Not applied: forget the id so that a retry can succeed.
     absl::MutexLock lock(&job->mu);
-    job->workers[request.worker()].recent_ids.erase(request.request_id());
+    auto& ids = job->workers[request.worker()].recent_ids;
+    auto it = ids.find(request.request_id());
+    if (it != ids.end() && !it->second) ids.erase(it);
     return st;
   }
-  {
-    absl::MutexLock lock(&job->mu);
-    WorkerRecord& w = job->workers[request.worker()];
-    w.recent_ids[request.request_id()] = true;
-    w.id_order.push_back(request.request_id());
-    if (static_cast<int64_t>(w.id_order.size()) > options_.dedupe_window) {
-      w.recent_ids.erase(w.id_order.front());
-      w.id_order.pop_front();
-    }
-    w.last_step = std::max(w.last_step, request.step());
-    ++w.pushes_applied;
-    ++job->pushes_applied;
-    const int64_t last = static_cast<int64_t>(job->staleness.size()) - 1;
-    for (int64_t s : staleness) ++job->staleness[std::min(s, last)];
+  for (Chunk* chunk : targets) {
+    absl::MutexLock lock(&chunk->mu);
+    response.add_new_versions(chunk->version);
   }
+  MaybeSnapshot(job.get(), /*force=*/false);
   return response;
 }
 
@@ -390,12 +697,7 @@ absl::Status Shard::Pull(const PullRequest& request, PullResponse* response) {
       targets.push_back(it->second.get());
     }
   }
-  int64_t step;
-  {
-    absl::MutexLock lock(&job->mu);
-    step = job->workers[request.worker()].last_step;
-  }
-  RETURN_IF_ERROR(job->policy->BeforePull(request.worker(), step));
+  RETURN_IF_ERROR(job->policy->BeforePull(request.worker()));
   response->mutable_chunks()->Reserve(static_cast<int>(targets.size()));
   for (Chunk* chunk : targets) {
     ChunkData* out = response->add_chunks();
@@ -417,13 +719,27 @@ absl::Status Shard::Finish(const FinishRequest& request) {
                                                    request.worker(), " not in [0, ",
                                                    job->layout.num_workers(), ")"));
   }
-  absl::MutexLock lock(&job->mu);
-  WorkerRecord& w = job->workers[request.worker()];
-  if (!w.finished) {
-    w.finished = true;
-    LogInfo(options_.logger, "worker_finished",
-            {Kv("job", request.job()), Kv("worker", request.worker()),
-             Kv("step", request.step()), Kv("pushes_applied", w.pushes_applied)});
+  job->policy->OnFinish(request.worker());
+  bool first = false;
+  {
+    absl::MutexLock lock(&job->mu);
+    WorkerRecord& w = job->workers[request.worker()];
+    if (!w.finished) {
+      w.finished = true;
+      first = true;
+      LogInfo(options_.logger, "worker_finished",
+              {Kv("job", request.job()), Kv("worker", request.worker()),
+               Kv("step", request.step()), Kv("pushes_applied", w.pushes_applied)});
+    }
+  }
+  // The final state of a durable job is snapshotted when its last worker finishes.
+  if (first) {
+    bool all = true;
+    {
+      absl::MutexLock lock(&job->mu);
+      for (const WorkerRecord& w : job->workers) all = all && w.finished;
+    }
+    if (all) MaybeSnapshot(job.get(), /*force=*/true);
   }
   return absl::OkStatus();
 }
@@ -440,6 +756,9 @@ absl::StatusOr<JobInfoResponse> Shard::GetJobInfo(const JobInfoRequest& request)
   r.set_consistency(job->layout.consistency());
   *r.mutable_optimizer() = job->layout.optimizer();
   r.set_owned_elements(job->owned_elements);
+  const ConsistencyStats ps = job->policy->stats();
+  r.set_max_clock_lead(ps.max_clock_lead);
+  r.set_barrier_wait_s(ps.barrier_wait_s);
   absl::MutexLock lock(&job->mu);
   for (size_t i = 0; i < job->workers.size(); ++i) {
     WorkerState* w = r.add_workers();
@@ -451,6 +770,13 @@ absl::StatusOr<JobInfoResponse> Shard::GetJobInfo(const JobInfoRequest& request)
   r.set_pushes_applied(job->pushes_applied);
   r.set_duplicates_dropped(job->duplicates);
   for (int64_t s : job->staleness) r.add_staleness_histogram(s);
+  r.set_updates_applied(job->updates_applied);
+  r.set_snapshots(job->snapshots);
+  r.set_last_snapshot_s(job->last_snapshot_s);
+  r.set_last_snapshot_bytes(job->last_snapshot_bytes);
+  r.set_snapshot_update(job->snapshot_update);
+  r.set_restored(job->restored);
+  r.set_replayed_updates(job->replayed);
   return r;
 }
 

@@ -9,11 +9,24 @@
 // request id, within the last `dedupe_window` requests of that worker) are acknowledged and
 // not applied again.
 //
+// Durability (per job, DurabilitySpec; needs ShardOptions.store):
+//   none          memory only.
+//   periodic      snapshots (values, slots, versions, worker progress, recent request ids)
+//                 every N updates or T seconds; a crash loses the updates since the last one.
+//   every_update  each update is appended to the store's log (RocksDB WAL) before it is
+//                 applied and acknowledged, under a per-job lock that also fixes the order of
+//                 updates, so replaying the log over the last snapshot reproduces the state
+//                 exactly; snapshots bound the replay.
+// Create() restores every job found in the store (snapshot, then log replay), so a shard
+// restarted on the same --data_dir carries on, and replayed request ids are still recognised
+// as duplicates.
+//
 // The gRPC adapter (server/parameter_service.h) only converts between wire and these calls;
 // the request/response types are the proto messages of proto/gradmesh.proto.
 //
-// Thread safety: all methods may be called concurrently. Calls block only on chunk and job
-// locks (and on the consistency policy, for pulls).
+// Thread safety: all methods may be called concurrently. Calls block on chunk and job locks,
+// on the store (durable jobs) and on the consistency policy (sync pushes, ssp pulls, bounded
+// by the job's barrier timeout).
 #ifndef GRADMESH_SERVER_SHARD_H_
 #define GRADMESH_SERVER_SHARD_H_
 
@@ -28,6 +41,7 @@
 #include "proto/gradmesh.pb.h"
 #include "server/consistency.h"
 #include "server/optimizer.h"
+#include "server/shard_store.h"
 
 namespace gradmesh {
 
@@ -39,13 +53,17 @@ struct ShardOptions {
   // Optimizers and consistency policies known to this shard. Default: the built-ins.
   OptimizerRegistry optimizers = OptimizerRegistry::WithBuiltins();
   ConsistencyRegistry consistency = ConsistencyRegistry::WithBuiltins();
+  // Durable state; null means no durability is available (jobs asking for it are refused).
+  // Owned by the shard.
+  std::shared_ptr<ShardStore> store;
   // Not owned; may be null.
   const Logger* logger = nullptr;
 };
 
 class Shard {
  public:
-  // InvalidArgument for nonsensical options.
+  // InvalidArgument for nonsensical options; the store's error if its state cannot be
+  // restored.
   static absl::StatusOr<std::unique_ptr<Shard>> Create(ShardOptions options);
   ~Shard();
 
@@ -63,6 +81,13 @@ class Shard {
   struct Job;
   explicit Shard(ShardOptions options);
   absl::StatusOr<std::shared_ptr<Job>> FindJob(const std::string& name);
+  // Builds an empty job (partition, optimizer, policy, chunks) from a validated layout.
+  absl::StatusOr<std::shared_ptr<Job>> BuildJob(const InitJobRequest& layout) const;
+  // Logs (durable jobs, unless replaying) and applies an update; records its requests.
+  absl::Status ApplyUpdate(Job* job, const ChunkUpdate& update, bool replay);
+  // Writes a snapshot if the job's durability policy says one is due (or `force`).
+  void MaybeSnapshot(Job* job, bool force);
+  absl::Status Restore();
 
   const ShardOptions options_;
   absl::Mutex mu_;

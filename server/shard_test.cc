@@ -247,7 +247,7 @@ TEST_F(ShardTest, InitJobValidatesInput) {
   r.set_job("k");
   r.set_consistency("eventually");
   EXPECT_STATUS_MSG(shard_->InitJob(r), absl::StatusCode::kInvalidArgument,
-                    "unknown consistency mode \"eventually\" (known: async)");
+                    "unknown consistency mode \"eventually\" (known: async, ssp, sync");
   r = MakeInit(1);
   r.set_job("k");
   r.mutable_initial()->RemoveLast();

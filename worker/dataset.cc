@@ -317,6 +317,10 @@ absl::StatusOr<std::unique_ptr<BatchLoader>> BatchLoader::Create(const ImageSet*
   const int64_t steps_per_epoch =
       o.batch_size > images->size / o.world_size ? 0
                                                  : images->size / (o.batch_size * o.world_size);
+  if (o.first_step < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("BatchLoader: first_step must be >= 0, got ", o.first_step));
+  }
   if ((o.epochs > 0 || o.max_steps > 0) && steps_per_epoch == 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "BatchLoader: batch_size ", o.batch_size, " x world_size ", o.world_size,
@@ -389,11 +393,15 @@ Batch BatchLoader::MakeBatch(const std::vector<int64_t>& perm, int64_t epoch, in
 }
 
 void BatchLoader::Produce() {
-  int64_t step = 0;
-  for (int64_t epoch = 0; step < total_steps_; ++epoch) {
+  // Resuming at first_step: skip whole epochs, then batches, without building them.
+  int64_t step = steps_per_epoch_ == 0
+                     ? 0
+                     : options_.first_step - options_.first_step % steps_per_epoch_;
+  for (int64_t epoch = step / steps_per_epoch_; step < total_steps_; ++epoch) {
     const std::vector<int64_t> perm =
         EpochPermutation(images_->size, options_.seed, epoch);
     for (int64_t t = 0; t < steps_per_epoch_ && step < total_steps_; ++t, ++step) {
+      if (step < options_.first_step) continue;
       // Built outside the lock so the consumer can keep taking batches meanwhile.
       Batch batch = MakeBatch(perm, epoch, t, step);
       absl::MutexLock lock(&mu_);

@@ -104,6 +104,9 @@ class BatchLoader {
     int64_t max_steps = 0;
     uint64_t seed = 1;       // Data-order seed; must be the same on every worker.
     int prefetch_depth = 4;  // Batches prepared ahead (> 0).
+    // Resume: the first batch produced is the one of overall step first_step (>= 0); the
+    // batches before it are skipped, so a resumed run sees exactly the data it would have.
+    int64_t first_step = 0;
   };
 
   // Validates `options` against `images` (INVALID_ARGUMENT on an out-of-range field, a null
@@ -126,7 +129,8 @@ class BatchLoader {
   BatchLoader& operator=(const BatchLoader&) = delete;
 
   // Returns the next batch, blocking until the prefetch thread has made it, or nullopt once
-  // all total_steps() batches have been returned (and on every later call).
+  // the batches of steps [first_step, total_steps()) have been returned (and on every later
+  // call).
   std::optional<Batch> Next();
 
   // Batches per full epoch for every worker: floor(size / (batch_size * world_size)).

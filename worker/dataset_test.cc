@@ -641,5 +641,40 @@ TEST(RealDataTest, FashionMnist) {
   EXPECT_EQ(files.train.labels[0], 9);
 }
 
+TEST(BatchLoaderResumeTest, FirstStepSkipsExactlyTheEarlierBatches) {
+  ImageSet images;
+  images.size = 50;
+  images.rows = images.cols = 2;
+  images.pixels.assign(50 * 4, 7);
+  images.labels.assign(50, 1);
+  BatchLoader::Options o;
+  o.rank = 1;
+  o.world_size = 2;
+  o.batch_size = 4;  // 6 steps per epoch.
+  o.epochs = 3;
+  o.seed = 9;
+  auto full = BatchLoader::Create(&images, 0.f, 1.f, o);
+  ASSERT_TRUE(full.ok());
+  std::vector<Batch> all;
+  while (auto b = (*full)->Next()) all.push_back(std::move(*b));
+  ASSERT_EQ(all.size(), 18u);
+  for (int64_t first : {0, 5, 6, 13, 18}) {
+    o.first_step = first;
+    auto resumed = BatchLoader::Create(&images, 0.f, 1.f, o);
+    ASSERT_TRUE(resumed.ok());
+    int64_t step = first;
+    while (auto b = (*resumed)->Next()) {
+      EXPECT_EQ(b->step, step);
+      EXPECT_EQ(b->indices, all[step].indices) << "first_step " << first << " step " << step;
+      EXPECT_EQ(b->epoch, all[step].epoch);
+      ++step;
+    }
+    EXPECT_EQ(step, 18) << "first_step " << first;
+  }
+  o.first_step = -1;
+  EXPECT_EQ(BatchLoader::Create(&images, 0.f, 1.f, o).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 }  // namespace
 }  // namespace gradmesh

@@ -61,6 +61,9 @@ class GrpcParameterClient final : public ParameterClient {
       *r.mutable_optimizer() = layout_.optimizer;
       r.set_consistency(layout_.consistency);
       r.set_num_workers(layout_.num_workers);
+      *r.mutable_durability() = layout_.durability;
+      r.set_staleness_damping(layout_.staleness_damping);
+      r.set_barrier_timeout_s(layout_.barrier_timeout_s);
       for (int64_t idx : partition_.shard_chunks(s)) {
         const ChunkInfo& c = partition_.chunks()[idx];
         FillChunk(c, initial[c.tensor].data(), r.add_initial());

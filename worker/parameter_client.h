@@ -38,6 +38,9 @@ struct JobLayout {
   OptimizerSpec optimizer;
   std::string consistency = "async";
   int32_t num_workers = 1;
+  DurabilitySpec durability;       // Default: none.
+  bool staleness_damping = false;  // async only.
+  double barrier_timeout_s = 0;    // 0: the shard's default (120 s).
 };
 
 class ParameterClient {

@@ -3,6 +3,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <limits>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -78,12 +79,16 @@ absl::StatusOr<TrainResult> Trainer::Run() {
   layout.optimizer = spec.optimizer();
   if (!layout.optimizer.lr_schedule().empty() && layout.optimizer.lr_schedule() != "constant" &&
       layout.optimizer.decay_updates() == 0) {
-    // Every worker derives the same value: chunk updates over the whole job (one per push of
-    // any worker in async mode).
-    layout.optimizer.set_decay_updates(loader->total_steps() * spec.num_workers());
+    // Every worker derives the same value: chunk updates over the whole job (one per step in
+    // sync mode, where a step's pushes are averaged; one per push of any worker otherwise).
+    const int64_t per_step = spec.mode() == "sync" ? 1 : spec.num_workers();
+    layout.optimizer.set_decay_updates(loader->total_steps() * per_step);
   }
   layout.consistency = spec.mode();
   layout.num_workers = spec.num_workers();
+  layout.durability = spec.durability();
+  layout.staleness_damping = spec.staleness_damping();
+  layout.barrier_timeout_s = spec.barrier_timeout_s();
   std::vector<absl::Span<float>> param_spans;
   std::vector<absl::Span<const float>> initial;
   for (size_t i = 0; i < params.size(); ++i) {
@@ -107,6 +112,20 @@ absl::StatusOr<TrainResult> Trainer::Run() {
     torch::NoGradGuard no_grad;
     RETURN_IF_ERROR(client->Pull(param_spans));
   }
+  // Resume where the shards say this rank got to (0 for a new job).
+  int64_t first_step = std::numeric_limits<int64_t>::max();
+  {
+    ASSIGN_OR_RETURN(std::vector<JobInfoResponse> infos, client->GetJobInfo());
+    for (const JobInfoResponse& info : infos) {
+      first_step = std::min(first_step, info.workers(options_.rank).last_step() + 1);
+    }
+  }
+  if (first_step > 0) {
+    lo.first_step = std::min(first_step, loader->total_steps());
+    ASSIGN_OR_RETURN(loader, BatchLoader::Create(&data.train, data.mean, data.stddev, lo));
+    LogInfo(log, "resuming", {Kv("job", spec.name()), Kv("rank", options_.rank),
+                              Kv("step", lo.first_step)});
+  }
 
   const int64_t total = loader->total_steps();
   const auto& img = data.train;
@@ -126,7 +145,8 @@ absl::StatusOr<TrainResult> Trainer::Run() {
   absl::Time window_start = start;
   double window_loss = 0;
   int64_t window_steps = 0;
-  int64_t step = 0;
+  int64_t step = lo.first_step;
+  result.first_step = lo.first_step;
   std::vector<absl::Span<const float>> grads(params.size());
   while (true) {
     if (stop_requested_.load()) {
@@ -134,6 +154,7 @@ absl::StatusOr<TrainResult> Trainer::Run() {
       LogInfo(log, "stop_requested", {Kv("job", spec.name()), Kv("step", step)});
       break;
     }
+    if (options_.step_delay > absl::ZeroDuration()) absl::SleepFor(options_.step_delay);
     absl::Time t0 = absl::Now();
     std::optional<Batch> batch = loader->Next();
     if (!batch.has_value()) break;
@@ -185,16 +206,17 @@ absl::StatusOr<TrainResult> Trainer::Run() {
                Kv("loss", absl::StrFormat("%.4f", result.final_loss)),
                Kv("samples_per_s",
                   absl::StrFormat("%.0f", window_steps * spec.batch_size() / dt)),
-               Kv("data_ms", absl::StrFormat("%.1f", 1e3 * result.data_s / step)),
-               Kv("compute_ms", absl::StrFormat("%.1f", 1e3 * result.compute_s / step)),
-               Kv("comm_ms", absl::StrFormat("%.1f", 1e3 * result.comm_s / step))});
+               Kv("data_ms", absl::StrFormat("%.1f", 1e3 * result.data_s / (step - lo.first_step))),
+               Kv("compute_ms",
+                  absl::StrFormat("%.1f", 1e3 * result.compute_s / (step - lo.first_step))),
+               Kv("comm_ms", absl::StrFormat("%.1f", 1e3 * result.comm_s / (step - lo.first_step)))});
       window_start = absl::Now();
       window_loss = 0;
       window_steps = 0;
     }
   }
   if (window_steps > 0) result.final_loss = window_loss / window_steps;
-  result.steps = step;
+  result.steps = step - lo.first_step;
   result.wall_s = Seconds(start);
   result.samples_per_s = result.wall_s > 0 ? result.samples / result.wall_s : 0;
   result.bytes_pushed = client->bytes_pushed();

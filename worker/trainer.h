@@ -7,6 +7,10 @@
 // `evaluate` set) then waits for the other workers, pulls the final parameters, evaluates on
 // the test set and saves the model if the spec names an output.
 //
+// Resume: if the shards already hold the job (InitJob finds it, e.g. after every process was
+// stopped and durable shards restarted), the worker continues after the last step the shards
+// recorded for its rank (the minimum over shards), with the data it would have seen then.
+//
 // The header is free of LibTorch on purpose (it is slow to compile): the model and tensors
 // exist only inside Run().
 //
@@ -36,6 +40,8 @@ struct TrainerOptions {
   bool evaluate = true;        // Wait for all workers, evaluate and save at the end.
   int32_t intra_op_threads = 1;  // torch::set_num_threads; 1 avoids oversubscription.
   absl::Duration wait_for_workers = absl::Minutes(30);  // Bound on the final wait.
+  // Fault injection for tests: sleep this long before every step (a slow worker).
+  absl::Duration step_delay = absl::ZeroDuration();
   const Logger* logger = nullptr;  // Not owned; may be null.
 };
 
@@ -49,6 +55,7 @@ struct TrainResult {
   double data_s = 0, compute_s = 0, comm_s = 0;  // Time split of the steps.
   int64_t bytes_pushed = 0, bytes_pulled = 0;
   bool stopped_early = false;   // RequestStop() ended the run before the last step.
+  int64_t first_step = 0;       // > 0 when the run resumed from the shards' progress.
 };
 
 class Trainer {

@@ -51,6 +51,13 @@ ABSL_FLAG(int64_t, chunk_bytes, 0, "Partition chunk size in bytes.");
 ABSL_FLAG(int, log_every, 0, "Steps between progress lines.");
 ABSL_FLAG(std::string, output, "", "Where rank 0 saves the final model.");
 ABSL_FLAG(uint64_t, seed, 0, "Seed for initialisation and data order.");
+ABSL_FLAG(std::string, durability, "", "Shard durability: none, periodic or every_update.");
+ABSL_FLAG(int64_t, snapshot_every_updates, 0, "Shard snapshot interval in updates.");
+ABSL_FLAG(double, snapshot_every_seconds, -1, "Shard snapshot interval in seconds (0: off).");
+ABSL_FLAG(double, barrier_timeout_s, 0, "sync/ssp: seconds to wait for other workers.");
+ABSL_FLAG(bool, staleness_damping, false, "async: scale lr by 1/(1+staleness).");
+ABSL_FLAG(int64_t, step_delay_ms, 0,
+          "Fault injection for tests: sleep this long before every step (a slow worker).");
 
 namespace gradmesh {
 namespace {
@@ -100,6 +107,21 @@ absl::StatusOr<WorkerMainOptions> ParseOptions() {
   if (absl::GetFlag(FLAGS_log_every) != 0) spec.set_log_every(absl::GetFlag(FLAGS_log_every));
   if (!absl::GetFlag(FLAGS_output).empty()) spec.set_output(absl::GetFlag(FLAGS_output));
   if (absl::GetFlag(FLAGS_seed) != 0) spec.set_seed(absl::GetFlag(FLAGS_seed));
+  if (!absl::GetFlag(FLAGS_durability).empty()) {
+    spec.mutable_durability()->set_mode(absl::GetFlag(FLAGS_durability));
+  }
+  if (absl::GetFlag(FLAGS_snapshot_every_updates) != 0) {
+    spec.mutable_durability()->set_snapshot_every_updates(
+        absl::GetFlag(FLAGS_snapshot_every_updates));
+  }
+  if (absl::GetFlag(FLAGS_snapshot_every_seconds) >= 0) {
+    spec.mutable_durability()->set_snapshot_every_seconds(
+        absl::GetFlag(FLAGS_snapshot_every_seconds));
+  }
+  if (absl::GetFlag(FLAGS_barrier_timeout_s) != 0) {
+    spec.set_barrier_timeout_s(absl::GetFlag(FLAGS_barrier_timeout_s));
+  }
+  if (absl::GetFlag(FLAGS_staleness_damping)) spec.set_staleness_damping(true);
 
   for (absl::string_view s : absl::StrSplit(absl::GetFlag(FLAGS_servers), ',', absl::SkipEmpty())) {
     o.client.servers.emplace_back(s);
@@ -119,6 +141,7 @@ absl::StatusOr<WorkerMainOptions> ParseOptions() {
   o.trainer.data_dir = absl::GetFlag(FLAGS_data_dir);
   o.trainer.intra_op_threads = absl::GetFlag(FLAGS_threads);
   o.trainer.evaluate = absl::GetFlag(FLAGS_evaluate) && o.trainer.rank == 0;
+  o.trainer.step_delay = absl::Milliseconds(absl::GetFlag(FLAGS_step_delay_ms));
   o.client.worker = o.trainer.rank;
   o.client.rpc.max_message_bytes = absl::GetFlag(FLAGS_max_message_mb) << 20;
   o.node = absl::GetFlag(FLAGS_node).empty() ? HostName() : absl::GetFlag(FLAGS_node);
@@ -166,7 +189,8 @@ int Run() {
                        Kv("compute_s", absl::StrFormat("%.2f", r.compute_s)),
                        Kv("comm_s", absl::StrFormat("%.2f", r.comm_s)),
                        Kv("bytes_pushed", r.bytes_pushed), Kv("bytes_pulled", r.bytes_pulled),
-                       Kv("stopped_early", r.stopped_early ? "true" : "false")});
+                       Kv("stopped_early", r.stopped_early ? "true" : "false"),
+                       Kv("first_step", r.first_step)});
   return 0;
 }
 

@@ -425,7 +425,7 @@ TEST_F(E2eTest, UnknownModelAndModeAgainstServer) {
     WorkerRun run = RunWorker("unknown_mode", args);
     // Rejected by the shard's InitJob (INVALID_ARGUMENT over gRPC): exit 1.
     EXPECT_EQ(run.exit_code, 1);
-    EXPECT_NE(run.error.find("unknown consistency mode \"nosuchmode\" (known: async)"),
+    EXPECT_NE(run.error.find("unknown consistency mode \"nosuchmode\" (known: async, ssp, sync"),
               std::string::npos)
         << run.log;
     EXPECT_STATUS(GetJobInfo(addresses_[0], "bad-mode"), absl::StatusCode::kNotFound);

@@ -1,0 +1,125 @@
+#include "server/shard_store.h"
+
+#include <rocksdb/db.h>
+#include <rocksdb/options.h>
+#include <rocksdb/write_batch.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+
+namespace gradmesh {
+namespace {
+
+std::string MetaKey(const std::string& job) { return absl::StrCat("m/", job); }
+std::string SnapKey(const std::string& job) { return absl::StrCat("s/", job); }
+std::string ChunkPrefix(const std::string& job) { return absl::StrCat("c/", job, "/"); }
+std::string ChunkKey(const std::string& job, int64_t idx) {
+  return absl::StrFormat("c/%s/%016x", job, idx);
+}
+std::string LogPrefix(const std::string& job) { return absl::StrCat("l/", job, "/"); }
+std::string LogKey(const std::string& job, int64_t seq) {
+  return absl::StrFormat("l/%s/%016x", job, seq);
+}
+
+absl::Status FromRocks(const rocksdb::Status& s, const std::string& what) {
+  if (s.ok()) return absl::OkStatus();
+  return absl::InternalError(absl::StrCat("RocksDB ", what, ": ", s.ToString()));
+}
+
+}  // namespace
+
+ShardStore::ShardStore(std::string dir, Options options, std::unique_ptr<rocksdb::DB> db)
+    : dir_(std::move(dir)), options_(options), db_(std::move(db)) {}
+
+ShardStore::~ShardStore() = default;
+
+absl::StatusOr<std::unique_ptr<ShardStore>> ShardStore::Open(const std::string& dir,
+                                                             Options options) {
+  rocksdb::Options o;
+  o.create_if_missing = true;
+  o.compression = rocksdb::kNoCompression;  // Float data barely compresses.
+  o.write_buffer_size = 64 << 20;
+  rocksdb::DB* raw = nullptr;
+  rocksdb::Status s = rocksdb::DB::Open(o, dir, &raw);
+  if (!s.ok()) {
+    return absl::InternalError(
+        absl::StrCat("cannot open shard state in ", dir, ": ", s.ToString()));
+  }
+  return std::unique_ptr<ShardStore>(
+      new ShardStore(dir, options, std::unique_ptr<rocksdb::DB>(raw)));
+}
+
+absl::Status ShardStore::AppendUpdate(const std::string& job, const state::UpdateRecord& record) {
+  rocksdb::WriteOptions w;
+  w.sync = options_.fsync;
+  return FromRocks(db_->Put(w, LogKey(job, record.seq()), record.SerializeAsString()),
+                   absl::StrCat("log append for job ", job, " in ", dir_));
+}
+
+absl::StatusOr<int64_t> ShardStore::WriteSnapshot(
+    const std::string& job, const InitJobRequest* layout,
+    const std::map<int64_t, state::ChunkState>& chunks, const state::JobSnapshot& snapshot) {
+  rocksdb::WriteBatch batch;
+  int64_t bytes = 0;
+  auto put = [&](const std::string& key, const std::string& value) {
+    bytes += static_cast<int64_t>(key.size() + value.size());
+    batch.Put(key, value);
+  };
+  if (layout != nullptr) put(MetaKey(job), layout->SerializeAsString());
+  for (const auto& [idx, chunk] : chunks) put(ChunkKey(job, idx), chunk.SerializeAsString());
+  put(SnapKey(job), snapshot.SerializeAsString());
+  batch.DeleteRange(LogKey(job, 0), LogKey(job, snapshot.seq() + 1));
+  rocksdb::WriteOptions w;
+  w.sync = options_.fsync;
+  absl::Status st = FromRocks(db_->Write(w, &batch),
+                              absl::StrCat("snapshot of job ", job, " in ", dir_));
+  if (!st.ok()) return st;
+  return bytes;
+}
+
+absl::StatusOr<std::vector<ShardStore::StoredJob>> ShardStore::LoadAll() {
+  std::vector<StoredJob> jobs;
+  std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions()));
+  for (it->Seek("m/"); it->Valid() && it->key().starts_with("m/"); it->Next()) {
+    StoredJob job;
+    if (!job.layout.ParseFromArray(it->value().data(), static_cast<int>(it->value().size()))) {
+      return absl::DataLossError(absl::StrCat("corrupt job layout at key ",
+                                              it->key().ToString(), " in ", dir_));
+    }
+    jobs.push_back(std::move(job));
+  }
+  if (!it->status().ok()) return FromRocks(it->status(), "scan");
+  for (StoredJob& job : jobs) {
+    const std::string& name = job.layout.job();
+    std::string value;
+    rocksdb::Status s = db_->Get(rocksdb::ReadOptions(), SnapKey(name), &value);
+    if (!s.ok() || !job.snapshot.ParseFromString(value)) {
+      return absl::DataLossError(absl::StrCat("job ", name, " has no readable snapshot in ", dir_,
+                                              ": ", s.ToString()));
+    }
+    const std::string cp = ChunkPrefix(name);
+    for (it->Seek(cp); it->Valid() && it->key().starts_with(cp); it->Next()) {
+      const std::string hex = it->key().ToString().substr(cp.size());
+      const int64_t idx = static_cast<int64_t>(std::stoull(hex, nullptr, 16));
+      state::ChunkState chunk;
+      if (!chunk.ParseFromArray(it->value().data(), static_cast<int>(it->value().size()))) {
+        return absl::DataLossError(absl::StrCat("corrupt chunk state at key ",
+                                                it->key().ToString(), " in ", dir_));
+      }
+      job.chunks.emplace(idx, std::move(chunk));
+    }
+    const std::string lp = LogPrefix(name);
+    for (it->Seek(lp); it->Valid() && it->key().starts_with(lp); it->Next()) {
+      state::UpdateRecord rec;
+      if (!rec.ParseFromArray(it->value().data(), static_cast<int>(it->value().size()))) {
+        return absl::DataLossError(absl::StrCat("corrupt update record at key ",
+                                                it->key().ToString(), " in ", dir_));
+      }
+      if (rec.seq() > job.snapshot.seq()) job.log.push_back(std::move(rec));
+    }
+    if (!it->status().ok()) return FromRocks(it->status(), "scan");
+  }
+  return jobs;
+}
+
+}  // namespace gradmesh

@@ -1,0 +1,97 @@
+#include "server/shard_store.h"
+
+#include <cstdlib>
+#include <string>
+
+#include "common/status_testing.h"
+#include "gtest/gtest.h"
+
+namespace gradmesh {
+namespace {
+
+std::string TempDir() {
+  std::string tmpl = ::testing::TempDir() + "/store.XXXXXX";
+  char* d = mkdtemp(tmpl.data());
+  EXPECT_NE(d, nullptr);
+  return tmpl;
+}
+
+state::UpdateRecord Record(int64_t seq, float value) {
+  state::UpdateRecord r;
+  r.set_seq(seq);
+  ChunkData* g = r.add_grads();
+  g->set_tensor(0);
+  g->set_data(std::string(reinterpret_cast<const char*>(&value), sizeof(value)));
+  state::RequestRef* req = r.add_requests();
+  req->set_worker(1);
+  req->set_request_id(1000 + seq);
+  return r;
+}
+
+TEST(ShardStoreTest, SnapshotAndLogSurviveReopen) {
+  const std::string dir = TempDir();
+  InitJobRequest layout;
+  layout.set_job("j1");
+  layout.set_num_workers(2);
+  std::map<int64_t, state::ChunkState> chunks;
+  chunks[0].set_version(0);
+  chunks[0].set_values("abcd");
+  chunks[3].set_version(0);
+  chunks[3].set_values("efgh");
+  state::JobSnapshot snap;
+  snap.set_seq(0);
+  {
+    ASSERT_OK_AND_ASSIGN(auto store, ShardStore::Open(dir, {}));
+    ASSERT_OK_AND_ASSIGN(int64_t bytes, store->WriteSnapshot("j1", &layout, chunks, snap));
+    EXPECT_GT(bytes, 8);
+    for (int64_t seq = 1; seq <= 5; ++seq) ASSERT_OK(store->AppendUpdate("j1", Record(seq, seq)));
+    // A later snapshot at seq 3 drops records 1-3 and keeps 4-5.
+    snap.set_seq(3);
+    chunks[0].set_version(3);
+    ASSERT_OK(store->WriteSnapshot("j1", nullptr, chunks, snap));
+  }
+  ASSERT_OK_AND_ASSIGN(auto store, ShardStore::Open(dir, {}));
+  ASSERT_OK_AND_ASSIGN(auto jobs, store->LoadAll());
+  ASSERT_EQ(jobs.size(), 1u);
+  EXPECT_EQ(jobs[0].layout.job(), "j1");
+  EXPECT_EQ(jobs[0].layout.num_workers(), 2);
+  EXPECT_EQ(jobs[0].snapshot.seq(), 3);
+  ASSERT_EQ(jobs[0].chunks.size(), 2u);
+  EXPECT_EQ(jobs[0].chunks.at(0).version(), 3);
+  EXPECT_EQ(jobs[0].chunks.at(3).values(), "efgh");
+  ASSERT_EQ(jobs[0].log.size(), 2u);
+  EXPECT_EQ(jobs[0].log[0].seq(), 4);
+  EXPECT_EQ(jobs[0].log[1].seq(), 5);
+  EXPECT_EQ(jobs[0].log[1].requests(0).request_id(), 1005u);
+}
+
+TEST(ShardStoreTest, JobsAreSeparateAndOrderedNumerically) {
+  const std::string dir = TempDir();
+  ASSERT_OK_AND_ASSIGN(auto store, ShardStore::Open(dir, {}));
+  for (const char* name : {"a", "a.b", "b"}) {
+    InitJobRequest layout;
+    layout.set_job(name);
+    ASSERT_OK(store->WriteSnapshot(name, &layout, {}, state::JobSnapshot()));
+  }
+  // 300 records: keys must sort numerically (hex, fixed width), not as decimal strings.
+  for (int64_t seq = 1; seq <= 300; ++seq) ASSERT_OK(store->AppendUpdate("a", Record(seq, 0)));
+  ASSERT_OK(store->AppendUpdate("b", Record(1, 0)));
+  ASSERT_OK_AND_ASSIGN(auto jobs, store->LoadAll());
+  ASSERT_EQ(jobs.size(), 3u);
+  ASSERT_EQ(jobs[0].layout.job(), "a");
+  ASSERT_EQ(jobs[0].log.size(), 300u);
+  for (int64_t i = 0; i < 300; ++i) EXPECT_EQ(jobs[0].log[i].seq(), i + 1);
+  EXPECT_EQ(jobs[1].layout.job(), "a.b");
+  EXPECT_EQ(jobs[1].log.size(), 0u);
+  EXPECT_EQ(jobs[2].log.size(), 1u);
+}
+
+TEST(ShardStoreTest, SecondOpenOfALockedDirectoryFailsClearly) {
+  const std::string dir = TempDir();
+  ASSERT_OK_AND_ASSIGN(auto store, ShardStore::Open(dir, {}));
+  EXPECT_STATUS_MSG(ShardStore::Open(dir, {}), absl::StatusCode::kInternal,
+                    "cannot open shard state in " + dir);
+}
+
+}  // namespace
+}  // namespace gradmesh
