@@ -9,8 +9,12 @@
 //   push:     gradients applied with SGD on the shard(s)
 //   pull:     current values fetched
 //   pushpull: a push followed by a pull (one training step's exchange)
-// Prints one JSON object per line: op, bytes (payload per op), shards, inflight, ops,
-// gb_per_s (payload GB/s, 1e9 bytes, summed over clients), p50_us, p99_us (per op).
+// Prints one JSON object per line: op, bytes (payload per op), shards, durability, inflight,
+// ops, gb_per_s (payload GB/s, 1e9 bytes, summed over clients), p50_us, p99_us (per op).
+//
+// Durability cost: --durability=none,periodic,every_update --ops=push
+#include <stdlib.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cstdio>
@@ -31,6 +35,7 @@
 #include "common/grpc_util.h"
 #include "server/parameter_service.h"
 #include "server/shard.h"
+#include "server/shard_store.h"
 #include "worker/parameter_client.h"
 
 ABSL_FLAG(double, seconds, 2.0, "Measurement time per configuration.");
@@ -38,6 +43,11 @@ ABSL_FLAG(int, inflight, 4, "Concurrent clients (operations in flight).");
 ABSL_FLAG(std::string, sizes, "4096,262144,4194304", "Payload sizes in bytes.");
 ABSL_FLAG(std::string, ops, "push,pull,pushpull", "Operations to measure.");
 ABSL_FLAG(std::string, shards, "1,2", "Shard counts to measure.");
+ABSL_FLAG(std::string, durability, "none",
+          "Durability settings to measure: none, periodic, every_update (comma-separated). "
+          "Durable shards keep RocksDB state in a temporary directory.");
+ABSL_FLAG(int64_t, snapshot_every_updates, 1000, "Snapshot interval for durable settings.");
+ABSL_FLAG(bool, fsync, false, "fsync the RocksDB WAL on every write.");
 
 namespace gradmesh {
 namespace {
@@ -49,9 +59,15 @@ struct ShardServer {
   std::string address;
 };
 
-std::unique_ptr<ShardServer> StartShard(const RpcOptions& rpc) {
+std::unique_ptr<ShardServer> StartShard(const RpcOptions& rpc, const std::string& data_dir) {
   auto s = std::make_unique<ShardServer>();
-  s->shard = std::move(Shard::Create(ShardOptions()).value());
+  ShardOptions options;
+  if (!data_dir.empty()) {
+    ShardStore::Options so;
+    so.fsync = absl::GetFlag(FLAGS_fsync);
+    options.store = std::move(ShardStore::Open(data_dir, so).value());
+  }
+  s->shard = std::move(Shard::Create(options).value());
   s->service = std::make_unique<ParameterServiceImpl>(s->shard.get());
   grpc::ServerBuilder builder;
   int port = 0;
@@ -74,12 +90,19 @@ int Run() {
   const double seconds = absl::GetFlag(FLAGS_seconds);
   const int inflight = absl::GetFlag(FLAGS_inflight);
   int job_id = 0;
+  for (absl::string_view durability_s : absl::StrSplit(absl::GetFlag(FLAGS_durability), ',')) {
+  const std::string durability(durability_s);
   for (absl::string_view shards_s : absl::StrSplit(absl::GetFlag(FLAGS_shards), ',')) {
     const int num_shards = std::stoi(std::string(shards_s));
     std::vector<std::unique_ptr<ShardServer>> servers;
     std::vector<std::string> addresses;
     for (int s = 0; s < num_shards; ++s) {
-      servers.push_back(StartShard(rpc));
+      std::string dir;
+      if (durability != "none") {
+        std::string tmpl = "/tmp/gradmesh-bench.XXXXXX";
+        dir = mkdtemp(tmpl.data());
+      }
+      servers.push_back(StartShard(rpc, dir));
       addresses.push_back(servers.back()->address);
     }
     for (absl::string_view size_s : absl::StrSplit(absl::GetFlag(FLAGS_sizes), ',')) {
@@ -95,6 +118,9 @@ int Run() {
       layout.optimizer.set_name("sgd");
       layout.optimizer.set_lr(1e-6);
       layout.num_workers = inflight;
+      layout.durability.set_mode(durability);
+      layout.durability.set_snapshot_every_updates(absl::GetFlag(FLAGS_snapshot_every_updates));
+      layout.durability.set_snapshot_every_seconds(30);
       std::vector<std::unique_ptr<ParameterClient>> clients;
       for (int w = 0; w < inflight; ++w) {
         GrpcParameterClientOptions co;
@@ -142,15 +168,18 @@ int Run() {
         const int64_t ops = static_cast<int64_t>(all.size());
         const double payload = static_cast<double>(ops) * bytes * (op == "pushpull" ? 2 : 1);
         std::printf(
-            "{\"op\":\"%s\",\"bytes\":%lld,\"shards\":%d,\"inflight\":%d,\"ops\":%lld,"
+            "{\"op\":\"%s\",\"bytes\":%lld,\"shards\":%d,\"durability\":\"%s\","
+            "\"inflight\":%d,\"ops\":%lld,"
             "\"gb_per_s\":%.3f,\"p50_us\":%.1f,\"p99_us\":%.1f}\n",
-            std::string(op).c_str(), static_cast<long long>(bytes), num_shards, inflight,
+            std::string(op).c_str(), static_cast<long long>(bytes), num_shards,
+            durability.c_str(), inflight,
             static_cast<long long>(ops), payload / wall / 1e9, Percentile(&all, 0.5),
             Percentile(&all, 0.99));
         std::fflush(stdout);
       }
     }
     for (auto& s : servers) s->server->Shutdown();
+  }
   }
   return 0;
 }
