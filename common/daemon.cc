@@ -2,6 +2,7 @@
 
 #include <malloc.h>
 #include <signal.h>
+#include <unistd.h>
 
 #include <cstdio>
 
@@ -31,6 +32,12 @@ std::string WaitForTerminationSignal() {
 void TuneAllocatorForLargeMessages() {
   mallopt(M_MMAP_THRESHOLD, 256 << 20);
   mallopt(M_TRIM_THRESHOLD, 1 << 30);
+}
+
+std::string HostName() {
+  char buf[256] = {0};
+  if (gethostname(buf, sizeof(buf) - 1) != 0) return "unknown";
+  return buf;
 }
 
 absl::Status WritePortFile(const std::string& path, int port) {

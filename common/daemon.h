@@ -25,6 +25,9 @@ std::string WaitForTerminationSignal();
 // Call once at the start of main().
 void TuneAllocatorForLargeMessages();
 
+// This machine's host name ("unknown" if it cannot be read); the default node name in logs.
+std::string HostName();
+
 // Writes `port` to `path` atomically (write to a temp file, then rename), so a launcher that
 // started the daemon with --port=0 can read the bound port as soon as the file exists.
 absl::Status WritePortFile(const std::string& path, int port);

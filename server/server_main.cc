@@ -54,12 +54,6 @@ struct ServerMainOptions {
   ShardOptions shard;
 };
 
-std::string HostName() {
-  char buf[256] = {0};
-  if (gethostname(buf, sizeof(buf) - 1) != 0) return "unknown";
-  return buf;
-}
-
 int Run(ServerMainOptions options) {
   Logger logger({Kv("node", options.node), Kv("role", "server")});
   options.shard.logger = &logger;

@@ -739,7 +739,23 @@ absl::Status Shard::Finish(const FinishRequest& request) {
       absl::MutexLock lock(&job->mu);
       for (const WorkerRecord& w : job->workers) all = all && w.finished;
     }
-    if (all) MaybeSnapshot(job.get(), /*force=*/true);
+    if (all) {
+      MaybeSnapshot(job.get(), /*force=*/true);
+      // The job's metrics, in one line.
+      const ConsistencyStats ps = job->policy->stats();
+      absl::MutexLock lock(&job->mu);
+      LogInfo(options_.logger, "job_stats",
+              {Kv("job", request.job()), Kv("mode", job->layout.consistency()),
+               Kv("pushes_applied", job->pushes_applied),
+               Kv("updates_applied", job->updates_applied),
+               Kv("duplicates", job->duplicates),
+               Kv("staleness_histogram", absl::StrJoin(job->staleness, ",")),
+               Kv("max_clock_lead", ps.max_clock_lead),
+               Kv("barrier_wait_s", absl::StrFormat("%.3f", ps.barrier_wait_s)),
+               Kv("snapshots", job->snapshots),
+               Kv("last_snapshot_ms", absl::StrFormat("%.1f", job->last_snapshot_s * 1e3)),
+               Kv("last_snapshot_bytes", job->last_snapshot_bytes)});
+    }
   }
   return absl::OkStatus();
 }

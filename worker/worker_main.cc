@@ -62,12 +62,6 @@ ABSL_FLAG(int64_t, step_delay_ms, 0,
 namespace gradmesh {
 namespace {
 
-std::string HostName() {
-  char buf[256] = {0};
-  if (gethostname(buf, sizeof(buf) - 1) != 0) return "unknown";
-  return buf;
-}
-
 struct WorkerMainOptions {
   TrainerOptions trainer;
   GrpcParameterClientOptions client;
