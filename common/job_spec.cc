@@ -178,7 +178,7 @@ void ApplyJobSpecDefaults(int num_servers, JobSpec* spec) {
   DurabilitySpec* d = spec->mutable_durability();
   if (d->mode().empty()) d->set_mode("none");
   if (d->snapshot_every_updates() == 0) d->set_snapshot_every_updates(1000);
-  if (d->snapshot_every_seconds() == 0 && d->mode() != "none") d->set_snapshot_every_seconds(30);
+  if (!d->has_snapshot_every_seconds() && d->mode() != "none") d->set_snapshot_every_seconds(30);
 }
 
 absl::Status ValidateJobSpec(const JobSpec& spec) {

@@ -41,6 +41,10 @@ struct WorkerRecord {
 
 enum class Durability { kNone, kPeriodic, kEveryUpdate };
 
+// every_update: snapshot once this much has been logged (well below RocksDB's 64 MiB
+// memtable), so that log records are deleted before they are flushed to disk.
+constexpr int64_t kLogBytesPerSnapshot = 32ll << 20;
+
 struct Shard::Job {
   // Constant after InitJob.
   InitJobRequest layout;  // The InitJob request without initial values.
@@ -69,6 +73,7 @@ struct Shard::Job {
   // Snapshot bookkeeping.
   bool snapshot_running ABSL_GUARDED_BY(mu) = false;
   int64_t snapshot_update ABSL_GUARDED_BY(mu) = 0;
+  int64_t logged_bytes ABSL_GUARDED_BY(mu) = 0;  // Log bytes since the last snapshot.
   absl::Time snapshot_time ABSL_GUARDED_BY(mu);
   int64_t snapshots ABSL_GUARDED_BY(mu) = 0;
   double last_snapshot_s ABSL_GUARDED_BY(mu) = 0;
@@ -397,6 +402,8 @@ absl::Status Shard::ApplyUpdate(Job* job, const ChunkUpdate& u, bool replay) {
     }
     RETURN_IF_ERROR(Annotate(options_.store->AppendUpdate(job->layout.job(), rec),
                              absl::StrCat("Push: job ", job->layout.job(), " not applied")));
+    absl::MutexLock lock(&job->mu);
+    job->logged_bytes += static_cast<int64_t>(rec.ByteSizeLong());
   }
   const Optimizer& opt = *job->optimizer;
   const OptimizerSpec& spec = job->layout.optimizer();
@@ -443,12 +450,14 @@ void Shard::MaybeSnapshot(Job* job, bool force) {
     if (job->snapshot_running) return;
     const bool by_count =
         job->updates_applied - job->snapshot_update >= d.snapshot_every_updates();
+    // Log records deleted before RocksDB flushes its memtable never reach an SST file.
+    const bool by_bytes = job->logged_bytes >= kLogBytesPerSnapshot;
     // Time-based snapshots would differ between shards of a sync job: count only there.
     const bool by_time = !job->sync_mode && d.snapshot_every_seconds() > 0 &&
                          job->updates_applied > job->snapshot_update &&
                          absl::Now() - job->snapshot_time >=
                              absl::Seconds(d.snapshot_every_seconds());
-    if (!force && !by_count && !by_time) return;
+    if (!force && !by_count && !by_time && !by_bytes) return;
     job->snapshot_running = true;
   }
   const absl::Time start = absl::Now();
@@ -491,6 +500,7 @@ void Shard::MaybeSnapshot(Job* job, bool force) {
     return;
   }
   job->snapshot_update = snap.seq();
+  job->logged_bytes = 0;
   job->snapshot_time = absl::Now();
   ++job->snapshots;
   job->last_snapshot_s = secs;
@@ -644,6 +654,13 @@ absl::StatusOr<PushResponse> Shard::Push(const PushRequest& request) {
                                                request.worker(), " request ",
                                                request.request_id(), " is still in progress"));
       }
+      ++job->duplicates;
+      response.set_duplicate(true);
+      return response;
+    }
+    if (request.step() <= w.last_step) {
+      // This worker's step was already applied here (a worker that resumed from a shard that
+      // is behind this one re-pushes it): applying it again would count it twice.
       ++job->duplicates;
       response.set_duplicate(true);
       return response;

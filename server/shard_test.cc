@@ -69,11 +69,13 @@ class ShardTest : public ::testing::Test {
   ChunkInfo Owned() { return partition_->chunks()[partition_->shard_chunks(0)[0]]; }
   ChunkInfo NotOwned() { return partition_->chunks()[partition_->shard_chunks(1)[0]]; }
 
-  PushRequest MakePush(const ChunkInfo& c, float value, uint64_t id, int32_t worker = 0) {
+  // Steps default to the request id, so a worker's steps increase with its ids.
+  PushRequest MakePush(const ChunkInfo& c, float value, uint64_t id, int32_t worker = 0,
+                       int64_t step = -1) {
     PushRequest p;
     p.set_job("j");
     p.set_worker(worker);
-    p.set_step(1);
+    p.set_step(step >= 0 ? step : static_cast<int64_t>(id));
     p.set_request_id(id);
     ChunkData* d = p.add_chunks();
     d->set_tensor(c.tensor);
@@ -279,17 +281,18 @@ TEST_F(ShardTest, StalenessIsRecorded) {
   EXPECT_EQ(info.staleness_histogram(0), 1);
   EXPECT_EQ(info.staleness_histogram(1), 1);
   EXPECT_EQ(info.staleness_histogram(2), 1);
-  EXPECT_EQ(info.workers(0).last_step(), 1);
+  EXPECT_EQ(info.workers(0).last_step(), 3);
 }
 
 TEST_F(ShardTest, ConcurrentPushersAllApplied) {
   const ChunkInfo c = Owned();
-  constexpr int kThreads = 4, kPushes = 250;
+  // One thread per worker (a worker's steps increase), two chunks' worth of contention.
+  constexpr int kThreads = 2, kPushes = 500;
   std::vector<std::thread> threads;
   for (int t = 0; t < kThreads; ++t) {
     threads.emplace_back([&, t] {
       for (int i = 0; i < kPushes; ++i) {
-        EXPECT_OK(shard_->Push(MakePush(c, 0.25f, t * 100000 + i, t % 2)));
+        EXPECT_OK(shard_->Push(MakePush(c, 0.25f, t * 100000 + i, t)));
       }
     });
   }
@@ -299,6 +302,31 @@ TEST_F(ShardTest, ConcurrentPushersAllApplied) {
   EXPECT_EQ(version, kThreads * kPushes);
   // Each push subtracts 0.5 * 0.25 = 0.125 exactly (representable), 1000 times.
   EXPECT_EQ(v[0], 100 * c.tensor + c.offset - 125.0f);
+}
+
+TEST_F(ShardTest, PushOfAnAlreadyAppliedStepIsADuplicate) {
+  const ChunkInfo c = Owned();
+  ASSERT_OK(shard_->Push(MakePush(c, 1.0f, /*id=*/10, /*worker=*/0, /*step=*/5)));
+  // A different request id for step 5 or an earlier step (a resumed worker re-pushing): not
+  // applied again.
+  for (int64_t step : {5, 3}) {
+    ASSERT_OK_AND_ASSIGN(PushResponse r, shard_->Push(MakePush(c, 1.0f, 20 + step, 0, step)));
+    EXPECT_TRUE(r.duplicate()) << "step " << step;
+  }
+  // The other worker's step 5 and this worker's step 6 are new.
+  ASSERT_OK_AND_ASSIGN(PushResponse other, shard_->Push(MakePush(c, 1.0f, 30, 1, 5)));
+  EXPECT_FALSE(other.duplicate());
+  ASSERT_OK_AND_ASSIGN(PushResponse next, shard_->Push(MakePush(c, 1.0f, 31, 0, 6)));
+  EXPECT_FALSE(next.duplicate());
+  int64_t version = -1;
+  std::vector<float> v = PullOne(c, &version);
+  EXPECT_EQ(version, 3);
+  EXPECT_EQ(v[0], 100 * c.tensor + c.offset - 1.5f);
+  JobInfoRequest q;
+  q.set_job("j");
+  ASSERT_OK_AND_ASSIGN(JobInfoResponse info, shard_->GetJobInfo(q));
+  EXPECT_EQ(info.duplicates_dropped(), 2);
+  EXPECT_EQ(info.pushes_applied(), 3);
 }
 
 TEST_F(ShardTest, FinishMarksWorker) {

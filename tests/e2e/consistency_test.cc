@@ -1,0 +1,300 @@
+// End-to-end tests of the consistency modes with the real daemons on 127.0.0.1 (2 shards,
+// 2 workers as subprocesses; see tests/e2e/e2e_harness.h).
+//
+// * SyncMatchesSingleProcessSgd: --mode=sync training is, up to float rounding, the same
+//   computation as one LibTorch process running plain SGD with the combined batch. The final
+//   parameters pulled from the shards are compared with a reference trained in this process.
+// * SspBoundsClockLead: with a slow worker (--step_delay_ms), ssp:2 lets the fast worker run
+//   exactly 2 clocks ahead and never more; ssp:0 is lock-step (lead 0).
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <iostream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/types/span.h"
+#include "common/partitioner.h"
+#include "common/status_testing.h"
+#include "gtest/gtest.h"
+#include "proto/gradmesh.pb.h"
+#include "tests/e2e/e2e_harness.h"
+#include "tests/testing/subprocess.h"
+#include "worker/dataset.h"
+#include "worker/model.h"
+#include "worker/parameter_client.h"
+
+namespace gradmesh {
+namespace e2e {
+namespace {
+
+using testutil::LinesWith;
+using testutil::LogField;
+using testutil::ReadFile;
+
+constexpr int kShards = 2;
+constexpr int kWorkers = 2;
+
+class ConsistencyTest : public E2eHarness {};
+
+// Why a 2-worker sync run equals one process with batch 64:
+// * Data: BatchLoader shards like PyTorch's DistributedSampler (worker/dataset.h). Both the
+//   workers and the reference use the same per-epoch permutation (seed 7); batch t of worker r
+//   is { perm[(t*32 + j)*2 + r] : j < 32 }, so the union of the two workers' batch t is
+//   perm[64t, 64t+64): exactly batch t of the single process with batch size 64, world 1.
+// * Initial weights: CreateModel(mlp, seed 7) seeds LibTorch's RNG, so the workers (whose
+//   InitJob sets the shards' values) and the reference start from identical parameters.
+// * Gradients: each worker's loss is the mean cross-entropy over its 32 samples; a sync shard
+//   waits for both workers' pushes of step t and averages them in rank order, (g0 + g1) / 2,
+//   which is the gradient of the mean over all 64 samples (only the float summation order
+//   differs). Every worker pulls after its push, and a sync push is acknowledged only once
+//   the step is applied, so step t+1's gradients are computed at exactly the parameters of
+//   step t, as in the single process.
+// * Update: the shards' "sgd" (no momentum, no weight decay, constant schedule) is
+//   p -= lr * g, the same as torch::optim::SGD (server/optimizer_test.cc checks the two
+//   against each other).
+// So after 50 steps the parameters agree up to accumulated float rounding (~1e-7 relative).
+TEST_F(ConsistencyTest, SyncMatchesSingleProcessSgd) {
+  if (!HaveMnist()) GTEST_SKIP() << "MNIST files not found under " << DataDir() << "/mnist";
+  constexpr int64_t kSteps = 50;
+  constexpr int kBatch = 32;
+  constexpr uint64_t kSeed = 7;
+  constexpr double kLr = 0.05;
+  constexpr double kTolerance = 1e-5;
+  const std::string job = "e2e-sync-equivalence";
+
+  ASSERT_NO_FATAL_FAILURE(StartServers(kShards));
+  std::vector<std::unique_ptr<Subprocess>> workers;
+  for (int r = 0; r < kWorkers; ++r) {
+    workers.push_back(StartWorker(
+        absl::StrCat("worker", r),
+        {ServersFlag(), absl::StrCat("--rank=", r), absl::StrCat("--num_workers=", kWorkers),
+         "--name=" + job, "--mode=sync", "--optimizer=sgd", absl::StrCat("--lr=", kLr),
+         "--lr_schedule=constant", absl::StrCat("--batch_size=", kBatch),
+         absl::StrCat("--steps=", kSteps), "--model=mlp", "--dataset=mnist",
+         absl::StrCat("--seed=", kSeed), "--evaluate=false", "--log_every=10",
+         "--data_dir=" + DataDir()}));
+    ASSERT_NE(workers.back(), nullptr);
+  }
+  const std::vector<int> codes = WaitAll({workers[0].get(), workers[1].get()}, absl::Minutes(3));
+  for (int r = 0; r < kWorkers; ++r) {
+    ASSERT_EQ(codes[r], 0) << "worker " << r;
+    const std::string done = DoneLine(ReadFile(workers[r]->log_path()));
+    ASSERT_FALSE(done.empty()) << "worker " << r;
+    EXPECT_EQ(ToInt(LogField(done, "steps")), kSteps) << done;
+    EXPECT_EQ(ToInt(LogField(done, "samples")), kSteps * kBatch) << done;
+    EXPECT_EQ(ToInt(LogField(done, "first_step")), 0) << done;
+  }
+
+  // Accounting on each shard: one update per step, both workers' pushes in each, no staleness.
+  for (int s = 0; s < kShards; ++s) {
+    SCOPED_TRACE(absl::StrCat("shard ", s));
+    ASSERT_OK_AND_ASSIGN(JobInfoResponse info, GetJobInfo(addresses_[s], job));
+    EXPECT_EQ(info.consistency(), "sync");
+    EXPECT_EQ(info.updates_applied(), kSteps);
+    EXPECT_EQ(info.pushes_applied(), kWorkers * kSteps);
+    EXPECT_EQ(info.duplicates_dropped(), 0);
+    ASSERT_EQ(info.workers_size(), kWorkers);
+    for (int w = 0; w < kWorkers; ++w) {
+      EXPECT_EQ(info.workers(w).last_step(), kSteps - 1) << "worker " << w;
+      EXPECT_EQ(info.workers(w).pushes_applied(), kSteps) << "worker " << w;
+      EXPECT_TRUE(info.workers(w).finished()) << "worker " << w;
+    }
+    // Each update touches every chunk the shard owns once.
+    std::vector<int64_t> numels;
+    for (const TensorSpec& t : info.tensors()) {
+      int64_t n = 1;
+      for (int64_t d : t.shape()) n *= d;
+      numels.push_back(n);
+    }
+    ASSERT_OK_AND_ASSIGN(Partition partition,
+                         Partition::Create(numels, info.chunk_elems(), kShards));
+    const int64_t owned_chunks = static_cast<int64_t>(partition.shard_chunks(s).size());
+    EXPECT_GT(owned_chunks, 0);
+    int64_t total = 0;
+    for (int64_t n : info.staleness_histogram()) total += n;
+    EXPECT_EQ(total, kSteps * owned_chunks);
+    ASSERT_GE(info.staleness_histogram_size(), 1);
+    EXPECT_EQ(info.staleness_histogram(0), total)
+        << "sync has no staleness: [" << absl::StrJoin(info.staleness_histogram(), ",") << "]";
+  }
+
+  // The reference: one process, batch 64 = 2 x 32, plain SGD with torch::optim.
+  torch::set_num_threads(1);
+  ModelSpec model_spec;
+  model_spec.set_name("mlp");
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Model> model, CreateModel(model_spec, kSeed));
+  std::vector<torch::Tensor> params = model->Parameters();
+  const std::vector<std::string> names = model->ParameterNames();
+  std::vector<torch::Tensor> initial;
+  for (const torch::Tensor& p : params) initial.push_back(p.detach().clone());
+
+  // The shards' final values, pulled with the real client (the job exists: no InitJob).
+  JobLayout layout;
+  layout.job = job;
+  layout.chunk_elems = (int64_t{1} << 20) / 4;  // The default 1 MiB chunk_bytes.
+  layout.consistency = "sync";
+  layout.num_workers = kWorkers;
+  for (size_t i = 0; i < params.size(); ++i) {
+    TensorSpec t;
+    t.set_name(names[i]);
+    for (int64_t d : params[i].sizes()) t.add_shape(d);
+    layout.tensors.push_back(t);
+  }
+  {
+    ASSERT_OK_AND_ASSIGN(JobInfoResponse info, GetJobInfo(addresses_[0], job));
+    EXPECT_EQ(info.chunk_elems(), layout.chunk_elems);
+    ASSERT_EQ(info.tensors_size(), static_cast<int>(layout.tensors.size()));
+    for (int t = 0; t < info.tensors_size(); ++t) {
+      EXPECT_EQ(info.tensors(t).DebugString(), layout.tensors[t].DebugString()) << "tensor " << t;
+    }
+  }
+  GrpcParameterClientOptions client_options;
+  client_options.servers = addresses_;
+  client_options.worker = 0;
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<ParameterClient> client,
+                       NewGrpcParameterClient(layout, client_options));
+  std::vector<torch::Tensor> pulled;
+  std::vector<absl::Span<float>> spans;
+  for (const torch::Tensor& p : params) {
+    pulled.push_back(torch::full_like(p.detach(), std::nanf("")));
+    spans.emplace_back(pulled.back().data_ptr<float>(), pulled.back().numel());
+  }
+  ASSERT_OK(client->Pull(spans));
+
+  ASSERT_OK_AND_ASSIGN(DatasetFiles data, LoadDataset("mnist", DataDir() + "/mnist"));
+  BatchLoader::Options lo;
+  lo.rank = 0;
+  lo.world_size = 1;
+  lo.batch_size = kWorkers * kBatch;
+  lo.max_steps = kSteps;
+  lo.seed = kSeed;
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<BatchLoader> loader,
+                       BatchLoader::Create(&data.train, data.mean, data.stddev, lo));
+  torch::optim::SGD sgd(params, torch::optim::SGDOptions(kLr));
+  for (int64_t t = 0; t < kSteps; ++t) {
+    std::optional<Batch> batch = loader->Next();
+    ASSERT_TRUE(batch.has_value()) << "step " << t;
+    ASSERT_EQ(batch->size, kWorkers * kBatch);
+    torch::Tensor x = torch::from_blob(batch->x.data(),
+                                       {batch->size, 1, data.train.rows, data.train.cols},
+                                       torch::kFloat);
+    torch::Tensor y = torch::from_blob(batch->y.data(), {batch->size}, torch::kLong);
+    sgd.zero_grad();
+    ASSERT_OK_AND_ASSIGN(torch::Tensor loss, CrossEntropyLoss(model.get(), x, y));
+    loss.backward();
+    sgd.step();
+  }
+  EXPECT_FALSE(loader->Next().has_value());
+
+  double max_rel = 0;
+  std::string worst;
+  for (size_t i = 0; i < params.size(); ++i) {
+    SCOPED_TRACE(names[i]);
+    const torch::Tensor ref = params[i].detach().to(torch::kDouble);
+    const torch::Tensor got = pulled[i].to(torch::kDouble);
+    ASSERT_TRUE(torch::isfinite(got).all().item<bool>()) << "pull left NaNs";
+    const double ref_norm = ref.norm().item<double>();
+    ASSERT_GT(ref_norm, 0);
+    const double rel = (got - ref).norm().item<double>() / ref_norm;
+    // Not vacuous: training moved every tensor far more than the tolerance.
+    const double moved =
+        (ref - initial[i].to(torch::kDouble)).norm().item<double>() / ref_norm;
+    EXPECT_GT(moved, 100 * kTolerance);
+    EXPECT_LE(rel, kTolerance) << "||shards - reference|| / ||reference||";
+    std::cout << absl::StrFormat("%-12s rel. error %.3e (moved %.3e)\n", names[i], rel, moved);
+    if (rel >= max_rel) {
+      max_rel = rel;
+      worst = names[i];
+    }
+  }
+  std::cout << "sync vs single-process SGD: max relative error " << max_rel << " (" << worst
+            << ")\n";
+  RecordProperty("max_relative_error", absl::StrFormat("%.3e", max_rel));
+  ASSERT_NO_FATAL_FAILURE(StopServers());
+}
+
+// One ssp run: rank 1 sleeps `delay_ms` before every step, rank 0 runs free.
+struct SspResult {
+  std::vector<JobInfoResponse> infos;
+};
+
+class SspTest : public ConsistencyTest {
+ protected:
+  void RunSsp(const std::string& job, int bound, int64_t steps, int delay_ms, SspResult* out) {
+    std::vector<std::unique_ptr<Subprocess>> workers;
+    for (int r = 0; r < kWorkers; ++r) {
+      std::vector<std::string> args = {
+          ServersFlag(), absl::StrCat("--rank=", r), absl::StrCat("--num_workers=", kWorkers),
+          "--name=" + job, absl::StrCat("--mode=ssp:", bound), "--optimizer=adam",
+          "--lr=0.001", absl::StrCat("--steps=", steps), "--evaluate=false",
+          "--log_every=10", "--data_dir=" + DataDir()};
+      if (r == 1) args.push_back(absl::StrCat("--step_delay_ms=", delay_ms));
+      workers.push_back(StartWorker(absl::StrCat(job, "-worker", r), args));
+      ASSERT_NE(workers.back(), nullptr);
+    }
+    const std::vector<int> codes =
+        WaitAll({workers[0].get(), workers[1].get()}, absl::Minutes(3));
+    std::vector<double> wall(kWorkers);
+    for (int r = 0; r < kWorkers; ++r) {
+      ASSERT_EQ(codes[r], 0) << "worker " << r;
+      const std::string done = DoneLine(ReadFile(workers[r]->log_path()));
+      ASSERT_FALSE(done.empty()) << "worker " << r;
+      EXPECT_EQ(ToInt(LogField(done, "steps")), steps) << done;
+      wall[r] = ToDouble(LogField(done, "wall_s"));
+    }
+    for (int s = 0; s < kShards; ++s) {
+      ASSERT_OK_AND_ASSIGN(JobInfoResponse info, GetJobInfo(addresses_[s], job));
+      std::cout << job << " shard " << s << ": max_clock_lead " << info.max_clock_lead()
+                << ", barrier_wait_s " << info.barrier_wait_s() << "; workers' wall_s "
+                << wall[0] << ", " << wall[1] << "\n";
+      out->infos.push_back(std::move(info));
+    }
+  }
+};
+
+TEST_F(SspTest, SspBoundsClockLead) {
+  if (!HaveMnist()) GTEST_SKIP() << "MNIST files not found under " << DataDir() << "/mnist";
+  constexpr int kDelayMs = 25;
+  ASSERT_NO_FATAL_FAILURE(StartServers(kShards));
+  struct Case {
+    std::string job;
+    int bound;
+    int64_t steps;
+  };
+  for (const Case& c : {Case{"e2e-ssp2", 2, 60}, Case{"e2e-ssp0", 0, 30}}) {
+    SCOPED_TRACE(c.job);
+    SspResult result;
+    ASSERT_NO_FATAL_FAILURE(RunSsp(c.job, c.bound, c.steps, kDelayMs, &result));
+    for (int s = 0; s < kShards; ++s) {
+      SCOPED_TRACE(absl::StrCat("shard ", s));
+      const JobInfoResponse& info = result.infos[s];
+      EXPECT_EQ(info.consistency(), absl::StrCat("ssp:", c.bound));
+      // The fast worker ran ahead to the bound, and never beyond it.
+      EXPECT_EQ(info.max_clock_lead(), c.bound);
+      // ... so its pulls had to wait for the slow worker.
+      EXPECT_GT(info.barrier_wait_s(), 0);
+      // Pushes are applied on arrival: one update per push.
+      EXPECT_EQ(info.pushes_applied(), kWorkers * c.steps);
+      EXPECT_EQ(info.updates_applied(), kWorkers * c.steps);
+      EXPECT_EQ(info.duplicates_dropped(), 0);
+      ASSERT_EQ(info.workers_size(), kWorkers);
+      for (int w = 0; w < kWorkers; ++w) {
+        EXPECT_EQ(info.workers(w).pushes_applied(), c.steps) << "worker " << w;
+        EXPECT_EQ(info.workers(w).last_step(), c.steps - 1) << "worker " << w;
+        EXPECT_TRUE(info.workers(w).finished()) << "worker " << w;
+      }
+    }
+  }
+  ASSERT_NO_FATAL_FAILURE(StopServers());
+}
+
+}  // namespace
+}  // namespace e2e
+}  // namespace gradmesh
