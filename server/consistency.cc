@@ -141,9 +141,12 @@ class SyncPolicy final : public ConsistencyPolicy {
       c.grads.emplace_back(push.grads[i], push.grads[i] + push.numels[i]);
     }
     step->contributions[me.worker] = std::move(c);
+    step->withdrew[me.worker] = false;
     step->chunks = push.chunks;
     step->numels = push.numels;
-    step->base_versions = push.base_versions;
+    // Staleness of the averaged update is measured from rank 0's view when it is here (so it
+    // does not depend on arrival order).
+    if (me.worker == 0 || step->arrived == 0) step->base_versions = push.base_versions;
     ++step->arrived;
 
     if (step->arrived == num_workers_) {
@@ -180,16 +183,24 @@ class SyncPolicy final : public ConsistencyPolicy {
     wait_s_ += absl::ToDoubleSeconds(absl::Now() - start);
     if (ok) return step->result;
     // Timed out: withdraw this worker's contribution so nothing of it is applied.
-    std::vector<int32_t> missing;
+    std::vector<int32_t> missing, gave_up;
     for (int32_t w = 0; w < num_workers_; ++w) {
-      if (!step->contributions[w].has_value()) missing.push_back(w);
+      if (step->withdrew[w]) {
+        gave_up.push_back(w);
+      } else if (!step->contributions[w].has_value()) {
+        missing.push_back(w);
+      }
     }
     step->contributions[me.worker].reset();
+    step->withdrew[me.worker] = true;
     --step->arrived;
     if (step->arrived == 0) steps_.erase(me.step);
     return absl::FailedPreconditionError(absl::StrCat(
         "sync barrier for step ", me.step, " timed out after ", absl::FormatDuration(timeout_),
-        ": workers [", absl::StrJoin(missing, ", "), "] did not push; nothing was applied"));
+        ": workers [", absl::StrJoin(missing, ", "), "] did not push",
+        gave_up.empty() ? "" : absl::StrCat(" (workers [", absl::StrJoin(gave_up, ", "),
+                                            "] pushed but gave up first)"),
+        "; nothing was applied"));
   }
 
   absl::Status BeforePull(int32_t) override { return absl::OkStatus(); }
@@ -207,8 +218,9 @@ class SyncPolicy final : public ConsistencyPolicy {
     std::vector<std::vector<float>> grads;  // Per chunk.
   };
   struct Step {
-    explicit Step(int32_t n) : contributions(n) {}
+    explicit Step(int32_t n) : contributions(n), withdrew(n, false) {}
     std::vector<std::optional<Contribution>> contributions;
+    std::vector<bool> withdrew;  // Pushed, then timed out and withdrew.
     std::vector<int64_t> chunks, numels, base_versions;
     int32_t arrived = 0;
     bool done = false;

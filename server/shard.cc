@@ -265,6 +265,11 @@ absl::StatusOr<std::shared_ptr<Shard::Job>> Shard::BuildJob(const InitJobRequest
   if (!policy.ok()) return Annotate(policy.status(), absl::StrCat("InitJob: job ", layout.job()));
   job->policy = std::move(policy).value();
   job->sync_mode = job->policy->mode() == "sync";
+  if (layout.staleness_damping() && job->policy->mode() != "async") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "InitJob: job ", layout.job(), " asks for staleness_damping, which applies to async "
+        "mode only (mode is ", job->policy->mode(), ")"));
+  }
   ASSIGN_OR_RETURN(job->durability, ParseDurability(layout.durability()));
   if (job->durability != Durability::kNone && options_.store == nullptr) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -337,21 +342,32 @@ absl::StatusOr<InitJobResponse> Shard::InitJob(const InitJobRequest& request) {
   }
   InitJobResponse response;
   {
-    absl::MutexLock lock(&mu_);
-    auto [it, inserted] = jobs_.emplace(request.job(), job);
-    if (!inserted && !google::protobuf::util::MessageDifferencer::Equals(it->second->layout,
-                                                                         layout)) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "InitJob: job ", request.job(), " was created concurrently with a different layout"));
+    // Creation is serialised, so the job becomes durable before it becomes visible: no push
+    // can be acknowledged for a job whose layout and initial values are not in the store.
+    absl::MutexLock init_lock(&init_mu_);
+    {
+      absl::MutexLock lock(&mu_);
+      auto it = jobs_.find(request.job());
+      if (it != jobs_.end()) {
+        if (!google::protobuf::util::MessageDifferencer::Equals(it->second->layout, layout)) {
+          return absl::FailedPreconditionError(absl::StrCat(
+              "InitJob: job ", request.job(),
+              " was created concurrently with a different layout"));
+        }
+        response.set_created(false);
+        return response;
+      }
     }
-    response.set_created(inserted);
-  }
-  if (response.created()) {
     if (job->durability != Durability::kNone) {
-      // The layout and initial values become durable together (one batch), before any push
-      // can be acknowledged.
-      MaybeSnapshot(job.get(), /*force=*/true);
+      RETURN_IF_ERROR(Annotate(MaybeSnapshot(job.get(), /*force=*/true),
+                               absl::StrCat("InitJob: job ", request.job(),
+                                            " could not be made durable; not created")));
     }
+    absl::MutexLock lock(&mu_);
+    jobs_.emplace(request.job(), job);
+    response.set_created(true);
+  }
+  {
     LogInfo(options_.logger, "job_created",
             {Kv("job", request.job()), Kv("shard", me), Kv("chunks", job->chunks.size()),
              Kv("elements", job->owned_elements), Kv("optimizer", layout.optimizer().name()),
@@ -442,12 +458,18 @@ absl::Status Shard::ApplyUpdate(Job* job, const ChunkUpdate& u, bool replay) {
   return absl::OkStatus();
 }
 
-void Shard::MaybeSnapshot(Job* job, bool force) {
-  if (job->durability == Durability::kNone) return;
+absl::Status Shard::MaybeSnapshot(Job* job, bool force) {
+  if (job->durability == Durability::kNone) return absl::OkStatus();
   const DurabilitySpec& d = job->layout.durability();
   {
     absl::MutexLock lock(&job->mu);
-    if (job->snapshot_running) return;
+    if (force) {
+      // A forced snapshot must capture the state as of now: wait for one in progress.
+      job->mu.Await(absl::Condition(
+          +[](bool* running) { return !*running; }, &job->snapshot_running));
+    } else if (job->snapshot_running) {
+      return absl::OkStatus();
+    }
     const bool by_count =
         job->updates_applied - job->snapshot_update >= d.snapshot_every_updates();
     // Log records deleted before RocksDB flushes its memtable never reach an SST file.
@@ -457,7 +479,7 @@ void Shard::MaybeSnapshot(Job* job, bool force) {
                          job->updates_applied > job->snapshot_update &&
                          absl::Now() - job->snapshot_time >=
                              absl::Seconds(d.snapshot_every_seconds());
-    if (!force && !by_count && !by_time && !by_bytes) return;
+    if (!force && !by_count && !by_time && !by_bytes) return absl::OkStatus();
     job->snapshot_running = true;
   }
   const absl::Time start = absl::Now();
@@ -497,7 +519,7 @@ void Shard::MaybeSnapshot(Job* job, bool force) {
   if (!bytes.ok()) {
     LogError(options_.logger, "snapshot_failed",
              {Kv("job", job->layout.job()), Kv("error", bytes.status().ToString())});
-    return;
+    return bytes.status();
   }
   job->snapshot_update = snap.seq();
   job->logged_bytes = 0;
@@ -508,6 +530,7 @@ void Shard::MaybeSnapshot(Job* job, bool force) {
   LogInfo(options_.logger, "snapshot",
           {Kv("job", job->layout.job()), Kv("update", snap.seq()), Kv("bytes", *bytes),
            Kv("ms", absl::StrFormat("%.1f", secs * 1e3))});
+  return absl::OkStatus();
 }
 
 absl::Status Shard::Restore() {
@@ -683,7 +706,9 @@ absl::StatusOr<PushResponse> Shard::Push(const PushRequest& request) {
     absl::MutexLock lock(&chunk->mu);
     response.add_new_versions(chunk->version);
   }
-  MaybeSnapshot(job.get(), /*force=*/false);
+  // A failed periodic snapshot is logged; the push itself was applied (and, for
+  // every_update, logged), so it still succeeds.
+  (void)MaybeSnapshot(job.get(), /*force=*/false);
   return response;
 }
 
@@ -757,7 +782,7 @@ absl::Status Shard::Finish(const FinishRequest& request) {
       for (const WorkerRecord& w : job->workers) all = all && w.finished;
     }
     if (all) {
-      MaybeSnapshot(job.get(), /*force=*/true);
+      (void)MaybeSnapshot(job.get(), /*force=*/true);  // Logged on failure.
       // The job's metrics, in one line.
       const ConsistencyStats ps = job->policy->stats();
       absl::MutexLock lock(&job->mu);

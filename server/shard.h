@@ -85,11 +85,13 @@ class Shard {
   absl::StatusOr<std::shared_ptr<Job>> BuildJob(const InitJobRequest& layout) const;
   // Logs (durable jobs, unless replaying) and applies an update; records its requests.
   absl::Status ApplyUpdate(Job* job, const ChunkUpdate& update, bool replay);
-  // Writes a snapshot if the job's durability policy says one is due (or `force`).
-  void MaybeSnapshot(Job* job, bool force);
+  // Writes a snapshot if the job's durability policy says one is due, or now if `force`
+  // (waiting for one in progress). Errors are logged and returned.
+  absl::Status MaybeSnapshot(Job* job, bool force);
   absl::Status Restore();
 
   const ShardOptions options_;
+  absl::Mutex init_mu_;  // Serialises job creation (taken before mu_).
   absl::Mutex mu_;
   absl::flat_hash_map<std::string, std::shared_ptr<Job>> jobs_ ABSL_GUARDED_BY(mu_);
 };

@@ -1,0 +1,626 @@
+#include "server/consistency.h"
+
+#include <atomic>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "common/status_testing.h"
+#include "gtest/gtest.h"
+
+namespace gradmesh {
+namespace {
+
+// What an ApplyFn was called with, copied (the update's buffers die with the call).
+struct AppliedUpdate {
+  const ChunkUpdate* address = nullptr;
+  std::vector<int64_t> chunks;
+  std::vector<int64_t> numels;
+  std::vector<std::vector<float>> grads;
+  std::vector<int64_t> base_versions;
+  std::vector<RequestRef> requests;
+};
+
+// A fake ApplyFn: records every call and returns a fixed status.
+class FakeApply {
+ public:
+  explicit FakeApply(absl::Status result = absl::OkStatus()) : result_(std::move(result)) {}
+
+  ApplyFn fn() {
+    return [this](const ChunkUpdate& u) {
+      AppliedUpdate a;
+      a.address = &u;
+      a.chunks = u.chunks;
+      a.numels = u.numels;
+      for (size_t i = 0; i < u.grads.size(); ++i) {
+        a.grads.emplace_back(u.grads[i], u.grads[i] + u.numels[i]);
+      }
+      a.base_versions = u.base_versions;
+      a.requests = u.requests;
+      absl::MutexLock lock(&mu_);
+      calls_.push_back(std::move(a));
+      return result_;
+    };
+  }
+
+  int calls() const {
+    absl::MutexLock lock(&mu_);
+    return static_cast<int>(calls_.size());
+  }
+  std::vector<AppliedUpdate> records() const {
+    absl::MutexLock lock(&mu_);
+    return calls_;
+  }
+
+ private:
+  const absl::Status result_;
+  mutable absl::Mutex mu_;
+  std::vector<AppliedUpdate> calls_ ABSL_GUARDED_BY(mu_);
+};
+
+// A push that owns its gradient buffers.
+struct OwnedPush {
+  std::vector<std::vector<float>> data;
+  ChunkUpdate update;
+};
+
+std::unique_ptr<OwnedPush> MakePush(int32_t worker, int64_t step, std::vector<int64_t> chunks,
+                                    std::vector<std::vector<float>> grads,
+                                    std::vector<int64_t> base_versions = {}) {
+  auto p = std::make_unique<OwnedPush>();
+  p->data = std::move(grads);
+  p->update.chunks = std::move(chunks);
+  for (const auto& g : p->data) {
+    p->update.numels.push_back(static_cast<int64_t>(g.size()));
+    p->update.grads.push_back(g.data());
+  }
+  if (base_versions.empty()) base_versions.assign(p->update.chunks.size(), 0);
+  p->update.base_versions = std::move(base_versions);
+  p->update.requests.push_back({worker, step, static_cast<uint64_t>(1000 * worker + step + 1)});
+  return p;
+}
+
+// A single-chunk push of `n` copies of `value`.
+std::unique_ptr<OwnedPush> SimplePush(int32_t worker, int64_t step, float value = 1.0f) {
+  return MakePush(worker, step, {0}, {std::vector<float>(2, value)});
+}
+
+// Runs OnPush on its own thread.
+class PushThread {
+ public:
+  PushThread(ConsistencyPolicy* policy, std::unique_ptr<OwnedPush> push, ApplyFn apply)
+      : push_(std::move(push)) {
+    thread_ = std::thread([this, policy, apply = std::move(apply)] {
+      status_ = policy->OnPush(push_->update, apply);
+      done_.Notify();
+    });
+  }
+  ~PushThread() { thread_.join(); }
+  bool done() const { return done_.HasBeenNotified(); }
+  bool WaitFor(absl::Duration d) { return done_.WaitForNotificationWithTimeout(d); }
+  absl::Status status() {
+    done_.WaitForNotification();
+    return status_;
+  }
+
+ private:
+  std::unique_ptr<OwnedPush> push_;
+  absl::Status status_;
+  absl::Notification done_;
+  std::thread thread_;
+};
+
+// Runs BeforePull on its own thread.
+class PullThread {
+ public:
+  PullThread(ConsistencyPolicy* policy, int32_t worker) {
+    thread_ = std::thread([this, policy, worker] {
+      status_ = policy->BeforePull(worker);
+      done_.Notify();
+    });
+  }
+  ~PullThread() { thread_.join(); }
+  bool done() const { return done_.HasBeenNotified(); }
+  bool WaitFor(absl::Duration d) { return done_.WaitForNotificationWithTimeout(d); }
+  absl::Status status() {
+    done_.WaitForNotification();
+    return status_;
+  }
+
+ private:
+  absl::Status status_;
+  absl::Notification done_;
+  std::thread thread_;
+};
+
+std::unique_ptr<ConsistencyPolicy> MakePolicy(const std::string& mode, int32_t workers,
+                                              absl::Duration timeout = absl::Seconds(10)) {
+  ConsistencyConfig c;
+  c.mode = mode;
+  c.num_workers = workers;
+  c.barrier_timeout = timeout;
+  auto p = ConsistencyRegistry::WithBuiltins().Create(c);
+  EXPECT_TRUE(p.ok()) << p.status();
+  return p.ok() ? std::move(p).value() : nullptr;
+}
+
+absl::Status CreateStatus(const std::string& mode, int32_t workers = 2,
+                          absl::Duration timeout = absl::Seconds(1)) {
+  ConsistencyConfig c;
+  c.mode = mode;
+  c.num_workers = workers;
+  c.barrier_timeout = timeout;
+  return ConsistencyRegistry::WithBuiltins().Create(c).status();
+}
+
+// How long a blocked call is watched to make sure it stays blocked.
+constexpr absl::Duration kStaysBlocked = absl::Milliseconds(100);
+// Bound for something that must happen promptly (generous, for loaded machines).
+constexpr absl::Duration kPromptly = absl::Seconds(5);
+
+// ---------------------------------------------------------------------------------------------
+// Registry
+
+TEST(ConsistencyRegistryTest, BuiltinModes) {
+  EXPECT_EQ(ConsistencyRegistry::WithBuiltins().names(),
+            (std::vector<std::string>{"async", "ssp", "sync"}));
+  for (const std::string mode : {"async", "sync", "ssp:0", "ssp:3"}) {
+    auto p = MakePolicy(mode, 2);
+    ASSERT_NE(p, nullptr) << mode;
+    EXPECT_EQ(p->mode(), mode);
+  }
+  // A bound with leading zeros parses; mode() is canonical.
+  EXPECT_EQ(MakePolicy("ssp:03", 2)->mode(), "ssp:3");
+}
+
+TEST(ConsistencyRegistryTest, BadSspBound) {
+  for (const std::string mode : {"ssp", "ssp:", "ssp:-1", "ssp:x", "ssp:1.5"}) {
+    EXPECT_STATUS_MSG(CreateStatus(mode), absl::StatusCode::kInvalidArgument,
+                      "staleness bound >= 0, as in \"ssp:3\"; got \"" + mode +
+                          (mode == "ssp" ? ":" : "") + "\"")
+        << mode;
+  }
+}
+
+TEST(ConsistencyRegistryTest, ParameterForParameterlessModes) {
+  EXPECT_STATUS_MSG(CreateStatus("sync:1"), absl::StatusCode::kInvalidArgument,
+                    "consistency mode \"sync\" takes no parameter, got \"1\"");
+  EXPECT_STATUS_MSG(CreateStatus("async:fast"), absl::StatusCode::kInvalidArgument,
+                    "consistency mode \"async\" takes no parameter, got \"fast\"");
+}
+
+TEST(ConsistencyRegistryTest, UnknownMode) {
+  EXPECT_STATUS_MSG(CreateStatus("bogus"), absl::StatusCode::kInvalidArgument,
+                    "unknown consistency mode \"bogus\" (known: async, ssp, sync;");
+  EXPECT_STATUS_MSG(CreateStatus("bogus:3"), absl::StatusCode::kInvalidArgument,
+                    "unknown consistency mode \"bogus:3\" (known: async, ssp, sync;");
+  EXPECT_STATUS_MSG(CreateStatus(""), absl::StatusCode::kInvalidArgument,
+                    "unknown consistency mode \"\"");
+}
+
+TEST(ConsistencyRegistryTest, BadConfig) {
+  EXPECT_STATUS_MSG(CreateStatus("async", 0), absl::StatusCode::kInvalidArgument,
+                    "num_workers must be > 0, got 0");
+  EXPECT_STATUS_MSG(CreateStatus("sync", -2), absl::StatusCode::kInvalidArgument,
+                    "num_workers must be > 0, got -2");
+  EXPECT_STATUS_MSG(CreateStatus("ssp:1", 2, absl::ZeroDuration()),
+                    absl::StatusCode::kInvalidArgument, "barrier timeout must be > 0");
+}
+
+TEST(ConsistencyRegistryTest, CustomFactoryGetsParamAndConfig) {
+  ConsistencyRegistry r = ConsistencyRegistry::WithBuiltins();
+  std::string seen_param;
+  int32_t seen_workers = 0;
+  r.Register("custom", [&](const ConsistencyConfig& c, const std::string& param)
+                           -> absl::StatusOr<std::unique_ptr<ConsistencyPolicy>> {
+    seen_param = param;
+    seen_workers = c.num_workers;
+    return absl::UnimplementedError("custom factory ran");
+  });
+  EXPECT_EQ(r.names(), (std::vector<std::string>{"async", "custom", "ssp", "sync"}));
+  ConsistencyConfig c;
+  c.mode = "custom:a:b";
+  c.num_workers = 7;
+  EXPECT_STATUS_MSG(r.Create(c).status(), absl::StatusCode::kUnimplemented, "custom factory ran");
+  EXPECT_EQ(seen_param, "a:b");  // Everything after the first ':'.
+  EXPECT_EQ(seen_workers, 7);
+}
+
+// ---------------------------------------------------------------------------------------------
+// async
+
+TEST(AsyncPolicyTest, AppliesEachPushOnceAndReturnsItsStatus) {
+  auto policy = MakePolicy("async", 3);
+  FakeApply apply;
+  auto push = MakePush(1, 4, {2, 5}, {{1.5f, -2.0f}, {3.0f}}, {7, 9});
+  EXPECT_OK(policy->OnPush(push->update, apply.fn()));
+  ASSERT_EQ(apply.calls(), 1);
+  const AppliedUpdate a = apply.records()[0];
+  EXPECT_EQ(a.address, &push->update);  // Passed through, not copied or averaged.
+  EXPECT_EQ(a.chunks, (std::vector<int64_t>{2, 5}));
+  EXPECT_EQ(a.numels, (std::vector<int64_t>{2, 1}));
+  EXPECT_EQ(a.grads, (std::vector<std::vector<float>>{{1.5f, -2.0f}, {3.0f}}));
+  EXPECT_EQ(a.base_versions, (std::vector<int64_t>{7, 9}));
+  ASSERT_EQ(a.requests.size(), 1u);
+  EXPECT_EQ(a.requests[0].worker, 1);
+  EXPECT_EQ(a.requests[0].step, 4);
+  EXPECT_EQ(a.requests[0].request_id, 1005u);
+
+  // A second push of the same worker and step is simply applied again (dedupe is the shard's).
+  EXPECT_OK(policy->OnPush(push->update, apply.fn()));
+  EXPECT_EQ(apply.calls(), 2);
+
+  // Pulls never wait, even for a worker far ahead of the others.
+  for (int64_t s = 0; s < 50; ++s) ASSERT_OK(policy->OnPush(SimplePush(0, s)->update, apply.fn()));
+  EXPECT_OK(policy->BeforePull(0));
+  EXPECT_EQ(policy->stats().max_clock_lead, 0);
+  EXPECT_EQ(policy->stats().barrier_wait_s, 0);
+}
+
+TEST(AsyncPolicyTest, ApplyErrorIsReturnedUnchanged) {
+  auto policy = MakePolicy("async", 1);
+  FakeApply apply(absl::DataLossError("disk on fire"));
+  auto push = SimplePush(0, 0);
+  const absl::Status st = policy->OnPush(push->update, apply.fn());
+  EXPECT_EQ(st, absl::DataLossError("disk on fire"));
+  EXPECT_EQ(apply.calls(), 1);
+}
+
+// ---------------------------------------------------------------------------------------------
+// sync
+
+// Element k of worker w's gradient for the first chunk. The values make a float sum depend on
+// the order of the terms: 1e8 + 1 == 1e8 in float.
+const float kBig[3][3] = {{1e8f, 1.0f, 1e8f}, {1.0f, 1e8f, -1e8f}, {-1e8f, -1e8f, 1.0f}};
+
+std::vector<std::vector<float>> SyncGrads(int32_t w) {
+  return {{kBig[w][0], kBig[w][1], kBig[w][2]},
+          {0.1f * static_cast<float>(w + 1), static_cast<float>(w) - 0.7f}};
+}
+
+// Average of the three workers' gradients with the terms added in `order`.
+std::vector<std::vector<float>> AverageInOrder(const std::vector<int32_t>& order) {
+  std::vector<std::vector<float>> sum = SyncGrads(order[0]);
+  for (size_t i = 1; i < order.size(); ++i) {
+    const auto g = SyncGrads(order[i]);
+    for (size_t c = 0; c < sum.size(); ++c) {
+      for (size_t k = 0; k < sum[c].size(); ++k) sum[c][k] += g[c][k];
+    }
+  }
+  const float inv = 1.0f / 3.0f;
+  for (auto& chunk : sum) {
+    for (float& v : chunk) v *= inv;
+  }
+  return sum;
+}
+
+// Pushes step `step` from three workers, each on its own thread, arriving in `order`. Checks
+// that nobody is released before the last push, and that apply ran exactly once, before any
+// push returned.
+void RunSyncStep(ConsistencyPolicy* policy, FakeApply* apply, const std::vector<int32_t>& order,
+                 int64_t step) {
+  const int calls_before = apply->calls();
+  std::atomic<int> returned{0};
+  std::vector<int> calls_seen(3, -1);
+  std::vector<absl::Status> statuses(3);
+  std::vector<std::thread> threads;
+  for (size_t i = 0; i < order.size(); ++i) {
+    const int32_t w = order[i];
+    if (i + 1 == order.size()) {
+      // Everyone else has had time to arrive and must still be waiting.
+      absl::SleepFor(absl::Milliseconds(30));
+      EXPECT_EQ(returned.load(), 0) << "a sync push returned before the step was complete";
+      EXPECT_EQ(apply->calls(), calls_before);
+    }
+    threads.emplace_back([&, w] {
+      auto push = MakePush(w, step, {3, 7}, SyncGrads(w), {11, 4});
+      statuses[w] = policy->OnPush(push->update, apply->fn());
+      calls_seen[w] = apply->calls();
+      ++returned;
+    });
+    if (i + 1 < order.size()) absl::SleepFor(absl::Milliseconds(30));  // Fix the arrival order.
+  }
+  for (auto& t : threads) t.join();
+  for (int w = 0; w < 3; ++w) {
+    EXPECT_OK(statuses[w]) << "worker " << w;
+    EXPECT_EQ(calls_seen[w], calls_before + 1) << "worker " << w << " returned before apply";
+  }
+  ASSERT_EQ(apply->calls(), calls_before + 1);
+}
+
+TEST(SyncPolicyTest, AveragesInRankOrderWhateverTheArrivalOrder) {
+  const auto rank_order = AverageInOrder({0, 1, 2});
+  const std::vector<std::vector<int32_t>> orders = {{2, 0, 1}, {1, 2, 0}, {0, 1, 2}};
+  for (const auto& order : orders) {
+    SCOPED_TRACE(::testing::Message() << "arrival order " << order[0] << order[1] << order[2]);
+    if (order != std::vector<int32_t>{0, 1, 2}) {
+      // The values really tell the orders apart.
+      ASSERT_NE(AverageInOrder(order), rank_order);
+    }
+    auto policy = MakePolicy("sync", 3);
+    FakeApply apply;
+    RunSyncStep(policy.get(), &apply, order, 0);
+    const AppliedUpdate a = apply.records().at(0);
+    EXPECT_EQ(a.chunks, (std::vector<int64_t>{3, 7}));
+    EXPECT_EQ(a.numels, (std::vector<int64_t>{3, 2}));
+    EXPECT_EQ(a.base_versions, (std::vector<int64_t>{11, 4}));
+    ASSERT_EQ(a.grads.size(), 2u);
+    for (size_t c = 0; c < 2; ++c) {
+      ASSERT_EQ(a.grads[c].size(), rank_order[c].size());
+      for (size_t k = 0; k < a.grads[c].size(); ++k) {
+        // Bit-exact.
+        EXPECT_EQ(a.grads[c][k], rank_order[c][k]) << "chunk " << c << " element " << k;
+      }
+    }
+    ASSERT_EQ(a.requests.size(), 3u);
+    for (int32_t w = 0; w < 3; ++w) {
+      EXPECT_EQ(a.requests[w].worker, w);
+      EXPECT_EQ(a.requests[w].step, 0);
+      EXPECT_EQ(a.requests[w].request_id, static_cast<uint64_t>(1000 * w + 1));
+    }
+    EXPECT_GT(policy->stats().barrier_wait_s, 0.0);
+    EXPECT_EQ(policy->stats().max_clock_lead, 0);
+  }
+  // Spot-check the arithmetic the test relies on: element 0 is (1e8 + 1 - 1e8) / 3 == 0 in
+  // rank order, (-1e8 + 1e8 + 1) / 3 in arrival order 2, 0, 1.
+  EXPECT_EQ(rank_order[0][0], 0.0f);
+  EXPECT_EQ(AverageInOrder({2, 0, 1})[0][0], 1.0f * (1.0f / 3.0f));
+}
+
+TEST(SyncPolicyTest, ConsecutiveStepsEachApplyOnce) {
+  auto policy = MakePolicy("sync", 3);
+  FakeApply apply;
+  RunSyncStep(policy.get(), &apply, {1, 0, 2}, 0);
+  RunSyncStep(policy.get(), &apply, {2, 1, 0}, 1);
+  const auto records = apply.records();
+  ASSERT_EQ(records.size(), 2u);
+  EXPECT_EQ(records[0].requests[0].step, 0);
+  EXPECT_EQ(records[1].requests[0].step, 1);
+  EXPECT_EQ(records[1].requests[2].request_id, 2002u);
+}
+
+TEST(SyncPolicyTest, SingleWorkerAppliesImmediately) {
+  auto policy = MakePolicy("sync", 1);
+  FakeApply apply;
+  auto push = MakePush(0, 3, {1}, {{2.5f, -1.0f}});
+  EXPECT_OK(policy->OnPush(push->update, apply.fn()));
+  ASSERT_EQ(apply.calls(), 1);
+  const AppliedUpdate a = apply.records()[0];
+  EXPECT_EQ(a.grads, (std::vector<std::vector<float>>{{2.5f, -1.0f}}));  // Times 1/1.
+  ASSERT_EQ(a.requests.size(), 1u);
+  EXPECT_EQ(a.requests[0].request_id, 4u);
+}
+
+TEST(SyncPolicyTest, ApplyErrorReachesEveryWorkerOfTheStep) {
+  auto policy = MakePolicy("sync", 2);
+  FakeApply apply(absl::InternalError("log append failed"));
+  PushThread first(policy.get(), SimplePush(0, 0), apply.fn());
+  EXPECT_FALSE(first.WaitFor(absl::Milliseconds(30)));
+  auto second = SimplePush(1, 0);
+  EXPECT_EQ(policy->OnPush(second->update, apply.fn()), absl::InternalError("log append failed"));
+  EXPECT_EQ(first.status(), absl::InternalError("log append failed"));
+  EXPECT_EQ(apply.calls(), 1);
+}
+
+TEST(SyncPolicyTest, SecondPushOfAWorkerForAStepIsAborted) {
+  auto policy = MakePolicy("sync", 3);
+  FakeApply apply;
+  // Two pushes of worker 0 for step 5: whichever arrives second is refused at once.
+  std::vector<std::unique_ptr<PushThread>> dup;
+  dup.push_back(std::make_unique<PushThread>(policy.get(), SimplePush(0, 5, 1.0f), apply.fn()));
+  dup.push_back(std::make_unique<PushThread>(policy.get(), SimplePush(0, 5, 2.0f), apply.fn()));
+  const absl::Time deadline = absl::Now() + kPromptly;
+  while (!dup[0]->done() && !dup[1]->done() && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  ASSERT_TRUE(dup[0]->done() != dup[1]->done()) << "exactly one must be refused at once";
+  const int refused = dup[0]->done() ? 0 : 1;
+  EXPECT_STATUS_MSG(dup[refused]->status(), absl::StatusCode::kAborted,
+                    "sync step 5: worker 0 already pushed for this step");
+  EXPECT_EQ(apply.calls(), 0);
+  // The accepted one still counts: the step completes with workers 1 and 2.
+  PushThread w1(policy.get(), SimplePush(1, 5, 4.0f), apply.fn());
+  PushThread w2(policy.get(), SimplePush(2, 5, 7.0f), apply.fn());
+  EXPECT_OK(dup[1 - refused]->status());
+  EXPECT_OK(w1.status());
+  EXPECT_OK(w2.status());
+  ASSERT_EQ(apply.calls(), 1);
+  const AppliedUpdate a = apply.records()[0];
+  const float accepted = refused == 0 ? 2.0f : 1.0f;
+  const float avg = ((accepted + 4.0f) + 7.0f) * (1.0f / 3.0f);
+  EXPECT_EQ(a.grads, (std::vector<std::vector<float>>{{avg, avg}}));
+}
+
+TEST(SyncPolicyTest, DifferentChunkSetsAreRejected) {
+  auto policy = MakePolicy("sync", 2);
+  FakeApply apply;
+  auto a = std::make_unique<PushThread>(policy.get(), MakePush(0, 0, {3, 7}, {{1}, {2}}),
+                                        apply.fn());
+  auto b = std::make_unique<PushThread>(policy.get(), MakePush(1, 0, {3}, {{1}}), apply.fn());
+  const absl::Time deadline = absl::Now() + kPromptly;
+  while (!a->done() && !b->done() && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(1));
+  ASSERT_TRUE(a->done() != b->done()) << "exactly one must be refused at once";
+  PushThread* refused = a->done() ? a.get() : b.get();
+  const int refused_worker = a->done() ? 0 : 1;
+  EXPECT_STATUS_MSG(refused->status(), absl::StatusCode::kInvalidArgument,
+                    "sync step 0: worker " + std::to_string(refused_worker) +
+                        " pushed a different set of chunks than the other workers");
+  EXPECT_EQ(apply.calls(), 0);
+  // The refused worker retries with the accepted chunk set; the step completes.
+  auto retry = refused_worker == 0 ? MakePush(0, 0, {3}, {{5}}) : MakePush(1, 0, {3, 7}, {{5}, {6}});
+  EXPECT_OK(policy->OnPush(retry->update, apply.fn()));
+  EXPECT_OK((refused_worker == 0 ? b : a)->status());
+  ASSERT_EQ(apply.calls(), 1);
+  EXPECT_EQ(apply.records()[0].chunks,
+            (refused_worker == 0 ? std::vector<int64_t>{3} : std::vector<int64_t>{3, 7}));
+}
+
+TEST(SyncPolicyTest, BarrierTimeoutAppliesNothingAndNamesMissingWorkers) {
+  auto policy = MakePolicy("sync", 3, absl::Milliseconds(200));
+  FakeApply apply;
+  const absl::Time start = absl::Now();
+  PushThread w0(policy.get(), SimplePush(0, 0, 1.0f), apply.fn());
+  absl::SleepFor(absl::Milliseconds(50));  // Worker 0 times out first.
+  PushThread w2(policy.get(), SimplePush(2, 0, 2.0f), apply.fn());
+  const absl::Status s0 = w0.status();
+  const absl::Status s2 = w2.status();
+  EXPECT_GE(absl::Now() - start, absl::Milliseconds(200));
+  EXPECT_STATUS_MSG(s0, absl::StatusCode::kFailedPrecondition,
+                    "sync barrier for step 0 timed out after 200ms: workers [1] did not push; "
+                    "nothing was applied");
+  // Worker 2 times out after worker 0 has withdrawn: only worker 1 is missing.
+  EXPECT_STATUS_MSG(s2, absl::StatusCode::kFailedPrecondition,
+                    "sync barrier for step 0 timed out after 200ms: workers [1] did not push "
+                    "(workers [0] pushed but gave up first); nothing was applied");
+  EXPECT_EQ(apply.calls(), 0);
+  EXPECT_GE(policy->stats().barrier_wait_s, 0.4);  // Two waits of at least 200 ms each.
+
+  // The withdrawn pushes left nothing behind: a complete step 0 works, with the new values.
+  PushThread r0(policy.get(), SimplePush(0, 0, 3.0f), apply.fn());
+  PushThread r1(policy.get(), SimplePush(1, 0, 6.0f), apply.fn());
+  auto last = SimplePush(2, 0, 9.0f);
+  EXPECT_OK(policy->OnPush(last->update, apply.fn()));
+  EXPECT_OK(r0.status());
+  EXPECT_OK(r1.status());
+  ASSERT_EQ(apply.calls(), 1);
+  const AppliedUpdate a = apply.records()[0];
+  const float avg = ((3.0f + 6.0f) + 9.0f) * (1.0f / 3.0f);
+  EXPECT_EQ(a.grads, (std::vector<std::vector<float>>{{avg, avg}}));
+  ASSERT_EQ(a.requests.size(), 3u);
+  EXPECT_EQ(a.requests[1].worker, 1);
+}
+
+// ---------------------------------------------------------------------------------------------
+// ssp
+
+TEST(SspPolicyTest, PushesApplyAtOnceAndPullWaitsForTheSlowest) {
+  auto policy = MakePolicy("ssp:1", 2);
+  FakeApply apply;
+  auto p0 = SimplePush(0, 0);
+  EXPECT_OK(policy->OnPush(p0->update, apply.fn()));
+  EXPECT_EQ(apply.calls(), 1);
+  EXPECT_EQ(apply.records()[0].address, &p0->update);
+  EXPECT_OK(policy->BeforePull(0));  // Lead 1 <= 1.
+  EXPECT_OK(policy->OnPush(SimplePush(0, 1)->update, apply.fn()));
+  EXPECT_EQ(apply.calls(), 2);
+  EXPECT_OK(policy->BeforePull(1));  // The slow worker never waits.
+  EXPECT_EQ(policy->stats().max_clock_lead, 1);
+
+  PullThread pull(policy.get(), 0);  // Lead 2 > 1: waits.
+  EXPECT_FALSE(pull.WaitFor(kStaysBlocked));
+  EXPECT_OK(policy->OnPush(SimplePush(1, 0)->update, apply.fn()));
+  ASSERT_TRUE(pull.WaitFor(kPromptly));
+  EXPECT_OK(pull.status());
+  EXPECT_EQ(policy->stats().max_clock_lead, 1);
+  EXPECT_GE(policy->stats().barrier_wait_s, 0.05);
+  EXPECT_EQ(apply.calls(), 3);
+}
+
+TEST(SspPolicyTest, PullTimesOutNamingTheSlowWorkers) {
+  auto policy = MakePolicy("ssp:1", 3, absl::Milliseconds(200));
+  FakeApply apply;
+  for (int64_t s = 0; s < 2; ++s) ASSERT_OK(policy->OnPush(SimplePush(0, s)->update, apply.fn()));
+  ASSERT_OK(policy->OnPush(SimplePush(2, 0)->update, apply.fn()));  // Worker 2 is within 1.
+  const absl::Time start = absl::Now();
+  EXPECT_STATUS_MSG(policy->BeforePull(0), absl::StatusCode::kFailedPrecondition,
+                    "ssp:1 pull of worker 0 at clock 2 waited 200ms for workers [1] to catch up");
+  EXPECT_GE(absl::Now() - start, absl::Milliseconds(200));
+  EXPECT_GE(policy->stats().barrier_wait_s, 0.2);
+  EXPECT_EQ(policy->stats().max_clock_lead, 0);  // No pull was served at a lead.
+}
+
+TEST(SspPolicyTest, FinishedWorkerNoLongerHoldsOthersBack) {
+  auto policy = MakePolicy("ssp:1", 2);
+  FakeApply apply;
+  for (int64_t s = 0; s < 3; ++s) ASSERT_OK(policy->OnPush(SimplePush(0, s)->update, apply.fn()));
+  PullThread pull(policy.get(), 0);
+  EXPECT_FALSE(pull.WaitFor(kStaysBlocked));
+  policy->OnFinish(1);
+  ASSERT_TRUE(pull.WaitFor(kPromptly));
+  EXPECT_OK(pull.status());
+  EXPECT_EQ(policy->stats().max_clock_lead, 0);  // Nobody unfinished is behind.
+  // Later pulls do not wait either.
+  ASSERT_OK(policy->OnPush(SimplePush(0, 10)->update, apply.fn()));
+  EXPECT_OK(policy->BeforePull(0));
+}
+
+TEST(SspPolicyTest, RestoredClocksAreHonoured) {
+  auto policy = MakePolicy("ssp:2", 2);
+  FakeApply apply;
+  policy->Restore({5, 2}, {false, false});
+  EXPECT_OK(policy->BeforePull(1));
+  PullThread pull(policy.get(), 0);  // Lead 5 - 2 = 3 > 2.
+  EXPECT_FALSE(pull.WaitFor(kStaysBlocked));
+  // A push of an old step does not move the clock back nor forward.
+  ASSERT_OK(policy->OnPush(SimplePush(1, 0)->update, apply.fn()));
+  EXPECT_FALSE(pull.WaitFor(absl::Milliseconds(50)));
+  ASSERT_OK(policy->OnPush(SimplePush(1, 2)->update, apply.fn()));  // Clock 3: lead 2.
+  ASSERT_TRUE(pull.WaitFor(kPromptly));
+  EXPECT_OK(pull.status());
+  EXPECT_EQ(policy->stats().max_clock_lead, 2);
+}
+
+TEST(SspPolicyTest, RestoredFinishedWorkerIsIgnored) {
+  auto policy = MakePolicy("ssp:0", 2, absl::Milliseconds(200));
+  policy->Restore({9, 1}, {false, true});
+  EXPECT_OK(policy->BeforePull(0));  // Would wait 200 ms and fail if worker 1 counted.
+  EXPECT_LT(policy->stats().barrier_wait_s, 0.1);
+}
+
+TEST(SspPolicyTest, FailedApplyDoesNotAdvanceTheClock) {
+  auto policy = MakePolicy("ssp:0", 2);
+  FakeApply ok_apply;
+  FakeApply bad_apply(absl::InternalError("no space"));
+  ASSERT_OK(policy->OnPush(SimplePush(1, 0)->update, ok_apply.fn()));
+  PullThread pull(policy.get(), 1);  // Worker 1 at clock 1, worker 0 at 0.
+  EXPECT_FALSE(pull.WaitFor(absl::Milliseconds(50)));
+  EXPECT_EQ(policy->OnPush(SimplePush(0, 0)->update, bad_apply.fn()),
+            absl::InternalError("no space"));
+  EXPECT_FALSE(pull.WaitFor(kStaysBlocked));
+  ASSERT_OK(policy->OnPush(SimplePush(0, 0)->update, ok_apply.fn()));
+  ASSERT_TRUE(pull.WaitFor(kPromptly));
+  EXPECT_OK(pull.status());
+}
+
+TEST(SspPolicyTest, ZeroBoundIsLockStep) {
+  auto policy = MakePolicy("ssp:0", 2);
+  FakeApply apply;
+  ASSERT_OK(policy->OnPush(SimplePush(0, 0)->update, apply.fn()));
+  EXPECT_OK(policy->BeforePull(1));  // Behind: never waits.
+  PullThread pull(policy.get(), 0);
+  EXPECT_FALSE(pull.WaitFor(kStaysBlocked));
+  ASSERT_OK(policy->OnPush(SimplePush(1, 0)->update, apply.fn()));
+  ASSERT_TRUE(pull.WaitFor(kPromptly));
+  EXPECT_OK(pull.status());
+
+  // Two workers running push-pull loops stay in lock-step: when a worker's pull returns after
+  // its push of step s, the other worker has pushed step s too.
+  constexpr int kSteps = 20;
+  std::atomic<int64_t> pushed[2] = {{1}, {1}};
+  std::atomic<int> violations{0};
+  std::vector<std::thread> threads;
+  for (int32_t w = 0; w < 2; ++w) {
+    threads.emplace_back([&, w] {
+      for (int64_t s = 1; s <= kSteps; ++s) {
+        auto p = SimplePush(w, s);
+        pushed[w] = s + 1;  // Before the push: a pull of the other must not return earlier.
+        if (!policy->OnPush(p->update, apply.fn()).ok()) ++violations;
+        if (!policy->BeforePull(w).ok()) ++violations;
+        if (pushed[1 - w].load() < s + 1) ++violations;
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(violations.load(), 0);
+  EXPECT_EQ(apply.calls(), 2 + 2 * kSteps);
+  EXPECT_EQ(policy->stats().max_clock_lead, 0);
+}
+
+}  // namespace
+}  // namespace gradmesh
