@@ -65,7 +65,15 @@ grpc::ByteBuffer EncodePushRequest(const std::string& job, int32_t worker, int64
     PutIntField(2, c.chunk, &chunk_head);
     PutIntField(3, c.version, &chunk_head);
     PutIntField(4, kFloat32, &chunk_head);
-    const uint64_t bytes = static_cast<uint64_t>(c.numel) * sizeof(float);
+    if (!c.codec.empty()) {
+      PutVarint(Tag(5, kLengthDelimited), &chunk_head);
+      PutVarint(c.codec.size(), &chunk_head);
+      chunk_head += c.codec;
+    }
+    const void* payload = c.codec.empty() ? static_cast<const void*>(c.data)
+                                          : static_cast<const void*>(c.encoded.data());
+    const uint64_t bytes = c.codec.empty() ? static_cast<uint64_t>(c.numel) * sizeof(float)
+                                           : static_cast<uint64_t>(c.encoded.size());
     if (bytes > 0) {
       PutVarint(Tag(6, kLengthDelimited), &chunk_head);
       PutVarint(bytes, &chunk_head);
@@ -76,7 +84,7 @@ grpc::ByteBuffer EncodePushRequest(const std::string& job, int32_t worker, int64
     if (bytes > 0) {
       slices.emplace_back(head.data(), head.size());  // Copies the small header.
       head.clear();
-      slices.emplace_back(static_cast<const void*>(c.data), bytes, grpc::Slice::STATIC_SLICE);
+      slices.emplace_back(payload, bytes, grpc::Slice::STATIC_SLICE);
     }
   }
   if (!head.empty()) slices.emplace_back(head.data(), head.size());
@@ -102,6 +110,7 @@ absl::Status DecodePullResponse(const grpc::ByteBuffer& buffer, const PullChunkS
     if (!in.ReadVarint32(&len)) return absl::DataLossError("PullResponse: truncated chunk");
     const auto limit = in.PushLimit(static_cast<int>(len));
     uint64_t tensor = 0, chunk = 0, version = 0, dtype = 0;
+    std::string codec;
     bool got_data = false;
     while (true) {
       const uint32_t t = in.ReadTag();
@@ -111,11 +120,17 @@ absl::Status DecodePullResponse(const grpc::ByteBuffer& buffer, const PullChunkS
         uint64_t v;
         if (!in.ReadVarint64(&v)) return absl::DataLossError("PullResponse: bad varint");
         (field == 1 ? tensor : field == 2 ? chunk : field == 3 ? version : dtype) = v;
+      } else if (t == Tag(5, kLengthDelimited)) {
+        uint32_t size;
+        if (!in.ReadVarint32(&size) || size > 256 || !in.ReadString(&codec, static_cast<int>(size))) {
+          return absl::DataLossError("PullResponse: bad codec field");
+        }
       } else if (t == Tag(6, kLengthDelimited)) {
         uint32_t bytes;
         if (!in.ReadVarint32(&bytes)) return absl::DataLossError("PullResponse: bad length");
         auto dest = sink(static_cast<int32_t>(tensor), static_cast<int32_t>(chunk),
-                         static_cast<int64_t>(version), static_cast<int32_t>(dtype), bytes);
+                         static_cast<int64_t>(version), static_cast<int32_t>(dtype), codec,
+                         bytes);
         if (!dest.ok()) return dest.status();
         if (!in.ReadRaw(*dest, static_cast<int>(bytes))) {
           return absl::DataLossError(absl::StrCat("PullResponse: chunk ", index, " truncated"));
@@ -132,7 +147,7 @@ absl::Status DecodePullResponse(const grpc::ByteBuffer& buffer, const PullChunkS
     if (!got_data) {
       // Zero-length data (an empty chunk) is legal protobuf: report it with 0 bytes.
       auto dest = sink(static_cast<int32_t>(tensor), static_cast<int32_t>(chunk),
-                       static_cast<int64_t>(version), static_cast<int32_t>(dtype), 0);
+                       static_cast<int64_t>(version), static_cast<int32_t>(dtype), codec, 0);
       if (!dest.ok()) return dest.status();
     }
     ++index;

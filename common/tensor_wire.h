@@ -23,16 +23,20 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 
 namespace gradmesh {
 
-// One chunk of a push: dense float32 values at `data` (numel elements).
+// One chunk of a push: dense float32 values at `data` (numel elements), or, when `codec` is
+// not empty, the encoded payload `encoded` (referenced too: it must outlive the RPC).
 struct PushChunkRef {
   int32_t tensor = 0;
   int32_t chunk = 0;
   int64_t version = 0;
   const float* data = nullptr;
   int64_t numel = 0;
+  std::string codec;
+  absl::string_view encoded;
 };
 
 // Encodes PushRequest{job, worker, step, request_id, chunks (dtype FLOAT32, codec "")}.
@@ -40,15 +44,15 @@ grpc::ByteBuffer EncodePushRequest(const std::string& job, int32_t worker, int64
                                    uint64_t request_id, const std::vector<PushChunkRef>& chunks);
 
 // Called for each chunk of a PullResponse once its header is known (tensor, chunk, version,
-// dtype and the data size in bytes). Returns where to copy the data (exactly `bytes` bytes), or
-// an error to abort decoding.
-using PullChunkSink = std::function<absl::StatusOr<char*>(int32_t tensor, int32_t chunk,
-                                                          int64_t version, int32_t dtype,
-                                                          int64_t bytes)>;
+// dtype, codec and the data size in bytes). Returns where to copy the data (exactly `bytes`
+// bytes), or an error to abort decoding.
+using PullChunkSink = std::function<absl::StatusOr<char*>(
+    int32_t tensor, int32_t chunk, int64_t version, int32_t dtype, absl::string_view codec,
+    int64_t bytes)>;
 
-// Decodes a PullResponse. Chunks must serialise (tensor, chunk, version, dtype) before data, as
-// protobuf's encoder does (fields in number order); otherwise, or on any malformed input,
-// returns DataLoss naming the problem.
+// Decodes a PullResponse. Chunks must serialise (tensor, chunk, version, dtype, codec) before
+// data, as protobuf's encoder does (fields in number order); otherwise, or on any malformed
+// input, returns DataLoss naming the problem.
 absl::Status DecodePullResponse(const grpc::ByteBuffer& buffer, const PullChunkSink& sink);
 
 }  // namespace gradmesh

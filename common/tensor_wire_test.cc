@@ -49,6 +49,21 @@ TEST(TensorWireTest, PushEncodingIsWhatProtobufParses) {
   EXPECT_EQ(Flatten(bb), parsed.SerializeAsString());
 }
 
+TEST(TensorWireTest, EncodedPushChunksCarryTheirCodec) {
+  std::vector<float> a = {1, 2};
+  const std::string payload = "\x01\x02payload";
+  PushChunkRef enc{1, 0, 5, nullptr, 100, "topk:0.01+fp16", payload};
+  grpc::ByteBuffer bb = EncodePushRequest("j", 1, 2, 3, {{0, 0, 0, a.data(), 2}, enc});
+  PushRequest parsed;
+  ASSERT_TRUE(parsed.ParseFromString(Flatten(bb)));
+  ASSERT_EQ(parsed.chunks_size(), 2);
+  EXPECT_EQ(parsed.chunks(0).codec(), "");
+  EXPECT_EQ(parsed.chunks(1).codec(), "topk:0.01+fp16");
+  EXPECT_EQ(parsed.chunks(1).data(), payload);
+  EXPECT_EQ(parsed.chunks(1).version(), 5);
+  EXPECT_EQ(Flatten(bb), parsed.SerializeAsString());
+}
+
 TEST(TensorWireTest, PushDataIsNotCopied) {
   std::vector<float> big(1 << 16, 1.0f);
   grpc::ByteBuffer bb = EncodePushRequest("j", 0, 1, 1, {{0, 0, 0, big.data(), 1 << 16}});
@@ -70,14 +85,16 @@ TEST(TensorWireTest, PullDecodingWritesIntoCallerMemory) {
     c->set_chunk(i * 5);
     c->set_version(100 + i);
     c->set_dtype(FLOAT32);
+    if (i == 1) c->set_codec("fp16");  // Passed through to the sink (payload here is raw).
     c->set_data(std::string(reinterpret_cast<const char*>(want[i].data()), want[i].size() * 4));
   }
   std::vector<std::vector<float>> got = {std::vector<float>(3), std::vector<float>(50000)};
   std::vector<int64_t> versions;
   ASSERT_OK(DecodePullResponse(
       FromString(resp.SerializeAsString()),
-      [&](int32_t tensor, int32_t chunk, int64_t version, int32_t dtype,
+      [&](int32_t tensor, int32_t chunk, int64_t version, int32_t dtype, absl::string_view codec,
           int64_t bytes) -> absl::StatusOr<char*> {
+        EXPECT_EQ(codec, tensor == 1 ? "fp16" : "");
         EXPECT_EQ(chunk, tensor * 5);
         EXPECT_EQ(dtype, FLOAT32);
         EXPECT_EQ(bytes, static_cast<int64_t>(got[tensor].size() * 4));
@@ -95,7 +112,8 @@ TEST(TensorWireTest, PullDecodingRejectsTruncatedAndSinkErrors) {
   c->set_data(std::string(400, 'x'));
   const std::string full = resp.SerializeAsString();
   std::vector<char> dest(400);
-  auto sink = [&](int32_t, int32_t, int64_t, int32_t, int64_t) -> absl::StatusOr<char*> {
+  auto sink = [&](int32_t, int32_t, int64_t, int32_t, absl::string_view,
+                  int64_t) -> absl::StatusOr<char*> {
     return dest.data();
   };
   for (size_t cut : {size_t{1}, size_t{3}, full.size() / 2, full.size() - 1}) {
@@ -105,7 +123,8 @@ TEST(TensorWireTest, PullDecodingRejectsTruncatedAndSinkErrors) {
   }
   EXPECT_STATUS_MSG(
       DecodePullResponse(FromString(full),
-                         [](int32_t t, int32_t, int64_t, int32_t, int64_t) -> absl::StatusOr<char*> {
+                         [](int32_t t, int32_t, int64_t, int32_t, absl::string_view,
+                            int64_t) -> absl::StatusOr<char*> {
                            return absl::InternalError("no such tensor " + std::to_string(t));
                          }),
       absl::StatusCode::kInternal, "no such tensor 1");

@@ -377,6 +377,45 @@ absl::StatusOr<InitJobResponse> Shard::InitJob(const InitJobRequest& request) {
   return response;
 }
 
+absl::StatusOr<std::shared_ptr<const Compressor>> Shard::Codec(const std::string& spec) {
+  {
+    absl::MutexLock lock(&codecs_mu_);
+    auto it = codecs_.find(spec);
+    if (it != codecs_.end()) return it->second;
+  }
+  ASSIGN_OR_RETURN(std::unique_ptr<Compressor> codec, options_.compressors.Create(spec));
+  std::shared_ptr<const Compressor> shared = std::move(codec);
+  absl::MutexLock lock(&codecs_mu_);
+  // Bounded: a client cannot grow the cache without limit with ever new specs.
+  if (codecs_.size() < 64) codecs_.emplace(spec, shared);
+  return shared;
+}
+
+absl::StatusOr<const float*> Shard::ChunkValues(const ChunkData& c, int64_t numel,
+                                                const std::string& where,
+                                                std::vector<float>* scratch) {
+  if (c.codec().empty()) {
+    RETURN_IF_ERROR(CheckDenseFloats(c, numel, where));
+    return FloatView(c.data(), scratch);
+  }
+  if (c.dtype() != FLOAT32 && c.dtype() != DTYPE_UNSPECIFIED) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, ": dtype ", DType_Name(c.dtype()), " with codec \"", c.codec(),
+        "\"; the codec's payload describes its own encoding, dtype must be FLOAT32"));
+  }
+  auto codec = Codec(c.codec());
+  if (!codec.ok()) return Annotate(codec.status(), where);
+  scratch->assign(numel, 0.0f);
+  RETURN_IF_ERROR(Annotate((*codec)->Decode(c.data(), absl::MakeSpan(*scratch)),
+                           absl::StrCat(where, ": malformed \"", c.codec(), "\" payload")));
+  const int64_t bad = FirstNonFinite(scratch->data(), numel);
+  if (bad >= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ": decoded element ", bad, " is not finite; nothing was applied"));
+  }
+  return static_cast<const float*>(scratch->data());
+}
+
 absl::Status Shard::ApplyUpdate(Job* job, const ChunkUpdate& u, bool replay) {
   const bool log = job->durability == Durability::kEveryUpdate && !replay;
   if (log) {
@@ -654,11 +693,12 @@ absl::StatusOr<PushResponse> Shard::Push(const PushRequest& request) {
     if (!seen.insert(idx).second) {
       return absl::InvalidArgumentError(absl::StrCat("Push: ", where, " appears twice"));
     }
-    RETURN_IF_ERROR(CheckDenseFloats(c, it->second->info.numel, absl::StrCat("Push: ", where)));
+    ASSIGN_OR_RETURN(const float* grad, ChunkValues(c, it->second->info.numel,
+                                                    absl::StrCat("Push: ", where), &scratch[i]));
     targets.push_back(it->second.get());
     update.chunks.push_back(idx);
     update.numels.push_back(it->second->info.numel);
-    update.grads.push_back(FloatView(c.data(), &scratch[i]));
+    update.grads.push_back(grad);
     update.base_versions.push_back(c.version());
   }
   update.requests.push_back({request.worker(), request.step(), request.request_id()});
@@ -739,6 +779,16 @@ absl::Status Shard::Pull(const PullRequest& request, PullResponse* response) {
       targets.push_back(it->second.get());
     }
   }
+  std::shared_ptr<const Compressor> codec;
+  if (!request.codec().empty()) {
+    // Parameters may be sent narrower, never sparsified or randomised.
+    if (request.codec() != "fp16" && request.codec() != "bf16") {
+      return absl::InvalidArgumentError(absl::StrCat("Pull: job ", request.job(), " codec \"",
+                                                     request.codec(),
+                                                     "\" is not one of \"\", fp16, bf16"));
+    }
+    ASSIGN_OR_RETURN(codec, Codec(request.codec()));
+  }
   RETURN_IF_ERROR(job->policy->BeforePull(request.worker()));
   response->mutable_chunks()->Reserve(static_cast<int>(targets.size()));
   for (Chunk* chunk : targets) {
@@ -748,8 +798,15 @@ absl::Status Shard::Pull(const PullRequest& request, PullResponse* response) {
     out->set_dtype(FLOAT32);
     absl::MutexLock lock(&chunk->mu);
     out->set_version(chunk->version);
-    out->mutable_data()->assign(reinterpret_cast<const char*>(chunk->values.data()),
-                                chunk->values.size() * sizeof(float));
+    if (codec != nullptr) {
+      out->set_codec(request.codec());
+      RETURN_IF_ERROR(Annotate(codec->Encode(chunk->values, /*seed=*/0, out->mutable_data()),
+                               absl::StrCat("Pull: job ", request.job(), " chunk (",
+                                            chunk->info.tensor, ",", chunk->info.chunk, ")")));
+    } else {
+      out->mutable_data()->assign(reinterpret_cast<const char*>(chunk->values.data()),
+                                  chunk->values.size() * sizeof(float));
+    }
   }
   return absl::OkStatus();
 }

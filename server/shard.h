@@ -39,6 +39,7 @@
 #include "absl/synchronization/mutex.h"
 #include "common/logging.h"
 #include "proto/gradmesh.pb.h"
+#include "compression/compressor.h"
 #include "server/consistency.h"
 #include "server/optimizer.h"
 #include "server/shard_store.h"
@@ -53,6 +54,8 @@ struct ShardOptions {
   // Optimizers and consistency policies known to this shard. Default: the built-ins.
   OptimizerRegistry optimizers = OptimizerRegistry::WithBuiltins();
   ConsistencyRegistry consistency = ConsistencyRegistry::WithBuiltins();
+  // Codecs of compressed pushes and pulls. Default: the built-ins.
+  CompressorRegistry compressors = CompressorRegistry::WithBuiltins();
   // Durable state; null means no durability is available (jobs asking for it are refused).
   // Owned by the shard.
   std::shared_ptr<ShardStore> store;
@@ -89,11 +92,20 @@ class Shard {
   // (waiting for one in progress). Errors are logged and returned.
   absl::Status MaybeSnapshot(Job* job, bool force);
   absl::Status Restore();
+  // The codec for `spec` (cached; InvalidArgument if unknown).
+  absl::StatusOr<std::shared_ptr<const Compressor>> Codec(const std::string& spec);
+  // The dense float32 gradient of a pushed chunk: its raw data, or its payload decoded into
+  // `scratch`; validated (length, codec, finiteness). `where` names the chunk in errors.
+  absl::StatusOr<const float*> ChunkValues(const ChunkData& c, int64_t numel,
+                                           const std::string& where, std::vector<float>* scratch);
 
   const ShardOptions options_;
   absl::Mutex init_mu_;  // Serialises job creation (taken before mu_).
   absl::Mutex mu_;
   absl::flat_hash_map<std::string, std::shared_ptr<Job>> jobs_ ABSL_GUARDED_BY(mu_);
+  absl::Mutex codecs_mu_;
+  absl::flat_hash_map<std::string, std::shared_ptr<const Compressor>> codecs_
+      ABSL_GUARDED_BY(codecs_mu_);
 };
 
 }  // namespace gradmesh

@@ -17,6 +17,8 @@
 #include "common/partitioner.h"
 #include "common/status.h"
 #include "common/tensor_wire.h"
+#include "compression/compressor.h"
+#include "compression/error_feedback.h"
 #include "proto/gradmesh.grpc.pb.h"
 
 namespace gradmesh {
@@ -35,12 +37,23 @@ int64_t Numel(const TensorSpec& t) {
 
 class GrpcParameterClient final : public ParameterClient {
  public:
-  GrpcParameterClient(JobLayout layout, GrpcParameterClientOptions options, Partition partition)
+  GrpcParameterClient(JobLayout layout, GrpcParameterClientOptions options, Partition partition,
+                      std::unique_ptr<Compressor> push_codec,
+                      std::unique_ptr<Compressor> pull_codec)
       : layout_(std::move(layout)),
         options_(std::move(options)),
         partition_(std::move(partition)),
         incarnation_(static_cast<uint64_t>(std::random_device{}()) << 32),
+        push_codec_(std::move(push_codec)),
+        pull_codec_(std::move(pull_codec)),
         versions_(partition_.chunks().size(), 0) {
+    if (push_codec_ != nullptr && push_codec_->biased() && options_.error_feedback) {
+      ErrorFeedbackOptions ef;
+      ef.momentum = options_.ef_momentum;
+      for (const ChunkInfo& c : partition_.chunks()) {
+        feedback_.push_back(std::make_unique<ErrorFeedback>(c.numel, ef));
+      }
+    }
     for (const std::string& addr : options_.servers) {
       auto channel = MakeChannel(addr, options_.rpc);
       stubs_.push_back(ParameterService::NewStub(channel));
@@ -90,23 +103,58 @@ class GrpcParameterClient final : public ParameterClient {
             layout_.tensors[t].name(), " element ", bad, " is not finite; nothing was sent"));
       }
     }
-    // Gradients are referenced by the request buffers, not copied (common/tensor_wire.h);
-    // `grads` stays alive until every shard has answered.
+    // Gradients (or their encodings) are referenced by the request buffers, not copied
+    // (common/tensor_wire.h); they stay alive until every shard has answered.
     std::vector<grpc::ByteBuffer> reqs(NumShards());
-    int64_t bytes = 0;
+    std::vector<std::string> encoded(push_codec_ != nullptr ? partition_.chunks().size() : 0);
+    int64_t raw = 0, wire = 0;
     {
       absl::MutexLock lock(&mu_);
+      const Compressor* codec = push_codec_.get();
+      if (codec != nullptr && options_.warmup_steps > 0) {
+        const double d =
+            WarmupDensity(push_codec_->density(), {options_.warmup_steps, 4}, step);
+        if (step_codec_ == nullptr || step_codec_->density() != d) {
+          if (d == push_codec_->density()) {
+            step_codec_.reset();
+          } else {
+            ASSIGN_OR_RETURN(step_codec_, push_codec_->WithDensity(d));
+          }
+        }
+        if (step_codec_ != nullptr) codec = step_codec_.get();
+      }
+      const absl::Time t0 = absl::Now();
       for (int32_t s = 0; s < NumShards(); ++s) {
         std::vector<PushChunkRef> refs;
         for (int64_t idx : partition_.shard_chunks(s)) {
           const ChunkInfo& c = partition_.chunks()[idx];
-          refs.push_back({c.tensor, c.chunk, versions_[idx], grads[c.tensor].data() + c.offset,
-                          c.numel});
-          bytes += c.numel * static_cast<int64_t>(sizeof(float));
+          PushChunkRef ref{c.tensor, c.chunk, versions_[idx], grads[c.tensor].data() + c.offset,
+                           c.numel};
+          raw += c.numel * static_cast<int64_t>(sizeof(float));
+          if (codec != nullptr) {
+            const absl::Span<const float> g(ref.data, c.numel);
+            // Distinct per worker, step and chunk, reproducible for a given seed.
+            const uint64_t seed = options_.seed ^ (static_cast<uint64_t>(options_.worker) << 48) ^
+                                  (static_cast<uint64_t>(step) * 0x9E3779B97F4A7C15ull) ^
+                                  static_cast<uint64_t>(idx);
+            absl::Status st = feedback_.empty()
+                                  ? codec->Encode(g, seed, &encoded[idx])
+                                  : feedback_[idx]->Compress(*codec, g, seed, &encoded[idx]);
+            RETURN_IF_ERROR(Annotate(st, absl::StrCat("Push: encoding ", layout_.tensors[c.tensor].name(),
+                                                      " chunk ", c.chunk)));
+            // The receiver decodes any density with the target-density codec.
+            ref.codec = push_codec_->name();
+            ref.encoded = encoded[idx];
+            wire += static_cast<int64_t>(encoded[idx].size());
+          } else {
+            wire += c.numel * static_cast<int64_t>(sizeof(float));
+          }
+          refs.push_back(std::move(ref));
         }
         reqs[s] = EncodePushRequest(layout_.job, options_.worker, step,
                                     incarnation_ | next_request_++, refs);
       }
+      codec_seconds_ += absl::ToDoubleSeconds(absl::Now() - t0);
     }
     std::vector<grpc::ByteBuffer> resps(NumShards());
     RETURN_IF_ERROR((CallAll<grpc::ByteBuffer, grpc::ByteBuffer>(
@@ -116,7 +164,8 @@ class GrpcParameterClient final : public ParameterClient {
           generic_stubs_[shard]->UnaryCall(ctx, "/gradmesh.ParameterService/Push",
                                            grpc::StubOptions(), req, resp, std::move(done));
         })));
-    bytes_pushed_ += bytes;
+    bytes_pushed_ += wire;
+    raw_bytes_pushed_ += raw;
     return absl::OkStatus();
   }
 
@@ -128,6 +177,7 @@ class GrpcParameterClient final : public ParameterClient {
       PullRequest r;
       r.set_job(layout_.job);
       r.set_worker(options_.worker);
+      r.set_codec(options_.pull_codec);
       const std::string wire = r.SerializeAsString();
       grpc::Slice slice(wire.data(), wire.size());
       reqs[s] = grpc::ByteBuffer(&slice, 1);
@@ -142,41 +192,56 @@ class GrpcParameterClient final : public ParameterClient {
         })));
     // Each shard answers with its owned chunks in partition order; values are copied from
     // gRPC's buffers straight into the caller's tensors.
-    int64_t bytes = 0;
+    int64_t raw = 0, wire = 0;
     absl::MutexLock lock(&mu_);
     for (int32_t s = 0; s < NumShards(); ++s) {
       const auto& owned = partition_.shard_chunks(s);
       size_t i = 0;
+      // Encoded chunks land here first, then are decoded into the tensors.
+      std::vector<std::pair<const ChunkInfo*, std::string>> encoded;
       absl::Status st = DecodePullResponse(
           resps[s], [&](int32_t tensor, int32_t chunk, int64_t version, int32_t dtype,
-                        int64_t size) -> absl::StatusOr<char*> {
+                        absl::string_view codec, int64_t size) -> absl::StatusOr<char*> {
             if (i >= owned.size()) {
               return absl::InternalError(absl::StrCat("more chunks than the ", owned.size(),
                                                       " this shard owns"));
             }
             const ChunkInfo& c = partition_.chunks()[owned[i]];
-            const int64_t want = c.numel * static_cast<int64_t>(sizeof(float));
-            if (tensor != c.tensor || chunk != c.chunk || size != want ||
-                (dtype != FLOAT32 && dtype != DTYPE_UNSPECIFIED)) {
+            const int64_t dense = c.numel * static_cast<int64_t>(sizeof(float));
+            if (tensor != c.tensor || chunk != c.chunk ||
+                (dtype != FLOAT32 && dtype != DTYPE_UNSPECIFIED) ||
+                codec != options_.pull_codec || (codec.empty() && size != dense)) {
               return absl::InternalError(absl::StrCat(
                   "chunk ", i, " is (", tensor, ",", chunk, ") with ", size,
-                  " bytes of dtype ", dtype, ", expected (", c.tensor, ",", c.chunk, ") with ",
-                  want, " bytes of FLOAT32"));
+                  " bytes of codec \"", codec, "\", expected (", c.tensor, ",", c.chunk,
+                  ") with ", dense, " bytes of codec \"", options_.pull_codec, "\""));
             }
             versions_[owned[i]] = version;
             ++i;
-            bytes += want;
-            return reinterpret_cast<char*>(params[c.tensor].data() + c.offset);
+            raw += dense;
+            wire += size;
+            if (codec.empty()) return reinterpret_cast<char*>(params[c.tensor].data() + c.offset);
+            encoded.emplace_back(&c, std::string(static_cast<size_t>(size), '\0'));
+            return encoded.back().second.data();
           });
       if (st.ok() && i != owned.size()) {
         st = absl::InternalError(absl::StrCat("returned ", i, " chunks, expected ", owned.size()));
+      }
+      if (st.ok() && !encoded.empty()) {
+        const absl::Time t0 = absl::Now();
+        for (const auto& [c, payload] : encoded) {
+          st = pull_codec_->Decode(payload, params[c->tensor].subspan(c->offset, c->numel));
+          if (!st.ok()) break;
+        }
+        codec_seconds_ += absl::ToDoubleSeconds(absl::Now() - t0);
       }
       if (!st.ok()) {
         return Annotate(st, absl::StrCat("Pull: shard ", s, " (", options_.servers[s],
                                          "); is it serving a different layout?"));
       }
     }
-    bytes_pulled_ += bytes;
+    bytes_pulled_ += wire;
+    raw_bytes_pulled_ += raw;
     return absl::OkStatus();
   }
 
@@ -211,6 +276,12 @@ class GrpcParameterClient final : public ParameterClient {
 
   int64_t bytes_pushed() const override { return bytes_pushed_.load(); }
   int64_t bytes_pulled() const override { return bytes_pulled_.load(); }
+  int64_t raw_bytes_pushed() const override { return raw_bytes_pushed_.load(); }
+  int64_t raw_bytes_pulled() const override { return raw_bytes_pulled_.load(); }
+  double codec_seconds() const override {
+    absl::MutexLock lock(&mu_);
+    return codec_seconds_;
+  }
 
  private:
   int32_t NumShards() const { return static_cast<int32_t>(stubs_.size()); }
@@ -297,10 +368,18 @@ class GrpcParameterClient final : public ParameterClient {
   std::vector<std::unique_ptr<ParameterService::Stub>> stubs_;
   // Push and Pull go through generic stubs to avoid copying tensor data.
   std::vector<std::unique_ptr<grpc::GenericStub>> generic_stubs_;
+  const std::unique_ptr<Compressor> push_codec_;  // Null: dense pushes.
+  const std::unique_ptr<Compressor> pull_codec_;  // Null: dense pulls.
   std::atomic<int64_t> bytes_pushed_{0};
   std::atomic<int64_t> bytes_pulled_{0};
+  std::atomic<int64_t> raw_bytes_pushed_{0};
+  std::atomic<int64_t> raw_bytes_pulled_{0};
 
-  absl::Mutex mu_;
+  mutable absl::Mutex mu_;
+  // Error feedback per partition chunk (biased push codecs), and the warm-up codec in use.
+  std::vector<std::unique_ptr<ErrorFeedback>> feedback_ ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<Compressor> step_codec_ ABSL_GUARDED_BY(mu_);
+  double codec_seconds_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t next_request_ ABSL_GUARDED_BY(mu_) = 1;
   std::vector<int64_t> versions_ ABSL_GUARDED_BY(mu_);  // Last pulled, per chunk.
 };
@@ -328,8 +407,29 @@ absl::StatusOr<std::unique_ptr<ParameterClient>> NewGrpcParameterClient(
   auto partition = Partition::Create(numels, layout.chunk_elems,
                                      static_cast<int32_t>(options.servers.size()));
   if (!partition.ok()) return Annotate(partition.status(), "parameter client");
+  const CompressorRegistry codecs = CompressorRegistry::WithBuiltins();
+  std::unique_ptr<Compressor> push_codec, pull_codec;
+  if (!options.push_codec.empty() && options.push_codec != "identity") {
+    auto c = codecs.Create(options.push_codec);
+    if (!c.ok()) return Annotate(c.status(), "parameter client: push codec");
+    push_codec = std::move(c).value();
+  }
+  if (!options.pull_codec.empty()) {
+    if (options.pull_codec != "fp16" && options.pull_codec != "bf16") {
+      return absl::InvalidArgumentError(absl::StrCat("parameter client: pull codec \"",
+                                                     options.pull_codec,
+                                                     "\" is not one of \"\", fp16, bf16"));
+    }
+    pull_codec = std::move(codecs.Create(options.pull_codec)).value();
+  }
+  {
+    ErrorFeedbackOptions ef;
+    ef.momentum = options.ef_momentum;
+    RETURN_IF_ERROR(Annotate(ValidateErrorFeedbackOptions(ef), "parameter client"));
+  }
   return std::unique_ptr<ParameterClient>(new GrpcParameterClient(
-      std::move(layout), std::move(options), std::move(partition).value()));
+      std::move(layout), std::move(options), std::move(partition).value(),
+      std::move(push_codec), std::move(pull_codec)));
 }
 
 }  // namespace gradmesh

@@ -7,6 +7,10 @@
 // parallel, and remembers the version of every chunk it last pulled so that each push carries
 // the version its gradient was computed from.
 //
+// Compression: with a push codec each chunk's gradient is encoded (through error feedback for
+// biased codecs, with optional DGC momentum correction and density warm-up) and sent as that
+// codec's payload; with a pull codec the shards send fp16/bf16 values, decoded here.
+//
 // Retries: UNAVAILABLE, DEADLINE_EXCEEDED and ABORTED are retried with exponential backoff
 // (bounded and logged); a retried push reuses its request id, so a shard that already applied
 // it acknowledges without applying it again.
@@ -63,9 +67,14 @@ class ParameterClient {
   // Job state as seen by each shard, in shard order.
   virtual absl::StatusOr<std::vector<JobInfoResponse>> GetJobInfo() = 0;
 
-  // Bytes of tensor payload sent and received so far (excluding protocol overhead).
+  // Bytes of tensor payload sent and received so far by Push and Pull (excluding protocol
+  // overhead), as on the wire (after compression) and as float32 (before).
   virtual int64_t bytes_pushed() const = 0;
   virtual int64_t bytes_pulled() const = 0;
+  virtual int64_t raw_bytes_pushed() const = 0;
+  virtual int64_t raw_bytes_pulled() const = 0;
+  // Seconds spent encoding pushes and decoding pulls.
+  virtual double codec_seconds() const = 0;
 };
 
 struct GrpcParameterClientOptions {
@@ -77,6 +86,14 @@ struct GrpcParameterClientOptions {
   absl::Duration initial_backoff = absl::Milliseconds(100);
   absl::Duration max_backoff = absl::Seconds(5);
   const Logger* logger = nullptr;  // Not owned; may be null.
+  // Compression (see CompressionSpec in gradmesh.proto). push_codec: "" = dense float32;
+  // pull_codec: "", "fp16" or "bf16".
+  std::string push_codec;
+  std::string pull_codec;
+  bool error_feedback = true;   // For biased push codecs; one residual per chunk.
+  float ef_momentum = 0;        // DGC momentum correction (0 = off).
+  int64_t warmup_steps = 0;     // DGC warm-up of the sparsity (0 = off).
+  uint64_t seed = 1;            // Stochastic codecs: mixed with worker, step and chunk.
 };
 
 // InvalidArgument if the layout or options are unusable (no servers, bad rank, ...).

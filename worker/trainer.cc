@@ -209,7 +209,13 @@ absl::StatusOr<TrainResult> Trainer::Run() {
                Kv("data_ms", absl::StrFormat("%.1f", 1e3 * result.data_s / (step - lo.first_step))),
                Kv("compute_ms",
                   absl::StrFormat("%.1f", 1e3 * result.compute_s / (step - lo.first_step))),
-               Kv("comm_ms", absl::StrFormat("%.1f", 1e3 * result.comm_s / (step - lo.first_step)))});
+               Kv("comm_ms", absl::StrFormat("%.1f", 1e3 * result.comm_s / (step - lo.first_step))),
+               Kv("push_bytes_per_step", client->bytes_pushed() / (step - lo.first_step)),
+               Kv("push_ratio", absl::StrFormat("%.1f", client->bytes_pushed() > 0
+                                                          ? static_cast<double>(
+                                                                client->raw_bytes_pushed()) /
+                                                                client->bytes_pushed()
+                                                          : 1.0))});
       window_start = absl::Now();
       window_loss = 0;
       window_steps = 0;
@@ -221,6 +227,9 @@ absl::StatusOr<TrainResult> Trainer::Run() {
   result.samples_per_s = result.wall_s > 0 ? result.samples / result.wall_s : 0;
   result.bytes_pushed = client->bytes_pushed();
   result.bytes_pulled = client->bytes_pulled();
+  result.raw_bytes_pushed = client->raw_bytes_pushed();
+  result.raw_bytes_pulled = client->raw_bytes_pulled();
+  result.codec_s = client->codec_seconds();
   RETURN_IF_ERROR(client->Finish(step));
 
   if (options_.evaluate && !result.stopped_early) {

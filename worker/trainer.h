@@ -53,7 +53,9 @@ struct TrainResult {
   double final_loss = 0;        // Mean training loss over the last log window.
   double test_accuracy = -1;    // In [0, 1]; -1 if this worker did not evaluate.
   double data_s = 0, compute_s = 0, comm_s = 0;  // Time split of the steps.
-  int64_t bytes_pushed = 0, bytes_pulled = 0;
+  int64_t bytes_pushed = 0, bytes_pulled = 0;          // On the wire (compressed).
+  int64_t raw_bytes_pushed = 0, raw_bytes_pulled = 0;  // As float32.
+  double codec_s = 0;                                   // Encoding pushes, decoding pulls.
   bool stopped_early = false;   // RequestStop() ended the run before the last step.
   int64_t first_step = 0;       // > 0 when the run resumed from the shards' progress.
 };

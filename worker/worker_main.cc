@@ -56,6 +56,13 @@ ABSL_FLAG(int64_t, snapshot_every_updates, 0, "Shard snapshot interval in update
 ABSL_FLAG(double, snapshot_every_seconds, -1, "Shard snapshot interval in seconds (0: off).");
 ABSL_FLAG(double, barrier_timeout_s, 0, "sync/ssp: seconds to wait for other workers.");
 ABSL_FLAG(bool, staleness_damping, false, "async: scale lr by 1/(1+staleness).");
+ABSL_FLAG(std::string, push_codec, "",
+          "Gradient codec: fp16, bf16, topk:<r>, topk_approx:<r>, randomk:<r>, qsgd:<bits>, "
+          "or <sparsifier>+fp16|bf16. Empty: dense float32.");
+ABSL_FLAG(std::string, pull_codec, "", "Parameter codec for pulls: fp16 or bf16. Empty: float32.");
+ABSL_FLAG(std::string, error_feedback, "", "true|false: residual accumulation for biased codecs.");
+ABSL_FLAG(double, ef_momentum, 0, "DGC momentum correction factor (0: off).");
+ABSL_FLAG(int64_t, warmup_steps, 0, "DGC sparsity warm-up steps (0: off).");
 ABSL_FLAG(int64_t, step_delay_ms, 0,
           "Fault injection for tests: sleep this long before every step (a slow worker).");
 
@@ -116,6 +123,20 @@ absl::StatusOr<WorkerMainOptions> ParseOptions() {
     spec.set_barrier_timeout_s(absl::GetFlag(FLAGS_barrier_timeout_s));
   }
   if (absl::GetFlag(FLAGS_staleness_damping)) spec.set_staleness_damping(true);
+  CompressionSpec* cs = spec.mutable_compression();
+  if (!absl::GetFlag(FLAGS_push_codec).empty()) cs->set_push(absl::GetFlag(FLAGS_push_codec));
+  if (!absl::GetFlag(FLAGS_pull_codec).empty()) cs->set_pull(absl::GetFlag(FLAGS_pull_codec));
+  if (!absl::GetFlag(FLAGS_error_feedback).empty()) {
+    const std::string ef = absl::GetFlag(FLAGS_error_feedback);
+    if (ef != "true" && ef != "false") {
+      return absl::InvalidArgumentError("--error_feedback must be true or false");
+    }
+    cs->set_error_feedback(ef == "true");
+  }
+  if (absl::GetFlag(FLAGS_ef_momentum) != 0) cs->set_momentum(absl::GetFlag(FLAGS_ef_momentum));
+  if (absl::GetFlag(FLAGS_warmup_steps) != 0) {
+    cs->set_warmup_steps(absl::GetFlag(FLAGS_warmup_steps));
+  }
 
   for (absl::string_view s : absl::StrSplit(absl::GetFlag(FLAGS_servers), ',', absl::SkipEmpty())) {
     o.client.servers.emplace_back(s);
@@ -137,6 +158,13 @@ absl::StatusOr<WorkerMainOptions> ParseOptions() {
   o.trainer.evaluate = absl::GetFlag(FLAGS_evaluate) && o.trainer.rank == 0;
   o.trainer.step_delay = absl::Milliseconds(absl::GetFlag(FLAGS_step_delay_ms));
   o.client.worker = o.trainer.rank;
+  o.client.push_codec = spec.compression().push();
+  o.client.pull_codec = spec.compression().pull();
+  o.client.error_feedback =
+      !spec.compression().has_error_feedback() || spec.compression().error_feedback();
+  o.client.ef_momentum = static_cast<float>(spec.compression().momentum());
+  o.client.warmup_steps = spec.compression().warmup_steps();
+  o.client.seed = spec.seed();
   o.client.rpc.max_message_bytes = absl::GetFlag(FLAGS_max_message_mb) << 20;
   o.node = absl::GetFlag(FLAGS_node).empty() ? HostName() : absl::GetFlag(FLAGS_node);
   return o;
@@ -183,6 +211,9 @@ int Run() {
                        Kv("compute_s", absl::StrFormat("%.2f", r.compute_s)),
                        Kv("comm_s", absl::StrFormat("%.2f", r.comm_s)),
                        Kv("bytes_pushed", r.bytes_pushed), Kv("bytes_pulled", r.bytes_pulled),
+                       Kv("raw_bytes_pushed", r.raw_bytes_pushed),
+                       Kv("raw_bytes_pulled", r.raw_bytes_pulled),
+                       Kv("codec_s", absl::StrFormat("%.2f", r.codec_s)),
                        Kv("stopped_early", r.stopped_early ? "true" : "false"),
                        Kv("first_step", r.first_step)});
   return 0;
