@@ -754,14 +754,10 @@ CompressorRegistry CompressorRegistry::WithBuiltins() {
 }
 
 void CompressorRegistry::Register(const std::string& name, Factory factory) {
-  factories_[name] = std::move(factory);
+  factories_.Set(name, std::move(factory));
 }
 
-std::vector<std::string> CompressorRegistry::names() const {
-  std::vector<std::string> out;
-  for (const auto& kv : factories_) out.push_back(kv.first);
-  return out;
-}
+std::vector<std::string> CompressorRegistry::names() const { return factories_.Names(); }
 
 absl::StatusOr<std::unique_ptr<Compressor>> CompressorRegistry::Create(
     absl::string_view spec) const {
@@ -776,16 +772,13 @@ absl::StatusOr<std::unique_ptr<Compressor>> CompressorRegistry::Create(
     const absl::string_view name = part.substr(0, colon);
     const absl::string_view param =
         colon == absl::string_view::npos ? absl::string_view() : part.substr(colon + 1);
-    auto it = factories_.find(std::string(name));
-    if (it == factories_.end()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("unknown codec \"", name, "\" (known: ", absl::StrJoin(names(), ", "), ")"));
-    }
+    auto factory = factories_.Find(name);
+    if (!factory.ok()) return factory.status();
     if (colon != absl::string_view::npos && param.empty()) {
       return absl::InvalidArgumentError(
           absl::StrCat("codec spec \"", part, "\" has an empty parameter after ':'"));
     }
-    absl::StatusOr<std::unique_ptr<Compressor>> c = it->second(param);
+    absl::StatusOr<std::unique_ptr<Compressor>> c = (**factory)(param);
     if (!c.ok()) return c.status();
     codecs.push_back(std::move(c).value());
   }

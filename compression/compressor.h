@@ -64,6 +64,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
+#include "common/registry.h"
 
 namespace gradmesh {
 
@@ -138,7 +139,7 @@ class CompressorRegistry {
   std::vector<std::string> names() const;
 
  private:
-  std::map<std::string, Factory> factories_;
+  NamedRegistry<Factory> factories_{"codec"};
 };
 
 }  // namespace gradmesh

@@ -268,26 +268,18 @@ ConsistencyRegistry ConsistencyRegistry::WithBuiltins() {
 }
 
 void ConsistencyRegistry::Register(const std::string& name, Factory factory) {
-  factories_[name] = std::move(factory);
+  factories_.Set(name, std::move(factory));
 }
 
-std::vector<std::string> ConsistencyRegistry::names() const {
-  std::vector<std::string> out;
-  for (const auto& kv : factories_) out.push_back(kv.first);
-  return out;
-}
+std::vector<std::string> ConsistencyRegistry::names() const { return factories_.Names(); }
 
 absl::StatusOr<std::unique_ptr<ConsistencyPolicy>> ConsistencyRegistry::Create(
     const ConsistencyConfig& config) const {
   const size_t colon = config.mode.find(':');
   const std::string name = config.mode.substr(0, colon);
   const std::string param = colon == std::string::npos ? "" : config.mode.substr(colon + 1);
-  auto it = factories_.find(name);
-  if (it == factories_.end()) {
-    return absl::InvalidArgumentError(absl::StrCat("unknown consistency mode \"", config.mode,
-                                                   "\" (known: ", absl::StrJoin(names(), ", "),
-                                                   "; ssp takes a bound, e.g. ssp:3)"));
-  }
+  auto factory = factories_.Find(name, config.mode, "ssp takes a bound, e.g. ssp:3");
+  if (!factory.ok()) return factory.status();
   if (config.num_workers <= 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("num_workers must be > 0, got ", config.num_workers));
@@ -295,7 +287,7 @@ absl::StatusOr<std::unique_ptr<ConsistencyPolicy>> ConsistencyRegistry::Create(
   if (config.barrier_timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("barrier timeout must be > 0");
   }
-  return it->second(config, param);
+  return (**factory)(config, param);
 }
 
 }  // namespace gradmesh

@@ -32,6 +32,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "common/registry.h"
 
 namespace gradmesh {
 
@@ -103,7 +104,7 @@ class ConsistencyRegistry {
   std::vector<std::string> names() const;
 
  private:
-  std::map<std::string, Factory> factories_;
+  NamedRegistry<Factory> factories_{"consistency mode"};
 };
 
 }  // namespace gradmesh

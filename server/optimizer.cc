@@ -184,24 +184,16 @@ OptimizerRegistry OptimizerRegistry::WithBuiltins() {
 }
 
 void OptimizerRegistry::Register(const std::string& name, Factory factory) {
-  factories_[name] = std::move(factory);
+  factories_.Set(name, std::move(factory));
 }
 
-std::vector<std::string> OptimizerRegistry::names() const {
-  std::vector<std::string> out;
-  for (const auto& kv : factories_) out.push_back(kv.first);
-  return out;
-}
+std::vector<std::string> OptimizerRegistry::names() const { return factories_.Names(); }
 
 absl::StatusOr<std::unique_ptr<Optimizer>> OptimizerRegistry::Create(
     const OptimizerSpec& spec) const {
-  auto it = factories_.find(spec.name());
-  if (it == factories_.end()) {
-    return absl::InvalidArgumentError(absl::StrCat("unknown optimizer \"", spec.name(),
-                                                   "\" (known: ", absl::StrJoin(names(), ", "),
-                                                   ")"));
-  }
-  return it->second(spec);
+  auto factory = factories_.Find(spec.name());
+  if (!factory.ok()) return factory.status();
+  return (**factory)(spec);
 }
 
 }  // namespace gradmesh

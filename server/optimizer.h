@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "common/registry.h"
 #include "proto/gradmesh.pb.h"
 
 namespace gradmesh {
@@ -66,7 +67,7 @@ class OptimizerRegistry {
   std::vector<std::string> names() const;
 
  private:
-  std::map<std::string, Factory> factories_;
+  NamedRegistry<Factory> factories_{"optimizer"};
 };
 
 }  // namespace gradmesh

@@ -237,48 +237,34 @@ absl::StatusOr<std::unique_ptr<Model>> MakeBuiltin(const std::string& name) {
 ModelRegistry ModelRegistry::WithBuiltins() {
   ModelRegistry registry;
   // Registration of fixed, distinct names cannot fail.
-  registry.factories_["mlp"] = [](const ModelSpec&) { return MakeBuiltin<Mlp>("mlp"); };
-  registry.factories_["lenet"] = [](const ModelSpec&) { return MakeBuiltin<LeNet>("lenet"); };
-  registry.factories_["torchscript"] = [](const ModelSpec& spec) {
+  registry.factories_.Set("mlp", [](const ModelSpec&) { return MakeBuiltin<Mlp>("mlp"); });
+  registry.factories_.Set("lenet", [](const ModelSpec&) { return MakeBuiltin<LeNet>("lenet"); });
+  registry.factories_.Set("torchscript", [](const ModelSpec& spec) {
     return TorchScriptModel::Load(spec.path());
-  };
+  });
   return registry;
 }
 
 absl::Status ModelRegistry::Register(const std::string& name, ModelFactory factory) {
-  if (name.empty() || !factory) {
-    return absl::InvalidArgumentError("ModelRegistry: need a non-empty name and a factory");
-  }
-  if (!factories_.emplace(name, std::move(factory)).second) {
-    return absl::AlreadyExistsError(absl::StrCat("model \"", name, "\" already registered"));
-  }
-  return absl::OkStatus();
+  return factories_.Add(name, std::move(factory));
 }
 
 absl::StatusOr<std::unique_ptr<Model>> ModelRegistry::Create(const ModelSpec& spec,
                                                              uint64_t seed) const {
-  auto it = factories_.find(spec.name());
-  if (it == factories_.end()) {
-    return absl::InvalidArgumentError(absl::StrCat("unknown model \"", spec.name(),
-                                                   "\"; known models: ",
-                                                   absl::StrJoin(Names(), ", ")));
-  }
+  auto factory = factories_.Find(spec.name());
+  if (!factory.ok()) return factory.status();
   try {
     // Initial weights must be identical on every worker: they all seed the same way before
     // constructing the same modules.
     torch::manual_seed(seed);
-    return it->second(spec);
+    return (**factory)(spec);
   } catch (const std::exception& e) {
     return FromException(absl::StatusCode::kInternal,
                          absl::StrCat("creating model ", spec.name()), e);
   }
 }
 
-std::vector<std::string> ModelRegistry::Names() const {
-  std::vector<std::string> names;
-  for (const auto& entry : factories_) names.push_back(entry.first);
-  return names;
-}
+std::vector<std::string> ModelRegistry::Names() const { return factories_.Names(); }
 
 absl::StatusOr<std::unique_ptr<Model>> CreateModel(const ModelSpec& spec, uint64_t seed) {
   return ModelRegistry::WithBuiltins().Create(spec, seed);

@@ -27,6 +27,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "common/registry.h"
 #include "proto/gradmesh.pb.h"
 
 namespace gradmesh {
@@ -86,8 +87,11 @@ class ModelRegistry {
   // Registered names, sorted.
   std::vector<std::string> Names() const;
 
+  // OK if `name` is registered, else the same InvalidArgument as Create.
+  absl::Status Check(const std::string& name) const { return factories_.Find(name).status(); }
+
  private:
-  std::map<std::string, ModelFactory> factories_;
+  NamedRegistry<ModelFactory> factories_{"model"};
 };
 
 // ModelRegistry::WithBuiltins().Create(spec, seed):

@@ -148,7 +148,7 @@ TEST_F(ModelTest, SeedDeterminesInitialWeights) {
 
 TEST_F(ModelTest, UnknownNameListsKnownModels) {
   EXPECT_STATUS_MSG(CreateModel(Spec("resnet"), 1), absl::StatusCode::kInvalidArgument,
-                    "unknown model \"resnet\"; known models: lenet, mlp, torchscript");
+                    "unknown model \"resnet\" (known: lenet, mlp, torchscript)");
   EXPECT_STATUS_MSG(CreateModel(Spec(""), 1), absl::StatusCode::kInvalidArgument, "mlp");
 }
 

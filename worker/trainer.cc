@@ -36,11 +36,8 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerOptions options,
   }
   if (!client_factory) return absl::InvalidArgumentError("trainer: no client factory");
   // Names are checked here, before any work, so a bad spec fails as bad arguments.
-  const std::vector<std::string> models = ModelRegistry::WithBuiltins().Names();
-  if (std::find(models.begin(), models.end(), spec.model().name()) == models.end()) {
-    return absl::InvalidArgumentError(absl::StrCat("unknown model \"", spec.model().name(),
-                                                   "\"; known models: ",
-                                                   absl::StrJoin(models, ", ")));
+  if (absl::Status st = ModelRegistry::WithBuiltins().Check(spec.model().name()); !st.ok()) {
+    return st;
   }
   const std::vector<std::string> datasets = KnownDatasets();
   if (std::find(datasets.begin(), datasets.end(), spec.dataset().name()) == datasets.end()) {

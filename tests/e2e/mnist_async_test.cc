@@ -413,7 +413,7 @@ TEST_F(E2eTest, UnknownModelAndModeAgainstServer) {
     EXPECT_EQ(LinesWith(run.log, "event=bad_arguments").size(), 1u) << run.log;
     EXPECT_NE(run.error.find("INVALID_ARGUMENT"), std::string::npos) << run.log;
     EXPECT_NE(run.error.find("unknown model \"nosuchmodel\""), std::string::npos) << run.log;
-    EXPECT_NE(run.error.find("known models: lenet, mlp, torchscript"), std::string::npos)
+    EXPECT_NE(run.error.find("(known: lenet, mlp, torchscript)"), std::string::npos)
         << run.log;
     // The worker failed before InitJob: the shard never heard of the job.
     EXPECT_STATUS(GetJobInfo(addresses_[0], "bad-model"), absl::StatusCode::kNotFound);
