@@ -21,6 +21,10 @@ struct RpcOptions {
   // max. gRPC's defaults (1 s, 120 s) are too slow for a shard that restarts in a second.
   int64_t min_reconnect_backoff_ms = 100;
   int64_t max_reconnect_backoff_ms = 5000;
+  // Models a slower link for a client's tensor traffic (each direction paced separately, as a
+  // full-duplex NIC), in bits per second; 0 = as fast as the transport goes. For measuring
+  // compression on a slow network with loopback daemons (see worker --link_mbit).
+  double link_bits_per_s = 0;
 };
 
 // An insecure channel to `address` ("host:port") with the limits of `options`.

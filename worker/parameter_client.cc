@@ -15,6 +15,7 @@
 #include "absl/time/clock.h"
 #include "common/numeric.h"
 #include "common/partitioner.h"
+#include "common/rate_limiter.h"
 #include "common/status.h"
 #include "common/tensor_wire.h"
 #include "compression/compressor.h"
@@ -46,6 +47,8 @@ class GrpcParameterClient final : public ParameterClient {
         incarnation_(static_cast<uint64_t>(std::random_device{}()) << 32),
         push_codec_(std::move(push_codec)),
         pull_codec_(std::move(pull_codec)),
+        send_link_(options_.rpc.link_bits_per_s / 8),
+        receive_link_(options_.rpc.link_bits_per_s / 8),
         versions_(partition_.chunks().size(), 0) {
     if (push_codec_ != nullptr && push_codec_->biased() && options_.error_feedback) {
       ErrorFeedbackOptions ef;
@@ -156,6 +159,7 @@ class GrpcParameterClient final : public ParameterClient {
       }
       codec_seconds_ += absl::ToDoubleSeconds(absl::Now() - t0);
     }
+    send_link_.Acquire(wire);  // The modelled link, if any, carries the payload first.
     std::vector<grpc::ByteBuffer> resps(NumShards());
     RETURN_IF_ERROR((CallAll<grpc::ByteBuffer, grpc::ByteBuffer>(
         "Push", reqs, &resps,
@@ -242,6 +246,7 @@ class GrpcParameterClient final : public ParameterClient {
     }
     bytes_pulled_ += wire;
     raw_bytes_pulled_ += raw;
+    receive_link_.Acquire(wire);
     return absl::OkStatus();
   }
 
@@ -374,6 +379,8 @@ class GrpcParameterClient final : public ParameterClient {
   std::atomic<int64_t> bytes_pulled_{0};
   std::atomic<int64_t> raw_bytes_pushed_{0};
   std::atomic<int64_t> raw_bytes_pulled_{0};
+  RateLimiter send_link_;     // Unlimited unless options_.rpc.link_bits_per_s > 0.
+  RateLimiter receive_link_;
 
   mutable absl::Mutex mu_;
   // Error feedback per partition chunk (biased push codecs), and the warm-up codec in use.

@@ -63,6 +63,9 @@ ABSL_FLAG(std::string, pull_codec, "", "Parameter codec for pulls: fp16 or bf16.
 ABSL_FLAG(std::string, error_feedback, "", "true|false: residual accumulation for biased codecs.");
 ABSL_FLAG(double, ef_momentum, 0, "DGC momentum correction factor (0: off).");
 ABSL_FLAG(int64_t, warmup_steps, 0, "DGC sparsity warm-up steps (0: off).");
+ABSL_FLAG(double, link_mbit, 0,
+          "Model a link of this many Mbit/s per direction for this worker's tensor traffic "
+          "(measurements on loopback; 0 = unlimited).");
 ABSL_FLAG(int64_t, step_delay_ms, 0,
           "Fault injection for tests: sleep this long before every step (a slow worker).");
 
@@ -166,6 +169,7 @@ absl::StatusOr<WorkerMainOptions> ParseOptions() {
   o.client.warmup_steps = spec.compression().warmup_steps();
   o.client.seed = spec.seed();
   o.client.rpc.max_message_bytes = absl::GetFlag(FLAGS_max_message_mb) << 20;
+  o.client.rpc.link_bits_per_s = absl::GetFlag(FLAGS_link_mbit) * 1e6;
   o.node = absl::GetFlag(FLAGS_node).empty() ? HostName() : absl::GetFlag(FLAGS_node);
   return o;
 }
