@@ -200,6 +200,34 @@ int64_t Numel(const TensorSpec& t) {
   return n;
 }
 
+using ChunkMap = absl::flat_hash_map<int64_t, std::unique_ptr<Chunk>>;
+
+absl::Status CheckWorker(const char* rpc, const InitJobRequest& layout, int32_t worker) {
+  if (worker >= 0 && worker < layout.num_workers()) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(rpc, ": job ", layout.job(), " worker ", worker,
+                                                 " not in [0, ", layout.num_workers(), ")"));
+}
+
+// The chunk (tensor, chunk) of a request: NOT_FOUND if it does not exist, FAILED_PRECONDITION
+// if another shard owns it. Returns its partition index and the stored chunk.
+absl::StatusOr<std::pair<int64_t, Chunk*>> OwnedChunk(const char* rpc,
+                                                      const InitJobRequest& layout,
+                                                      const Partition& p, const ChunkMap& chunks,
+                                                      int32_t tensor, int32_t chunk) {
+  const int64_t idx = p.Find(tensor, chunk);
+  if (idx < 0) {
+    return absl::NotFoundError(
+        absl::StrCat(rpc, ": ", ChunkName(layout.job(), layout, tensor, chunk), " does not exist"));
+  }
+  auto it = chunks.find(idx);
+  if (it == chunks.end()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        rpc, ": ", ChunkName(layout.job(), layout, tensor, chunk), " belongs to shard ",
+        p.chunks()[idx].shard, ", not shard ", layout.shard_index()));
+  }
+  return std::make_pair(idx, it->second.get());
+}
+
 // Fills defaults the shard relies on, so equal requests compare equal.
 InitJobRequest NormalizedLayout(const InitJobRequest& request) {
   InitJobRequest layout = request;
@@ -668,12 +696,7 @@ absl::Status Shard::Restore() {
 
 absl::StatusOr<PushResponse> Shard::Push(const PushRequest& request) {
   ASSIGN_OR_RETURN(std::shared_ptr<Job> job, FindJob(request.job()));
-  const Partition& p = *job->partition;
-  if (request.worker() < 0 || request.worker() >= job->layout.num_workers()) {
-    return absl::InvalidArgumentError(absl::StrCat("Push: job ", request.job(), " worker ",
-                                                   request.worker(), " not in [0, ",
-                                                   job->layout.num_workers(), ")"));
-  }
+  RETURN_IF_ERROR(CheckWorker("Push", job->layout, request.worker()));
   // Validate everything before changing anything.
   ChunkUpdate update;
   std::vector<Chunk*> targets;
@@ -681,23 +704,18 @@ absl::StatusOr<PushResponse> Shard::Push(const PushRequest& request) {
   std::vector<std::vector<float>> scratch(request.chunks_size());
   for (int i = 0; i < request.chunks_size(); ++i) {
     const ChunkData& c = request.chunks(i);
+    ASSIGN_OR_RETURN(auto owned, OwnedChunk("Push", job->layout, *job->partition, job->chunks,
+                                            c.tensor(), c.chunk()));
+    const auto [idx, chunk] = owned;
     const std::string where = ChunkName(request.job(), job->layout, c.tensor(), c.chunk());
-    const int64_t idx = p.Find(c.tensor(), c.chunk());
-    if (idx < 0) return absl::NotFoundError(absl::StrCat("Push: ", where, " does not exist"));
-    auto it = job->chunks.find(idx);
-    if (it == job->chunks.end()) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "Push: ", where, " belongs to shard ", p.chunks()[idx].shard, ", not shard ",
-          job->layout.shard_index()));
-    }
     if (!seen.insert(idx).second) {
       return absl::InvalidArgumentError(absl::StrCat("Push: ", where, " appears twice"));
     }
-    ASSIGN_OR_RETURN(const float* grad, ChunkValues(c, it->second->info.numel,
+    ASSIGN_OR_RETURN(const float* grad, ChunkValues(c, chunk->info.numel,
                                                     absl::StrCat("Push: ", where), &scratch[i]));
-    targets.push_back(it->second.get());
+    targets.push_back(chunk);
     update.chunks.push_back(idx);
-    update.numels.push_back(it->second->info.numel);
+    update.numels.push_back(chunk->info.numel);
     update.grads.push_back(grad);
     update.base_versions.push_back(c.version());
   }
@@ -754,29 +772,17 @@ absl::StatusOr<PushResponse> Shard::Push(const PushRequest& request) {
 
 absl::Status Shard::Pull(const PullRequest& request, PullResponse* response) {
   ASSIGN_OR_RETURN(std::shared_ptr<Job> job, FindJob(request.job()));
-  const Partition& p = *job->partition;
-  if (request.worker() < 0 || request.worker() >= job->layout.num_workers()) {
-    return absl::InvalidArgumentError(absl::StrCat("Pull: job ", request.job(), " worker ",
-                                                   request.worker(), " not in [0, ",
-                                                   job->layout.num_workers(), ")"));
-  }
+  RETURN_IF_ERROR(CheckWorker("Pull", job->layout, request.worker()));
   std::vector<Chunk*> targets;
   if (request.chunks_size() == 0) {
-    for (int64_t idx : p.shard_chunks(job->layout.shard_index())) {
+    for (int64_t idx : job->partition->shard_chunks(job->layout.shard_index())) {
       targets.push_back(job->chunks.at(idx).get());
     }
   } else {
     for (const ChunkData& c : request.chunks()) {
-      const std::string where = ChunkName(request.job(), job->layout, c.tensor(), c.chunk());
-      const int64_t idx = p.Find(c.tensor(), c.chunk());
-      if (idx < 0) return absl::NotFoundError(absl::StrCat("Pull: ", where, " does not exist"));
-      auto it = job->chunks.find(idx);
-      if (it == job->chunks.end()) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "Pull: ", where, " belongs to shard ", p.chunks()[idx].shard, ", not shard ",
-            job->layout.shard_index()));
-      }
-      targets.push_back(it->second.get());
+      ASSIGN_OR_RETURN(auto owned, OwnedChunk("Pull", job->layout, *job->partition, job->chunks,
+                                              c.tensor(), c.chunk()));
+      targets.push_back(owned.second);
     }
   }
   std::shared_ptr<const Compressor> codec;
@@ -813,11 +819,7 @@ absl::Status Shard::Pull(const PullRequest& request, PullResponse* response) {
 
 absl::Status Shard::Finish(const FinishRequest& request) {
   ASSIGN_OR_RETURN(std::shared_ptr<Job> job, FindJob(request.job()));
-  if (request.worker() < 0 || request.worker() >= job->layout.num_workers()) {
-    return absl::InvalidArgumentError(absl::StrCat("Finish: job ", request.job(), " worker ",
-                                                   request.worker(), " not in [0, ",
-                                                   job->layout.num_workers(), ")"));
-  }
+  RETURN_IF_ERROR(CheckWorker("Finish", job->layout, request.worker()));
   job->policy->OnFinish(request.worker());
   bool first = false;
   {
