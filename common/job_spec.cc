@@ -228,6 +228,19 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
   if (spec.barrier_timeout_s() < 0) {
     return absl::InvalidArgumentError("job spec: barrier_timeout_s must be >= 0");
   }
+  const CompressionSpec& c = spec.compression();
+  if (!c.pull().empty() && c.pull() != "fp16" && c.pull() != "bf16") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "job spec: compression.pull \"", c.pull(), "\" is not one of \"\", fp16, bf16"));
+  }
+  if (c.warmup_steps() < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("job spec: compression.warmup_steps must be >= 0, got ", c.warmup_steps()));
+  }
+  if (!(c.momentum() >= 0 && c.momentum() < 1)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("job spec: compression.momentum must be in [0, 1), got ", c.momentum()));
+  }
   return absl::OkStatus();
 }
 

@@ -86,6 +86,18 @@ TEST(JobSpecTest, DefaultsAndValidation) {
   bad.set_name("a b");
   EXPECT_STATUS_MSG(ValidateJobSpec(bad), absl::StatusCode::kInvalidArgument, "name \"a b\"");
   bad = spec;
+  bad.mutable_compression()->set_pull("topk:0.1");
+  EXPECT_STATUS_MSG(ValidateJobSpec(bad), absl::StatusCode::kInvalidArgument,
+                    "compression.pull \"topk:0.1\" is not one of");
+  bad = spec;
+  bad.mutable_compression()->set_warmup_steps(-5);
+  EXPECT_STATUS_MSG(ValidateJobSpec(bad), absl::StatusCode::kInvalidArgument,
+                    "compression.warmup_steps must be >= 0, got -5");
+  bad = spec;
+  bad.mutable_compression()->set_momentum(1.5);
+  EXPECT_STATUS_MSG(ValidateJobSpec(bad), absl::StatusCode::kInvalidArgument,
+                    "compression.momentum must be in [0, 1), got 1.5");
+  bad = spec;
   bad.set_chunk_bytes(6);
   EXPECT_STATUS_MSG(ValidateJobSpec(bad), absl::StatusCode::kInvalidArgument, "chunk_bytes");
 }

@@ -121,6 +121,24 @@ TEST(OptimizerTest, AdamWMatchesTorch) {
   });
 }
 
+TEST(OptimizerTest, SubnormalStateIsFlushedToZero) {
+  // A coordinate that stops receiving gradient: its moments decay below FLT_MIN and become
+  // exactly 0 instead of slow subnormals.
+  auto registry = OptimizerRegistry::WithBuiltins();
+  OptimizerSpec s;
+  s.set_name("adam");
+  s.set_lr(1e-3);
+  ASSERT_OK_AND_ASSIGN(auto opt, registry.Create(s));
+  float p = 1.0f, g = 0.0f, m = 2e-38f, v = 0.0f;
+  float* slots[] = {&m, &v};
+  opt->Apply(5, 1.0f, &g, &p, slots, 1);  // 0.9 * 2e-38 = 1.8e-38: still normal.
+  EXPECT_GT(m, 0.0f);
+  opt->Apply(6, 1.0f, &g, &p, slots, 1);  // 1.62e-38: normal.
+  for (int step = 7; step < 12; ++step) opt->Apply(step, 1.0f, &g, &p, slots, 1);
+  EXPECT_EQ(m, 0.0f) << "m decayed below FLT_MIN and must be flushed";
+  EXPECT_TRUE(std::isfinite(p));
+}
+
 TEST(OptimizerTest, LrScaleScalesTheStep) {
   auto registry = OptimizerRegistry::WithBuiltins();
   OptimizerSpec s;

@@ -10,6 +10,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "common/status.h"
+#include "compression/compressor.h"
 #include "worker/dataset.h"
 #include "worker/model.h"
 
@@ -38,6 +39,27 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerOptions options,
   // Names are checked here, before any work, so a bad spec fails as bad arguments.
   if (absl::Status st = ModelRegistry::WithBuiltins().Check(spec.model().name()); !st.ok()) {
     return st;
+  }
+  // The push codec must parse; momentum correction and warm-up need a codec that uses them.
+  const CompressionSpec& cs = spec.compression();
+  if (!cs.push().empty()) {
+    auto codec = CompressorRegistry::WithBuiltins().Create(cs.push());
+    if (!codec.ok()) return Annotate(codec.status(), "job spec: compression.push");
+    const bool feedback = (*codec)->biased() && (!cs.has_error_feedback() || cs.error_feedback());
+    if (cs.momentum() != 0 && !feedback) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "job spec: compression.momentum needs error feedback on a biased push codec (topk, "
+          "topk_approx, fp16, bf16); \"", cs.push(), "\" with error_feedback=",
+          feedback ? "true" : "false", " would ignore it"));
+    }
+    if (cs.warmup_steps() > 0 && (*codec)->density() >= 1.0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "job spec: compression.warmup_steps needs a sparsifying push codec, not \"",
+          cs.push(), "\""));
+    }
+  } else if (cs.momentum() != 0 || cs.warmup_steps() != 0) {
+    return absl::InvalidArgumentError(
+        "job spec: compression.momentum and warmup_steps need a push codec");
   }
   const std::vector<std::string> datasets = KnownDatasets();
   if (std::find(datasets.begin(), datasets.end(), spec.dataset().name()) == datasets.end()) {
