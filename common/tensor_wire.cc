@@ -128,6 +128,10 @@ absl::Status DecodePullResponse(const grpc::ByteBuffer& buffer, const PullChunkS
       } else if (t == Tag(6, kLengthDelimited)) {
         uint32_t bytes;
         if (!in.ReadVarint32(&bytes)) return absl::DataLossError("PullResponse: bad length");
+        if (static_cast<int64_t>(bytes) > in.BytesUntilLimit()) {
+          return absl::DataLossError(absl::StrCat("PullResponse: chunk ", index, " claims ", bytes,
+                                                  " bytes, more than the message holds"));
+        }
         auto dest = sink(static_cast<int32_t>(tensor), static_cast<int32_t>(chunk),
                          static_cast<int64_t>(version), static_cast<int32_t>(dtype), codec,
                          bytes);

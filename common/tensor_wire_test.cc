@@ -130,6 +130,21 @@ TEST(TensorWireTest, PullDecodingRejectsTruncatedAndSinkErrors) {
       absl::StatusCode::kInternal, "no such tensor 1");
   ASSERT_OK(DecodePullResponse(FromString(full), sink));
   EXPECT_EQ(std::string(dest.begin(), dest.end()), std::string(400, 'x'));
+  // A data length beyond the message is refused before the sink is asked for memory.
+  std::string lying = full;
+  // Layout: [0x0a len(2)] [0x08 0x01] [0x32 len(2)=400] data. Make data claim 0x7f7f bytes.
+  const size_t data_len_pos = lying.find(static_cast<char>(0x32)) + 1;
+  lying[data_len_pos] = static_cast<char>(0xff);
+  lying[data_len_pos + 1] = static_cast<char>(0x7f);
+  bool sink_called = false;
+  EXPECT_STATUS_MSG(DecodePullResponse(FromString(lying),
+                                       [&](int32_t, int32_t, int64_t, int32_t, absl::string_view,
+                                           int64_t) -> absl::StatusOr<char*> {
+                                         sink_called = true;
+                                         return dest.data();
+                                       }),
+                    absl::StatusCode::kDataLoss, "more than the message holds");
+  EXPECT_FALSE(sink_called);
 }
 
 }  // namespace

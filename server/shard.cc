@@ -74,6 +74,7 @@ struct Shard::Job {
   bool snapshot_running ABSL_GUARDED_BY(mu) = false;
   int64_t snapshot_update ABSL_GUARDED_BY(mu) = 0;
   int64_t logged_bytes ABSL_GUARDED_BY(mu) = 0;  // Log bytes since the last snapshot.
+  absl::Time snapshot_retry_after ABSL_GUARDED_BY(mu);  // Back-off after a failed snapshot.
   absl::Time snapshot_time ABSL_GUARDED_BY(mu);
   int64_t snapshots ABSL_GUARDED_BY(mu) = 0;
   double last_snapshot_s ABSL_GUARDED_BY(mu) = 0;
@@ -547,6 +548,7 @@ absl::Status Shard::MaybeSnapshot(Job* job, bool force) {
                          absl::Now() - job->snapshot_time >=
                              absl::Seconds(d.snapshot_every_seconds());
     if (!force && !by_count && !by_time && !by_bytes) return absl::OkStatus();
+    if (!force && absl::Now() < job->snapshot_retry_after) return absl::OkStatus();
     job->snapshot_running = true;
   }
   const absl::Time start = absl::Now();
@@ -584,6 +586,8 @@ absl::Status Shard::MaybeSnapshot(Job* job, bool force) {
   absl::MutexLock lock(&job->mu);
   job->snapshot_running = false;
   if (!bytes.ok()) {
+    // Not on every push: each attempt holds apply_mu exclusively.
+    job->snapshot_retry_after = absl::Now() + absl::Seconds(5);
     LogError(options_.logger, "snapshot_failed",
              {Kv("job", job->layout.job()), Kv("error", bytes.status().ToString())});
     return bytes.status();
@@ -697,6 +701,10 @@ absl::Status Shard::Restore() {
 absl::StatusOr<PushResponse> Shard::Push(const PushRequest& request) {
   ASSIGN_OR_RETURN(std::shared_ptr<Job> job, FindJob(request.job()));
   RETURN_IF_ERROR(CheckWorker("Push", job->layout, request.worker()));
+  if (request.step() < 0 || request.step() >= (int64_t{1} << 62)) {
+    return absl::InvalidArgumentError(absl::StrCat("Push: job ", request.job(), " step ",
+                                                   request.step(), " out of range"));
+  }
   // Validate everything before changing anything.
   ChunkUpdate update;
   std::vector<Chunk*> targets;
@@ -708,6 +716,10 @@ absl::StatusOr<PushResponse> Shard::Push(const PushRequest& request) {
                                             c.tensor(), c.chunk()));
     const auto [idx, chunk] = owned;
     const std::string where = ChunkName(request.job(), job->layout, c.tensor(), c.chunk());
+    if (c.version() < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("Push: ", where, ": base version ", c.version(), " is negative"));
+    }
     if (!seen.insert(idx).second) {
       return absl::InvalidArgumentError(absl::StrCat("Push: ", where, " appears twice"));
     }
@@ -833,7 +845,11 @@ absl::Status Shard::Finish(const FinishRequest& request) {
                Kv("step", request.step()), Kv("pushes_applied", w.pushes_applied)});
     }
   }
-  // The final state of a durable job is snapshotted when its last worker finishes.
+  // A durable job records each worker's Finish (a restarted shard must not wait for a worker
+  // that is gone), and its final state when the last worker finishes.
+  if (first && job->durability != Durability::kNone) {
+    (void)MaybeSnapshot(job.get(), /*force=*/true);  // Logged on failure.
+  }
   if (first) {
     bool all = true;
     {
@@ -841,7 +857,6 @@ absl::Status Shard::Finish(const FinishRequest& request) {
       for (const WorkerRecord& w : job->workers) all = all && w.finished;
     }
     if (all) {
-      (void)MaybeSnapshot(job.get(), /*force=*/true);  // Logged on failure.
       // The job's metrics, in one line.
       const ConsistencyStats ps = job->policy->stats();
       absl::MutexLock lock(&job->mu);

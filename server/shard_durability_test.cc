@@ -772,7 +772,9 @@ TEST_F(DurabilityTest, PeriodicSnapshotByTime) {
   EXPECT_EQ(info.updates_applied(), 1);
 }
 
-TEST_F(DurabilityTest, LastFinishForcesASnapshot) {
+// Each worker's first Finish is made durable (a snapshot), so a restarted shard knows who is
+// done; the last one's snapshot holds the final state.
+TEST_F(DurabilityTest, EachFinishForcesASnapshot) {
   JobOptions o;
   o.durability = "periodic";  // With a snapshot every 10^6 updates: only the forced ones.
   ASSERT_OK(shard_->InitJob(MakeInit(o)));
@@ -789,12 +791,20 @@ TEST_F(DurabilityTest, LastFinishForcesASnapshot) {
   f.set_step(1);
   ASSERT_OK(shard_->Finish(f));
   ASSERT_OK_AND_ASSIGN(info, Info(shard_.get()));
-  EXPECT_EQ(info.snapshots(), 1);  // Worker 0 has not finished.
+  EXPECT_EQ(info.snapshots(), 2);  // Worker 1's Finish is durable before it returns.
+  {
+    // A crash now: the restarted shard knows worker 1 finished and worker 0 did not.
+    Restart();
+    ASSERT_OK_AND_ASSIGN(JobInfoResponse r, Info(shard_.get()));
+    EXPECT_TRUE(r.workers(1).finished());
+    EXPECT_FALSE(r.workers(0).finished());
+    EXPECT_EQ(PullAll(shard_.get()), final_state);
+  }
   f.set_worker(0);
   f.set_step(1);
   ASSERT_OK(shard_->Finish(f));
   ASSERT_OK_AND_ASSIGN(info, Info(shard_.get()));
-  EXPECT_EQ(info.snapshots(), 2);
+  EXPECT_EQ(info.snapshots(), 1);  // Counted since the restart.
   EXPECT_EQ(info.snapshot_update(), 3);
   EXPECT_EQ(info.snapshot_update(), info.updates_applied());
   EXPECT_GT(info.last_snapshot_bytes(), 0);
@@ -802,7 +812,7 @@ TEST_F(DurabilityTest, LastFinishForcesASnapshot) {
   // A repeated Finish does not snapshot again.
   ASSERT_OK(shard_->Finish(f));
   ASSERT_OK_AND_ASSIGN(info, Info(shard_.get()));
-  EXPECT_EQ(info.snapshots(), 2);
+  EXPECT_EQ(info.snapshots(), 1);
 
   Restart();
   EXPECT_EQ(PullAll(shard_.get()), final_state);

@@ -219,6 +219,16 @@ TEST_F(ShardTest, BadPushesAreRejectedAndChangeNothing) {
   *p.add_chunks() = p.chunks(0);
   EXPECT_STATUS_MSG(shard_->Push(p), absl::StatusCode::kInvalidArgument, "appears twice");
 
+  p = MakePush(c, 1.0f, 11);
+  p.mutable_chunks(0)->set_version(std::numeric_limits<int64_t>::min());
+  EXPECT_STATUS_MSG(shard_->Push(p), absl::StatusCode::kInvalidArgument,
+                    "base version -9223372036854775808 is negative");
+  p = MakePush(c, 1.0f, 12, 0, /*step=*/0);
+  p.set_step(-3);
+  EXPECT_STATUS_MSG(shard_->Push(p), absl::StatusCode::kInvalidArgument, "step -3 out of range");
+  p.set_step(std::numeric_limits<int64_t>::max());
+  EXPECT_STATUS_MSG(shard_->Push(p), absl::StatusCode::kInvalidArgument, "out of range");
+
   EXPECT_EQ(PullAllOwned(), before);
   ASSERT_OK_AND_ASSIGN(JobInfoResponse info, shard_->GetJobInfo([] {
     JobInfoRequest r;

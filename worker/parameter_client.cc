@@ -324,6 +324,13 @@ class GrpcParameterClient final : public ParameterClient {
     std::vector<int32_t> pending;
     for (int32_t s = 0; s < NumShards(); ++s) pending.push_back(s);
     absl::Duration backoff = options_.initial_backoff;
+    // A sync push waits at the shard's barrier for up to the job's barrier timeout: an attempt
+    // must outlast it, or the client would give up on a step the shard still completes.
+    absl::Duration deadline = options_.rpc_deadline;
+    if (std::string(what) == "Push" && layout_.consistency == "sync") {
+      const double barrier = layout_.barrier_timeout_s > 0 ? layout_.barrier_timeout_s : 120;
+      deadline = std::max(deadline, absl::Seconds(barrier) + absl::Seconds(30));
+    }
     for (int32_t attempt = 1;; ++attempt) {
       std::vector<grpc::Status> results(pending.size());
       std::vector<std::unique_ptr<grpc::ClientContext>> contexts(pending.size());
@@ -331,7 +338,7 @@ class GrpcParameterClient final : public ParameterClient {
       for (size_t i = 0; i < pending.size(); ++i) {
         const int32_t s = pending[i];
         contexts[i] = std::make_unique<grpc::ClientContext>();
-        contexts[i]->set_deadline(absl::ToChronoTime(absl::Now() + options_.rpc_deadline));
+        contexts[i]->set_deadline(absl::ToChronoTime(absl::Now() + deadline));
         (*resps)[s].Clear();
         call(s, contexts[i].get(), &reqs[s], &(*resps)[s],
              [&results, &done, i](grpc::Status st) {

@@ -249,7 +249,9 @@ absl::StatusOr<TrainResult> Trainer::Run() {
   result.raw_bytes_pushed = client->raw_bytes_pushed();
   result.raw_bytes_pulled = client->raw_bytes_pulled();
   result.codec_s = client->codec_seconds();
-  RETURN_IF_ERROR(client->Finish(step));
+  // A worker stopped early (SIGTERM) has not finished the job: it may be resumed, and the
+  // shards must keep waiting for (and counting) its clock.
+  if (!result.stopped_early) RETURN_IF_ERROR(client->Finish(step));
 
   if (options_.evaluate && !result.stopped_early) {
     // Wait for every worker so the evaluated model is the job's final one.
