@@ -50,13 +50,8 @@ class GrpcParameterClient final : public ParameterClient {
         send_link_(options_.rpc.link_bits_per_s / 8),
         receive_link_(options_.rpc.link_bits_per_s / 8),
         versions_(partition_.chunks().size(), 0) {
-    if (push_codec_ != nullptr && push_codec_->biased() && options_.error_feedback) {
-      ErrorFeedbackOptions ef;
-      ef.momentum = options_.ef_momentum;
-      for (const ChunkInfo& c : partition_.chunks()) {
-        feedback_.push_back(std::make_unique<ErrorFeedback>(c.numel, ef));
-      }
-    }
+    absl::MutexLock lock(&mu_);
+    ResetFeedbackLocked();
     for (const std::string& addr : options_.servers) {
       auto channel = MakeChannel(addr, options_.rpc);
       stubs_.push_back(ParameterService::NewStub(channel));
@@ -94,6 +89,19 @@ class GrpcParameterClient final : public ParameterClient {
         });
   }
 
+  absl::Status SetPushCodec(const std::string& spec) override {
+    std::unique_ptr<Compressor> codec;
+    if (!spec.empty() && spec != "identity") {
+      auto c = CompressorRegistry::WithBuiltins().Create(spec);
+      if (!c.ok()) return Annotate(c.status(), "SetPushCodec");
+      codec = std::move(c).value();
+    }
+    absl::MutexLock lock(&mu_);
+    push_codec_ = std::move(codec);
+    ResetFeedbackLocked();
+    return absl::OkStatus();
+  }
+
   absl::Status Push(int64_t step, const std::vector<absl::Span<const float>>& grads) override {
     RETURN_IF_ERROR(CheckSpans("Push", grads));
     // Shards reject non-finite gradients, but each only for its own chunks: checking here
@@ -109,11 +117,12 @@ class GrpcParameterClient final : public ParameterClient {
     // Gradients (or their encodings) are referenced by the request buffers, not copied
     // (common/tensor_wire.h); they stay alive until every shard has answered.
     std::vector<grpc::ByteBuffer> reqs(NumShards());
-    std::vector<std::string> encoded(push_codec_ != nullptr ? partition_.chunks().size() : 0);
+    std::vector<std::string> encoded;
     int64_t raw = 0, wire = 0;
     {
       absl::MutexLock lock(&mu_);
       const Compressor* codec = push_codec_.get();
+      if (codec != nullptr) encoded.resize(partition_.chunks().size());
       if (codec != nullptr && options_.warmup_steps > 0) {
         const double d =
             WarmupDensity(push_codec_->density(), {options_.warmup_steps, 4}, step);
@@ -380,7 +389,19 @@ class GrpcParameterClient final : public ParameterClient {
   std::vector<std::unique_ptr<ParameterService::Stub>> stubs_;
   // Push and Pull go through generic stubs to avoid copying tensor data.
   std::vector<std::unique_ptr<grpc::GenericStub>> generic_stubs_;
-  const std::unique_ptr<Compressor> push_codec_;  // Null: dense pushes.
+  // Error feedback per chunk for a biased push codec (none otherwise), from zero.
+  void ResetFeedbackLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    feedback_.clear();
+    step_codec_.reset();
+    if (push_codec_ == nullptr || !push_codec_->biased() || !options_.error_feedback) return;
+    ErrorFeedbackOptions ef;
+    ef.momentum = options_.ef_momentum;
+    for (const ChunkInfo& c : partition_.chunks()) {
+      feedback_.push_back(std::make_unique<ErrorFeedback>(c.numel, ef));
+    }
+  }
+
+  std::unique_ptr<Compressor> push_codec_ ABSL_GUARDED_BY(mu_);  // Null: dense pushes.
   const std::unique_ptr<Compressor> pull_codec_;  // Null: dense pulls.
   std::atomic<int64_t> bytes_pushed_{0};
   std::atomic<int64_t> bytes_pulled_{0};

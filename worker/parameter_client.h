@@ -75,6 +75,10 @@ class ParameterClient {
   virtual int64_t raw_bytes_pulled() const = 0;
   // Seconds spent encoding pushes and decoding pulls.
   virtual double codec_seconds() const = 0;
+
+  // Switches the push codec from the next Push on ("" = dense); error-feedback residuals start
+  // from zero. InvalidArgument for an unknown codec (nothing changes).
+  virtual absl::Status SetPushCodec(const std::string& spec) = 0;
 };
 
 struct GrpcParameterClientOptions {

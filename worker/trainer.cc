@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -11,6 +12,7 @@
 #include "absl/time/clock.h"
 #include "common/status.h"
 #include "compression/compressor.h"
+#include "worker/auto_codec.h"
 #include "worker/dataset.h"
 #include "worker/model.h"
 
@@ -42,7 +44,13 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerOptions options,
   }
   // The push codec must parse; momentum correction and warm-up need a codec that uses them.
   const CompressionSpec& cs = spec.compression();
-  if (!cs.push().empty()) {
+  if (cs.push() == "auto") {
+    if (cs.momentum() != 0 || cs.warmup_steps() != 0) {
+      return absl::InvalidArgumentError(
+          "job spec: compression.push auto chooses its own codec; momentum and warmup_steps "
+          "need an explicit codec");
+    }
+  } else if (!cs.push().empty()) {
     auto codec = CompressorRegistry::WithBuiltins().Create(cs.push());
     if (!codec.ok()) return Annotate(codec.status(), "job spec: compression.push");
     const bool feedback = (*codec)->biased() && (!cs.has_error_feedback() || cs.error_feedback());
@@ -123,6 +131,9 @@ absl::StatusOr<TrainResult> Trainer::Run() {
     initial.emplace_back(params[i].data_ptr<float>(), params[i].numel());
   }
   ASSIGN_OR_RETURN(std::unique_ptr<ParameterClient> client, client_factory_(layout));
+  // compression.push: auto starts dense and lets AutoCodec decide (worker/auto_codec.h).
+  std::optional<AutoCodec> auto_codec;
+  if (spec.compression().push() == "auto") auto_codec.emplace();
 
   // Every worker offers the same seeded initial values; the first InitJob wins, the rest see
   // the job already exists. Then everyone starts from the shards' values.
@@ -180,6 +191,7 @@ absl::StatusOr<TrainResult> Trainer::Run() {
     result.data_s += Seconds(t0);
 
     t0 = absl::Now();
+    const absl::Time compute_start = t0;
     torch::Tensor x = torch::from_blob(batch->x.data(), {batch->size, 1, img.rows, img.cols},
                                        torch::kFloat);
     torch::Tensor y = torch::from_blob(batch->y.data(), {batch->size}, torch::kLong);
@@ -199,7 +211,8 @@ absl::StatusOr<TrainResult> Trainer::Run() {
       }
       grads[i] = absl::Span<const float>(g.data_ptr<float>(), g.numel());
     }
-    result.compute_s += Seconds(t0);
+    const absl::Time compute_end = absl::Now();
+    result.compute_s += absl::ToDoubleSeconds(compute_end - compute_start);
 
     t0 = absl::Now();
     RETURN_IF_ERROR(Annotate(client->Push(step, grads), absl::StrCat("step ", step)));
@@ -209,6 +222,19 @@ absl::StatusOr<TrainResult> Trainer::Run() {
     }
     result.comm_s += Seconds(t0);
 
+    if (auto_codec.has_value()) {
+      const absl::Duration comm = absl::Now() - t0;
+      std::optional<std::string> next = auto_codec->Observe(
+          loss_value, absl::ToDoubleSeconds(compute_end - compute_start),
+          absl::ToDoubleSeconds(comm));
+      if (next.has_value()) {
+        RETURN_IF_ERROR(client->SetPushCodec(*next));
+        LogInfo(log, auto_codec->fell_back() ? "auto_codec_fallback" : "auto_codec",
+                {Kv("job", spec.name()), Kv("rank", options_.rank), Kv("step", step),
+                 Kv("codec", next->empty() ? "dense" : *next),
+                 Kv("comm_over_compute", absl::StrFormat("%.2f", auto_codec->ratio()))});
+      }
+    }
     ++step;
     result.samples += batch->size;
     window_loss += loss_value;

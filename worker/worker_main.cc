@@ -161,7 +161,8 @@ absl::StatusOr<WorkerMainOptions> ParseOptions() {
   o.trainer.evaluate = absl::GetFlag(FLAGS_evaluate) && o.trainer.rank == 0;
   o.trainer.step_delay = absl::Milliseconds(absl::GetFlag(FLAGS_step_delay_ms));
   o.client.worker = o.trainer.rank;
-  o.client.push_codec = spec.compression().push();
+  // "auto" starts dense; the trainer switches the codec when it has measured the job.
+  o.client.push_codec = spec.compression().push() == "auto" ? "" : spec.compression().push();
   o.client.pull_codec = spec.compression().pull();
   o.client.error_feedback =
       !spec.compression().has_error_feedback() || spec.compression().error_feedback();
