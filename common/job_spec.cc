@@ -229,9 +229,9 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
     return absl::InvalidArgumentError("job spec: barrier_timeout_s must be >= 0");
   }
   const CompressionSpec& c = spec.compression();
-  if (!c.pull().empty() && c.pull() != "fp16" && c.pull() != "bf16") {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "job spec: compression.pull \"", c.pull(), "\" is not one of \"\", fp16, bf16"));
+  if (!c.pull().empty() && c.pull() != "fp16" && c.pull() != "bf16" && c.pull() != "changes") {
+    return absl::InvalidArgumentError(absl::StrCat("job spec: compression.pull \"", c.pull(),
+                                                   "\" is not one of \"\", fp16, bf16, changes"));
   }
   if (c.warmup_steps() < 0) {
     return absl::InvalidArgumentError(

@@ -24,6 +24,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/types/span.h"
 
 namespace gradmesh {
 
@@ -54,6 +55,19 @@ using PullChunkSink = std::function<absl::StatusOr<char*>(
 // data, as protobuf's encoder does (fields in number order); otherwise, or on any malformed
 // input, returns DataLoss naming the problem.
 absl::Status DecodePullResponse(const grpc::ByteBuffer& buffer, const PullChunkSink& sink);
+
+// "changes" pull payloads: the entries of a chunk that differ from what the receiver holds,
+// sent as new values (an exact overwrite, not a float difference).
+//   varint count, count varint gaps (first index; then index - previous - 1), count float32.
+// EncodeChanges compares `now` with `held` bit for bit, writes the payload of the differing
+// entries and copies them into `held`. Returns false (and changes nothing) when the payload
+// would not be smaller than `max_bytes`: the caller then sends the chunk dense.
+bool EncodeChanges(const float* now, float* held, int64_t n, int64_t max_bytes, std::string* out);
+
+// Applies a "changes" payload to `values` (the n entries the receiver holds). All-or-nothing:
+// DataLoss naming the problem (truncated, trailing bytes, index out of range or not
+// increasing, non-finite value) leaves `values` unchanged.
+absl::Status DecodeChanges(absl::string_view payload, absl::Span<float> values);
 
 }  // namespace gradmesh
 

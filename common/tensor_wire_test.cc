@@ -1,6 +1,7 @@
 #include "common/tensor_wire.h"
 
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "common/status_testing.h"
@@ -145,6 +146,51 @@ TEST(TensorWireTest, PullDecodingRejectsTruncatedAndSinkErrors) {
                                        }),
                     absl::StatusCode::kDataLoss, "more than the message holds");
   EXPECT_FALSE(sink_called);
+}
+
+TEST(TensorWireTest, ChangesRoundTripExactlyAndOnlyWhenSmaller) {
+  std::vector<float> now(1000), held(1000), receiver(1000);
+  for (int i = 0; i < 1000; ++i) now[i] = held[i] = receiver[i] = 0.5f * i;
+  now[3] = -1.25f;
+  now[700] = 1e-3f;
+  now[999] = 42.0f;
+  std::string payload;
+  ASSERT_TRUE(EncodeChanges(now.data(), held.data(), 1000, 4000, &payload));
+  EXPECT_EQ(held, now);  // The sender now records what it sent.
+  EXPECT_EQ(payload.size(), 1u + 1u + 2u + 2u + 12u);  // count, 3 gaps (3, 696, 298), values.
+  ASSERT_OK(DecodeChanges(payload, absl::MakeSpan(receiver)));
+  EXPECT_EQ(receiver, now);
+  // Nothing changed: an empty payload.
+  ASSERT_TRUE(EncodeChanges(now.data(), held.data(), 1000, 4000, &payload));
+  EXPECT_EQ(payload, std::string(1, '\0'));
+  // Everything changed: not smaller than dense, so refused and `held` untouched.
+  std::vector<float> all(1000, 7.0f);
+  EXPECT_FALSE(EncodeChanges(all.data(), held.data(), 1000, 4000, &payload));
+  EXPECT_EQ(held, now);
+}
+
+TEST(TensorWireTest, MalformedChangesChangeNothing) {
+  std::vector<float> now = {1, 2, 3, 4}, held = {0, 2, 0, 4};
+  std::string good;
+  ASSERT_TRUE(EncodeChanges(now.data(), held.data(), 4, 1000, &good));
+  std::vector<float> target = {9, 9, 9, 9};
+  for (size_t cut = 0; cut < good.size(); ++cut) {
+    EXPECT_STATUS(DecodeChanges(good.substr(0, cut), absl::MakeSpan(target)),
+                  absl::StatusCode::kDataLoss)
+        << "cut " << cut;
+  }
+  EXPECT_STATUS_MSG(DecodeChanges(good + "x", absl::MakeSpan(target)),
+                    absl::StatusCode::kDataLoss, "value bytes");
+  std::vector<float> small(2, 9);
+  EXPECT_STATUS(DecodeChanges(good, absl::MakeSpan(small)), absl::StatusCode::kDataLoss);
+  std::string nan = good;
+  const float q = std::numeric_limits<float>::quiet_NaN();
+  std::memcpy(&nan[nan.size() - 4], &q, 4);
+  EXPECT_STATUS_MSG(DecodeChanges(nan, absl::MakeSpan(target)), absl::StatusCode::kDataLoss,
+                    "non-finite");
+  EXPECT_EQ(target, (std::vector<float>{9, 9, 9, 9}));
+  ASSERT_OK(DecodeChanges(good, absl::MakeSpan(target)));
+  EXPECT_EQ(target, (std::vector<float>{1, 9, 3, 9}));
 }
 
 }  // namespace

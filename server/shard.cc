@@ -12,6 +12,7 @@
 #include "common/numeric.h"
 #include "common/partitioner.h"
 #include "common/status.h"
+#include "common/tensor_wire.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "server/state.pb.h"
@@ -27,6 +28,10 @@ struct Chunk {
   std::vector<float> values ABSL_GUARDED_BY(mu);
   std::vector<float> slots ABSL_GUARDED_BY(mu);  // num_slots * numel, slot-major.
   int64_t version ABSL_GUARDED_BY(mu) = 0;        // Number of updates applied.
+  // "changes" pulls: per worker, the values last sent and their version (-1: none). Not
+  // persisted: after a restart every worker gets the chunk dense once.
+  std::vector<std::vector<float>> sent ABSL_GUARDED_BY(mu);
+  std::vector<int64_t> sent_version ABSL_GUARDED_BY(mu);
 };
 
 struct WorkerRecord {
@@ -786,37 +791,63 @@ absl::Status Shard::Pull(const PullRequest& request, PullResponse* response) {
   ASSIGN_OR_RETURN(std::shared_ptr<Job> job, FindJob(request.job()));
   RETURN_IF_ERROR(CheckWorker("Pull", job->layout, request.worker()));
   std::vector<Chunk*> targets;
+  std::vector<int64_t> held;  // Version the worker holds of each target (-1: unknown).
   if (request.chunks_size() == 0) {
     for (int64_t idx : job->partition->shard_chunks(job->layout.shard_index())) {
       targets.push_back(job->chunks.at(idx).get());
+      held.push_back(-1);
     }
   } else {
     for (const ChunkData& c : request.chunks()) {
       ASSIGN_OR_RETURN(auto owned, OwnedChunk("Pull", job->layout, *job->partition, job->chunks,
                                               c.tensor(), c.chunk()));
       targets.push_back(owned.second);
+      held.push_back(c.version());
     }
   }
+  const bool changes = request.codec() == "changes";
   std::shared_ptr<const Compressor> codec;
-  if (!request.codec().empty()) {
-    // Parameters may be sent narrower, never sparsified or randomised.
+  if (!request.codec().empty() && !changes) {
+    // Parameters may be sent narrower or as exact changes, never sparsified or randomised.
     if (request.codec() != "fp16" && request.codec() != "bf16") {
-      return absl::InvalidArgumentError(absl::StrCat("Pull: job ", request.job(), " codec \"",
-                                                     request.codec(),
-                                                     "\" is not one of \"\", fp16, bf16"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("Pull: job ", request.job(), " codec \"", request.codec(),
+                       "\" is not one of \"\", fp16, bf16, changes"));
     }
     ASSIGN_OR_RETURN(codec, Codec(request.codec()));
   }
   RETURN_IF_ERROR(job->policy->BeforePull(request.worker()));
   response->mutable_chunks()->Reserve(static_cast<int>(targets.size()));
-  for (Chunk* chunk : targets) {
+  const int32_t w = request.worker();
+  for (size_t t = 0; t < targets.size(); ++t) {
+    Chunk* chunk = targets[t];
     ChunkData* out = response->add_chunks();
     out->set_tensor(chunk->info.tensor);
     out->set_chunk(chunk->info.chunk);
     out->set_dtype(FLOAT32);
     absl::MutexLock lock(&chunk->mu);
     out->set_version(chunk->version);
-    if (codec != nullptr) {
+    if (changes) {
+      // Only what changed since the values this worker holds, if we know what it holds;
+      // else (or when that is not smaller) the chunk dense, which it then holds.
+      if (chunk->sent.empty()) {
+        chunk->sent.resize(job->layout.num_workers());
+        chunk->sent_version.assign(job->layout.num_workers(), -1);
+      }
+      std::vector<float>& sent = chunk->sent[w];
+      const int64_t dense = chunk->info.numel * static_cast<int64_t>(sizeof(float));
+      const bool known = held[t] >= 0 && held[t] == chunk->sent_version[w] &&
+                         static_cast<int64_t>(sent.size()) == chunk->info.numel;
+      if (known && EncodeChanges(chunk->values.data(), sent.data(), chunk->info.numel, dense,
+                                 out->mutable_data())) {
+        out->set_codec("changes");
+      } else {
+        sent = chunk->values;
+        out->mutable_data()->assign(reinterpret_cast<const char*>(chunk->values.data()),
+                                    static_cast<size_t>(dense));
+      }
+      chunk->sent_version[w] = chunk->version;
+    } else if (codec != nullptr) {
       out->set_codec(request.codec());
       RETURN_IF_ERROR(Annotate(codec->Encode(chunk->values, /*seed=*/0, out->mutable_data()),
                                absl::StrCat("Pull: job ", request.job(), " chunk (",

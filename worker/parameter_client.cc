@@ -49,7 +49,9 @@ class GrpcParameterClient final : public ParameterClient {
         pull_codec_(std::move(pull_codec)),
         send_link_(options_.rpc.link_bits_per_s / 8),
         receive_link_(options_.rpc.link_bits_per_s / 8),
-        versions_(partition_.chunks().size(), 0) {
+        versions_(partition_.chunks().size(), 0),
+        changes_(options_.pull_codec == "changes"),
+        held_(partition_.chunks().size(), -1) {
     absl::MutexLock lock(&mu_);
     ResetFeedbackLocked();
     for (const std::string& addr : options_.servers) {
@@ -191,6 +193,16 @@ class GrpcParameterClient final : public ParameterClient {
       r.set_job(layout_.job);
       r.set_worker(options_.worker);
       r.set_codec(options_.pull_codec);
+      if (changes_) {
+        // Name every owned chunk with the version held, so the shard can send only changes.
+        absl::MutexLock lock(&mu_);
+        for (int64_t idx : partition_.shard_chunks(s)) {
+          ChunkData* c = r.add_chunks();
+          c->set_tensor(partition_.chunks()[idx].tensor);
+          c->set_chunk(partition_.chunks()[idx].chunk);
+          c->set_version(held_[idx]);
+        }
+      }
       const std::string wire = r.SerializeAsString();
       grpc::Slice slice(wire.data(), wire.size());
       reqs[s] = grpc::ByteBuffer(&slice, 1);
@@ -221,15 +233,19 @@ class GrpcParameterClient final : public ParameterClient {
             }
             const ChunkInfo& c = partition_.chunks()[owned[i]];
             const int64_t dense = c.numel * static_cast<int64_t>(sizeof(float));
+            // "changes" pulls answer each chunk dense or as changes.
+            const bool codec_ok =
+                codec == options_.pull_codec || (changes_ && codec.empty());
             if (tensor != c.tensor || chunk != c.chunk ||
-                (dtype != FLOAT32 && dtype != DTYPE_UNSPECIFIED) ||
-                codec != options_.pull_codec || (codec.empty() && size != dense)) {
+                (dtype != FLOAT32 && dtype != DTYPE_UNSPECIFIED) || !codec_ok ||
+                (codec.empty() && size != dense)) {
               return absl::InternalError(absl::StrCat(
                   "chunk ", i, " is (", tensor, ",", chunk, ") with ", size,
                   " bytes of codec \"", codec, "\", expected (", c.tensor, ",", c.chunk,
                   ") with ", dense, " bytes of codec \"", options_.pull_codec, "\""));
             }
             versions_[owned[i]] = version;
+            if (changes_) held_[owned[i]] = version;
             ++i;
             raw += dense;
             wire += size;
@@ -243,12 +259,15 @@ class GrpcParameterClient final : public ParameterClient {
       if (st.ok() && !encoded.empty()) {
         const absl::Time t0 = absl::Now();
         for (const auto& [c, payload] : encoded) {
-          st = pull_codec_->Decode(payload, params[c->tensor].subspan(c->offset, c->numel));
+          const absl::Span<float> dest = params[c->tensor].subspan(c->offset, c->numel);
+          st = changes_ ? DecodeChanges(payload, dest) : pull_codec_->Decode(payload, dest);
           if (!st.ok()) break;
         }
         codec_seconds_ += absl::ToDoubleSeconds(absl::Now() - t0);
       }
       if (!st.ok()) {
+        // Whatever arrived was not applied consistently: ask for everything dense next time.
+        std::fill(held_.begin(), held_.end(), -1);
         return Annotate(st, absl::StrCat("Pull: shard ", s, " (", options_.servers[s],
                                          "); is it serving a different layout?"));
       }
@@ -417,6 +436,10 @@ class GrpcParameterClient final : public ParameterClient {
   double codec_seconds_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t next_request_ ABSL_GUARDED_BY(mu_) = 1;
   std::vector<int64_t> versions_ ABSL_GUARDED_BY(mu_);  // Last pulled, per chunk.
+  // "changes" pulls: the version of each chunk whose values this client holds exactly as the
+  // shard sent them (-1: unknown, so the shard sends it dense).
+  const bool changes_;
+  std::vector<int64_t> held_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace
@@ -449,11 +472,11 @@ absl::StatusOr<std::unique_ptr<ParameterClient>> NewGrpcParameterClient(
     if (!c.ok()) return Annotate(c.status(), "parameter client: push codec");
     push_codec = std::move(c).value();
   }
-  if (!options.pull_codec.empty()) {
+  if (!options.pull_codec.empty() && options.pull_codec != "changes") {
     if (options.pull_codec != "fp16" && options.pull_codec != "bf16") {
-      return absl::InvalidArgumentError(absl::StrCat("parameter client: pull codec \"",
-                                                     options.pull_codec,
-                                                     "\" is not one of \"\", fp16, bf16"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("parameter client: pull codec \"", options.pull_codec,
+                       "\" is not one of \"\", fp16, bf16, changes"));
     }
     pull_codec = std::move(codecs.Create(options.pull_codec)).value();
   }
