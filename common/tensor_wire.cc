@@ -169,7 +169,11 @@ bool EncodeChanges(const float* now, float* held, int64_t n, int64_t max_bytes, 
     uint32_t a, b;
     std::memcpy(&a, now + i, sizeof(a));
     std::memcpy(&b, held + i, sizeof(b));
-    if (a != b) changed.push_back(i);
+    if (a != b) {
+      // Receivers refuse non-finite changes: let such a chunk go dense.
+      if (!std::isfinite(now[i])) return false;
+      changed.push_back(i);
+    }
   }
   std::string payload;
   PutVarint(changed.size(), &payload);

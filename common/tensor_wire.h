@@ -61,7 +61,8 @@ absl::Status DecodePullResponse(const grpc::ByteBuffer& buffer, const PullChunkS
 //   varint count, count varint gaps (first index; then index - previous - 1), count float32.
 // EncodeChanges compares `now` with `held` bit for bit, writes the payload of the differing
 // entries and copies them into `held`. Returns false (and changes nothing) when the payload
-// would not be smaller than `max_bytes`: the caller then sends the chunk dense.
+// would not be smaller than `max_bytes`, or a changed value is not finite: the caller then
+// sends the chunk dense.
 bool EncodeChanges(const float* now, float* held, int64_t n, int64_t max_bytes, std::string* out);
 
 // Applies a "changes" payload to `values` (the n entries the receiver holds). All-or-nothing:

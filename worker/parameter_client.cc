@@ -218,63 +218,65 @@ class GrpcParameterClient final : public ParameterClient {
     // Each shard answers with its owned chunks in partition order; values are copied from
     // gRPC's buffers straight into the caller's tensors.
     int64_t raw = 0, wire = 0;
-    absl::MutexLock lock(&mu_);
-    for (int32_t s = 0; s < NumShards(); ++s) {
-      const auto& owned = partition_.shard_chunks(s);
-      size_t i = 0;
-      // Encoded chunks land here first, then are decoded into the tensors.
-      std::vector<std::pair<const ChunkInfo*, std::string>> encoded;
-      absl::Status st = DecodePullResponse(
-          resps[s], [&](int32_t tensor, int32_t chunk, int64_t version, int32_t dtype,
-                        absl::string_view codec, int64_t size) -> absl::StatusOr<char*> {
-            if (i >= owned.size()) {
-              return absl::InternalError(absl::StrCat("more chunks than the ", owned.size(),
-                                                      " this shard owns"));
-            }
-            const ChunkInfo& c = partition_.chunks()[owned[i]];
-            const int64_t dense = c.numel * static_cast<int64_t>(sizeof(float));
-            // "changes" pulls answer each chunk dense or as changes.
-            const bool codec_ok =
-                codec == options_.pull_codec || (changes_ && codec.empty());
-            if (tensor != c.tensor || chunk != c.chunk ||
-                (dtype != FLOAT32 && dtype != DTYPE_UNSPECIFIED) || !codec_ok ||
-                (codec.empty() && size != dense)) {
-              return absl::InternalError(absl::StrCat(
-                  "chunk ", i, " is (", tensor, ",", chunk, ") with ", size,
-                  " bytes of codec \"", codec, "\", expected (", c.tensor, ",", c.chunk,
-                  ") with ", dense, " bytes of codec \"", options_.pull_codec, "\""));
-            }
-            versions_[owned[i]] = version;
-            if (changes_) held_[owned[i]] = version;
-            ++i;
-            raw += dense;
-            wire += size;
-            if (codec.empty()) return reinterpret_cast<char*>(params[c.tensor].data() + c.offset);
-            encoded.emplace_back(&c, std::string(static_cast<size_t>(size), '\0'));
-            return encoded.back().second.data();
-          });
-      if (st.ok() && i != owned.size()) {
-        st = absl::InternalError(absl::StrCat("returned ", i, " chunks, expected ", owned.size()));
-      }
-      if (st.ok() && !encoded.empty()) {
-        const absl::Time t0 = absl::Now();
-        for (const auto& [c, payload] : encoded) {
-          const absl::Span<float> dest = params[c->tensor].subspan(c->offset, c->numel);
-          st = changes_ ? DecodeChanges(payload, dest) : pull_codec_->Decode(payload, dest);
-          if (!st.ok()) break;
+    {
+      absl::MutexLock lock(&mu_);
+      for (int32_t s = 0; s < NumShards(); ++s) {
+        const auto& owned = partition_.shard_chunks(s);
+        size_t i = 0;
+        // Encoded chunks land here first, then are decoded into the tensors.
+        std::vector<std::pair<const ChunkInfo*, std::string>> encoded;
+        absl::Status st = DecodePullResponse(
+            resps[s], [&](int32_t tensor, int32_t chunk, int64_t version, int32_t dtype,
+                          absl::string_view codec, int64_t size) -> absl::StatusOr<char*> {
+              if (i >= owned.size()) {
+                return absl::InternalError(absl::StrCat("more chunks than the ", owned.size(),
+                                                        " this shard owns"));
+              }
+              const ChunkInfo& c = partition_.chunks()[owned[i]];
+              const int64_t dense = c.numel * static_cast<int64_t>(sizeof(float));
+              // "changes" pulls answer each chunk dense or as changes.
+              const bool codec_ok =
+                  codec == options_.pull_codec || (changes_ && codec.empty());
+              if (tensor != c.tensor || chunk != c.chunk ||
+                  (dtype != FLOAT32 && dtype != DTYPE_UNSPECIFIED) || !codec_ok ||
+                  (codec.empty() && size != dense)) {
+                return absl::InternalError(absl::StrCat(
+                    "chunk ", i, " is (", tensor, ",", chunk, ") with ", size,
+                    " bytes of codec \"", codec, "\", expected (", c.tensor, ",", c.chunk,
+                    ") with ", dense, " bytes of codec \"", options_.pull_codec, "\""));
+              }
+              versions_[owned[i]] = version;
+              if (changes_) held_[owned[i]] = version;
+              ++i;
+              raw += dense;
+              wire += size;
+              if (codec.empty()) return reinterpret_cast<char*>(params[c.tensor].data() + c.offset);
+              encoded.emplace_back(&c, std::string(static_cast<size_t>(size), '\0'));
+              return encoded.back().second.data();
+            });
+        if (st.ok() && i != owned.size()) {
+          st = absl::InternalError(absl::StrCat("returned ", i, " chunks, expected ", owned.size()));
         }
-        codec_seconds_ += absl::ToDoubleSeconds(absl::Now() - t0);
-      }
-      if (!st.ok()) {
-        // Whatever arrived was not applied consistently: ask for everything dense next time.
-        std::fill(held_.begin(), held_.end(), -1);
-        return Annotate(st, absl::StrCat("Pull: shard ", s, " (", options_.servers[s],
-                                         "); is it serving a different layout?"));
+        if (st.ok() && !encoded.empty()) {
+          const absl::Time t0 = absl::Now();
+          for (const auto& [c, payload] : encoded) {
+            const absl::Span<float> dest = params[c->tensor].subspan(c->offset, c->numel);
+            st = changes_ ? DecodeChanges(payload, dest) : pull_codec_->Decode(payload, dest);
+            if (!st.ok()) break;
+          }
+          codec_seconds_ += absl::ToDoubleSeconds(absl::Now() - t0);
+        }
+        if (!st.ok()) {
+          // Whatever arrived was not applied consistently: ask for everything dense next time.
+          std::fill(held_.begin(), held_.end(), -1);
+          return Annotate(st, absl::StrCat("Pull: shard ", s, " (", options_.servers[s],
+                                           "); is it serving a different layout?"));
+        }
       }
     }
     bytes_pulled_ += wire;
     raw_bytes_pulled_ += raw;
-    receive_link_.Acquire(wire);
+    receive_link_.Acquire(wire);  // Outside mu_: a concurrent Push need not wait for it.
     return absl::OkStatus();
   }
 

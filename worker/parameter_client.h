@@ -91,7 +91,9 @@ struct GrpcParameterClientOptions {
   absl::Duration max_backoff = absl::Seconds(5);
   const Logger* logger = nullptr;  // Not owned; may be null.
   // Compression (see CompressionSpec in gradmesh.proto). push_codec: "" = dense float32;
-  // pull_codec: "", "fp16" or "bf16".
+  // pull_codec: "", "fp16", "bf16" or "changes". With "changes" the caller must hand Pull the
+  // same buffers every time and leave what Pull wrote untouched between pulls (they are
+  // updated in place), and must not run two Pulls at once.
   std::string push_codec;
   std::string pull_codec;
   bool error_feedback = true;   // For biased push codecs; one residual per chunk.

@@ -59,7 +59,9 @@ ABSL_FLAG(bool, staleness_damping, false, "async: scale lr by 1/(1+staleness).")
 ABSL_FLAG(std::string, push_codec, "",
           "Gradient codec: fp16, bf16, topk:<r>, topk_approx:<r>, randomk:<r>, qsgd:<bits>, "
           "or <sparsifier>+fp16|bf16. Empty: dense float32.");
-ABSL_FLAG(std::string, pull_codec, "", "Parameter codec for pulls: fp16 or bf16. Empty: float32.");
+ABSL_FLAG(std::string, pull_codec, "",
+          "Parameter codec for pulls: fp16, bf16, or changes (only changed entries, exact). "
+          "Empty: float32.");
 ABSL_FLAG(std::string, error_feedback, "", "true|false: residual accumulation for biased codecs.");
 ABSL_FLAG(double, ef_momentum, 0, "DGC momentum correction factor (0: off).");
 ABSL_FLAG(int64_t, warmup_steps, 0, "DGC sparsity warm-up steps (0: off).");
