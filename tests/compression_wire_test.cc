@@ -52,27 +52,20 @@
 #include "proto/gradmesh.pb.h"
 #include "server/parameter_service.h"
 #include "server/shard.h"
+#include "tests/testing/loopback.h"
 #include "worker/parameter_client.h"
 
 namespace gradmesh {
 namespace {
 
-using Stub = ParameterService::Stub;
-using Values = std::vector<std::vector<float>>;  // One vector per tensor, layout order.
+// Shared loopback helpers (tests/testing/loopback.h).
+using namespace ::gradmesh::loopback;  // NOLINT(build/namespaces)
 
 constexpr absl::StatusCode kInvalid = absl::StatusCode::kInvalidArgument;
 
 // ---------------------------------------------------------------------------------------------
 // Helpers (as in ps_service_test).
 
-std::string Bytes(const float* v, size_t n) {
-  return std::string(reinterpret_cast<const char*>(v), n * sizeof(float));
-}
-std::vector<float> Floats(const std::string& b) {
-  std::vector<float> v(b.size() / sizeof(float));
-  std::memcpy(v.data(), b.data(), v.size() * sizeof(float));
-  return v;
-}
 uint32_t BitsOf(float f) {
   uint32_t u;
   std::memcpy(&u, &f, 4);
@@ -82,19 +75,6 @@ float FromBits(uint32_t u) {
   float f;
   std::memcpy(&f, &u, 4);
   return f;
-}
-
-int64_t Numel(const TensorSpec& t) {
-  int64_t n = 1;
-  for (int64_t d : t.shape()) n *= d;
-  return n;
-}
-
-TensorSpec Tensor(const std::string& name, std::initializer_list<int64_t> shape) {
-  TensorSpec t;
-  t.set_name(name);
-  for (int64_t d : shape) t.add_shape(d);
-  return t;
 }
 
 JobLayout MakeLayout(const std::string& job, std::vector<TensorSpec> tensors, int64_t chunk_elems,
@@ -109,55 +89,12 @@ JobLayout MakeLayout(const std::string& job, std::vector<TensorSpec> tensors, in
   return l;
 }
 
-std::vector<int64_t> Numels(const JobLayout& l) {
-  std::vector<int64_t> n;
-  for (const TensorSpec& t : l.tensors) n.push_back(Numel(t));
-  return n;
-}
-
-int64_t TotalElems(const JobLayout& l) {
-  int64_t n = 0;
-  for (int64_t x : Numels(l)) n += x;
-  return n;
-}
-
-Partition MakePartition(const JobLayout& l, int32_t num_shards) {
-  auto p = Partition::Create(Numels(l), l.chunk_elems, num_shards);
-  EXPECT_TRUE(p.ok()) << p.status();
-  return std::move(p).value();
-}
-
-std::vector<absl::Span<const float>> ConstSpans(const Values& v) {
-  std::vector<absl::Span<const float>> out;
-  for (const auto& t : v) out.emplace_back(t);
-  return out;
-}
-std::vector<absl::Span<float>> Spans(Values& v) {
-  std::vector<absl::Span<float>> out;
-  for (auto& t : v) out.emplace_back(absl::MakeSpan(t));
-  return out;
-}
-Values Zeros(const JobLayout& l) {
-  Values v;
-  for (int64_t n : Numels(l)) v.emplace_back(n, 0.0f);
-  return v;
-}
-
 // Odd sizes spanning both shards: 10, 1, 12345 (13 chunks, the last of 345), 3x7.
 JobLayout OddLayout(const std::string& job, int32_t num_workers = 1) {
   return MakeLayout(job,
                     {Tensor("a", {10}), Tensor("b", {1}), Tensor("c", {12345}),
                      Tensor("d", {3, 7})},
                     /*chunk_elems=*/1000, num_workers);
-}
-
-// Initial value of element i of tensor t: (1000 * t + i) / 4, exact in float32.
-Values OddInit(const JobLayout& l) {
-  Values v = Zeros(l);
-  for (size_t t = 0; t < v.size(); ++t) {
-    for (size_t i = 0; i < v[t].size(); ++i) v[t][i] = static_cast<float>(1000 * t + i) * 0.25f;
-  }
-  return v;
 }
 
 uint32_t Hash(uint32_t x) {
@@ -252,19 +189,9 @@ uint64_t ClientSeed(uint64_t seed, int32_t worker, int64_t step, int64_t chunk_i
   return GrpcHas(ToGrpcStatus(s), code, substrs);
 }
 
-std::unique_ptr<grpc::ClientContext> Ctx() {
-  auto ctx = std::make_unique<grpc::ClientContext>();
-  ctx->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
-  return ctx;
-}
-
 grpc::Status RawPush(Stub* stub, const PushRequest& req) {
   PushResponse resp;
   return stub->Push(Ctx().get(), req, &resp);
-}
-
-grpc::Status RawPull(Stub* stub, const PullRequest& req, PullResponse* resp) {
-  return stub->Pull(Ctx().get(), req, resp);
 }
 
 // All chunks a shard owns for `job` (dense pull), as one comparable byte string.
@@ -282,31 +209,6 @@ std::string Snapshot(Stub* stub, const std::string& job) {
   return out;
 }
 
-JobInfoResponse RawInfo(Stub* stub, const std::string& job) {
-  JobInfoRequest req;
-  req.set_job(job);
-  JobInfoResponse resp;
-  grpc::Status st = stub->GetJobInfo(Ctx().get(), req, &resp);
-  EXPECT_TRUE(st.ok()) << st.error_message();
-  return resp;
-}
-
-// One in-process shard server.
-struct TestServer {
-  std::unique_ptr<Shard> shard;
-  std::unique_ptr<ParameterServiceImpl> service;
-  std::unique_ptr<grpc::Server> server;
-  int port = 0;
-  std::string addr;
-
-  ~TestServer() {
-    if (server != nullptr) {
-      server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
-      server->Wait();
-    }
-  }
-};
-
 std::unique_ptr<TestServer> StartServer() {
   auto s = std::make_unique<TestServer>();
   auto shard = Shard::Create(ShardOptions());
@@ -321,41 +223,6 @@ std::unique_ptr<TestServer> StartServer() {
   if (s->server == nullptr || s->port == 0) return nullptr;
   s->addr = absl::StrCat("127.0.0.1:", s->port);
   return s;
-}
-
-GrpcParameterClientOptions ClientOptions(std::vector<std::string> servers, int32_t worker = 0) {
-  GrpcParameterClientOptions o;
-  o.servers = std::move(servers);
-  o.worker = worker;
-  o.rpc_deadline = absl::Seconds(10);
-  o.max_attempts = 3;
-  o.initial_backoff = absl::Milliseconds(10);
-  o.max_backoff = absl::Milliseconds(50);
-  return o;
-}
-
-// InitJob request for shard `shard` of `num_shards`, as the real client builds it.
-InitJobRequest MakeInitRequest(const JobLayout& l, int32_t num_shards, int32_t shard,
-                               const Values& init) {
-  InitJobRequest r;
-  r.set_job(l.job);
-  for (const TensorSpec& t : l.tensors) *r.add_tensors() = t;
-  r.set_chunk_elems(l.chunk_elems);
-  r.set_num_shards(num_shards);
-  r.set_shard_index(shard);
-  *r.mutable_optimizer() = l.optimizer;
-  r.set_consistency(l.consistency);
-  r.set_num_workers(l.num_workers);
-  Partition p = MakePartition(l, num_shards);
-  for (int64_t idx : p.shard_chunks(shard)) {
-    const ChunkInfo& c = p.chunks()[idx];
-    ChunkData* d = r.add_initial();
-    d->set_tensor(c.tensor);
-    d->set_chunk(c.chunk);
-    d->set_dtype(FLOAT32);
-    d->set_data(Bytes(init[c.tensor].data() + c.offset, c.numel));
-  }
-  return r;
 }
 
 absl::Span<const float> Slice(const Values& v, const ChunkInfo& c) {

@@ -40,40 +40,19 @@
 #include "proto/gradmesh.pb.h"
 #include "server/parameter_service.h"
 #include "server/shard.h"
+#include "tests/testing/loopback.h"
 #include "worker/parameter_client.h"
 
 namespace gradmesh {
 namespace {
 
-using Stub = ParameterService::Stub;
+// Shared loopback helpers (tests/testing/loopback.h).
+using namespace ::gradmesh::loopback;  // NOLINT(build/namespaces)
 
 constexpr int64_t kMiB = 1 << 20;
 
 // ---------------------------------------------------------------------------------------------
 // Helpers.
-
-std::string Bytes(const float* v, size_t n) {
-  return std::string(reinterpret_cast<const char*>(v), n * sizeof(float));
-}
-std::string Bytes(const std::vector<float>& v) { return Bytes(v.data(), v.size()); }
-std::vector<float> Floats(const std::string& b) {
-  std::vector<float> v(b.size() / sizeof(float));
-  std::memcpy(v.data(), b.data(), v.size() * sizeof(float));
-  return v;
-}
-
-int64_t Numel(const TensorSpec& t) {
-  int64_t n = 1;
-  for (int64_t d : t.shape()) n *= d;
-  return n;
-}
-
-TensorSpec Tensor(const std::string& name, std::initializer_list<int64_t> shape) {
-  TensorSpec t;
-  t.set_name(name);
-  for (int64_t d : shape) t.add_shape(d);
-  return t;
-}
 
 JobLayout MakeLayout(const std::string& job, std::vector<TensorSpec> tensors, int64_t chunk_elems,
                      double lr, int32_t num_workers = 1) {
@@ -85,66 +64,6 @@ JobLayout MakeLayout(const std::string& job, std::vector<TensorSpec> tensors, in
   l.optimizer.set_lr(lr);
   l.num_workers = num_workers;
   return l;
-}
-
-std::vector<int64_t> Numels(const JobLayout& l) {
-  std::vector<int64_t> n;
-  for (const TensorSpec& t : l.tensors) n.push_back(Numel(t));
-  return n;
-}
-
-int64_t TotalElems(const JobLayout& l) {
-  int64_t n = 0;
-  for (int64_t x : Numels(l)) n += x;
-  return n;
-}
-
-Partition MakePartition(const JobLayout& l, int32_t num_shards) {
-  auto p = Partition::Create(Numels(l), l.chunk_elems, num_shards);
-  EXPECT_TRUE(p.ok()) << p.status();
-  return std::move(p).value();
-}
-
-using Values = std::vector<std::vector<float>>;  // One vector per tensor, layout order.
-
-std::vector<absl::Span<const float>> ConstSpans(const Values& v) {
-  std::vector<absl::Span<const float>> out;
-  for (const auto& t : v) out.emplace_back(t);
-  return out;
-}
-std::vector<absl::Span<float>> Spans(Values& v) {
-  std::vector<absl::Span<float>> out;
-  for (auto& t : v) out.emplace_back(absl::MakeSpan(t));
-  return out;
-}
-Values Zeros(const JobLayout& l) {
-  Values v;
-  for (int64_t n : Numels(l)) v.emplace_back(n, 0.0f);
-  return v;
-}
-
-// InitJob request for shard `shard` of `num_shards`, as the real client builds it.
-InitJobRequest MakeInitRequest(const JobLayout& l, int32_t num_shards, int32_t shard,
-                               const Values& init) {
-  InitJobRequest r;
-  r.set_job(l.job);
-  for (const TensorSpec& t : l.tensors) *r.add_tensors() = t;
-  r.set_chunk_elems(l.chunk_elems);
-  r.set_num_shards(num_shards);
-  r.set_shard_index(shard);
-  *r.mutable_optimizer() = l.optimizer;
-  r.set_consistency(l.consistency);
-  r.set_num_workers(l.num_workers);
-  Partition p = MakePartition(l, num_shards);
-  for (int64_t idx : p.shard_chunks(shard)) {
-    const ChunkInfo& c = p.chunks()[idx];
-    ChunkData* d = r.add_initial();
-    d->set_tensor(c.tensor);
-    d->set_chunk(c.chunk);
-    d->set_dtype(FLOAT32);
-    d->set_data(Bytes(init[c.tensor].data() + c.offset, c.numel));
-  }
-  return r;
 }
 
 ChunkData* AddChunk(PushRequest* r, int32_t tensor, int32_t chunk, const std::vector<float>& v) {
@@ -189,19 +108,9 @@ PushRequest MakePush(const std::string& job, int32_t worker, uint64_t request_id
   return GrpcHas(ToGrpcStatus(s), code, substrs);
 }
 
-std::unique_ptr<grpc::ClientContext> Ctx() {
-  auto ctx = std::make_unique<grpc::ClientContext>();
-  ctx->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
-  return ctx;
-}
-
 grpc::Status RawPush(Stub* stub, const PushRequest& req, PushResponse* resp = nullptr) {
   PushResponse scratch;
   return stub->Push(Ctx().get(), req, resp != nullptr ? resp : &scratch);
-}
-
-grpc::Status RawPull(Stub* stub, const PullRequest& req, PullResponse* resp) {
-  return stub->Pull(Ctx().get(), req, resp);
 }
 
 // All chunks a shard owns for `job`, as one comparable byte string (tensor, chunk, version,
@@ -219,31 +128,6 @@ std::string Snapshot(Stub* stub, const std::string& job) {
   }
   return out;
 }
-
-JobInfoResponse RawInfo(Stub* stub, const std::string& job) {
-  JobInfoRequest req;
-  req.set_job(job);
-  JobInfoResponse resp;
-  grpc::Status st = stub->GetJobInfo(Ctx().get(), req, &resp);
-  EXPECT_TRUE(st.ok()) << st.error_message();
-  return resp;
-}
-
-// One in-process shard server.
-struct TestServer {
-  std::unique_ptr<Shard> shard;
-  std::unique_ptr<ParameterServiceImpl> service;
-  std::unique_ptr<grpc::Server> server;
-  int port = 0;
-  std::string addr;
-
-  ~TestServer() {
-    if (server != nullptr) {
-      server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
-      server->Wait();
-    }
-  }
-};
 
 // Starts a server on 127.0.0.1:`port` (0 = any free port). Returns null on failure.
 std::unique_ptr<TestServer> StartServer(RpcOptions rpc = RpcOptions(), int port = 0) {
@@ -270,17 +154,6 @@ int PickFreePort() {
   const int port = s->port;
   s.reset();
   return port;
-}
-
-GrpcParameterClientOptions ClientOptions(std::vector<std::string> servers, int32_t worker = 0) {
-  GrpcParameterClientOptions o;
-  o.servers = std::move(servers);
-  o.worker = worker;
-  o.rpc_deadline = absl::Seconds(10);
-  o.max_attempts = 3;
-  o.initial_backoff = absl::Milliseconds(10);
-  o.max_backoff = absl::Milliseconds(50);
-  return o;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -312,15 +185,6 @@ JobLayout OddLayout(const std::string& job, int32_t num_workers = 1) {
                     {Tensor("a", {10}), Tensor("b", {1}), Tensor("c", {12345}),
                      Tensor("d", {3, 7})},
                     /*chunk_elems=*/1000, /*lr=*/0.5, num_workers);
-}
-
-// Initial value of element i of tensor t: (1000 * t + i) / 4, exact in float32.
-Values OddInit(const JobLayout& l) {
-  Values v = Zeros(l);
-  for (size_t t = 0; t < v.size(); ++t) {
-    for (size_t i = 0; i < v[t].size(); ++i) v[t][i] = static_cast<float>(1000 * t + i) * 0.25f;
-  }
-  return v;
 }
 
 // 1. Full round trip through the real client.

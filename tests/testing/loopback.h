@@ -1,0 +1,181 @@
+// Helpers for tests that run parameter-server shards in process over real gRPC on 127.0.0.1:
+// layouts and values, InitJob requests as the real client builds them, raw RPC wrappers, and
+// an in-process shard server. Shared by tests/ps_service_test.cc and
+// tests/compression_wire_test.cc.
+#ifndef GRADMESH_TESTS_TESTING_LOOPBACK_H_
+#define GRADMESH_TESTS_TESTING_LOOPBACK_H_
+
+#include <grpcpp/client_context.h>
+#include <grpcpp/server.h>
+
+#include <chrono>
+#include <cstring>
+#include <initializer_list>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "common/grpc_util.h"
+#include "common/partitioner.h"
+#include "gtest/gtest.h"
+#include "proto/gradmesh.grpc.pb.h"
+#include "proto/gradmesh.pb.h"
+#include "server/parameter_service.h"
+#include "server/shard.h"
+#include "worker/parameter_client.h"
+
+namespace gradmesh {
+namespace loopback {
+
+using Stub = ParameterService::Stub;
+using Values = std::vector<std::vector<float>>;  // One vector per tensor, layout order.
+
+inline std::string Bytes(const float* v, size_t n) {
+  return std::string(reinterpret_cast<const char*>(v), n * sizeof(float));
+}
+
+inline std::string Bytes(const std::vector<float>& v) { return Bytes(v.data(), v.size()); }
+
+inline std::vector<float> Floats(const std::string& b) {
+  std::vector<float> v(b.size() / sizeof(float));
+  std::memcpy(v.data(), b.data(), v.size() * sizeof(float));
+  return v;
+}
+
+inline int64_t Numel(const TensorSpec& t) {
+  int64_t n = 1;
+  for (int64_t d : t.shape()) n *= d;
+  return n;
+}
+
+inline TensorSpec Tensor(const std::string& name, std::initializer_list<int64_t> shape) {
+  TensorSpec t;
+  t.set_name(name);
+  for (int64_t d : shape) t.add_shape(d);
+  return t;
+}
+
+inline std::vector<int64_t> Numels(const JobLayout& l) {
+  std::vector<int64_t> n;
+  for (const TensorSpec& t : l.tensors) n.push_back(Numel(t));
+  return n;
+}
+
+inline int64_t TotalElems(const JobLayout& l) {
+  int64_t n = 0;
+  for (int64_t x : Numels(l)) n += x;
+  return n;
+}
+
+inline Partition MakePartition(const JobLayout& l, int32_t num_shards) {
+  auto p = Partition::Create(Numels(l), l.chunk_elems, num_shards);
+  EXPECT_TRUE(p.ok()) << p.status();
+  return std::move(p).value();
+}
+
+inline std::vector<absl::Span<const float>> ConstSpans(const Values& v) {
+  std::vector<absl::Span<const float>> out;
+  for (const auto& t : v) out.emplace_back(t);
+  return out;
+}
+
+inline std::vector<absl::Span<float>> Spans(Values& v) {
+  std::vector<absl::Span<float>> out;
+  for (auto& t : v) out.emplace_back(absl::MakeSpan(t));
+  return out;
+}
+
+inline Values Zeros(const JobLayout& l) {
+  Values v;
+  for (int64_t n : Numels(l)) v.emplace_back(n, 0.0f);
+  return v;
+}
+
+// InitJob request for shard `shard` of `num_shards`, as the real client builds it.
+inline InitJobRequest MakeInitRequest(const JobLayout& l, int32_t num_shards, int32_t shard,
+                               const Values& init) {
+  InitJobRequest r;
+  r.set_job(l.job);
+  for (const TensorSpec& t : l.tensors) *r.add_tensors() = t;
+  r.set_chunk_elems(l.chunk_elems);
+  r.set_num_shards(num_shards);
+  r.set_shard_index(shard);
+  *r.mutable_optimizer() = l.optimizer;
+  r.set_consistency(l.consistency);
+  r.set_num_workers(l.num_workers);
+  Partition p = MakePartition(l, num_shards);
+  for (int64_t idx : p.shard_chunks(shard)) {
+    const ChunkInfo& c = p.chunks()[idx];
+    ChunkData* d = r.add_initial();
+    d->set_tensor(c.tensor);
+    d->set_chunk(c.chunk);
+    d->set_dtype(FLOAT32);
+    d->set_data(Bytes(init[c.tensor].data() + c.offset, c.numel));
+  }
+  return r;
+}
+
+inline std::unique_ptr<grpc::ClientContext> Ctx() {
+  auto ctx = std::make_unique<grpc::ClientContext>();
+  ctx->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  return ctx;
+}
+
+inline grpc::Status RawPull(Stub* stub, const PullRequest& req, PullResponse* resp) {
+  return stub->Pull(Ctx().get(), req, resp);
+}
+
+inline JobInfoResponse RawInfo(Stub* stub, const std::string& job) {
+  JobInfoRequest req;
+  req.set_job(job);
+  JobInfoResponse resp;
+  grpc::Status st = stub->GetJobInfo(Ctx().get(), req, &resp);
+  EXPECT_TRUE(st.ok()) << st.error_message();
+  return resp;
+}
+
+// Initial value of element i of tensor t: (1000 * t + i) / 4, exact in float32.
+inline Values OddInit(const JobLayout& l) {
+  Values v = Zeros(l);
+  for (size_t t = 0; t < v.size(); ++t) {
+    for (size_t i = 0; i < v[t].size(); ++i) v[t][i] = static_cast<float>(1000 * t + i) * 0.25f;
+  }
+  return v;
+}
+
+inline GrpcParameterClientOptions ClientOptions(std::vector<std::string> servers,
+                                                int32_t worker = 0) {
+  GrpcParameterClientOptions o;
+  o.servers = std::move(servers);
+  o.worker = worker;
+  o.rpc_deadline = absl::Seconds(10);
+  o.max_attempts = 3;
+  o.initial_backoff = absl::Milliseconds(10);
+  o.max_backoff = absl::Milliseconds(50);
+  return o;
+}
+
+// One in-process shard server.
+struct TestServer {
+  std::unique_ptr<Shard> shard;
+  std::unique_ptr<ParameterServiceImpl> service;
+  std::unique_ptr<grpc::Server> server;
+  int port = 0;
+  std::string addr;
+
+  ~TestServer() {
+    if (server != nullptr) {
+      server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
+      server->Wait();
+    }
+  }
+};
+
+}  // namespace loopback
+}  // namespace gradmesh
+
+#endif  // GRADMESH_TESTS_TESTING_LOOPBACK_H_
