@@ -256,6 +256,8 @@ absl::StatusOr<TrainResult> Trainer::Run() {
                   absl::StrFormat("%.1f", 1e3 * result.compute_s / (step - lo.first_step))),
                Kv("comm_ms", absl::StrFormat("%.1f", 1e3 * result.comm_s / (step - lo.first_step))),
                Kv("push_bytes_per_step", client->bytes_pushed() / (step - lo.first_step)),
+               Kv("codec_ms", absl::StrFormat("%.2f", 1e3 * client->codec_seconds() /
+                                                          (step - lo.first_step))),
                Kv("push_ratio", absl::StrFormat("%.1f", client->bytes_pushed() > 0
                                                           ? static_cast<double>(
                                                                 client->raw_bytes_pushed()) /
