@@ -42,6 +42,8 @@ struct WorkerRecord {
   // now (false); id_order lists the applied ones, oldest first.
   absl::flat_hash_map<uint64_t, bool> recent_ids;
   std::deque<uint64_t> id_order;
+  // Steps whose push is being applied now (normally at most one).
+  absl::flat_hash_set<int64_t> steps_in_progress;
 };
 
 enum class Durability { kNone, kPeriodic, kEveryUpdate };
@@ -763,19 +765,31 @@ absl::StatusOr<PushResponse> Shard::Push(const PushRequest& request) {
       response.set_duplicate(true);
       return response;
     }
+    if (w.steps_in_progress.contains(request.step())) {
+      // Another push of this step, with another request id, is being applied: a restarted
+      // worker re-pushing what its previous incarnation sent. Once that one is done, the
+      // client's retry is told it is a duplicate (or is applied, if the first one failed).
+      return absl::AbortedError(absl::StrCat("Push: job ", request.job(), " worker ",
+                                             request.worker(), " step ", request.step(),
+                                             " is already being applied"));
+    }
     w.recent_ids.emplace(request.request_id(), false);
+    w.steps_in_progress.insert(request.step());
   }
 
   absl::Status st = job->policy->OnPush(update, [this, &job](const ChunkUpdate& u) {
     return ApplyUpdate(job.get(), u, /*replay=*/false);
   });
-  if (!st.ok()) {
-    // Not applied: forget the id so that a retry can succeed.
+  {
     absl::MutexLock lock(&job->mu);
-    auto& ids = job->workers[request.worker()].recent_ids;
-    auto it = ids.find(request.request_id());
-    if (it != ids.end() && !it->second) ids.erase(it);
-    return st;
+    WorkerRecord& w = job->workers[request.worker()];
+    w.steps_in_progress.erase(request.step());
+    if (!st.ok()) {
+      // Not applied: forget the id so that a retry can succeed.
+      auto it = w.recent_ids.find(request.request_id());
+      if (it != w.recent_ids.end() && !it->second) w.recent_ids.erase(it);
+      return st;
+    }
   }
   for (Chunk* chunk : targets) {
     absl::MutexLock lock(&chunk->mu);

@@ -6,6 +6,8 @@
 #include <thread>
 #include <vector>
 
+#include "absl/synchronization/notification.h"
+
 #include "common/partitioner.h"
 #include "common/status_testing.h"
 #include "gtest/gtest.h"
@@ -337,6 +339,67 @@ TEST_F(ShardTest, PushOfAnAlreadyAppliedStepIsADuplicate) {
   ASSERT_OK_AND_ASSIGN(JobInfoResponse info, shard_->GetJobInfo(q));
   EXPECT_EQ(info.duplicates_dropped(), 2);
   EXPECT_EQ(info.pushes_applied(), 3);
+}
+
+// A restarted worker re-pushing a step (new request id) while its previous incarnation's push
+// of that step is still being applied: ABORTED until that one is done, then a duplicate.
+TEST(ShardInProgressTest, SecondPushOfAStepInProgressIsAborted) {
+  ShardOptions options;
+  absl::Notification entered, release;
+  // A consistency policy that holds the first push until released.
+  options.consistency.Register(
+      "gate", [&](const ConsistencyConfig&, const std::string&)
+                  -> absl::StatusOr<std::unique_ptr<ConsistencyPolicy>> {
+        class Gate final : public ConsistencyPolicy {
+         public:
+          Gate(absl::Notification* e, absl::Notification* r) : entered_(e), release_(r) {}
+          std::string mode() const override { return "gate"; }
+          absl::Status OnPush(const ChunkUpdate& push, const ApplyFn& apply) override {
+            if (!entered_->HasBeenNotified()) {
+              entered_->Notify();
+              release_->WaitForNotification();
+            }
+            return apply(push);
+          }
+          absl::Status BeforePull(int32_t) override { return absl::OkStatus(); }
+          void OnFinish(int32_t) override {}
+          void Restore(const std::vector<int64_t>&, const std::vector<bool>&) override {}
+          ConsistencyStats stats() const override { return {}; }
+
+         private:
+          absl::Notification* entered_;
+          absl::Notification* release_;
+        };
+        return std::unique_ptr<ConsistencyPolicy>(new Gate(&entered, &release));
+      });
+  ASSERT_OK_AND_ASSIGN(auto shard, Shard::Create(options));
+  InitJobRequest init = MakeInit(0);
+  init.set_consistency("gate");
+  ASSERT_OK(shard->InitJob(init));
+  const ChunkInfo c = Partition::Create({10, 12}, 4, 2).value().chunks()[0];
+  auto push = [&](uint64_t id) {
+    PushRequest p;
+    p.set_job("j");
+    p.set_worker(0);
+    p.set_step(4);
+    p.set_request_id(id);
+    ChunkData* d = p.add_chunks();
+    d->set_tensor(c.tensor);
+    d->set_chunk(c.chunk);
+    d->set_data(Bytes(std::vector<float>(c.numel, 1.0f)));
+    return p;
+  };
+  absl::StatusOr<PushResponse> first;
+  std::thread t([&] { first = shard->Push(push(1)); });
+  entered.WaitForNotification();
+  EXPECT_STATUS_MSG(shard->Push(push(2)), absl::StatusCode::kAborted,
+                    "worker 0 step 4 is already being applied");
+  release.Notify();
+  t.join();
+  ASSERT_OK(first);
+  EXPECT_FALSE(first->duplicate());
+  ASSERT_OK_AND_ASSIGN(PushResponse again, shard->Push(push(2)));
+  EXPECT_TRUE(again.duplicate());
 }
 
 TEST_F(ShardTest, FinishMarksWorker) {
