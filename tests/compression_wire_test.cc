@@ -189,63 +189,13 @@ uint64_t ClientSeed(uint64_t seed, int32_t worker, int64_t step, int64_t chunk_i
   return GrpcHas(ToGrpcStatus(s), code, substrs);
 }
 
-grpc::Status RawPush(Stub* stub, const PushRequest& req) {
-  PushResponse resp;
-  return stub->Push(Ctx().get(), req, &resp);
-}
-
-// All chunks a shard owns for `job` (dense pull), as one comparable byte string.
-std::string Snapshot(Stub* stub, const std::string& job) {
-  PullRequest req;
-  req.set_job(job);
-  PullResponse resp;
-  grpc::Status st = RawPull(stub, req, &resp);
-  EXPECT_TRUE(st.ok()) << st.error_message();
-  std::string out;
-  for (const ChunkData& c : resp.chunks()) {
-    absl::StrAppend(&out, "[", c.tensor(), ",", c.chunk(), ",v", c.version(), ",d", c.dtype(),
-                    ",c", c.codec(), ",n", c.data().size(), "]", c.data());
-  }
-  return out;
-}
-
-std::unique_ptr<TestServer> StartServer() {
-  auto s = std::make_unique<TestServer>();
-  auto shard = Shard::Create(ShardOptions());
-  if (!shard.ok()) return nullptr;
-  s->shard = std::move(shard).value();
-  s->service = std::make_unique<ParameterServiceImpl>(s->shard.get());
-  grpc::ServerBuilder builder;
-  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &s->port);
-  ConfigureServerBuilder(RpcOptions(), &builder);
-  builder.RegisterService(s->service.get());
-  s->server = builder.BuildAndStart();
-  if (s->server == nullptr || s->port == 0) return nullptr;
-  s->addr = absl::StrCat("127.0.0.1:", s->port);
-  return s;
-}
-
 absl::Span<const float> Slice(const Values& v, const ChunkInfo& c) {
   return absl::MakeConstSpan(v[c.tensor]).subspan(c.offset, c.numel);
 }
 
 // Fixture: two shards and a raw stub to each.
-class CompressionWireTest : public ::testing::Test {
+class CompressionWireTest : public TwoShardFixture {
  protected:
-  void SetUp() override {
-    for (int s = 0; s < 2; ++s) {
-      servers_.push_back(StartServer());
-      ASSERT_NE(servers_.back(), nullptr);
-      stubs_.push_back(ParameterService::NewStub(MakeChannel(servers_.back()->addr, RpcOptions())));
-    }
-  }
-
-  std::vector<std::string> Addrs() const {
-    std::vector<std::string> a;
-    for (const auto& s : servers_) a.push_back(s->addr);
-    return a;
-  }
-
   // Values of every tensor, read back densely through a plain client.
   Values PullDense(const JobLayout& layout) {
     auto client = NewGrpcParameterClient(layout, ClientOptions(Addrs()));
@@ -257,8 +207,6 @@ class CompressionWireTest : public ::testing::Test {
     return v;
   }
 
-  std::vector<std::unique_ptr<TestServer>> servers_;
-  std::vector<std::unique_ptr<Stub>> stubs_;
 };
 
 // ---------------------------------------------------------------------------------------------

@@ -6,7 +6,9 @@
 #define GRADMESH_TESTS_TESTING_LOOPBACK_H_
 
 #include <grpcpp/client_context.h>
+#include <grpcpp/security/server_credentials.h>
 #include <grpcpp/server.h>
+#include <grpcpp/server_builder.h>
 
 #include <chrono>
 #include <cstring>
@@ -173,6 +175,67 @@ struct TestServer {
       server->Wait();
     }
   }
+};
+
+// Sends a push on a raw stub; `resp` may be null.
+inline grpc::Status RawPush(Stub* stub, const PushRequest& req, PushResponse* resp = nullptr) {
+  PushResponse scratch;
+  return stub->Push(Ctx().get(), req, resp != nullptr ? resp : &scratch);
+}
+
+// All chunks a shard owns for `job`, as one comparable byte string (tensor, chunk, version,
+// dtype, codec and raw data of each chunk, in the shard's order).
+inline std::string Snapshot(Stub* stub, const std::string& job) {
+  PullRequest req;
+  req.set_job(job);
+  PullResponse resp;
+  grpc::Status st = RawPull(stub, req, &resp);
+  EXPECT_TRUE(st.ok()) << st.error_message();
+  std::string out;
+  for (const ChunkData& c : resp.chunks()) {
+    absl::StrAppend(&out, "[", c.tensor(), ",", c.chunk(), ",v", c.version(), ",d", c.dtype(),
+                    ",c", c.codec(), ",n", c.data().size(), "]", c.data());
+  }
+  return out;
+}
+
+// Starts a server on 127.0.0.1:`port` (0 = any free port). Returns null on failure.
+inline std::unique_ptr<TestServer> StartServer(RpcOptions rpc = RpcOptions(), int port = 0) {
+  auto s = std::make_unique<TestServer>();
+  auto shard = Shard::Create(ShardOptions());
+  if (!shard.ok()) return nullptr;
+  s->shard = std::move(shard).value();
+  s->service = std::make_unique<ParameterServiceImpl>(s->shard.get());
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(absl::StrCat("127.0.0.1:", port), grpc::InsecureServerCredentials(),
+                           &s->port);
+  ConfigureServerBuilder(rpc, &builder);
+  builder.RegisterService(s->service.get());
+  s->server = builder.BuildAndStart();
+  if (s->server == nullptr || s->port == 0) return nullptr;
+  s->addr = absl::StrCat("127.0.0.1:", s->port);
+  return s;
+}
+
+// Fixture: two in-process shards and a raw stub to each.
+class TwoShardFixture : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    for (int s = 0; s < 2; ++s) {
+      servers_.push_back(StartServer());
+      ASSERT_NE(servers_.back(), nullptr);
+      stubs_.push_back(ParameterService::NewStub(MakeChannel(servers_.back()->addr, RpcOptions())));
+    }
+  }
+
+  std::vector<std::string> Addrs() const {
+    std::vector<std::string> a;
+    for (const auto& s : servers_) a.push_back(s->addr);
+    return a;
+  }
+
+  std::vector<std::unique_ptr<TestServer>> servers_;
+  std::vector<std::unique_ptr<Stub>> stubs_;
 };
 
 }  // namespace loopback
