@@ -11,7 +11,6 @@
 // only when its files are absent. Every child runs with OPENBLAS_NUM_THREADS=1 and
 // OMP_NUM_THREADS=1 (four processes share the cores).
 #include <signal.h>
-#include <sys/stat.h>
 
 #include <cstdint>
 #include <cstdlib>
@@ -35,6 +34,7 @@
 #include "gtest/gtest.h"
 #include "proto/gradmesh.grpc.pb.h"
 #include "proto/gradmesh.pb.h"
+#include "tests/e2e/e2e_harness.h"
 #include "tests/testing/subprocess.h"
 
 namespace gradmesh {
@@ -61,56 +61,13 @@ constexpr double kTargetAccuracy = 0.97;
 // MLP 784-256-256-10: fc1 (w, b), fc2 (w, b), fc3 (w, b).
 constexpr int64_t kMlpParams = 784 * 256 + 256 + 256 * 256 + 256 + 256 * 10 + 10;
 
-const std::vector<std::pair<std::string, std::string>>& ChildEnv() {
-  static const auto* env = new std::vector<std::pair<std::string, std::string>>{
-      {"OPENBLAS_NUM_THREADS", "1"}, {"OMP_NUM_THREADS", "1"}};
-  return *env;
-}
-
-std::string DataDir() {
-  const char* d = std::getenv("GRADMESH_DATA_DIR");
-  return d != nullptr && *d != '\0' ? d : "/var/lib/gradmesh/data";
-}
-
-bool Exists(const std::string& path) {
-  struct stat st;
-  return stat(path.c_str(), &st) == 0;
-}
-
-// The four MNIST IDX files, plain or gzipped, as the worker's loader accepts them.
-bool HaveMnist() {
-  for (const char* base : {"train-images-idx3-ubyte", "train-labels-idx1-ubyte",
-                           "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"}) {
-    const std::string p = absl::StrCat(DataDir(), "/mnist/", base);
-    if (!Exists(p) && !Exists(p + ".gz")) return false;
-  }
-  return true;
-}
-
-int64_t ToInt(const std::optional<std::string>& s) {
-  int64_t v = -1;
-  if (!s.has_value() || !absl::SimpleAtoi(*s, &v)) return -1;
-  return v;
-}
-
-double ToDouble(const std::optional<std::string>& s) {
-  double v = -1;
-  if (!s.has_value() || !absl::SimpleAtod(*s, &v)) return -1;
-  return v;
-}
-
-absl::StatusOr<JobInfoResponse> GetJobInfo(const std::string& address, const std::string& job) {
-  std::unique_ptr<ParameterService::Stub> stub = ParameterService::NewStub(
-      grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
-  grpc::ClientContext ctx;
-  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
-  JobInfoRequest request;
-  request.set_job(job);
-  JobInfoResponse response;
-  const grpc::Status st = stub->GetJobInfo(&ctx, request, &response);
-  if (!st.ok()) return FromGrpcStatus(st);
-  return response;
-}
+// Shared with the other end-to-end tests (tests/e2e/e2e_harness.h).
+using e2e::ChildEnv;
+using e2e::DataDir;
+using e2e::GetJobInfo;
+using e2e::HaveMnist;
+using e2e::ToDouble;
+using e2e::ToInt;
 
 struct WorkerRun {
   int exit_code = -1;
