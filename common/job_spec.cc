@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/job_name.h"
 #include "common/status.h"
 
 namespace gradmesh {
@@ -182,13 +183,9 @@ void ApplyJobSpecDefaults(int num_servers, JobSpec* spec) {
 }
 
 absl::Status ValidateJobSpec(const JobSpec& spec) {
-  for (char c : spec.name()) {
-    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
-                    c == '_' || c == '.' || c == '-';
-    if (!ok) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "job spec: name \"", spec.name(), "\" may only use letters, digits, '_', '.', '-'"));
-    }
+  if (!spec.name().empty() && !IsValidJobName(spec.name())) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "job spec: name \"", spec.name(), "\" may only use letters, digits, '_', '.', '-'"));
   }
   if (spec.batch_size() <= 0) {
     return absl::InvalidArgumentError(

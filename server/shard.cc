@@ -9,6 +9,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/job_name.h"
 #include "common/numeric.h"
 #include "common/partitioner.h"
 #include "common/status.h"
@@ -149,13 +150,9 @@ absl::StatusOr<Durability> ParseDurability(const DurabilitySpec& d) {
 
 absl::Status ValidateLayout(const InitJobRequest& r) {
   if (r.job().empty()) return absl::InvalidArgumentError("InitJob: job name is empty");
-  for (char c : r.job()) {
-    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
-                    c == '_' || c == '.' || c == '-';
-    if (!ok) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "InitJob: job name \"", r.job(), "\" may only use letters, digits, '_', '.', '-'"));
-    }
+  if (!IsValidJobName(r.job())) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "InitJob: job name \"", r.job(), "\" may only use letters, digits, '_', '.', '-'"));
   }
   if (r.tensors_size() == 0) {
     return absl::InvalidArgumentError(absl::StrCat("InitJob: job ", r.job(), " has no tensors"));
@@ -333,17 +330,24 @@ absl::StatusOr<std::shared_ptr<Shard::Job>> Shard::BuildJob(const InitJobRequest
 absl::StatusOr<InitJobResponse> Shard::InitJob(const InitJobRequest& request) {
   RETURN_IF_ERROR(ValidateLayout(request));
   const InitJobRequest layout = NormalizedLayout(request);
-  {
+  // True if the job exists with this layout; FAILED_PRECONDITION if with another.
+  auto exists = [this, &layout]() -> absl::StatusOr<bool> {
     absl::MutexLock lock(&mu_);
-    auto it = jobs_.find(request.job());
-    if (it != jobs_.end()) {
-      if (!google::protobuf::util::MessageDifferencer::Equals(it->second->layout, layout)) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "InitJob: job ", request.job(),
-            " already exists on this shard with a different layout, optimizer, mode, "
-            "durability or worker count; use another job name"));
-      }
-      InitJobResponse response;
+    auto it = jobs_.find(layout.job());
+    if (it == jobs_.end()) return false;
+    if (!google::protobuf::util::MessageDifferencer::Equals(it->second->layout, layout)) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "InitJob: job ", layout.job(),
+          " already exists on this shard with a different layout, optimizer, mode, "
+          "durability or worker count; use another job name"));
+    }
+    return true;
+  };
+  InitJobResponse response;
+  {
+    // Fast path, before copying the initial values into a new job.
+    ASSIGN_OR_RETURN(const bool found, exists());
+    if (found) {
       response.set_created(false);
       return response;
     }
@@ -376,23 +380,14 @@ absl::StatusOr<InitJobResponse> Shard::InitJob(const InitJobRequest& request) {
     chunk.values.resize(chunk.info.numel);
     std::memcpy(chunk.values.data(), c.data().data(), c.data().size());
   }
-  InitJobResponse response;
   {
     // Creation is serialised, so the job becomes durable before it becomes visible: no push
     // can be acknowledged for a job whose layout and initial values are not in the store.
     absl::MutexLock init_lock(&init_mu_);
-    {
-      absl::MutexLock lock(&mu_);
-      auto it = jobs_.find(request.job());
-      if (it != jobs_.end()) {
-        if (!google::protobuf::util::MessageDifferencer::Equals(it->second->layout, layout)) {
-          return absl::FailedPreconditionError(absl::StrCat(
-              "InitJob: job ", request.job(),
-              " was created concurrently with a different layout"));
-        }
-        response.set_created(false);
-        return response;
-      }
+    ASSIGN_OR_RETURN(const bool found, exists());  // Created meanwhile by another call?
+    if (found) {
+      response.set_created(false);
+      return response;
     }
     if (job->durability != Durability::kNone) {
       RETURN_IF_ERROR(Annotate(MaybeSnapshot(job.get(), /*force=*/true),
