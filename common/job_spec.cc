@@ -9,6 +9,8 @@
 #include <yaml-cpp/yaml.h>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_join.h"
 #include "common/job_name.h"
 #include "common/status.h"
@@ -176,7 +178,31 @@ void ApplyJobSpecDefaults(int num_servers, JobSpec* spec) {
   if (spec->seed() == 0) spec->set_seed(1);
   if (spec->log_every() == 0) spec->set_log_every(50);
   if (spec->barrier_timeout_s() == 0) spec->set_barrier_timeout_s(120);
+  if (spec->mode() == "ps") spec->set_mode("async");
+  if (spec->sync_lr_scaling().empty()) spec->set_sync_lr_scaling("linear");
+  if (spec->mode() == "gossip") {
+    GossipSpec* g = spec->mutable_gossip();
+    if (g->topology().empty()) g->set_topology("exponential");
+    if (g->every_steps() == 0) g->set_every_steps(1);
+    if (g->timeout_s() == 0) g->set_timeout_s(2);
+  }
+  if (spec->mode() == "allreduce") {
+    AllreduceSpec* a = spec->mutable_allreduce();
+    if (a->bucket_bytes() == 0) a->set_bucket_bytes(1 << 20);
+    if (a->backend().empty()) a->set_backend("auto");
+    if (a->timeout_s() == 0) a->set_timeout_s(30);
+  }
   DurabilitySpec* d = spec->mutable_durability();
+  // In the ps modes a checkpoint is a durable snapshot of the shards: every_steps steps of
+  // every worker are every_steps updates in sync mode and about every_steps * num_workers
+  // pushes otherwise.
+  if (spec->checkpoint().every_steps() > 0 && IsPsMode(spec->mode())) {
+    if (d->mode().empty() || d->mode() == "none") d->set_mode("periodic");
+    if (d->snapshot_every_updates() == 0) {
+      d->set_snapshot_every_updates(spec->checkpoint().every_steps() *
+                                    (spec->mode() == "sync" ? 1 : spec->num_workers()));
+    }
+  }
   if (d->mode().empty()) d->set_mode("none");
   if (d->snapshot_every_updates() == 0) d->set_snapshot_every_updates(1000);
   if (!d->has_snapshot_every_seconds() && d->mode() != "none") d->set_snapshot_every_seconds(30);
@@ -238,7 +264,59 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
     return absl::InvalidArgumentError(
         absl::StrCat("job spec: compression.momentum must be in [0, 1), got ", c.momentum()));
   }
+  const std::string& mode = spec.mode();
+  if (!mode.empty() && !IsPsMode(mode) && mode != "gossip" && mode != "allreduce") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "job spec: mode \"", mode,
+        "\" is not one of async (or ps), ssp:<staleness>, sync, gossip, allreduce"));
+  }
+  if (absl::StartsWith(mode, "ssp:")) {
+    int64_t s = 0;
+    if (!absl::SimpleAtoi(mode.substr(4), &s) || s < 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "job spec: mode \"", mode, "\": the staleness bound after ssp: must be an integer >= 0"));
+    }
+  }
+  const GossipSpec& g = spec.gossip();
+  if (!g.topology().empty() && g.topology() != "random" && g.topology() != "exponential") {
+    return absl::InvalidArgumentError(absl::StrCat("job spec: gossip.topology \"", g.topology(),
+                                                   "\" is not one of random, exponential"));
+  }
+  if (g.every_steps() < 0 || g.timeout_s() < 0) {
+    return absl::InvalidArgumentError("job spec: gossip.every_steps and timeout_s must be >= 0");
+  }
+  if (!g.codec().empty() && g.codec() != "fp16" && g.codec() != "bf16") {
+    return absl::InvalidArgumentError(absl::StrCat("job spec: gossip.codec \"", g.codec(),
+                                                   "\" is not one of \"\", fp16, bf16"));
+  }
+  const AllreduceSpec& a = spec.allreduce();
+  if (a.bucket_bytes() < 0 || a.bucket_bytes() % 4 != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "job spec: allreduce.bucket_bytes must be a multiple of 4 and >= 0, got ",
+        a.bucket_bytes()));
+  }
+  if (!a.backend().empty() && a.backend() != "ring" && a.backend() != "nccl" &&
+      a.backend() != "auto") {
+    return absl::InvalidArgumentError(absl::StrCat("job spec: allreduce.backend \"",
+                                                   a.backend(), "\" is not one of auto, ring, nccl"));
+  }
+  if (a.timeout_s() < 0) {
+    return absl::InvalidArgumentError("job spec: allreduce.timeout_s must be >= 0");
+  }
+  if (spec.checkpoint().every_steps() < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "job spec: checkpoint.every_steps must be >= 0, got ", spec.checkpoint().every_steps()));
+  }
+  const std::string& scaling = spec.sync_lr_scaling();
+  if (!scaling.empty() && scaling != "linear" && scaling != "none") {
+    return absl::InvalidArgumentError(absl::StrCat("job spec: sync_lr_scaling \"", scaling,
+                                                   "\" is not one of linear, none"));
+  }
   return absl::OkStatus();
+}
+
+bool IsPsMode(const std::string& mode) {
+  return mode == "async" || mode == "ps" || mode == "sync" || absl::StartsWith(mode, "ssp:");
 }
 
 std::string JobSpecToJson(const JobSpec& spec) {

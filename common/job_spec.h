@@ -29,6 +29,9 @@ void ApplyJobSpecDefaults(int num_servers, JobSpec* spec);
 // Checks ranges and names. InvalidArgument naming the field and what is allowed.
 absl::Status ValidateJobSpec(const JobSpec& spec);
 
+// True for the modes that train through parameter-server shards: async (or ps), ssp:<s>, sync.
+bool IsPsMode(const std::string& mode);
+
 // The spec as single-line JSON (for logs and for sending to other processes).
 std::string JobSpecToJson(const JobSpec& spec);
 

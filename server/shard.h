@@ -41,7 +41,7 @@
 #include "proto/gradmesh.pb.h"
 #include "compression/compressor.h"
 #include "server/consistency.h"
-#include "server/optimizer.h"
+#include "common/optimizer.h"
 #include "server/shard_store.h"
 
 namespace gradmesh {

@@ -1,4 +1,4 @@
-// Optimizers applied by parameter-server shards to chunks of float32 parameters.
+// Optimizers applied by parameter-server shards (and by workers in gossip and allreduce modes) to chunks of float32 parameters.
 //
 // An Optimizer is stateless itself: the per-element state ("slots", e.g. momentum buffers or
 // Adam moments) is owned by the caller, one float per slot per element, so a shard can keep
@@ -10,8 +10,8 @@
 //
 // Thread safety: Optimizer::Apply is const and may run concurrently on different chunks.
 // OptimizerRegistry is not thread-safe while being modified; Create() is const.
-#ifndef GRADMESH_SERVER_OPTIMIZER_H_
-#define GRADMESH_SERVER_OPTIMIZER_H_
+#ifndef GRADMESH_COMMON_OPTIMIZER_H_
+#define GRADMESH_COMMON_OPTIMIZER_H_
 
 #include <cstdint>
 #include <functional>
@@ -72,4 +72,4 @@ class OptimizerRegistry {
 
 }  // namespace gradmesh
 
-#endif  // GRADMESH_SERVER_OPTIMIZER_H_
+#endif  // GRADMESH_COMMON_OPTIMIZER_H_

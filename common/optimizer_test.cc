@@ -1,5 +1,5 @@
 // Checks every optimizer against LibTorch's own torch::optim on the same gradients.
-#include "server/optimizer.h"
+#include "common/optimizer.h"
 
 #include <torch/torch.h>
 
