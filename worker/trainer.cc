@@ -83,21 +83,12 @@ absl::StatusOr<TrainResult> Trainer::Run() {
   const Logger* log = options_.logger;
   torch::set_num_threads(options_.intra_op_threads);
 
-  const std::string data_path = spec.dataset().path().empty()
-                                    ? absl::StrCat(options_.data_dir, "/", spec.dataset().name())
-                                    : spec.dataset().path();
-  ASSIGN_OR_RETURN(DatasetFiles data, LoadDataset(spec.dataset().name(), data_path));
+  ASSIGN_OR_RETURN(DatasetFiles data, LoadJobData(spec, options_.data_dir));
   ASSIGN_OR_RETURN(std::unique_ptr<Model> model, CreateModel(spec.model(), spec.seed()));
   std::vector<torch::Tensor> params = model->Parameters();
   const std::vector<std::string> names = model->ParameterNames();
 
-  BatchLoader::Options lo;
-  lo.rank = options_.rank;
-  lo.world_size = spec.num_workers();
-  lo.batch_size = spec.batch_size();
-  lo.epochs = spec.epochs();
-  lo.max_steps = spec.steps();
-  lo.seed = spec.seed();
+  BatchLoader::Options lo = LoaderOptions(spec, options_.rank);
   ASSIGN_OR_RETURN(std::unique_ptr<BatchLoader> loader,
                    BatchLoader::Create(&data.train, data.mean, data.stddev, lo));
   JobLayout layout;
@@ -300,17 +291,7 @@ absl::StatusOr<TrainResult> Trainer::Run() {
       torch::NoGradGuard no_grad;
       RETURN_IF_ERROR(client->Pull(param_spans));
     }
-    model->SetTraining(false);
-    int64_t correct = 0;
-    std::vector<Batch> eval = MakeEvalBatches(data.test, data.mean, data.stddev, 1000);
-    for (Batch& b : eval) {
-      torch::Tensor x =
-          torch::from_blob(b.x.data(), {b.size, 1, data.test.rows, data.test.cols}, torch::kFloat);
-      torch::Tensor y = torch::from_blob(b.y.data(), {b.size}, torch::kLong);
-      ASSIGN_OR_RETURN(int64_t c, CountCorrect(model.get(), x, y));
-      correct += c;
-    }
-    result.test_accuracy = static_cast<double>(correct) / data.test.size;
+    ASSIGN_OR_RETURN(result.test_accuracy, EvaluateAccuracy(model.get(), data));
     LogInfo(log, "evaluated", {Kv("job", spec.name()), Kv("rank", options_.rank),
                                Kv("accuracy", absl::StrFormat("%.4f", result.test_accuracy)),
                                Kv("test_samples", data.test.size)});

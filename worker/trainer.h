@@ -30,35 +30,9 @@
 #include "common/logging.h"
 #include "proto/gradmesh.pb.h"
 #include "worker/parameter_client.h"
+#include "worker/train_util.h"
 
 namespace gradmesh {
-
-struct TrainerOptions {
-  JobSpec spec;                // Defaults applied and validated by the caller.
-  int32_t rank = 0;            // In [0, spec.num_workers()).
-  std::string data_dir;        // Parent of <dataset name>/ when spec.dataset.path is empty.
-  bool evaluate = true;        // Wait for all workers, evaluate and save at the end.
-  int32_t intra_op_threads = 1;  // torch::set_num_threads; 1 avoids oversubscription.
-  absl::Duration wait_for_workers = absl::Minutes(30);  // Bound on the final wait.
-  // Fault injection for tests: sleep this long before every step (a slow worker).
-  absl::Duration step_delay = absl::ZeroDuration();
-  const Logger* logger = nullptr;  // Not owned; may be null.
-};
-
-struct TrainResult {
-  int64_t steps = 0;            // Steps this worker ran.
-  int64_t samples = 0;          // Training samples this worker processed.
-  double wall_s = 0;            // Seconds from the first step to the last push/pull.
-  double samples_per_s = 0;     // samples / wall_s.
-  double final_loss = 0;        // Mean training loss over the last log window.
-  double test_accuracy = -1;    // In [0, 1]; -1 if this worker did not evaluate.
-  double data_s = 0, compute_s = 0, comm_s = 0;  // Time split of the steps.
-  int64_t bytes_pushed = 0, bytes_pulled = 0;          // On the wire (compressed).
-  int64_t raw_bytes_pushed = 0, raw_bytes_pulled = 0;  // As float32.
-  double codec_s = 0;                                   // Encoding pushes, decoding pulls.
-  bool stopped_early = false;   // RequestStop() ended the run before the last step.
-  int64_t first_step = 0;       // > 0 when the run resumed from the shards' progress.
-};
 
 class Trainer {
  public:

@@ -1,0 +1,44 @@
+#include "worker/train_util.h"
+
+#include <torch/torch.h>
+
+#include "absl/strings/str_cat.h"
+#include "common/status.h"
+#include "worker/model.h"
+
+namespace gradmesh {
+
+absl::StatusOr<DatasetFiles> LoadJobData(const JobSpec& spec, const std::string& data_dir) {
+  const std::string path = spec.dataset().path().empty()
+                               ? absl::StrCat(data_dir, "/", spec.dataset().name())
+                               : spec.dataset().path();
+  return LoadDataset(spec.dataset().name(), path);
+}
+
+BatchLoader::Options LoaderOptions(const JobSpec& spec, int32_t rank) {
+  BatchLoader::Options lo;
+  lo.rank = rank;
+  lo.world_size = spec.num_workers();
+  lo.batch_size = spec.batch_size();
+  lo.epochs = spec.epochs();
+  lo.max_steps = spec.steps();
+  lo.seed = spec.seed();
+  return lo;
+}
+
+absl::StatusOr<double> EvaluateAccuracy(Model* model, const DatasetFiles& data) {
+  model->SetTraining(false);
+  int64_t correct = 0;
+  std::vector<Batch> eval = MakeEvalBatches(data.test, data.mean, data.stddev, 1000);
+  for (Batch& b : eval) {
+    torch::Tensor x =
+        torch::from_blob(b.x.data(), {b.size, 1, data.test.rows, data.test.cols}, torch::kFloat);
+    torch::Tensor y = torch::from_blob(b.y.data(), {b.size}, torch::kLong);
+    ASSIGN_OR_RETURN(int64_t c, CountCorrect(model, x, y));
+    correct += c;
+  }
+  if (data.test.size == 0) return absl::FailedPreconditionError("evaluate: empty test set");
+  return static_cast<double>(correct) / data.test.size;
+}
+
+}  // namespace gradmesh

@@ -1,0 +1,88 @@
+// What every training mode shares: the options a worker's rank runs with, the figures it
+// reports, loading the job's data, the learning-rate schedule and evaluation.
+//
+// The ps modes (worker/trainer.h), gossip (worker/gossip/) and allreduce (worker/allreduce/)
+// all take TrainerOptions and return TrainResult, so worker_main and the coordinator agent
+// treat them alike. Free of LibTorch on purpose (it is slow to compile).
+//
+// Thread safety: plain data and pure functions.
+#ifndef GRADMESH_WORKER_TRAIN_UTIL_H_
+#define GRADMESH_WORKER_TRAIN_UTIL_H_
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "common/logging.h"
+#include "proto/gradmesh.pb.h"
+#include "worker/dataset.h"
+
+namespace gradmesh {
+
+class Model;
+
+// Live figures of a running rank, for the coordinator's progress view.
+struct TrainProgress {
+  int64_t step = 0;           // Steps done (absolute, including resumed ones).
+  int64_t total_steps = 0;
+  int32_t epoch = 0;          // 1-based.
+  double loss = 0;            // Mean over the last log window.
+  double samples_per_s = 0;   // Over the last log window.
+  double accuracy = -1;       // Set once evaluated.
+  int64_t checkpoint_step = -1;
+};
+
+struct TrainerOptions {
+  JobSpec spec;                // Defaults applied and validated by the caller.
+  int32_t rank = 0;            // In [0, spec.num_workers()).
+  std::string data_dir;        // Parent of <dataset name>/ when spec.dataset.path is empty.
+  bool evaluate = true;        // Wait for all workers, evaluate and save at the end.
+  int32_t intra_op_threads = 1;  // torch::set_num_threads; 1 avoids oversubscription.
+  absl::Duration wait_for_workers = absl::Minutes(30);  // Bound on the final wait (ps modes).
+  // Fault injection for tests: sleep this long before every step (a slow worker).
+  absl::Duration step_delay = absl::ZeroDuration();
+  // gossip/allreduce: peer-service address (host:port) of every rank, in rank order.
+  std::vector<std::string> peers;
+  // gossip/allreduce: where checkpoints go when spec.checkpoint.dir is empty.
+  std::string checkpoint_dir;
+  // ps modes: per-job secret the shards check (empty: none).
+  std::string job_token;
+  // sync jobs re-formed after losing workers (empty: all ranks), and the lr factor for them.
+  std::vector<int32_t> active_ranks;
+  // Called with live figures at every progress line and at the end (may be empty).
+  std::function<void(const TrainProgress&)> on_progress;
+  const Logger* logger = nullptr;  // Not owned; may be null.
+};
+
+struct TrainResult {
+  int64_t steps = 0;            // Steps this worker ran.
+  int64_t samples = 0;          // Training samples this worker processed.
+  double wall_s = 0;            // Seconds from the first step to the last exchange.
+  double samples_per_s = 0;     // samples / wall_s.
+  double final_loss = 0;        // Mean training loss over the last log window.
+  double test_accuracy = -1;    // In [0, 1]; -1 if this worker did not evaluate.
+  double data_s = 0, compute_s = 0, comm_s = 0;  // Time split of the steps.
+  int64_t bytes_pushed = 0, bytes_pulled = 0;          // On the wire (compressed).
+  int64_t raw_bytes_pushed = 0, raw_bytes_pulled = 0;  // As float32.
+  double codec_s = 0;                                   // Encoding pushes, decoding pulls.
+  bool stopped_early = false;   // RequestStop() ended the run before the last step.
+  int64_t first_step = 0;       // > 0 when the run resumed from a checkpoint or the shards.
+  double consensus_distance = -1;  // gossip: last measured (see worker/gossip/).
+};
+
+// Reads the job's dataset from spec.dataset.path, or <data_dir>/<dataset name>.
+absl::StatusOr<DatasetFiles> LoadJobData(const JobSpec& spec, const std::string& data_dir);
+
+// BatchLoader options for `rank` of the job (data sharded by rank, seeded order).
+BatchLoader::Options LoaderOptions(const JobSpec& spec, int32_t rank);
+
+// Test-set accuracy of `model` (evaluation mode, no autograd), in [0, 1]. Leaves the model in
+// evaluation mode.
+absl::StatusOr<double> EvaluateAccuracy(Model* model, const DatasetFiles& data);
+
+}  // namespace gradmesh
+
+#endif  // GRADMESH_WORKER_TRAIN_UTIL_H_
