@@ -10,8 +10,11 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
+#include "common/job_spec.h"
 #include "common/status.h"
 #include "compression/compressor.h"
+#include "worker/allreduce/allreduce_trainer.h"
+#include "worker/gossip/gossip_trainer.h"
 #include "worker/auto_codec.h"
 #include "worker/dataset.h"
 #include "worker/model.h"
@@ -23,12 +26,16 @@ double Seconds(absl::Time since) { return absl::ToDoubleSeconds(absl::Now() - si
 
 }  // namespace
 
-Trainer::Trainer(TrainerOptions options, ClientFactory client_factory)
-    : options_(std::move(options)), client_factory_(std::move(client_factory)) {}
+Trainer::Trainer(TrainerOptions options, ClientFactory client_factory,
+                 PeerServices peer_services)
+    : options_(std::move(options)),
+      client_factory_(std::move(client_factory)),
+      peer_services_(peer_services) {}
 Trainer::~Trainer() = default;
 
 absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerOptions options,
-                                                         ClientFactory client_factory) {
+                                                         ClientFactory client_factory,
+                                                         PeerServices peer_services) {
   const JobSpec& spec = options.spec;
   if (options.rank < 0 || options.rank >= spec.num_workers()) {
     return absl::InvalidArgumentError(absl::StrCat("trainer: rank ", options.rank,
@@ -37,7 +44,20 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerOptions options,
   if (options.intra_op_threads < 1) {
     return absl::InvalidArgumentError("trainer: intra_op_threads must be >= 1");
   }
-  if (!client_factory) return absl::InvalidArgumentError("trainer: no client factory");
+  const bool ps = IsPsMode(spec.mode());
+  if (ps && !client_factory) return absl::InvalidArgumentError("trainer: no client factory");
+  if (!ps) {
+    if (static_cast<int>(options.peers.size()) != spec.num_workers()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "mode ", spec.mode(), " needs the peer address of every worker (--peers): got ",
+          options.peers.size(), " for ", spec.num_workers(), " workers"));
+    }
+    if ((spec.mode() == "gossip" && peer_services.gossip == nullptr) ||
+        (spec.mode() == "allreduce" && peer_services.collective == nullptr)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("trainer: mode ", spec.mode(), " needs this process's peer service"));
+    }
+  }
   // Names are checked here, before any work, so a bad spec fails as bad arguments.
   if (absl::Status st = ModelRegistry::WithBuiltins().Check(spec.model().name()); !st.ok()) {
     return st;
@@ -75,10 +95,20 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerOptions options,
                                                    "\"; known datasets: ",
                                                    absl::StrJoin(datasets, ", ")));
   }
-  return std::unique_ptr<Trainer>(new Trainer(std::move(options), std::move(client_factory)));
+  return std::unique_ptr<Trainer>(
+      new Trainer(std::move(options), std::move(client_factory), peer_services));
 }
 
 absl::StatusOr<TrainResult> Trainer::Run() {
+  const std::string& mode = options_.spec.mode();
+  if (mode == "gossip") return RunGossip(options_, peer_services_.gossip, stop_requested_);
+  if (mode == "allreduce") {
+    return RunAllreduce(options_, peer_services_.collective, stop_requested_);
+  }
+  return RunPs();
+}
+
+absl::StatusOr<TrainResult> Trainer::RunPs() {
   const JobSpec& spec = options_.spec;
   const Logger* log = options_.logger;
   torch::set_num_threads(options_.intra_op_threads);

@@ -1,5 +1,8 @@
 // Trainer: runs one worker's part of a JobSpec.
 //
+// Modes: the ps modes (async, ssp, sync) are implemented here; gossip and allreduce are in
+// worker/gossip/ and worker/allreduce/, and Run() hands over to them.
+//
 // The same Trainer runs a job given by flags (gradmesh_worker --job=...) or, later, placed by
 // the coordinator. Each step: take this rank's next batch (prefetched by BatchLoader),
 // forward/backward in LibTorch, push every gradient to its shards in parallel, pull fresh
@@ -34,24 +37,38 @@
 
 namespace gradmesh {
 
+class CollectiveServiceImpl;  // worker/allreduce/collective_service.h
+class GossipServiceImpl;      // worker/gossip/gossip_service.h
+
+// This process's peer services (serving on options.peers[rank]), needed by the gossip and
+// allreduce modes; not owned.
+struct PeerServices {
+  CollectiveServiceImpl* collective = nullptr;
+  GossipServiceImpl* gossip = nullptr;
+};
+
 class Trainer {
  public:
   // `client_factory` makes the ParameterClient once the model (and so the layout) is known.
   using ClientFactory =
       std::function<absl::StatusOr<std::unique_ptr<ParameterClient>>(JobLayout layout)>;
 
+  // `client_factory` is used by the ps modes, `peer_services` by gossip and allreduce.
   static absl::StatusOr<std::unique_ptr<Trainer>> Create(TrainerOptions options,
-                                                         ClientFactory client_factory);
+                                                         ClientFactory client_factory,
+                                                         PeerServices peer_services = {});
   ~Trainer();
 
   absl::StatusOr<TrainResult> Run();
   void RequestStop() { stop_requested_.store(true); }
 
  private:
-  Trainer(TrainerOptions options, ClientFactory client_factory);
+  Trainer(TrainerOptions options, ClientFactory client_factory, PeerServices peer_services);
+  absl::StatusOr<TrainResult> RunPs();
 
   const TrainerOptions options_;
   const ClientFactory client_factory_;
+  const PeerServices peer_services_;
   std::atomic<bool> stop_requested_{false};
 };
 

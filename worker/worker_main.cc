@@ -1,6 +1,7 @@
-// gradmesh_worker: trains one worker's share of a job against parameter-server shards.
+// gradmesh_worker: trains one worker's share (rank) of a job.
 //
-//   gradmesh_worker --job=job.yaml --servers=127.0.0.1:7001,127.0.0.1:7002 --rank=0
+//   gradmesh_worker --job=job.yaml --servers=127.0.0.1:7001,127.0.0.1:7002 --rank=0   (ps)
+//   gradmesh_worker --job=job.yaml --mode=allreduce --peers=127.0.0.1:7101,127.0.0.1:7102 --rank=0
 //
 // Flags given explicitly override the job spec's fields. Prints one final line
 //   event=done ... steps=... samples=... wall_s=... samples_per_s=... accuracy=...
@@ -22,11 +23,21 @@
 #include "common/job_spec.h"
 #include "common/logging.h"
 #include "common/status.h"
+#include <grpcpp/grpcpp.h>
+
+#include "worker/allreduce/collective_service.h"
+#include "worker/gossip/gossip_service.h"
 #include "worker/parameter_client.h"
 #include "worker/trainer.h"
 
 ABSL_FLAG(std::string, job, "", "Job spec file (YAML or JSON). Empty: defaults plus flags.");
-ABSL_FLAG(std::string, servers, "", "Comma-separated host:port of the shards, shard order.");
+ABSL_FLAG(std::string, servers, "",
+          "Comma-separated host:port of the shards, shard order (ps modes).");
+ABSL_FLAG(std::string, peers, "",
+          "gossip/allreduce: comma-separated host:port of every worker's peer service, rank "
+          "order; this worker serves on the entry of its rank.");
+ABSL_FLAG(std::string, checkpoint_dir, "/var/lib/gradmesh/checkpoints",
+          "gossip/allreduce: checkpoint directory when the spec names none.");
 ABSL_FLAG(int, rank, 0, "This worker's rank in [0, num_workers).");
 ABSL_FLAG(std::string, data_dir, "/var/lib/gradmesh/data",
           "Directory holding one folder per dataset (mnist/, fashion-mnist/).");
@@ -39,7 +50,8 @@ ABSL_FLAG(std::string, name, "", "Job name.");
 ABSL_FLAG(std::string, model, "", "Model: mlp, lenet or torchscript.");
 ABSL_FLAG(std::string, model_path, "", "TorchScript file for --model=torchscript.");
 ABSL_FLAG(std::string, dataset, "", "Dataset: mnist or fashion-mnist.");
-ABSL_FLAG(std::string, mode, "", "Consistency mode: async.");
+ABSL_FLAG(std::string, mode, "",
+          "Training mode: async (or ps), ssp:<s>, sync, gossip or allreduce.");
 ABSL_FLAG(std::string, optimizer, "", "Optimizer: sgd, adam or adamw.");
 ABSL_FLAG(double, lr, 0, "Learning rate.");
 ABSL_FLAG(std::string, lr_schedule, "", "Learning-rate schedule: constant or cosine.");
@@ -146,16 +158,26 @@ absl::StatusOr<WorkerMainOptions> ParseOptions() {
   for (absl::string_view s : absl::StrSplit(absl::GetFlag(FLAGS_servers), ',', absl::SkipEmpty())) {
     o.client.servers.emplace_back(s);
   }
-  if (o.client.servers.empty()) {
+  for (absl::string_view s : absl::StrSplit(absl::GetFlag(FLAGS_peers), ',', absl::SkipEmpty())) {
+    o.trainer.peers.emplace_back(s);
+  }
+  const bool ps = spec.mode().empty() || IsPsMode(spec.mode());
+  if (ps && o.client.servers.empty()) {
     return absl::InvalidArgumentError("--servers is required (host:port of each shard)");
   }
   ApplyJobSpecDefaults(static_cast<int>(o.client.servers.size()), &spec);
   RETURN_IF_ERROR(ValidateJobSpec(spec));
-  if (spec.num_shards() != static_cast<int>(o.client.servers.size())) {
+  if (ps && spec.num_shards() != static_cast<int>(o.client.servers.size())) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "job spec asks for %d shards but --servers lists %d", spec.num_shards(),
         o.client.servers.size()));
   }
+  if (!ps && static_cast<int>(o.trainer.peers.size()) != spec.num_workers()) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "mode %s needs --peers with one host:port per worker (%d), got %d", spec.mode(),
+        spec.num_workers(), o.trainer.peers.size()));
+  }
+  o.trainer.checkpoint_dir = absl::GetFlag(FLAGS_checkpoint_dir);
   o.trainer.spec = spec;
   o.trainer.rank = absl::GetFlag(FLAGS_rank);
   o.trainer.data_dir = absl::GetFlag(FLAGS_data_dir);
@@ -189,9 +211,31 @@ int Run() {
   o.client.logger = &logger;
   logger.Info("job_spec", {Kv("job", o.trainer.spec.name()), Kv("spec", JobSpecToJson(o.trainer.spec))});
   const GrpcParameterClientOptions client_options = o.client;
-  auto trainer = Trainer::Create(o.trainer, [&client_options](JobLayout layout) {
-    return NewGrpcParameterClient(std::move(layout), client_options);
-  });
+  // gossip/allreduce: serve this rank's peer service before training starts.
+  CollectiveServiceImpl collective;
+  GossipServiceImpl gossip;
+  std::unique_ptr<grpc::Server> peer_server;
+  if (!o.trainer.peers.empty() && !IsPsMode(o.trainer.spec.mode())) {
+    const std::string& address = o.trainer.peers[o.trainer.rank];
+    grpc::ServerBuilder builder;
+    builder.AddListeningPort(address, grpc::InsecureServerCredentials());
+    builder.SetMaxReceiveMessageSize(static_cast<int>(absl::GetFlag(FLAGS_max_message_mb) << 20));
+    builder.SetMaxSendMessageSize(static_cast<int>(absl::GetFlag(FLAGS_max_message_mb) << 20));
+    builder.RegisterService(&collective);
+    builder.RegisterService(&gossip);
+    peer_server = builder.BuildAndStart();
+    if (peer_server == nullptr) {
+      logger.Error("bad_arguments", {Kv("error", "cannot serve the peer service on " + address)});
+      return 2;
+    }
+    logger.Info("peer_service", {Kv("address", address), Kv("rank", o.trainer.rank)});
+  }
+  auto trainer = Trainer::Create(
+      o.trainer,
+      [&client_options](JobLayout layout) {
+        return NewGrpcParameterClient(std::move(layout), client_options);
+      },
+      PeerServices{&collective, &gossip});
   if (!trainer.ok()) {
     logger.Error("bad_arguments", {Kv("error", trainer.status().ToString())});
     return 2;
@@ -204,6 +248,7 @@ int Run() {
   });
   signals.detach();
   auto result = (*trainer)->Run();
+  if (peer_server != nullptr) peer_server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
   if (!result.ok()) {
     logger.Error("failed", {Kv("job", o.trainer.spec.name()), Kv("error", result.status().ToString())});
     return 1;
