@@ -14,28 +14,43 @@ grpc::Status Reply(absl::StatusOr<T> result, T* response) {
 
 }  // namespace
 
-grpc::Status ParameterServiceImpl::InitJob(grpc::ServerContext*, const InitJobRequest* request,
+absl::Status ParameterServiceImpl::CheckToken(grpc::ServerContext* ctx,
+                                              const std::string& job) const {
+  if (tokens_ == nullptr) return absl::OkStatus();
+  absl::string_view presented;
+  const auto& md = ctx->client_metadata();
+  auto it = md.find("x-gradmesh-job-token");
+  if (it != md.end()) presented = absl::string_view(it->second.data(), it->second.size());
+  return tokens_->Check(job, presented);
+}
+
+grpc::Status ParameterServiceImpl::InitJob(grpc::ServerContext* ctx, const InitJobRequest* request,
                                            InitJobResponse* response) {
+  if (absl::Status st = CheckToken(ctx, request->job()); !st.ok()) return ToGrpcStatus(st);
   return Reply(shard_->InitJob(*request), response);
 }
 
-grpc::Status ParameterServiceImpl::Push(grpc::ServerContext*, const PushRequest* request,
+grpc::Status ParameterServiceImpl::Push(grpc::ServerContext* ctx, const PushRequest* request,
                                         PushResponse* response) {
+  if (absl::Status st = CheckToken(ctx, request->job()); !st.ok()) return ToGrpcStatus(st);
   return Reply(shard_->Push(*request), response);
 }
 
-grpc::Status ParameterServiceImpl::Pull(grpc::ServerContext*, const PullRequest* request,
+grpc::Status ParameterServiceImpl::Pull(grpc::ServerContext* ctx, const PullRequest* request,
                                         PullResponse* response) {
+  if (absl::Status st = CheckToken(ctx, request->job()); !st.ok()) return ToGrpcStatus(st);
   return ToGrpcStatus(shard_->Pull(*request, response));
 }
 
-grpc::Status ParameterServiceImpl::Finish(grpc::ServerContext*, const FinishRequest* request,
+grpc::Status ParameterServiceImpl::Finish(grpc::ServerContext* ctx, const FinishRequest* request,
                                           FinishResponse*) {
+  if (absl::Status st = CheckToken(ctx, request->job()); !st.ok()) return ToGrpcStatus(st);
   return ToGrpcStatus(shard_->Finish(*request));
 }
 
-grpc::Status ParameterServiceImpl::GetJobInfo(grpc::ServerContext*, const JobInfoRequest* request,
+grpc::Status ParameterServiceImpl::GetJobInfo(grpc::ServerContext* ctx, const JobInfoRequest* request,
                                               JobInfoResponse* response) {
+  if (absl::Status st = CheckToken(ctx, request->job()); !st.ok()) return ToGrpcStatus(st);
   return Reply(shard_->GetJobInfo(*request), response);
 }
 

@@ -1,18 +1,22 @@
-// gRPC adapter of ParameterService over a Shard: converts status codes, nothing else.
+// gRPC adapter of ParameterService over a Shard: checks the per-job token (server/job_tokens.h)
+// and converts status codes, nothing else.
 //
 // Thread safety: as Shard; gRPC calls the methods from its thread pool.
 #ifndef GRADMESH_SERVER_PARAMETER_SERVICE_H_
 #define GRADMESH_SERVER_PARAMETER_SERVICE_H_
 
 #include "proto/gradmesh.grpc.pb.h"
+#include "server/job_tokens.h"
 #include "server/shard.h"
 
 namespace gradmesh {
 
 class ParameterServiceImpl final : public ParameterService::Service {
  public:
-  // `shard` is not owned and must outlive the service.
-  explicit ParameterServiceImpl(Shard* shard) : shard_(shard) {}
+  // `shard` and `tokens` are not owned and must outlive the service; null `tokens` means no
+  // per-job access check (every call's job is checked against it otherwise).
+  explicit ParameterServiceImpl(Shard* shard, const JobTokens* tokens = nullptr)
+      : shard_(shard), tokens_(tokens) {}
 
   grpc::Status InitJob(grpc::ServerContext*, const InitJobRequest* request,
                        InitJobResponse* response) override;
@@ -26,7 +30,10 @@ class ParameterServiceImpl final : public ParameterService::Service {
                           JobInfoResponse* response) override;
 
  private:
+  absl::Status CheckToken(grpc::ServerContext* ctx, const std::string& job) const;
+
   Shard* const shard_;
+  const JobTokens* const tokens_;
 };
 
 }  // namespace gradmesh

@@ -15,13 +15,16 @@
 #include <grpcpp/server_builder.h>
 #include <unistd.h>
 
+
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/auth.h"
 #include "common/daemon.h"
 #include "common/grpc_util.h"
 #include "common/logging.h"
+#include "common/node_agent.h"
 #include "server/parameter_service.h"
 #include "server/shard.h"
 #include "server/shard_store.h"
@@ -36,6 +39,15 @@ ABSL_FLAG(int64_t, dedupe_window, 4096, "Push request ids remembered per worker.
 ABSL_FLAG(std::string, data_dir, "",
           "RocksDB directory for durable job state (jobs with durability periodic or "
           "every_update). Empty: memory only. A restarted shard restores every job found here.");
+ABSL_FLAG(std::string, coordinator, "",
+          "Service mode: host:port of gradmesh_coordinator to register with. Jobs' shards are "
+          "then placed here by the coordinator, and only its tasks' job tokens are accepted.");
+ABSL_FLAG(std::string, auth_token_file, "",
+          "File holding the coordinator's API token (service mode).");
+ABSL_FLAG(std::string, advertise, "",
+          "host:port the coordinator hands to workers (default: --host, or this host's name "
+          "when --host is 0.0.0.0, with the bound port).");
+ABSL_FLAG(int, slots, 16, "Service mode: shards (of distinct jobs) this server accepts.");
 ABSL_FLAG(bool, fsync, false,
           "Sync RocksDB's WAL on every write (survive machine crashes, not just process "
           "crashes); costs an fsync per update.");
@@ -45,6 +57,10 @@ namespace {
 
 struct ServerMainOptions {
   std::string address;
+  std::string coordinator;  // Service mode when set.
+  std::string auth_token;
+  std::string advertise;
+  int slots = 16;
   std::string port_file;
   std::string node;
   std::string data_dir;
@@ -77,7 +93,9 @@ int Run(ServerMainOptions options) {
     logger.Info("state_loaded", {Kv("dir", options.data_dir),
                                  Kv("ms", absl::ToInt64Milliseconds(absl::Now() - restore_start))});
   }
-  ParameterServiceImpl service(shard->get());
+  // Service mode: the coordinator's tasks say which jobs (and tokens) this server serves.
+  JobTokens tokens(/*required=*/true);
+  ParameterServiceImpl service(shard->get(), options.coordinator.empty() ? nullptr : &tokens);
   grpc::ServerBuilder builder;
   int port = 0;
   builder.AddListeningPort(options.address, grpc::InsecureServerCredentials(), &port);
@@ -97,8 +115,56 @@ int Run(ServerMainOptions options) {
   }
   const std::string host = options.address.substr(0, options.address.rfind(':'));
   logger.Info("listening", {Kv("address", absl::StrCat(host, ":", port)), Kv("port", port)});
+  std::unique_ptr<NodeAgent> agent;
+  absl::Mutex tasks_mu;
+  std::vector<Task> tasks;  // Guarded by tasks_mu: the coordinator's latest list.
+  if (!options.coordinator.empty()) {
+    NodeAgentOptions ao;
+    ao.coordinator = options.coordinator;
+    ao.auth_token = options.auth_token;
+    ao.logger = &logger;
+    ao.node.set_name(options.node);
+    ao.node.set_role(SERVER);
+    ao.node.set_address(options.advertise.empty()
+                            ? absl::StrCat(host == "0.0.0.0" ? HostName() : host, ":", port)
+                            : options.advertise);
+    ao.node.set_cores(static_cast<int>(std::thread::hardware_concurrency()));
+    ao.node.set_slots(options.slots);
+    ao.node.set_host(HostName());
+    agent = std::make_unique<NodeAgent>(
+        ao,
+        [&](const std::vector<Task>& desired) {
+          absl::MutexLock lock(&tasks_mu);
+          for (const Task& t : desired) {
+            bool known = false;
+            for (const Task& old : tasks) {
+              known |= old.job_id() == t.job_id() && old.job_token() == t.job_token();
+            }
+            if (!known) {
+              logger.Info("shard_placed", {Kv("job", t.job_id()), Kv("shard", t.index())});
+            }
+            tokens.Set(t.job_id(), t.job_token());
+          }
+          tasks = desired;
+        },
+        [&] {
+          absl::MutexLock lock(&tasks_mu);
+          std::vector<TaskReport> reports;
+          for (const Task& t : tasks) {
+            TaskReport r;
+            r.set_job_id(t.job_id());
+            r.set_index(t.index());
+            r.set_state("running");
+            r.set_generation(t.generation());
+            reports.push_back(std::move(r));
+          }
+          return reports;
+        });
+    agent->Start();
+  }
   const std::string sig = WaitForTerminationSignal();
   logger.Info("shutting_down", {Kv("signal", sig)});
+  if (agent != nullptr) agent->Stop(/*leaving=*/true);
   server->Shutdown(std::chrono::system_clock::now() +
                    std::chrono::seconds(options.shutdown_grace_s));
   server->Wait();
@@ -122,5 +188,17 @@ int main(int argc, char** argv) {
   options.shard.dedupe_window = absl::GetFlag(FLAGS_dedupe_window);
   options.data_dir = absl::GetFlag(FLAGS_data_dir);
   options.fsync = absl::GetFlag(FLAGS_fsync);
+  options.coordinator = absl::GetFlag(FLAGS_coordinator);
+  options.advertise = absl::GetFlag(FLAGS_advertise);
+  options.slots = absl::GetFlag(FLAGS_slots);
+  if (!absl::GetFlag(FLAGS_auth_token_file).empty()) {
+    auto token = gradmesh::ReadTokenFile(absl::GetFlag(FLAGS_auth_token_file));
+    if (!token.ok()) {
+      std::fprintf(stderr, "event=bad_arguments role=server error=\"%s\"\n",
+                   token.status().ToString().c_str());
+      return 2;
+    }
+    options.auth_token = *token;
+  }
   return gradmesh::Run(std::move(options));
 }

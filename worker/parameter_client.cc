@@ -368,6 +368,9 @@ class GrpcParameterClient final : public ParameterClient {
       for (size_t i = 0; i < pending.size(); ++i) {
         const int32_t s = pending[i];
         contexts[i] = std::make_unique<grpc::ClientContext>();
+        if (!options_.job_token.empty()) {
+          contexts[i]->AddMetadata("x-gradmesh-job-token", options_.job_token);
+        }
         contexts[i]->set_deadline(absl::ToChronoTime(absl::Now() + deadline));
         (*resps)[s].Clear();
         call(s, contexts[i].get(), &reqs[s], &(*resps)[s],

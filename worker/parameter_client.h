@@ -100,6 +100,8 @@ struct GrpcParameterClientOptions {
   float ef_momentum = 0;        // DGC momentum correction (0 = off).
   int64_t warmup_steps = 0;     // DGC warm-up of the sparsity (0 = off).
   uint64_t seed = 1;            // Stochastic codecs: mixed with worker, step and chunk.
+  // Per-job secret the shards check (metadata x-gradmesh-job-token; server/job_tokens.h).
+  std::string job_token;
 };
 
 // InvalidArgument if the layout or options are unusable (no servers, bad rank, ...).

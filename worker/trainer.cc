@@ -284,6 +284,15 @@ absl::StatusOr<TrainResult> Trainer::RunPs() {
                                                                 client->raw_bytes_pushed()) /
                                                                 client->bytes_pushed()
                                                           : 1.0))});
+      if (options_.on_progress) {
+        TrainProgress p;
+        p.step = step;
+        p.total_steps = total;
+        p.epoch = static_cast<int32_t>(batch->epoch + 1);
+        p.loss = result.final_loss;
+        p.samples_per_s = window_steps * spec.batch_size() / dt;
+        options_.on_progress(p);
+      }
       window_start = absl::Now();
       window_loss = 0;
       window_steps = 0;
@@ -325,6 +334,17 @@ absl::StatusOr<TrainResult> Trainer::RunPs() {
     LogInfo(log, "evaluated", {Kv("job", spec.name()), Kv("rank", options_.rank),
                                Kv("accuracy", absl::StrFormat("%.4f", result.test_accuracy)),
                                Kv("test_samples", data.test.size)});
+    if (options_.on_progress) {
+      TrainProgress p;
+      p.step = step;
+      p.total_steps = total;
+      p.epoch = static_cast<int32_t>((total + loader->steps_per_epoch() - 1) /
+                                     std::max<int64_t>(1, loader->steps_per_epoch()));
+      p.loss = result.final_loss;
+      p.samples_per_s = result.samples_per_s;
+      p.accuracy = result.test_accuracy;
+      options_.on_progress(p);
+    }
     if (!spec.output().empty()) {
       RETURN_IF_ERROR(model->Save(spec.output()));
       LogInfo(log, "model_saved", {Kv("job", spec.name()), Kv("path", spec.output())});

@@ -9,17 +9,27 @@
 // an unknown optimizer or mode), 2 on bad flags or spec detected locally (unknown fields,
 // ranges, unknown model or dataset).
 // SIGTERM/SIGINT stop the run after the current step (the worker still reports Finish).
+//
+// Service mode: gradmesh_worker --coordinator=host:port [--peer_port=P --slots=N] registers
+// with the coordinator and runs the ranks it places here (worker/worker_agent.h); SIGTERM
+// stops them after their current step, reports them stopped (the coordinator moves them) and
+// exits 0.
 #include <unistd.h>
 
 #include <cstdlib>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/str_cat.h"
+#include "common/auth.h"
 #include "common/daemon.h"
+#include "common/grpc_util.h"
+#include "common/node_agent.h"
 #include "common/job_spec.h"
 #include "common/logging.h"
 #include "common/status.h"
@@ -29,6 +39,7 @@
 #include "worker/gossip/gossip_service.h"
 #include "worker/parameter_client.h"
 #include "worker/trainer.h"
+#include "worker/worker_agent.h"
 
 ABSL_FLAG(std::string, job, "", "Job spec file (YAML or JSON). Empty: defaults plus flags.");
 ABSL_FLAG(std::string, servers, "",
@@ -36,6 +47,18 @@ ABSL_FLAG(std::string, servers, "",
 ABSL_FLAG(std::string, peers, "",
           "gossip/allreduce: comma-separated host:port of every worker's peer service, rank "
           "order; this worker serves on the entry of its rank.");
+ABSL_FLAG(std::string, coordinator, "",
+          "Service mode: host:port of gradmesh_coordinator. The worker registers, serves its "
+          "peer service on --peer_port and runs the tasks the coordinator places on it; no "
+          "--job/--servers/--rank then.");
+ABSL_FLAG(std::string, auth_token_file, "", "File holding the coordinator's API token.");
+ABSL_FLAG(int, peer_port, 0, "Service mode: peer-service port (0 = any free one).");
+ABSL_FLAG(std::string, host, "0.0.0.0", "Service mode: address the peer service listens on.");
+ABSL_FLAG(std::string, advertise_host, "",
+          "Service mode: host name peers and the coordinator use for this worker (default: "
+          "--host, or this host's name when --host is 0.0.0.0).");
+ABSL_FLAG(int, slots, 1, "Service mode: ranks this worker runs at once.");
+ABSL_FLAG(std::string, port_file, "", "Service mode: write the bound peer port here.");
 ABSL_FLAG(std::string, checkpoint_dir, "/var/lib/gradmesh/checkpoints",
           "gossip/allreduce: checkpoint directory when the spec names none.");
 ABSL_FLAG(int, rank, 0, "This worker's rank in [0, num_workers).");
@@ -199,7 +222,87 @@ absl::StatusOr<WorkerMainOptions> ParseOptions() {
   return o;
 }
 
+// Service mode: register with the coordinator and run what it places here until SIGTERM.
+int RunService() {
+  const std::string node = absl::GetFlag(FLAGS_node).empty() ? HostName() : absl::GetFlag(FLAGS_node);
+  Logger logger({Kv("node", node), Kv("role", "worker")});
+  std::string token;
+  if (!absl::GetFlag(FLAGS_auth_token_file).empty()) {
+    auto t = ReadTokenFile(absl::GetFlag(FLAGS_auth_token_file));
+    if (!t.ok()) {
+      logger.Error("bad_arguments", {Kv("error", t.status().ToString())});
+      return 2;
+    }
+    token = *t;
+  }
+  RpcOptions rpc;
+  rpc.max_message_bytes = absl::GetFlag(FLAGS_max_message_mb) << 20;
+  rpc.link_bits_per_s = absl::GetFlag(FLAGS_link_mbit) * 1e6;
+  CollectiveServiceImpl collective;
+  GossipServiceImpl gossip;
+  grpc::ServerBuilder builder;
+  int port = 0;
+  const std::string host = absl::GetFlag(FLAGS_host);
+  builder.AddListeningPort(absl::StrCat(host, ":", absl::GetFlag(FLAGS_peer_port)),
+                           grpc::InsecureServerCredentials(), &port);
+  ConfigureServerBuilder(rpc, &builder);
+  builder.RegisterService(&collective);
+  builder.RegisterService(&gossip);
+  std::unique_ptr<grpc::Server> peer_server = builder.BuildAndStart();
+  if (peer_server == nullptr || port == 0) {
+    logger.Error("listen_failed", {Kv("port", absl::GetFlag(FLAGS_peer_port))});
+    return 1;
+  }
+  if (!absl::GetFlag(FLAGS_port_file).empty()) {
+    if (absl::Status st = WritePortFile(absl::GetFlag(FLAGS_port_file), port); !st.ok()) {
+      logger.Error("port_file_failed", {Kv("error", st.ToString())});
+      return 1;
+    }
+  }
+  std::string advertise = absl::GetFlag(FLAGS_advertise_host);
+  if (advertise.empty()) advertise = host == "0.0.0.0" ? HostName() : host;
+  const std::string address = absl::StrCat(advertise, ":", port);
+  logger.Info("peer_service", {Kv("address", address)});
+
+  WorkerAgentOptions wo;
+  wo.base.data_dir = absl::GetFlag(FLAGS_data_dir);
+  wo.base.intra_op_threads = absl::GetFlag(FLAGS_threads);
+  wo.base.checkpoint_dir = absl::GetFlag(FLAGS_checkpoint_dir);
+  wo.base.step_delay = absl::Milliseconds(absl::GetFlag(FLAGS_step_delay_ms));
+  wo.base.logger = &logger;
+  wo.client.rpc = rpc;
+  wo.client.logger = &logger;
+  wo.peer_services = PeerServices{&collective, &gossip};
+  wo.logger = &logger;
+  WorkerAgent worker_agent(wo);
+
+  NodeAgentOptions ao;
+  ao.coordinator = absl::GetFlag(FLAGS_coordinator);
+  ao.auth_token = token;
+  ao.logger = &logger;
+  ao.node.set_name(node);
+  ao.node.set_role(WORKER);
+  ao.node.set_address(address);
+  ao.node.set_cores(static_cast<int>(std::thread::hardware_concurrency()));
+  ao.node.set_slots(absl::GetFlag(FLAGS_slots));
+  ao.node.set_host(HostName());
+  NodeAgent node_agent(
+      ao, [&worker_agent](const std::vector<Task>& desired) { worker_agent.Reconcile(desired); },
+      [&worker_agent] { return worker_agent.Reports(); });
+  node_agent.Start();
+  const std::string sig = WaitForTerminationSignal();
+  logger.Info("shutting_down", {Kv("signal", sig)});
+  // Preemption: every task stops after its current step (leaving its position on the shards
+  // or its checkpoint); the last heartbeat reports them stopped so they move elsewhere.
+  worker_agent.StopAll();
+  node_agent.Stop(/*leaving=*/true);
+  peer_server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
+  logger.Info("stopped");
+  return 0;
+}
+
 int Run() {
+  if (!absl::GetFlag(FLAGS_coordinator).empty()) return RunService();
   auto parsed = ParseOptions();
   if (!parsed.ok()) {
     Logger({Kv("role", "worker")}).Error("bad_arguments", {Kv("error", parsed.status().ToString())});

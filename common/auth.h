@@ -1,0 +1,77 @@
+// API-token authentication for the control plane (gradmesh_coordinator's JobService and
+// NodeService, and the clients that call them: the `gradmesh` CLI, daemons with
+// --coordinator).
+//
+// A token is a shared secret read from a file (--auth_token_file). Clients send it as the
+// gRPC metadata header `authorization: Bearer <token>`; the server checks it at the top of
+// every method and answers UNAUTHENTICATED "missing or wrong API token" otherwise. Tokens are
+// compared in constant time (no early exit on the first differing byte).
+//
+//   ASSIGN_OR_RETURN(std::string token, ReadTokenFile(path));        // both sides
+//   TokenChecker checker(token);                                       // server
+//   if (absl::Status s = checker.Check(*ctx); !s.ok()) return ToGrpcStatus(s);
+//   grpc::ClientContext ctx; AddBearerToken(token, &ctx);             // client
+//
+// Thread safety: free functions are pure; a TokenChecker is immutable after construction and
+// may be used from any number of threads.
+#ifndef GRADMESH_COMMON_AUTH_H_
+#define GRADMESH_COMMON_AUTH_H_
+
+#include <map>
+#include <string>
+
+#include <grpcpp/support/string_ref.h>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+
+namespace grpc {
+class ClientContext;
+class ServerContextBase;
+}  // namespace grpc
+
+namespace gradmesh {
+
+// The metadata key (lower case, as gRPC requires) and the scheme prefix of its value.
+inline constexpr char kAuthorizationMetadataKey[] = "authorization";
+inline constexpr char kBearerPrefix[] = "Bearer ";
+
+// Reads a token file: the content with leading and trailing whitespace (including the final
+// newline) removed. NotFound if the file cannot be read; InvalidArgument if it holds no token
+// (empty or only whitespace) or the token contains whitespace or control characters (it must
+// fit in one header value).
+absl::StatusOr<std::string> ReadTokenFile(const std::string& path);
+
+// True if a and b are equal. Takes time that depends only on the lengths, not on where the
+// strings differ.
+bool ConstantTimeEquals(absl::string_view a, absl::string_view b);
+
+// Checks `authorization: Bearer <token>` in a request's metadata against `token`.
+// OK if it matches; Unauthenticated "missing or wrong API token" if the header is absent,
+// malformed or holds another token. (The message does not say which, so a caller cannot probe.)
+absl::Status CheckBearerToken(const std::multimap<grpc::string_ref, grpc::string_ref>& metadata,
+                              absl::string_view token);
+
+// Adds `authorization: Bearer <token>` to an outgoing call. Does nothing for an empty token
+// (a coordinator without --auth_token_file accepts calls without the header).
+void AddBearerToken(absl::string_view token, grpc::ClientContext* context);
+
+// Server-side check bound to one token. An empty token disables the check (every call is
+// accepted), which is how a coordinator without --auth_token_file runs.
+class TokenChecker {
+ public:
+  explicit TokenChecker(std::string token) : token_(std::move(token)) {}
+
+  bool enabled() const { return !token_.empty(); }
+
+  // OK, or Unauthenticated as CheckBearerToken.
+  absl::Status Check(const grpc::ServerContextBase& context) const;
+
+ private:
+  const std::string token_;
+};
+
+}  // namespace gradmesh
+
+#endif  // GRADMESH_COMMON_AUTH_H_

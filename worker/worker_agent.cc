@@ -1,0 +1,188 @@
+#include "worker/worker_agent.h"
+
+#include <atomic>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "common/job_spec.h"
+
+namespace gradmesh {
+
+struct WorkerAgent::Run {
+  Task task;
+  std::thread thread;
+  std::atomic<bool> stop{false};
+  std::atomic<bool> ended{false};
+  absl::Mutex mu;
+  Trainer* trainer ABSL_GUARDED_BY(mu) = nullptr;  // While Execute runs it.
+  TaskReport report ABSL_GUARDED_BY(mu);
+
+  void RequestStop() {
+    stop.store(true);
+    absl::MutexLock lock(&mu);
+    if (trainer != nullptr) trainer->RequestStop();
+  }
+};
+
+WorkerAgent::WorkerAgent(WorkerAgentOptions options) : options_(std::move(options)) {}
+
+WorkerAgent::~WorkerAgent() { StopAll(); }
+
+std::shared_ptr<WorkerAgent::Run> WorkerAgent::Start(const Task& task) {
+  auto run = std::make_shared<Run>();
+  run->task = task;
+  {
+    absl::MutexLock lock(&run->mu);
+    run->report.set_job_id(task.job_id());
+    run->report.set_index(task.index());
+    run->report.set_state("running");
+    run->report.set_generation(task.generation());
+    run->report.set_accuracy(-1);
+    run->report.set_checkpoint_step(-1);
+  }
+  LogInfo(options_.logger, "task_start",
+          {Kv("job", task.job_id()), Kv("rank", task.index()), Kv("mode", task.spec().mode()),
+           Kv("generation", task.generation())});
+  run->thread = std::thread([this, r = run.get()] { Execute(r); });
+  return run;
+}
+
+void WorkerAgent::Execute(Run* run) {
+  const Task& task = run->task;
+  TrainerOptions to = options_.base;
+  to.spec = task.spec();
+  to.rank = task.index();
+  to.evaluate = task.index() == 0;
+  to.peers.assign(task.peers().begin(), task.peers().end());
+  to.job_token = task.job_token();
+  to.active_ranks.assign(task.active_ranks().begin(), task.active_ranks().end());
+  to.on_progress = [run](const TrainProgress& p) {
+    absl::MutexLock lock(&run->mu);
+    run->report.set_step(p.step);
+    run->report.set_total_steps(p.total_steps);
+    run->report.set_epoch(p.epoch);
+    run->report.set_loss(p.loss);
+    run->report.set_samples_per_s(p.samples_per_s);
+    if (p.accuracy >= 0) run->report.set_accuracy(p.accuracy);
+    if (p.checkpoint_step >= 0) run->report.set_checkpoint_step(p.checkpoint_step);
+  };
+  GrpcParameterClientOptions co = options_.client;
+  co.servers.assign(task.servers().begin(), task.servers().end());
+  co.worker = task.index();
+  co.job_token = task.job_token();
+  const CompressionSpec& cs = task.spec().compression();
+  co.push_codec = cs.push() == "auto" ? "" : cs.push();
+  co.pull_codec = cs.pull();
+  co.error_feedback = !cs.has_error_feedback() || cs.error_feedback();
+  co.ef_momentum = static_cast<float>(cs.momentum());
+  co.warmup_steps = cs.warmup_steps();
+  co.seed = task.spec().seed();
+
+  absl::StatusOr<TrainResult> result;
+  auto trainer = Trainer::Create(
+      to, [co](JobLayout layout) { return NewGrpcParameterClient(std::move(layout), co); },
+      options_.peer_services);
+  if (!trainer.ok()) {
+    result = trainer.status();
+  } else {
+    {
+      absl::MutexLock lock(&run->mu);
+      run->trainer = trainer->get();
+    }
+    if (run->stop.load()) (*trainer)->RequestStop();
+    result = (*trainer)->Run();
+    absl::MutexLock lock(&run->mu);
+    run->trainer = nullptr;
+  }
+  {
+    absl::MutexLock lock(&run->mu);
+    if (!result.ok()) {
+      run->report.set_state("failed");
+      run->report.set_message(result.status().ToString());
+    } else if (result->stopped_early) {
+      run->report.set_state("stopped");
+    } else {
+      run->report.set_state("succeeded");
+      if (result->test_accuracy >= 0) run->report.set_accuracy(result->test_accuracy);
+      run->report.set_loss(result->final_loss);
+      run->report.set_step(run->report.total_steps() > 0 ? run->report.total_steps()
+                                                          : result->first_step + result->steps);
+    }
+  }
+  if (result.ok()) {
+    LogInfo(options_.logger, "task_end",
+            {Kv("job", task.job_id()), Kv("rank", task.index()),
+             Kv("state", result->stopped_early ? "stopped" : "succeeded"),
+             Kv("steps", result->steps), Kv("accuracy", result->test_accuracy)});
+  } else {
+    LogError(options_.logger, "task_end",
+             {Kv("job", task.job_id()), Kv("rank", task.index()), Kv("state", "failed"),
+              Kv("error", result.status().ToString())});
+  }
+  run->ended.store(true);
+}
+
+void WorkerAgent::Reconcile(const std::vector<Task>& desired) {
+  std::vector<std::shared_ptr<Run>> to_join;
+  absl::MutexLock lock(&mu_);
+  std::map<Key, const Task*> want;
+  for (const Task& t : desired) want[{t.job_id(), t.index()}] = &t;
+  // Stop what is no longer wanted; forget it once it has ended (its final report was sent).
+  for (auto it = runs_.begin(); it != runs_.end();) {
+    auto w = want.find(it->first);
+    if (w == want.end()) {
+      if (!it->second->ended.load()) {
+        if (!it->second->stop.load()) {
+          LogInfo(options_.logger, "task_withdrawn",
+                  {Kv("job", it->first.first), Kv("rank", it->first.second)});
+        }
+        it->second->RequestStop();
+        ++it;
+        continue;
+      }
+      to_join.push_back(it->second);
+      it = runs_.erase(it);
+      continue;
+    }
+    if (w->second->generation() != it->second->task.generation()) {
+      // New placement: stop this run; start the new one once it has ended.
+      it->second->RequestStop();
+      if (it->second->ended.load()) {
+        to_join.push_back(it->second);
+        it = runs_.erase(it);
+        continue;
+      }
+    }
+    ++it;
+  }
+  for (const auto& [key, task] : want) {
+    if (runs_.count(key) == 0) runs_[key] = Start(*task);
+  }
+  for (auto& r : to_join) {
+    if (r->thread.joinable()) r->thread.join();
+  }
+}
+
+std::vector<TaskReport> WorkerAgent::Reports() {
+  std::vector<TaskReport> out;
+  absl::MutexLock lock(&mu_);
+  for (auto& [key, run] : runs_) {
+    absl::MutexLock run_lock(&run->mu);
+    out.push_back(run->report);
+  }
+  return out;
+}
+
+void WorkerAgent::StopAll() {
+  std::vector<std::shared_ptr<Run>> runs;
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto& [key, run] : runs_) runs.push_back(run);
+  }
+  for (auto& r : runs) r->RequestStop();
+  for (auto& r : runs) {
+    if (r->thread.joinable()) r->thread.join();
+  }
+}
+
+}  // namespace gradmesh

@@ -1,0 +1,71 @@
+// WorkerAgent: runs the training tasks the coordinator places on a worker daemon in service
+// mode (gradmesh_worker --coordinator=host:port).
+//
+// Reconcile() gets the coordinator's complete desired task list on every heartbeat: a task
+// not yet running is started on its own thread (a Trainer for rank Task.index, with the
+// task's spec, shard addresses, peer addresses and job token), a running task no longer
+// listed is asked to stop after its current step (cancelled job, or its rank moved), and a
+// task whose generation changed is stopped and started again with the new placement (its
+// rank resumes where the shards or its checkpoint say). Reports() returns one TaskReport per
+// task: live progress while running, then its final state ("succeeded", "failed" with the
+// error, or "stopped") until the coordinator stops listing it. Several tasks (of different
+// jobs, or several ranks of one ps job after a failure) can run at once.
+//
+// StopAll() (SIGTERM, preemption) asks every task to stop after its current step and waits:
+// ps ranks leave their position on the shards, gossip/allreduce ranks their checkpoints, and
+// the final reports say "stopped", so the coordinator moves them elsewhere.
+//
+// Thread safety: all methods may be called concurrently.
+#ifndef GRADMESH_WORKER_WORKER_AGENT_H_
+#define GRADMESH_WORKER_WORKER_AGENT_H_
+
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/synchronization/mutex.h"
+#include "common/logging.h"
+#include "proto/coordinator.pb.h"
+#include "worker/parameter_client.h"
+#include "worker/trainer.h"
+
+namespace gradmesh {
+
+struct WorkerAgentOptions {
+  // Applied to every task: data_dir, intra_op_threads, checkpoint_dir, step_delay, logger.
+  TrainerOptions base;
+  // Applied to every ps task's client (rpc limits, retries); servers/worker/codecs/token come
+  // from the task.
+  GrpcParameterClientOptions client;
+  PeerServices peer_services;  // This process's peer services; not owned.
+  const Logger* logger = nullptr;
+};
+
+class WorkerAgent {
+ public:
+  explicit WorkerAgent(WorkerAgentOptions options);
+  ~WorkerAgent();  // StopAll().
+
+  void Reconcile(const std::vector<Task>& desired) ABSL_LOCKS_EXCLUDED(mu_);
+  std::vector<TaskReport> Reports() ABSL_LOCKS_EXCLUDED(mu_);
+  void StopAll() ABSL_LOCKS_EXCLUDED(mu_);
+
+ private:
+  struct Run;
+  using Key = std::pair<std::string, int32_t>;  // (job, rank)
+
+  std::shared_ptr<Run> Start(const Task& task);
+  void Execute(Run* run);
+
+  const WorkerAgentOptions options_;
+  absl::Mutex mu_;
+  std::map<Key, std::shared_ptr<Run>> runs_ ABSL_GUARDED_BY(mu_);
+  // Runs replaced by a newer generation, joined once they end.
+  std::vector<std::shared_ptr<Run>> retired_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace gradmesh
+
+#endif  // GRADMESH_WORKER_WORKER_AGENT_H_
