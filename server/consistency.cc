@@ -110,20 +110,52 @@ class SspPolicy final : public ConsistencyPolicy {
   double wait_s_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
-// Bulk-synchronous parallel: one barrier per step.
+// "[0, 2, 3]" for a membership mask.
+std::string RankList(const std::vector<bool>& members) {
+  std::vector<int32_t> ranks;
+  for (size_t w = 0; w < members.size(); ++w) {
+    if (members[w]) ranks.push_back(static_cast<int32_t>(w));
+  }
+  return absl::StrCat("[", absl::StrJoin(ranks, ", "), "]");
+}
+
+// Bulk-synchronous parallel: one barrier per step, over the step's group.
+//
+// Everything, including `apply`, runs under mu_: a step is completed exactly once, by the
+// push that finds all of its group present (the last to arrive, or a waiter that notices
+// after the group shrank), and nothing else of the policy moves meanwhile.
 class SyncPolicy final : public ConsistencyPolicy {
  public:
   explicit SyncPolicy(const ConsistencyConfig& config)
-      : num_workers_(config.num_workers), timeout_(config.barrier_timeout) {}
+      : job_(config.job),
+        num_workers_(config.num_workers),
+        timeout_(config.barrier_timeout),
+        active_(config.num_workers, true) {}
 
   std::string mode() const override { return "sync"; }
 
   absl::Status OnPush(const ChunkUpdate& push, const ApplyFn& apply) override {
     const RequestRef& me = push.requests.at(0);
     absl::MutexLock lock(&mu_);
-    std::shared_ptr<Step>& slot = steps_[me.step];
-    if (slot == nullptr) slot = std::make_shared<Step>(num_workers_);
-    std::shared_ptr<Step> step = slot;
+    std::shared_ptr<Step> step;
+    if (auto it = steps_.find(me.step); it != steps_.end()) step = it->second;
+    const std::vector<bool>& group = step != nullptr ? step->members : active_;
+    if (!group[me.worker]) {
+      if (active_[me.worker]) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "worker ", me.worker, " is not in the sync group of job ", job_, " for step ",
+            me.step, " (active: ", RankList(group), "): that step was in progress when the "
+            "worker joined the group, which applies from the next step with no pushes yet"));
+      }
+      return absl::FailedPreconditionError(absl::StrCat("worker ", me.worker,
+                                                        " is not in the sync group of job ",
+                                                        job_, " (active: ", RankList(group),
+                                                        ")"));
+    }
+    if (step == nullptr) {
+      step = std::make_shared<Step>(active_, lr_scale_);
+      steps_[me.step] = step;
+    }
     if (step->contributions[me.worker].has_value()) {
       return absl::AbortedError(absl::StrCat("sync step ", me.step, ": worker ", me.worker,
                                              " already pushed for this step"));
@@ -137,6 +169,7 @@ class SyncPolicy final : public ConsistencyPolicy {
     // in another worker's call.
     Contribution c;
     c.request = me;
+    c.base_versions = push.base_versions;
     for (size_t i = 0; i < push.chunks.size(); ++i) {
       c.grads.emplace_back(push.grads[i], push.grads[i] + push.numels[i]);
     }
@@ -144,63 +177,95 @@ class SyncPolicy final : public ConsistencyPolicy {
     step->withdrew[me.worker] = false;
     step->chunks = push.chunks;
     step->numels = push.numels;
-    // Staleness of the averaged update is measured from rank 0's view when it is here (so it
-    // does not depend on arrival order).
-    if (me.worker == 0 || step->arrived == 0) step->base_versions = push.base_versions;
     ++step->arrived;
-
-    if (step->arrived == num_workers_) {
-      // Last to arrive: average in rank order, apply once, release everyone.
-      ChunkUpdate avg;
-      avg.chunks = step->chunks;
-      avg.numels = step->numels;
-      avg.base_versions = step->base_versions;
-      std::vector<std::vector<float>> sums(step->chunks.size());
-      const float inv = 1.0f / static_cast<float>(num_workers_);
-      for (size_t i = 0; i < step->chunks.size(); ++i) {
-        std::vector<float>& sum = sums[i];
-        sum = step->contributions[0]->grads[i];
-        for (int32_t w = 1; w < num_workers_; ++w) {
-          const std::vector<float>& g = step->contributions[w]->grads[i];
-          for (size_t k = 0; k < sum.size(); ++k) sum[k] += g[k];
-        }
-        for (float& v : sum) v *= inv;
-        avg.grads.push_back(sum.data());
-      }
-      for (int32_t w = 0; w < num_workers_; ++w) {
-        avg.requests.push_back(step->contributions[w]->request);
-      }
-      step->result = apply(avg);
-      step->done = true;
-      steps_.erase(me.step);
-      return step->result;
-    }
+    if (step->Complete()) return FinishStepLocked(me.step, step.get(), apply);
 
     const absl::Time start = absl::Now();
     const absl::Time deadline = start + timeout_;
-    auto done = [&step]() { return step->done; };
-    const bool ok = mu_.AwaitWithDeadline(absl::Condition(&done), deadline);
+    const int32_t w = me.worker;
+    // Re-evaluated whenever mu_ is released, so also after SetGroup.
+    auto wake = [&step, w]() { return step->done || step->evicted[w] || step->Complete(); };
+    const bool ok = mu_.AwaitWithDeadline(absl::Condition(&wake), deadline);
     wait_s_ += absl::ToDoubleSeconds(absl::Now() - start);
-    if (ok) return step->result;
+    if (step->evicted[w]) {
+      // SetGroup already removed this contribution from the step.
+      return absl::FailedPreconditionError(absl::StrCat(
+          "worker ", w, " was removed from the sync group of job ", job_, " (active: ",
+          RankList(active_), ") while its push for step ", me.step,
+          " waited at the barrier; the push was dropped and nothing of it was applied"));
+    }
+    if (step->done) return step->result;
+    if (ok) return FinishStepLocked(me.step, step.get(), apply);  // Complete after a shrink.
     // Timed out: withdraw this worker's contribution so nothing of it is applied.
     std::vector<int32_t> missing, gave_up;
-    for (int32_t w = 0; w < num_workers_; ++w) {
-      if (step->withdrew[w]) {
-        gave_up.push_back(w);
-      } else if (!step->contributions[w].has_value()) {
-        missing.push_back(w);
+    for (int32_t v = 0; v < num_workers_; ++v) {
+      if (!step->members[v]) continue;
+      if (step->withdrew[v]) {
+        gave_up.push_back(v);
+      } else if (!step->contributions[v].has_value()) {
+        missing.push_back(v);
       }
     }
-    step->contributions[me.worker].reset();
-    step->withdrew[me.worker] = true;
+    step->contributions[w].reset();
+    step->withdrew[w] = true;
     --step->arrived;
-    if (step->arrived == 0) steps_.erase(me.step);
+    if (step->arrived == 0) EraseLocked(me.step, step.get());
     return absl::FailedPreconditionError(absl::StrCat(
         "sync barrier for step ", me.step, " timed out after ", absl::FormatDuration(timeout_),
         ": workers [", absl::StrJoin(missing, ", "), "] did not push",
         gave_up.empty() ? "" : absl::StrCat(" (workers [", absl::StrJoin(gave_up, ", "),
                                             "] pushed but gave up first)"),
         "; nothing was applied"));
+  }
+
+  absl::Status SetGroup(const std::vector<int32_t>& active, float lr_scale) override {
+    if (active.empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("sync group of job ", job_, ": the group is empty"));
+    }
+    if (!(lr_scale > 0.0f && lr_scale <= 1.0f)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "sync group of job ", job_, ": lr_scale ", lr_scale, " not in (0, 1]"));
+    }
+    std::vector<bool> members(num_workers_, false);
+    for (int32_t r : active) {
+      if (r < 0 || r >= num_workers_) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "sync group of job ", job_, ": rank ", r, " not in [0, ", num_workers_, ")"));
+      }
+      if (members[r]) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("sync group of job ", job_, ": rank ", r, " appears twice"));
+      }
+      members[r] = true;
+    }
+    absl::MutexLock lock(&mu_);
+    active_ = members;
+    lr_scale_ = lr_scale;
+    // Shrink the steps in progress; growth waits for new steps. A waiter whose condition
+    // became true wakes when mu_ is released.
+    for (auto it = steps_.begin(); it != steps_.end();) {
+      Step& step = *it->second;
+      bool shrunk = false;
+      for (int32_t w = 0; w < num_workers_; ++w) {
+        if (!step.members[w] || members[w]) continue;
+        step.members[w] = false;
+        shrunk = true;
+        if (step.contributions[w].has_value()) {
+          step.contributions[w].reset();
+          step.evicted[w] = true;
+          --step.arrived;
+        }
+      }
+      if (shrunk) step.lr_scale = lr_scale;
+      // Nobody left waiting on it: forget it, so the next push starts it with the new group.
+      if (step.arrived == 0) {
+        it = steps_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    return absl::OkStatus();
   }
 
   absl::Status BeforePull(int32_t) override { return absl::OkStatus(); }
@@ -215,21 +280,79 @@ class SyncPolicy final : public ConsistencyPolicy {
  private:
   struct Contribution {
     RequestRef request;
+    std::vector<int64_t> base_versions;
     std::vector<std::vector<float>> grads;  // Per chunk.
   };
   struct Step {
-    explicit Step(int32_t n) : contributions(n), withdrew(n, false) {}
-    std::vector<std::optional<Contribution>> contributions;
+    Step(std::vector<bool> group, float scale)
+        : members(std::move(group)),
+          lr_scale(scale),
+          contributions(members.size()),
+          withdrew(members.size(), false),
+          evicted(members.size(), false) {}
+    // All members have pushed (and none of them withdrew).
+    bool Complete() const {
+      if (done || arrived == 0) return false;
+      int32_t n = 0;
+      for (bool m : members) n += m ? 1 : 0;
+      return arrived == n;
+    }
+    std::vector<bool> members;  // The step's group: fixed at creation, shrunk by SetGroup.
+    float lr_scale;
+    std::vector<std::optional<Contribution>> contributions;  // Only members have one.
     std::vector<bool> withdrew;  // Pushed, then timed out and withdrew.
-    std::vector<int64_t> chunks, numels, base_versions;
-    int32_t arrived = 0;
+    std::vector<bool> evicted;   // Pushed, then left the group while waiting.
+    std::vector<int64_t> chunks, numels;
+    int32_t arrived = 0;  // Contributions present.
     bool done = false;
     absl::Status result;
   };
 
+  // Averages the complete step's contributions in rank order, applies them once and releases
+  // its waiters.
+  absl::Status FinishStepLocked(int64_t number, Step* step, const ApplyFn& apply)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    std::vector<const Contribution*> in;  // Rank order.
+    for (const auto& c : step->contributions) {
+      if (c.has_value()) in.push_back(&*c);
+    }
+    ChunkUpdate avg;
+    avg.chunks = step->chunks;
+    avg.numels = step->numels;
+    // Staleness from the lowest rank's view (independent of arrival order).
+    avg.base_versions = in.front()->base_versions;
+    avg.lr_scale = step->lr_scale;
+    std::vector<std::vector<float>> sums(step->chunks.size());
+    const float inv = 1.0f / static_cast<float>(in.size());
+    for (size_t i = 0; i < step->chunks.size(); ++i) {
+      std::vector<float>& sum = sums[i];
+      sum = in[0]->grads[i];
+      for (size_t k = 1; k < in.size(); ++k) {
+        const std::vector<float>& g = in[k]->grads[i];
+        for (size_t e = 0; e < sum.size(); ++e) sum[e] += g[e];
+      }
+      for (float& v : sum) v *= inv;
+      avg.grads.push_back(sum.data());
+    }
+    for (const Contribution* c : in) avg.requests.push_back(c->request);
+    step->result = apply(avg);
+    step->done = true;
+    EraseLocked(number, step);
+    return step->result;
+  }
+
+  // Removes step `number` if it is still `step` (not a newer step of the same number).
+  void EraseLocked(int64_t number, const Step* step) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    auto it = steps_.find(number);
+    if (it != steps_.end() && it->second.get() == step) steps_.erase(it);
+  }
+
+  const std::string job_;
   const int32_t num_workers_;
   const absl::Duration timeout_;
   mutable absl::Mutex mu_;
+  std::vector<bool> active_ ABSL_GUARDED_BY(mu_);  // The group new steps start with.
+  float lr_scale_ ABSL_GUARDED_BY(mu_) = 1.0f;
   std::map<int64_t, std::shared_ptr<Step>> steps_ ABSL_GUARDED_BY(mu_);
   double wait_s_ ABSL_GUARDED_BY(mu_) = 0;
 };
@@ -241,6 +364,11 @@ absl::Status NoParam(const std::string& name, const std::string& param) {
 }
 
 }  // namespace
+
+absl::Status ConsistencyPolicy::SetGroup(const std::vector<int32_t>&, float) {
+  return absl::FailedPreconditionError(absl::StrCat(
+      "consistency mode ", mode(), " has no barrier group; only sync jobs have one"));
+}
 
 ConsistencyRegistry ConsistencyRegistry::WithBuiltins() {
   ConsistencyRegistry r;

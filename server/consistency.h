@@ -8,10 +8,29 @@
 //   "ssp:<s>" Pushes are applied on arrival. A worker that has pushed c steps may pull only
 //             when the slowest unfinished worker has pushed at least c - s steps (its pull
 //             waits), so no worker runs more than s clocks ahead. s = 0 is lock-step.
-//   "sync"    Bulk-synchronous: for each step the shard waits for the pushes of all N
-//             workers, averages their gradients in rank order (so the result does not depend
-//             on arrival order), applies the optimizer once, and only then acknowledges the
-//             pushes. A worker that pulls after its push therefore sees step t applied.
+//   "sync"    Bulk-synchronous: for each step the shard waits for the pushes of every worker
+//             of the barrier group (all N workers unless SetGroup changed it), averages their
+//             gradients in rank order (so the result does not depend on arrival order),
+//             applies the optimizer once with the group's learning-rate factor, and only then
+//             acknowledges the pushes. A worker that pulls after its push therefore sees step
+//             t applied.
+//
+// Sync barrier groups (elastic sync, SetGroup): the coordinator shrinks a sync job's group
+// when it loses a worker for good, and grows it back when a replacement arrives.
+//   - Each step takes its group (and lr factor) from the policy when it is created, by its
+//     first push; a push of a worker outside its step's group fails with FAILED_PRECONDITION
+//     "worker w is not in the sync group of job J (active: [...])" and changes nothing.
+//   - Shrinking also applies to the steps in progress: the removed ranks leave their groups,
+//     a removed worker's contribution already buffered for such a step is dropped (its push
+//     fails with FAILED_PRECONDITION, nothing of it is applied), the step takes the new lr
+//     factor, and a step whose remaining workers have all pushed completes at once (its
+//     waiters re-evaluate their condition when the group changes).
+//   - Growing applies from the next step that has no pushes yet: a step in progress keeps the
+//     group it was created with (a newly added worker's push to it is refused as above, with
+//     a message saying so), since waiting for a worker that may start later would stall it.
+//   - The average is over the contributions of the step's group, in rank order; staleness is
+//     measured from the base versions of the lowest-ranked contribution.
+//   async and ssp have no barrier group: SetGroup is FAILED_PRECONDITION there.
 //
 // Waits are bounded by the job's barrier timeout: then the waiting push (sync) or pull (ssp)
 // fails with FAILED_PRECONDITION naming the workers that did not arrive, and nothing of it is
@@ -52,12 +71,15 @@ struct ChunkUpdate {
   std::vector<const float*> grads;     // numels[i] floats per chunk.
   std::vector<int64_t> base_versions;  // Version each gradient was computed from.
   std::vector<RequestRef> requests;    // Pushes this update completes.
+  // Factor on the optimizer's learning rate (sync: the barrier group's lr_scale); in (0, 1].
+  float lr_scale = 1.0f;
 };
 
 // Applies an update to the shard's chunks (and logs it, for durable jobs).
 using ApplyFn = std::function<absl::Status(const ChunkUpdate&)>;
 
 struct ConsistencyConfig {
+  std::string job;           // Job name, for messages.
   std::string mode;          // "async", "ssp:3", "sync".
   int32_t num_workers = 1;   // > 0.
   absl::Duration barrier_timeout = absl::Seconds(120);
@@ -86,6 +108,13 @@ class ConsistencyPolicy {
   // Restores clocks after a shard restart: steps pushed so far per worker, and who finished.
   virtual void Restore(const std::vector<int64_t>& pushed_steps,
                        const std::vector<bool>& finished) = 0;
+
+  // Sets the barrier group: the ranks whose pushes complete a step (non-empty, each in
+  // [0, num_workers), no repeats, any order) and the factor on the learning rate of the
+  // updates of its steps, in (0, 1]. INVALID_ARGUMENT for bad arguments (nothing changes).
+  // Idempotent. See "Sync barrier groups" above for steps in progress. Never blocks on a
+  // barrier. Default (async, ssp): FAILED_PRECONDITION, as they have no barrier group.
+  virtual absl::Status SetGroup(const std::vector<int32_t>& active, float lr_scale);
 
   virtual ConsistencyStats stats() const = 0;
 };

@@ -1,6 +1,7 @@
 #include "server/consistency.h"
 
 #include <atomic>
+#include <limits>
 #include <memory>
 #include <string>
 #include <thread>
@@ -25,6 +26,7 @@ struct AppliedUpdate {
   std::vector<std::vector<float>> grads;
   std::vector<int64_t> base_versions;
   std::vector<RequestRef> requests;
+  float lr_scale = 0;
 };
 
 // A fake ApplyFn: records every call and returns a fixed status.
@@ -43,6 +45,7 @@ class FakeApply {
       }
       a.base_versions = u.base_versions;
       a.requests = u.requests;
+      a.lr_scale = u.lr_scale;
       absl::MutexLock lock(&mu_);
       calls_.push_back(std::move(a));
       return result_;
@@ -142,6 +145,7 @@ class PullThread {
 std::unique_ptr<ConsistencyPolicy> MakePolicy(const std::string& mode, int32_t workers,
                                               absl::Duration timeout = absl::Seconds(10)) {
   ConsistencyConfig c;
+  c.job = "j";
   c.mode = mode;
   c.num_workers = workers;
   c.barrier_timeout = timeout;
@@ -494,6 +498,272 @@ TEST(SyncPolicyTest, BarrierTimeoutAppliesNothingAndNamesMissingWorkers) {
   EXPECT_EQ(a.grads, (std::vector<std::vector<float>>{{avg, avg}}));
   ASSERT_EQ(a.requests.size(), 3u);
   EXPECT_EQ(a.requests[1].worker, 1);
+}
+
+// ---------------------------------------------------------------------------------------------
+// sync barrier groups (SetGroup)
+
+// Worker w's push for `step`: SyncGrads(w) on chunks {3, 7}, base versions {10 + w, w}.
+std::unique_ptr<OwnedPush> GroupPush(int32_t w, int64_t step) {
+  return MakePush(w, step, {3, 7}, SyncGrads(w), {10 + w, w});
+}
+
+// Rank-order average of the given workers' SyncGrads.
+std::vector<std::vector<float>> GroupAverage(const std::vector<int32_t>& ranks) {
+  std::vector<std::vector<float>> sum = SyncGrads(ranks[0]);
+  for (size_t i = 1; i < ranks.size(); ++i) {
+    const auto g = SyncGrads(ranks[i]);
+    for (size_t c = 0; c < sum.size(); ++c) {
+      for (size_t k = 0; k < sum[c].size(); ++k) sum[c][k] += g[c][k];
+    }
+  }
+  const float inv = 1.0f / static_cast<float>(ranks.size());
+  for (auto& chunk : sum) {
+    for (float& v : chunk) v *= inv;
+  }
+  return sum;
+}
+
+std::vector<int32_t> Workers(const AppliedUpdate& a) {
+  std::vector<int32_t> w;
+  for (const RequestRef& r : a.requests) w.push_back(r.worker);
+  return w;
+}
+
+TEST(SyncGroupTest, ShrinkCompletesAWaitingStepWithTheSurvivors) {
+  auto policy = MakePolicy("sync", 3);
+  FakeApply apply;
+  PushThread w2(policy.get(), GroupPush(2, 0), apply.fn());
+  EXPECT_FALSE(w2.WaitFor(kStaysBlocked));
+  PushThread w0(policy.get(), GroupPush(0, 0), apply.fn());
+  EXPECT_FALSE(w0.WaitFor(kStaysBlocked));  // Still waiting for worker 1.
+  EXPECT_EQ(apply.calls(), 0);
+  ASSERT_OK(policy->SetGroup({2, 0}, 2.0f / 3.0f));
+  EXPECT_TRUE(w0.WaitFor(kPromptly));
+  EXPECT_TRUE(w2.WaitFor(kPromptly));
+  EXPECT_OK(w0.status());
+  EXPECT_OK(w2.status());
+  ASSERT_EQ(apply.calls(), 1);
+  const AppliedUpdate a = apply.records()[0];
+  EXPECT_EQ(a.grads, GroupAverage({0, 2}));  // Bit-exact: halves of the survivors' sum.
+  // Element 0 of chunk 3: (1e8 + -1e8) / 2 in rank order.
+  EXPECT_EQ(a.grads[0][0], 0.0f);
+  EXPECT_EQ(a.grads[1][1], ((0.0f - 0.7f) + (2.0f - 0.7f)) * 0.5f);
+  EXPECT_EQ(Workers(a), (std::vector<int32_t>{0, 2}));
+  EXPECT_EQ(a.base_versions, (std::vector<int64_t>{10, 0}));  // Rank 0's view.
+  EXPECT_EQ(a.lr_scale, 2.0f / 3.0f);
+  EXPECT_EQ(a.chunks, (std::vector<int64_t>{3, 7}));
+
+  // The next step needs only the group, and still carries its lr factor.
+  PushThread n2(policy.get(), GroupPush(2, 1), apply.fn());
+  EXPECT_FALSE(n2.WaitFor(kStaysBlocked));
+  auto n0 = GroupPush(0, 1);
+  EXPECT_OK(policy->OnPush(n0->update, apply.fn()));
+  EXPECT_OK(n2.status());
+  ASSERT_EQ(apply.calls(), 2);
+  EXPECT_EQ(Workers(apply.records()[1]), (std::vector<int32_t>{0, 2}));
+  EXPECT_EQ(apply.records()[1].lr_scale, 2.0f / 3.0f);
+}
+
+TEST(SyncGroupTest, BufferedPushOfARemovedWorkerIsDropped) {
+  auto policy = MakePolicy("sync", 3);
+  FakeApply apply;
+  // Rank 0 pushes and is then removed: its base versions must not be used either.
+  PushThread w0(policy.get(), GroupPush(0, 4), apply.fn());
+  PushThread w1(policy.get(), GroupPush(1, 4), apply.fn());
+  EXPECT_FALSE(w0.WaitFor(absl::Milliseconds(300)));
+  EXPECT_FALSE(w1.done());
+  ASSERT_OK(policy->SetGroup({1, 2}, 0.5f));
+  // Worker 0 is told at once; worker 1 still waits for worker 2.
+  EXPECT_TRUE(w0.WaitFor(kPromptly));
+  EXPECT_STATUS_MSG(w0.status(), absl::StatusCode::kFailedPrecondition,
+                    "worker 0 was removed from the sync group of job j (active: [1, 2]) while "
+                    "its push for step 4 waited at the barrier; the push was dropped and "
+                    "nothing of it was applied");
+  EXPECT_FALSE(w1.WaitFor(kStaysBlocked));
+  EXPECT_EQ(apply.calls(), 0);
+  auto p2 = GroupPush(2, 4);
+  EXPECT_OK(policy->OnPush(p2->update, apply.fn()));
+  EXPECT_OK(w1.status());
+  ASSERT_EQ(apply.calls(), 1);
+  const AppliedUpdate a = apply.records()[0];
+  EXPECT_EQ(a.grads, GroupAverage({1, 2}));
+  EXPECT_EQ(Workers(a), (std::vector<int32_t>{1, 2}));
+  EXPECT_EQ(a.base_versions, (std::vector<int64_t>{11, 1}));  // Now rank 1's view.
+  EXPECT_EQ(a.lr_scale, 0.5f);
+}
+
+TEST(SyncGroupTest, ShrinkLeavingNoPushesForgetsTheStep) {
+  auto policy = MakePolicy("sync", 3);
+  FakeApply apply;
+  PushThread w1(policy.get(), GroupPush(1, 0), apply.fn());
+  EXPECT_FALSE(w1.WaitFor(absl::Milliseconds(300)));
+  ASSERT_OK(policy->SetGroup({0, 2}, 1.0f));
+  EXPECT_STATUS_MSG(w1.status(), absl::StatusCode::kFailedPrecondition,
+                    "worker 1 was removed from the sync group of job j (active: [0, 2])");
+  // Step 0 starts afresh with the new group: 0 and 2 complete it.
+  PushThread w0(policy.get(), GroupPush(0, 0), apply.fn());
+  EXPECT_FALSE(w0.WaitFor(kStaysBlocked));
+  auto p2 = GroupPush(2, 0);
+  EXPECT_OK(policy->OnPush(p2->update, apply.fn()));
+  EXPECT_OK(w0.status());
+  ASSERT_EQ(apply.calls(), 1);
+  EXPECT_EQ(Workers(apply.records()[0]), (std::vector<int32_t>{0, 2}));
+}
+
+TEST(SyncGroupTest, PushesOfRemovedWorkersAreRefusedAndChangeNothing) {
+  auto policy = MakePolicy("sync", 4);
+  FakeApply apply;
+  ASSERT_OK(policy->SetGroup({3, 0, 2}, 0.75f));
+  // Refused whether or not the step exists yet.
+  auto early = GroupPush(1, 0);
+  EXPECT_STATUS_MSG(policy->OnPush(early->update, apply.fn()),
+                    absl::StatusCode::kFailedPrecondition,
+                    "worker 1 is not in the sync group of job j (active: [0, 2, 3])");
+  PushThread w0(policy.get(), GroupPush(0, 0), apply.fn());
+  EXPECT_FALSE(w0.WaitFor(kStaysBlocked));
+  auto late = MakePush(1, 0, {5}, {{1.0f}});  // Even with another chunk set.
+  EXPECT_STATUS_MSG(policy->OnPush(late->update, apply.fn()),
+                    absl::StatusCode::kFailedPrecondition,
+                    "worker 1 is not in the sync group of job j (active: [0, 2, 3])");
+  EXPECT_FALSE(w0.WaitFor(kStaysBlocked));
+  EXPECT_EQ(apply.calls(), 0);
+  PushThread w3(policy.get(), MakePush(3, 0, {3, 7}, {{1, 2, 3}, {4, 5}}, {13, 3}), apply.fn());
+  EXPECT_FALSE(w3.WaitFor(kStaysBlocked));
+  auto p2 = GroupPush(2, 0);
+  EXPECT_OK(policy->OnPush(p2->update, apply.fn()));
+  EXPECT_OK(w0.status());
+  EXPECT_OK(w3.status());
+  ASSERT_EQ(apply.calls(), 1);
+  const AppliedUpdate a = apply.records()[0];
+  EXPECT_EQ(Workers(a), (std::vector<int32_t>{0, 2, 3}));
+  const float inv = 1.0f / 3.0f;
+  // (1e8 + -1e8) + 1, then / 3.
+  EXPECT_EQ(a.grads[0][0], ((kBig[0][0] + kBig[2][0]) + 1.0f) * inv);
+  EXPECT_EQ(a.grads[1][0], ((0.1f * 1.0f + 0.1f * 3.0f) + 4.0f) * inv);
+  EXPECT_EQ(a.lr_scale, 0.75f);
+}
+
+TEST(SyncGroupTest, GrowingAppliesFromTheNextStepWithoutPushes) {
+  auto policy = MakePolicy("sync", 3);
+  FakeApply apply;
+  ASSERT_OK(policy->SetGroup({0, 2}, 2.0f / 3.0f));
+  PushThread s0(policy.get(), GroupPush(0, 7), apply.fn());  // Step 7 starts with {0, 2}.
+  EXPECT_FALSE(s0.WaitFor(kStaysBlocked));
+  ASSERT_OK(policy->SetGroup({0, 1, 2}, 1.0f));
+  // Step 7 keeps its group and factor: the new worker cannot join it...
+  auto joiner = GroupPush(1, 7);
+  EXPECT_STATUS_MSG(policy->OnPush(joiner->update, apply.fn()),
+                    absl::StatusCode::kFailedPrecondition,
+                    "worker 1 is not in the sync group of job j for step 7 (active: [0, 2]): "
+                    "that step was in progress when the worker joined the group, which applies "
+                    "from the next step with no pushes yet");
+  // ...and it completes without it.
+  auto s2 = GroupPush(2, 7);
+  EXPECT_OK(policy->OnPush(s2->update, apply.fn()));
+  EXPECT_OK(s0.status());
+  ASSERT_EQ(apply.calls(), 1);
+  EXPECT_EQ(Workers(apply.records()[0]), (std::vector<int32_t>{0, 2}));
+  EXPECT_EQ(apply.records()[0].lr_scale, 2.0f / 3.0f);
+  EXPECT_EQ(apply.records()[0].grads, GroupAverage({0, 2}));
+
+  // Step 8 has the whole group again: 0 and 2 wait for 1.
+  PushThread t0(policy.get(), GroupPush(0, 8), apply.fn());
+  PushThread t2(policy.get(), GroupPush(2, 8), apply.fn());
+  EXPECT_FALSE(t0.WaitFor(kStaysBlocked));
+  EXPECT_FALSE(t2.done());
+  EXPECT_EQ(apply.calls(), 1);
+  auto t1 = GroupPush(1, 8);
+  EXPECT_OK(policy->OnPush(t1->update, apply.fn()));
+  EXPECT_OK(t0.status());
+  EXPECT_OK(t2.status());
+  ASSERT_EQ(apply.calls(), 2);
+  const AppliedUpdate a = apply.records()[1];
+  EXPECT_EQ(Workers(a), (std::vector<int32_t>{0, 1, 2}));
+  EXPECT_EQ(a.grads, AverageInOrder({0, 1, 2}));
+  EXPECT_EQ(a.lr_scale, 1.0f);
+}
+
+TEST(SyncGroupTest, BadGroupsAreRejectedAndChangeNothing) {
+  auto policy = MakePolicy("sync", 3);
+  FakeApply apply;
+  ASSERT_OK(policy->SetGroup({0, 1}, 0.5f));
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  struct Case {
+    std::vector<int32_t> active;
+    float lr_scale;
+    std::string message;
+  };
+  const std::vector<Case> cases = {
+      {{}, 1.0f, "sync group of job j: the group is empty"},
+      {{0, 3}, 1.0f, "sync group of job j: rank 3 not in [0, 3)"},
+      {{-1}, 1.0f, "sync group of job j: rank -1 not in [0, 3)"},
+      {{2, 0, 2}, 1.0f, "sync group of job j: rank 2 appears twice"},
+      {{0, 1, 2}, 0.0f, "sync group of job j: lr_scale 0 not in (0, 1]"},
+      {{0, 1, 2}, -0.5f, "sync group of job j: lr_scale -0.5 not in (0, 1]"},
+      {{0, 1, 2}, 1.5f, "sync group of job j: lr_scale 1.5 not in (0, 1]"},
+      {{0, 1, 2}, nan, "sync group of job j: lr_scale nan not in (0, 1]"},
+  };
+  for (const Case& c : cases) {
+    EXPECT_STATUS_MSG(policy->SetGroup(c.active, c.lr_scale), absl::StatusCode::kInvalidArgument,
+                      c.message);
+  }
+  // Still {0, 1} with factor 0.5: worker 2 is refused, 0 and 1 complete a step.
+  auto p2 = GroupPush(2, 0);
+  EXPECT_STATUS_MSG(policy->OnPush(p2->update, apply.fn()), absl::StatusCode::kFailedPrecondition,
+                    "worker 2 is not in the sync group of job j (active: [0, 1])");
+  PushThread w1(policy.get(), GroupPush(1, 0), apply.fn());
+  EXPECT_FALSE(w1.WaitFor(kStaysBlocked));
+  auto p0 = GroupPush(0, 0);
+  EXPECT_OK(policy->OnPush(p0->update, apply.fn()));
+  EXPECT_OK(w1.status());
+  ASSERT_EQ(apply.calls(), 1);
+  EXPECT_EQ(apply.records()[0].lr_scale, 0.5f);
+  EXPECT_EQ(apply.records()[0].grads, GroupAverage({0, 1}));
+}
+
+TEST(SyncGroupTest, SettingTheSameGroupAgainChangesNothing) {
+  auto policy = MakePolicy("sync", 3);
+  FakeApply apply;
+  ASSERT_OK(policy->SetGroup({0, 1, 2}, 1.0f));  // The initial group.
+  PushThread w0(policy.get(), GroupPush(0, 0), apply.fn());
+  PushThread w1(policy.get(), GroupPush(1, 0), apply.fn());
+  EXPECT_FALSE(w0.WaitFor(kStaysBlocked));
+  for (int i = 0; i < 3; ++i) ASSERT_OK(policy->SetGroup({2, 1, 0}, 1.0f));
+  EXPECT_FALSE(w0.WaitFor(kStaysBlocked));
+  EXPECT_FALSE(w1.done());
+  auto p2 = GroupPush(2, 0);
+  EXPECT_OK(policy->OnPush(p2->update, apply.fn()));
+  EXPECT_OK(w0.status());
+  EXPECT_OK(w1.status());
+  ASSERT_EQ(apply.calls(), 1);
+  EXPECT_EQ(apply.records()[0].grads, AverageInOrder({0, 1, 2}));
+  EXPECT_EQ(apply.records()[0].lr_scale, 1.0f);
+}
+
+TEST(SyncGroupTest, TimeoutNamesOnlyMissingGroupMembers) {
+  auto policy = MakePolicy("sync", 4, absl::Milliseconds(200));
+  FakeApply apply;
+  ASSERT_OK(policy->SetGroup({0, 2}, 0.5f));
+  auto p0 = GroupPush(0, 0);
+  EXPECT_STATUS_MSG(policy->OnPush(p0->update, apply.fn()), absl::StatusCode::kFailedPrecondition,
+                    "sync barrier for step 0 timed out after 200ms: workers [2] did not push; "
+                    "nothing was applied");
+  EXPECT_EQ(apply.calls(), 0);
+}
+
+TEST(SyncGroupTest, AsyncAndSspHaveNoGroup) {
+  for (const std::string mode : {"async", "ssp:2"}) {
+    auto policy = MakePolicy(mode, 3);
+    EXPECT_STATUS_MSG(policy->SetGroup({0, 1}, 0.5f), absl::StatusCode::kFailedPrecondition,
+                      "consistency mode " + mode + " has no barrier group; only sync jobs have "
+                      "one");
+    // Updates keep factor 1.
+    FakeApply apply;
+    auto p = SimplePush(1, 0);
+    ASSERT_OK(policy->OnPush(p->update, apply.fn()));
+    EXPECT_EQ(apply.records().at(0).lr_scale, 1.0f);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------

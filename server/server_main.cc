@@ -10,12 +10,14 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include <grpcpp/server.h>
 #include <grpcpp/server_builder.h>
 #include <unistd.h>
 
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/strings/str_cat.h"
@@ -133,7 +135,10 @@ int Run(ServerMainOptions options) {
     ao.node.set_host(HostName());
     agent = std::make_unique<NodeAgent>(
         ao,
-        [&](const std::vector<Task>& desired) {
+        // `group_errors`: the last SetSyncGroup error logged per job (callbacks run one at a
+        // time on the agent's thread), so a bad task is logged once, not every heartbeat.
+        [&, group_errors = absl::flat_hash_map<std::string, std::string>()](
+            const std::vector<Task>& desired) mutable {
           absl::MutexLock lock(&tasks_mu);
           for (const Task& t : desired) {
             bool known = false;
@@ -144,6 +149,19 @@ int Run(ServerMainOptions options) {
               logger.Info("shard_placed", {Kv("job", t.job_id()), Kv("shard", t.index())});
             }
             tokens.Set(t.job_id(), t.job_token());
+            // Elastic sync: the coordinator sends the barrier group on every heartbeat, and
+            // SetSyncGroup is idempotent, so it is simply applied each time. NOT_FOUND: the
+            // workers have not called InitJob yet; the next heartbeat (500 ms) retries.
+            if (t.spec().mode() != "sync") continue;
+            const std::vector<int32_t> active(t.active_ranks().begin(), t.active_ranks().end());
+            const double lr_scale = t.lr_scale() == 0 ? 1.0 : t.lr_scale();  // 0: unset.
+            const absl::Status st = (*shard)->SetSyncGroup(t.job_id(), active, lr_scale);
+            if (st.ok() || absl::IsNotFound(st)) {
+              group_errors.erase(t.job_id());
+            } else if (std::string& last = group_errors[t.job_id()]; last != st.ToString()) {
+              last = st.ToString();
+              logger.Error("sync_group_failed", {Kv("job", t.job_id()), Kv("error", last)});
+            }
           }
           tasks = desired;
         },

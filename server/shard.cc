@@ -1,5 +1,6 @@
 #include "server/shard.h"
 
+#include <algorithm>
 #include <cstring>
 #include <deque>
 #include <vector>
@@ -64,6 +65,12 @@ struct Shard::Job {
   int64_t owned_elements = 0;
   Durability durability = Durability::kNone;
   bool sync_mode = false;
+
+  // sync: a copy of the policy's barrier group, for GetJobInfo. group_mu also serialises
+  // SetSyncGroup calls, so the copy and the policy agree (taken before the policy's lock).
+  absl::Mutex group_mu;
+  std::vector<int32_t> active_workers ABSL_GUARDED_BY(group_mu);  // Ascending; sync only.
+  float lr_scale ABSL_GUARDED_BY(group_mu) = 1.0f;
 
   // Updates hold this shared (exclusive when logging, so log order is apply order);
   // snapshots hold it exclusive to see a consistent state.
@@ -291,6 +298,7 @@ absl::StatusOr<std::shared_ptr<Shard::Job>> Shard::BuildJob(const InitJobRequest
   if (!opt.ok()) return Annotate(opt.status(), absl::StrCat("InitJob: job ", layout.job()));
   job->optimizer = std::move(opt).value();
   ConsistencyConfig config;
+  config.job = layout.job();
   config.mode = layout.consistency();
   config.num_workers = layout.num_workers();
   config.barrier_timeout = absl::Seconds(layout.barrier_timeout_s());
@@ -298,6 +306,10 @@ absl::StatusOr<std::shared_ptr<Shard::Job>> Shard::BuildJob(const InitJobRequest
   if (!policy.ok()) return Annotate(policy.status(), absl::StrCat("InitJob: job ", layout.job()));
   job->policy = std::move(policy).value();
   job->sync_mode = job->policy->mode() == "sync";
+  if (job->sync_mode) {
+    absl::MutexLock lock(&job->group_mu);
+    for (int32_t w = 0; w < layout.num_workers(); ++w) job->active_workers.push_back(w);
+  }
   if (layout.staleness_damping() && job->policy->mode() != "async") {
     return absl::InvalidArgumentError(absl::StrCat(
         "InitJob: job ", layout.job(), " asks for staleness_damping, which applies to async "
@@ -486,6 +498,7 @@ absl::Status Shard::ApplyUpdate(Job* job, const ChunkUpdate& u, bool replay) {
       out->set_step(r.step);
       out->set_request_id(r.request_id);
     }
+    if (u.lr_scale != 1.0f) rec.set_lr_scale(u.lr_scale);
     RETURN_IF_ERROR(Annotate(options_.store->AppendUpdate(job->layout.job(), rec),
                              absl::StrCat("Push: job ", job->layout.job(), " not applied")));
     absl::MutexLock lock(&job->mu);
@@ -504,6 +517,7 @@ absl::Status Shard::ApplyUpdate(Job* job, const ChunkUpdate& u, bool replay) {
     staleness[i] = u.base_versions[i] < chunk.version ? chunk.version - u.base_versions[i] : 0;
     float scale = LrScheduleFactor(spec, chunk.version);
     if (damping) scale /= static_cast<float>(1 + staleness[i]);
+    scale *= u.lr_scale;
     ++chunk.version;
     opt.Apply(chunk.version, scale, u.grads[i], chunk.values.data(), slot_ptrs.data(), n);
   }
@@ -675,6 +689,7 @@ absl::Status Shard::Restore() {
       for (const state::RequestRef& r : rec.requests()) {
         u.requests.push_back({r.worker(), r.step(), r.request_id()});
       }
+      if (rec.lr_scale() != 0.0f) u.lr_scale = rec.lr_scale();
       RETURN_IF_ERROR(ApplyUpdate(job.get(), u, /*replay=*/true));
     }
     std::vector<int64_t> pushed;
@@ -891,10 +906,18 @@ absl::Status Shard::Finish(const FinishRequest& request) {
     (void)MaybeSnapshot(job.get(), /*force=*/true);  // Logged on failure.
   }
   if (first) {
+    // sync: workers removed from the barrier group push no more, so they do not count.
+    std::vector<bool> counted(job->layout.num_workers(), !job->sync_mode);
+    if (job->sync_mode) {
+      absl::MutexLock lock(&job->group_mu);
+      for (int32_t w : job->active_workers) counted[w] = true;
+    }
     bool all = true;
     {
       absl::MutexLock lock(&job->mu);
-      for (const WorkerRecord& w : job->workers) all = all && w.finished;
+      for (size_t w = 0; w < job->workers.size(); ++w) {
+        all = all && (job->workers[w].finished || !counted[w]);
+      }
     }
     if (all) {
       // The job's metrics, in one line.
@@ -931,6 +954,11 @@ absl::StatusOr<JobInfoResponse> Shard::GetJobInfo(const JobInfoRequest& request)
   const ConsistencyStats ps = job->policy->stats();
   r.set_max_clock_lead(ps.max_clock_lead);
   r.set_barrier_wait_s(ps.barrier_wait_s);
+  {
+    absl::MutexLock lock(&job->group_mu);
+    for (int32_t w : job->active_workers) r.add_active_workers(w);
+    r.set_lr_scale(job->lr_scale);
+  }
   absl::MutexLock lock(&job->mu);
   for (size_t i = 0; i < job->workers.size(); ++i) {
     WorkerState* w = r.add_workers();
@@ -950,6 +978,39 @@ absl::StatusOr<JobInfoResponse> Shard::GetJobInfo(const JobInfoRequest& request)
   r.set_restored(job->restored);
   r.set_replayed_updates(job->replayed);
   return r;
+}
+
+absl::Status Shard::SetSyncGroup(const std::string& job_name, const std::vector<int32_t>& active,
+                                 double lr_scale) {
+  ASSIGN_OR_RETURN(std::shared_ptr<Job> job, FindJob(job_name));
+  const std::string context = absl::StrCat("SetSyncGroup: job ", job_name);
+  if (!job->sync_mode) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(context, " has consistency mode ", job->layout.consistency(),
+                     "; only sync jobs have a barrier group"));
+  }
+  if (!(lr_scale > 0 && lr_scale <= 1)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        context, ": lr_scale ", absl::StrFormat("%.9g", lr_scale), " not in (0, 1]"));
+  }
+  std::vector<int32_t> group = active;
+  if (group.empty()) {
+    for (int32_t w = 0; w < job->layout.num_workers(); ++w) group.push_back(w);
+  }
+  const float scale = static_cast<float>(lr_scale);
+  absl::MutexLock lock(&job->group_mu);
+  std::vector<int32_t> sorted = group;
+  std::sort(sorted.begin(), sorted.end());
+  // The coordinator re-sends the group on every heartbeat: unchanged is the common case.
+  if (sorted == job->active_workers && scale == job->lr_scale) return absl::OkStatus();
+  RETURN_IF_ERROR(Annotate(job->policy->SetGroup(group, scale), "SetSyncGroup"));
+  LogInfo(options_.logger, "sync_group_changed",
+          {Kv("job", job_name), Kv("active", absl::StrCat("[", absl::StrJoin(sorted, ","), "]")),
+           Kv("lr_scale", scale),
+           Kv("previous", absl::StrCat("[", absl::StrJoin(job->active_workers, ","), "]"))});
+  job->active_workers = std::move(sorted);
+  job->lr_scale = scale;
+  return absl::OkStatus();
 }
 
 }  // namespace gradmesh

@@ -21,6 +21,14 @@
 // restarted on the same --data_dir carries on, and replayed request ids are still recognised
 // as duplicates.
 //
+// Elastic sync (SetSyncGroup): a sync job's barrier group and learning-rate factor can be
+// changed while it runs (see server/consistency.h for steps in progress). Each update carries
+// the factor it was applied with, and every_update logs it, so log replay is exact. The group
+// itself is not persisted: a restored job starts with all ranks and factor 1 until the
+// coordinator re-sends the group (every heartbeat, 500 ms). Meanwhile the group is a superset
+// of the right one, so survivors' steps only wait at the barrier; none completes wrongly
+// unless a removed worker is still alive and pushing.
+//
 // The gRPC adapter (server/parameter_service.h) only converts between wire and these calls;
 // the request/response types are the proto messages of proto/gradmesh.proto.
 //
@@ -30,8 +38,10 @@
 #ifndef GRADMESH_SERVER_SHARD_H_
 #define GRADMESH_SERVER_SHARD_H_
 
+#include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
@@ -79,6 +89,15 @@ class Shard {
   absl::Status Pull(const PullRequest& request, PullResponse* response);
   absl::Status Finish(const FinishRequest& request);
   absl::StatusOr<JobInfoResponse> GetJobInfo(const JobInfoRequest& request);
+
+  // Sets the barrier group of sync job `job`: the ranks whose pushes complete a step (empty:
+  // all ranks) and the factor on the learning rate of its updates (in (0, 1]). NOT_FOUND for
+  // an unknown job, FAILED_PRECONDITION if the job is not sync, INVALID_ARGUMENT for a rank
+  // out of range, a repeated rank or a bad lr_scale; nothing changes on error. Idempotent.
+  // Does not block on barriers; a step waiting for a removed worker completes in the calls
+  // of the workers still in the group.
+  absl::Status SetSyncGroup(const std::string& job, const std::vector<int32_t>& active,
+                            double lr_scale);
 
  private:
   struct Job;

@@ -417,5 +417,182 @@ TEST_F(ShardTest, FinishMarksWorker) {
   EXPECT_TRUE(info.workers(1).finished());
 }
 
+// ---------------------------------------------------------------------------------------------
+// Elastic sync: SetSyncGroup.
+
+class SyncGroupShardTest : public ShardTest {
+ protected:
+  void SetUp() override {
+    ShardTest::SetUp();
+    InitJobRequest init = MakeInit(0, /*num_workers=*/3);
+    init.set_job("s");
+    init.set_consistency("sync");
+    init.set_barrier_timeout_s(10);
+    ASSERT_OK(shard_->InitJob(init));
+  }
+
+  PushRequest SyncPush(int32_t worker, int64_t step, float value) {
+    PushRequest p = MakePush(Owned(), value, 100 * worker + step + 1, worker, step);
+    p.set_job("s");
+    return p;
+  }
+
+  std::vector<float> PullSync(int64_t* version) {
+    PullRequest req;
+    req.set_job("s");
+    ChunkData* d = req.add_chunks();
+    d->set_tensor(Owned().tensor);
+    d->set_chunk(Owned().chunk);
+    PullResponse resp;
+    EXPECT_OK(shard_->Pull(req, &resp));
+    EXPECT_EQ(resp.chunks_size(), 1);
+    *version = resp.chunks(0).version();
+    return Floats(resp.chunks(0).data());
+  }
+
+  JobInfoResponse SyncInfo() {
+    JobInfoRequest q;
+    q.set_job("s");
+    auto info = shard_->GetJobInfo(q);
+    EXPECT_OK(info);
+    return info.ok() ? *info : JobInfoResponse();
+  }
+
+  static std::vector<int32_t> Active(const JobInfoResponse& info) {
+    return {info.active_workers().begin(), info.active_workers().end()};
+  }
+};
+
+TEST_F(SyncGroupShardTest, ShrinkCompletesTheWaitingStepWithScaledLearningRate) {
+  const ChunkInfo c = Owned();
+  JobInfoResponse info = SyncInfo();
+  EXPECT_EQ(Active(info), (std::vector<int32_t>{0, 1, 2}));
+  EXPECT_EQ(info.lr_scale(), 1.0);
+  // Workers 0 and 2 push step 0 and wait for worker 1, which is gone.
+  absl::StatusOr<PushResponse> r0, r2;
+  std::thread t0([&] { r0 = shard_->Push(SyncPush(0, 0, 1.5f)); });
+  std::thread t2([&] { r2 = shard_->Push(SyncPush(2, 0, 4.25f)); });
+  absl::SleepFor(absl::Milliseconds(200));
+  EXPECT_EQ(SyncInfo().updates_applied(), 0);
+  ASSERT_OK(shard_->SetSyncGroup("s", {2, 0}, 0.75));
+  t0.join();
+  t2.join();
+  ASSERT_OK(r0);
+  ASSERT_OK(r2);
+  ASSERT_EQ(r0->new_versions_size(), 1);
+  EXPECT_EQ(r0->new_versions(0), 1);
+  // SGD: p - (lr * lr_scale) * mean(g) = p - (0.5 * 0.75) * ((1.5 + 4.25) / 2) = p - 1.078125.
+  const auto expect_values = [&](float subtracted, int64_t want_version) {
+    int64_t version = -1;
+    const std::vector<float> v = PullSync(&version);
+    EXPECT_EQ(version, want_version);
+    ASSERT_EQ(static_cast<int64_t>(v.size()), c.numel);
+    for (int64_t e = 0; e < c.numel; ++e) {
+      EXPECT_EQ(v[e], static_cast<float>(100 * c.tensor + c.offset + e) - subtracted)
+          << "element " << e;
+    }
+  };
+  const float avg = (1.5f + 4.25f) * 0.5f;
+  ASSERT_EQ((0.5f * 0.75f) * avg, 1.078125f);  // The optimizer's math, exact in float.
+  expect_values(1.078125f, 1);
+  info = SyncInfo();
+  EXPECT_EQ(Active(info), (std::vector<int32_t>{0, 2}));
+  EXPECT_EQ(info.lr_scale(), 0.75);
+  EXPECT_EQ(info.updates_applied(), 1);
+  EXPECT_EQ(info.pushes_applied(), 2);
+  EXPECT_EQ(info.workers(1).last_step(), -1);
+  EXPECT_EQ(info.workers(2).last_step(), 0);
+
+  // The removed worker is refused, changes nothing, and may retry later (id forgotten).
+  EXPECT_STATUS_MSG(shard_->Push(SyncPush(1, 1, 100.0f)), absl::StatusCode::kFailedPrecondition,
+                    "worker 1 is not in the sync group of job s (active: [0, 2])");
+  expect_values(1.078125f, 1);
+  EXPECT_EQ(SyncInfo().pushes_applied(), 2);
+
+  // The next step needs only 0 and 2, still at factor 0.75: p -= 0.375 * 2 = 0.75.
+  std::thread n0([&] { EXPECT_OK(shard_->Push(SyncPush(0, 1, 1.0f))); });
+  EXPECT_OK(shard_->Push(SyncPush(2, 1, 3.0f)));
+  n0.join();
+  expect_values(1.078125f + 0.75f, 2);
+
+  // Growing back (empty = all ranks, factor 1): step 2 waits for worker 1 too.
+  ASSERT_OK(shard_->SetSyncGroup("s", {}, 1.0));
+  info = SyncInfo();
+  EXPECT_EQ(Active(info), (std::vector<int32_t>{0, 1, 2}));
+  EXPECT_EQ(info.lr_scale(), 1.0);
+  absl::StatusOr<PushResponse> s0, s2;
+  std::thread g0([&] { s0 = shard_->Push(SyncPush(0, 2, 1.0f)); });
+  std::thread g2([&] { s2 = shard_->Push(SyncPush(2, 2, 2.0f)); });
+  absl::SleepFor(absl::Milliseconds(200));
+  EXPECT_EQ(SyncInfo().updates_applied(), 2);
+  ASSERT_OK(shard_->Push(SyncPush(1, 2, 6.0f)));  // Rank order (1 + 6) + 2 = 9, / 3 = 3.
+  g0.join();
+  g2.join();
+  ASSERT_OK(s0);
+  ASSERT_OK(s2);
+  ASSERT_EQ(((1.0f + 6.0f) + 2.0f) * (1.0f / 3.0f), 3.0f);
+  expect_values(1.078125f + 0.75f + 1.5f, 3);  // p -= 0.5 * 3.
+  EXPECT_EQ(SyncInfo().pushes_applied(), 7);
+}
+
+TEST_F(SyncGroupShardTest, BadArgumentsAreRejectedWithExactCodesAndChangeNothing) {
+  ASSERT_OK(shard_->SetSyncGroup("s", {0, 1}, 0.5));
+  EXPECT_STATUS_MSG(shard_->SetSyncGroup("nope", {0}, 1.0), absl::StatusCode::kNotFound,
+                    "job nope is not known to this shard");
+  EXPECT_STATUS_MSG(shard_->SetSyncGroup("j", {0}, 0.5), absl::StatusCode::kFailedPrecondition,
+                    "SetSyncGroup: job j has consistency mode async; only sync jobs have a "
+                    "barrier group");
+  // Also for a bad group: the mode is checked first.
+  EXPECT_STATUS(shard_->SetSyncGroup("j", {7}, 2.0), absl::StatusCode::kFailedPrecondition);
+  EXPECT_STATUS_MSG(shard_->SetSyncGroup("s", {0, 3}, 1.0), absl::StatusCode::kInvalidArgument,
+                    "SetSyncGroup: sync group of job s: rank 3 not in [0, 3)");
+  EXPECT_STATUS_MSG(shard_->SetSyncGroup("s", {-1, 0}, 1.0), absl::StatusCode::kInvalidArgument,
+                    "SetSyncGroup: sync group of job s: rank -1 not in [0, 3)");
+  EXPECT_STATUS_MSG(shard_->SetSyncGroup("s", {1, 1}, 1.0), absl::StatusCode::kInvalidArgument,
+                    "SetSyncGroup: sync group of job s: rank 1 appears twice");
+  EXPECT_STATUS_MSG(shard_->SetSyncGroup("s", {2, 0, 2}, 0.5), absl::StatusCode::kInvalidArgument,
+                    "SetSyncGroup: sync group of job s: rank 2 appears twice");
+  for (double scale : {0.0, -0.25, 1.0000001, 2.0, std::numeric_limits<double>::infinity(),
+                       std::numeric_limits<double>::quiet_NaN()}) {
+    EXPECT_STATUS_MSG(shard_->SetSyncGroup("s", {0, 1, 2}, scale),
+                      absl::StatusCode::kInvalidArgument, "not in (0, 1]")
+        << scale;
+  }
+  EXPECT_STATUS_MSG(shard_->SetSyncGroup("s", {0, 1, 2}, 1.5), absl::StatusCode::kInvalidArgument,
+                    "SetSyncGroup: job s: lr_scale 1.5 not in (0, 1]");
+  EXPECT_STATUS_MSG(shard_->SetSyncGroup("s", {0, 1, 2}, 1.0000001),
+                    absl::StatusCode::kInvalidArgument,
+                    "SetSyncGroup: job s: lr_scale 1.0000001 not in (0, 1]");
+  // A factor that rounds to 0 in float is refused by the policy.
+  EXPECT_STATUS_MSG(shard_->SetSyncGroup("s", {0, 1, 2}, 1e-60),
+                    absl::StatusCode::kInvalidArgument,
+                    "SetSyncGroup: sync group of job s: lr_scale 0 not in (0, 1]");
+  // Still {0, 1} at 0.5: worker 2 is refused, and 0 and 1 complete a step at half the lr.
+  JobInfoResponse info = SyncInfo();
+  EXPECT_EQ(Active(info), (std::vector<int32_t>{0, 1}));
+  EXPECT_EQ(info.lr_scale(), 0.5);
+  EXPECT_STATUS_MSG(shard_->Push(SyncPush(2, 0, 1.0f)), absl::StatusCode::kFailedPrecondition,
+                    "worker 2 is not in the sync group of job s (active: [0, 1])");
+  std::thread t1([&] { EXPECT_OK(shard_->Push(SyncPush(1, 0, 3.0f))); });
+  ASSERT_OK(shard_->Push(SyncPush(0, 0, 1.0f)));
+  t1.join();
+  int64_t version = -1;
+  const std::vector<float> v = PullSync(&version);
+  EXPECT_EQ(version, 1);
+  const ChunkInfo c = Owned();
+  EXPECT_EQ(v[0], static_cast<float>(100 * c.tensor + c.offset) - 0.5f);  // 0.25 * 2.
+  // Idempotent: the same group again (in any order) changes nothing.
+  ASSERT_OK(shard_->SetSyncGroup("s", {1, 0}, 0.5));
+  info = SyncInfo();
+  EXPECT_EQ(Active(info), (std::vector<int32_t>{0, 1}));
+  EXPECT_EQ(info.lr_scale(), 0.5);
+  // Async jobs report no group.
+  JobInfoRequest q;
+  q.set_job("j");
+  ASSERT_OK_AND_ASSIGN(JobInfoResponse async_info, shard_->GetJobInfo(q));
+  EXPECT_EQ(async_info.active_workers_size(), 0);
+  EXPECT_EQ(async_info.lr_scale(), 1.0);
+}
+
 }  // namespace
 }  // namespace gradmesh

@@ -316,12 +316,22 @@ absl::StatusOr<TrainResult> Trainer::RunPs() {
     const absl::Time deadline = absl::Now() + options_.wait_for_workers;
     while (true) {
       ASSIGN_OR_RETURN(std::vector<JobInfoResponse> infos, client->GetJobInfo());
+      // A sync job re-formed after losing workers waits only for the ranks still in it.
+      const int32_t needed = options_.active_ranks.empty()
+                                 ? spec.num_workers()
+                                 : static_cast<int32_t>(options_.active_ranks.size());
       int32_t finished = 0;
-      for (const WorkerState& w : infos[0].workers()) finished += w.finished() ? 1 : 0;
-      if (finished == spec.num_workers()) break;
+      for (const WorkerState& w : infos[0].workers()) {
+        const bool counted =
+            options_.active_ranks.empty() ||
+            std::find(options_.active_ranks.begin(), options_.active_ranks.end(), w.worker()) !=
+                options_.active_ranks.end();
+        finished += counted && w.finished() ? 1 : 0;
+      }
+      if (finished == needed) break;
       if (absl::Now() > deadline) {
         return absl::DeadlineExceededError(absl::StrCat(
-            "trainer: only ", finished, " of ", spec.num_workers(),
+            "trainer: only ", finished, " of ", needed,
             " workers finished job ", spec.name(), " within the wait bound"));
       }
       absl::SleepFor(absl::Milliseconds(200));

@@ -4,6 +4,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "common/job_spec.h"
 
 namespace gradmesh {
@@ -113,7 +114,11 @@ void WorkerAgent::Execute(Run* run) {
     LogInfo(options_.logger, "task_end",
             {Kv("job", task.job_id()), Kv("rank", task.index()),
              Kv("state", result->stopped_early ? "stopped" : "succeeded"),
-             Kv("steps", result->steps), Kv("accuracy", result->test_accuracy)});
+             Kv("steps", result->steps), Kv("samples", result->samples),
+             Kv("wall_s", absl::StrFormat("%.2f", result->wall_s)),
+             Kv("samples_per_s", absl::StrFormat("%.1f", result->samples_per_s)),
+             Kv("first_step", result->first_step),
+             Kv("accuracy", absl::StrFormat("%.4f", result->test_accuracy))});
   } else {
     LogError(options_.logger, "task_end",
              {Kv("job", task.job_id()), Kv("rank", task.index()), Kv("state", "failed"),

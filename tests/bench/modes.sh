@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# Mode comparison on MNIST (MLP 784-256-256-10, batch 64 per worker, Adam lr 1e-3 with a
+# cosine schedule, EPOCHS epochs, WORKERS workers, one intra-op thread per process): gradmesh
+# `ps` (async, 2 shards), `gossip` and `allreduce`, then PyTorch DDP over gloo on the same
+# settings (tests/bench/ddp_baseline.py with Debian's /usr/bin/python3). One JSON line each:
+#   {"bench":"modes","mode":"allreduce","workers":2,"samples_per_s":...,"accuracy":...,"wall_s":...}
+# samples_per_s = every worker's samples / the slowest worker's training wall time.
+#
+#   bash tests/bench/modes.sh            # EPOCHS=3 WORKERS=2 by default
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+EPOCHS="${EPOCHS:-3}"
+WORKERS="${WORKERS:-2}"
+DATA_DIR="${GRADMESH_DATA_DIR:-/var/lib/gradmesh/data}"
+RUN_DIR="$(mktemp -d /tmp/gradmesh-modes.XXXXXX)"
+bazel build -c opt //server:gradmesh_server //worker:gradmesh_worker >"$RUN_DIR/build.log" 2>&1 ||
+  { tail -20 "$RUN_DIR/build.log" >&2; exit 1; }
+BIN="$(bazel info -c opt bazel-bin 2>/dev/null)"
+export OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1
+PIDS=()
+cleanup() { for p in "${PIDS[@]:-}"; do [ -n "$p" ] && kill "$p" 2>/dev/null || true; done; }
+trap cleanup EXIT
+
+free_port() { /usr/bin/python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+field() { sed -n "s/.* $1=\([^ ]*\).*/\1/p" <<<"$2" | tr -d '"'; }
+
+# run_workers MODE EXTRA_FLAGS...: starts WORKERS workers, waits, prints the JSON line.
+run_workers() {
+  local mode="$1"; shift
+  local wpids=() r peers=""
+  if [ "$mode" != ps ]; then
+    for ((r = 0; r < WORKERS; r++)); do peers="${peers:+$peers,}127.0.0.1:$(free_port)"; done
+  fi
+  for ((r = 0; r < WORKERS; r++)); do
+    "$BIN/worker/gradmesh_worker" --rank=$r --num_workers="$WORKERS" --name="bench-$mode" \
+      --model=mlp --dataset=mnist --epochs="$EPOCHS" --batch_size=64 --optimizer=adam \
+      --lr=0.001 --lr_schedule=cosine --data_dir="$DATA_DIR" --log_every=100 \
+      ${peers:+--peers=$peers} "$@" --node="w$r" 2>"$RUN_DIR/$mode-w$r.log" &
+    wpids+=($!)
+  done
+  for p in "${wpids[@]}"; do wait "$p" || { tail -5 "$RUN_DIR/$mode-w"*.log >&2; return 1; }; done
+  local samples=0 wall=0 acc="" line s w
+  for ((r = 0; r < WORKERS; r++)); do
+    line="$(grep 'event=done' "$RUN_DIR/$mode-w$r.log" | tail -1)"
+    s="$(field samples "$line")"; w="$(field wall_s "$line")"
+    samples=$((samples + s))
+    wall="$(/usr/bin/python3 -c "print(max($wall, $w))")"
+    [ "$r" = 0 ] && acc="$(field accuracy "$line")"
+  done
+  /usr/bin/python3 -c "import json; print(json.dumps({'bench':'modes','mode':'$mode','workers':$WORKERS,'samples_per_s':round($samples/$wall,1),'accuracy':$acc,'wall_s':$wall,'epochs':$EPOCHS,'batch':64}))"
+}
+
+# ps (async) through 2 shards.
+SERVERS=""
+for s in 0 1; do
+  "$BIN/server/gradmesh_server" --host=127.0.0.1 --port=0 --port_file="$RUN_DIR/port$s" \
+    --node="shard$s" 2>"$RUN_DIR/server$s.log" &
+  PIDS+=($!)
+done
+for s in 0 1; do
+  for _ in $(seq 100); do [ -s "$RUN_DIR/port$s" ] && break; sleep 0.1; done
+  SERVERS="${SERVERS:+$SERVERS,}127.0.0.1:$(cat "$RUN_DIR/port$s")"
+done
+run_workers ps --mode=async --servers="$SERVERS"
+cleanup; PIDS=()
+run_workers gossip --mode=gossip
+run_workers allreduce --mode=allreduce
+/usr/bin/python3 tests/bench/ddp_baseline.py --workers "$WORKERS" --epochs "$EPOCHS" \
+  --data_dir "$DATA_DIR/mnist"
+echo "logs: $RUN_DIR" >&2
