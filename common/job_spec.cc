@@ -213,6 +213,22 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
     return absl::InvalidArgumentError(absl::StrCat(
         "job spec: name \"", spec.name(), "\" may only use letters, digits, '_', '.', '-'"));
   }
+  // Names only: the models and datasets themselves live in worker/ (LibTorch), which the
+  // coordinator must not link, so these lists mirror ModelRegistry and the dataset loader.
+  const std::string& model = spec.model().name();
+  if (!model.empty() && model != "lenet" && model != "mlp" && model != "torchscript") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "job spec: unknown model \"", model, "\" (known: lenet, mlp, torchscript)"));
+  }
+  if (model == "torchscript" && spec.model().path().empty()) {
+    return absl::InvalidArgumentError(
+        "job spec: model \"torchscript\" needs model.path (a module saved with torch.jit.save)");
+  }
+  const std::string& dataset = spec.dataset().name();
+  if (!dataset.empty() && dataset != "mnist" && dataset != "fashion-mnist") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "job spec: unknown dataset \"", dataset, "\" (known: fashion-mnist, mnist)"));
+  }
   if (spec.batch_size() <= 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("job spec: batch_size must be > 0, got ", spec.batch_size()));

@@ -1,0 +1,959 @@
+// Coordinator core (see coordinator.h for the semantics).
+#include "coordinator/coordinator.h"
+
+#include <algorithm>
+#include <random>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "common/job_spec.h"
+#include "common/status.h"
+
+namespace gradmesh {
+namespace {
+
+constexpr char kPending[] = "pending";
+constexpr char kRunning[] = "running";
+constexpr char kSucceeded[] = "succeeded";
+constexpr char kFailed[] = "failed";
+constexpr char kStopped[] = "stopped";
+constexpr char kLost[] = "lost";
+
+// Window of (time, step) samples behind eta_s.
+constexpr int64_t kEtaWindowMs = 30'000;
+
+bool IsActive(JobState s) { return s == PENDING || s == RUNNING || s == PAUSED; }
+
+// Whether a rank still has to run (is placed and not finished).
+bool Unfinished(const WorkerPlacement& w) { return w.state() == kPending || w.state() == kRunning; }
+
+std::string RandomHex(int bytes) {
+  std::random_device rd;
+  std::string out;
+  for (int i = 0; i < bytes; i += 4) {
+    out += absl::StrFormat("%08x", static_cast<uint32_t>(rd()));
+  }
+  return out.substr(0, 2 * bytes);
+}
+
+std::string RoleName(NodeRole role) { return NodeRole_Name(role); }
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Construction, loading, monitor.
+
+Coordinator::Coordinator(Options options)
+    : store_(std::move(options.store)), options_(std::move(options)) {}
+
+absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Create(Options options) {
+  if (options.store == nullptr) {
+    return absl::InvalidArgumentError("Coordinator::Options.store is required");
+  }
+  if (options.clock == nullptr) {
+    return absl::InvalidArgumentError("Coordinator::Options.clock is required");
+  }
+  if (options.heartbeat_interval_ms <= 0 || options.heartbeat_timeout_ms <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "heartbeat_interval_ms and heartbeat_timeout_ms must be > 0, got ",
+        options.heartbeat_interval_ms, " and ", options.heartbeat_timeout_ms));
+  }
+  if (options.progress_persist_interval_ms < 0) {
+    return absl::InvalidArgumentError("progress_persist_interval_ms must be >= 0");
+  }
+  if (options.monitor_interval_ms == 0) options.monitor_interval_ms = options.heartbeat_interval_ms;
+  std::unique_ptr<Coordinator> c(new Coordinator(std::move(options)));
+  RETURN_IF_ERROR(c->Load());
+  if (c->options_.monitor_interval_ms > 0) {
+    c->monitor_ = std::thread([p = c.get()] { p->MonitorLoop(); });
+  }
+  return c;
+}
+
+Coordinator::~Coordinator() {
+  {
+    absl::MutexLock lock(&mu_);
+    shutting_down_ = true;
+    changed_.SignalAll();
+  }
+  if (monitor_.joinable()) monitor_.join();
+  absl::MutexLock lock(&mu_);
+  for (auto& [id, job] : jobs_) {
+    if (job.dirty) persist_jobs_.insert(id);
+  }
+  (void)PersistLocked();
+}
+
+absl::Status Coordinator::Load() {
+  ASSIGN_OR_RETURN(std::vector<coordinator_state::NodeRecord> nodes, store_->LoadNodes());
+  ASSIGN_OR_RETURN(std::vector<coordinator_state::JobRecord> jobs, store_->LoadJobs());
+  absl::MutexLock lock(&mu_);
+  const int64_t now = Now();
+  int alive = 0;
+  for (auto& record : nodes) {
+    NodeEntry& entry = nodes_[record.info().name()];
+    entry.record = std::move(record);
+    // Grace: a node alive at the last write counts as seen now, so it has one heartbeat
+    // timeout to reach the restarted coordinator before its work is moved.
+    entry.last_seen_ms = now;
+    if (entry.record.alive()) ++alive;
+  }
+  for (auto& record : jobs) {
+    JobEntry& entry = jobs_[record.status().job_id()];
+    entry.record = std::move(record);
+    JobStatus published = entry.record.status();
+    published.set_updated_ms(0);
+    entry.published = published.SerializeAsString();
+    entry.last_persist_ms = now;
+    next_sequence_ = std::max(next_sequence_, entry.record.sequence() + 1);
+  }
+  LogInfo(options_.logger, "tables_loaded",
+          {Kv("dir", store_->dir()), Kv("jobs", jobs_.size()), Kv("nodes", nodes_.size()),
+           Kv("alive_nodes", alive), Kv("grace_ms", options_.heartbeat_timeout_ms)});
+  return absl::OkStatus();
+}
+
+void Coordinator::MonitorLoop() {
+  absl::MutexLock lock(&mu_);
+  while (!shutting_down_) {
+    mu_.AwaitWithTimeout(absl::Condition(&shutting_down_),
+                         absl::Milliseconds(options_.monitor_interval_ms));
+    if (shutting_down_) break;
+    CheckNodesLocked();
+    const int64_t now = Now();
+    for (auto& [id, job] : jobs_) {
+      if (job.dirty && now - job.last_persist_ms >= options_.progress_persist_interval_ms) {
+        persist_jobs_.insert(id);
+      }
+    }
+    (void)PersistLocked();
+  }
+}
+
+void Coordinator::CheckNodes() {
+  absl::MutexLock lock(&mu_);
+  CheckNodesLocked();
+  (void)PersistLocked();
+}
+
+void Coordinator::FlushProgress() {
+  absl::MutexLock lock(&mu_);
+  const int64_t now = Now();
+  for (auto& [id, job] : jobs_) {
+    if (job.dirty && now - job.last_persist_ms >= options_.progress_persist_interval_ms) {
+      persist_jobs_.insert(id);
+    }
+  }
+  (void)PersistLocked();
+}
+
+std::string Coordinator::NewToken() {
+  return options_.token_source ? options_.token_source() : RandomHex(16);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Persistence and change publication.
+
+absl::Status Coordinator::PersistLocked() {
+  if (persist_jobs_.empty() && persist_nodes_.empty()) return absl::OkStatus();
+  std::vector<const coordinator_state::JobRecord*> jobs;
+  std::vector<const coordinator_state::NodeRecord*> nodes;
+  for (const std::string& id : persist_jobs_) {
+    auto it = jobs_.find(id);
+    if (it != jobs_.end()) jobs.push_back(&it->second.record);
+  }
+  for (const std::string& name : persist_nodes_) {
+    auto it = nodes_.find(name);
+    if (it != nodes_.end()) nodes.push_back(&it->second.record);
+  }
+  absl::Status s = store_->Write(jobs, nodes);
+  if (!s.ok()) {
+    // Kept scheduled: the next call or the monitor thread retries.
+    LogError(options_.logger, "persist_failed", {Kv("error", s.ToString())});
+    return s;
+  }
+  const int64_t now = Now();
+  for (const std::string& id : persist_jobs_) {
+    auto it = jobs_.find(id);
+    if (it == jobs_.end()) continue;
+    it->second.last_persist_ms = now;
+    it->second.dirty = false;
+  }
+  persist_jobs_.clear();
+  persist_nodes_.clear();
+  return absl::OkStatus();
+}
+
+void Coordinator::ChangedLocked(JobEntry* job, bool persist_now) {
+  JobStatus* st = job->record.mutable_status();
+  const int64_t updated = st->updated_ms();
+  st->set_updated_ms(0);
+  std::string serialized = st->SerializeAsString();
+  st->set_updated_ms(updated);
+  if (serialized != job->published) {
+    job->published = std::move(serialized);
+    ++job->version;
+    st->set_updated_ms(Now());
+    changed_.SignalAll();
+  }
+  job->dirty = true;
+  if (persist_now || Now() - job->last_persist_ms >= options_.progress_persist_interval_ms) {
+    persist_jobs_.insert(st->job_id());
+  }
+}
+
+void Coordinator::SetStateLocked(JobEntry* job, JobState state, const std::string& message) {
+  JobStatus* st = job->record.mutable_status();
+  if (st->state() == state && st->message() == message) return;
+  LogInfo(options_.logger, "job_state",
+          {Kv("job", st->job_id()), Kv("from", JobState_Name(st->state())),
+           Kv("to", JobState_Name(state)), Kv("message", message)});
+  st->set_state(state);
+  st->set_message(message);
+  if (state == RUNNING) job->record.set_reached_running(true);
+  persist_jobs_.insert(st->job_id());
+}
+
+// ---------------------------------------------------------------------------------------------
+// Placement helpers.
+
+std::string Coordinator::NodeAddressLocked(const std::string& name) const {
+  auto it = nodes_.find(name);
+  return it == nodes_.end() ? "" : it->second.record.info().address();
+}
+
+std::map<std::string, int> Coordinator::UsedSlotsLocked(const std::string& exclude_job) const {
+  std::map<std::string, int> used;
+  for (const auto& [id, job] : jobs_) {
+    if (id == exclude_job || !IsActive(job.record.status().state())) continue;
+    for (const ShardPlacement& s : job.record.status().shards()) used[s.node()]++;
+    for (const WorkerPlacement& w : job.record.status().workers()) {
+      if (!w.node().empty() && Unfinished(w)) used[w.node()]++;
+    }
+  }
+  return used;
+}
+
+absl::StatusOr<JobPlacement> Coordinator::PlaceLocked(const JobSpec& spec,
+                                                      const std::string& strategy,
+                                                      const std::string& exclude_job,
+                                                      bool skip_shards) const {
+  const std::map<std::string, int> used = UsedSlotsLocked(exclude_job);
+  PlacementInput input;
+  input.spec = spec;
+  input.skip_shards = skip_shards;
+  for (const auto& [name, node] : nodes_) {
+    if (!node.record.alive()) continue;
+    const NodeInfo& info = node.record.info();
+    auto u = used.find(name);
+    NodeLoad load{name, info.host(), info.slots(), u == used.end() ? 0 : u->second};
+    (info.role() == SERVER ? input.servers : input.workers).push_back(std::move(load));
+  }
+  ASSIGN_OR_RETURN(std::unique_ptr<PlacementStrategy> placement,
+                   options_.placements.Create(strategy));
+  return placement->Place(input);
+}
+
+void Coordinator::BumpGenerationLocked(JobEntry* job, bool all_ranks, bool all_shards,
+                                       int rank) {
+  coordinator_state::JobRecord& r = job->record;
+  const int64_t g = r.generation() + 1;
+  r.set_generation(g);
+  for (int i = 0; i < r.ranks_size(); ++i) {
+    if (all_ranks || i == rank) r.mutable_ranks(i)->set_generation(g);
+  }
+  if (all_shards) {
+    for (int i = 0; i < r.shard_generation_size(); ++i) r.set_shard_generation(i, g);
+  }
+}
+
+void Coordinator::AssignRankLocked(JobEntry* job, int rank, const NodeEntry& node) {
+  WorkerPlacement* w = job->record.mutable_status()->mutable_workers(rank);
+  const std::string from = w->node().empty() ? "(lost)" : w->node();
+  w->set_node(node.record.info().name());
+  w->set_address(node.record.info().address());
+  w->set_state(kPending);
+  w->set_reassignments(w->reassignments() + 1);
+  // A new daemon takes over; its peers (gossip/allreduce) must learn the new address.
+  BumpGenerationLocked(job, OneRankPerNode(job->record.status().spec()), false, rank);
+  LogInfo(options_.logger, "reassign",
+          {Kv("job", job->record.status().job_id()), Kv("rank", rank), Kv("from", from),
+           Kv("to", w->node()), Kv("reassignments", w->reassignments()),
+           Kv("generation", job->record.ranks(rank).generation())});
+}
+
+void Coordinator::MoveRankLocked(JobEntry* job, int rank, const std::string& reason) {
+  const JobStatus& st = job->record.status();
+  const std::string from = st.workers(rank).node();
+  const bool one_per_node = OneRankPerNode(st.spec());
+  const bool sync = st.spec().mode() == "sync";
+  const std::map<std::string, int> used = UsedSlotsLocked("");
+  std::vector<NodeLoad> candidates;
+  for (const auto& [name, node] : nodes_) {
+    if (!node.record.alive() || node.record.info().role() != WORKER || name == from) continue;
+    if (one_per_node) {
+      bool holds = false;
+      for (const WorkerPlacement& w : st.workers()) holds = holds || w.node() == name;
+      if (holds) continue;
+    }
+    auto u = used.find(name);
+    NodeLoad load{name, node.record.info().host(), node.record.info().slots(),
+                  u == used.end() ? 0 : u->second};
+    // sync: the barrier runs at the pace of the slowest rank, so a node doubled up would slow
+    // every rank; the group is re-formed without the rank instead (UpdateGroupLocked).
+    if (sync && load.free() == 0) continue;
+    candidates.push_back(std::move(load));
+  }
+  std::optional<std::string> to = PickReplacement(candidates);
+  if (to.has_value()) {
+    LogInfo(options_.logger, "rank_moving",
+            {Kv("job", st.job_id()), Kv("rank", rank), Kv("from", from), Kv("reason", reason)});
+    AssignRankLocked(job, rank, nodes_.at(*to));
+    return;
+  }
+  WorkerPlacement* w = job->record.mutable_status()->mutable_workers(rank);
+  w->set_node("");
+  w->set_address("");
+  w->set_state(kLost);
+  if (one_per_node) BumpGenerationLocked(job, true, false, -1);  // Peers lost an address.
+  LogWarning(options_.logger, "rank_lost",
+             {Kv("job", st.job_id()), Kv("rank", rank), Kv("from", from), Kv("reason", reason),
+              Kv("note", "given to the next worker node that registers")});
+}
+
+void Coordinator::UpdateGroupLocked(JobEntry* job) {
+  coordinator_state::JobRecord& r = job->record;
+  JobStatus* st = r.mutable_status();
+  if (st->spec().mode() != "sync") return;
+  std::vector<int> active;
+  for (int i = 0; i < st->workers_size(); ++i) {
+    if (st->workers(i).state() != kLost) active.push_back(i);
+  }
+  if (active.empty()) return;  // Nobody left to train: keep the last group.
+  const int n = st->spec().num_workers();
+  const bool full = static_cast<int>(active.size()) == n;
+  const std::vector<int> current(r.active_ranks().begin(), r.active_ranks().end());
+  if (full ? current.empty() : current == active) return;
+  r.clear_active_ranks();
+  if (full) {
+    r.set_lr_scale(1.0);
+  } else {
+    for (int i : active) r.add_active_ranks(i);
+    r.set_lr_scale(st->spec().sync_lr_scaling() == "none"
+                       ? 1.0
+                       : static_cast<double>(active.size()) / n);
+  }
+  st->set_active_workers(static_cast<int>(active.size()));
+  BumpGenerationLocked(job, true, true, -1);
+  LogInfo(options_.logger, full ? "group_restored" : "group_reformed",
+          {Kv("job", st->job_id()), Kv("active_ranks", absl::StrJoin(active, ",")),
+           Kv("num_workers", n), Kv("lr_scale", r.lr_scale()), Kv("generation", r.generation())});
+}
+
+// ---------------------------------------------------------------------------------------------
+// Progress and derived state.
+
+void Coordinator::RefreshLocked(JobEntry* job) {
+  coordinator_state::JobRecord& r = job->record;
+  JobStatus* st = r.mutable_status();
+  const int n = st->workers_size();
+  if (IsActive(st->state())) {
+    bool all_done = n > 0, all_running = n > 0;
+    for (const WorkerPlacement& w : st->workers()) {
+      all_done = all_done && w.state() == kSucceeded;
+      all_running = all_running && (w.state() == kRunning || w.state() == kSucceeded);
+    }
+    if (all_done) {
+      // Also from PAUSED: every rank finished (rank 0 evaluated) before the shard went down.
+      SetStateLocked(job, SUCCEEDED, "");
+    } else if (all_running) {
+      r.set_reached_running(true);
+      if (st->state() == PENDING) SetStateLocked(job, RUNNING, "");
+    }
+  }
+
+  JobProgress* p = st->mutable_progress();
+  int64_t step = -1, total = 0, checkpoint = -2;
+  int epoch = 0, with_loss = 0;
+  double loss = 0, samples = 0;
+  for (int i = 0; i < n; ++i) {
+    const WorkerPlacement& w = st->workers(i);
+    const coordinator_state::RankRecord& rr = r.ranks(i);
+    total = std::max(total, rr.total_steps());
+    if (w.state() == kRunning) samples += rr.samples_per_s();
+    if (rr.reported()) {
+      loss += rr.loss();
+      ++with_loss;
+    }
+    if (w.state() == kLost) continue;
+    if (step < 0 || w.step() < step) {
+      step = w.step();
+      epoch = rr.epoch();
+    }
+    if (rr.reported()) checkpoint = checkpoint == -2 ? rr.checkpoint_step()
+                                                     : std::min(checkpoint, rr.checkpoint_step());
+  }
+  if (step < 0) step = p->step();  // Every rank lost: keep the last figure.
+  if (total == 0) total = st->spec().steps();
+  const int64_t now = Now();
+  if (job->step_samples.empty() || job->step_samples.back().second != step) {
+    job->step_samples.emplace_back(now, step);
+  }
+  while (job->step_samples.size() > 2 && job->step_samples.front().first < now - kEtaWindowMs) {
+    job->step_samples.erase(job->step_samples.begin());
+  }
+  double eta = -1;
+  if (total > 0 && step >= total) {
+    eta = 0;
+  } else if (job->step_samples.size() >= 2 && total > 0) {
+    const auto& a = job->step_samples.front();
+    const auto& b = job->step_samples.back();
+    if (b.first > a.first && b.second > a.second) {
+      const double steps_per_ms = static_cast<double>(b.second - a.second) / (b.first - a.first);
+      eta = (total - step) / steps_per_ms / 1000.0;
+    }
+  }
+  p->set_step(step);
+  p->set_total_steps(total);
+  p->set_epoch(epoch);
+  p->set_epochs(st->spec().epochs());
+  p->set_loss(with_loss > 0 ? loss / with_loss : 0);
+  p->set_samples_per_s(samples);
+  p->set_accuracy(n > 0 && r.ranks(0).accuracy() >= 0 ? r.ranks(0).accuracy() : -1);
+  p->set_eta_s(eta);
+  p->set_checkpoint_step(checkpoint == -2 ? -1 : checkpoint);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Nodes.
+
+void Coordinator::CheckNodesLocked() {
+  const int64_t now = Now();
+  std::vector<NodeEntry*> expired;
+  for (auto& [name, node] : nodes_) {
+    if (node.record.alive() && now - node.last_seen_ms > options_.heartbeat_timeout_ms) {
+      expired.push_back(&node);
+    }
+  }
+  // All of them are out before any rank moves, so no rank moves onto a node that is
+  // about to be declared dead in the same sweep.
+  for (NodeEntry* node : expired) node->record.set_alive(false);
+  for (NodeEntry* node : expired) {
+    MarkDeadLocked(node, absl::StrCat("no heartbeat for ", now - node->last_seen_ms,
+                                      " ms (timeout ", options_.heartbeat_timeout_ms, " ms)"));
+  }
+}
+
+std::vector<Coordinator::JobEntry*> Coordinator::JobsInOrderLocked() {
+  std::vector<JobEntry*> out;
+  for (auto& kv : jobs_) out.push_back(&kv.second);
+  std::sort(out.begin(), out.end(), [](const JobEntry* a, const JobEntry* b) {
+    return a->record.sequence() < b->record.sequence();
+  });
+  return out;
+}
+
+void Coordinator::MarkDeadLocked(NodeEntry* node, const std::string& reason) {
+  const std::string name = node->record.info().name();
+  const NodeRole role = node->record.info().role();
+  node->record.set_alive(false);
+  persist_nodes_.insert(name);
+  LogWarning(options_.logger, "node_down",
+             {Kv("node_name", name), Kv("node_role", RoleName(role)),
+              Kv("address", node->record.info().address()), Kv("reason", reason)});
+  for (JobEntry* job : JobsInOrderLocked()) {
+    JobStatus* st = job->record.mutable_status();
+    if (role == WORKER) {
+      if (!IsActive(st->state())) continue;
+      bool moved = false;
+      for (int r = 0; r < st->workers_size(); ++r) {
+        if (st->workers(r).node() == name && Unfinished(st->workers(r))) {
+          MoveRankLocked(job, r, absl::StrCat("node ", name, " is down: ", reason));
+          moved = true;
+        }
+      }
+      if (moved) {
+        UpdateGroupLocked(job);
+        RefreshLocked(job);
+        ChangedLocked(job, true);
+      }
+    } else {
+      int down = -1;
+      for (int s = 0; s < st->shards_size(); ++s) {
+        ShardPlacement* sp = st->mutable_shards(s);
+        if (sp->node() != name || !sp->alive()) continue;
+        sp->set_alive(false);
+        if (down < 0) down = s;
+      }
+      if (down < 0) continue;
+      if (st->state() == PENDING || st->state() == RUNNING) {
+        const ShardPlacement& sp = st->shards(down);
+        SetStateLocked(job, PAUSED,
+                       absl::StrCat("shard ", down, " on node ", sp.node(), " (", sp.address(),
+                                    ") is down; workers wait for it to come back"));
+      }
+      ChangedLocked(job, true);
+    }
+  }
+}
+
+void Coordinator::NodeUpLocked(NodeEntry* node, bool address_changed) {
+  const std::string& name = node->record.info().name();
+  const std::string& address = node->record.info().address();
+  const NodeRole role = node->record.info().role();
+  for (JobEntry* job : JobsInOrderLocked()) {
+    JobStatus* st = job->record.mutable_status();
+    bool changed = false;
+    if (role == SERVER) {
+      for (ShardPlacement& sp : *st->mutable_shards()) {
+        if (sp.node() != name || (sp.address() == address && sp.alive())) continue;
+        sp.set_address(address);
+        sp.set_alive(true);
+        changed = true;
+      }
+      if (!changed) continue;
+      // Workers must be told the shard's new address.
+      if (address_changed && IsActive(st->state())) BumpGenerationLocked(job, true, true, -1);
+      bool all_alive = true;
+      for (const ShardPlacement& sp : st->shards()) all_alive = all_alive && sp.alive();
+      if (st->state() == PAUSED && all_alive) {
+        LogInfo(options_.logger, "job_resumed",
+                {Kv("job", st->job_id()), Kv("node_name", name), Kv("address", address)});
+        SetStateLocked(job, job->record.reached_running() ? RUNNING : PENDING, "");
+      }
+    } else {
+      for (WorkerPlacement& w : *st->mutable_workers()) {
+        if (w.node() != name || w.address() == address) continue;
+        w.set_address(address);
+        changed = true;
+      }
+      if (changed && IsActive(st->state()) && OneRankPerNode(st->spec())) {
+        BumpGenerationLocked(job, true, false, -1);
+      }
+      if (IsActive(st->state())) {
+        const bool one_per_node = OneRankPerNode(st->spec());
+        const bool sync = st->spec().mode() == "sync";
+        for (int r = 0; r < st->workers_size(); ++r) {
+          if (st->workers(r).state() != kLost) continue;
+          if (one_per_node) {
+            bool holds = false;
+            for (const WorkerPlacement& w : st->workers()) holds = holds || w.node() == name;
+            if (holds) break;
+          }
+          if (sync) {  // As in MoveRankLocked: sync ranks only take free slots.
+            const auto used = UsedSlotsLocked("");
+            auto u = used.find(name);
+            if (u != used.end() && u->second >= node->record.info().slots()) break;
+          }
+          AssignRankLocked(job, r, *node);
+          changed = true;
+        }
+        if (changed) UpdateGroupLocked(job);
+      }
+    }
+    if (changed) {
+      RefreshLocked(job);
+      ChangedLocked(job, true);
+    }
+  }
+}
+
+absl::StatusOr<RegisterResponse> Coordinator::Register(const RegisterRequest& request) {
+  const NodeInfo& info = request.node();
+  if (info.name().empty()) {
+    return absl::InvalidArgumentError(
+        "node.name is required (a stable name per daemon, e.g. its --node flag)");
+  }
+  if (info.role() != SERVER && info.role() != WORKER) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("node ", info.name(), ": node.role must be SERVER or WORKER"));
+  }
+  if (info.address().empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "node ", info.name(),
+        ": node.address is required (host:port of its ParameterService or peer service)"));
+  }
+  if (info.slots() <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("node ", info.name(), ": node.slots must be > 0, got ", info.slots()));
+  }
+  absl::MutexLock lock(&mu_);
+  CheckNodesLocked();
+  auto it = nodes_.find(info.name());
+  if (it != nodes_.end() && it->second.record.info().role() != info.role()) {
+    for (const auto& [id, job] : jobs_) {
+      const JobStatus& st = job.record.status();
+      if (!IsActive(st.state()) && st.state() != SUCCEEDED) continue;
+      bool uses = false;
+      for (const ShardPlacement& s : st.shards()) uses = uses || s.node() == info.name();
+      for (const WorkerPlacement& w : st.workers()) uses = uses || w.node() == info.name();
+      if (uses) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "node \"", info.name(), "\" is registered as ",
+            RoleName(it->second.record.info().role()), " and placed in job ", id,
+            "; register the ", RoleName(info.role()), " under another node name"));
+      }
+    }
+  }
+  const bool known = it != nodes_.end();
+  const bool was_alive = known && it->second.record.alive();
+  const bool address_changed = known && it->second.record.info().address() != info.address();
+  NodeEntry& node = nodes_[info.name()];
+  *node.record.mutable_info() = info;
+  node.record.set_alive(true);
+  node.record.set_registered_ms(Now());
+  node.last_seen_ms = Now();
+  persist_nodes_.insert(info.name());
+  LogInfo(options_.logger, was_alive ? "node_registered" : "node_up",
+          {Kv("node_name", info.name()), Kv("node_role", RoleName(info.role())),
+           Kv("address", info.address()), Kv("slots", info.slots()), Kv("host", info.host()),
+           Kv("known", known ? "true" : "false")});
+  NodeUpLocked(&node, address_changed);
+  RETURN_IF_ERROR(PersistLocked());
+  RegisterResponse response;
+  response.set_heartbeat_interval_ms(static_cast<int32_t>(options_.heartbeat_interval_ms));
+  return response;
+}
+
+void Coordinator::ApplyReportLocked(const NodeEntry& node, const TaskReport& report) {
+  auto it = jobs_.find(report.job_id());
+  if (it == jobs_.end()) return;
+  JobEntry* job = &it->second;
+  coordinator_state::JobRecord& r = job->record;
+  JobStatus* st = r.mutable_status();
+  if (!IsActive(st->state())) return;
+  const std::string& name = node.record.info().name();
+  const int index = report.index();
+  if (node.record.info().role() == SERVER) {
+    if (index < 0 || index >= st->shards_size() || st->shards(index).node() != name) return;
+    const bool current =
+        report.generation() == 0 || report.generation() == r.shard_generation(index);
+    if (report.state() == kFailed && current) {
+      SetStateLocked(job, FAILED,
+                     absl::StrCat("shard ", index, " on node ", name, ": ", report.message()));
+      ChangedLocked(job, true);
+    }
+    return;
+  }
+  if (index < 0 || index >= st->workers_size() || st->workers(index).node() != name) return;
+  WorkerPlacement* w = st->mutable_workers(index);
+  coordinator_state::RankRecord* rr = r.mutable_ranks(index);
+  const bool current = report.generation() == 0 || report.generation() == rr->generation();
+  const JobState state_before = st->state();
+  const std::string rank_state_before = w->state();
+  w->set_step(report.step());
+  rr->set_total_steps(report.total_steps());
+  rr->set_epoch(report.epoch());
+  rr->set_loss(report.loss());
+  rr->set_reported(true);
+  rr->set_accuracy(report.accuracy());
+  rr->set_samples_per_s(report.samples_per_s());
+  rr->set_checkpoint_step(report.checkpoint_step());
+  const std::string& rs = report.state();
+  if (rs == kRunning) {
+    if (w->state() == kPending) w->set_state(kRunning);
+  } else if (rs == kSucceeded) {
+    if (current) w->set_state(kSucceeded);
+  } else if (rs == kFailed) {
+    if (current) {
+      w->set_state(kFailed);
+      SetStateLocked(job, FAILED,
+                     absl::StrCat("rank ", index, " on node ", name, ": ", report.message()));
+    }
+  } else if (rs == kStopped) {
+    if (current) {
+      MoveRankLocked(job, index, absl::StrCat("rank stopped on node ", name));
+      UpdateGroupLocked(job);
+    }
+  } else {
+    LogWarning(options_.logger, "unknown_report_state",
+               {Kv("job", st->job_id()), Kv("rank", index), Kv("node_name", name),
+                Kv("state", rs)});
+  }
+  RefreshLocked(job);
+  const bool persist_now =
+      state_before != st->state() || rank_state_before != st->workers(index).state();
+  ChangedLocked(job, persist_now);
+}
+
+absl::StatusOr<HeartbeatResponse> Coordinator::Heartbeat(const HeartbeatRequest& request) {
+  if (request.node().empty()) {
+    return absl::InvalidArgumentError("heartbeat without a node name (HeartbeatRequest.node)");
+  }
+  absl::MutexLock lock(&mu_);
+  HeartbeatResponse response;
+  auto it = nodes_.find(request.node());
+  if (it == nodes_.end()) {
+    CheckNodesLocked();
+    (void)PersistLocked();
+    response.set_register_again(true);
+    return response;
+  }
+  NodeEntry* node = &it->second;
+  node->last_seen_ms = Now();
+  if (!node->record.alive()) {
+    // Declared dead (e.g. it stalled past the timeout) and back: same as registering again.
+    node->record.set_alive(true);
+    persist_nodes_.insert(request.node());
+    LogInfo(options_.logger, "node_up",
+            {Kv("node_name", request.node()),
+             Kv("node_role", RoleName(node->record.info().role())),
+             Kv("address", node->record.info().address()), Kv("via", "heartbeat")});
+    NodeUpLocked(node, false);
+  }
+  CheckNodesLocked();
+  for (const TaskReport& report : request.tasks()) ApplyReportLocked(*node, report);
+  if (request.leaving() && node->record.alive()) {
+    node->record.set_alive(false);
+    MarkDeadLocked(node, "leaving");
+  }
+  (void)PersistLocked();
+  for (Task& t : TasksForLocked(*node)) *response.add_tasks() = std::move(t);
+  return response;
+}
+
+std::vector<Task> Coordinator::TasksForLocked(const NodeEntry& node) const {
+  std::vector<const JobEntry*> ordered;
+  for (const auto& kv : jobs_) ordered.push_back(&kv.second);
+  std::sort(ordered.begin(), ordered.end(), [](const JobEntry* a, const JobEntry* b) {
+    return a->record.sequence() < b->record.sequence();
+  });
+  const std::string& name = node.record.info().name();
+  const bool worker = node.record.info().role() == WORKER;
+  std::vector<Task> tasks;
+  for (const JobEntry* job : ordered) {
+    const coordinator_state::JobRecord& r = job->record;
+    const JobStatus& st = r.status();
+    if (!IsActive(st.state()) && !(st.state() == SUCCEEDED && !worker)) continue;
+    auto make = [&](int index, int64_t generation) {
+      Task t;
+      t.set_job_id(st.job_id());
+      t.set_index(index);
+      *t.mutable_spec() = st.spec();
+      if (IsPsMode(st.spec().mode())) {
+        for (const ShardPlacement& s : st.shards()) t.add_servers(s.address());
+      }
+      if (OneRankPerNode(st.spec())) {
+        for (const WorkerPlacement& w : st.workers()) t.add_peers(w.address());
+      }
+      t.set_job_token(st.job_token());
+      for (int a : r.active_ranks()) t.add_active_ranks(a);
+      t.set_lr_scale(r.lr_scale() > 0 ? r.lr_scale() : 1.0);
+      t.set_generation(generation);
+      return t;
+    };
+    if (worker) {
+      for (int i = 0; i < st.workers_size(); ++i) {
+        if (st.workers(i).node() == name && Unfinished(st.workers(i))) {
+          tasks.push_back(make(i, r.ranks(i).generation()));
+        }
+      }
+    } else {
+      for (int i = 0; i < st.shards_size(); ++i) {
+        if (st.shards(i).node() == name) tasks.push_back(make(i, r.shard_generation(i)));
+      }
+    }
+  }
+  return tasks;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Jobs.
+
+absl::StatusOr<JobStatus> Coordinator::SubmitJob(const SubmitJobRequest& request) {
+  absl::MutexLock lock(&mu_);
+  CheckNodesLocked();
+  (void)PersistLocked();
+  JobSpec spec = request.spec();
+  if (spec.name().empty()) {
+    do {
+      spec.set_name(absl::StrFormat("job-%d-%s", Now() / 1000, RandomHex(2)));
+    } while (jobs_.count(spec.name()) > 0);
+  }
+  int alive_servers = 0;
+  for (const auto& [name, node] : nodes_) {
+    if (node.record.alive() && node.record.info().role() == SERVER) ++alive_servers;
+  }
+  ApplyJobSpecDefaults(alive_servers, &spec);
+  RETURN_IF_ERROR(ValidateJobSpec(spec));
+  const std::string id = spec.name();
+  auto existing_it = jobs_.find(id);
+  const JobEntry* existing = existing_it == jobs_.end() ? nullptr : &existing_it->second;
+  if (existing != nullptr) {
+    const JobState state = existing->record.status().state();
+    if (!request.resume()) {
+      return absl::AlreadyExistsError(absl::StrCat(
+          "job \"", id, "\" already exists (", JobState_Name(state),
+          "); choose another name, or resubmit with resume once it has ended"));
+    }
+    if (IsActive(state)) {
+      return absl::AlreadyExistsError(absl::StrCat(
+          "job \"", id, "\" is ", JobState_Name(state),
+          "; only a job that ended (SUCCEEDED, FAILED, CANCELLED) can be resumed"));
+    }
+  }
+  const bool keep_shards = existing != nullptr && IsPsMode(spec.mode()) &&
+                           !existing->record.status().shards().empty();
+  std::vector<std::string> shard_nodes;
+  if (keep_shards) {
+    const JobStatus& old = existing->record.status();
+    if (old.shards_size() != spec.num_shards()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "job \"", id, "\" ran with ", old.shards_size(),
+          " shards, which hold its state; resume it with num_shards: ", old.shards_size()));
+    }
+    for (const ShardPlacement& s : old.shards()) {
+      auto n = nodes_.find(s.node());
+      if (n == nodes_.end() || !n->second.record.alive()) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "resuming job \"", id, "\" needs shard ", s.shard(), "'s node ", s.node(),
+            " (it holds the job's state), which is not alive; start gradmesh_server --node=",
+            s.node(), " --coordinator=... again"));
+      }
+      shard_nodes.push_back(s.node());
+    }
+  }
+  const std::string strategy = DefaultPlacementFor(spec);
+  ASSIGN_OR_RETURN(JobPlacement placement, PlaceLocked(spec, strategy, id, keep_shards));
+  if (keep_shards) placement.shard_nodes = shard_nodes;
+
+  const int64_t now = Now();
+  const int64_t generation = existing != nullptr ? existing->record.generation() + 1 : 1;
+  coordinator_state::JobRecord record;
+  record.set_generation(generation);
+  record.set_lr_scale(1.0);
+  record.set_placement(strategy);
+  JobStatus* st = record.mutable_status();
+  st->set_job_id(id);
+  *st->mutable_spec() = spec;
+  st->set_state(PENDING);
+  st->set_created_ms(existing != nullptr ? existing->record.status().created_ms() : now);
+  st->set_updated_ms(now);
+  st->set_active_workers(spec.num_workers());
+  JobProgress* p = st->mutable_progress();
+  p->set_total_steps(spec.steps());
+  p->set_epochs(spec.epochs());
+  p->set_accuracy(-1);
+  p->set_eta_s(-1);
+  p->set_checkpoint_step(-1);
+  for (size_t s = 0; s < placement.shard_nodes.size(); ++s) {
+    ShardPlacement* sp = st->add_shards();
+    sp->set_shard(static_cast<int>(s));
+    sp->set_node(placement.shard_nodes[s]);
+    sp->set_address(NodeAddressLocked(placement.shard_nodes[s]));
+    sp->set_alive(true);
+    record.add_shard_generation(generation);
+  }
+  for (size_t w = 0; w < placement.worker_nodes.size(); ++w) {
+    WorkerPlacement* wp = st->add_workers();
+    wp->set_rank(static_cast<int>(w));
+    wp->set_node(placement.worker_nodes[w]);
+    wp->set_address(NodeAddressLocked(placement.worker_nodes[w]));
+    wp->set_state(kPending);
+    coordinator_state::RankRecord* rr = record.add_ranks();
+    rr->set_generation(generation);
+    rr->set_accuracy(-1);
+    rr->set_checkpoint_step(-1);
+  }
+  if (request.dry_run()) return *st;
+
+  st->set_job_token(existing != nullptr ? existing->record.status().job_token() : NewToken());
+  record.set_sequence(existing != nullptr ? existing->record.sequence() : next_sequence_++);
+  RETURN_IF_ERROR(store_->Write({&record}, {}));
+  const int64_t version = existing != nullptr ? existing->version + 1 : 1;
+  JobEntry& entry = jobs_[id];
+  entry = JobEntry();
+  entry.record = std::move(record);
+  entry.version = version;
+  JobStatus published = entry.record.status();
+  published.set_updated_ms(0);
+  entry.published = published.SerializeAsString();
+  entry.last_persist_ms = now;
+  changed_.SignalAll();
+  LogInfo(options_.logger, existing != nullptr ? "job_resubmitted" : "job_submitted",
+          {Kv("job", id), Kv("mode", spec.mode()), Kv("model", spec.model().name()),
+           Kv("dataset", spec.dataset().name()), Kv("num_workers", spec.num_workers()),
+           Kv("num_shards", placement.shard_nodes.size())});
+  LogInfo(options_.logger, "job_placed",
+          {Kv("job", id), Kv("strategy", strategy),
+           Kv("shards", absl::StrJoin(placement.shard_nodes, ",")),
+           Kv("workers", absl::StrJoin(placement.worker_nodes, ",")),
+           Kv("generation", generation)});
+  return entry.record.status();
+}
+
+absl::StatusOr<JobStatus> Coordinator::GetJob(const std::string& job_id) {
+  absl::MutexLock lock(&mu_);
+  CheckNodesLocked();
+  (void)PersistLocked();
+  auto it = jobs_.find(job_id);
+  if (it == jobs_.end()) {
+    return absl::NotFoundError(absl::StrCat("job \"", job_id, "\" not found"));
+  }
+  return it->second.record.status();
+}
+
+std::vector<JobStatus> Coordinator::ListJobs() {
+  absl::MutexLock lock(&mu_);
+  CheckNodesLocked();
+  (void)PersistLocked();
+  std::vector<const coordinator_state::JobRecord*> records;
+  for (const auto& kv : jobs_) records.push_back(&kv.second.record);
+  std::sort(records.begin(), records.end(),
+            [](const coordinator_state::JobRecord* a, const coordinator_state::JobRecord* b) {
+              if (a->status().created_ms() != b->status().created_ms()) {
+                return a->status().created_ms() > b->status().created_ms();
+              }
+              return a->sequence() > b->sequence();
+            });
+  std::vector<JobStatus> out;
+  for (const auto* r : records) out.push_back(r->status());
+  return out;
+}
+
+absl::StatusOr<JobStatus> Coordinator::CancelJob(const std::string& job_id) {
+  absl::MutexLock lock(&mu_);
+  CheckNodesLocked();
+  (void)PersistLocked();
+  auto it = jobs_.find(job_id);
+  if (it == jobs_.end()) {
+    return absl::NotFoundError(absl::StrCat("job \"", job_id, "\" not found"));
+  }
+  JobEntry* job = &it->second;
+  const JobState state = job->record.status().state();
+  if (!IsActive(state)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "job \"", job_id, "\" already ended (", JobState_Name(state), "); nothing to cancel"));
+  }
+  const JobEntry backup = *job;
+  SetStateLocked(job, CANCELLED, "cancelled by CancelJob");
+  RefreshLocked(job);
+  ChangedLocked(job, true);
+  absl::Status s = PersistLocked();
+  if (!s.ok()) {
+    *job = backup;
+    persist_jobs_.erase(job_id);
+    return s;
+  }
+  return job->record.status();
+}
+
+absl::StatusOr<Coordinator::JobView> Coordinator::WaitForJobChange(const std::string& job_id,
+                                                                   int64_t after_version,
+                                                                   absl::Time deadline) {
+  absl::MutexLock lock(&mu_);
+  while (true) {
+    if (shutting_down_) return absl::CancelledError("the coordinator is shutting down");
+    auto it = jobs_.find(job_id);
+    if (it == jobs_.end()) {
+      return absl::NotFoundError(absl::StrCat("job \"", job_id, "\" not found"));
+    }
+    if (it->second.version > after_version || absl::Now() >= deadline) {
+      return JobView{it->second.record.status(), it->second.version};
+    }
+    changed_.WaitWithDeadline(&mu_, deadline);
+  }
+}
+
+}  // namespace gradmesh

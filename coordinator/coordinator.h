@@ -1,0 +1,290 @@
+// Coordinator: the control plane's core (jobs, node membership, placement, failure handling),
+// behind gradmesh_coordinator's JobService and NodeService (proto/coordinator.proto). It knows
+// nothing of gRPC: coordinator/service.h adapts it, and tests drive it with a FakeClock.
+//
+// # Model
+//
+// Nodes are daemons that registered with NodeInfo (name, role SERVER or WORKER, address,
+// slots, host). A job is a JobSpec placed on nodes: shard s on a server node (ps modes only)
+// and rank r on a worker node. Each placed unit is a Task; a node's heartbeat answer is the
+// complete list of its tasks, which is how every decision below reaches the daemons.
+//
+// # Nodes and liveness
+//
+// * Register upserts by name (alive, last seen now). A node keeps its name across restarts
+//   and with it its placements. Changing role is refused (FAILED_PRECONDITION) while jobs
+//   that are active or SUCCEEDED reference the node.
+// * Heartbeat: unknown name -> register_again=true (nothing else happens). A known node that
+//   had been declared dead is revived as if it had registered again with its stored NodeInfo.
+//   Otherwise last seen = now, its TaskReports are applied, and the answer lists its tasks.
+// * A node is dead after heartbeat_timeout_ms without a heartbeat (checked by a monitor thread
+//   every heartbeat_interval_ms and at the start of every call), or at once when a heartbeat
+//   says `leaving` (the reports of that heartbeat are applied first).
+// * Restart: nodes and jobs are in RocksDB (coordinator_store.h). Nodes stored as alive count
+//   as alive for one heartbeat timeout after start (grace), so running jobs go on; jobs keep
+//   their placements, so restarting every daemon with its old name resumes every job.
+//
+// # Jobs
+//
+// * SubmitJob: an empty spec.name becomes "job-<unix s>-<4 hex>"; ApplyJobSpecDefaults with
+//   num_shards defaulting to the number of alive server nodes; ValidateJobSpec
+//   (INVALID_ARGUMENT). An existing id is ALREADY_EXISTS unless `resume` and the job is
+//   SUCCEEDED, FAILED or CANCELLED: then it is placed again under the same id and job token,
+//   its shards on the same server nodes (their data dirs hold its state; FAILED_PRECONDITION
+//   if one of them is not alive, or if num_shards changed), its ranks anew; workers resume
+//   from the shards' record (ps) or their checkpoints. Placement refusals are
+//   FAILED_PRECONDITION with what is missing and how to fix it (placement.h). The record is
+//   written with a synced RocksDB write before the call returns. dry_run does every check and
+//   the placement and returns the would-be status (no job token), storing nothing. A refused
+//   call changes nothing.
+// * The job token is 128 random bits (hex), the same in every task of the job, and kept when
+//   the job is resumed. JobService returns it in JobStatus.job_token (the service requires the
+//   API token when one is configured, so only authenticated callers see it).
+// * States: PENDING at submit -> RUNNING once every rank has reported "running" (or finished);
+//   it stays RUNNING while a moved rank restarts (that rank's WorkerPlacement shows
+//   "pending"). PAUSED while a shard's node is dead; back to RUNNING (PENDING if it never ran)
+//   when that node registers again or heartbeats. SUCCEEDED when every rank reported
+//   "succeeded" (also from PAUSED). FAILED when a task reports "failed": message "rank R on
+//   node N: <message>" ("shard S on node N: ..." for a server). CANCELLED by CancelJob
+//   (FAILED_PRECONDITION for a job that already ended). Final states never change (except by
+//   a resume).
+// * Tasks a node is given: worker nodes get their ranks of PENDING/RUNNING/PAUSED jobs whose
+//   state is pending or running (a rank that succeeded is no longer listed). Server nodes get
+//   their shards of PENDING/RUNNING/PAUSED *and SUCCEEDED* jobs, so a finished job's shards keep
+//   serving the final model (`gradmesh export` pulls it with the job token); FAILED and
+//   CANCELLED jobs' shards are withdrawn. Withdrawing a task means "stop serving/training it";
+//   durable shard state stays on disk for a later resume.
+// * Task fields: spec (defaults applied), servers = shard addresses in shard order (ps modes),
+//   peers = every rank's worker address in rank order (gossip/allreduce; "" for a lost rank),
+//   job_token, active_ranks and lr_scale (see sync below; otherwise empty and 1), generation.
+// * Generations: one counter per job; whenever something a task depends on changes, the job's
+//   counter is incremented and the affected tasks take its value: a moved rank (every rank
+//   of a gossip/allreduce job, whose peers changed), a re-formed sync group (every rank and
+//   shard), a server that came back at another address (every rank). A task's generation
+//   never decreases.
+//
+// # Reports (HeartbeatRequest.tasks)
+//
+// A report counts only from the node the rank (or shard) is placed on now; others (e.g. the
+// old daemon of a moved rank) are ignored, and so are reports for jobs that ended. Figures
+// (step, loss, ...) and "running" (pending -> running) are taken from any generation; the
+// final states "succeeded", "failed" and "stopped" only when the report's generation is the
+// task's current one or 0 (unknown), so a daemon stopping an outdated task (e.g. to restart
+// it with a new generation) cannot fail, finish or move the current one. "stopped" (a daemon
+// leaving cleanly, e.g. SIGTERM) moves the rank as if its node had died. Unknown jobs and
+// states are ignored (the latter logged).
+//
+// One rank per node per job in gossip/allreduce: a worker daemon has one peer-service
+// address, and peers address ranks by it, so placement, moves and lost-rank assignment never
+// give a node a second rank of such a job (placement refuses; a move skips the node). ps-mode
+// ranks talk only to shards, so one node may run several ranks of one ps job.
+//
+// JobProgress: step = minimum over ranks that are not lost; total_steps = the largest reported
+// (spec.steps until reports arrive); epoch = that of the slowest rank; epochs = spec.epochs;
+// loss = mean over ranks that reported one; samples_per_s = sum over running ranks; accuracy =
+// rank 0's once >= 0, else -1; eta_s = remaining steps / step rate over the last 30 s of
+// reports (-1 until two distinct steps were seen; 0 when done); checkpoint_step = minimum over
+// non-lost ranks that reported (-1 if none has one). Progress-only changes are written to
+// RocksDB at most once per progress_persist_interval_ms per job (the monitor thread writes the
+// last one); state and placement changes are written at once.
+//
+// # Failures
+//
+// * Dead worker node: each of its unfinished ranks of active jobs moves to the least-loaded
+//   other alive worker node, state "pending", reassignments+1, generation bumped. The new
+//   daemon resumes the rank from the shards' record, so no sample range is dropped. A moved
+//   rank may exceed its new node's slots (async, ssp, gossip, allreduce), with two limits:
+//   gossip/allreduce only consider nodes without a rank of that job (one peer address serves
+//   one rank per job), and sync only considers nodes with a free slot: a sync step runs at the
+//   pace of its slowest rank, so doubling up one node would slow every rank, and re-forming
+//   the group (below) keeps the survivors at full speed.
+// * With no candidate the rank is "lost" (node ""), and it is given to the next worker node
+//   that registers (or revives) and qualifies (sync: while it has free slots).
+// * sync jobs: while ranks are lost the barrier group is re-formed: active_ranks = ranks not
+//   lost (ascending), lr_scale = |active| / num_workers (sync_lr_scaling "linear") or 1
+//   ("none"), sent to every rank and shard with a new generation; JobStatus.active_workers =
+//   |active|. When the lost ranks are placed again the full group is restored (active_ranks
+//   empty, lr_scale 1, new generation). If every rank is lost the last group is kept.
+// * Dead server node: every active job with a shard there goes PAUSED ("shard S on node N
+//   (addr) is down; workers wait for it to come back"); shards never move (their state is on
+//   that node). When the node registers again under the same name the jobs resume.
+//
+// # Watching
+//
+// Every change of a job's status (state, placement or progress) increments its version and
+// wakes WaitForJobChange callers. A waiter never holds a thread beyond its deadline, so the
+// service can poll for client cancellation.
+//
+// Thread safety: every public method may be called concurrently; one mutex guards all state
+// (RocksDB writes happen under it: the control plane's rate is a few calls per node per
+// second). WaitForJobChange blocks up to its deadline. The destructor stops the monitor
+// thread and writes pending progress.
+#ifndef GRADMESH_COORDINATOR_COORDINATOR_H_
+#define GRADMESH_COORDINATOR_COORDINATOR_H_
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "common/logging.h"
+#include "coordinator/clock.h"
+#include "coordinator/coordinator_store.h"
+#include "coordinator/placement.h"
+#include "coordinator/state.pb.h"
+#include "proto/coordinator.pb.h"
+
+namespace gradmesh {
+
+class Coordinator {
+ public:
+  struct Options {
+    // Tables (required). Records found there are loaded by Create.
+    std::unique_ptr<CoordinatorStore> store;
+    // Time source (required, not owned, must outlive the Coordinator).
+    const Clock* clock = nullptr;
+    // Structured log lines; null discards them. Not owned.
+    const Logger* logger = nullptr;
+    // Interval daemons are told to heartbeat at (RegisterResponse), ms. Default 500.
+    int64_t heartbeat_interval_ms = 500;
+    // A node without heartbeats for longer than this is dead, ms. Default 3000.
+    int64_t heartbeat_timeout_ms = 3000;
+    // Minimum time between two writes of one job's progress-only changes, ms. Default 1000.
+    int64_t progress_persist_interval_ms = 1000;
+    // How often the monitor thread checks liveness and writes held-back progress, ms (real
+    // time). Default 0 = heartbeat_interval_ms; negative = no thread (tests call CheckNodes
+    // and FlushProgress themselves).
+    int64_t monitor_interval_ms = 0;
+    // Placement strategies by name (the job's mode picks one: DefaultPlacementFor).
+    PlacementRegistry placements = PlacementRegistry::WithBuiltins();
+    // Source of job tokens. Default: 128 bits from std::random_device, as 32 hex digits.
+    std::function<std::string()> token_source;
+  };
+
+  // Validates options (INVALID_ARGUMENT naming the field), loads the tables and starts the
+  // monitor thread.
+  static absl::StatusOr<std::unique_ptr<Coordinator>> Create(Options options);
+  ~Coordinator();
+
+  Coordinator(const Coordinator&) = delete;
+  Coordinator& operator=(const Coordinator&) = delete;
+
+  // ---- JobService (see the header comment and proto/coordinator.proto).
+  absl::StatusOr<JobStatus> SubmitJob(const SubmitJobRequest& request);
+  // NOT_FOUND for an unknown id.
+  absl::StatusOr<JobStatus> GetJob(const std::string& job_id);
+  // Newest first (created_ms, then submission order).
+  std::vector<JobStatus> ListJobs();
+  // NOT_FOUND for an unknown id; FAILED_PRECONDITION if the job already ended.
+  absl::StatusOr<JobStatus> CancelJob(const std::string& job_id);
+
+  struct JobView {
+    JobStatus status;
+    int64_t version = 0;  // Increases with every change of the job's status; starts at 1.
+  };
+  // Waits until the job's version exceeds `after_version` or `deadline` passes (real time),
+  // then returns its status and version (unchanged version = timed out). NOT_FOUND for an
+  // unknown id; CANCELLED once the coordinator is shutting down.
+  absl::StatusOr<JobView> WaitForJobChange(const std::string& job_id, int64_t after_version,
+                                           absl::Time deadline);
+
+  // ---- NodeService.
+  // INVALID_ARGUMENT for a missing name/address, role or slots <= 0.
+  absl::StatusOr<RegisterResponse> Register(const RegisterRequest& request);
+  // INVALID_ARGUMENT for an empty node name.
+  absl::StatusOr<HeartbeatResponse> Heartbeat(const HeartbeatRequest& request);
+
+  // Declares nodes dead whose last heartbeat is older than the timeout, and acts on it.
+  void CheckNodes();
+  // Writes progress held back by progress_persist_interval_ms that is due.
+  void FlushProgress();
+
+ private:
+  struct NodeEntry {
+    coordinator_state::NodeRecord record;
+    int64_t last_seen_ms = 0;
+  };
+  struct JobEntry {
+    coordinator_state::JobRecord record;
+    int64_t version = 1;
+    std::string published;        // Status as of the last version bump (updated_ms cleared).
+    int64_t last_persist_ms = 0;
+    bool dirty = false;           // Progress changed since the last write.
+    std::vector<std::pair<int64_t, int64_t>> step_samples;  // (ms, job step), for eta.
+  };
+
+  explicit Coordinator(Options options);
+  absl::Status Load();
+  void MonitorLoop();
+
+  // All *Locked methods need mu_.
+  int64_t Now() const { return options_.clock->NowMs(); }
+  void CheckNodesLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Acts on a node that the caller has just set alive=false.
+  void MarkDeadLocked(NodeEntry* node, const std::string& reason)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Node (re)appeared: addresses, paused jobs, lost ranks.
+  void NodeUpLocked(NodeEntry* node, bool address_changed) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Moves rank `rank` of `job` off its node (which must not be chosen again). Callers have
+  // marked the node dead (alive=false) first.
+  void MoveRankLocked(JobEntry* job, int rank, const std::string& reason)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void AssignRankLocked(JobEntry* job, int rank, const NodeEntry& node)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // sync jobs: re-forms the barrier group from the ranks that are not lost, if it changed.
+  void UpdateGroupLocked(JobEntry* job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void BumpGenerationLocked(JobEntry* job, bool all_ranks, bool all_shards, int rank)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ApplyReportLocked(const NodeEntry& node, const TaskReport& report)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void SetStateLocked(JobEntry* job, JobState state, const std::string& message)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Recomputes progress and the derived state transitions (RUNNING, SUCCEEDED).
+  void RefreshLocked(JobEntry* job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Publishes a change (version, updated_ms, watchers) and schedules the write: at once when
+  // `persist_now`, else progress-rate-limited.
+  void ChangedLocked(JobEntry* job, bool persist_now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Writes the scheduled records; errors are logged and returned (the records stay
+  // scheduled, so the next call or the monitor thread retries).
+  absl::Status PersistLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<JobPlacement> PlaceLocked(const JobSpec& spec, const std::string& strategy,
+                                           const std::string& exclude_job,
+                                           bool skip_shards) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Jobs in submission order (deterministic handling of several jobs at once).
+  std::vector<JobEntry*> JobsInOrderLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Ranks/shards of active jobs per node name.
+  std::map<std::string, int> UsedSlotsLocked(const std::string& exclude_job) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  std::vector<Task> TasksForLocked(const NodeEntry& node) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  std::string NodeAddressLocked(const std::string& name) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  std::string NewToken();
+
+  // Constant after construction.
+  std::unique_ptr<CoordinatorStore> store_;
+  const Options options_;  // Without the store (moved to store_).
+
+  absl::Mutex mu_;
+  absl::CondVar changed_;  // Signalled on every job version bump and on shutdown.
+  std::map<std::string, NodeEntry> nodes_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, JobEntry> jobs_ ABSL_GUARDED_BY(mu_);
+  std::set<std::string> persist_jobs_ ABSL_GUARDED_BY(mu_);
+  std::set<std::string> persist_nodes_ ABSL_GUARDED_BY(mu_);
+  int64_t next_sequence_ ABSL_GUARDED_BY(mu_) = 1;
+  bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;
+
+  std::thread monitor_;
+};
+
+}  // namespace gradmesh
+
+#endif  // GRADMESH_COORDINATOR_COORDINATOR_H_

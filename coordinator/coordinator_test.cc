@@ -1,0 +1,664 @@
+// Tests of the Coordinator core with a FakeClock and a real RocksDB in a temp dir: placement,
+// refusals that change nothing, failure handling (reassignment, lost ranks, sync re-forming,
+// paused jobs), reports and progress, cancel, and persistence across a restart of the core.
+#include "coordinator/coordinator.h"
+
+#include <unistd.h>
+
+#include <atomic>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_testing.h"
+#include "gtest/gtest.h"
+
+namespace gradmesh {
+namespace {
+
+constexpr int64_t kTimeoutMs = 3000;
+
+class CoordinatorTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    static std::atomic<int> counter{0};
+    dir_ = absl::StrCat(::testing::TempDir(), "/coord_", getpid(), "_", counter++);
+    Start();
+  }
+
+  // (Re)starts the core on dir_ (the previous one, if any, is destroyed first).
+  void Start() {
+    core_.reset();
+    auto store = CoordinatorStore::Open(dir_, {});
+    ASSERT_OK(store);
+    Coordinator::Options o;
+    o.store = std::move(store).value();
+    o.clock = &clock_;
+    o.heartbeat_interval_ms = 500;
+    o.heartbeat_timeout_ms = kTimeoutMs;
+    o.monitor_interval_ms = -1;  // The test drives time.
+    o.token_source = [this] { return absl::StrCat("tok-", ++tokens_); };
+    auto core = Coordinator::Create(std::move(o));
+    ASSERT_OK(core);
+    core_ = std::move(core).value();
+  }
+
+  static std::string Addr(const std::string& node) { return node + ".addr:1"; }
+
+  void Register(const std::string& name, NodeRole role, int slots = 1,
+                const std::string& host = "") {
+    RegisterRequest req;
+    req.mutable_node()->set_name(name);
+    req.mutable_node()->set_role(role);
+    req.mutable_node()->set_address(Addr(name));
+    req.mutable_node()->set_slots(slots);
+    req.mutable_node()->set_host(host);
+    ASSERT_OK_AND_ASSIGN(RegisterResponse r, core_->Register(req));
+    EXPECT_EQ(r.heartbeat_interval_ms(), 500);
+  }
+
+  HeartbeatResponse Beat(const std::string& node, std::vector<TaskReport> reports = {},
+                         bool leaving = false) {
+    HeartbeatRequest req;
+    req.set_node(node);
+    for (auto& r : reports) *req.add_tasks() = r;
+    req.set_leaving(leaving);
+    auto resp = core_->Heartbeat(req);
+    EXPECT_OK(resp);
+    return resp.ok() ? *resp : HeartbeatResponse();
+  }
+
+  // Keeps `nodes` alive across `ms` of fake time (heartbeats every 500 ms).
+  void Pass(int64_t ms, const std::vector<std::string>& nodes) {
+    for (int64_t t = 0; t < ms; t += 500) {
+      clock_.AdvanceMs(500);
+      for (const auto& n : nodes) Beat(n);
+    }
+  }
+
+  static TaskReport Report(const std::string& job, int index, const std::string& state,
+                           int64_t step = 0, int64_t generation = 0) {
+    TaskReport r;
+    r.set_job_id(job);
+    r.set_index(index);
+    r.set_state(state);
+    r.set_step(step);
+    r.set_total_steps(100);
+    r.set_epoch(1);
+    r.set_accuracy(-1);
+    r.set_checkpoint_step(-1);
+    r.set_generation(generation);
+    return r;
+  }
+
+  static JobSpec Spec(const std::string& name, const std::string& mode, int workers,
+                      int shards = 0) {
+    JobSpec spec;
+    spec.set_name(name);
+    spec.set_mode(mode);
+    spec.set_num_workers(workers);
+    spec.set_num_shards(shards);
+    spec.set_steps(100);
+    return spec;
+  }
+
+  absl::StatusOr<JobStatus> Submit(const JobSpec& spec, bool dry_run = false,
+                                   bool resume = false) {
+    SubmitJobRequest req;
+    *req.mutable_spec() = spec;
+    req.set_dry_run(dry_run);
+    req.set_resume(resume);
+    return core_->SubmitJob(req);
+  }
+
+  JobStatus Get(const std::string& id) {
+    auto s = core_->GetJob(id);
+    EXPECT_OK(s);
+    return s.ok() ? *s : JobStatus();
+  }
+
+  static std::vector<std::string> WorkerNodes(const JobStatus& s) {
+    std::vector<std::string> out;
+    for (const auto& w : s.workers()) out.push_back(w.node());
+    return out;
+  }
+
+  // Standard cluster: servers s0, s1 and workers w0, w1, w2 (one slot each).
+  void Cluster() {
+    Register("s0", SERVER);
+    Register("s1", SERVER);
+    Register("w0", WORKER);
+    Register("w1", WORKER);
+    Register("w2", WORKER);
+  }
+
+  FakeClock clock_;
+  std::string dir_;
+  int tokens_ = 0;
+  std::unique_ptr<Coordinator> core_;
+};
+
+using Strings = std::vector<std::string>;
+
+TEST_F(CoordinatorTest, SubmitPlacesAndHandsOutTasks) {
+  Cluster();
+  JobSpec spec = Spec("j1", "async", 2);  // num_shards 0: defaults to the 2 alive servers.
+  ASSERT_OK_AND_ASSIGN(JobStatus st, Submit(spec));
+  EXPECT_EQ(st.job_id(), "j1");
+  EXPECT_EQ(st.state(), PENDING);
+  EXPECT_EQ(st.spec().num_shards(), 2);
+  EXPECT_EQ(st.spec().model().name(), "mlp");  // Defaults applied.
+  EXPECT_EQ(st.job_token(), "tok-1");
+  ASSERT_EQ(st.shards_size(), 2);
+  EXPECT_EQ(st.shards(0).node(), "s0");
+  EXPECT_EQ(st.shards(1).node(), "s1");
+  EXPECT_EQ(st.shards(1).address(), Addr("s1"));
+  EXPECT_TRUE(st.shards(1).alive());
+  EXPECT_EQ(WorkerNodes(st), (Strings{"w0", "w1"}));
+  EXPECT_EQ(st.workers(1).state(), "pending");
+  EXPECT_EQ(st.active_workers(), 2);
+  EXPECT_EQ(st.progress().accuracy(), -1);
+  EXPECT_EQ(st.progress().checkpoint_step(), -1);
+
+  HeartbeatResponse w1 = Beat("w1");
+  EXPECT_FALSE(w1.register_again());
+  ASSERT_EQ(w1.tasks_size(), 1);
+  const Task& t = w1.tasks(0);
+  EXPECT_EQ(t.job_id(), "j1");
+  EXPECT_EQ(t.index(), 1);
+  EXPECT_EQ(t.spec().num_shards(), 2);
+  EXPECT_EQ(Strings(t.servers().begin(), t.servers().end()), (Strings{Addr("s0"), Addr("s1")}));
+  EXPECT_EQ(t.peers_size(), 0);  // ps mode: no peers.
+  EXPECT_EQ(t.job_token(), "tok-1");
+  EXPECT_EQ(t.active_ranks_size(), 0);
+  EXPECT_EQ(t.lr_scale(), 1.0);
+  EXPECT_EQ(t.generation(), 1);
+  EXPECT_EQ(Beat("w2").tasks_size(), 0);
+  HeartbeatResponse s1 = Beat("s1");
+  ASSERT_EQ(s1.tasks_size(), 1);
+  EXPECT_EQ(s1.tasks(0).index(), 1);
+  EXPECT_EQ(s1.tasks(0).job_token(), "tok-1");
+
+  // A second job goes to the least-loaded worker node: w2, the only one with a free slot.
+  ASSERT_OK_AND_ASSIGN(JobStatus st2, Submit(Spec("j2", "gossip", 1)));
+  EXPECT_EQ(WorkerNodes(st2), (Strings{"w2"}));
+  EXPECT_EQ(st2.job_token(), "tok-2");
+}
+
+TEST_F(CoordinatorTest, GossipGetsPeersAndAllreducePacksHosts) {
+  Register("a0", WORKER, 1, "hostA");
+  Register("b0", WORKER, 1, "hostB");
+  Register("b1", WORKER, 1, "hostB");
+  ASSERT_OK_AND_ASSIGN(JobStatus ar, Submit(Spec("ar", "allreduce", 2)));
+  EXPECT_EQ(ar.shards_size(), 0);
+  EXPECT_EQ(WorkerNodes(ar), (Strings{"b0", "b1"}));
+  HeartbeatResponse b1 = Beat("b1");
+  ASSERT_EQ(b1.tasks_size(), 1);
+  EXPECT_EQ(b1.tasks(0).servers_size(), 0);
+  EXPECT_EQ(Strings(b1.tasks(0).peers().begin(), b1.tasks(0).peers().end()),
+            (Strings{Addr("b0"), Addr("b1")}));
+  // Gossip with 3 ranks needs 3 distinct nodes with a free slot; only a0 has one left.
+  EXPECT_STATUS_MSG(Submit(Spec("g", "gossip", 3)), absl::StatusCode::kFailedPrecondition,
+                    "job needs 3 workers on distinct worker nodes (mode gossip: a node's peer "
+                    "address serves one rank per job) but only 1 alive worker nodes have a free "
+                    "slot (a0: 1, b0: 0, b1: 0)");
+}
+
+TEST_F(CoordinatorTest, RefusalsSayWhatToFixAndChangeNothing) {
+  Register("s0", SERVER);
+  Register("w0", WORKER);
+  Register("w1", WORKER);
+  EXPECT_STATUS_MSG(Submit(Spec("big", "async", 3)), absl::StatusCode::kFailedPrecondition,
+                    "job needs 3 workers but the alive worker nodes offer 2 slots (w0: 1, w1: 1); "
+                    "start more gradmesh_worker --coordinator=... daemons or lower num_workers");
+  EXPECT_STATUS_MSG(Submit(Spec("shardy", "sync", 1, 2)), absl::StatusCode::kFailedPrecondition,
+                    "job needs 2 shards on distinct server nodes but only 1 alive server nodes "
+                    "have a free slot (s0: 1); start more gradmesh_server");
+  JobSpec bad = Spec("badmodel", "async", 1);
+  bad.mutable_model()->set_name("resnet");
+  EXPECT_STATUS_MSG(Submit(bad), absl::StatusCode::kInvalidArgument,
+                    "job spec: unknown model \"resnet\" (known: lenet, mlp, torchscript)");
+  bad.mutable_model()->set_name("torchscript");
+  EXPECT_STATUS_MSG(Submit(bad), absl::StatusCode::kInvalidArgument,
+                    "model \"torchscript\" needs model.path");
+  bad = Spec("baddata", "async", 1);
+  bad.mutable_dataset()->set_name("cifar10");
+  EXPECT_STATUS_MSG(Submit(bad), absl::StatusCode::kInvalidArgument,
+                    "unknown dataset \"cifar10\" (known: fashion-mnist, mnist)");
+  EXPECT_STATUS_MSG(Submit(Spec("m", "hogwild", 1)), absl::StatusCode::kInvalidArgument,
+                    "mode \"hogwild\"");
+  // Dry run: placement on paper, nothing stored, no token.
+  ASSERT_OK_AND_ASSIGN(JobStatus dry, Submit(Spec("dry", "async", 2), /*dry_run=*/true));
+  EXPECT_EQ(WorkerNodes(dry), (Strings{"w0", "w1"}));
+  EXPECT_EQ(dry.job_token(), "");
+  EXPECT_TRUE(core_->ListJobs().empty());
+  EXPECT_STATUS(core_->GetJob("dry"), absl::StatusCode::kNotFound);
+  EXPECT_EQ(Beat("w0").tasks_size(), 0);
+
+  ASSERT_OK(Submit(Spec("j", "async", 1)));
+  EXPECT_STATUS_MSG(Submit(Spec("j", "async", 1)), absl::StatusCode::kAlreadyExists,
+                    "job \"j\" already exists (PENDING); choose another name");
+  EXPECT_STATUS_MSG(Submit(Spec("j", "async", 1), false, /*resume=*/true),
+                    absl::StatusCode::kAlreadyExists,
+                    "job \"j\" is PENDING; only a job that ended");
+  ASSERT_EQ(core_->ListJobs().size(), 1u);
+  EXPECT_EQ(Get("j").job_token(), "tok-1");
+  EXPECT_STATUS_MSG(core_->GetJob("nope"), absl::StatusCode::kNotFound, "job \"nope\" not found");
+  EXPECT_STATUS_MSG(core_->CancelJob("nope"), absl::StatusCode::kNotFound, "job \"nope\"");
+}
+
+TEST_F(CoordinatorTest, BadNodeRequestsAreRejected) {
+  RegisterRequest req;
+  EXPECT_STATUS_MSG(core_->Register(req), absl::StatusCode::kInvalidArgument, "node.name");
+  req.mutable_node()->set_name("x");
+  EXPECT_STATUS_MSG(core_->Register(req), absl::StatusCode::kInvalidArgument,
+                    "node x: node.role must be SERVER or WORKER");
+  req.mutable_node()->set_role(WORKER);
+  EXPECT_STATUS_MSG(core_->Register(req), absl::StatusCode::kInvalidArgument, "node.address");
+  req.mutable_node()->set_address("a:1");
+  EXPECT_STATUS_MSG(core_->Register(req), absl::StatusCode::kInvalidArgument,
+                    "node x: node.slots must be > 0, got 0");
+  EXPECT_STATUS(core_->Heartbeat(HeartbeatRequest()), absl::StatusCode::kInvalidArgument);
+  // Unknown node: register again.
+  EXPECT_TRUE(Beat("ghost").register_again());
+  // A node holding a job cannot change role.
+  Register("w0", WORKER);
+  ASSERT_OK(Submit(Spec("j", "gossip", 1)));
+  req.mutable_node()->set_name("w0");
+  req.mutable_node()->set_role(SERVER);
+  req.mutable_node()->set_slots(1);
+  EXPECT_STATUS_MSG(core_->Register(req), absl::StatusCode::kFailedPrecondition,
+                    "node \"w0\" is registered as WORKER and placed in job j");
+}
+
+TEST_F(CoordinatorTest, EmptyNameIsGenerated) {
+  Register("w0", WORKER);
+  ASSERT_OK_AND_ASSIGN(JobStatus st, Submit(Spec("", "gossip", 1)));
+  EXPECT_EQ(st.job_id().rfind(absl::StrCat("job-", clock_.NowMs() / 1000, "-"), 0), 0u)
+      << st.job_id();
+  EXPECT_EQ(st.job_id().size(), absl::StrCat("job-", clock_.NowMs() / 1000, "-abcd").size());
+  EXPECT_EQ(st.spec().name(), st.job_id());
+}
+
+TEST_F(CoordinatorTest, ReportsDriveStateAndProgress) {
+  Cluster();
+  ASSERT_OK(Submit(Spec("j", "async", 2, 1)));
+  TaskReport r0 = Report("j", 0, "running", 10);
+  r0.set_loss(2.0);
+  r0.set_samples_per_s(100);
+  Beat("w0", {r0});
+  JobStatus st = Get("j");
+  EXPECT_EQ(st.state(), PENDING);  // Rank 1 has not reported yet.
+  EXPECT_EQ(st.workers(0).state(), "running");
+  EXPECT_EQ(st.workers(0).step(), 10);
+  EXPECT_EQ(st.progress().step(), 0);  // Min over ranks: rank 1 is at 0.
+
+  clock_.AdvanceMs(1000);
+  TaskReport r1 = Report("j", 1, "running", 6);
+  r1.set_loss(1.0);
+  r1.set_samples_per_s(50);
+  r1.set_checkpoint_step(4);
+  r0.set_checkpoint_step(8);
+  Beat("w0", {r0});
+  Beat("w1", {r1});
+  st = Get("j");
+  EXPECT_EQ(st.state(), RUNNING);
+  EXPECT_EQ(st.progress().step(), 6);
+  EXPECT_EQ(st.progress().total_steps(), 100);
+  EXPECT_EQ(st.progress().epoch(), 1);
+  EXPECT_DOUBLE_EQ(st.progress().loss(), 1.5);
+  EXPECT_DOUBLE_EQ(st.progress().samples_per_s(), 150);
+  EXPECT_EQ(st.progress().accuracy(), -1);
+  EXPECT_EQ(st.progress().checkpoint_step(), 4);
+  // Step samples: 0 at the first report, 6 one second later: 6 steps/s, 94 left.
+  EXPECT_DOUBLE_EQ(st.progress().eta_s(), 94.0 / 6.0);
+
+  // 2 s later rank 1 is at 26 and rank 0, now the slowest, at 10: 10 steps in the 3 s
+  // window, 90 left -> 27 s.
+  clock_.AdvanceMs(2000);
+  r1.set_step(26);
+  Beat("w1", {r1});
+  EXPECT_EQ(Get("j").progress().step(), 10);
+  EXPECT_NEAR(Get("j").progress().eta_s(), 27.0, 1e-9);
+
+  // Reports from a node that does not hold the rank are ignored.
+  Beat("w2", {Report("j", 0, "failed", 99)});
+  EXPECT_EQ(Get("j").state(), RUNNING);
+  EXPECT_EQ(Get("j").workers(0).step(), 10);
+
+  // Rank 1 finishes: no longer in w1's task list; rank 0 evaluates and finishes.
+  EXPECT_EQ(Beat("w1", {Report("j", 1, "succeeded", 100)}).tasks_size(), 0);
+  EXPECT_EQ(Get("j").state(), RUNNING);
+  TaskReport done = Report("j", 0, "succeeded", 100);
+  done.set_accuracy(0.97);
+  EXPECT_EQ(Beat("w0", {done}).tasks_size(), 0);
+  st = Get("j");
+  EXPECT_EQ(st.state(), SUCCEEDED);
+  EXPECT_DOUBLE_EQ(st.progress().accuracy(), 0.97);
+  EXPECT_EQ(st.progress().step(), 100);
+  EXPECT_EQ(st.progress().eta_s(), 0);
+  EXPECT_EQ(st.progress().samples_per_s(), 0);
+  // The shard keeps serving the finished job (export pulls the model from it).
+  HeartbeatResponse s = Beat("s0");
+  ASSERT_EQ(s.tasks_size(), 1);
+  EXPECT_EQ(s.tasks(0).job_id(), "j");
+  // Final: cancel is refused.
+  EXPECT_STATUS_MSG(core_->CancelJob("j"), absl::StatusCode::kFailedPrecondition,
+                    "job \"j\" already ended (SUCCEEDED); nothing to cancel");
+}
+
+TEST_F(CoordinatorTest, FailedReportFailsTheJobAndWithdrawsTasks) {
+  Cluster();
+  ASSERT_OK(Submit(Spec("j", "async", 2, 1)));
+  TaskReport bad = Report("j", 1, "failed", 3, /*generation=*/1);
+  bad.set_message("loss is NaN at step 3");
+  Beat("w1", {bad});
+  JobStatus st = Get("j");
+  EXPECT_EQ(st.state(), FAILED);
+  EXPECT_EQ(st.message(), "rank 1 on node w1: loss is NaN at step 3");
+  EXPECT_EQ(st.workers(1).state(), "failed");
+  EXPECT_EQ(Beat("w0").tasks_size(), 0);
+  EXPECT_EQ(Beat("s0").tasks_size(), 0);
+}
+
+TEST_F(CoordinatorTest, CancelWithdrawsTasks) {
+  Cluster();
+  ASSERT_OK(Submit(Spec("j", "async", 2, 1)));
+  EXPECT_EQ(Beat("w0").tasks_size(), 1);
+  ASSERT_OK_AND_ASSIGN(JobStatus st, core_->CancelJob("j"));
+  EXPECT_EQ(st.state(), CANCELLED);
+  EXPECT_EQ(st.message(), "cancelled by CancelJob");
+  EXPECT_EQ(Beat("w0").tasks_size(), 0);
+  EXPECT_EQ(Beat("s0").tasks_size(), 0);
+  EXPECT_STATUS(core_->CancelJob("j"), absl::StatusCode::kFailedPrecondition);
+  // Its slots are free again.
+  ASSERT_OK_AND_ASSIGN(JobStatus j2, Submit(Spec("j2", "async", 3, 1)));
+  EXPECT_EQ(WorkerNodes(j2), (Strings{"w0", "w1", "w2"}));
+}
+
+TEST_F(CoordinatorTest, DeadWorkerRankMovesToLeastLoadedNode) {
+  Cluster();
+  Register("w3", WORKER, 4);
+  ASSERT_OK(Submit(Spec("j", "async", 3, 1)));       // w3, w0, w1 (w3 has 4 free slots).
+  ASSERT_OK(Submit(Spec("other", "async", 1, 1)));   // w2.
+  EXPECT_EQ(WorkerNodes(Get("j")), (Strings{"w3", "w0", "w1"}));
+  Beat("w0", {Report("j", 1, "running", 5)});
+  // w0 stops heartbeating; the others go on.
+  Pass(kTimeoutMs, {"s0", "s1", "w1", "w2", "w3"});
+  EXPECT_EQ(Get("j").workers(1).node(), "w0");  // 3000 ms is not yet more than the timeout.
+  Pass(500, {"s0", "s1", "w1", "w2", "w3"});
+  JobStatus st = Get("j");
+  // Loads: w1 1/1, w2 1/1, w3 1/4: w3 is least loaded.
+  EXPECT_EQ(WorkerNodes(st), (Strings{"w3", "w3", "w1"}));
+  EXPECT_EQ(st.workers(1).state(), "pending");
+  EXPECT_EQ(st.workers(1).reassignments(), 1);
+  EXPECT_EQ(st.workers(1).address(), Addr("w3"));
+  HeartbeatResponse w3 = Beat("w3");
+  ASSERT_EQ(w3.tasks_size(), 2);
+  EXPECT_EQ(w3.tasks(0).index(), 0);
+  EXPECT_EQ(w3.tasks(0).generation(), 1);  // ps mode: only the moved rank's task changes.
+  EXPECT_EQ(w3.tasks(1).index(), 1);
+  EXPECT_EQ(w3.tasks(1).generation(), 2);
+  // The old daemon comes back: it is told to run nothing of j, and its stale reports are
+  // ignored.
+  HeartbeatResponse w0 = Beat("w0", {Report("j", 1, "failed", 6, 1)});
+  EXPECT_EQ(w0.tasks_size(), 0);
+  EXPECT_EQ(Get("j").state(), PENDING);
+  // A report of an outdated generation from the right node changes figures, not state.
+  Beat("w3", {Report("j", 1, "stopped", 7, /*generation=*/1)});
+  EXPECT_EQ(Get("j").workers(1).node(), "w3");
+  EXPECT_EQ(Get("j").workers(1).step(), 7);
+}
+
+TEST_F(CoordinatorTest, LeavingAndStoppedMoveRanksAtOnce) {
+  Cluster();
+  ASSERT_OK(Submit(Spec("j", "gossip", 2)));  // w0, w1.
+  // w1 leaves (SIGTERM): its rank goes to w2 at once; in gossip every rank's peers change.
+  Beat("w1", {Report("j", 1, "stopped", 4, 1)}, /*leaving=*/true);
+  JobStatus st = Get("j");
+  EXPECT_EQ(WorkerNodes(st), (Strings{"w0", "w2"}));
+  EXPECT_EQ(st.workers(1).reassignments(), 1);
+  HeartbeatResponse w0 = Beat("w0");
+  ASSERT_EQ(w0.tasks_size(), 1);
+  EXPECT_EQ(w0.tasks(0).generation(), 2);
+  EXPECT_EQ(Strings(w0.tasks(0).peers().begin(), w0.tasks(0).peers().end()),
+            (Strings{Addr("w0"), Addr("w2")}));
+  // Rank 0 stops on w0 without w0 leaving: no other node qualifies (w1 is gone, w2 holds rank 1
+  // of this job), so the rank is lost until a worker node registers.
+  Beat("w0", {Report("j", 0, "stopped", 5, 2)});
+  st = Get("j");
+  EXPECT_EQ(st.workers(0).state(), "lost");
+  EXPECT_EQ(st.workers(0).node(), "");
+  EXPECT_EQ(Beat("w0").tasks_size(), 0);
+  HeartbeatResponse w2 = Beat("w2");
+  ASSERT_EQ(w2.tasks_size(), 1);
+  EXPECT_EQ(Strings(w2.tasks(0).peers().begin(), w2.tasks(0).peers().end()),
+            (Strings{"", Addr("w2")}));
+  Register("w9", WORKER);
+  st = Get("j");
+  EXPECT_EQ(WorkerNodes(st), (Strings{"w9", "w2"}));
+  EXPECT_EQ(st.workers(0).state(), "pending");
+  EXPECT_EQ(st.workers(0).reassignments(), 1);
+}
+
+TEST_F(CoordinatorTest, LostRankGoesToTheNextNodeThatRegisters) {
+  Register("s0", SERVER);
+  Register("w0", WORKER, 2);
+  ASSERT_OK(Submit(Spec("j", "async", 2, 1)));  // Both ranks on w0.
+  EXPECT_EQ(WorkerNodes(Get("j")), (Strings{"w0", "w0"}));
+  Pass(kTimeoutMs + 500, {"s0"});
+  JobStatus st = Get("j");
+  EXPECT_EQ(st.workers(0).state(), "lost");
+  EXPECT_EQ(st.workers(1).state(), "lost");
+  EXPECT_EQ(st.state(), PENDING);
+  Register("w5", WORKER, 1);
+  st = Get("j");
+  // async may exceed slots: both ranks go to the newcomer.
+  EXPECT_EQ(WorkerNodes(st), (Strings{"w5", "w5"}));
+  EXPECT_EQ(st.workers(1).reassignments(), 1);
+  EXPECT_EQ(Beat("w5").tasks_size(), 2);
+}
+
+TEST_F(CoordinatorTest, SyncRegroupsWithoutALostRankAndRestoresTheGroup) {
+  Register("s0", SERVER);
+  Register("w0", WORKER);
+  Register("w1", WORKER);
+  Register("w2", WORKER);
+  ASSERT_OK(Submit(Spec("s", "sync", 3, 1)));
+  Beat("w0", {Report("s", 0, "running", 12)});
+  Beat("w1", {Report("s", 1, "running", 12)});
+  Beat("w2", {Report("s", 2, "running", 11)});
+  EXPECT_EQ(Get("s").state(), RUNNING);
+  // w2 dies. w0 and w1 have no free slot, and sync ranks do not double up: rank 2 is lost and
+  // the group re-forms with ranks 0 and 1 at lr x 2/3.
+  Pass(kTimeoutMs + 500, {"s0", "w0", "w1"});
+  JobStatus st = Get("s");
+  EXPECT_EQ(st.state(), RUNNING);
+  EXPECT_EQ(st.workers(2).state(), "lost");
+  EXPECT_EQ(st.active_workers(), 2);
+  EXPECT_EQ(st.progress().step(), 12);  // The lost rank no longer holds the minimum.
+  for (const std::string node : {"w0", "s0"}) {
+    HeartbeatResponse r = Beat(node);
+    ASSERT_EQ(r.tasks_size(), 1) << node;
+    EXPECT_EQ(std::vector<int>(r.tasks(0).active_ranks().begin(),
+                               r.tasks(0).active_ranks().end()),
+              (std::vector<int>{0, 1}))
+        << node;
+    EXPECT_DOUBLE_EQ(r.tasks(0).lr_scale(), 2.0 / 3.0) << node;
+    EXPECT_EQ(r.tasks(0).generation(), 2) << node;
+  }
+  // A replacement registers: it gets rank 2 and the full group is back.
+  Register("w7", WORKER);
+  st = Get("s");
+  EXPECT_EQ(WorkerNodes(st), (Strings{"w0", "w1", "w7"}));
+  EXPECT_EQ(st.workers(2).reassignments(), 1);
+  EXPECT_EQ(st.active_workers(), 3);
+  for (const std::string node : {"w0", "w7", "s0"}) {
+    HeartbeatResponse r = Beat(node);
+    ASSERT_EQ(r.tasks_size(), 1) << node;
+    EXPECT_EQ(r.tasks(0).active_ranks_size(), 0) << node;
+    EXPECT_EQ(r.tasks(0).lr_scale(), 1.0) << node;
+    EXPECT_EQ(r.tasks(0).generation(), 4) << node;  // 3: rank 2 moved; 4: group restored.
+  }
+}
+
+TEST_F(CoordinatorTest, SyncWithoutLrScalingKeepsTheRate) {
+  Register("s0", SERVER);
+  Register("w0", WORKER);
+  Register("w1", WORKER);
+  JobSpec spec = Spec("s", "sync", 2, 1);
+  spec.set_sync_lr_scaling("none");
+  ASSERT_OK(Submit(spec));
+  Beat("w1", {}, /*leaving=*/true);
+  HeartbeatResponse r = Beat("s0");
+  ASSERT_EQ(r.tasks_size(), 1);
+  EXPECT_EQ(std::vector<int>(r.tasks(0).active_ranks().begin(), r.tasks(0).active_ranks().end()),
+            (std::vector<int>{0}));
+  EXPECT_EQ(r.tasks(0).lr_scale(), 1.0);
+  EXPECT_EQ(Get("s").active_workers(), 1);
+}
+
+TEST_F(CoordinatorTest, DeadServerPausesJobsUntilItComesBack) {
+  Cluster();
+  ASSERT_OK(Submit(Spec("j", "async", 1, 2)));
+  ASSERT_OK(Submit(Spec("g", "gossip", 1)));  // No shards: unaffected.
+  Beat("w0", {Report("j", 0, "running", 1)});
+  EXPECT_EQ(Get("j").state(), RUNNING);
+  Pass(kTimeoutMs + 500, {"s0", "w0", "w1", "w2"});
+  JobStatus st = Get("j");
+  EXPECT_EQ(st.state(), PAUSED);
+  EXPECT_EQ(st.message(),
+            "shard 1 on node s1 (s1.addr:1) is down; workers wait for it to come back");
+  EXPECT_FALSE(st.shards(1).alive());
+  EXPECT_TRUE(st.shards(0).alive());
+  EXPECT_EQ(Get("g").state(), PENDING);
+  // Workers keep their task (they retry until the shard is back); shards never move.
+  EXPECT_EQ(Beat("w0").tasks_size(), 1);
+  EXPECT_EQ(st.shards(1).node(), "s1");
+
+  // s1 restarts on another port under the same name.
+  RegisterRequest req;
+  req.mutable_node()->set_name("s1");
+  req.mutable_node()->set_role(SERVER);
+  req.mutable_node()->set_address("s1.addr:2");
+  req.mutable_node()->set_slots(1);
+  ASSERT_OK(core_->Register(req));
+  st = Get("j");
+  EXPECT_EQ(st.state(), RUNNING);
+  EXPECT_EQ(st.message(), "");
+  EXPECT_TRUE(st.shards(1).alive());
+  EXPECT_EQ(st.shards(1).address(), "s1.addr:2");
+  HeartbeatResponse w0 = Beat("w0");
+  ASSERT_EQ(w0.tasks_size(), 1);
+  EXPECT_EQ(Strings(w0.tasks(0).servers().begin(), w0.tasks(0).servers().end()),
+            (Strings{Addr("s0"), "s1.addr:2"}));
+  EXPECT_EQ(w0.tasks(0).generation(), 2);
+
+  // A server that only stalled past the timeout and heartbeats again also resumes the job.
+  Pass(kTimeoutMs + 500, {"s1", "w0", "w1", "w2"});
+  EXPECT_EQ(Get("j").state(), PAUSED);
+  EXPECT_EQ(Get("j").message(),
+            "shard 0 on node s0 (s0.addr:1) is down; workers wait for it to come back");
+  EXPECT_FALSE(Beat("s0").register_again());
+  EXPECT_EQ(Get("j").state(), RUNNING);
+}
+
+TEST_F(CoordinatorTest, ResumeReusesShardsAndToken) {
+  Cluster();
+  ASSERT_OK(Submit(Spec("j", "async", 1, 2)));
+  TaskReport bad = Report("j", 0, "failed", 40);
+  bad.set_message("out of memory");
+  Beat("w0", {bad});
+  ASSERT_EQ(Get("j").state(), FAILED);
+  JobSpec spec = Spec("j", "async", 1, 1);
+  EXPECT_STATUS_MSG(Submit(spec, false, true), absl::StatusCode::kFailedPrecondition,
+                    "job \"j\" ran with 2 shards, which hold its state; resume it with "
+                    "num_shards: 2");
+  spec.set_num_shards(2);
+  ASSERT_OK_AND_ASSIGN(JobStatus st, Submit(spec, false, /*resume=*/true));
+  EXPECT_EQ(st.state(), PENDING);
+  EXPECT_EQ(st.job_token(), "tok-1");
+  EXPECT_EQ(st.shards(0).node(), "s0");
+  EXPECT_EQ(st.shards(1).node(), "s1");
+  EXPECT_EQ(st.message(), "");
+  HeartbeatResponse s1 = Beat("s1");
+  ASSERT_EQ(s1.tasks_size(), 1);
+  EXPECT_EQ(s1.tasks(0).generation(), 2);
+  EXPECT_EQ(core_->ListJobs().size(), 1u);
+  // Resume while a shard's node is down is refused.
+  ASSERT_OK(core_->CancelJob("j"));
+  Pass(kTimeoutMs + 500, {"s0", "w0", "w1", "w2"});
+  EXPECT_STATUS_MSG(Submit(spec, false, true), absl::StatusCode::kFailedPrecondition,
+                    "resuming job \"j\" needs shard 1's node s1 (it holds the job's state), "
+                    "which is not alive");
+  EXPECT_EQ(Get("j").state(), CANCELLED);
+}
+
+TEST_F(CoordinatorTest, RestartKeepsJobsNodesAndPlacements) {
+  Cluster();
+  ASSERT_OK(Submit(Spec("j", "async", 2, 1)));
+  ASSERT_OK(Submit(Spec("k", "gossip", 1)));
+  ASSERT_OK(core_->CancelJob("k"));
+  TaskReport r0 = Report("j", 0, "running", 10);
+  TaskReport r1 = Report("j", 1, "running", 10);
+  Beat("w0", {r0});
+  Beat("w1", {r1});
+  ASSERT_EQ(Get("j").state(), RUNNING);
+  // Progress-only change within the 1 s write interval: written by the destructor.
+  r0.set_step(20);
+  r1.set_step(20);
+  Beat("w0", {r0});
+  Beat("w1", {r1});
+  ASSERT_EQ(Get("j").progress().step(), 20);
+
+  clock_.AdvanceMs(60'000);  // The coordinator was down for a minute.
+  ASSERT_NO_FATAL_FAILURE(Start());
+  ASSERT_EQ(core_->ListJobs().size(), 2u);
+  EXPECT_EQ(core_->ListJobs()[0].job_id(), "k");  // Newest first.
+  JobStatus st = Get("j");
+  EXPECT_EQ(st.state(), RUNNING);
+  EXPECT_EQ(st.progress().step(), 20);
+  EXPECT_EQ(st.job_token(), "tok-1");
+  EXPECT_EQ(WorkerNodes(st), (Strings{"w0", "w1"}));
+  EXPECT_EQ(Get("k").state(), CANCELLED);
+  // Grace: stored nodes count as alive; a daemon restarted under its old name gets its task.
+  HeartbeatResponse w1 = Beat("w1");
+  EXPECT_FALSE(w1.register_again());
+  ASSERT_EQ(w1.tasks_size(), 1);
+  EXPECT_EQ(w1.tasks(0).index(), 1);
+  EXPECT_EQ(w1.tasks(0).job_token(), "tok-1");
+  EXPECT_TRUE(Beat("never-seen").register_again());
+  // After the grace, nodes that did not come back are dead: rank 0 moves to w2.
+  Pass(kTimeoutMs + 500, {"s0", "w1", "w2"});
+  st = Get("j");
+  EXPECT_EQ(WorkerNodes(st), (Strings{"w2", "w1"}));
+  EXPECT_EQ(st.workers(0).reassignments(), 1);
+  // And that is durable too.
+  ASSERT_NO_FATAL_FAILURE(Start());
+  EXPECT_EQ(WorkerNodes(Get("j")), (Strings{"w2", "w1"}));
+  EXPECT_EQ(Get("j").workers(0).reassignments(), 1);
+}
+
+TEST_F(CoordinatorTest, WaitForJobChangeWakesOnChange) {
+  Register("w0", WORKER);
+  ASSERT_OK(Submit(Spec("g", "gossip", 1)));
+  ASSERT_OK_AND_ASSIGN(Coordinator::JobView v0,
+                       core_->WaitForJobChange("g", 0, absl::Now() + absl::Seconds(5)));
+  EXPECT_EQ(v0.version, 1);
+  // No change: times out with the same version.
+  ASSERT_OK_AND_ASSIGN(Coordinator::JobView same,
+                       core_->WaitForJobChange("g", 1, absl::Now() + absl::Milliseconds(50)));
+  EXPECT_EQ(same.version, 1);
+  std::thread reporter([this] {
+    absl::SleepFor(absl::Milliseconds(50));
+    Beat("w0", {Report("g", 0, "running", 3)});
+  });
+  ASSERT_OK_AND_ASSIGN(Coordinator::JobView next,
+                       core_->WaitForJobChange("g", 1, absl::Now() + absl::Seconds(10)));
+  reporter.join();
+  EXPECT_EQ(next.version, 2);
+  EXPECT_EQ(next.status.state(), RUNNING);
+  EXPECT_STATUS(core_->WaitForJobChange("nope", 0, absl::Now()), absl::StatusCode::kNotFound);
+}
+
+}  // namespace
+}  // namespace gradmesh

@@ -1,0 +1,431 @@
+// End-to-end tests of the control plane, through the `gradmesh` CLI, with every daemon a real
+// process on 127.0.0.1: gradmesh_coordinator (with an API token), gradmesh_server shards and
+// gradmesh_worker daemons in service mode (--coordinator), training the MNIST MLP.
+//
+// * A job submitted with `gradmesh submit` and followed with `gradmesh watch` succeeds with
+//   test accuracy >= 0.97; calls without the token are refused.
+// * A worker daemon killed mid-job (async): its rank moves to the other daemon, resumes where
+//   the shards recorded it, and every rank's data is trained to the last step.
+// * The coordinator killed and restarted mid-job: it still knows the job and its progress,
+//   and the job completes.
+// * Every process stopped mid-job, then restarted: the job resumes from the shards'
+//   checkpoint (the resumed step is the checkpoint's) and reaches the accuracy bar.
+// * Bad specs (unknown model, negative batch, unknown field, too many workers) are refused
+//   with messages that say what to fix, and nothing is created.
+#include <signal.h>
+
+#include <fstream>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_replace.h"
+#include "absl/time/clock.h"
+#include "common/job_spec.h"
+#include "common/status_testing.h"
+#include "google/protobuf/util/json_util.h"
+#include "gtest/gtest.h"
+#include "proto/coordinator.pb.h"
+#include "tests/e2e/e2e_harness.h"
+#include "tests/testing/subprocess.h"
+
+namespace gradmesh {
+namespace e2e {
+namespace {
+
+using testutil::LinesWith;
+using testutil::LogField;
+using testutil::ReadFile;
+using testutil::RunfilePath;
+using testutil::WaitForPortFile;
+
+constexpr char kToken[] = "s3cret-token";
+
+// Exit code and combined output of one CLI run.
+struct CliResult {
+  int code = -1;
+  std::string out;
+};
+
+class ControlPlaneTest : public E2eHarness {
+ protected:
+  void SetUp() override {
+    E2eHarness::SetUp();
+    if (!HaveMnist()) GTEST_SKIP() << "MNIST not installed under " << DataDir();
+    ASSERT_OK_AND_ASSIGN(coordinator_bin_, RunfilePath("coordinator/gradmesh_coordinator"));
+    ASSERT_OK_AND_ASSIGN(cli_bin_, RunfilePath("cli/gradmesh"));
+    token_file_ = dir_ + "/token";
+    std::ofstream(token_file_) << kToken << "\n";
+    ASSERT_OK_AND_ASSIGN(coordinator_port_, PickFreePort());
+    coordinator_ = absl::StrCat("127.0.0.1:", coordinator_port_);
+  }
+
+  // Starts (or restarts) the coordinator on coordinator_port_ with its table in <dir>/coord.
+  void StartCoordinator() {
+    const std::string pf = absl::StrCat(dir_, "/coord.port", starts_++);
+    ASSERT_OK_AND_ASSIGN(
+        coord_proc_,
+        Subprocess::Start({coordinator_bin_, "--host=127.0.0.1",
+                           absl::StrCat("--port=", coordinator_port_), "--port_file=" + pf,
+                           "--data_dir=" + dir_ + "/coord", "--auth_token_file=" + token_file_,
+                           "--heartbeat_interval_ms=300", "--heartbeat_timeout_ms=2000",
+                           "--node=coordinator"},
+                          ChildEnv(), NewLog(absl::StrCat("coordinator", starts_))));
+    ASSERT_OK(WaitForPortFile(pf, absl::Seconds(60), coord_proc_.get()).status());
+  }
+
+  // A shard daemon in service mode named `name` on `port` (0: any), state in <dir>/<name>.
+  std::unique_ptr<Subprocess> StartServiceServer(const std::string& name, int port = 0) {
+    const std::string pf = absl::StrCat(dir_, "/", name, ".port", starts_++);
+    auto p = Subprocess::Start(
+        {server_bin_, "--host=127.0.0.1", absl::StrCat("--port=", port), "--port_file=" + pf,
+         "--node=" + name, "--data_dir=" + dir_ + "/" + name, "--coordinator=" + coordinator_,
+         "--auth_token_file=" + token_file_},
+        ChildEnv(), NewLog(absl::StrCat(name, "-", starts_)));
+    EXPECT_OK(p);
+    if (!p.ok()) return nullptr;
+    EXPECT_OK(WaitForPortFile(pf, absl::Seconds(60), p->get()).status());
+    return std::move(p).value();
+  }
+
+  // A worker daemon in service mode named `name`.
+  std::unique_ptr<Subprocess> StartServiceWorker(const std::string& name) {
+    const std::string pf = absl::StrCat(dir_, "/", name, ".port", starts_++);
+    auto p = Subprocess::Start(
+        {worker_bin_, "--host=127.0.0.1", "--peer_port=0", "--port_file=" + pf,
+         "--node=" + name, "--coordinator=" + coordinator_, "--auth_token_file=" + token_file_,
+         "--data_dir=" + DataDir(), "--checkpoint_dir=" + dir_ + "/ckpt"},
+        ChildEnv(), NewLog(absl::StrCat(name, "-", starts_)));
+    EXPECT_OK(p);
+    if (!p.ok()) return nullptr;
+    EXPECT_OK(WaitForPortFile(pf, absl::Seconds(60), p->get()).status());
+    return std::move(p).value();
+  }
+
+  // Runs the CLI with `args` (the coordinator and token flags added unless `bare`).
+  CliResult Cli(std::vector<std::string> args, absl::Duration timeout = absl::Seconds(60),
+                bool bare = false) {
+    std::vector<std::string> argv = {cli_bin_};
+    if (!bare) {
+      argv.push_back("--coordinator=" + coordinator_);
+      argv.push_back("--auth_token_file=" + token_file_);
+    }
+    argv.insert(argv.end(), args.begin(), args.end());
+    const std::string log = absl::StrCat(dir_, "/cli", cli_runs_++, ".out");
+    CliResult r;
+    auto p = Subprocess::Start(argv, ChildEnv(), log);
+    EXPECT_OK(p);
+    if (!p.ok()) return r;
+    auto code = (*p)->Wait(timeout);
+    EXPECT_OK(code) << "gradmesh " << absl::StrJoin(args, " ") << " did not end";
+    r.code = code.ok() ? *code : -1000;
+    r.out = ReadFile(log);
+    return r;
+  }
+
+  // `gradmesh status JOB --json` parsed; a failed call is a test failure and an empty status.
+  JobStatus Status(const std::string& job) {
+    CliResult r = Cli({"status", job, "--json"});
+    EXPECT_EQ(r.code, 0) << r.out;
+    JobStatus s;
+    EXPECT_TRUE(google::protobuf::util::JsonStringToMessage(r.out, &s).ok()) << r.out;
+    return s;
+  }
+
+  // Polls the job's status until `pred` holds (true) or `timeout` passes (false).
+  bool WaitForStatus(const std::string& job, const std::function<bool(const JobStatus&)>& pred,
+                     absl::Duration timeout) {
+    const absl::Time deadline = absl::Now() + timeout;
+    while (absl::Now() < deadline) {
+      CliResult r = Cli({"status", job, "--json"});
+      JobStatus s;
+      if (r.code == 0 && google::protobuf::util::JsonStringToMessage(r.out, &s).ok() &&
+          pred(s)) {
+        return true;
+      }
+      absl::SleepFor(absl::Milliseconds(500));
+    }
+    return false;
+  }
+
+  // Writes a job spec file and returns its path.
+  std::string WriteSpec(const std::string& name, const std::string& yaml) {
+    const std::string path = absl::StrCat(dir_, "/", name, ".yaml");
+    std::ofstream(path) << yaml;
+    return path;
+  }
+
+  // The MNIST MLP job the tests run: 2 workers, 2 shards, async, Adam with a cosine schedule.
+  static std::string MlpSpec(const std::string& name, int epochs, const std::string& extra = "") {
+    return absl::StrCat("name: ", name, "\n", R"(model: {name: mlp}
+dataset: {name: mnist}
+optimizer: {name: adam, lr: 0.001, lr_schedule: cosine}
+batch_size: 64
+mode: async
+num_workers: 2
+num_shards: 2
+seed: 1
+log_every: 25
+)",
+                        "epochs: ", epochs, "\n", extra);
+  }
+
+  std::string coordinator_bin_, cli_bin_, token_file_, coordinator_;
+  int coordinator_port_ = 0;
+  std::unique_ptr<Subprocess> coord_proc_;
+  int starts_ = 0;
+  int cli_runs_ = 0;
+};
+
+TEST_F(ControlPlaneTest, SubmitAndWatchThroughTheCliReachesAccuracy) {
+  StartCoordinator();
+  auto s0 = StartServiceServer("s0");
+  auto s1 = StartServiceServer("s1");
+  auto w0 = StartServiceWorker("w0");
+  auto w1 = StartServiceWorker("w1");
+
+  // Without the API token the coordinator refuses.
+  CliResult anon = Cli({"--coordinator=" + coordinator_, "list"}, absl::Seconds(30), true);
+  EXPECT_EQ(anon.code, 1) << anon.out;
+  EXPECT_TRUE(absl::StrContains(anon.out, "UNAUTHENTICATED")) << anon.out;
+
+  // Daemons register within a few heartbeats; submit once both workers are there.
+  const std::string spec = WriteSpec("mlp", MlpSpec("mlp-e2e", 2));
+  CliResult submit;
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  do {
+    submit = Cli({"submit", spec});
+    if (submit.code == 0) break;
+    absl::SleepFor(absl::Milliseconds(500));
+  } while (absl::Now() < deadline);
+  ASSERT_EQ(submit.code, 0) << submit.out;
+  EXPECT_TRUE(absl::StrContains(submit.out, "mlp-e2e")) << submit.out;
+
+  CliResult watch = Cli({"watch", "mlp-e2e"}, absl::Minutes(5));
+  EXPECT_EQ(watch.code, 0) << watch.out;
+  EXPECT_TRUE(absl::StrContains(watch.out, "SUCCEEDED")) << watch.out;
+  // Not a terminal: plain lines, no carriage returns.
+  EXPECT_FALSE(absl::StrContains(watch.out, "\r")) << watch.out;
+
+  const JobStatus st = Status("mlp-e2e");
+  EXPECT_EQ(st.state(), SUCCEEDED);
+  EXPECT_GE(st.progress().accuracy(), 0.97) << st.DebugString();
+  EXPECT_EQ(st.progress().step(), st.progress().total_steps());
+  EXPECT_EQ(st.workers_size(), 2);
+  EXPECT_EQ(st.shards_size(), 2);
+  // Ranks spread over both worker daemons, shards over both servers.
+  EXPECT_NE(st.workers(0).node(), st.workers(1).node());
+  EXPECT_NE(st.shards(0).node(), st.shards(1).node());
+
+  CliResult list = Cli({"list"});
+  EXPECT_EQ(list.code, 0) << list.out;
+  EXPECT_TRUE(absl::StrContains(list.out, "mlp-e2e")) << list.out;
+  EXPECT_TRUE(absl::StrContains(list.out, "SUCCEEDED")) << list.out;
+}
+
+TEST_F(ControlPlaneTest, KilledWorkerRankMovesAndNoDataIsDropped) {
+  StartCoordinator();
+  auto s0 = StartServiceServer("s0");
+  auto s1 = StartServiceServer("s1");
+  auto w0 = StartServiceWorker("w0");
+  auto w1 = StartServiceWorker("w1");
+  const std::string spec = WriteSpec("mlp", MlpSpec("killed", 2));
+  CliResult submit;
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  do {
+    submit = Cli({"submit", spec});
+    if (submit.code == 0) break;
+    absl::SleepFor(absl::Milliseconds(500));
+  } while (absl::Now() < deadline);
+  ASSERT_EQ(submit.code, 0) << submit.out;
+
+  // Kill the daemon running rank 1 once the job is well under way.
+  std::string victim_node;
+  ASSERT_TRUE(WaitForStatus(
+      "killed",
+      [&](const JobStatus& s) {
+        if (s.progress().step() < 200 || s.workers_size() < 2) return false;
+        victim_node = s.workers(1).node();
+        return true;
+      },
+      absl::Minutes(3)));
+  Subprocess* victim = victim_node == "w0" ? w0.get() : w1.get();
+  ASSERT_OK(victim->Signal(SIGKILL));
+
+  CliResult watch = Cli({"watch", "killed"}, absl::Minutes(5));
+  EXPECT_EQ(watch.code, 0) << watch.out;
+  const JobStatus st = Status("killed");
+  ASSERT_EQ(st.state(), SUCCEEDED) << st.DebugString();
+  EXPECT_GE(st.workers(1).reassignments(), 1) << st.DebugString();
+  EXPECT_NE(st.workers(1).node(), victim_node);
+  EXPECT_GE(st.progress().accuracy(), 0.96) << st.DebugString();
+
+  // Every rank's data was trained to its last step on both shards.
+  for (const ShardPlacement& shard : st.shards()) {
+    ASSERT_OK_AND_ASSIGN(JobInfoResponse info, GetJobInfo(shard.address(), "killed"));
+    ASSERT_EQ(info.workers_size(), 2);
+    for (const WorkerState& w : info.workers()) {
+      EXPECT_EQ(w.last_step(), st.progress().total_steps() - 1) << "rank " << w.worker();
+      EXPECT_TRUE(w.finished()) << "rank " << w.worker();
+    }
+  }
+}
+
+TEST_F(ControlPlaneTest, RestartedCoordinatorKnowsTheJobAndItCompletes) {
+  StartCoordinator();
+  auto s0 = StartServiceServer("s0");
+  auto s1 = StartServiceServer("s1");
+  auto w0 = StartServiceWorker("w0");
+  auto w1 = StartServiceWorker("w1");
+  const std::string spec = WriteSpec("mlp", MlpSpec("restarted", 2));
+  CliResult submit;
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  do {
+    submit = Cli({"submit", spec});
+    if (submit.code == 0) break;
+    absl::SleepFor(absl::Milliseconds(500));
+  } while (absl::Now() < deadline);
+  ASSERT_EQ(submit.code, 0) << submit.out;
+  int64_t before = 0;
+  ASSERT_TRUE(WaitForStatus(
+      "restarted",
+      [&](const JobStatus& s) {
+        before = s.progress().step();
+        return before >= 100;
+      },
+      absl::Minutes(3)));
+
+  ASSERT_OK(coord_proc_->Signal(SIGKILL));
+  ASSERT_OK(coord_proc_->Wait(absl::Seconds(10)).status());
+  absl::SleepFor(absl::Seconds(2));  // Workers train on without it.
+  StartCoordinator();
+  // Straight from its table: the job, its spec and its progress (saved at most ~1 s before
+  // the kill, so at least the 100 steps seen earlier minus that second's).
+  const JobStatus after = Status("restarted");
+  EXPECT_EQ(after.job_id(), "restarted");
+  EXPECT_GT(after.progress().step(), 0) << after.DebugString();
+  EXPECT_EQ(after.spec().num_workers(), 2);
+  EXPECT_EQ(after.workers_size(), 2);
+  // The workers trained on meanwhile, and their heartbeats bring it up to date.
+  EXPECT_TRUE(WaitForStatus(
+      "restarted", [&](const JobStatus& s) { return s.progress().step() > before; },
+      absl::Seconds(30)));
+
+  CliResult watch = Cli({"watch", "restarted"}, absl::Minutes(5));
+  EXPECT_EQ(watch.code, 0) << watch.out;
+  EXPECT_EQ(Status("restarted").state(), SUCCEEDED);
+}
+
+TEST_F(ControlPlaneTest, FullStopThenResumeFromCheckpoint) {
+  ASSERT_OK_AND_ASSIGN(int p0, PickFreePort());
+  ASSERT_OK_AND_ASSIGN(int p1, PickFreePort());
+  StartCoordinator();
+  auto s0 = StartServiceServer("s0", p0);
+  auto s1 = StartServiceServer("s1", p1);
+  auto w0 = StartServiceWorker("w0");
+  auto w1 = StartServiceWorker("w1");
+  const std::string spec =
+      WriteSpec("mlp", MlpSpec("resumed", 2, "checkpoint: {every_steps: 100}\n"));
+  CliResult submit;
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  do {
+    submit = Cli({"submit", spec});
+    if (submit.code == 0) break;
+    absl::SleepFor(absl::Milliseconds(500));
+  } while (absl::Now() < deadline);
+  ASSERT_EQ(submit.code, 0) << submit.out;
+
+  // Wait for a checkpoint (the shards' snapshot at 100 steps of both workers).
+  int64_t checkpoint_update = 0;
+  ASSERT_TRUE(WaitForStatus(
+      "resumed",
+      [&](const JobStatus& s) {
+        if (s.progress().step() < 350 || s.shards_size() < 2) return false;
+        auto info = GetJobInfo(s.shards(0).address(), "resumed");
+        if (!info.ok() || info->snapshot_update() == 0) return false;
+        checkpoint_update = info->snapshot_update();
+        return true;
+      },
+      absl::Minutes(3)));
+  EXPECT_EQ(checkpoint_update % 200, 0) << "snapshots every 100 steps of 2 workers";
+
+  // Stop everything, hard.
+  for (Subprocess* p : {w0.get(), w1.get(), s0.get(), s1.get(), coord_proc_.get()}) {
+    ASSERT_OK(p->Signal(SIGKILL));
+    ASSERT_OK(p->Wait(absl::Seconds(10)).status());
+  }
+
+  // Restart every process with the same names, data directories and shard ports.
+  StartCoordinator();
+  s0 = StartServiceServer("s0", p0);
+  s1 = StartServiceServer("s1", p1);
+  w0 = StartServiceWorker("w0");
+  w1 = StartServiceWorker("w1");
+  CliResult watch = Cli({"watch", "resumed"}, absl::Minutes(5));
+  EXPECT_EQ(watch.code, 0) << watch.out;
+  const JobStatus st = Status("resumed");
+  EXPECT_EQ(st.state(), SUCCEEDED) << st.DebugString();
+  EXPECT_GE(st.progress().accuracy(), 0.97) << st.DebugString();
+
+  // Each rank resumed at a step after the checkpoint's, not from 0.
+  int resumed = 0;
+  for (const std::string& log : logs_) {
+    if (!absl::StrContains(log, "/w")) continue;
+    for (const std::string& line : LinesWith(ReadFile(log), "event=resuming")) {
+      if (LogField(line, "job") != "resumed") continue;
+      ++resumed;
+      EXPECT_GT(ToInt(LogField(line, "step")), 0) << line;
+    }
+  }
+  EXPECT_EQ(resumed, 2);
+  ASSERT_OK_AND_ASSIGN(JobInfoResponse info, GetJobInfo(st.shards(0).address(), "resumed"));
+  EXPECT_TRUE(info.restored());
+}
+
+TEST_F(ControlPlaneTest, BadSpecsAreRefusedAndChangeNothing) {
+  StartCoordinator();
+  auto s0 = StartServiceServer("s0");
+  auto s1 = StartServiceServer("s1");
+  auto w0 = StartServiceWorker("w0");
+  auto w1 = StartServiceWorker("w1");
+  absl::SleepFor(absl::Seconds(2));  // Let the daemons register.
+
+  struct Case {
+    std::string name, yaml;
+    int code;
+    std::vector<std::string> says;
+  };
+  const std::vector<Case> cases = {
+      {"unknown-model", MlpSpec("bad1", 1) + "model: {name: resnet}\n", 1, {"resnet", "mlp"}},
+      {"negative-batch", absl::StrReplaceAll(MlpSpec("bad2", 1), {{"batch_size: 64", "batch_size: -8"}}),
+       1, {"batch_size", "-8"}},
+      {"unknown-field", MlpSpec("bad3", 1) + "optimiser: {name: sgd}\n", 2, {"optimiser"}},
+      {"too-many-workers",
+       absl::StrReplaceAll(MlpSpec("bad4", 1), {{"num_workers: 2", "num_workers: 5"}}), 1,
+       {"FAILED_PRECONDITION", "5 workers"}},
+  };
+  for (const Case& c : cases) {
+    CliResult r = Cli({"submit", WriteSpec(c.name, c.yaml)});
+    EXPECT_EQ(r.code, c.code) << c.name << ": " << r.out;
+    for (const std::string& s : c.says) {
+      EXPECT_TRUE(absl::StrContains(r.out, s)) << c.name << " should mention " << s << ": "
+                                               << r.out;
+    }
+  }
+  CliResult list = Cli({"list"});
+  EXPECT_EQ(list.code, 0) << list.out;
+  for (const char* job : {"bad1", "bad2", "bad3", "bad4"}) {
+    EXPECT_FALSE(absl::StrContains(list.out, job)) << list.out;
+  }
+  CliResult missing = Cli({"status", "bad1"});
+  EXPECT_EQ(missing.code, 1) << missing.out;
+  EXPECT_TRUE(absl::StrContains(missing.out, "NOT_FOUND")) << missing.out;
+}
+
+}  // namespace
+}  // namespace e2e
+}  // namespace gradmesh
