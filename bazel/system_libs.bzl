@@ -35,7 +35,7 @@ def _system_libs_impl(rctx):
             if f.startswith("-I") and f[2:] != "/usr/include":
                 copts.append("-isystem" + f[2:])
         build.append("cc_library(")
-        build.append('    name = "%s",' % name)
+        build.append('    name = "%s",' % (name + "_system" if name in rctx.attr.overrides else name))
         build.append("    linkopts = %s," % repr(linkopts))
         build.append("    copts = %s," % repr(copts))
         if inc_dirs:
@@ -44,6 +44,9 @@ def _system_libs_impl(rctx):
         build.append("    defines = %s," % repr([]))
         build.append(")")
         build.append("")
+        if name in rctx.attr.overrides:
+            build.append('alias(name = "%s", actual = "%s")' % (name, rctx.attr.overrides[name]))
+            build.append("")
     rctx.file("WORKSPACE", 'workspace(name = "%s")\n' % rctx.name)
     rctx.file("BUILD", "\n".join(build))
 
@@ -52,6 +55,10 @@ system_libs = repository_rule(
     attrs = {
         # name -> "pkg-config packages|extra linkopts|extra include dirs"
         "libs": attr.string_dict(mandatory = True),
+        # name -> label: `name` becomes an alias of that label (which may select between
+        # builds), and the library found here is `<name>_system`. Used for torch, which
+        # --config=cuda can swap for a CUDA LibTorch (bazel/cuda.bzl).
+        "overrides": attr.string_dict(default = {}),
     },
     environ = ["PKG_CONFIG_PATH"],
     local = True,
