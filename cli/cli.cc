@@ -1,0 +1,571 @@
+// The `gradmesh` command-line client (see cli.h): argument handling, the commands, and the
+// mapping of errors to exit codes. Rendering lives in format.h, the RPCs in
+// coordinator_client.h and shard_export.h.
+#include "cli/cli.h"
+
+#include <algorithm>
+#include <memory>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "cli/coordinator_client.h"
+#include "cli/flags.h"
+#include "cli/format.h"
+#include "cli/shard_export.h"
+#include "cli/state_dict.h"
+#include "common/auth.h"
+#include "common/job_spec.h"
+#include "common/status.h"
+#include "google/protobuf/util/json_util.h"
+
+namespace gradmesh {
+namespace cli {
+namespace {
+
+constexpr char kDefaultCoordinator[] = "127.0.0.1:7000";
+constexpr char kCoordinatorEnv[] = "GRADMESH_COORDINATOR";
+constexpr char kTokenFileEnv[] = "GRADMESH_AUTH_TOKEN_FILE";
+
+struct Command;
+
+// One invocation: parsed arguments, resolved settings and the coordinator client.
+struct Session {
+  const CliOptions& options;
+  const CliIo& io;
+  const Command* command = nullptr;
+  ParsedArgs args;
+  std::string coordinator;
+  std::unique_ptr<CoordinatorClient> client;
+
+  std::ostream& out() { return *io.out; }
+  std::ostream& err() { return *io.err; }
+  const std::string& arg(size_t i) const { return args.positional[i]; }
+};
+
+struct Command {
+  std::string name;
+  std::string usage_args;  // After "gradmesh <name>".
+  size_t min_args = 0;
+  size_t max_args = 0;
+  std::string summary;  // One line, for the command list.
+  std::string details;  // Description and examples, for `<name> --help`.
+  std::vector<FlagSpec> flags;
+  int (*run)(Session& s) = nullptr;
+};
+
+std::vector<FlagSpec> GlobalFlags() {
+  return {
+      {"coordinator", true, "HOST:PORT",
+       "coordinator address (default $GRADMESH_COORDINATOR, else 127.0.0.1:7000)"},
+      {"auth_token_file", true, "FILE",
+       "file holding the coordinator's API token (default $GRADMESH_AUTH_TOKEN_FILE)"},
+      {"help", false, "", "show help"},
+  };
+}
+
+int UsageError(Session& s, const std::string& message, const std::string& help_for) {
+  s.err() << "error: " << message << "\nRun '" << help_for << " --help' for usage.\n";
+  return kExitUsage;
+}
+
+// A failed coordinator call: unreachable (3) or refused (1).
+int CoordinatorError(Session& s, const absl::Status& st) {
+  if (st.code() == absl::StatusCode::kUnavailable ||
+      st.code() == absl::StatusCode::kDeadlineExceeded) {
+    s.err() << "error: cannot reach the coordinator at " << s.coordinator << " ("
+            << StatusCodeName(st.code()) << ": " << st.message()
+            << "): is gradmesh_coordinator running? set --coordinator or $" << kCoordinatorEnv
+            << "\n";
+    return kExitUnreachable;
+  }
+  s.err() << "error: " << StatusCodeName(st.code()) << ": " << st.message() << "\n";
+  if (st.code() == absl::StatusCode::kUnauthenticated) {
+    s.err() << "hint: give the coordinator's API token with --auth_token_file or $" << kTokenFileEnv
+            << "\n";
+  }
+  return kExitFailed;
+}
+
+// Any other failure of a command (export from shards, writing a file): exit 1.
+int Failure(Session& s, const absl::Status& st) {
+  s.err() << "error: " << StatusCodeName(st.code()) << ": " << st.message() << "\n";
+  return kExitFailed;
+}
+
+// --- watch -----------------------------------------------------------------------------------
+
+// Renders a stream of JobStatus updates: on a terminal one progress line redrawn in place,
+// otherwise plain throttled lines; state changes on their own lines; the final line at the end.
+class WatchPrinter {
+ public:
+  explicit WatchPrinter(Session* s) : s_(s) {}
+
+  bool done() const { return done_; }
+  const JobStatus& last() const { return last_; }
+
+  void OnUpdate(const JobStatus& job) {
+    last_ = job;
+    if (job.progress().samples_per_s() > 0) last_rate_ = job.progress().samples_per_s();
+    if (IsFinalState(job.state())) {
+      // Workers that are done report no rate any more: show the last one measured.
+      JobStatus shown = job;
+      if (!(shown.progress().samples_per_s() > 0)) {
+        shown.mutable_progress()->set_samples_per_s(last_rate_);
+      }
+      ClearBar();
+      s_->out() << FinalLine(shown) << "\n";
+      s_->out().flush();
+      done_ = true;
+      return;
+    }
+    if (!have_state_ || job.state() != state_ || job.message() != message_) {
+      have_state_ = true;
+      state_ = job.state();
+      message_ = job.message();
+      ClearBar();
+      s_->out() << "job " << job.job_id() << " " << StateName(job.state())
+                << (job.message().empty() ? "" : ": ") << job.message() << "\n";
+    }
+    if (job.state() == RUNNING) {
+      if (s_->io.out_is_terminal) {
+        s_->out() << "\r\033[K" << ProgressBar(job.progress()) << " "
+                  << ProgressText(job.progress());
+        bar_shown_ = true;
+      } else {
+        const absl::Time now = s_->options.now();
+        if (now - last_plain_ >= s_->options.plain_update_interval) {
+          last_plain_ = now;
+          s_->out() << PercentDone(job.progress()) << "% " << ProgressText(job.progress()) << "\n";
+        }
+      }
+    }
+    s_->out().flush();
+  }
+
+  // A line on stderr that must not be mixed into the progress line.
+  void Note(const std::string& line) {
+    ClearBar();
+    s_->out().flush();
+    s_->err() << line << "\n";
+    s_->err().flush();
+  }
+
+ private:
+  void ClearBar() {
+    if (bar_shown_) s_->out() << "\r\033[K";
+    bar_shown_ = false;
+  }
+
+  Session* const s_;
+  JobStatus last_;
+  bool done_ = false;
+  bool have_state_ = false;
+  JobState state_ = JOB_STATE_UNSPECIFIED;
+  std::string message_;
+  bool bar_shown_ = false;
+  double last_rate_ = 0;  // Last positive samples/s seen.
+  absl::Time last_plain_ = absl::InfinitePast();
+};
+
+// Errors after which the stream is worth opening again (the coordinator restarted, the
+// connection broke); anything else is the coordinator's answer.
+bool Reconnectable(absl::StatusCode code) {
+  switch (code) {
+    case absl::StatusCode::kOk:  // Ended without a final state (coordinator shutting down).
+    case absl::StatusCode::kUnavailable:
+    case absl::StatusCode::kDeadlineExceeded:
+    case absl::StatusCode::kAborted:
+    case absl::StatusCode::kCancelled:
+    case absl::StatusCode::kInternal:
+    case absl::StatusCode::kUnknown:
+      return true;
+    default:
+      return false;
+  }
+}
+
+int WatchUntilDone(Session& s, const std::string& job_id) {
+  WatchPrinter printer(&s);
+  absl::Duration backoff = s.options.reconnect_initial_backoff;
+  bool connected = false;  // Some message arrived (on any attempt).
+  bool outage = false;     // A note about a broken stream was printed.
+  while (true) {
+    bool got = false;
+    const absl::Status st = s.client->WatchJob(job_id, [&](const JobStatus& job) {
+      if (outage) {
+        printer.Note(absl::StrCat("note: reconnected to the coordinator at ", s.coordinator));
+        outage = false;
+      }
+      got = true;
+      printer.OnUpdate(job);
+    });
+    if (printer.done()) return printer.last().state() == SUCCEEDED ? kExitOk : kExitFailed;
+    if (got) {
+      connected = true;
+      backoff = s.options.reconnect_initial_backoff;
+    }
+    if (!Reconnectable(st.code())) return CoordinatorError(s, st);
+    if (!connected) {
+      if (st.ok()) {
+        return Failure(
+            s, absl::InternalError(absl::StrCat("the coordinator ended the watch of job ", job_id,
+                                                " without sending its status")));
+      }
+      return CoordinatorError(s, st);
+    }
+    if (!outage) {
+      printer.Note(absl::StrCat("note: lost the watch stream of job ", job_id, " (",
+                                st.ok()
+                                    ? std::string("ended early")
+                                    : absl::StrCat(StatusCodeName(st.code()), ": ", st.message()),
+                                "); reconnecting to ", s.coordinator, " until the job ends"));
+      outage = true;
+    }
+    absl::SleepFor(backoff);
+    backoff = std::min(backoff * 2, s.options.reconnect_max_backoff);
+  }
+}
+
+// --- commands --------------------------------------------------------------------------------
+
+int RunSubmit(Session& s) {
+  const std::string& path = s.arg(0);
+  const bool dry_run = s.args.Bool("dry-run");
+  const bool resume = s.args.Bool("resume");
+  const bool watch = s.args.Bool("watch");
+  if (dry_run && watch)
+    return UsageError(s, "--watch cannot be used with --dry-run", "gradmesh submit");
+  if (dry_run && resume)
+    return UsageError(s, "--resume cannot be used with --dry-run", "gradmesh submit");
+  absl::StatusOr<JobSpec> spec = LoadJobSpecFile(path);
+  if (!spec.ok()) {
+    s.err() << "error: " << spec.status().message() << "\n";
+    return kExitUsage;
+  }
+  // Catch bad values here (exit 2, nothing sent); the coordinator applies the defaults for
+  // real, with its own number of servers.
+  JobSpec checked = *spec;
+  ApplyJobSpecDefaults(/*num_servers=*/0, &checked);
+  if (absl::Status st = ValidateJobSpec(checked); !st.ok()) {
+    s.err() << "error: " << path << ": " << st.message() << "\n";
+    return kExitUsage;
+  }
+  absl::StatusOr<JobStatus> job = s.client->SubmitJob(*spec, dry_run, resume);
+  if (!job.ok()) return CoordinatorError(s, job.status());
+  if (dry_run) {
+    s.out() << "dry run: job " << job->job_id() << " would be accepted (nothing was started)\n";
+  } else {
+    s.out() << "job " << job->job_id() << (resume ? " resumed" : " submitted") << " ("
+            << StateName(job->state()) << ")\n";
+  }
+  s.out() << FormatPlacement(*job);
+  s.out().flush();
+  if (!watch) return kExitOk;
+  return WatchUntilDone(s, job->job_id());
+}
+
+int RunList(Session& s) {
+  absl::StatusOr<std::vector<JobStatus>> jobs = s.client->ListJobs();
+  if (!jobs.ok()) return CoordinatorError(s, jobs.status());
+  s.out() << FormatJobTable(*jobs, s.options.now());
+  return kExitOk;
+}
+
+int RunStatus(Session& s) {
+  absl::StatusOr<JobStatus> job = s.client->GetJob(s.arg(0));
+  if (!job.ok()) return CoordinatorError(s, job.status());
+  if (s.args.Bool("json")) {
+    JobStatus shown = *job;
+    shown.clear_job_token();  // A credential: not for logs and scripts' output.
+    google::protobuf::util::JsonPrintOptions options;
+    options.add_whitespace = true;
+    options.always_print_primitive_fields = true;
+    std::string json;
+    if (auto st = google::protobuf::util::MessageToJsonString(shown, &json, options); !st.ok()) {
+      return Failure(s, absl::InternalError(absl::StrCat("JobStatus to JSON: ", st.ToString())));
+    }
+    s.out() << json;
+    if (json.empty() || json.back() != '\n') s.out() << "\n";
+    return kExitOk;
+  }
+  s.out() << FormatJobStatus(*job, s.options.now());
+  return kExitOk;
+}
+
+int RunWatch(Session& s) { return WatchUntilDone(s, s.arg(0)); }
+
+int RunCancel(Session& s) {
+  absl::StatusOr<JobStatus> job = s.client->CancelJob(s.arg(0));
+  if (!job.ok()) return CoordinatorError(s, job.status());
+  s.out() << "job " << job->job_id() << " " << StateName(job->state())
+          << (job->message().empty() ? "" : ": ") << job->message() << "\n";
+  return kExitOk;
+}
+
+int RunExport(Session& s) {
+  const std::string& job_id = s.arg(0);
+  const std::string out_path = s.args.Get("out");
+  if (out_path.empty()) {
+    return UsageError(s, "export needs --out=FILE (where to write the state_dict)",
+                      "gradmesh export");
+  }
+  absl::StatusOr<JobStatus> job = s.client->GetJob(job_id);
+  if (!job.ok()) return CoordinatorError(s, job.status());
+  const JobSpec& spec = job->spec();
+  if (!IsPsMode(spec.mode())) {
+    std::string where = spec.output().empty()
+                            ? std::string("only when spec.output is set, and this job's is empty")
+                            : absl::StrCat("to ", spec.output(), " (spec.output)");
+    return Failure(s, absl::FailedPreconditionError(absl::StrCat(
+                          "job ", job_id, " runs in mode ", spec.mode(),
+                          ", which has no parameter-server shards to export from: its rank 0 "
+                          "saves the final model ",
+                          where)));
+  }
+  std::vector<ShardPlacement> shards(job->shards().begin(), job->shards().end());
+  std::sort(shards.begin(), shards.end(),
+            [](const ShardPlacement& a, const ShardPlacement& b) { return a.shard() < b.shard(); });
+  ShardExportOptions options;
+  options.job = job_id;
+  options.job_token = job->job_token();
+  options.deadline = s.options.rpc_deadline;
+  for (size_t i = 0; i < shards.size(); ++i) {
+    if (shards[i].shard() != static_cast<int32_t>(i) || shards[i].address().empty()) {
+      return Failure(s, absl::FailedPreconditionError(
+                            absl::StrCat("job ", job_id, " (", StateName(job->state()),
+                                         ") has no address for shard ", i, " of ", shards.size())));
+    }
+    options.shards.push_back(shards[i].address());
+  }
+  if (options.shards.empty()) {
+    return Failure(
+        s, absl::FailedPreconditionError(absl::StrCat("job ", job_id, " (", StateName(job->state()),
+                                                      ") has no shards placed yet")));
+  }
+  if (!IsFinalState(job->state())) {
+    s.err() << "note: job " << job_id << " is " << StateName(job->state())
+            << ": exporting its current parameters (export after it ends for the final model)\n";
+  }
+  absl::StatusOr<std::vector<ExportedTensor>> tensors = FetchJobTensors(options);
+  if (!tensors.ok())
+    return Failure(s, Annotate(tensors.status(), absl::StrCat("export of job ", job_id)));
+  if (absl::Status st = SaveStateDict(out_path, *tensors); !st.ok()) return Failure(s, st);
+  int64_t params = 0;
+  for (const ExportedTensor& t : *tensors) params += static_cast<int64_t>(t.values.size());
+  s.out() << "exported job " << job_id << " (" << tensors->size() << " tensors, " << params
+          << " parameters, step " << job->progress().step() << "/" << job->progress().total_steps()
+          << ") from " << options.shards.size()
+          << (options.shards.size() == 1 ? " shard" : " shards") << " to " << out_path << "\n";
+  return kExitOk;
+}
+
+std::vector<Command> Commands() {
+  return {
+      {"submit",
+       "JOB_SPEC",
+       1,
+       1,
+       "Submit a job described by a YAML or JSON spec file",
+       "Submits the job in JOB_SPEC (YAML or JSON, protobuf JSON field names; see JobSpec in\n"
+       "proto/gradmesh.proto). The spec is checked here first: unknown fields and bad values\n"
+       "fail with exit code 2 before anything is sent. Prints the job id and where its shards\n"
+       "and workers were placed.\n"
+       "\n"
+       "Examples:\n"
+       "  gradmesh submit deploy/jobs/mnist_mlp.yaml\n"
+       "  gradmesh submit job.yaml --dry-run     # check and place on paper only\n"
+       "  gradmesh submit job.yaml --watch       # then follow it until it ends\n"
+       "  gradmesh submit job.yaml --resume      # restart a stopped job from its checkpoint\n",
+       {{"dry-run", false, "", "check the spec and show the placement; change nothing"},
+        {"resume", false, "", "restart an existing stopped job from its last checkpoint"},
+        {"watch", false, "", "watch the job after submitting it (exit code as `watch`)"}},
+       &RunSubmit},
+      {"list",
+       "",
+       0,
+       0,
+       "List jobs, newest first",
+       "Prints one row per job: JOB, STATE, MODE, WORKERS, STEP/TOTAL, LOSS, ACC, AGE.\n"
+       "\n"
+       "Examples:\n"
+       "  gradmesh list\n"
+       "  gradmesh --coordinator=10.0.0.5:7000 list\n",
+       {},
+       &RunList},
+      {"status",
+       "JOB",
+       1,
+       1,
+       "Show a job's state, progress and placement",
+       "Prints the job's state and message, a summary of its spec, its progress and where its\n"
+       "shards and workers run. With --json, the JobStatus in protobuf's JSON mapping (for\n"
+       "scripts; the job token is left out).\n"
+       "\n"
+       "Examples:\n"
+       "  gradmesh status mnist-mlp\n"
+       "  gradmesh status mnist-mlp --json | jq .progress.step\n",
+       {{"json", false, "", "print the JobStatus as JSON"}},
+       &RunStatus},
+      {"watch",
+       "JOB",
+       1,
+       1,
+       "Follow a job's progress until it ends",
+       "Streams the job's status. On a terminal a progress line is redrawn in place; otherwise\n"
+       "one plain line per update (at most about one a second) and every state change. If the\n"
+       "connection breaks (e.g. the coordinator restarts) it reconnects until the job ends.\n"
+       "Exits 0 when the job SUCCEEDED, 1 when it FAILED or was CANCELLED.\n"
+       "\n"
+       "Examples:\n"
+       "  gradmesh watch mnist-mlp\n"
+       "  gradmesh watch mnist-mlp > progress.log && echo trained\n",
+       {},
+       &RunWatch},
+      {"cancel",
+       "JOB",
+       1,
+       1,
+       "Cancel a job",
+       "Stops the job's workers and marks it CANCELLED (it can be restarted with\n"
+       "`submit --resume`).\n"
+       "\n"
+       "Examples:\n"
+       "  gradmesh cancel mnist-mlp\n",
+       {},
+       &RunCancel},
+      {"export",
+       "JOB",
+       1,
+       1,
+       "Save a parameter-server job's model as a PyTorch state_dict",
+       "Reads the job's parameters from its shards and writes them to --out as a state_dict\n"
+       "(tensor name -> tensor) that Python loads with torch.load(FILE). Only for the\n"
+       "parameter-server modes (async, ssp, sync); in gossip and allreduce modes rank 0 saves\n"
+       "the model to the spec's output path itself. A running job exports its current values.\n"
+       "\n"
+       "Examples:\n"
+       "  gradmesh export mnist-mlp --out model.pt\n"
+       "  python3 -c 'import torch; print(torch.load(\"model.pt\").keys())'\n",
+       {{"out", true, "FILE", "where to write the state_dict (required)"}},
+       &RunExport},
+  };
+}
+
+std::string MainHelp(const std::vector<Command>& commands) {
+  std::string out =
+      "gradmesh: submit and manage training jobs on a gradmesh coordinator.\n"
+      "\n"
+      "Usage: gradmesh [--coordinator=HOST:PORT] [--auth_token_file=FILE] <command> [flags] "
+      "[args]\n"
+      "\n"
+      "Commands:\n";
+  std::vector<std::vector<std::string>> rows;
+  for (const Command& c : commands) rows.push_back({"  " + c.name, c.summary});
+  absl::StrAppend(&out, FormatTable(rows), "\nGlobal flags:\n", FlagHelp(GlobalFlags()),
+                  "\n"
+                  "Exit codes: 0 success; 1 the coordinator refused or the job failed; 2 usage "
+                  "error;\n"
+                  "3 the coordinator cannot be reached.\n"
+                  "\n"
+                  "Examples:\n"
+                  "  gradmesh submit deploy/jobs/mnist_mlp.yaml --watch\n"
+                  "  gradmesh list\n"
+                  "  gradmesh status mnist-mlp\n"
+                  "  gradmesh export mnist-mlp --out model.pt\n"
+                  "\n"
+                  "Run 'gradmesh <command> --help' for a command's flags and examples.\n");
+  return out;
+}
+
+std::string CommandHelp(const Command& c) {
+  std::string out = absl::StrCat("gradmesh ", c.name, ": ", c.summary, "\n\nUsage: gradmesh ",
+                                 c.name, c.flags.empty() ? "" : " [flags]",
+                                 c.usage_args.empty() ? "" : " ", c.usage_args, "\n\n", c.details);
+  if (!c.flags.empty()) absl::StrAppend(&out, "\nFlags:\n", FlagHelp(c.flags));
+  absl::StrAppend(&out, "\nGlobal flags:\n", FlagHelp(GlobalFlags()));
+  return out;
+}
+
+std::string CommandNames(const std::vector<Command>& commands) {
+  std::vector<std::string> names;
+  for (const Command& c : commands) names.push_back(c.name);
+  return absl::StrJoin(names, ", ");
+}
+
+std::string EnvOr(const CliOptions& o, const char* name, const std::string& def) {
+  auto it = o.env.find(name);
+  return it == o.env.end() || it->second.empty() ? def : it->second;
+}
+
+}  // namespace
+
+int RunCli(const std::vector<std::string>& args, const CliOptions& options, const CliIo& io) {
+  Session s{options, io};
+  const std::vector<Command> commands = Commands();
+  const std::vector<FlagSpec> globals = GlobalFlags();
+  absl::StatusOr<ParsedArgs> head = ParseArgs(args, globals, /*stop_at_positional=*/true);
+  if (!head.ok()) return UsageError(s, std::string(head.status().message()), "gradmesh");
+  if (head->Bool("help")) {
+    s.out() << MainHelp(commands);
+    return kExitOk;
+  }
+  if (head->rest.empty()) {
+    s.err() << "error: no command given\n\n" << MainHelp(commands);
+    return kExitUsage;
+  }
+  const std::string& name = head->rest[0];
+  auto cmd = std::find_if(commands.begin(), commands.end(),
+                          [&](const Command& c) { return c.name == name; });
+  if (cmd == commands.end()) {
+    return UsageError(
+        s, absl::StrCat("unknown command \"", name, "\" (commands: ", CommandNames(commands), ")"),
+        "gradmesh");
+  }
+  s.command = &*cmd;
+  const std::string help_for = absl::StrCat("gradmesh ", cmd->name);
+  std::vector<FlagSpec> specs = globals;
+  specs.insert(specs.end(), cmd->flags.begin(), cmd->flags.end());
+  absl::StatusOr<ParsedArgs> parsed =
+      ParseArgs(std::vector<std::string>(head->rest.begin() + 1, head->rest.end()), specs);
+  if (!parsed.ok()) return UsageError(s, std::string(parsed.status().message()), help_for);
+  s.args = std::move(parsed).value();
+  // Global flags may come before or after the command; the later one wins.
+  for (const auto& [flag, value] : head->flags) s.args.flags.emplace(flag, value);
+  if (s.args.Bool("help")) {
+    s.out() << CommandHelp(*cmd);
+    return kExitOk;
+  }
+  const size_t n = s.args.positional.size();
+  if (n < cmd->min_args) {
+    return UsageError(s, absl::StrCat(cmd->name, " needs ", cmd->usage_args), help_for);
+  }
+  if (n > cmd->max_args) {
+    return UsageError(s,
+                      absl::StrCat("too many arguments for ", cmd->name, ": ",
+                                   absl::StrJoin(s.args.positional.begin() +
+                                                     static_cast<std::ptrdiff_t>(cmd->max_args),
+                                                 s.args.positional.end(), " ")),
+                      help_for);
+  }
+
+  s.coordinator = s.args.Get("coordinator", EnvOr(options, kCoordinatorEnv, kDefaultCoordinator));
+  if (s.coordinator.empty()) return UsageError(s, "--coordinator is empty", help_for);
+  CoordinatorClientOptions client;
+  client.address = s.coordinator;
+  client.deadline = options.rpc_deadline;
+  const std::string token_file = s.args.Get("auth_token_file", EnvOr(options, kTokenFileEnv, ""));
+  if (!token_file.empty()) {
+    absl::StatusOr<std::string> token = ReadTokenFile(token_file);
+    if (!token.ok()) {
+      s.err() << "error: " << token.status().message() << "\n";
+      return kExitUsage;
+    }
+    client.auth_token = *std::move(token);
+  }
+  s.client = NewGrpcCoordinatorClient(std::move(client));
+  return cmd->run(s);
+}
+
+}  // namespace cli
+}  // namespace gradmesh

@@ -1,0 +1,615 @@
+// Tests of the `gradmesh` CLI (RunCli in process) against a fake coordinator JobService over
+// real gRPC on 127.0.0.1: each command's exact output and exit code, refusals, an unreachable
+// coordinator, usage errors, the auth header, and watch's endings, output modes and reconnects.
+#include "cli/cli.h"
+
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
+#include "cli/fake_job_service.h"
+#include "common/job_spec.h"
+#include "common/status_testing.h"
+#include "google/protobuf/util/json_util.h"
+#include "google/protobuf/util/message_differencer.h"
+#include "gtest/gtest.h"
+
+namespace gradmesh {
+namespace cli {
+namespace {
+
+using ::google::protobuf::util::MessageDifferencer;
+
+constexpr int64_t kCreatedMs = 1700000000000;  // 2023-11-14 22:13:20 UTC.
+
+JobStatus MakeJob(const std::string& id, JobState state, int64_t step, int64_t total) {
+  JobStatus j;
+  j.set_job_id(id);
+  JobSpec* spec = j.mutable_spec();
+  spec->set_name(id);
+  spec->mutable_model()->set_name("mlp");
+  spec->mutable_dataset()->set_name("mnist");
+  spec->mutable_optimizer()->set_name("adam");
+  spec->mutable_optimizer()->set_lr(0.001);
+  spec->set_batch_size(64);
+  spec->set_epochs(1);
+  spec->set_mode("async");
+  spec->set_num_workers(2);
+  spec->set_num_shards(2);
+  j.set_state(state);
+  j.set_created_ms(kCreatedMs);
+  j.set_updated_ms(kCreatedMs + 35000);
+  JobProgress* p = j.mutable_progress();
+  p->set_step(step);
+  p->set_total_steps(total);
+  p->set_epoch(1);
+  p->set_epochs(1);
+  p->set_loss(0.3121);
+  p->set_accuracy(-1);
+  p->set_samples_per_s(11234);
+  p->set_eta_s(35);
+  p->set_checkpoint_step(-1);
+  for (int s = 0; s < 2; ++s) {
+    ShardPlacement* sp = j.add_shards();
+    sp->set_shard(s);
+    sp->set_node(absl::StrCat("srv-", s));
+    sp->set_address(absl::StrCat("127.0.0.1:710", s));
+    sp->set_alive(s == 0);
+  }
+  for (int r = 0; r < 2; ++r) {
+    WorkerPlacement* w = j.add_workers();
+    w->set_rank(r);
+    w->set_node(absl::StrCat("wrk-", r));
+    w->set_address(absl::StrCat("127.0.0.1:720", r));
+    w->set_state("running");
+    w->set_step(step + r);
+  }
+  j.set_job_token("tok-123");
+  return j;
+}
+
+JobStatus WithState(JobStatus j, JobState state, const std::string& message = "") {
+  j.set_state(state);
+  j.set_message(message);
+  return j;
+}
+
+struct Result {
+  int code = -1;
+  std::string out;
+  std::string err;
+};
+
+class CliTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    coordinator_ = FakeCoordinator::Start();
+    ASSERT_NE(coordinator_, nullptr);
+    options_.env["GRADMESH_COORDINATOR"] = coordinator_->address();
+    options_.now = [] { return absl::FromUnixMillis(kCreatedMs) + absl::Hours(1); };
+    options_.rpc_deadline = absl::Seconds(10);
+    options_.plain_update_interval = absl::ZeroDuration();
+    options_.reconnect_initial_backoff = absl::Milliseconds(20);
+    options_.reconnect_max_backoff = absl::Milliseconds(100);
+    dir_ = ::testing::TempDir() + "/cli_test_" + std::to_string(getpid());
+    ASSERT_EQ(std::system(("mkdir -p " + dir_).c_str()), 0);
+  }
+
+  Result Run(const std::vector<std::string>& args, bool terminal = false) {
+    std::ostringstream out, err;
+    CliIo io;
+    io.out = &out;
+    io.err = &err;
+    io.out_is_terminal = terminal;
+    Result r;
+    r.code = RunCli(args, options_, io);
+    r.out = out.str();
+    r.err = err.str();
+    return r;
+  }
+
+  std::string WriteFile(const std::string& name, const std::string& text) {
+    const std::string path = dir_ + "/" + name;
+    std::ofstream(path) << text;
+    return path;
+  }
+
+  FakeJobService& fake() { return coordinator_->service(); }
+
+  std::unique_ptr<FakeCoordinator> coordinator_;
+  CliOptions options_;
+  std::string dir_;
+};
+
+constexpr char kSpec[] =
+    "name: mnist-mlp\n"
+    "model: {name: mlp}\n"
+    "optimizer: {name: adam, lr: 0.001}\n"
+    "num_workers: 2\n"
+    "num_shards: 2\n";
+
+// --- help and usage --------------------------------------------------------------------------
+
+TEST_F(CliTest, HelpForToolAndEveryCommand) {
+  Result r = Run({"--help"});
+  EXPECT_EQ(r.code, kExitOk);
+  EXPECT_TRUE(absl::StrContains(r.out, "Usage: gradmesh [--coordinator=HOST:PORT]")) << r.out;
+  for (const char* cmd : {"submit", "list", "status", "watch", "cancel", "export"}) {
+    EXPECT_TRUE(absl::StrContains(r.out, absl::StrCat("\n  ", cmd, " "))) << cmd;
+    Result c = Run({cmd, "--help"});
+    EXPECT_EQ(c.code, kExitOk) << cmd;
+    EXPECT_TRUE(absl::StrContains(c.out, absl::StrCat("Usage: gradmesh ", cmd))) << c.out;
+    EXPECT_TRUE(absl::StrContains(c.out, "Examples:\n  gradmesh ")) << c.out;
+    EXPECT_EQ(c.err, "");
+  }
+  EXPECT_TRUE(absl::StrContains(Run({"submit", "-h"}).out, "--dry-run"));
+  EXPECT_TRUE(absl::StrContains(Run({"export", "--help"}).out, "--out=FILE"));
+  EXPECT_EQ(fake().calls(), 0);
+}
+
+TEST_F(CliTest, UsageErrorsExit2WithoutAnyCall) {
+  struct Case {
+    std::vector<std::string> args;
+    std::string err;
+  };
+  const std::vector<Case> cases = {
+      {{}, "error: no command given\n"},
+      {{"frobnicate"},
+       "error: unknown command \"frobnicate\" (commands: submit, list, status, watch, cancel, "
+       "export)\nRun 'gradmesh --help' for usage.\n"},
+      {{"--bogus", "list"}, "error: unknown flag --bogus\nRun 'gradmesh --help' for usage.\n"},
+      {{"list", "--bogus=1"},
+       "error: unknown flag --bogus\nRun 'gradmesh list --help' for usage.\n"},
+      {{"status"}, "error: status needs JOB\nRun 'gradmesh status --help' for usage.\n"},
+      {{"status", "a", "b"},
+       "error: too many arguments for status: b\nRun 'gradmesh status --help' for usage.\n"},
+      {{"status", "a", "--json=yes"},
+       "error: flag --json takes no value (or true/false), got \"yes\"\nRun 'gradmesh status "
+       "--help' for usage.\n"},
+      {{"list", "--coordinator"},
+       "error: flag --coordinator needs a value (--coordinator=HOST:PORT)\nRun 'gradmesh list "
+       "--help' for usage.\n"},
+      {{"export", "job"},
+       "error: export needs --out=FILE (where to write the state_dict)\nRun 'gradmesh export "
+       "--help' for usage.\n"},
+      {{"submit", "x.yaml", "--watch", "--dry-run"},
+       "error: --watch cannot be used with --dry-run\nRun 'gradmesh submit --help' for usage.\n"},
+  };
+  for (const Case& c : cases) {
+    Result r = Run(c.args);
+    EXPECT_EQ(r.code, kExitUsage) << c.err;
+    EXPECT_TRUE(absl::StartsWith(r.err, c.err)) << r.err;
+    EXPECT_EQ(r.out, "");
+  }
+  EXPECT_EQ(fake().calls(), 0);
+}
+
+// --- submit ----------------------------------------------------------------------------------
+
+TEST_F(CliTest, SubmitSendsTheSpecAndPrintsPlacement) {
+  const std::string path = WriteFile("job.yaml", kSpec);
+  Result r = Run({"submit", path});
+  EXPECT_EQ(r.code, kExitOk) << r.err;
+  EXPECT_EQ(r.out,
+            "job mnist-mlp submitted (PENDING)\n"
+            "  shards:  0->srv-0 (127.0.0.1:7100), 1->srv-1 (127.0.0.1:7101)\n"
+            "  workers: 0->wrk-0, 1->wrk-1\n");
+  EXPECT_EQ(r.err, "");
+  ASSERT_EQ(fake().submits().size(), 1u);
+  const SubmitJobRequest req = fake().submits()[0];
+  ASSERT_OK_AND_ASSIGN(JobSpec expected, LoadJobSpecFile(path));
+  EXPECT_TRUE(MessageDifferencer::Equals(req.spec(), expected)) << req.DebugString();
+  EXPECT_FALSE(req.dry_run());
+  EXPECT_FALSE(req.resume());
+}
+
+TEST_F(CliTest, SubmitDryRunAndResumeFlags) {
+  const std::string path =
+      WriteFile("job.json", R"({"name": "j2", "numWorkers": 1, "num_shards": 1})");
+  Result r = Run({"submit", "--dry_run", path});
+  EXPECT_EQ(r.code, kExitOk) << r.err;
+  EXPECT_EQ(r.out,
+            "dry run: job j2 would be accepted (nothing was started)\n"
+            "  shards:  0->srv-0 (127.0.0.1:7100)\n"
+            "  workers: 0->wrk-0\n");
+  r = Run({"submit", path, "--resume"});
+  EXPECT_EQ(r.code, kExitOk) << r.err;
+  EXPECT_EQ(r.out.substr(0, r.out.find('\n')), "job j2 resumed (PENDING)");
+  ASSERT_EQ(fake().submits().size(), 2u);
+  EXPECT_TRUE(fake().submits()[0].dry_run());
+  EXPECT_FALSE(fake().submits()[0].resume());
+  EXPECT_FALSE(fake().submits()[1].dry_run());
+  EXPECT_TRUE(fake().submits()[1].resume());
+}
+
+TEST_F(CliTest, SubmitRejectsBadSpecsBeforeAnyCall) {
+  Result r = Run({"submit", WriteFile("typo.yaml", "name: x\noptimiser: {lr: 0.1}\n")});
+  EXPECT_EQ(r.code, kExitUsage);
+  EXPECT_TRUE(absl::StartsWith(
+      r.err, absl::StrCat("error: ", dir_, "/typo.yaml: unknown field \"optimiser\"")))
+      << r.err;
+  r = Run({"submit", WriteFile("nested.yaml", "name: x\noptimizer: {name: sgd, rate: 1}\n")});
+  EXPECT_EQ(r.code, kExitUsage);
+  EXPECT_TRUE(absl::StrContains(r.err, "unknown field \"rate\"")) << r.err;
+  r = Run({"submit", WriteFile("neg.yaml", "name: x\nbatch_size: -3\n")});
+  EXPECT_EQ(r.code, kExitUsage);
+  EXPECT_EQ(r.err,
+            absl::StrCat("error: ", dir_, "/neg.yaml: job spec: batch_size must be > 0, got -3\n"));
+  r = Run({"submit", dir_ + "/missing.yaml"});
+  EXPECT_EQ(r.code, kExitUsage);
+  EXPECT_EQ(r.err, absl::StrCat("error: cannot read job spec file ", dir_, "/missing.yaml\n"));
+  EXPECT_EQ(fake().calls(), 0);
+}
+
+TEST_F(CliTest, RefusalExits1WithCodeAndMessage) {
+  fake().SetSubmitError(
+      grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "job needs 3 workers, 2 registered"));
+  Result r = Run({"submit", WriteFile("job.yaml", kSpec)});
+  EXPECT_EQ(r.code, kExitFailed);
+  EXPECT_EQ(r.err, "error: FAILED_PRECONDITION: job needs 3 workers, 2 registered\n");
+  EXPECT_EQ(r.out, "");
+}
+
+// --- reaching the coordinator ----------------------------------------------------------------
+
+// A port bound but not listening: connecting to it is refused for as long as it is held.
+class RefusingPort {
+ public:
+  RefusingPort() {
+    fd_ = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof(addr);
+    if (bind(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
+        getsockname(fd_, reinterpret_cast<sockaddr*>(&addr), &len) == 0) {
+      port_ = ntohs(addr.sin_port);
+    }
+  }
+  ~RefusingPort() { close(fd_); }
+  std::string address() const { return absl::StrCat("127.0.0.1:", port_); }
+  int port() const { return port_; }
+
+ private:
+  int fd_ = -1;
+  int port_ = 0;
+};
+
+TEST_F(CliTest, UnreachableCoordinatorExits3) {
+  RefusingPort dead;
+  ASSERT_NE(dead.port(), 0);
+  for (const std::vector<std::string>& args :
+       std::vector<std::vector<std::string>>{{"--coordinator=" + dead.address(), "list"},
+                                             {"status", "j", "--coordinator", dead.address()},
+                                             {"--coordinator=" + dead.address(), "watch", "j"}}) {
+    Result r = Run(args);
+    EXPECT_EQ(r.code, kExitUnreachable) << r.err;
+    EXPECT_TRUE(absl::StartsWith(r.err, absl::StrCat("error: cannot reach the coordinator at ",
+                                                     dead.address(), " (UNAVAILABLE: ")))
+        << r.err;
+    EXPECT_TRUE(absl::EndsWith(
+        r.err, "): is gradmesh_coordinator running? set --coordinator or $GRADMESH_COORDINATOR\n"))
+        << r.err;
+  }
+  // The environment gives the default address.
+  options_.env["GRADMESH_COORDINATOR"] = dead.address();
+  Result r = Run({"list"});
+  EXPECT_EQ(r.code, kExitUnreachable);
+  EXPECT_TRUE(absl::StrContains(r.err, dead.address())) << r.err;
+  EXPECT_EQ(fake().calls(), 0);
+  // A flag after the command overrides the environment.
+  r = Run({"list", "--coordinator=" + coordinator_->address()});
+  EXPECT_EQ(r.code, kExitOk) << r.err;
+  EXPECT_EQ(fake().calls(), 1);
+}
+
+// --- auth ------------------------------------------------------------------------------------
+
+TEST_F(CliTest, SendsBearerTokenFromFlagOrEnvironment) {
+  const std::string token = WriteFile("token", "  s3cret-token\n");
+  fake().SetRequiredToken("s3cret-token");
+  Result r = Run({"--auth_token_file=" + token, "list"});
+  EXPECT_EQ(r.code, kExitOk) << r.err;
+  options_.env["GRADMESH_AUTH_TOKEN_FILE"] = token;
+  r = Run({"status", "nope"});
+  EXPECT_EQ(r.code, kExitFailed);
+  EXPECT_EQ(r.err, "error: NOT_FOUND: job nope not found\n");
+  EXPECT_EQ(fake().authorizations(),
+            (std::vector<std::string>{"Bearer s3cret-token", "Bearer s3cret-token"}));
+}
+
+TEST_F(CliTest, MissingOrWrongTokenIsRefused) {
+  fake().SetRequiredToken("s3cret-token");
+  Result r = Run({"list"});
+  EXPECT_EQ(r.code, kExitFailed);
+  EXPECT_EQ(r.err,
+            "error: UNAUTHENTICATED: missing or wrong API token\n"
+            "hint: give the coordinator's API token with --auth_token_file or "
+            "$GRADMESH_AUTH_TOKEN_FILE\n");
+  r = Run({"list", "--auth_token_file", WriteFile("other", "other-token")});
+  EXPECT_EQ(r.code, kExitFailed);
+  EXPECT_EQ(fake().authorizations(), (std::vector<std::string>{"", "Bearer other-token"}));
+}
+
+TEST_F(CliTest, BadTokenFilesAreUsageErrors) {
+  Result r = Run({"--auth_token_file=" + WriteFile("empty", " \n"), "list"});
+  EXPECT_EQ(r.code, kExitUsage);
+  EXPECT_TRUE(absl::StrContains(r.err, "is empty")) << r.err;
+  r = Run({"--auth_token_file=" + dir_ + "/none", "list"});
+  EXPECT_EQ(r.code, kExitUsage);
+  EXPECT_EQ(r.err, absl::StrCat("error: cannot read API token file ", dir_, "/none\n"));
+  EXPECT_EQ(fake().calls(), 0);
+}
+
+// --- list, status, cancel --------------------------------------------------------------------
+
+TEST_F(CliTest, ListPrintsTable) {
+  EXPECT_EQ(Run({"list"}).out, "No jobs.\n");
+  fake().AddJob(MakeJob("mnist-mlp", RUNNING, 410, 938));
+  JobStatus done = MakeJob("fashion-lenet-long-name", SUCCEEDED, 1876, 1876);
+  done.mutable_spec()->set_mode("ssp:2");
+  done.mutable_progress()->set_accuracy(0.91234);
+  done.set_created_ms(kCreatedMs - 2 * 86400 * 1000);
+  fake().AddJob(done);
+  JobStatus pending = MakeJob("g", PENDING, 0, 0);
+  pending.mutable_spec()->set_mode("gossip");
+  pending.set_active_workers(1);
+  pending.set_created_ms(kCreatedMs + 3600 * 1000 - 42 * 1000);
+  fake().AddJob(pending);
+  Result r = Run({"list"});
+  EXPECT_EQ(r.code, kExitOk) << r.err;
+  EXPECT_EQ(
+      r.out,
+      "JOB                      STATE      MODE    WORKERS  STEP/TOTAL  LOSS    ACC     AGE\n"
+      "mnist-mlp                RUNNING    async   2        410/938     0.3121  -       1h\n"
+      "fashion-lenet-long-name  SUCCEEDED  ssp:2   2        1876/1876   0.3121  0.9123  2d\n"
+      "g                        PENDING    gossip  1/2      0/-         -       -       42s\n");
+}
+
+TEST_F(CliTest, StatusPrintsStatePlacementAndProgress) {
+  JobStatus job = MakeJob("mnist-mlp", PAUSED, 410, 938);
+  job.set_message("shard 1 (srv-1) is down");
+  job.mutable_progress()->set_checkpoint_step(400);
+  job.mutable_spec()->set_output("/models/mnist.pt");
+  fake().AddJob(job);
+  Result r = Run({"status", "mnist-mlp"});
+  EXPECT_EQ(r.code, kExitOk) << r.err;
+  EXPECT_EQ(r.out,
+            "Job:         mnist-mlp\n"
+            "State:       PAUSED\n"
+            "Message:     shard 1 (srv-1) is down\n"
+            "Mode:        async, 2 workers, 2 shards\n"
+            "Model:       mlp on mnist, adam lr=0.001, batch 64, 1 epoch\n"
+            "Output:      /models/mnist.pt\n"
+            "Created:     2023-11-14 22:13:20 UTC (1h ago)\n"
+            "Progress:    [########............]  43% step 410/938 epoch 1/1 loss 0.3121 acc - "
+            "11.2k samples/s ETA 0:35\n"
+            "Checkpoint:  step 400\n"
+            "Shards:\n"
+            "  SHARD  NODE   ADDRESS         ALIVE\n"
+            "  0      srv-0  127.0.0.1:7100  yes\n"
+            "  1      srv-1  127.0.0.1:7101  no\n"
+            "Workers:\n"
+            "  RANK  NODE   ADDRESS         STATE    STEP  MOVED\n"
+            "  0     wrk-0  127.0.0.1:7200  running  410   0\n"
+            "  1     wrk-1  127.0.0.1:7201  running  411   0\n");
+  EXPECT_FALSE(absl::StrContains(r.out, "tok-123"));
+}
+
+TEST_F(CliTest, StatusJsonIsTheJobStatusWithoutItsToken) {
+  const JobStatus job = MakeJob("mnist-mlp", RUNNING, 410, 938);
+  fake().AddJob(job);
+  Result r = Run({"status", "--json", "mnist-mlp"});
+  EXPECT_EQ(r.code, kExitOk) << r.err;
+  EXPECT_FALSE(absl::StrContains(r.out, "tok-123"));
+  EXPECT_TRUE(absl::StrContains(r.out, "\"state\": \"RUNNING\"")) << r.out;
+  EXPECT_TRUE(absl::StrContains(r.out, "\"totalSteps\": \"938\"")) << r.out;
+  JobStatus parsed;
+  ASSERT_TRUE(google::protobuf::util::JsonStringToMessage(r.out, &parsed).ok()) << r.out;
+  JobStatus expected = job;
+  expected.clear_job_token();
+  EXPECT_TRUE(MessageDifferencer::Equals(parsed, expected)) << parsed.DebugString();
+}
+
+TEST_F(CliTest, CancelPrintsNewStateAndRefusalExits1) {
+  fake().AddJob(MakeJob("mnist-mlp", RUNNING, 410, 938));
+  Result r = Run({"cancel", "mnist-mlp"});
+  EXPECT_EQ(r.code, kExitOk) << r.err;
+  EXPECT_EQ(r.out, "job mnist-mlp CANCELLED: cancelled by the user\n");
+  r = Run({"cancel", "mnist-mlp"});
+  EXPECT_EQ(r.code, kExitFailed);
+  EXPECT_EQ(r.err, "error: FAILED_PRECONDITION: job mnist-mlp already ended (CANCELLED)\n");
+  r = Run({"cancel", "other"});
+  EXPECT_EQ(r.code, kExitFailed);
+  EXPECT_EQ(r.err, "error: NOT_FOUND: job other not found\n");
+}
+
+// --- watch -----------------------------------------------------------------------------------
+
+std::vector<JobStatus> Lifecycle(JobState end, const std::string& message = "") {
+  JobStatus done = WithState(MakeJob("mnist-mlp", end, 400, 400), end, message);
+  if (end == SUCCEEDED) done.mutable_progress()->set_accuracy(0.9812);
+  if (end != SUCCEEDED) done.mutable_progress()->set_step(250);
+  // Finished workers report no rate: the final line shows the last rate seen.
+  done.mutable_progress()->set_samples_per_s(0);
+  return {MakeJob("mnist-mlp", PENDING, 0, 400), MakeJob("mnist-mlp", RUNNING, 100, 400),
+          MakeJob("mnist-mlp", RUNNING, 200, 400), done};
+}
+
+TEST_F(CliTest, WatchPlainLinesUntilSucceeded) {
+  fake().AddWatchScript({Lifecycle(SUCCEEDED)});
+  Result r = Run({"watch", "mnist-mlp"});
+  EXPECT_EQ(r.code, kExitOk) << r.err;
+  EXPECT_EQ(r.out,
+            "job mnist-mlp PENDING\n"
+            "job mnist-mlp RUNNING\n"
+            "25% step 100/400 epoch 1/1 loss 0.3121 acc - 11.2k samples/s ETA 0:35\n"
+            "50% step 200/400 epoch 1/1 loss 0.3121 acc - 11.2k samples/s ETA 0:35\n"
+            "job mnist-mlp SUCCEEDED accuracy=0.9812 loss=0.3121 steps=400/400 "
+            "samples_per_s=11.2k time=0:35\n");
+  EXPECT_EQ(r.err, "");
+}
+
+TEST_F(CliTest, WatchPlainLinesAreThrottled) {
+  options_.plain_update_interval = absl::Hours(1);  // The fixed clock never gets there.
+  std::vector<JobStatus> msgs = Lifecycle(SUCCEEDED);
+  msgs.insert(msgs.begin() + 3,
+              WithState(MakeJob("mnist-mlp", PAUSED, 200, 400), PAUSED, "shard 1 is down"));
+  msgs.insert(msgs.begin() + 4, MakeJob("mnist-mlp", RUNNING, 300, 400));
+  fake().AddWatchScript({msgs});
+  Result r = Run({"watch", "mnist-mlp"});
+  EXPECT_EQ(r.code, kExitOk) << r.err;
+  EXPECT_EQ(r.out,
+            "job mnist-mlp PENDING\n"
+            "job mnist-mlp RUNNING\n"
+            "25% step 100/400 epoch 1/1 loss 0.3121 acc - 11.2k samples/s ETA 0:35\n"
+            "job mnist-mlp PAUSED: shard 1 is down\n"
+            "job mnist-mlp RUNNING\n"
+            "job mnist-mlp SUCCEEDED accuracy=0.9812 loss=0.3121 steps=400/400 "
+            "samples_per_s=11.2k time=0:35\n");
+}
+
+TEST_F(CliTest, WatchFailedOrCancelledExits1WithMessage) {
+  fake().AddWatchScript({Lifecycle(FAILED, "worker 1 failed: loss is NaN at step 250")});
+  Result r = Run({"watch", "mnist-mlp"});
+  EXPECT_EQ(r.code, kExitFailed);
+  EXPECT_TRUE(absl::EndsWith(
+      r.out, "\njob mnist-mlp FAILED at step 250/400: worker 1 failed: loss is NaN at step 250\n"))
+      << r.out;
+  fake().AddWatchScript({Lifecycle(CANCELLED, "cancelled by the user")});
+  r = Run({"watch", "mnist-mlp"});
+  EXPECT_EQ(r.code, kExitFailed);
+  EXPECT_TRUE(
+      absl::EndsWith(r.out, "\njob mnist-mlp CANCELLED at step 250/400: cancelled by the user\n"))
+      << r.out;
+  // A job that already ended: only the final line (no rate was seen).
+  fake().AddWatchScript({{Lifecycle(SUCCEEDED).back()}});
+  r = Run({"watch", "mnist-mlp"});
+  EXPECT_EQ(r.code, kExitOk);
+  EXPECT_EQ(r.out,
+            "job mnist-mlp SUCCEEDED accuracy=0.9812 loss=0.3121 steps=400/400 "
+            "samples_per_s=0 time=0:35\n");
+}
+
+TEST_F(CliTest, WatchOnTerminalRedrawsOneLine) {
+  fake().AddWatchScript({Lifecycle(SUCCEEDED)});
+  Result r = Run({"watch", "mnist-mlp"}, /*terminal=*/true);
+  EXPECT_EQ(r.code, kExitOk) << r.err;
+  const std::string progress = " epoch 1/1 loss 0.3121 acc - 11.2k samples/s ETA 0:35";
+  EXPECT_EQ(r.out,
+            absl::StrCat("job mnist-mlp PENDING\n"
+                         "job mnist-mlp RUNNING\n"
+                         "\r\033[K[#####...............]  25% step 100/400",
+                         progress, "\r\033[K[##########..........]  50% step 200/400", progress,
+                         "\r\033[K"
+                         "job mnist-mlp SUCCEEDED accuracy=0.9812 loss=0.3121 "
+                         "steps=400/400 samples_per_s=11.2k time=0:35\n"));
+}
+
+TEST_F(CliTest, WatchUnknownJobExits1) {
+  Result r = Run({"watch", "nope"});
+  EXPECT_EQ(r.code, kExitFailed);
+  EXPECT_EQ(r.err, "error: NOT_FOUND: job nope not found\n");
+}
+
+TEST_F(CliTest, WatchReconnectsWhenTheStreamBreaks) {
+  std::vector<JobStatus> msgs = Lifecycle(SUCCEEDED);
+  fake().AddWatchScript({{msgs[1]}, grpc::Status(grpc::StatusCode::UNAVAILABLE, "restarting")});
+  fake().AddWatchScript({{}, grpc::Status(grpc::StatusCode::UNAVAILABLE, "still restarting")});
+  fake().AddWatchScript({{msgs[2], msgs[3]}});
+  Result r = Run({"watch", "mnist-mlp"});
+  EXPECT_EQ(r.code, kExitOk) << r.err;
+  EXPECT_EQ(r.out,
+            "job mnist-mlp RUNNING\n"
+            "25% step 100/400 epoch 1/1 loss 0.3121 acc - 11.2k samples/s ETA 0:35\n"
+            "50% step 200/400 epoch 1/1 loss 0.3121 acc - 11.2k samples/s ETA 0:35\n"
+            "job mnist-mlp SUCCEEDED accuracy=0.9812 loss=0.3121 steps=400/400 "
+            "samples_per_s=11.2k time=0:35\n");
+  EXPECT_EQ(r.err, absl::StrCat("note: lost the watch stream of job mnist-mlp (UNAVAILABLE: "
+                                "restarting); reconnecting to ",
+                                coordinator_->address(), " until the job ends\n",
+                                "note: reconnected to the coordinator at ", coordinator_->address(),
+                                "\n"));
+  EXPECT_EQ(fake().watches(), 3);
+}
+
+TEST_F(CliTest, WatchSurvivesACoordinatorRestart) {
+  const int port = coordinator_->port();
+  std::vector<JobStatus> msgs = Lifecycle(SUCCEEDED);
+  FakeJobService::WatchScript held;
+  held.messages = {msgs[1]};
+  held.hold = true;
+  fake().AddWatchScript(held);
+  Result r;
+  std::thread cli([&] { r = Run({"watch", "mnist-mlp"}); });
+  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  while (fake().watches() == 0 && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(5));
+  ASSERT_EQ(fake().watches(), 1);
+  absl::SleepFor(absl::Milliseconds(100));  // Let the first message reach the client.
+  coordinator_.reset();                     // The coordinator goes away mid-stream...
+  absl::SleepFor(absl::Milliseconds(300));
+  coordinator_ = FakeCoordinator::Start(port);  // ...and comes back on the same address.
+  ASSERT_NE(coordinator_, nullptr);
+  fake().AddWatchScript({{msgs[2], msgs[3]}});
+  cli.join();
+  EXPECT_EQ(r.code, kExitOk) << r.err;
+  EXPECT_TRUE(absl::StartsWith(r.out, "job mnist-mlp RUNNING\n25% step 100/400")) << r.out;
+  EXPECT_TRUE(absl::EndsWith(r.out,
+                             "\njob mnist-mlp SUCCEEDED accuracy=0.9812 loss=0.3121 "
+                             "steps=400/400 samples_per_s=11.2k time=0:35\n"))
+      << r.out;
+  EXPECT_TRUE(absl::StartsWith(r.err, "note: lost the watch stream of job mnist-mlp (")) << r.err;
+  EXPECT_TRUE(absl::EndsWith(
+      r.err, absl::StrCat("note: reconnected to the coordinator at 127.0.0.1:", port, "\n")))
+      << r.err;
+}
+
+TEST_F(CliTest, SubmitWatchFollowsTheJob) {
+  fake().AddWatchScript({Lifecycle(FAILED, "rank 0 lost")});
+  Result r = Run({"submit", WriteFile("job.yaml", kSpec), "--watch"});
+  EXPECT_EQ(r.code, kExitFailed);
+  EXPECT_TRUE(absl::StartsWith(r.out, "job mnist-mlp submitted (PENDING)\n  shards:  ")) << r.out;
+  EXPECT_TRUE(absl::EndsWith(r.out, "\njob mnist-mlp FAILED at step 250/400: rank 0 lost\n"))
+      << r.out;
+}
+
+// --- export (shard-free refusals; the shard path is in export_test.cc) ------------------------
+
+TEST_F(CliTest, ExportOfGossipJobPointsToRankZerosOutput) {
+  JobStatus job = MakeJob("g", SUCCEEDED, 10, 10);
+  job.mutable_spec()->set_mode("gossip");
+  job.mutable_spec()->set_output("/models/g.pt");
+  job.clear_shards();
+  fake().AddJob(job);
+  Result r = Run({"export", "g", "--out", dir_ + "/g.pt"});
+  EXPECT_EQ(r.code, kExitFailed);
+  EXPECT_EQ(r.err,
+            "error: FAILED_PRECONDITION: job g runs in mode gossip, which has no "
+            "parameter-server shards to export from: its rank 0 saves the final model to "
+            "/models/g.pt (spec.output)\n");
+  job.set_job_id("a");
+  job.mutable_spec()->set_mode("allreduce");
+  job.mutable_spec()->clear_output();
+  fake().AddJob(job);
+  r = Run({"export", "a", "--out=" + dir_ + "/a.pt"});
+  EXPECT_EQ(r.code, kExitFailed);
+  EXPECT_TRUE(absl::EndsWith(
+      r.err, "saves the final model only when spec.output is set, and this job's is empty\n"))
+      << r.err;
+  r = Run({"export", "nope", "--out=" + dir_ + "/n.pt"});
+  EXPECT_EQ(r.code, kExitFailed);
+  EXPECT_EQ(r.err, "error: NOT_FOUND: job nope not found\n");
+}
+
+}  // namespace
+}  // namespace cli
+}  // namespace gradmesh

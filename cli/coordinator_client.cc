@@ -1,0 +1,94 @@
+// gRPC implementation of CoordinatorClient (see coordinator_client.h).
+#include "cli/coordinator_client.h"
+
+#include <grpcpp/client_context.h>
+
+#include <chrono>
+
+#include "common/auth.h"
+#include "common/status.h"
+#include "proto/coordinator.grpc.pb.h"
+
+namespace gradmesh {
+namespace cli {
+namespace {
+
+class GrpcCoordinatorClient final : public CoordinatorClient {
+ public:
+  explicit GrpcCoordinatorClient(CoordinatorClientOptions options)
+      : options_(std::move(options)),
+        stub_(JobService::NewStub(MakeChannel(options_.address, options_.rpc))) {}
+
+  absl::StatusOr<JobStatus> SubmitJob(const JobSpec& spec, bool dry_run, bool resume) override {
+    SubmitJobRequest req;
+    *req.mutable_spec() = spec;
+    req.set_dry_run(dry_run);
+    req.set_resume(resume);
+    SubmitJobResponse resp;
+    grpc::ClientContext ctx;
+    Prepare(&ctx, /*unary=*/true);
+    RETURN_IF_ERROR(FromGrpcStatus(stub_->SubmitJob(&ctx, req, &resp)));
+    return resp.job();
+  }
+
+  absl::StatusOr<JobStatus> GetJob(const std::string& job_id) override {
+    GetJobRequest req;
+    req.set_job_id(job_id);
+    JobStatus resp;
+    grpc::ClientContext ctx;
+    Prepare(&ctx, /*unary=*/true);
+    RETURN_IF_ERROR(FromGrpcStatus(stub_->GetJob(&ctx, req, &resp)));
+    return resp;
+  }
+
+  absl::StatusOr<std::vector<JobStatus>> ListJobs() override {
+    ListJobsResponse resp;
+    grpc::ClientContext ctx;
+    Prepare(&ctx, /*unary=*/true);
+    RETURN_IF_ERROR(FromGrpcStatus(stub_->ListJobs(&ctx, ListJobsRequest(), &resp)));
+    return std::vector<JobStatus>(resp.jobs().begin(), resp.jobs().end());
+  }
+
+  absl::StatusOr<JobStatus> CancelJob(const std::string& job_id) override {
+    CancelJobRequest req;
+    req.set_job_id(job_id);
+    JobStatus resp;
+    grpc::ClientContext ctx;
+    Prepare(&ctx, /*unary=*/true);
+    RETURN_IF_ERROR(FromGrpcStatus(stub_->CancelJob(&ctx, req, &resp)));
+    return resp;
+  }
+
+  absl::Status WatchJob(const std::string& job_id,
+                        const std::function<void(const JobStatus&)>& on_update) override {
+    WatchJobRequest req;
+    req.set_job_id(job_id);
+    grpc::ClientContext ctx;
+    Prepare(&ctx, /*unary=*/false);
+    std::unique_ptr<grpc::ClientReader<JobStatus>> reader = stub_->WatchJob(&ctx, req);
+    JobStatus msg;
+    while (reader->Read(&msg)) on_update(msg);
+    return FromGrpcStatus(reader->Finish());
+  }
+
+ private:
+  void Prepare(grpc::ClientContext* ctx, bool unary) const {
+    AddBearerToken(options_.auth_token, ctx);
+    if (unary) {
+      ctx->set_deadline(std::chrono::system_clock::now() +
+                        absl::ToChronoMilliseconds(options_.deadline));
+    }
+  }
+
+  const CoordinatorClientOptions options_;
+  const std::unique_ptr<JobService::Stub> stub_;
+};
+
+}  // namespace
+
+std::unique_ptr<CoordinatorClient> NewGrpcCoordinatorClient(CoordinatorClientOptions options) {
+  return std::make_unique<GrpcCoordinatorClient>(std::move(options));
+}
+
+}  // namespace cli
+}  // namespace gradmesh
