@@ -190,6 +190,7 @@ int WatchUntilDone(Session& s, const std::string& job_id) {
   absl::Duration backoff = s.options.reconnect_initial_backoff;
   bool connected = false;  // Some message arrived (on any attempt).
   bool outage = false;     // A note about a broken stream was printed.
+  const absl::Time first_attempt_until = absl::Now() + absl::Seconds(10);
   while (true) {
     bool got = false;
     const absl::Status st = s.client->WatchJob(job_id, [&](const JobStatus& job) {
@@ -206,6 +207,13 @@ int WatchUntilDone(Session& s, const std::string& job_id) {
       backoff = s.options.reconnect_initial_backoff;
     }
     if (!Reconnectable(st.code())) return CoordinatorError(s, st);
+    if (!connected && st.code() == absl::StatusCode::kUnavailable &&
+        absl::Now() < first_attempt_until) {
+      // Not reached yet: a coordinator that is (re)starting gets a short grace.
+      absl::SleepFor(backoff);
+      backoff = std::min(backoff * 2, s.options.reconnect_max_backoff);
+      continue;
+    }
     if (!connected) {
       if (st.ok()) {
         return Failure(

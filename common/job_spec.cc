@@ -197,7 +197,11 @@ void ApplyJobSpecDefaults(int num_servers, JobSpec* spec) {
   // every worker are every_steps updates in sync mode and about every_steps * num_workers
   // pushes otherwise.
   if (spec->checkpoint().every_steps() > 0 && IsPsMode(spec->mode())) {
-    if (d->mode().empty() || d->mode() == "none") d->set_mode("periodic");
+    if (d->mode().empty() || d->mode() == "none") {
+      d->set_mode("periodic");
+      // Checkpoints at exactly those steps, not also every 30 s.
+      if (!d->has_snapshot_every_seconds()) d->set_snapshot_every_seconds(0);
+    }
     if (d->snapshot_every_updates() == 0) {
       d->set_snapshot_every_updates(spec->checkpoint().every_steps() *
                                     (spec->mode() == "sync" ? 1 : spec->num_workers()));

@@ -1,7 +1,8 @@
 // JobTokens: which per-job secret a shard accepts for each job (set by the coordinator's tasks
 // in service mode), so the workers of one job cannot read or write another job's tensors.
 //
-// Clients send the token as gRPC metadata `x-gradmesh-job-token`. A job with a token set
+// Clients send the token as gRPC metadata `x-gradmesh-job-token` on InitJob, Push, Pull and
+// Finish (GetJobInfo, which returns no tensor values, is open). A job with a token set
 // accepts only that token (PERMISSION_DENIED otherwise). A job without one is open when
 // tokens are not required (standalone shards, started without --coordinator); when they are
 // required (service mode), calls for it are UNAVAILABLE until the coordinator's task arrives,

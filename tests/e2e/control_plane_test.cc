@@ -14,6 +14,7 @@
 //   with messages that say what to fix, and nothing is created.
 #include <signal.h>
 
+#include <cstdint>
 #include <fstream>
 #include <functional>
 #include <memory>
@@ -351,7 +352,9 @@ TEST_F(ControlPlaneTest, FullStopThenResumeFromCheckpoint) {
         return true;
       },
       absl::Minutes(3)));
-  EXPECT_EQ(checkpoint_update % 200, 0) << "snapshots every 100 steps of 2 workers";
+  // Every 100 steps of 2 workers: about every 200 updates (async pushes race the snapshot's
+  // start, so it may hold an update or two more).
+  EXPECT_GE(checkpoint_update, 200);
 
   // Stop everything, hard.
   for (Subprocess* p : {w0.get(), w1.get(), s0.get(), s1.get(), coord_proc_.get()}) {
@@ -363,6 +366,19 @@ TEST_F(ControlPlaneTest, FullStopThenResumeFromCheckpoint) {
   StartCoordinator();
   s0 = StartServiceServer("s0", p0);
   s1 = StartServiceServer("s1", p1);
+  // The shards restored the checkpoint: each rank must resume right after the last step both
+  // shards hold for it.
+  std::vector<int64_t> expected_first(2, INT64_MAX);
+  for (int port : {p0, p1}) {
+    ASSERT_OK_AND_ASSIGN(JobInfoResponse info,
+                         GetJobInfo(absl::StrCat("127.0.0.1:", port), "resumed"));
+    EXPECT_TRUE(info.restored());
+    EXPECT_GE(info.updates_applied(), 200);  // At least the first checkpoint.
+    ASSERT_EQ(info.workers_size(), 2);
+    for (const WorkerState& w : info.workers()) {
+      expected_first[w.worker()] = std::min(expected_first[w.worker()], w.last_step() + 1);
+    }
+  }
   w0 = StartServiceWorker("w0");
   w1 = StartServiceWorker("w1");
   CliResult watch = Cli({"watch", "resumed"}, absl::Minutes(5));
@@ -371,19 +387,20 @@ TEST_F(ControlPlaneTest, FullStopThenResumeFromCheckpoint) {
   EXPECT_EQ(st.state(), SUCCEEDED) << st.DebugString();
   EXPECT_GE(st.progress().accuracy(), 0.97) << st.DebugString();
 
-  // Each rank resumed at a step after the checkpoint's, not from 0.
+  // Each rank resumed exactly at the checkpoint's step (not from 0).
   int resumed = 0;
   for (const std::string& log : logs_) {
     if (!absl::StrContains(log, "/w")) continue;
     for (const std::string& line : LinesWith(ReadFile(log), "event=resuming")) {
       if (LogField(line, "job") != "resumed") continue;
       ++resumed;
-      EXPECT_GT(ToInt(LogField(line, "step")), 0) << line;
+      const int64_t rank = ToInt(LogField(line, "rank"));
+      ASSERT_TRUE(rank == 0 || rank == 1) << line;
+      EXPECT_GT(expected_first[rank], 0);
+      EXPECT_EQ(ToInt(LogField(line, "step")), expected_first[rank]) << line;
     }
   }
   EXPECT_EQ(resumed, 2);
-  ASSERT_OK_AND_ASSIGN(JobInfoResponse info, GetJobInfo(st.shards(0).address(), "resumed"));
-  EXPECT_TRUE(info.restored());
 }
 
 TEST_F(ControlPlaneTest, BadSpecsAreRefusedAndChangeNothing) {
@@ -400,10 +417,14 @@ TEST_F(ControlPlaneTest, BadSpecsAreRefusedAndChangeNothing) {
     std::vector<std::string> says;
   };
   const std::vector<Case> cases = {
-      {"unknown-model", MlpSpec("bad1", 1) + "model: {name: resnet}\n", 1, {"resnet", "mlp"}},
+      // The CLI checks a spec before sending it (exit 2, a usage error); the coordinator
+      // checks again (coordinator_test).
+      {"unknown-model", absl::StrReplaceAll(MlpSpec("bad1", 1), {{"{name: mlp}", "{name: resnet}"}}),
+       2, {"resnet", "known: lenet, mlp, torchscript"}},
       {"negative-batch", absl::StrReplaceAll(MlpSpec("bad2", 1), {{"batch_size: 64", "batch_size: -8"}}),
-       1, {"batch_size", "-8"}},
-      {"unknown-field", MlpSpec("bad3", 1) + "optimiser: {name: sgd}\n", 2, {"optimiser"}},
+       2, {"batch_size must be > 0", "-8"}},
+      {"unknown-field", MlpSpec("bad3", 1) + "optimiser: {name: sgd}\n", 2,
+       {"unknown field \"optimiser\""}},
       {"too-many-workers",
        absl::StrReplaceAll(MlpSpec("bad4", 1), {{"num_workers: 2", "num_workers: 5"}}), 1,
        {"FAILED_PRECONDITION", "5 workers"}},
