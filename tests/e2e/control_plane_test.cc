@@ -4,7 +4,8 @@
 //
 // * A job submitted with `gradmesh submit` and followed with `gradmesh watch` succeeds with
 //   test accuracy >= 0.97; calls without the token are refused.
-// * A worker daemon killed mid-job (async): its rank moves to the other daemon, resumes where
+// * A worker daemon killed (or preempted with SIGTERM) mid-job (async): its rank moves to the
+//   other daemon, resumes where
 //   the shards recorded it, and every rank's data is trained to the last step.
 // * The coordinator killed and restarted mid-job: it still knows the job and its progress,
 //   and the job completes.
@@ -153,6 +154,28 @@ class ControlPlaneTest : public E2eHarness {
     return false;
   }
 
+  // `gradmesh submit spec`, retried while the daemons are still registering (the coordinator
+  // refuses a job it cannot place yet) for up to 30 s.
+  CliResult SubmitWhenPlaced(const std::string& spec) {
+    CliResult submit;
+    const absl::Time deadline = absl::Now() + absl::Seconds(30);
+    do {
+      submit = Cli({"submit", spec});
+      if (submit.code == 0) break;
+      absl::SleepFor(absl::Milliseconds(500));
+    } while (absl::Now() < deadline);
+    return submit;
+  }
+
+  // Starts the coordinator, 2 service-mode shards (s0, s1) and 2 worker daemons (w0, w1).
+  void StartCluster() {
+    StartCoordinator();
+    s0_ = StartServiceServer("s0");
+    s1_ = StartServiceServer("s1");
+    w0_ = StartServiceWorker("w0");
+    w1_ = StartServiceWorker("w1");
+  }
+
   // Writes a job spec file and returns its path.
   std::string WriteSpec(const std::string& name, const std::string& yaml) {
     const std::string path = absl::StrCat(dir_, "/", name, ".yaml");
@@ -175,19 +198,18 @@ log_every: 25
                         "epochs: ", epochs, "\n", extra);
   }
 
+  void LoseWorkerMidJob(int sig, const std::string& job);
+
   std::string coordinator_bin_, cli_bin_, token_file_, coordinator_;
   int coordinator_port_ = 0;
   std::unique_ptr<Subprocess> coord_proc_;
+  std::unique_ptr<Subprocess> s0_, s1_, w0_, w1_;
   int starts_ = 0;
   int cli_runs_ = 0;
 };
 
 TEST_F(ControlPlaneTest, SubmitAndWatchThroughTheCliReachesAccuracy) {
-  StartCoordinator();
-  auto s0 = StartServiceServer("s0");
-  auto s1 = StartServiceServer("s1");
-  auto w0 = StartServiceWorker("w0");
-  auto w1 = StartServiceWorker("w1");
+  StartCluster();
 
   // Without the API token the coordinator refuses.
   CliResult anon = Cli({"--coordinator=" + coordinator_, "list"}, absl::Seconds(30), true);
@@ -196,13 +218,7 @@ TEST_F(ControlPlaneTest, SubmitAndWatchThroughTheCliReachesAccuracy) {
 
   // Daemons register within a few heartbeats; submit once both workers are there.
   const std::string spec = WriteSpec("mlp", MlpSpec("mlp-e2e", 2));
-  CliResult submit;
-  const absl::Time deadline = absl::Now() + absl::Seconds(30);
-  do {
-    submit = Cli({"submit", spec});
-    if (submit.code == 0) break;
-    absl::SleepFor(absl::Milliseconds(500));
-  } while (absl::Now() < deadline);
+  const CliResult submit = SubmitWhenPlaced(spec);
   ASSERT_EQ(submit.code, 0) << submit.out;
   EXPECT_TRUE(absl::StrContains(submit.out, "mlp-e2e")) << submit.out;
 
@@ -228,38 +244,39 @@ TEST_F(ControlPlaneTest, SubmitAndWatchThroughTheCliReachesAccuracy) {
   EXPECT_TRUE(absl::StrContains(list.out, "SUCCEEDED")) << list.out;
 }
 
-TEST_F(ControlPlaneTest, KilledWorkerRankMovesAndNoDataIsDropped) {
-  StartCoordinator();
-  auto s0 = StartServiceServer("s0");
-  auto s1 = StartServiceServer("s1");
-  auto w0 = StartServiceWorker("w0");
-  auto w1 = StartServiceWorker("w1");
-  const std::string spec = WriteSpec("mlp", MlpSpec("killed", 2));
-  CliResult submit;
-  const absl::Time deadline = absl::Now() + absl::Seconds(30);
-  do {
-    submit = Cli({"submit", spec});
-    if (submit.code == 0) break;
-    absl::SleepFor(absl::Milliseconds(500));
-  } while (absl::Now() < deadline);
+// A worker daemon that goes away mid-job (SIGKILL: missed heartbeats; SIGTERM: preemption,
+// it stops its rank after the current step and says it is leaving): its rank moves to the
+// other daemon, resumes where the shards recorded it, and every rank trains to the end.
+void ControlPlaneTest::LoseWorkerMidJob(int sig, const std::string& job) {
+  StartCluster();
+  const std::string spec = WriteSpec("mlp", MlpSpec(job, 2));
+  const CliResult submit = SubmitWhenPlaced(spec);
   ASSERT_EQ(submit.code, 0) << submit.out;
 
   // Kill the daemon running rank 1 once the job is well under way.
   std::string victim_node;
   ASSERT_TRUE(WaitForStatus(
-      "killed",
+      job,
       [&](const JobStatus& s) {
         if (s.progress().step() < 200 || s.workers_size() < 2) return false;
         victim_node = s.workers(1).node();
         return true;
       },
       absl::Minutes(3)));
-  Subprocess* victim = victim_node == "w0" ? w0.get() : w1.get();
-  ASSERT_OK(victim->Signal(SIGKILL));
+  Subprocess* victim = victim_node == "w0" ? w0_.get() : w1_.get();
+  ASSERT_OK(victim->Signal(sig));
+  if (sig == SIGTERM) {
+    // Preempted: it leaves cleanly and promptly, reporting its rank stopped.
+    ASSERT_OK_AND_ASSIGN(int code, victim->Wait(absl::Seconds(20)));
+    EXPECT_EQ(code, 0);
+    const std::string log = ReadFile(victim->log_path());
+    EXPECT_EQ(LinesWith(log, "state=stopped").size(), 1u) << log;
+    EXPECT_EQ(LinesWith(log, "leaving=true").size(), 1u) << log;
+  }
 
-  CliResult watch = Cli({"watch", "killed"}, absl::Minutes(5));
+  CliResult watch = Cli({"watch", job}, absl::Minutes(5));
   EXPECT_EQ(watch.code, 0) << watch.out;
-  const JobStatus st = Status("killed");
+  const JobStatus st = Status(job);
   ASSERT_EQ(st.state(), SUCCEEDED) << st.DebugString();
   EXPECT_GE(st.workers(1).reassignments(), 1) << st.DebugString();
   EXPECT_NE(st.workers(1).node(), victim_node);
@@ -267,7 +284,7 @@ TEST_F(ControlPlaneTest, KilledWorkerRankMovesAndNoDataIsDropped) {
 
   // Every rank's data was trained to its last step on both shards.
   for (const ShardPlacement& shard : st.shards()) {
-    ASSERT_OK_AND_ASSIGN(JobInfoResponse info, GetJobInfo(shard.address(), "killed"));
+    ASSERT_OK_AND_ASSIGN(JobInfoResponse info, GetJobInfo(shard.address(), job));
     ASSERT_EQ(info.workers_size(), 2);
     for (const WorkerState& w : info.workers()) {
       EXPECT_EQ(w.last_step(), st.progress().total_steps() - 1) << "rank " << w.worker();
@@ -276,20 +293,18 @@ TEST_F(ControlPlaneTest, KilledWorkerRankMovesAndNoDataIsDropped) {
   }
 }
 
+TEST_F(ControlPlaneTest, KilledWorkerRankMovesAndNoDataIsDropped) {
+  LoseWorkerMidJob(SIGKILL, "killed");
+}
+
+TEST_F(ControlPlaneTest, PreemptedWorkerLeavesCleanlyAndItsRankMoves) {
+  LoseWorkerMidJob(SIGTERM, "preempted");
+}
+
 TEST_F(ControlPlaneTest, RestartedCoordinatorKnowsTheJobAndItCompletes) {
-  StartCoordinator();
-  auto s0 = StartServiceServer("s0");
-  auto s1 = StartServiceServer("s1");
-  auto w0 = StartServiceWorker("w0");
-  auto w1 = StartServiceWorker("w1");
+  StartCluster();
   const std::string spec = WriteSpec("mlp", MlpSpec("restarted", 2));
-  CliResult submit;
-  const absl::Time deadline = absl::Now() + absl::Seconds(30);
-  do {
-    submit = Cli({"submit", spec});
-    if (submit.code == 0) break;
-    absl::SleepFor(absl::Milliseconds(500));
-  } while (absl::Now() < deadline);
+  const CliResult submit = SubmitWhenPlaced(spec);
   ASSERT_EQ(submit.code, 0) << submit.out;
   int64_t before = 0;
   ASSERT_TRUE(WaitForStatus(
@@ -331,13 +346,7 @@ TEST_F(ControlPlaneTest, FullStopThenResumeFromCheckpoint) {
   auto w1 = StartServiceWorker("w1");
   const std::string spec =
       WriteSpec("mlp", MlpSpec("resumed", 2, "checkpoint: {every_steps: 100}\n"));
-  CliResult submit;
-  const absl::Time deadline = absl::Now() + absl::Seconds(30);
-  do {
-    submit = Cli({"submit", spec});
-    if (submit.code == 0) break;
-    absl::SleepFor(absl::Milliseconds(500));
-  } while (absl::Now() < deadline);
+  const CliResult submit = SubmitWhenPlaced(spec);
   ASSERT_EQ(submit.code, 0) << submit.out;
 
   // Wait for a checkpoint (the shards' snapshot at 100 steps of both workers).
@@ -404,11 +413,7 @@ TEST_F(ControlPlaneTest, FullStopThenResumeFromCheckpoint) {
 }
 
 TEST_F(ControlPlaneTest, BadSpecsAreRefusedAndChangeNothing) {
-  StartCoordinator();
-  auto s0 = StartServiceServer("s0");
-  auto s1 = StartServiceServer("s1");
-  auto w0 = StartServiceWorker("w0");
-  auto w1 = StartServiceWorker("w1");
+  StartCluster();
   absl::SleepFor(absl::Seconds(2));  // Let the daemons register.
 
   struct Case {
