@@ -1,0 +1,80 @@
+// GossipServiceImpl (see gossip_service.h).
+#include "worker/gossip/gossip_service.h"
+
+#include <chrono>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
+#include "common/status.h"
+#include "worker/gossip/wire.h"
+
+namespace gradmesh {
+
+absl::Status GossipServiceImpl::Register(std::shared_ptr<GossipReplica> replica) {
+  const auto key = std::make_pair(replica->options().job, replica->options().rank);
+  absl::MutexLock lock(&mu_);
+  if (!replicas_.emplace(key, std::move(replica)).second) {
+    return absl::AlreadyExistsError(absl::StrCat("gossip job ", key.first, " rank ", key.second,
+                                                 " is already served by this process"));
+  }
+  return absl::OkStatus();
+}
+
+void GossipServiceImpl::Unregister(const std::string& job, int32_t rank) {
+  absl::MutexLock lock(&mu_);
+  replicas_.erase(std::make_pair(job, rank));
+}
+
+absl::StatusOr<std::shared_ptr<GossipReplica>> GossipServiceImpl::Find(const std::string& job,
+                                                                       int32_t rank) const {
+  absl::MutexLock lock(&mu_);
+  auto it = replicas_.find(std::make_pair(job, rank));
+  if (it == replicas_.end()) {
+    return absl::NotFoundError(
+        absl::StrCat("gossip job ", job, " rank ", rank, " is not running in this process"));
+  }
+  return it->second;
+}
+
+grpc::ServerUnaryReactor* GossipServiceImpl::Exchange(grpc::CallbackServerContext* context,
+                                                      const GossipExchangeRequest* request,
+                                                      GossipExchangeResponse* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  auto replica = Find(request->job(), request->to_rank());
+  if (!replica.ok()) {
+    reactor->Finish(ToGrpcStatus(replica.status()));
+    return reactor;
+  }
+  const auto deadline = context->deadline();
+  const absl::Time until = deadline == std::chrono::system_clock::time_point::max()
+                               ? absl::InfiniteFuture()
+                               : absl::FromChrono(deadline);
+  absl::StatusOr<ExchangeHeader> header = HeaderFromProto(*request);
+  if (!header.ok()) {
+    reactor->Finish(ToGrpcStatus(header.status()));
+    return reactor;
+  }
+  absl::StatusOr<ExchangeReply> reply =
+      (*replica)->Handle(*header, request->values().data(), until);
+  if (reply.ok()) ReplyToProto(*std::move(reply), response);
+  reactor->Finish(ToGrpcStatus(reply.status()));
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* GossipServiceImpl::GetState(grpc::CallbackServerContext* context,
+                                                      const GossipStateRequest* request,
+                                                      GossipStateResponse* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  auto replica = Find(request->job(), request->rank());
+  if (replica.ok()) {
+    const ReplicaState s = (*replica)->State();
+    response->set_step(s.step);
+    response->set_total_steps(s.total_steps);
+    response->set_finished(s.finished);
+    response->set_weight(s.weight);
+  }
+  reactor->Finish(ToGrpcStatus(replica.status()));
+  return reactor;
+}
+
+}  // namespace gradmesh

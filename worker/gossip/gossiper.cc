@@ -1,0 +1,319 @@
+// Gossiper (see gossiper.h).
+#include "worker/gossip/gossiper.h"
+
+#include <algorithm>
+#include <map>
+#include <optional>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "common/status.h"
+
+namespace gradmesh {
+
+absl::StatusOr<std::unique_ptr<Gossiper>> Gossiper::Create(GossiperOptions options,
+                                                           std::shared_ptr<GossipReplica> replica,
+                                                           std::unique_ptr<Topology> topology,
+                                                           GossipTransport* transport) {
+  if (replica == nullptr || topology == nullptr || transport == nullptr) {
+    return absl::InvalidArgumentError("gossiper: needs a replica, a topology and a transport");
+  }
+  if (options.timeout <= absl::ZeroDuration() || options.backoff_initial <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("gossiper: timeout and backoff must be > 0");
+  }
+  auto codec = ValueCodec::Create(options.codec);
+  if (!codec.ok()) return codec.status();
+  return std::unique_ptr<Gossiper>(new Gossiper(std::move(options), *std::move(codec),
+                                                std::move(replica), std::move(topology),
+                                                transport));
+}
+
+Gossiper::Gossiper(GossiperOptions options, ValueCodec codec,
+                   std::shared_ptr<GossipReplica> replica, std::unique_ptr<Topology> topology,
+                   GossipTransport* transport)
+    : options_(std::move(options)),
+      codec_(std::move(codec)),
+      replica_(std::move(replica)),
+      topology_(std::move(topology)),
+      transport_(transport),
+      rank_(replica_->options().rank),
+      n_(replica_->options().num_workers),
+      health_(n_, options_.backoff_initial, options_.backoff_max) {}
+
+Gossiper::~Gossiper() { Stop(); }
+
+ExchangeHeader Gossiper::Header(int32_t peer, ExchangeKind kind, int64_t round,
+                                int64_t step) const {
+  ExchangeHeader h;
+  h.job = replica_->options().job;
+  h.from = rank_;
+  h.to = peer;
+  h.kind = kind;
+  h.round = round;
+  h.step = step;
+  h.codec = codec_.name();
+  h.numel = replica_->numel();
+  return h;
+}
+
+RoundResult Gossiper::RunRound(int64_t round, int64_t step) {
+  const absl::Time start = absl::Now();
+  std::optional<int32_t> peer = topology_->Peer(
+      rank_, n_, round, [this, start](int32_t p) { return health_.Available(p, start); });
+  RoundResult r;
+  if (peer.has_value()) {
+    r = topology_->mixing() == MixingKind::kPushSum ? PushSum(*peer, round, step)
+                                                    : Average(*peer, round, step);
+  }
+  absl::MutexLock lock(&mu_);
+  ++stats_.rounds;
+  if (r.outcome == RoundResult::Outcome::kNoPeer) ++stats_.no_peer;
+  if (r.outcome == RoundResult::Outcome::kKept) ++stats_.kept;
+  stats_.busy_s += absl::ToDoubleSeconds(absl::Now() - start);
+  return r;
+}
+
+RoundResult Gossiper::PushSum(int32_t peer, int64_t round, int64_t step) {
+  absl::StatusOr<double> weight = replica_->BeginPushSum(&sent_, options_.min_send_weight);
+  if (!weight.ok()) return RoundResult{};  // Finished: no more mixing.
+  if (*weight == 0) return RoundResult{RoundResult::Outcome::kKept, peer, absl::OkStatus()};
+  absl::Status st = codec_.Encode(sent_, &payload_);
+  if (st.ok() && !codec_.lossless()) {
+    sent_decoded_.resize(sent_.size());
+    st = codec_.Decode(payload_, absl::MakeSpan(sent_decoded_));
+  }
+  if (!st.ok()) {
+    // Our own values cannot be sent (diverged to NaN/Inf): keep everything, blame nobody.
+    replica_->EndPushSum(false, *weight);
+    LogWarning(options_.logger, "gossip_encode_failed",
+               {Kv("job", replica_->options().job), Kv("rank", rank_), Kv("error", st.ToString())});
+    return RoundResult{RoundResult::Outcome::kFailed, peer, st};
+  }
+  ExchangeHeader h = Header(peer, ExchangeKind::kPushSum, round, step);
+  h.weight = *weight;
+  absl::StatusOr<ExchangeReply> reply =
+      transport_->Exchange(peer, h, payload_, options_.timeout);
+  replica_->EndPushSum(reply.ok(), *weight);
+  if (reply.ok() && !codec_.lossless()) {
+    replica_->AddScaledDifference(sent_, sent_decoded_, 1.0f);
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    stats_.bytes_sent += static_cast<int64_t>(payload_.size());
+    stats_.raw_bytes_sent += static_cast<int64_t>(sent_.size() * sizeof(float));
+  }
+  return Settle(peer, reply.status(), reply.ok());
+}
+
+RoundResult Gossiper::Average(int32_t peer, int64_t round, int64_t step) {
+  sent_.resize(replica_->numel());
+  replica_->Read(absl::MakeSpan(sent_));
+  absl::Status st = codec_.Encode(sent_, &payload_);
+  // What the peer receives (the rounding of a lossy codec is compensated by the averaging
+  // rule; see replica.h).
+  const std::vector<float>* arrives = &sent_;
+  if (st.ok() && !codec_.lossless()) {
+    sent_decoded_.resize(sent_.size());
+    st = codec_.Decode(payload_, absl::MakeSpan(sent_decoded_));
+    arrives = &sent_decoded_;
+  }
+  if (!st.ok()) {
+    LogWarning(options_.logger, "gossip_encode_failed",
+               {Kv("job", replica_->options().job), Kv("rank", rank_), Kv("error", st.ToString())});
+    return RoundResult{RoundResult::Outcome::kFailed, peer, st};
+  }
+  absl::StatusOr<ExchangeReply> reply = transport_->Exchange(
+      peer, Header(peer, ExchangeKind::kAverage, round, step), payload_, options_.timeout);
+  {
+    absl::MutexLock lock(&mu_);
+    stats_.bytes_sent += static_cast<int64_t>(payload_.size());
+    stats_.raw_bytes_sent += static_cast<int64_t>(sent_.size() * sizeof(float));
+    if (reply.ok()) {
+      stats_.bytes_received += static_cast<int64_t>(reply->payload.size());
+      stats_.raw_bytes_received += reply->numel * static_cast<int64_t>(sizeof(float));
+    }
+  }
+  if (!reply.ok()) return Settle(peer, reply.status(), false);
+  // The peer has averaged already; a malformed reply only means we do not.
+  absl::Status valid;
+  if (reply->codec != codec_.name() || reply->numel != replica_->numel()) {
+    valid = absl::DataLossError(absl::StrCat("gossip: rank ", peer, " replied with ",
+                                             reply->numel, " values in codec \"", reply->codec,
+                                             "\"; expected ", replica_->numel(), " in \"",
+                                             codec_.name(), "\""));
+  } else {
+    peer_values_.resize(replica_->numel());
+    valid = Annotate(codec_.Decode(reply->payload, absl::MakeSpan(peer_values_)),
+                     absl::StrCat("gossip: reply of rank ", peer));
+  }
+  if (!valid.ok()) return Settle(peer, valid, false);
+  replica_->ApplyAverageReply(*arrives, peer_values_);
+  return Settle(peer, absl::OkStatus(), true);
+}
+
+RoundResult Gossiper::Settle(int32_t peer, const absl::Status& status, bool mixed) {
+  const std::string& job = replica_->options().job;
+  if (status.ok() && mixed) {
+    if (health_.OnSuccess(peer)) {
+      LogInfo(options_.logger, "gossip_peer_up",
+              {Kv("job", job), Kv("rank", rank_), Kv("peer", peer)});
+    }
+    absl::MutexLock lock(&mu_);
+    ++stats_.mixed;
+    return RoundResult{RoundResult::Outcome::kMixed, peer, absl::OkStatus()};
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    ++stats_.failed;
+  }
+  if (status.code() == absl::StatusCode::kFailedPrecondition) {
+    health_.OnFinished(peer);
+    LogInfo(options_.logger, "gossip_peer_finished",
+            {Kv("job", job), Kv("rank", rank_), Kv("peer", peer)});
+    return RoundResult{RoundResult::Outcome::kPeerFinished, peer, status};
+  }
+  const absl::Time now = absl::Now();
+  // NOT_FOUND: the peer's process answers but has not started the job yet; retry soon.
+  if (health_.OnFailure(peer, now, status.code() != absl::StatusCode::kNotFound)) {
+    LogInfo(options_.logger, "gossip_peer_down",
+            {Kv("job", job), Kv("rank", rank_), Kv("peer", peer),
+             Kv("code", StatusCodeName(status.code())),
+             Kv("retry_in_ms", absl::ToInt64Milliseconds(health_.retry_at(peer) - now)),
+             Kv("error", std::string(status.message()))});
+  }
+  return RoundResult{RoundResult::Outcome::kFailed, peer, status};
+}
+
+void Gossiper::Start() {
+  absl::MutexLock lock(&mu_);
+  if (thread_.joinable() || stop_) return;
+  thread_ = std::thread([this] { Loop(); });
+}
+
+void Gossiper::Loop() {
+  while (true) {
+    int64_t round = 0, step = 0;
+    {
+      absl::MutexLock lock(&mu_);
+      while (!stop_ && !has_pending_) wake_.Wait(&mu_);
+      if (stop_) return;
+      round = pending_round_;
+      step = pending_step_;
+      has_pending_ = false;
+    }
+    RunRound(round, step);
+  }
+}
+
+void Gossiper::RequestRound(int64_t round, int64_t step) {
+  absl::MutexLock lock(&mu_);
+  if (has_pending_) ++stats_.coalesced;
+  has_pending_ = true;
+  pending_round_ = round;
+  pending_step_ = step;
+  wake_.Signal();
+}
+
+void Gossiper::Stop() {
+  {
+    absl::MutexLock lock(&mu_);
+    stop_ = true;
+    wake_.Signal();
+  }
+  if (thread_.joinable()) thread_.join();
+}
+
+GossiperStats Gossiper::stats() const {
+  absl::MutexLock lock(&mu_);
+  return stats_;
+}
+
+absl::Status Gossiper::DeliverFinal(const ReplicaSnapshot& final) {
+  const int32_t root = replica_->options().root;
+  ExchangeHeader h = Header(root, ExchangeKind::kFinal, -1, final.step);
+  h.codec = "";  // Finals travel exactly: they are averaged once, for the evaluated model.
+  h.weight = final.weight;
+  std::string payload(reinterpret_cast<const char*>(final.values.data()),
+                      final.values.size() * sizeof(float));
+  absl::Duration backoff = absl::Milliseconds(100);
+  absl::Time first_failure = absl::InfiniteFuture();
+  while (true) {
+    absl::StatusOr<ExchangeReply> reply =
+        transport_->Exchange(root, h, payload, options_.timeout);
+    if (reply.ok()) {
+      LogInfo(options_.logger, "final_delivered",
+              {Kv("job", h.job), Kv("rank", rank_), Kv("to", root), Kv("step", final.step),
+               Kv("weight", absl::StrFormat("%.6g", final.weight)),
+               Kv("duplicate", reply->duplicate ? "true" : "false")});
+      return absl::OkStatus();
+    }
+    const absl::StatusCode code = reply.status().code();
+    if (code == absl::StatusCode::kFailedPrecondition ||
+        code == absl::StatusCode::kInvalidArgument) {
+      return reply.status();
+    }
+    const absl::Time now = absl::Now();
+    if (first_failure == absl::InfiniteFuture()) first_failure = now;
+    if (now - first_failure >= options_.dead_after) {
+      return absl::UnavailableError(absl::StrCat(
+          "gossip job ", h.job, " rank ", rank_, ": gave up delivering the final model to rank ",
+          root, " after ", absl::FormatDuration(now - first_failure), ": ",
+          reply.status().ToString()));
+    }
+    absl::SleepFor(backoff);
+    backoff = std::min(2 * backoff, absl::Seconds(1));
+  }
+}
+
+FinalAverage Gossiper::GatherFinal() {
+  const std::string& job = replica_->options().job;
+  const absl::Time start = absl::Now();
+  std::vector<absl::Time> unreachable_since(n_, absl::InfiniteFuture());
+  std::vector<absl::Time> next_probe(n_, absl::InfinitePast());
+  std::vector<bool> given_up(n_, false);
+  while (true) {
+    const std::map<int32_t, ReplicaSnapshot> finals = replica_->Finals();
+    bool waiting = false;
+    for (int32_t p = 0; p < n_; ++p) {
+      if (p == rank_ || finals.count(p) > 0 || given_up[p]) continue;
+      const absl::Time now = absl::Now();
+      if (now >= next_probe[p]) {
+        next_probe[p] = now + absl::Milliseconds(500);
+        absl::StatusOr<ReplicaState> st = transport_->GetState(p, job, options_.timeout);
+        if (st.ok()) {
+          unreachable_since[p] = absl::InfiniteFuture();
+        } else {
+          if (unreachable_since[p] == absl::InfiniteFuture()) unreachable_since[p] = now;
+          if (absl::Now() - unreachable_since[p] >= options_.dead_after) {
+            given_up[p] = true;
+            LogWarning(options_.logger, "final_peer_given_up",
+                       {Kv("job", job), Kv("rank", rank_), Kv("peer", p),
+                        Kv("error", st.status().ToString())});
+            continue;
+          }
+        }
+      }
+      waiting = true;
+    }
+    if (!waiting) break;
+    if (absl::Now() - start > options_.max_wait) {
+      LogWarning(options_.logger, "final_wait_timeout",
+                 {Kv("job", job), Kv("rank", rank_),
+                  Kv("waited_s", absl::ToDoubleSeconds(absl::Now() - start))});
+      break;
+    }
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  FinalAverage avg = AverageFinals(replica_->Finals());
+  LogInfo(options_.logger, "final_average",
+          {Kv("job", job), Kv("rank", rank_), Kv("ranks", absl::StrJoin(avg.ranks, ",")),
+           Kv("weight_sum", absl::StrFormat("%.6g", avg.weight_sum)),
+           Kv("consensus", absl::StrFormat("%.6g", avg.consensus)),
+           Kv("waited_s", absl::StrFormat("%.2f", absl::ToDoubleSeconds(absl::Now() - start)))});
+  return avg;
+}
+
+}  // namespace gradmesh

@@ -1,0 +1,163 @@
+// Gossiper: the outgoing half of a rank's gossip, run on a background thread so that training
+// never waits for the network.
+//
+// Protocol (what one rank does; the receiver's side is GossipReplica::Handle):
+//   * Every gossip.every_steps local steps the training thread calls RequestRound(t, step)
+//     with t = step / every_steps and returns at once. The background thread runs the latest
+//     requested round; rounds requested while one is in flight are coalesced (counted as
+//     `coalesced`), so a slow network lowers the mixing rate instead of stalling training.
+//   * A round asks the Topology for a peer among the available ones (PeerHealth), then does
+//     one exchange with it: a push-sum share (exponential) or a pairwise average (random),
+//     with values encoded by gossip.codec. The exchange waits at most gossip.timeout_s.
+//   * Failure (unreachable, timeout, NOT_FOUND because the peer has not started the job yet,
+//     any error) puts the peer into backoff (peer_health.h; NOT_FOUND is retried after the
+//     initial backoff without growing it) and nothing is mixed on this side (a push-sum
+//     share's weight is taken back). FAILED_PRECONDITION means the peer finished: it is
+//     never contacted again (ABORTED, from a peer stopping to resume later, is a failure).
+//     Logged once per transition: event=gossip_peer_down, event=gossip_peer_up.
+//   * Final round (after Stop()): every rank calls GossipReplica::Finish(); ranks other than
+//     0 DeliverFinal() their (x, w) to rank 0, which GatherFinal()s until every rank has
+//     delivered or is unreachable for dead_after (or max_wait passed) and averages them.
+//
+// Thread safety: RequestRound() and stats() may be called from any thread. Start(), Stop(),
+// DeliverFinal() and GatherFinal() from one controlling thread; RunRound() only while the
+// background thread is not running (tests).
+#ifndef GRADMESH_WORKER_GOSSIP_GOSSIPER_H_
+#define GRADMESH_WORKER_GOSSIP_GOSSIPER_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "common/logging.h"
+#include "worker/gossip/exchange.h"
+#include "worker/gossip/peer_health.h"
+#include "worker/gossip/replica.h"
+#include "worker/gossip/topology.h"
+#include "worker/gossip/value_codec.h"
+
+namespace gradmesh {
+
+struct GossiperOptions {
+  std::string codec;  // ValueCodec name: "" (float32), "fp16", "bf16". Default "".
+  // Bound on one exchange (gossip.timeout_s). Default 2 s.
+  absl::Duration timeout = absl::Seconds(2);
+  // Backoff of a failing peer: first, and largest (see peer_health.h). Defaults 250 ms, 4 s.
+  absl::Duration backoff_initial = absl::Milliseconds(250);
+  absl::Duration backoff_max = absl::Seconds(4);
+  // Push-sum: a rank whose weight is below this keeps its mass for the round (replica.h,
+  // "Weight floor"). Default 0.5 (weights start at 1).
+  double min_send_weight = 0.5;
+  // Final round: a rank unreachable for this long is given up. Default 10 s.
+  absl::Duration dead_after = absl::Seconds(10);
+  // Final round at the root: the longest wait for the finals of live ranks. Default 30 min.
+  absl::Duration max_wait = absl::Minutes(30);
+  const Logger* logger = nullptr;  // Not owned; may be null.
+};
+
+// What one round did.
+struct RoundResult {
+  enum class Outcome {
+    kNoPeer,        // No available peer (or the replica has finished): nothing sent.
+    kKept,          // Push-sum weight below min_send_weight: kept the mass, nothing sent.
+    kMixed,         // Exchange done and mixed.
+    kFailed,        // Exchange failed: peer backing off, nothing mixed here.
+    kPeerFinished,  // Peer refused because it finished: never contacted again.
+  };
+  Outcome outcome = Outcome::kNoPeer;
+  int32_t peer = -1;
+  absl::Status error;  // kFailed, kPeerFinished: the peer's answer.
+};
+
+struct GossiperStats {
+  int64_t rounds = 0;       // Rounds run.
+  int64_t coalesced = 0;    // Requested rounds dropped because a later one superseded them.
+  int64_t mixed = 0;        // Exchanges that mixed.
+  int64_t failed = 0;       // Exchanges that failed.
+  int64_t no_peer = 0;      // Rounds without an available peer.
+  int64_t kept = 0;         // Push-sum rounds skipped by the weight floor.
+  int64_t bytes_sent = 0;   // Payload bytes sent (requests) ...
+  int64_t bytes_received = 0;  // ... and received (pairwise replies).
+  int64_t raw_bytes_sent = 0;  // The same as float32 ...
+  int64_t raw_bytes_received = 0;  // ... both ways.
+  double busy_s = 0;        // Seconds spent in rounds.
+};
+
+class Gossiper {
+ public:
+  // InvalidArgument for a bad codec. `transport` is not owned and must outlive the Gossiper.
+  static absl::StatusOr<std::unique_ptr<Gossiper>> Create(GossiperOptions options,
+                                                           std::shared_ptr<GossipReplica> replica,
+                                                           std::unique_ptr<Topology> topology,
+                                                           GossipTransport* transport);
+  ~Gossiper();  // Stop()s.
+
+  Gossiper(const Gossiper&) = delete;
+  Gossiper& operator=(const Gossiper&) = delete;
+
+  // One round now, on the calling thread.
+  RoundResult RunRound(int64_t round, int64_t step);
+
+  // Starts the background thread.
+  void Start();
+  // Asks the background thread to run `round` (non-blocking; see the protocol above).
+  void RequestRound(int64_t round, int64_t step);
+  // Lets the round in flight finish (bounded by the timeout), drops pending ones and joins.
+  // Idempotent.
+  void Stop();
+
+  GossiperStats stats() const;
+
+  // Non-root: sends `final` to the root, retrying with backoff until it is acknowledged or the
+  // root has been unreachable for dead_after. OK when delivered (or already there);
+  // UNAVAILABLE when given up; the root's error when it refused.
+  absl::Status DeliverFinal(const ReplicaSnapshot& final);
+
+  // Root (after Finish()): waits for every other rank's final until all have arrived, or the
+  // missing ones have been unreachable (GetState fails) for dead_after, or max_wait passes;
+  // then averages the finals received (AverageFinals).
+  FinalAverage GatherFinal();
+
+ private:
+  Gossiper(GossiperOptions options, ValueCodec codec, std::shared_ptr<GossipReplica> replica,
+           std::unique_ptr<Topology> topology, GossipTransport* transport);
+  void Loop();
+  RoundResult PushSum(int32_t peer, int64_t round, int64_t step);
+  RoundResult Average(int32_t peer, int64_t round, int64_t step);
+  // Records the outcome of an exchange with `peer` in health_ and logs transitions.
+  RoundResult Settle(int32_t peer, const absl::Status& status, bool mixed);
+  ExchangeHeader Header(int32_t peer, ExchangeKind kind, int64_t round, int64_t step) const;
+
+  // Constant after construction.
+  const GossiperOptions options_;
+  const ValueCodec codec_;
+  const std::shared_ptr<GossipReplica> replica_;
+  const std::unique_ptr<Topology> topology_;
+  GossipTransport* const transport_;
+  const int32_t rank_, n_;
+
+  // Used by whichever thread runs rounds (one at a time).
+  PeerHealth health_;
+  std::vector<float> sent_, sent_decoded_, peer_values_;
+  std::string payload_;
+
+  mutable absl::Mutex mu_;
+  absl::CondVar wake_;
+  bool has_pending_ ABSL_GUARDED_BY(mu_) = false;
+  int64_t pending_round_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t pending_step_ ABSL_GUARDED_BY(mu_) = 0;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  GossiperStats stats_ ABSL_GUARDED_BY(mu_);
+  std::thread thread_;  // Started by Start(), joined by Stop().
+};
+
+}  // namespace gradmesh
+
+#endif  // GRADMESH_WORKER_GOSSIP_GOSSIPER_H_

@@ -1,0 +1,261 @@
+// GossipReplica and the final average (see replica.h for the math).
+#include "worker/gossip/replica.h"
+
+#include <algorithm>
+#include <cmath>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/status.h"
+#include "worker/gossip/value_codec.h"
+
+namespace gradmesh {
+
+const char* ExchangeKindName(ExchangeKind kind) {
+  switch (kind) {
+    case ExchangeKind::kPushSum:
+      return "push_sum";
+    case ExchangeKind::kAverage:
+      return "average";
+    case ExchangeKind::kFinal:
+      return "final";
+  }
+  return "unknown";
+}
+
+double EstimateConsensus(const ConsensusSample& sample, int32_t num_workers) {
+  if (num_workers < 2) return 0;
+  if (sample.count == 0) return -1;
+  const double n = num_workers;
+  return std::sqrt((n - 1) / (2 * n) * sample.sum_sq / static_cast<double>(sample.count));
+}
+
+FinalAverage AverageFinals(const std::map<int32_t, ReplicaSnapshot>& finals) {
+  FinalAverage out;
+  if (finals.empty()) return out;
+  const size_t n = finals.begin()->second.values.size();
+  std::vector<double> acc(n, 0.0);
+  for (const auto& [rank, f] : finals) {
+    out.ranks.push_back(rank);
+    out.weight_sum += f.weight;
+    for (size_t i = 0; i < n; ++i) acc[i] += f.weight * static_cast<double>(f.values[i]);
+  }
+  out.values.resize(n);
+  for (size_t i = 0; i < n; ++i) out.values[i] = static_cast<float>(acc[i] / out.weight_sum);
+  double sq = 0;
+  for (const auto& [rank, f] : finals) {
+    for (size_t i = 0; i < n; ++i) {
+      const double d = static_cast<double>(f.values[i]) - out.values[i];
+      sq += d * d;
+    }
+  }
+  out.consensus = std::sqrt(sq / static_cast<double>(finals.size()));
+  return out;
+}
+
+GossipReplica::GossipReplica(Options options, std::vector<float> values, double weight,
+                             int64_t step)
+    : options_(std::move(options)),
+      numel_(static_cast<int64_t>(values.size())),
+      x_(std::move(values)),
+      w_(weight),
+      step_(step) {}
+
+void GossipReplica::Read(absl::Span<float> out) const {
+  absl::MutexLock lock(&mu_);
+  std::copy(x_.begin(), x_.end(), out.begin());
+}
+
+void GossipReplica::Update(const std::function<void(absl::Span<float> x)>& fn) {
+  absl::MutexLock lock(&mu_);
+  fn(absl::MakeSpan(x_));
+}
+
+void GossipReplica::set_step(int64_t step) {
+  absl::MutexLock lock(&mu_);
+  step_ = step;
+}
+
+ReplicaSnapshot GossipReplica::Snapshot() const {
+  absl::MutexLock lock(&mu_);
+  return ReplicaSnapshot{x_, w_, step_};
+}
+
+ReplicaState GossipReplica::State() const {
+  absl::MutexLock lock(&mu_);
+  return ReplicaState{step_, options_.total_steps, finished_, w_};
+}
+
+absl::StatusOr<double> GossipReplica::BeginPushSum(std::vector<float>* values,
+                                                   double min_weight) {
+  absl::MutexLock lock(&mu_);
+  if (stopped_) {
+    return absl::FailedPreconditionError(absl::StrCat("gossip job ", options_.job, " rank ",
+                                                      options_.rank, " has stopped mixing"));
+  }
+  if (w_ < min_weight) return 0.0;
+  w_ /= 2;
+  values->assign(x_.begin(), x_.end());
+  return w_;
+}
+
+void GossipReplica::EndPushSum(bool delivered, double weight_sent) {
+  if (delivered) return;
+  absl::MutexLock lock(&mu_);
+  w_ += weight_sent;
+}
+
+void GossipReplica::AddScaledDifference(absl::Span<const float> a, absl::Span<const float> b,
+                                        float scale) {
+  absl::MutexLock lock(&mu_);
+  for (int64_t i = 0; i < numel_; ++i) x_[i] += scale * (a[i] - b[i]);
+}
+
+void GossipReplica::ApplyAverageReply(absl::Span<const float> sent,
+                                      absl::Span<const float> peer_before) {
+  absl::MutexLock lock(&mu_);
+  RecordDistance(sent, peer_before);
+  for (int64_t i = 0; i < numel_; ++i) x_[i] += 0.5f * (peer_before[i] - sent[i]);
+}
+
+void GossipReplica::RecordDistance(absl::Span<const float> a, absl::Span<const float> b) {
+  double sq = 0;
+  for (int64_t i = 0; i < numel_; ++i) {
+    const double d = static_cast<double>(a[i]) - b[i];
+    sq += d * d;
+  }
+  consensus_.sum_sq += sq;
+  ++consensus_.count;
+}
+
+absl::Status GossipReplica::AbsorbPushSum(int32_t from, absl::Span<const float> v,
+                                          double weight) {
+  absl::MutexLock lock(&mu_);
+  if (stopped_) return Refusal(from);
+  RecordDistance(x_, v);
+  const double total = w_ + weight;
+  const float a = static_cast<float>(weight / total);
+  for (int64_t i = 0; i < numel_; ++i) x_[i] += a * (v[i] - x_[i]);
+  w_ = total;
+  return absl::OkStatus();
+}
+
+absl::Status GossipReplica::AverageWith(int32_t from, absl::Span<const float> v,
+                                        std::vector<float>* before) {
+  absl::MutexLock lock(&mu_);
+  if (stopped_) return Refusal(from);
+  RecordDistance(x_, v);
+  before->assign(x_.begin(), x_.end());
+  for (int64_t i = 0; i < numel_; ++i) x_[i] = 0.5f * (x_[i] + v[i]);
+  return absl::OkStatus();
+}
+
+absl::Status GossipReplica::Refusal(int32_t from) const {
+  if (finished_) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("gossip job ", options_.job, " rank ", options_.rank,
+                     " has finished its steps and mixes no more (exchange from rank ", from, ")"));
+  }
+  return absl::AbortedError(
+      absl::StrCat("gossip job ", options_.job, " rank ", options_.rank,
+                   " is stopping (it may resume later); exchange from rank ", from, " refused"));
+}
+
+bool GossipReplica::AcceptFinal(int32_t from, std::vector<float> v, double weight,
+                                int64_t step) {
+  absl::MutexLock lock(&mu_);
+  return finals_.emplace(from, ReplicaSnapshot{std::move(v), weight, step}).second;
+}
+
+absl::StatusOr<ExchangeReply> GossipReplica::Handle(const ExchangeHeader& h,
+                                                    absl::string_view payload,
+                                                    absl::Time deadline) {
+  const std::string where =
+      absl::StrCat("gossip job ", options_.job, " rank ", options_.rank, ", ",
+                   ExchangeKindName(h.kind), " from rank ", h.from);
+  if (h.job != options_.job || h.to != options_.rank) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": request is for job ", h.job,
+                                                   " rank ", h.to));
+  }
+  if (h.from < 0 || h.from >= options_.num_workers || h.from == options_.rank) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": sender rank must be in [0, ",
+                                                   options_.num_workers, ") and not ",
+                                                   options_.rank));
+  }
+  if (h.numel != numel_) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": ", h.numel,
+                                                   " parameters sent, this replica has ",
+                                                   numel_, " (a different model?)"));
+  }
+  if (h.kind != ExchangeKind::kAverage && !(std::isfinite(h.weight) && h.weight > 0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ": push-sum weight must be finite and > 0, got ", h.weight));
+  }
+  if (h.kind == ExchangeKind::kFinal && options_.rank != options_.root) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(where, ": finals go to rank ", options_.root));
+  }
+  auto codec = ValueCodec::Create(h.codec);
+  if (!codec.ok()) return Annotate(codec.status(), where);
+  std::vector<float> v(numel_);
+  RETURN_IF_ERROR(Annotate(codec->Decode(payload, absl::MakeSpan(v)), where));
+  if (absl::Now() > deadline) {
+    return absl::DeadlineExceededError(
+        absl::StrCat(where, ": the request's deadline passed before it was applied"));
+  }
+  ExchangeReply reply;
+  switch (h.kind) {
+    case ExchangeKind::kPushSum:
+      RETURN_IF_ERROR(AbsorbPushSum(h.from, v, h.weight));
+      break;
+    case ExchangeKind::kAverage: {
+      std::vector<float> before;
+      RETURN_IF_ERROR(AverageWith(h.from, v, &before));
+      reply.codec = h.codec;
+      reply.numel = numel_;
+      RETURN_IF_ERROR(Annotate(codec->Encode(before, &reply.payload),
+                               absl::StrCat(where, ": encoding the reply")));
+      if (!codec->lossless()) {
+        // The caller gets decode(encode(before)); keep the rounding here (see replica.h).
+        std::vector<float> arrives(numel_);
+        RETURN_IF_ERROR(codec->Decode(reply.payload, absl::MakeSpan(arrives)));
+        AddScaledDifference(before, arrives, 0.5f);
+      }
+      break;
+    }
+    case ExchangeKind::kFinal:
+      reply.duplicate = !AcceptFinal(h.from, std::move(v), h.weight, h.step);
+      break;
+  }
+  reply.step = State().step;
+  return reply;
+}
+
+ReplicaSnapshot GossipReplica::Finish() {
+  absl::MutexLock lock(&mu_);
+  finished_ = true;
+  stopped_ = true;
+  ReplicaSnapshot mine{x_, w_, step_};
+  if (options_.rank == options_.root) finals_.emplace(options_.rank, mine);
+  return mine;
+}
+
+ReplicaSnapshot GossipReplica::Stop() {
+  absl::MutexLock lock(&mu_);
+  stopped_ = true;
+  return ReplicaSnapshot{x_, w_, step_};
+}
+
+std::map<int32_t, ReplicaSnapshot> GossipReplica::Finals() const {
+  absl::MutexLock lock(&mu_);
+  return finals_;
+}
+
+ConsensusSample GossipReplica::TakeConsensus() {
+  absl::MutexLock lock(&mu_);
+  ConsensusSample s = consensus_;
+  consensus_ = ConsensusSample{};
+  return s;
+}
+
+}  // namespace gradmesh

@@ -1,0 +1,184 @@
+// GossipReplica: one rank's copy of the model in a gossip job, shared between its training
+// thread, its Gossiper (outgoing exchanges) and its GossipService (incoming exchanges), with
+// the mixing math of both topologies. Knows nothing of gRPC or LibTorch.
+//
+// State: x, the flat parameter vector (every tensor of the model concatenated), and w, the
+// push-sum weight (double; 1 at the start). The model the rank trains and evaluates is x; the
+// push-sum "mass" is w * x. Storing the de-biased x (not the mass) keeps the local optimizer
+// working on the model itself, and makes halving the mass a change of w alone.
+//
+// Push-sum (SGP, topology "exponential"), sender i, receiver j:
+//   sender    BeginPushSum: w_i /= 2 (x_i unchanged; the half (x_i, w_i/2) travels)
+//   receiver  x_j = (w_j x_j + w_s x_s) / (w_j + w_s);  w_j += w_s     (one critical section)
+//   sender    delivered: done; not delivered (error, timeout, peer finished): w_i += w_s.
+//   Total weight sum_i w_i and total mass sum_i w_i x_i are conserved by every exchange, so
+//   x_i converges to sum(mass) / sum(w), the average of the initial values, for fixed inputs.
+//   Weight floor: a rank whose weight is below min_weight keeps its whole mass for the round
+//   (an identity column is still a valid push-sum step). Asynchronous rounds can otherwise
+//   starve a rank whose in-peers skip it for a while (e.g. while it starts up): it would keep
+//   halving its weight to ~0, and its local steps would stop counting. With the floor at 0.5
+//   weights stay >= 0.25, and since they sum to n someone is always above it and sends.
+// Pairwise averaging (AD-PSGD, topology "random"), caller i, callee j:
+//   callee    returns its values p = x_j and sets x_j = (x_j + s) / 2   (one critical section)
+//   caller    x_i += (p - s) / 2, where s is the snapshot it sent.
+//   Both end at (s + p) / 2 plus whatever local steps each took meanwhile: training continues
+//   while an exchange is in flight and its progress is not overwritten. Weights stay 1.
+// Lossy codecs (fp16, bf16): whoever sends values v that arrive as d = decode(encode(v))
+// adds the rounding back to itself (v - d for push-sum, (v - d) / 2 for pairwise), so both
+// rules conserve total mass exactly, up to float32 arithmetic.
+// Final round: after its last step a rank calls Finish() (later push-sum or pairwise requests
+// are refused with FAILED_PRECONDITION, so no mass is absorbed by a rank that stopped mixing)
+// and hands (x, w) to rank 0, the gather root, whose replica keeps one final per rank; rank 0
+// evaluates sum w_r x_r / sum w_r over the finals it got (FinalAverage). A rank stopping
+// early calls Stop() instead: refusals are then ABORTED (retry later), and no final is sent.
+//
+// Consensus estimate: every mixing records ||x_i - x_j||^2 of the two vectors being mixed (the
+// receiver's before the exchange and the sender's as sent). For two distinct ranks drawn
+// uniformly, E||x_i - x_j||^2 = 2n/(n-1) * (1/n) sum_i ||x_i - mean||^2, so
+//   consensus ~= sqrt((n-1)/(2n) * mean of the recorded squared distances)
+// is an unbiased estimate (of the squared distance) for "random"; for "exponential" the pairs
+// are the graph's edges, not uniform, so it is an approximation. The exact value over the
+// final models is computed by rank 0 in the final round (FinalAverage::consensus).
+//
+// Thread safety: every public method may be called from any thread; each takes the replica's
+// mutex for the whole read-modify-write of x and w, so no reader ever sees a torn vector.
+// Calls never block on anything but that mutex (no I/O under it).
+#ifndef GRADMESH_WORKER_GOSSIP_REPLICA_H_
+#define GRADMESH_WORKER_GOSSIP_REPLICA_H_
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "worker/gossip/exchange.h"
+
+namespace gradmesh {
+
+// One rank's values and weight (a final contribution, or a snapshot for a checkpoint).
+struct ReplicaSnapshot {
+  std::vector<float> values;
+  double weight = 1;
+  int64_t step = 0;
+};
+
+// Sum of squared distances between mixed vectors and how many there were (see above).
+struct ConsensusSample {
+  double sum_sq = 0;
+  int64_t count = 0;
+};
+
+// sqrt((n-1)/(2n) * sum_sq / count); -1 when count == 0; 0 when n < 2.
+double EstimateConsensus(const ConsensusSample& sample, int32_t num_workers);
+
+// The result of the final round at rank 0.
+struct FinalAverage {
+  std::vector<float> values;  // sum_r w_r x_r / sum_r w_r over `ranks`.
+  double weight_sum = 0;      // sum_r w_r.
+  std::vector<int32_t> ranks; // Ranks whose finals were averaged, ascending.
+  // Exact consensus distance of the finals: sqrt(mean_r ||x_r - values||^2).
+  double consensus = 0;
+};
+
+// Weighted average of `finals` (rank -> final). Empty `finals` gives empty values.
+FinalAverage AverageFinals(const std::map<int32_t, ReplicaSnapshot>& finals);
+
+class GossipReplica {
+ public:
+  struct Options {
+    std::string job;
+    int32_t rank = 0;          // In [0, num_workers).
+    int32_t num_workers = 1;
+    int64_t total_steps = 0;   // Reported by GetState.
+    int32_t root = 0;          // The rank that gathers finals.
+  };
+
+  // `values`: initial x; `weight` > 0: initial push-sum weight; `step`: steps already done.
+  GossipReplica(Options options, std::vector<float> values, double weight = 1.0,
+                int64_t step = 0);
+
+  GossipReplica(const GossipReplica&) = delete;
+  GossipReplica& operator=(const GossipReplica&) = delete;
+
+  const Options& options() const { return options_; }
+  int64_t numel() const { return numel_; }
+
+  // ---- Training thread.
+  // Copies x into `out` (size numel()).
+  void Read(absl::Span<float> out) const;
+  // Runs fn(x) under the mutex (e.g. the optimizer step); fn must not call the replica.
+  void Update(const std::function<void(absl::Span<float> x)>& fn);
+  void set_step(int64_t step);
+  // x, w and step, consistent with each other.
+  ReplicaSnapshot Snapshot() const;
+  ReplicaState State() const;
+
+  // ---- Sender side (the Gossiper).
+  // Push-sum: halves w, copies x into *values and returns the weight sent (the half). Returns
+  // 0 and sends nothing when w < min_weight (see "Weight floor" above). FAILED_PRECONDITION
+  // once finished.
+  absl::StatusOr<double> BeginPushSum(std::vector<float>* values, double min_weight = 0);
+  // Ends a BeginPushSum: if the share was not delivered, takes its weight back.
+  void EndPushSum(bool delivered, double weight_sent);
+  // x += scale * (a - b) (codec compensation; see above).
+  void AddScaledDifference(absl::Span<const float> a, absl::Span<const float> b, float scale);
+  // Pairwise caller, after the reply: x += (peer_before - sent) / 2. Records the distance.
+  void ApplyAverageReply(absl::Span<const float> sent, absl::Span<const float> peer_before);
+
+  // ---- Receiver side (the service calls Handle).
+  // Validates and applies one incoming exchange (see proto/gossip.proto for the errors). Each
+  // check happens before anything changes; DEADLINE_EXCEEDED if `deadline` has passed when
+  // the request would be applied.
+  absl::StatusOr<ExchangeReply> Handle(const ExchangeHeader& header, absl::string_view payload,
+                                       absl::Time deadline);
+
+  // ---- Final round.
+  // Marks the replica finished (later push-sum / pairwise exchanges are refused) and returns
+  // its final (x, w, step). The root also records it as its own final. Idempotent.
+  ReplicaSnapshot Finish();
+  // A rank stopping before its last step (to be resumed from a checkpoint): like Finish, later
+  // push-sum / pairwise exchanges are refused, but with ABORTED (senders retry later, so the
+  // resumed rank is included again), and nothing is recorded as a final. Returns (x, w, step)
+  // for the checkpoint: every share absorbed before the call is in it.
+  ReplicaSnapshot Stop();
+  // Root: the finals received so far (including its own after Finish), by rank.
+  std::map<int32_t, ReplicaSnapshot> Finals() const;
+
+  // Squared distances recorded since the last call; resets them.
+  ConsensusSample TakeConsensus();
+
+ private:
+  // Receiver rules on decoded values `v` (the lock is taken inside).
+  absl::Status AbsorbPushSum(int32_t from, absl::Span<const float> v, double weight);
+  absl::Status AverageWith(int32_t from, absl::Span<const float> v, std::vector<float>* before);
+  // FAILED_PRECONDITION (finished) or ABORTED (stopped) for an exchange from `from`.
+  absl::Status Refusal(int32_t from) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool AcceptFinal(int32_t from, std::vector<float> v, double weight, int64_t step);
+  void RecordDistance(absl::Span<const float> a, absl::Span<const float> b)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // Constant after construction.
+  const Options options_;
+  const int64_t numel_;
+
+  mutable absl::Mutex mu_;
+  std::vector<float> x_ ABSL_GUARDED_BY(mu_);
+  double w_ ABSL_GUARDED_BY(mu_);
+  int64_t step_ ABSL_GUARDED_BY(mu_);
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;  // Finish() was called.
+  bool stopped_ ABSL_GUARDED_BY(mu_) = false;   // Finish() or Stop() was called.
+  std::map<int32_t, ReplicaSnapshot> finals_ ABSL_GUARDED_BY(mu_);  // Root only.
+  ConsensusSample consensus_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace gradmesh
+
+#endif  // GRADMESH_WORKER_GOSSIP_REPLICA_H_
