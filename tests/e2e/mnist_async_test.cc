@@ -380,9 +380,11 @@ TEST_F(E2eTest, UnknownModelAndModeAgainstServer) {
     args.push_back("--name=bad-mode");
     args.push_back("--mode=nosuchmode");
     WorkerRun run = RunWorker("unknown_mode", args);
-    // Rejected by the shard's InitJob (INVALID_ARGUMENT over gRPC): exit 1.
-    EXPECT_EQ(run.exit_code, 1);
-    EXPECT_NE(run.error.find("unknown consistency mode \"nosuchmode\" (known: async, ssp, sync"),
+    // Rejected by the worker's spec validation before any RPC (the shards' InitJob would
+    // refuse it too: shard_test): exit 2.
+    EXPECT_EQ(run.exit_code, 2);
+    EXPECT_NE(run.error.find("mode \"nosuchmode\" is not one of async (or ps), ssp:<staleness>, "
+                             "sync, gossip, allreduce"),
               std::string::npos)
         << run.log;
     EXPECT_STATUS(GetJobInfo(addresses_[0], "bad-mode"), absl::StatusCode::kNotFound);
