@@ -1,8 +1,33 @@
 // Mode "allreduce": synchronous data parallel training without shards.
 //
-// STUB INTERFACE (to be implemented): every rank holds the full model and its own copy of
-// the optimizer (common/optimizer.h, the shards' math), computes gradients on its share of
-// the batch, all-reduces them (average) and applies the same update, so all ranks stay equal.
+// Every rank builds the model from the job's seed (identical initial parameters), reads its
+// shard of the data (LoaderOptions(spec, rank), like DistributedSampler) and keeps its own
+// copy of the optimizer (common/optimizer.h, the shards' torch::optim math; lr schedule over
+// decay_updates = total steps when 0). Each step: forward, backward; LibTorch gradient hooks
+// put each gradient into its bucket (bucket_reducer.h: ~allreduce.bucket_bytes, reverse
+// parameter order), and a bucket is all-reduced on a communication thread as soon as it is
+// complete, overlapping the rest of backward (as DDP). The averaged gradients are
+// bit-identical on every rank, so is the update: 2 ranks with batch b compute what one
+// process with batch 2b does (up to float summation order).
+//
+// Collectives: JobSpec.allreduce.backend through CollectiveRegistry (collective.h): "ring"
+// (and "auto") is the ring all-reduce over the workers' gRPC CollectiveService (ring.h,
+// grpc_ring.h); "nccl" is UNIMPLEMENTED in CPU builds. Before training the ranks check they
+// run the same model/schedule (FAILED_PRECONDITION otherwise).
+//
+// Failures: a peer that dies, or sends nothing for allreduce.timeout_s, fails the step on the
+// others with UNAVAILABLE or DEADLINE_EXCEEDED naming the peer's rank and address; never a
+// hang. Stop: a stop request is voted with the step's last bucket, so all ranks stop after
+// the same step (stopped_early). Progress lines: event=progress job rank step total epoch
+// loss (mean over ranks) samples_per_s data_ms compute_ms comm_ms (wait after backward)
+// allreduce_ms (communication thread busy) bytes_per_step.
+//
+// Checkpoints (spec.checkpoint.every_steps > 0): after every such step each rank writes
+// params + optimizer slots + step to <checkpoint.dir or options.checkpoint_dir>/<job>/
+// rank-<r>.ckpt (checkpoint.h, atomic, previous kept as .prev). On start the ranks exchange
+// the steps they have and resume from the newest step all of them have (with the data they
+// would have seen); FAILED_PRECONDITION listing every rank's steps if there is none in
+// common.
 #ifndef GRADMESH_WORKER_ALLREDUCE_ALLREDUCE_TRAINER_H_
 #define GRADMESH_WORKER_ALLREDUCE_ALLREDUCE_TRAINER_H_
 

@@ -1,0 +1,345 @@
+// End-to-end tests of mode "allreduce": real gradmesh_worker processes on 127.0.0.1, ring
+// all-reduce over their gRPC CollectiveService.
+//   * 2 workers x batch 32 for 50 steps = one LibTorch process with batch 64 (to 1e-5), and
+//     measurably not the run in which rank 1's gradient is dropped;
+//   * SIGKILL of one worker: the other exits non-zero within timeout_s + a few seconds naming
+//     the dead peer; SIGSTOP (a silent peer): DEADLINE_EXCEEDED after timeout_s;
+//   * MNIST MLP, 2 workers, 1 epoch: test accuracy >= 0.97;
+//   * checkpoints every 20 steps; a run stopped (SIGTERM) at step >= 40 resumes from the
+//     common checkpoint and ends equal to an uninterrupted run.
+#include <signal.h>
+
+#include <torch/torch.h>
+
+#include <fstream>
+#include <iostream>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "common/status_testing.h"
+#include "gtest/gtest.h"
+#include "tests/e2e/e2e_harness.h"
+#include "tests/testing/subprocess.h"
+#include "worker/dataset.h"
+#include "worker/model.h"
+
+namespace gradmesh {
+namespace e2e {
+namespace {
+
+using testutil::LogField;
+using testutil::ReadFile;
+
+class AllreduceTest : public E2eHarness {
+ protected:
+  // Two distinct free ports as a --peers value.
+  std::string Peers(int n) {
+    std::vector<std::string> out;
+    while (static_cast<int>(out.size()) < n) {
+      absl::StatusOr<int> p = PickFreePort();
+      EXPECT_OK(p.status());
+      if (!p.ok()) return "";
+      const std::string a = absl::StrCat("127.0.0.1:", *p);
+      if (std::find(out.begin(), out.end(), a) == out.end()) out.push_back(a);
+    }
+    addresses_ = out;
+    return absl::StrJoin(out, ",");
+  }
+
+  std::string WriteJob(const std::string& name, const std::string& yaml) {
+    const std::string path = absl::StrCat(dir_, "/", name, ".yaml");
+    std::ofstream(path) << yaml;
+    return path;
+  }
+
+  std::vector<std::unique_ptr<Subprocess>> StartRanks(const std::string& job_file,
+                                                      const std::string& peers, int n,
+                                                      std::vector<std::string> extra = {},
+                                                      const std::string& tag = "w") {
+    std::vector<std::unique_ptr<Subprocess>> out;
+    for (int r = 0; r < n; ++r) {
+      std::vector<std::string> args = {"--job=" + job_file, "--peers=" + peers,
+                                       absl::StrCat("--rank=", r), "--data_dir=" + DataDir(),
+                                       "--checkpoint_dir=" + dir_ + "/ckpt"};
+      args.insert(args.end(), extra.begin(), extra.end());
+      out.push_back(StartWorker(absl::StrCat(tag, r), args));
+    }
+    return out;
+  }
+
+  static std::vector<Subprocess*> Raw(const std::vector<std::unique_ptr<Subprocess>>& v) {
+    std::vector<Subprocess*> out;
+    for (const auto& p : v) out.push_back(p.get());
+    return out;
+  }
+
+  std::vector<std::string> addresses_;
+};
+
+// Reads the tensors a built-in model saved with torch::save (one archive per submodule).
+std::vector<torch::Tensor> LoadSaved(const std::string& path,
+                                     const std::vector<std::string>& names) {
+  torch::serialize::InputArchive archive;
+  archive.load_from(path);
+  std::vector<torch::Tensor> out;
+  for (const std::string& name : names) {
+    const size_t dot = name.find('.');
+    torch::serialize::InputArchive child;
+    torch::Tensor t;
+    if (!archive.try_read(name.substr(0, dot), child) ||
+        !child.try_read(name.substr(dot + 1), t)) {
+      ADD_FAILURE() << "no " << name << " in " << path;
+      return {};
+    }
+    out.push_back(t);
+  }
+  return out;
+}
+
+// Max over tensors of ||a - b|| / ||b||.
+double MaxRelError(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
+  double worst = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    const torch::Tensor x = a[i].to(torch::kDouble), y = b[i].to(torch::kDouble);
+    worst = std::max(worst, (x - y).norm().item<double>() / y.norm().item<double>());
+  }
+  return worst;
+}
+
+constexpr char kEquivalenceJob[] = R"(
+name: e2e-allreduce-eq
+model: {name: mlp}
+dataset: {name: mnist}
+optimizer: {name: sgd, lr: 0.05, momentum: 0.9}
+batch_size: 32
+steps: 50
+mode: allreduce
+num_workers: 2
+seed: 7
+log_every: 10
+allreduce: {bucket_bytes: 262144}
+)";
+
+// Why 2 x 32 equals 1 x 64: BatchLoader shards like DistributedSampler, so the union of the
+// two ranks' batch t is batch t of one process with batch 64 (see consistency_test.cc); each
+// rank's loss is the mean over its 32 samples, and the all-reduce average (g0 + g1) / 2 is the
+// gradient of the mean over 64 (up to float summation order); both ranks apply the same SGD
+// momentum update (common/optimizer.h follows torch::optim::SGD) from identical seeded
+// parameters. The buckets (256 KiB) split the MLP's 1 MiB of gradients into several
+// all-reduces overlapping backward.
+TEST_F(AllreduceTest, TwoWorkersEqualOneProcessWithTwiceTheBatch) {
+  if (!HaveMnist()) GTEST_SKIP() << "MNIST files not found under " << DataDir() << "/mnist";
+  constexpr int64_t kSteps = 50;
+  constexpr double kTolerance = 1e-5;
+  const std::string output = dir_ + "/model.pt";
+  auto workers = StartRanks(WriteJob("eq", kEquivalenceJob), Peers(2), 2,
+                            {"--output=" + output});
+  std::vector<int> codes = WaitAll(Raw(workers), absl::Minutes(3));
+  ASSERT_EQ(codes, (std::vector<int>{0, 0}));
+  for (int r = 0; r < 2; ++r) {
+    const std::string done = DoneLine(ReadFile(workers[r]->log_path()));
+    EXPECT_EQ(ToInt(LogField(done, "steps")), kSteps) << done;
+    EXPECT_EQ(ToInt(LogField(done, "samples")), kSteps * 32) << done;
+    EXPECT_EQ(LogField(done, "stopped_early"), "false");
+    // Each rank sends 2 (n-1)/n of the gradients per step (plus a few handshake bytes).
+    EXPECT_GE(ToInt(LogField(done, "bytes_pushed")), kSteps * 269322 * 4);
+    EXPECT_LT(ToInt(LogField(done, "bytes_pushed")), kSteps * 269322 * 4 + 4096);
+  }
+  EXPECT_GT(ToDouble(LogField(DoneLine(ReadFile(workers[0]->log_path())), "accuracy")), 0.5);
+
+  // The reference, and the same run with rank 1's gradients dropped.
+  torch::set_num_threads(1);
+  ModelSpec spec;
+  spec.set_name("mlp");
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Model> ref, CreateModel(spec, 7));
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Model> dropped, CreateModel(spec, 7));
+  const std::vector<std::string> names = ref->ParameterNames();
+  std::vector<torch::Tensor> initial;
+  for (const auto& p : ref->Parameters()) initial.push_back(p.detach().clone());
+  ASSERT_OK_AND_ASSIGN(DatasetFiles data, LoadDataset("mnist", DataDir() + "/mnist"));
+  BatchLoader::Options lo;
+  lo.world_size = 1;
+  lo.batch_size = 64;
+  lo.max_steps = kSteps;
+  lo.seed = 7;
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<BatchLoader> loader,
+                       BatchLoader::Create(&data.train, data.mean, data.stddev, lo));
+  torch::optim::SGD sgd(ref->Parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+  torch::optim::SGD sgd_dropped(dropped->Parameters(),
+                                torch::optim::SGDOptions(0.05).momentum(0.9));
+  const torch::Tensor rank0 = torch::arange(0, 64, 2);  // Rank 0's samples of the 64.
+  for (int64_t t = 0; t < kSteps; ++t) {
+    std::optional<Batch> batch = loader->Next();
+    ASSERT_TRUE(batch.has_value());
+    torch::Tensor x = torch::from_blob(batch->x.data(), {64, 1, 28, 28}, torch::kFloat);
+    torch::Tensor y = torch::from_blob(batch->y.data(), {64}, torch::kLong);
+    sgd.zero_grad();
+    ASSERT_OK_AND_ASSIGN(torch::Tensor loss, CrossEntropyLoss(ref.get(), x, y));
+    loss.backward();
+    sgd.step();
+    // Dropped: the average sees rank 0's gradient and zeros, (g0 + 0) / 2.
+    sgd_dropped.zero_grad();
+    ASSERT_OK_AND_ASSIGN(torch::Tensor l0, CrossEntropyLoss(dropped.get(), x.index_select(0, rank0),
+                                                            y.index_select(0, rank0)));
+    (l0 * 0.5).backward();
+    sgd_dropped.step();
+  }
+  std::vector<torch::Tensor> got = LoadSaved(output, names);
+  ASSERT_EQ(got.size(), names.size());
+  std::vector<torch::Tensor> want, want_dropped;
+  for (const auto& p : ref->Parameters()) want.push_back(p.detach());
+  for (const auto& p : dropped->Parameters()) want_dropped.push_back(p.detach());
+  for (size_t i = 0; i < names.size(); ++i) {
+    const double moved = (want[i] - initial[i]).norm().item<double>() / want[i].norm().item<double>();
+    EXPECT_GT(moved, 100 * kTolerance) << names[i] << ": training must move every tensor";
+  }
+  const double err = MaxRelError(got, want);
+  const double err_dropped = MaxRelError(got, want_dropped);
+  std::cout << absl::StrFormat("max rel. error vs batch-64 reference %.3e, vs dropped rank 1 %.3e\n",
+                               err, err_dropped);
+  EXPECT_LE(err, kTolerance);
+  EXPECT_GT(err_dropped, 100 * kTolerance) << "the comparison could not tell a dropped gradient";
+}
+
+constexpr char kLongJob[] = R"(
+name: e2e-allreduce-fail
+model: {name: mlp}
+dataset: {name: mnist}
+optimizer: {name: sgd, lr: 0.05}
+batch_size: 16
+steps: 100000
+mode: allreduce
+num_workers: 2
+seed: 3
+log_every: 20
+allreduce: {timeout_s: 5}
+)";
+
+TEST_F(AllreduceTest, KilledPeerFailsTheOtherFastNamingIt) {
+  if (!HaveMnist()) GTEST_SKIP() << "MNIST files not found under " << DataDir() << "/mnist";
+  auto workers = StartRanks(WriteJob("kill", kLongJob), Peers(2), 2);
+  ASSERT_TRUE(WaitForLog(workers[1].get(), [](const std::string& log) {
+    return LastProgressStep(log) >= 40;
+  }, absl::Minutes(2)));
+  ASSERT_OK(workers[0]->Signal(SIGKILL));
+  const absl::Time killed = absl::Now();
+  ASSERT_OK_AND_ASSIGN(int code, workers[1]->Wait(absl::Seconds(5 + 5)));
+  const absl::Duration took = absl::Now() - killed;
+  EXPECT_EQ(code, 1);
+  const std::string log = ReadFile(workers[1]->log_path());
+  EXPECT_NE(log.find("event=failed"), std::string::npos) << log;
+  // The error names the dead peer by rank and address.
+  EXPECT_NE(log.find(absl::StrCat("rank 0 (", addresses_[0], ")")), std::string::npos) << log;
+  EXPECT_NE(log.find("UNAVAILABLE"), std::string::npos) << log;
+  std::cout << "survivor exited " << absl::FormatDuration(took) << " after the kill\n";
+}
+
+TEST_F(AllreduceTest, SilentPeerTimesOutNamingIt) {
+  if (!HaveMnist()) GTEST_SKIP() << "MNIST files not found under " << DataDir() << "/mnist";
+  auto workers = StartRanks(WriteJob("stop", kLongJob), Peers(2), 2);
+  ASSERT_TRUE(WaitForLog(workers[0].get(), [](const std::string& log) {
+    return LastProgressStep(log) >= 40;
+  }, absl::Minutes(2)));
+  ASSERT_OK(workers[1]->Signal(SIGSTOP));  // Alive, connected, silent.
+  const absl::Time stopped = absl::Now();
+  ASSERT_OK_AND_ASSIGN(int code, workers[0]->Wait(absl::Seconds(5 + 5)));
+  const absl::Duration took = absl::Now() - stopped;
+  EXPECT_EQ(code, 1);
+  EXPECT_GE(took, absl::Seconds(4.5));
+  const std::string log = ReadFile(workers[0]->log_path());
+  EXPECT_NE(log.find("DEADLINE_EXCEEDED"), std::string::npos) << log;
+  EXPECT_NE(log.find(absl::StrCat("rank 1 (", addresses_[1], ")")), std::string::npos) << log;
+  ASSERT_OK(workers[1]->Signal(SIGKILL));
+}
+
+constexpr char kAccuracyJob[] = R"(
+name: e2e-allreduce-mnist
+model: {name: mlp}
+dataset: {name: mnist}
+optimizer: {name: sgd, lr: 0.05, momentum: 0.9, nesterov: true, lr_schedule: cosine}
+batch_size: 32
+epochs: 1
+mode: allreduce
+num_workers: 2
+seed: 1
+log_every: 200
+)";
+
+TEST_F(AllreduceTest, MnistMlpOneEpochReaches97Percent) {
+  if (!HaveMnist()) GTEST_SKIP() << "MNIST files not found under " << DataDir() << "/mnist";
+  auto workers = StartRanks(WriteJob("acc", kAccuracyJob), Peers(2), 2);
+  ASSERT_EQ(WaitAll(Raw(workers), absl::Minutes(5)), (std::vector<int>{0, 0}));
+  const std::string done = DoneLine(ReadFile(workers[0]->log_path()));
+  const double accuracy = ToDouble(LogField(done, "accuracy"));
+  std::cout << "allreduce MNIST MLP 1 epoch: accuracy " << accuracy << ", "
+            << LogField(done, "samples_per_s").value_or("?") << " samples/s per worker\n";
+  EXPECT_EQ(ToInt(LogField(done, "steps")), 60000 / 64);
+  EXPECT_GE(accuracy, 0.97) << done;
+}
+
+constexpr char kCheckpointJob[] = R"(
+name: e2e-allreduce-ckpt
+model: {name: mlp}
+dataset: {name: mnist}
+optimizer: {name: adam, lr: 0.001}
+batch_size: 32
+steps: 120
+mode: allreduce
+num_workers: 2
+seed: 5
+log_every: 10
+checkpoint: {every_steps: 20}
+)";
+
+// Stop (SIGTERM: every rank stops after the same step) past a checkpoint, restart: the ranks
+// resume from their newest common checkpoint (with Adam's slots) and end exactly where an
+// uninterrupted run ends.
+TEST_F(AllreduceTest, ResumesFromCheckpointsToTheSameResult) {
+  if (!HaveMnist()) GTEST_SKIP() << "MNIST files not found under " << DataDir() << "/mnist";
+  const std::string job = WriteJob("ckpt", kCheckpointJob);
+  const std::string straight = dir_ + "/straight.pt", resumed = dir_ + "/resumed.pt";
+  {
+    auto w = StartRanks(job, Peers(2), 2,
+                        {"--output=" + straight, "--checkpoint_dir=" + dir_ + "/ck-straight"},
+                        "s");
+    ASSERT_EQ(WaitAll(Raw(w), absl::Minutes(3)), (std::vector<int>{0, 0}));
+  }
+  const std::string peers = Peers(2);
+  {
+    auto w = StartRanks(job, peers, 2, {"--step_delay_ms=20", "--checkpoint_dir=" + dir_ + "/ck"},
+                        "a");
+    ASSERT_TRUE(WaitForLog(w[0].get(), [](const std::string& log) {
+      return LastProgressStep(log) >= 50;
+    }, absl::Minutes(2)));
+    ASSERT_OK(w[1]->Signal(SIGTERM));  // One rank asks; both stop after the same step.
+    ASSERT_EQ(WaitAll(Raw(w), absl::Seconds(30)), (std::vector<int>{0, 0}));
+    for (int r = 0; r < 2; ++r) {
+      const std::string done = DoneLine(ReadFile(w[r]->log_path()));
+      EXPECT_EQ(LogField(done, "stopped_early"), "true") << done;
+    }
+    EXPECT_EQ(ToInt(LogField(DoneLine(ReadFile(w[0]->log_path())), "steps")),
+              ToInt(LogField(DoneLine(ReadFile(w[1]->log_path())), "steps")));
+  }
+  auto w = StartRanks(job, peers, 2, {"--output=" + resumed, "--checkpoint_dir=" + dir_ + "/ck"},
+                      "b");
+  ASSERT_EQ(WaitAll(Raw(w), absl::Minutes(3)), (std::vector<int>{0, 0}));
+  const std::string log0 = ReadFile(w[0]->log_path());
+  const std::string done = DoneLine(log0);
+  const int64_t first = ToInt(LogField(done, "first_step"));
+  EXPECT_GE(first, 40);
+  EXPECT_EQ(first % 20, 0);
+  EXPECT_EQ(ToInt(LogField(done, "steps")), 120 - first);
+  EXPECT_NE(log0.find("event=resuming"), std::string::npos);
+  ModelSpec spec;
+  spec.set_name("mlp");
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Model> m, CreateModel(spec, 1));
+  const double err = MaxRelError(LoadSaved(resumed, m->ParameterNames()),
+                                 LoadSaved(straight, m->ParameterNames()));
+  std::cout << "resumed at step " << first << ": max rel. difference " << err << "\n";
+  EXPECT_EQ(err, 0) << "a resumed run must redo exactly the same steps";
+}
+
+}  // namespace
+}  // namespace e2e
+}  // namespace gradmesh

@@ -1,0 +1,51 @@
+// Per-rank checkpoints of mode "allreduce": <dir>/<job>/rank-<r>.ckpt holds the step, the
+// parameters and the optimizer slots of one rank, as float32 arrays.
+//
+// File format (little-endian): "GMARCKP1", u64 step, u32 count, then per array u64 length
+// and the floats, then u32 CRC-32 (zlib) of everything before it. Written atomically: a
+// temporary file in the same directory is written, fsynced and renamed over the old one,
+// after the old one has been renamed to rank-<r>.ckpt.prev. So a crash at any point leaves
+// the newest complete checkpoint, and the one before it, readable (ResumeStep uses both when
+// ranks stopped between their checkpoints of one step).
+//
+// Thread safety: free functions; concurrent calls on the same path are not supported.
+#ifndef GRADMESH_WORKER_ALLREDUCE_CHECKPOINT_H_
+#define GRADMESH_WORKER_ALLREDUCE_CHECKPOINT_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+
+namespace gradmesh {
+
+struct RankCheckpoint {
+  int64_t step = 0;
+  std::vector<std::vector<float>> arrays;  // Parameters, then optimizer slots.
+};
+
+// <dir>/<job>/rank-<rank>.ckpt
+std::string CheckpointPath(const std::string& dir, const std::string& job, int rank);
+
+// Creates the directory if needed. INTERNAL (naming the path and errno) on I/O errors.
+absl::Status WriteCheckpoint(const std::string& path, int64_t step,
+                             const std::vector<absl::Span<const float>>& arrays);
+
+// NOT_FOUND if the file does not exist; DATA_LOSS naming the path if it is truncated or its
+// checksum does not match.
+absl::StatusOr<RankCheckpoint> ReadCheckpoint(const std::string& path);
+
+// The checkpoints this rank can resume from: `path` and `path`.prev, newest first (absent
+// or unreadable ones skipped).
+std::vector<RankCheckpoint> ReadAvailableCheckpoints(const std::string& path);
+
+// Given the steps every rank has checkpoints for (per rank, any order), the largest step
+// all ranks have, or 0 when no rank has any. FAILED_PRECONDITION listing every rank's steps
+// when some rank has checkpoints but no step is common (the ranks cannot resume together).
+absl::StatusOr<int64_t> ResumeStep(const std::vector<std::vector<int64_t>>& steps_per_rank);
+
+}  // namespace gradmesh
+
+#endif  // GRADMESH_WORKER_ALLREDUCE_CHECKPOINT_H_

@@ -1,0 +1,157 @@
+// Ring all-reduce and all-gather over a RingTransport (see ring.h).
+#include "worker/allreduce/ring.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "common/status.h"
+
+namespace gradmesh {
+namespace {
+
+int Mod(int64_t a, int n) { return static_cast<int>(((a % n) + n) % n); }
+
+// Adds a run of n whole floats at any byte alignment into dst (memcpy of 4 bytes is an
+// unaligned load; the loop vectorises).
+__attribute__((optimize("tree-vectorize"))) void AddFloats(const char* __restrict src,
+                                                           float* __restrict dst, size_t n) {
+  for (size_t i = 0; i < n; ++i) {
+    float s;
+    std::memcpy(&s, src + 4 * i, 4);
+    dst[i] += s;
+  }
+}
+
+// Adds the message's floats into dst[0, size/4). Pieces may split a float: its bytes are
+// assembled on the way.
+void AddInto(const RingMessage& msg, float* dst) {
+  char carry[4];
+  size_t carried = 0;
+  for (absl::Span<const char> piece : msg.pieces) {
+    const char* p = piece.data();
+    size_t left = piece.size();
+    if (carried > 0) {
+      const size_t take = std::min(left, 4 - carried);
+      std::memcpy(carry + carried, p, take);
+      carried += take;
+      p += take;
+      left -= take;
+      if (carried < 4) continue;
+      AddFloats(carry, dst++, 1);
+      carried = 0;
+    }
+    const size_t whole = left / 4;
+    AddFloats(p, dst, whole);
+    dst += whole;
+    carried = left - 4 * whole;
+    std::memcpy(carry, p + 4 * whole, carried);
+  }
+  // The message size was checked to be a multiple of 4 before: nothing is left over.
+}
+
+void CopyInto(const RingMessage& msg, char* dst) {
+  for (absl::Span<const char> piece : msg.pieces) {
+    std::memcpy(dst, piece.data(), piece.size());
+    dst += piece.size();
+  }
+}
+
+}  // namespace
+
+size_t RingMessage::size() const {
+  size_t n = 0;
+  for (const auto& p : pieces) n += p.size();
+  return n;
+}
+
+ChunkRange RingChunkRange(int64_t length, int n, int c) {
+  return {length * c / n, length * (c + 1) / n};
+}
+
+absl::Status RingAllreduce(RingTransport* transport, absl::Span<float> data,
+                           const RingOptions& options, int64_t* bytes_sent) {
+  const int n = transport->size();
+  const int r = transport->rank();
+  if (n <= 1) return absl::OkStatus();
+  const int64_t length = static_cast<int64_t>(data.size());
+  const int64_t seg = std::max<int64_t>(1, options.segment_bytes / sizeof(float));
+  const int last_step = 2 * (n - 1) - 1;
+  int64_t sent = 0;
+
+  auto send_chunk = [&](int c, int step) -> absl::Status {
+    const ChunkRange range = RingChunkRange(length, n, c);
+    for (int64_t b = range.begin; b < range.end; b += seg) {
+      const int64_t e = std::min(range.end, b + seg);
+      absl::Span<const char> bytes(reinterpret_cast<const char*>(data.data() + b),
+                                   (e - b) * sizeof(float));
+      RETURN_IF_ERROR(
+          Annotate(transport->SendNoCopy(bytes), absl::StrCat("ring all-reduce step ", step)));
+      sent += static_cast<int64_t>(bytes.size());
+    }
+    return absl::OkStatus();
+  };
+
+  RETURN_IF_ERROR(send_chunk(r, 0));
+  for (int step = 0; step <= last_step; ++step) {
+    const bool reduce = step < n - 1;
+    const ChunkRange range = RingChunkRange(length, n, Mod(r - step - 1, n));
+    for (int64_t b = range.begin; b < range.end; b += seg) {
+      const int64_t e = std::min(range.end, b + seg);
+      const size_t want = static_cast<size_t>(e - b) * sizeof(float);
+      absl::StatusOr<RingMessage> msg = transport->Recv(absl::Now() + options.timeout);
+      if (!msg.ok()) {
+        return Annotate(msg.status(), absl::StrCat("ring all-reduce step ", step, " of ",
+                                                   last_step + 1));
+      }
+      if (msg->size() != want) {
+        return absl::InternalError(absl::StrCat(
+            "ring all-reduce step ", step, ": ", transport->PeerName(Mod(r - 1, n)), " sent ",
+            msg->size(), " bytes where ", want,
+            " were expected (do all ranks reduce buffers of the same length?)"));
+      }
+      float* dst = data.data() + b;
+      if (reduce) {
+        AddInto(*msg, dst);
+      } else {
+        CopyInto(*msg, reinterpret_cast<char*>(dst));
+      }
+      msg->owner.reset();  // Hand the receive buffers back early.
+      if (step < last_step) {
+        // Chunk c is sent at step + 1. It is overwritten again (all-gather) only after its
+        // sum has come round the ring, i.e. after the next rank has received these bytes.
+        RETURN_IF_ERROR(Annotate(
+            transport->SendNoCopy(absl::Span<const char>(reinterpret_cast<const char*>(dst), want)),
+            absl::StrCat("ring all-reduce step ", step + 1)));
+        sent += static_cast<int64_t>(want);
+      }
+    }
+  }
+  if (bytes_sent != nullptr) *bytes_sent += sent;
+  return Annotate(transport->Flush(absl::Now() + options.timeout), "ring all-reduce flush");
+}
+
+absl::StatusOr<std::vector<std::string>> RingAllgather(RingTransport* transport,
+                                                       absl::string_view mine,
+                                                       const RingOptions& options) {
+  const int n = transport->size();
+  const int r = transport->rank();
+  std::vector<std::string> all(n);
+  all[r] = std::string(mine);
+  // Step s: send block (r - s) mod n (own at s = 0, then the one just received).
+  for (int step = 0; step < n - 1; ++step) {
+    const std::string& out = all[Mod(r - step, n)];
+    RETURN_IF_ERROR(Annotate(transport->Send(absl::Span<const char>(out.data(), out.size())),
+                             absl::StrCat("ring all-gather step ", step)));
+    absl::StatusOr<RingMessage> msg = transport->Recv(absl::Now() + options.timeout);
+    if (!msg.ok()) {
+      return Annotate(msg.status(), absl::StrCat("ring all-gather step ", step));
+    }
+    std::string& in = all[Mod(r - step - 1, n)];
+    in.resize(msg->size());
+    CopyInto(*msg, in.data());
+  }
+  return all;
+}
+
+}  // namespace gradmesh

@@ -1,0 +1,121 @@
+// Ring all-reduce, independent of the transport.
+//
+// A RingTransport connects one rank of a ring of n ranks to its two neighbours: it sends
+// byte messages to rank (r + 1) mod n and receives, in the same order they were sent, the
+// messages of rank (r - 1) mod n. The gRPC implementation is in grpc_ring.h, an in-process
+// one for tests and single-process use in local_ring.h.
+//
+// RingAllreduce sums float32 buffers of equal length over the ring (the caller averages):
+//   * the buffer is cut into n chunks, chunk c = [c*L/n, (c+1)*L/n) (any length L, chunks
+//     may differ by one element or be empty), and each chunk into segments of at most
+//     RingOptions::segment_bytes;
+//   * reduce-scatter (n-1 steps): at step s rank r sends chunk (r-s) mod n and receives
+//     chunk (r-s-1) mod n, adding it into its own; after n-1 steps rank r holds the complete
+//     sum of chunk (r+1) mod n;
+//   * all-gather (n-1 steps): the complete chunks travel once more around the ring and are
+//     copied in place.
+//   Each segment is forwarded as soon as it has been received and reduced, so the steps
+//   overlap (pipelining): a rank receives segment k+1 while its segment k is on the wire.
+//   Every rank sends and receives 2(n-1)/n * L floats in all. Segments are sent in place
+//   (SendNoCopy): a segment is only overwritten after it has travelled round the ring, and
+//   the function flushes the transport before returning, so `data` is the caller's again. The sum of each element is
+//   accumulated in the same order on every rank's behalf and then copied, so all ranks end
+//   with bit-identical results. n = 1 returns at once.
+//
+// Errors: a message of the wrong size (ranks disagree on the buffer) is INTERNAL naming the
+// previous rank; transport errors (UNAVAILABLE, DEADLINE_EXCEEDED, ...) are returned as the
+// transport reports them, annotated with the step. After an error the ring is unusable (the
+// neighbours' streams are out of step): callers fail the job.
+//
+// Thread safety: a RingTransport is used by one thread at a time (one collective at a time);
+// the functions here are re-entrant for distinct transports.
+#ifndef GRADMESH_WORKER_ALLREDUCE_RING_H_
+#define GRADMESH_WORKER_ALLREDUCE_RING_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+
+namespace gradmesh {
+
+// One received message: its bytes as consecutive pieces (a transport may hand over the
+// buffers it received into, split anywhere, even inside a float), kept alive by `owner`.
+struct RingMessage {
+  std::vector<absl::Span<const char>> pieces;
+  std::shared_ptr<const void> owner;
+  size_t size() const;
+};
+
+// See the file comment. Implementations document their own thread safety; the ring
+// functions call Send and Recv from one thread.
+class RingTransport {
+ public:
+  virtual ~RingTransport() = default;
+
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+
+  // Queues `data` (copied before returning) for rank (rank + 1) mod size. Does not wait for
+  // the peer. Errors: the link to the next rank has failed (UNAVAILABLE naming it, or what
+  // the link reported).
+  virtual absl::Status Send(absl::Span<const char> data) = 0;
+
+  // Like Send, but may send `data` in place instead of copying it. The caller must keep the
+  // bytes unchanged until the next rank has received them, and alive until Flush() returns.
+  // The default copies (Send).
+  virtual absl::Status SendNoCopy(absl::Span<const char> data) { return Send(data); }
+
+  // Waits (until `deadline`) until the transport holds no reference to memory passed to
+  // SendNoCopy. DEADLINE_EXCEEDED naming the next rank if it does not take the messages in
+  // time; the link's error if it failed. The default returns OK at once.
+  virtual absl::Status Flush(absl::Time deadline) { return absl::OkStatus(); }
+
+  // Returns the next message of rank (rank - 1) mod size, waiting until `deadline`.
+  // DEADLINE_EXCEEDED naming the previous rank if nothing arrives in time; UNAVAILABLE (or
+  // the link's error) if either link has failed or the previous rank closed its stream.
+  virtual absl::StatusOr<RingMessage> Recv(absl::Time deadline) = 0;
+
+  // Description of a neighbour for error messages ("rank 1 (127.0.0.1:7101)").
+  virtual std::string PeerName(int rank) const = 0;
+};
+
+struct RingOptions {
+  // Largest message of the pipelined ring, bytes (> 0, rounded down to whole floats).
+  // Default 2 MiB (measured: with 4 processes on 2 cores, fewer larger messages win; with
+  // 2 processes it makes no difference).
+  int64_t segment_bytes = 2 << 20;
+  // A receive that waits longer than this for the previous rank fails with
+  // DEADLINE_EXCEEDED. Default 30 s.
+  absl::Duration timeout = absl::Seconds(30);
+};
+
+// Sums `data` over every rank of `transport`'s ring, in place (see the file comment). Every
+// rank must call it with the same length; lengths 0 and < n are fine.
+// `bytes_sent`, if not null, is increased by the payload bytes this rank sent.
+absl::Status RingAllreduce(RingTransport* transport, absl::Span<float> data,
+                           const RingOptions& options, int64_t* bytes_sent = nullptr);
+
+// Every rank contributes `mine` (any length, may differ between ranks); returns all ranks'
+// contributions in rank order. n-1 steps around the ring. Same errors as RingAllreduce.
+absl::StatusOr<std::vector<std::string>> RingAllgather(RingTransport* transport,
+                                                       absl::string_view mine,
+                                                       const RingOptions& options);
+
+// Chunk c of a buffer of `length` elements cut into n chunks: [begin, end).
+struct ChunkRange {
+  int64_t begin = 0;
+  int64_t end = 0;
+};
+ChunkRange RingChunkRange(int64_t length, int n, int c);
+
+}  // namespace gradmesh
+
+#endif  // GRADMESH_WORKER_ALLREDUCE_RING_H_
