@@ -1,0 +1,227 @@
+// NodeAgent against a scripted NodeService on 127.0.0.1: registers with the API token, then
+// heartbeats carrying the daemon's reports and hands every task list to Reconcile; registers
+// again when told to or after UNAUTHENTICATED/NOT_FOUND; keeps retrying while the coordinator
+// is away; Stop(leaving) sends a last heartbeat with leaving=true and no Reconcile.
+#include "common/node_agent.h"
+
+#include <grpcpp/grpcpp.h>
+
+#include <atomic>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "common/auth.h"
+#include "common/status.h"
+#include "gtest/gtest.h"
+
+namespace gradmesh {
+namespace {
+
+constexpr char kToken[] = "agent-token";
+
+class ScriptedNodeService final : public NodeService::Service {
+ public:
+  grpc::Status Register(grpc::ServerContext* ctx, const RegisterRequest* req,
+                        RegisterResponse* resp) override {
+    if (absl::Status st = TokenChecker(kToken).Check(*ctx); !st.ok()) return ToGrpcStatus(st);
+    absl::MutexLock lock(&mu_);
+    registrations_.push_back(req->node());
+    resp->set_heartbeat_interval_ms(50);
+    return grpc::Status::OK;
+  }
+
+  grpc::Status Heartbeat(grpc::ServerContext* ctx, const HeartbeatRequest* req,
+                         HeartbeatResponse* resp) override {
+    if (absl::Status st = TokenChecker(kToken).Check(*ctx); !st.ok()) return ToGrpcStatus(st);
+    absl::MutexLock lock(&mu_);
+    heartbeats_.push_back(*req);
+    if (forget_next_) {
+      forget_next_ = false;
+      resp->set_register_again(true);
+      return grpc::Status::OK;
+    }
+    Task* t = resp->add_tasks();
+    t->set_job_id("j");
+    t->set_index(static_cast<int32_t>(heartbeats_.size()));
+    return grpc::Status::OK;
+  }
+
+  void ForgetNode() {
+    absl::MutexLock lock(&mu_);
+    forget_next_ = true;
+  }
+  int registrations() {
+    absl::MutexLock lock(&mu_);
+    return static_cast<int>(registrations_.size());
+  }
+  std::vector<HeartbeatRequest> heartbeats() {
+    absl::MutexLock lock(&mu_);
+    return heartbeats_;
+  }
+  NodeInfo first_registration() {
+    absl::MutexLock lock(&mu_);
+    return registrations_.at(0);
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::vector<NodeInfo> registrations_ ABSL_GUARDED_BY(mu_);
+  std::vector<HeartbeatRequest> heartbeats_ ABSL_GUARDED_BY(mu_);
+  bool forget_next_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+struct Server {
+  ScriptedNodeService service;
+  std::unique_ptr<grpc::Server> server;
+  int port = 0;
+};
+
+std::unique_ptr<Server> StartServer(int port = 0) {
+  auto s = std::make_unique<Server>();
+  grpc::ServerBuilder b;
+  b.AddListeningPort("127.0.0.1:" + std::to_string(port), grpc::InsecureServerCredentials(),
+                     &s->port);
+  b.RegisterService(&s->service);
+  s->server = b.BuildAndStart();
+  return s;
+}
+
+// Polls `pred` for up to 10 s.
+template <typename Pred>
+bool Eventually(Pred pred) {
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (absl::Now() < deadline) {
+    if (pred()) return true;
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  return false;
+}
+
+class Recorder {
+ public:
+  void Reconcile(const std::vector<Task>& tasks) {
+    absl::MutexLock lock(&mu_);
+    lists_.push_back(tasks);
+  }
+  int lists() {
+    absl::MutexLock lock(&mu_);
+    return static_cast<int>(lists_.size());
+  }
+  std::vector<Task> last() {
+    absl::MutexLock lock(&mu_);
+    return lists_.back();
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::vector<std::vector<Task>> lists_ ABSL_GUARDED_BY(mu_);
+};
+
+NodeAgentOptions Options(int port, const std::string& token) {
+  NodeAgentOptions o;
+  o.coordinator = "127.0.0.1:" + std::to_string(port);
+  o.auth_token = token;
+  o.node.set_name("w7");
+  o.node.set_role(WORKER);
+  o.node.set_address("127.0.0.1:9");
+  o.node.set_slots(2);
+  o.rpc_deadline = absl::Seconds(2);
+  return o;
+}
+
+std::vector<TaskReport> OneReport() {
+  TaskReport r;
+  r.set_job_id("j");
+  r.set_index(3);
+  r.set_state("running");
+  r.set_step(42);
+  return {r};
+}
+
+TEST(NodeAgentTest, RegistersHeartbeatsWithReportsAndReconciles) {
+  auto server = StartServer();
+  Recorder rec;
+  NodeAgent agent(
+      Options(server->port, kToken),
+      [&rec](const std::vector<Task>& t) { rec.Reconcile(t); }, OneReport);
+  agent.Start();
+  ASSERT_TRUE(Eventually([&] { return rec.lists() >= 3; }));
+  EXPECT_EQ(server->service.registrations(), 1);
+  const NodeInfo n = server->service.first_registration();
+  EXPECT_EQ(n.name(), "w7");
+  EXPECT_EQ(n.role(), WORKER);
+  EXPECT_EQ(n.slots(), 2);
+  for (const HeartbeatRequest& hb : server->service.heartbeats()) {
+    EXPECT_EQ(hb.node(), "w7");
+    EXPECT_FALSE(hb.leaving());
+    ASSERT_EQ(hb.tasks_size(), 1);
+    EXPECT_EQ(hb.tasks(0).step(), 42);
+  }
+  // Each list is the coordinator's answer to one heartbeat.
+  const std::vector<Task> last = rec.last();
+  ASSERT_EQ(last.size(), 1u);
+  EXPECT_EQ(last[0].job_id(), "j");
+  EXPECT_GE(last[0].index(), 3);
+
+  const int before = rec.lists();
+  agent.Stop(/*leaving=*/true);
+  const std::vector<HeartbeatRequest> hbs = server->service.heartbeats();
+  EXPECT_TRUE(hbs.back().leaving());
+  EXPECT_EQ(hbs.back().tasks_size(), 1);
+  EXPECT_EQ(rec.lists(), before) << "a leaving heartbeat's answer is not reconciled";
+}
+
+TEST(NodeAgentTest, RegistersAgainWhenTheCoordinatorForgetsTheNode) {
+  auto server = StartServer();
+  Recorder rec;
+  NodeAgent agent(
+      Options(server->port, kToken),
+      [&rec](const std::vector<Task>& t) { rec.Reconcile(t); }, OneReport);
+  agent.Start();
+  ASSERT_TRUE(Eventually([&] { return rec.lists() >= 1; }));
+  server->service.ForgetNode();
+  ASSERT_TRUE(Eventually([&] { return server->service.registrations() == 2; }));
+  agent.Stop(false);
+}
+
+TEST(NodeAgentTest, WrongTokenNeverReconcilesAndKeepsTrying) {
+  auto server = StartServer();
+  Recorder rec;
+  NodeAgent agent(
+      Options(server->port, "wrong"),
+      [&rec](const std::vector<Task>& t) { rec.Reconcile(t); }, OneReport);
+  agent.Start();
+  absl::SleepFor(absl::Milliseconds(400));
+  agent.Stop(false);
+  EXPECT_EQ(rec.lists(), 0);
+  EXPECT_EQ(server->service.registrations(), 0);
+  EXPECT_TRUE(server->service.heartbeats().empty());
+}
+
+TEST(NodeAgentTest, KeepsRetryingUntilTheCoordinatorComesUp) {
+  // Reserve a port, then start the coordinator on it only after the agent has been failing.
+  int port = 0;
+  {
+    auto probe = StartServer();
+    port = probe->port;
+    probe->server->Shutdown();
+  }
+  Recorder rec;
+  NodeAgentOptions o = Options(port, kToken);
+  NodeAgent agent(
+      o, [&rec](const std::vector<Task>& t) { rec.Reconcile(t); }, OneReport);
+  agent.Start();
+  absl::SleepFor(absl::Milliseconds(300));
+  EXPECT_EQ(rec.lists(), 0);
+  auto server = StartServer(port);
+  ASSERT_NE(server->server, nullptr);
+  ASSERT_TRUE(Eventually([&] { return rec.lists() >= 1; }));
+  EXPECT_EQ(server->service.registrations(), 1);
+  agent.Stop(false);
+}
+
+}  // namespace
+}  // namespace gradmesh
