@@ -37,6 +37,7 @@
 
 #include "worker/allreduce/collective_service.h"
 #include "worker/gossip/gossip_service.h"
+#include "worker/nccl/nccl_communicator.h"
 #include "worker/parameter_client.h"
 #include "worker/trainer.h"
 #include "worker/worker_agent.h"
@@ -284,6 +285,7 @@ int RunService() {
   ao.node.set_role(WORKER);
   ao.node.set_address(address);
   ao.node.set_cores(static_cast<int>(std::thread::hardware_concurrency()));
+  ao.node.set_gpus(CudaDeviceCount());  // 0 without --config=cuda or without a GPU.
   ao.node.set_slots(absl::GetFlag(FLAGS_slots));
   ao.node.set_host(HostName());
   NodeAgent node_agent(
