@@ -47,6 +47,7 @@ ABSL_FLAG(std::string, nps, "2,4", "Process counts to measure.");
 ABSL_FLAG(std::string, sizes, "4096,16384,65536,262144,1048576,4194304,16777216,67108864",
           "All-reduce sizes in bytes (multiples of 4).");
 ABSL_FLAG(int64_t, segment_bytes, 2 << 20, "Ring segment size, bytes (RingOptions' default).");
+ABSL_FLAG(std::string, codec, "", "Ring wire format: empty (float32) or fp16 (RingOptions::codec).");
 ABSL_FLAG(int64_t, budget_bytes, 256 << 20, "Bytes per size: iters = budget / size, clamped.");
 ABSL_FLAG(int, min_iters, 5, "Fewest timed iterations per size.");
 ABSL_FLAG(int, max_iters, 200, "Most timed iterations per size.");
@@ -171,6 +172,7 @@ int RunRank(int rank, const std::vector<std::string>& peers) {
     RingOptions ro;
     ro.segment_bytes = absl::GetFlag(FLAGS_segment_bytes);
     ro.timeout = absl::Seconds(60);
+    if (absl::GetFlag(FLAGS_codec) == "fp16") ro.codec = RingCodec::kFp16;
     std::vector<float> one(1);
     for (int64_t bytes : ParseList(absl::GetFlag(FLAGS_sizes))) {
       std::vector<float> buf(bytes / 4, 1.0f);

@@ -7,10 +7,15 @@
 # samples_per_s = every worker's samples / the slowest worker's training wall time.
 #
 #   bash tests/bench/modes.sh            # EPOCHS=3 WORKERS=2 by default
+#   MODES="allreduce ddp_gloo" ALLREDUCE_FLAGS="--job=/tmp/ar.yaml" bash tests/bench/modes.sh
+#     MODES: which of ps gossip allreduce ddp_gloo to run (default all); <MODE>_FLAGS (upper
+#     case, e.g. ALLREDUCE_FLAGS): extra worker flags for that mode.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 EPOCHS="${EPOCHS:-3}"
 WORKERS="${WORKERS:-2}"
+MODES="${MODES:-ps gossip allreduce ddp_gloo}"
+want() { [[ " $MODES " == *" $1 "* ]]; }
 DATA_DIR="${GRADMESH_DATA_DIR:-/var/lib/gradmesh/data}"
 RUN_DIR="$(mktemp -d /tmp/gradmesh-modes.XXXXXX)"
 bazel build -c opt //server:gradmesh_server //worker:gradmesh_worker >"$RUN_DIR/build.log" 2>&1 ||
@@ -51,6 +56,7 @@ run_workers() {
 }
 
 # ps (async) through 2 shards.
+if want ps; then
 SERVERS=""
 for s in 0 1; do
   "$BIN/server/gradmesh_server" --host=127.0.0.1 --port=0 --port_file="$RUN_DIR/port$s" \
@@ -61,10 +67,11 @@ for s in 0 1; do
   for _ in $(seq 100); do [ -s "$RUN_DIR/port$s" ] && break; sleep 0.1; done
   SERVERS="${SERVERS:+$SERVERS,}127.0.0.1:$(cat "$RUN_DIR/port$s")"
 done
-run_workers ps --mode=async --servers="$SERVERS"
+run_workers ps --mode=async --servers="$SERVERS" ${PS_FLAGS:-}
 cleanup; PIDS=()
-run_workers gossip --mode=gossip
-run_workers allreduce --mode=allreduce
-/usr/bin/python3 tests/bench/ddp_baseline.py --workers "$WORKERS" --epochs "$EPOCHS" \
+fi
+want gossip && run_workers gossip --mode=gossip ${GOSSIP_FLAGS:-}
+want allreduce && run_workers allreduce --mode=allreduce ${ALLREDUCE_FLAGS:-}
+want ddp_gloo && /usr/bin/python3 tests/bench/ddp_baseline.py --workers "$WORKERS" --epochs "$EPOCHS" \
   --data_dir "$DATA_DIR/mnist"
 echo "logs: $RUN_DIR" >&2

@@ -23,6 +23,7 @@
 #include "tests/testing/subprocess.h"
 #include "worker/dataset.h"
 #include "worker/model.h"
+#include "worker/nccl/nccl_communicator.h"
 
 namespace gradmesh {
 namespace e2e {
@@ -276,6 +277,28 @@ TEST_F(AllreduceTest, MnistMlpOneEpochReaches97Percent) {
             << LogField(done, "samples_per_s").value_or("?") << " samples/s per worker\n";
   EXPECT_EQ(ToInt(LogField(done, "steps")), 60000 / 64);
   EXPECT_GE(accuracy, 0.97) << done;
+  // Backend "auto" (the default): NCCL needs a CUDA build and a GPU per rank, else the ring.
+  const std::string log = ReadFile(workers[0]->log_path());
+  const bool nccl = log.find("backend=nccl") != std::string::npos;
+  EXPECT_TRUE(nccl || log.find("backend=ring") != std::string::npos) << log;
+}
+
+// Backend "nccl" in a worker built without --config=cuda: every rank refuses before training,
+// naming the build flag.
+TEST_F(AllreduceTest, NcclBackendWithoutCudaBuildFailsNamingTheFlag) {
+  if (!HaveMnist()) GTEST_SKIP() << "MNIST files not found under " << DataDir() << "/mnist";
+  if (NcclBuiltIn()) GTEST_SKIP() << "built with --config=cuda";  // Same build as the worker.
+  std::string yaml = kAccuracyJob;
+  yaml += "allreduce: {backend: nccl}\n";
+  auto workers = StartRanks(WriteJob("nccl", yaml), Peers(2), 2);
+  for (const auto& w : workers) {
+    ASSERT_OK_AND_ASSIGN(int code, w->Wait(absl::Minutes(1)));
+    EXPECT_EQ(code, 1);
+    const std::string l = ReadFile(w->log_path());
+    EXPECT_NE(l.find("allreduce.backend nccl needs a worker built with --config=cuda"),
+              std::string::npos) << l;
+    EXPECT_EQ(l.find("event=train_start"), std::string::npos) << l;
+  }
 }
 
 constexpr char kCheckpointJob[] = R"(

@@ -184,7 +184,7 @@ absl::StatusOr<TrainResult> RunAllreduce(const TrainerOptions& options,
           {Kv("job", spec.name()), Kv("rank", rank), Kv("model", spec.model().name()),
            Kv("dataset", spec.dataset().name()), Kv("steps", total),
            Kv("steps_per_epoch", loader->steps_per_epoch()), Kv("batch", spec.batch_size()),
-           Kv("mode", "allreduce"), Kv("backend", backend), Kv("workers", n),
+           Kv("mode", "allreduce"), Kv("backend", collective->backend()), Kv("workers", n),
            Kv("buckets", reducer.buckets().size()),
            Kv("bucket_bytes", spec.allreduce().bucket_bytes())});
 
@@ -200,6 +200,7 @@ absl::StatusOr<TrainResult> RunAllreduce(const TrainerOptions& options,
   int64_t step = first_step;
   double comm_busy_at_window = 0;
   std::vector<float*> slot_ptrs(num_slots);
+  double opt_s = 0;  // Inside the optimizer (part of comm_s: it overlaps the all-reduce).
   while (step < total) {
     if (options.step_delay > absl::ZeroDuration()) absl::SleepFor(options.step_delay);
     absl::Time t0 = absl::Now();
@@ -226,19 +227,23 @@ absl::StatusOr<TrainResult> RunAllreduce(const TrainerOptions& options,
     }
     const absl::Time backward_end = absl::Now();
     result.compute_s += absl::ToDoubleSeconds(backward_end - t0);
-    RETURN_IF_ERROR(Annotate(reducer.FinishStep(), absl::StrCat("allreduce: step ", step)));
-    result.comm_s += Seconds(backward_end);
-
-    // Same update on every rank, from bit-identical averaged gradients.
+    // Same update on every rank, from bit-identical averaged gradients, applied piece by
+    // piece as the all-reduce finishes them (the optimizers are elementwise).
     const float lr_factor = LrScheduleFactor(opt_spec, step);
     {
       torch::NoGradGuard no_grad;
-      for (size_t i = 0; i < params.size(); ++i) {
-        for (int k = 0; k < num_slots; ++k) slot_ptrs[k] = slots[i][k].data();
-        optimizer->Apply(step + 1, lr_factor, reducer.grad(static_cast<int>(i)).data(),
-                         params[i].data_ptr<float>(), slot_ptrs.data(), numels[i]);
-      }
+      RETURN_IF_ERROR(Annotate(
+          reducer.FinishStep([&](int p, int64_t begin, absl::Span<const float> grad) {
+            const absl::Time o0 = absl::Now();
+            for (int k = 0; k < num_slots; ++k) slot_ptrs[k] = slots[p][k].data() + begin;
+            optimizer->Apply(step + 1, lr_factor, grad.data(),
+                             params[p].data_ptr<float>() + begin, slot_ptrs.data(),
+                             static_cast<int64_t>(grad.size()));
+            opt_s += Seconds(o0);
+          }),
+          absl::StrCat("allreduce: step ", step)));
     }
+    result.comm_s += Seconds(backward_end);
     const std::array<float, BucketReducer::kExtras> extras = reducer.extras();
     const bool stop_all = extras[0] > 0;
     const double mean_loss = extras[1] / n;
@@ -279,6 +284,7 @@ absl::StatusOr<TrainResult> RunAllreduce(const TrainerOptions& options,
                Kv("data_ms", absl::StrFormat("%.1f", 1e3 * result.data_s / done)),
                Kv("compute_ms", absl::StrFormat("%.1f", 1e3 * result.compute_s / done)),
                Kv("comm_ms", absl::StrFormat("%.1f", 1e3 * result.comm_s / done)),
+               Kv("opt_ms", absl::StrFormat("%.1f", 1e3 * opt_s / done)),
                Kv("allreduce_ms", absl::StrFormat("%.1f", 1e3 * (comm_busy - comm_busy_at_window) /
                                                               window_steps)),
                Kv("bytes_per_step", collective->bytes_sent() / done)});

@@ -6,21 +6,26 @@
 // decay_updates = total steps when 0). Each step: forward, backward; LibTorch gradient hooks
 // put each gradient into its bucket (bucket_reducer.h: ~allreduce.bucket_bytes, reverse
 // parameter order), and a bucket is all-reduced on a communication thread as soon as it is
-// complete, overlapping the rest of backward (as DDP). The averaged gradients are
-// bit-identical on every rank, so is the update: 2 ranks with batch b compute what one
-// process with batch 2b does (up to float summation order).
+// complete, overlapping the rest of backward (as DDP). The optimizer then runs piece by piece
+// as the all-reduce finalises the gradient (BucketReducer's streaming FinishStep: each ring
+// segment once its sum is complete), so the update of one piece overlaps the transfer of the
+// next. The averaged gradients are bit-identical on every rank, so is the update: 2 ranks
+// with batch b compute what one process with batch 2b does (up to float summation order).
 //
 // Collectives: JobSpec.allreduce.backend through CollectiveRegistry (collective.h): "ring"
-// (and "auto") is the ring all-reduce over the workers' gRPC CollectiveService (ring.h,
-// grpc_ring.h); "nccl" is UNIMPLEMENTED in CPU builds. Before training the ranks check they
-// run the same model/schedule (FAILED_PRECONDITION otherwise).
+// is the ring all-reduce over the workers' gRPC CollectiveService (ring.h, grpc_ring.h);
+// "nccl" is NCCL on one GPU per rank within one node (--config=cuda builds; UNIMPLEMENTED in
+// CPU builds); "auto" takes nccl where every rank can, else the ring (the train_start line
+// says which). Before training the ranks check they run the same model/schedule
+// (FAILED_PRECONDITION otherwise).
 //
 // Failures: a peer that dies, or sends nothing for allreduce.timeout_s, fails the step on the
 // others with UNAVAILABLE or DEADLINE_EXCEEDED naming the peer's rank and address; never a
 // hang. Stop: a stop request is voted with the step's last bucket, so all ranks stop after
 // the same step (stopped_early). Progress lines: event=progress job rank step total epoch
-// loss (mean over ranks) samples_per_s data_ms compute_ms comm_ms (wait after backward)
-// allreduce_ms (communication thread busy) bytes_per_step.
+// loss (mean over ranks) samples_per_s data_ms compute_ms comm_ms (from the end of backward
+// to the end of the update, optimizer included) opt_ms (inside the optimizer, overlapping
+// comm_ms) allreduce_ms (communication thread busy) bytes_per_step.
 //
 // Checkpoints (spec.checkpoint.every_steps > 0): after every such step each rank writes
 // params + optimizer slots + step to <checkpoint.dir or options.checkpoint_dir>/<job>/

@@ -69,6 +69,7 @@ void BucketReducer::StartStep(std::array<float, kExtras> extras) {
   absl::MutexLock lock(&mu_);
   std::fill(ready_.begin(), ready_.end(), false);
   launched_ = reduced_ = 0;
+  final_.clear();
   error_ = absl::OkStatus();
 }
 
@@ -89,7 +90,7 @@ void BucketReducer::ParamReady(int param, const float* grad, int64_t n) {
   }
 }
 
-absl::Status BucketReducer::FinishStep() {
+void BucketReducer::LaunchRest() {
   for (size_t p = 0; p < seen_.size(); ++p) {
     if (!seen_[p]) {
       // No gradient reached this parameter (unused in this step): it contributes zeros.
@@ -100,16 +101,65 @@ absl::Status BucketReducer::FinishStep() {
   absl::MutexLock lock(&mu_);
   std::fill(ready_.begin(), ready_.end(), true);
   launched_ = static_cast<int>(buckets_.size());
-  mu_.Await(absl::Condition(
-      +[](BucketReducer* r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(r->mu_) {
-        return r->reduced_ == static_cast<int>(r->buckets_.size());
-      },
-      this));
-  return error_;
+}
+
+absl::Status BucketReducer::FinishStep() {
+  LaunchRest();
+  {
+    absl::MutexLock lock(&mu_);
+    mu_.Await(absl::Condition(
+        +[](BucketReducer* r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(r->mu_) {
+          return r->reduced_ == static_cast<int>(r->buckets_.size());
+        },
+        this));
+    final_.clear();
+    if (!error_.ok()) return error_;
+  }
+  // Every collective has returned: nothing reads the buckets any more, so average in place.
+  const float scale = 1.0f / static_cast<float>(collective_->size());
+  for (size_t b = 0; b < flat_.size(); ++b) {
+    const size_t grads = b + 1 == flat_.size() ? flat_[b].size() - kExtras : flat_[b].size();
+    float* buf = flat_[b].data();
+    for (size_t i = 0; i < grads; ++i) buf[i] *= scale;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status BucketReducer::FinishStep(const PieceFn& on_piece) {
+  LaunchRest();
+  std::deque<FinalRange> ranges;
+  while (true) {
+    {
+      absl::MutexLock lock(&mu_);
+      mu_.Await(absl::Condition(
+          +[](BucketReducer* r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(r->mu_) {
+            return !r->final_.empty() || r->reduced_ == static_cast<int>(r->buckets_.size());
+          },
+          this));
+      if (final_.empty()) return error_;  // Everything reduced and handed over.
+      ranges.swap(final_);
+    }
+    for (const FinalRange& f : ranges) DeliverPiece(f.bucket, f.begin, f.end, on_piece);
+    ranges.clear();
+  }
+}
+
+void BucketReducer::DeliverPiece(int b, int64_t begin, int64_t end, const PieceFn& on_piece) {
+  const float scale = 1.0f / static_cast<float>(collective_->size());
+  const float* src = flat_[b].data();
+  // Parameters sit in the bucket in order, back to back; the extras (last bucket) follow.
+  for (int p : buckets_[b].params) {
+    const int64_t lo = std::max(begin, offset_[p]);
+    const int64_t hi = std::min(end, offset_[p] + numel_[p]);
+    if (lo >= hi) continue;
+    // The bucket may still be read by the collective (sent in place): average into a copy.
+    if (static_cast<int64_t>(scratch_.size()) < hi - lo) scratch_.resize(hi - lo);
+    for (int64_t i = lo; i < hi; ++i) scratch_[i - lo] = src[i] * scale;
+    on_piece(p, lo - offset_[p], absl::Span<const float>(scratch_.data(), hi - lo));
+  }
 }
 
 void BucketReducer::CommLoop() {
-  const float scale = 1.0f / static_cast<float>(collective_->size());
   while (true) {
     int b;
     {
@@ -129,12 +179,11 @@ void BucketReducer::CommLoop() {
     }
     const absl::Time start = absl::Now();
     std::vector<float>& buf = flat_[b];
-    absl::Status st = collective_->AllreduceSum(absl::MakeSpan(buf));
-    if (st.ok()) {
-      const size_t grads = b + 1 == static_cast<int>(buckets_.size()) ? buf.size() - kExtras
-                                                                      : buf.size();
-      for (size_t i = 0; i < grads; ++i) buf[i] *= scale;
-    }
+    absl::Status st = collective_->AllreduceSumStreaming(
+        absl::MakeSpan(buf), [this, b](int64_t begin, int64_t end) {
+          absl::MutexLock lock(&mu_);
+          final_.push_back({b, begin, end});
+        });
     absl::MutexLock lock(&mu_);
     comm_s_ += absl::ToDoubleSeconds(absl::Now() - start);
     if (!st.ok() && error_.ok()) {

@@ -6,22 +6,30 @@
 // parameter's gradient to ParamReady (from a LibTorch gradient hook), which copies it into
 // its bucket; a bucket whose gradients are all in is all-reduced on the communication thread
 // at once, while backward goes on. Buckets are reduced in bucket order on every rank (so the
-// collectives line up), each is then scaled by 1/n (the average). FinishStep zero-fills the
-// gradients of parameters backward did not reach, launches what is left and waits.
+// collectives line up) and averaged (scaled by 1/n). FinishStep zero-fills the gradients of
+// parameters backward did not reach, launches what is left and waits. Its streaming form
+// hands the averaged gradient over piece by piece as soon as each piece is final (a ring
+// segment of a bucket, cut at parameter boundaries), so the trainer applies the optimizer to
+// one piece while the next is still on the wire: the update overlaps the communication, and
+// with it the last bucket's all-reduce (the first layer's gradient, which backward produces
+// last) is no longer followed by a full optimizer pass.
 //
 // Per step the last bucket also carries `extras` (two floats the trainer sets before
 // backward: a stop vote and the loss), summed but not scaled, so every rank learns whether
 // any rank wants to stop and the mean loss, without an extra round trip.
 //
 // Thread safety: StartStep, ParamReady and FinishStep are called from the training thread
-// (ParamReady from inside backward); the communication thread is internal. Gradients and
-// extras are read only after FinishStep returned OK and before the next StartStep.
+// (ParamReady from inside backward); the communication thread is internal, and the streaming
+// FinishStep's callback runs on the training thread. Gradients and extras are read only
+// after FinishStep returned OK and before the next StartStep.
 // Not LibTorch-dependent on purpose.
 #ifndef GRADMESH_WORKER_ALLREDUCE_BUCKET_REDUCER_H_
 #define GRADMESH_WORKER_ALLREDUCE_BUCKET_REDUCER_H_
 
 #include <array>
 #include <cstdint>
+#include <deque>
+#include <functional>
 #include <thread>
 #include <vector>
 
@@ -66,7 +74,19 @@ class BucketReducer {
   // Returns the collective's first error (annotated with the bucket).
   absl::Status FinishStep();
 
-  // After FinishStep: the averaged gradient of `param`, and the summed extras.
+  // Elements [begin, begin + grad.size()) of parameter `param`'s averaged gradient. `grad`
+  // is valid only during the call.
+  using PieceFn = std::function<void(int param, int64_t begin, absl::Span<const float> grad)>;
+
+  // Like FinishStep, but calls `on_piece` (on this thread) for each piece of the averaged
+  // gradient as soon as it is final, while later pieces are still being reduced. If it
+  // returns OK, every element of every parameter was handed over exactly once (in no
+  // particular order); after an error some were not. grad() is not valid after this form
+  // (the buckets hold sums); extras() is.
+  absl::Status FinishStep(const PieceFn& on_piece);
+
+  // After FinishStep(): the averaged gradient of `param`. After either form: the summed
+  // extras.
   absl::Span<const float> grad(int param) const;
   std::array<float, kExtras> extras() const;
 
@@ -75,6 +95,16 @@ class BucketReducer {
 
  private:
   void CommLoop();
+  // Launches every bucket not launched yet (zeros for parameters without a gradient).
+  void LaunchRest();
+  // Hands bucket `b`'s final elements [begin, end) to `on_piece`, parameter by parameter,
+  // averaged through scratch_.
+  void DeliverPiece(int b, int64_t begin, int64_t end, const PieceFn& on_piece);
+
+  struct FinalRange {
+    int bucket;
+    int64_t begin, end;
+  };
 
   Collective* const collective_;
   std::vector<GradBucket> buckets_;
@@ -86,11 +116,13 @@ class BucketReducer {
   // Training thread only.
   std::vector<bool> seen_;
   std::vector<int> missing_;  // Per bucket: parameters still to come.
+  std::vector<float> scratch_;  // Averaged piece handed to a PieceFn.
 
   mutable absl::Mutex mu_;
   int launched_ ABSL_GUARDED_BY(mu_) = 0;  // Buckets [0, launched_) may be reduced.
   int reduced_ ABSL_GUARDED_BY(mu_) = 0;   // Buckets [0, reduced_) are done.
   std::vector<bool> ready_ ABSL_GUARDED_BY(mu_);
+  std::deque<FinalRange> final_ ABSL_GUARDED_BY(mu_);  // Reduced, not yet handed over.
   absl::Status error_ ABSL_GUARDED_BY(mu_);
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   double comm_s_ ABSL_GUARDED_BY(mu_) = 0;

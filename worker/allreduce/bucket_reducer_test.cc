@@ -2,6 +2,7 @@
 // in-process ring, one thread per rank.
 #include "worker/allreduce/bucket_reducer.h"
 
+#include <cmath>
 #include <thread>
 
 #include "common/status_testing.h"
@@ -101,6 +102,63 @@ TEST(BucketReducerTest, MissingGradientCountsAsZero) {
   }
   for (auto& t : threads) t.join();
   for (int r = 0; r < n; ++r) EXPECT_EQ(got[r], (std::vector<float>(4, 1.0f))) << r;
+}
+
+// The streaming FinishStep: ring segments of 2 floats cut parameters and buckets apart; each
+// element of each parameter is handed over once, averaged, and the extras are summed.
+TEST(BucketReducerTest, StreamingFinishStepHandsOverEveryElementOnceAveraged) {
+  constexpr int n = 3;
+  const std::vector<int64_t> numels = {5, 7, 3};
+  auto ring = NewLocalRing(n);
+  std::vector<std::unique_ptr<Collective>> coll;
+  RingOptions ro;
+  ro.segment_bytes = 8;
+  for (auto& t : ring) coll.push_back(NewRingCollective(std::move(t), ro));
+  // got[r][p][i]: the value handed over (NaN: never), count[r][p][i]: how often.
+  std::vector<std::vector<std::vector<float>>> got(n);
+  std::vector<std::vector<std::vector<int>>> count(n);
+  std::vector<std::array<float, 2>> extras(n);
+  std::vector<absl::Status> st(n);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r) {
+    threads.emplace_back([&, r] {
+      BucketReducer reducer(coll[r].get(), numels, 16);  // Buckets {2, 1} and {0}.
+      for (int step = 0; step < 2; ++step) {
+        got[r].assign(3, {});
+        count[r].assign(3, {});
+        for (int p = 0; p < 3; ++p) {
+          got[r][p].assign(numels[p], std::nanf(""));
+          count[r][p].assign(numels[p], 0);
+        }
+        reducer.StartStep({0.0f, 1.0f + r});
+        for (int p = 2; p >= 0; --p) {
+          std::vector<float> g(numels[p]);
+          for (int64_t i = 0; i < numels[p]; ++i) g[i] = 3.0f * (r + 1) * (p + 1) + i + step;
+          reducer.ParamReady(p, g.data(), numels[p]);
+        }
+        st[r] = reducer.FinishStep([&, r](int p, int64_t begin, absl::Span<const float> g) {
+          for (size_t k = 0; k < g.size(); ++k) {
+            got[r][p][begin + k] = g[k];
+            ++count[r][p][begin + k];
+          }
+        });
+        if (!st[r].ok()) return;
+        extras[r] = reducer.extras();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < n; ++r) {
+    ASSERT_OK(st[r]);
+    // Step 1: mean of 3(r+1)(p+1) + i + 1 over r = 6(p+1) + i + 1.
+    for (int p = 0; p < 3; ++p) {
+      for (int64_t i = 0; i < numels[p]; ++i) {
+        EXPECT_EQ(count[r][p][i], 1) << r << " " << p << " " << i;
+        EXPECT_FLOAT_EQ(got[r][p][i], 6.0f * (p + 1) + i + 1) << r << " " << p << " " << i;
+      }
+    }
+    EXPECT_EQ(extras[r][1], 6.0f);  // 1 + 2 + 3, summed.
+  }
 }
 
 TEST(BucketReducerTest, CollectiveErrorIsReturnedNamingTheBucket) {

@@ -1,9 +1,14 @@
 // Collective backends and their registry (see collective.h).
 #include "worker/allreduce/collective.h"
 
+#include <set>
+
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "common/daemon.h"
 #include "common/status.h"
 #include "worker/allreduce/grpc_ring.h"
+#include "worker/nccl/nccl_communicator.h"
 
 namespace gradmesh {
 namespace {
@@ -17,6 +22,10 @@ class RingCollective final : public Collective {
   absl::Status AllreduceSum(absl::Span<float> data) override {
     return RingAllreduce(transport_.get(), data, options_, &bytes_sent_);
   }
+  absl::Status AllreduceSumStreaming(absl::Span<float> data,
+                                     const FinalRangeFn& on_final) override {
+    return RingAllreduce(transport_.get(), data, options_, &bytes_sent_, &on_final);
+  }
   absl::StatusOr<std::vector<std::string>> Allgather(absl::string_view mine) override {
     ASSIGN_OR_RETURN(std::vector<std::string> all,
                      RingAllgather(transport_.get(), mine, options_));
@@ -26,12 +35,114 @@ class RingCollective final : public Collective {
     return all;
   }
   int64_t bytes_sent() const override { return bytes_sent_; }
+  std::string backend() const override { return "ring"; }
 
  private:
   std::unique_ptr<RingTransport> transport_;
   const RingOptions options_;
   int64_t bytes_sent_ = 0;
 };
+
+// All-reduces through NCCL; all-gathers (rare, small) over the gRPC ring that bootstrapped it.
+class NcclCollective final : public Collective {
+ public:
+  NcclCollective(std::unique_ptr<RingTransport> ring, RingOptions options,
+                 std::unique_ptr<NcclCommunicator> comm)
+      : ring_(std::move(ring)), options_(options), comm_(std::move(comm)) {}
+  int rank() const override { return comm_->rank(); }
+  int size() const override { return comm_->world(); }
+  absl::Status AllreduceSum(absl::Span<float> data) override {
+    // TODO(gpu): with a CUDA LibTorch (--repo_env=GRADMESH_TORCH_CUDA) the model and its
+    // gradients could live on the GPU and be reduced in place (AllReduceSum takes device
+    // pointers); today the buckets are host memory, staged through the GPU by NCCL's caller.
+    RETURN_IF_ERROR(Annotate(comm_->AllReduceSum(data.data(), data.size()),
+                             absl::StrCat("nccl all-reduce on device ", comm_->device())));
+    const int n = size();
+    bytes_sent_ += static_cast<int64_t>(data.size() * sizeof(float)) * 2 * (n - 1) / n;
+    return absl::OkStatus();
+  }
+  absl::StatusOr<std::vector<std::string>> Allgather(absl::string_view mine) override {
+    return RingAllgather(ring_.get(), mine, options_);
+  }
+  int64_t bytes_sent() const override { return bytes_sent_; }
+  std::string backend() const override { return "nccl"; }
+
+ private:
+  std::unique_ptr<RingTransport> ring_;
+  const RingOptions options_;
+  std::unique_ptr<NcclCommunicator> comm_;
+  int64_t bytes_sent_ = 0;
+};
+
+RingOptions RingOptionsOf(const CollectiveContext& c) {
+  RingOptions ro;
+  ro.timeout = c.timeout;
+  ro.segment_bytes = c.segment_bytes;
+  ro.codec = c.codec;
+  return ro;
+}
+
+absl::StatusOr<std::unique_ptr<RingTransport>> ConnectRing(const CollectiveContext& c) {
+  GrpcRingOptions o;
+  o.job = c.job;
+  o.rank = c.rank;
+  o.peers = c.peers;
+  o.local = c.local;
+  o.close_timeout = c.timeout;
+  return NewGrpcRingTransport(o);
+}
+
+// Every rank's placement, over the ring (one all-gather).
+absl::StatusOr<std::vector<RankPlacement>> GatherPlacements(RingTransport* ring,
+                                                            const CollectiveContext& c) {
+  RankPlacement mine;
+  mine.host = c.host.empty() ? HostName() : c.host;
+  mine.cuda_devices = CudaDeviceCount();
+  mine.nccl_built_in = NcclBuiltIn();
+  ASSIGN_OR_RETURN(std::vector<std::string> all,
+                   RingAllgather(ring, EncodePlacement(mine), RingOptionsOf(c)));
+  std::vector<RankPlacement> out;
+  for (size_t r = 0; r < all.size(); ++r) {
+    absl::StatusOr<RankPlacement> p = DecodePlacement(all[r]);
+    if (!p.ok()) return Annotate(p.status(), absl::StrCat("placement of rank ", r));
+    out.push_back(*std::move(p));
+  }
+  return out;
+}
+
+// Rank 0 makes the NCCL id and hands it to the others over the ring; each rank joins on its
+// local rank's device. `placements` must satisfy NcclUnsuitable.
+absl::StatusOr<std::unique_ptr<Collective>> ConnectNccl(
+    std::unique_ptr<RingTransport> ring, const CollectiveContext& c,
+    const std::vector<RankPlacement>& placements) {
+  const int n = static_cast<int>(placements.size());
+  // Rank 0 sends the 128-byte id, or (it could not make one) "!" and the error, cut short
+  // of 128 bytes, so that the other ranks fail at once with the reason instead of timing out.
+  std::string mine;
+  if (c.rank == 0) {
+    absl::StatusOr<std::string> id = NcclCommunicator::GetUniqueId();
+    mine = id.ok() ? *id : absl::StrCat("!", id.status().ToString()).substr(0, 100);
+  }
+  ASSIGN_OR_RETURN(std::vector<std::string> ids,
+                   RingAllgather(ring.get(), mine, RingOptionsOf(c)));
+  if (ids[0].size() != kNcclUniqueIdBytes) {
+    return absl::UnavailableError(absl::StrCat(
+        "allreduce backend nccl: rank 0 could not create an NCCL id: ", ids[0].substr(1)));
+  }
+  int local_rank = 0;
+  for (int r = 0; r < c.rank; ++r) local_rank += placements[r].host == placements[c.rank].host;
+  const int device = local_rank % CudaDeviceCount();
+  NcclOptions no;
+  no.timeout = c.timeout;
+  absl::StatusOr<std::unique_ptr<NcclCommunicator>> comm =
+      NcclCommunicator::Create(c.rank, n, ids[0], device, no);
+  if (!comm.ok()) {
+    return Annotate(comm.status(), absl::StrCat("allreduce backend nccl: rank ", c.rank,
+                                                " joining on device ", device));
+  }
+  return std::unique_ptr<Collective>(
+      new NcclCollective(std::move(ring), RingOptionsOf(c), *std::move(comm)));
+}
 
 }  // namespace
 
@@ -41,29 +152,86 @@ std::unique_ptr<Collective> NewRingCollective(std::unique_ptr<RingTransport> tra
 }
 
 std::string ResolveBackend(const std::string& backend) {
-  return backend.empty() || backend == "auto" ? "ring" : backend;
+  return backend.empty() ? "auto" : backend;
+}
+
+std::string EncodePlacement(const RankPlacement& p) {
+  return absl::StrCat(p.nccl_built_in ? 1 : 0, " ", p.cuda_devices, " ", p.host);
+}
+
+absl::StatusOr<RankPlacement> DecodePlacement(absl::string_view s) {
+  RankPlacement p;
+  const size_t a = s.find(' ');
+  const size_t b = a == absl::string_view::npos ? a : s.find(' ', a + 1);
+  int nccl = -1;
+  if (b == absl::string_view::npos || !absl::SimpleAtoi(s.substr(0, a), &nccl) ||
+      (nccl != 0 && nccl != 1) || !absl::SimpleAtoi(s.substr(a + 1, b - a - 1), &p.cuda_devices) ||
+      p.cuda_devices < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("bad rank placement \"", s, "\" (want \"<0|1> <devices> <host>\")"));
+  }
+  p.nccl_built_in = nccl == 1;
+  p.host = std::string(s.substr(b + 1));
+  return p;
+}
+
+std::string NcclUnsuitable(const std::vector<RankPlacement>& ranks) {
+  const int n = static_cast<int>(ranks.size());
+  for (int r = 0; r < n; ++r) {
+    if (!ranks[r].nccl_built_in) {
+      return absl::StrCat("rank ", r, " (host ", ranks[r].host,
+                          ") runs a worker built without --config=cuda");
+    }
+    if (ranks[r].cuda_devices == 0) {
+      return absl::StrCat("rank ", r, " (host ", ranks[r].host, ") has no CUDA device");
+    }
+    if (ranks[r].host != ranks[0].host) {
+      return absl::StrCat("rank ", r, " runs on host ", ranks[r].host, ", rank 0 on ",
+                          ranks[0].host,
+                          " (NCCL is used within one node; jobs across nodes use the ring)");
+    }
+  }
+  if (n > 0 && ranks[0].cuda_devices < n) {
+    return absl::StrCat(n, " ranks on host ", ranks[0].host, " but only ",
+                        ranks[0].cuda_devices, " CUDA device(s) (one GPU per rank)");
+  }
+  return "";
+}
+
+std::string ChooseAutoBackend(const std::vector<RankPlacement>& ranks) {
+  return NcclUnsuitable(ranks).empty() ? "nccl" : "ring";
 }
 
 CollectiveRegistry CollectiveRegistry::WithBuiltins() {
   CollectiveRegistry r;
   r.Register("ring", [](const CollectiveContext& c)
                          -> absl::StatusOr<std::unique_ptr<Collective>> {
-    GrpcRingOptions o;
-    o.job = c.job;
-    o.rank = c.rank;
-    o.peers = c.peers;
-    o.local = c.local;
-    o.close_timeout = c.timeout;
-    ASSIGN_OR_RETURN(std::unique_ptr<RingTransport> t, NewGrpcRingTransport(o));
-    RingOptions ro;
-    ro.timeout = c.timeout;
-    ro.segment_bytes = c.segment_bytes;
-    return NewRingCollective(std::move(t), ro);
+    ASSIGN_OR_RETURN(std::unique_ptr<RingTransport> t, ConnectRing(c));
+    return NewRingCollective(std::move(t), RingOptionsOf(c));
   });
-  r.Register("nccl", [](const CollectiveContext&) -> absl::StatusOr<std::unique_ptr<Collective>> {
-    return absl::UnimplementedError(
-        "allreduce.backend nccl needs a worker built with --config=cuda (this one is CPU-only); "
-        "use backend ring or auto");
+  r.Register("nccl", [](const CollectiveContext& c)
+                         -> absl::StatusOr<std::unique_ptr<Collective>> {
+    if (!NcclBuiltIn()) {
+      return absl::UnimplementedError(
+          "allreduce.backend nccl needs a worker built with --config=cuda (this one is "
+          "CPU-only); use backend ring or auto");
+    }
+    ASSIGN_OR_RETURN(std::unique_ptr<RingTransport> t, ConnectRing(c));
+    ASSIGN_OR_RETURN(std::vector<RankPlacement> placements, GatherPlacements(t.get(), c));
+    // Every rank sees the same placements, so all of them fail here together.
+    if (std::string why = NcclUnsuitable(placements); !why.empty()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("allreduce.backend nccl cannot be used: ", why,
+                       "; use backend ring or auto"));
+    }
+    return ConnectNccl(std::move(t), c, placements);
+  });
+  r.Register("auto", [](const CollectiveContext& c)
+                         -> absl::StatusOr<std::unique_ptr<Collective>> {
+    ASSIGN_OR_RETURN(std::unique_ptr<RingTransport> t, ConnectRing(c));
+    ASSIGN_OR_RETURN(std::vector<RankPlacement> placements, GatherPlacements(t.get(), c));
+    if (ChooseAutoBackend(placements) == "nccl") return ConnectNccl(std::move(t), c, placements);
+    return NewRingCollective(std::move(t), RingOptionsOf(c));
   });
   return r;
 }

@@ -2,10 +2,22 @@
 // buffers, all-gather of small byte strings), and the registry that builds one by the name
 // in JobSpec.allreduce.backend.
 //
-// Backends: "ring" (ring all-reduce over the workers' gRPC CollectiveService, ring.h +
-// grpc_ring.h). "nccl" is registered as Unimplemented in builds without CUDA; a CUDA build
-// replaces it (CollectiveRegistry::Register). "auto" is resolved by the caller
-// (ResolveBackend).
+// Backends (every rank of a job must ask for the same one):
+//   "ring"  ring all-reduce over the workers' gRPC CollectiveService (ring.h + grpc_ring.h).
+//   "nccl"  NCCL (worker/nccl/), one GPU per rank (device = local rank mod
+//           CudaDeviceCount()), for the ranks of one node. The ranks first connect the gRPC
+//           ring, over which rank 0 hands its ncclUniqueId (128 bytes) to the others and
+//           which then carries the all-gathers; all-reduces go through NCCL. UNIMPLEMENTED
+//           naming --config=cuda in a build without CUDA; FAILED_PRECONDITION on every rank
+//           (naming the rank and host) when some rank has no CUDA device, the ranks are on
+//           several hosts, or a host has fewer GPUs than ranks (NCCL refuses two ranks on
+//           one device).
+//   "auto"  connects the ring, all-gathers every rank's placement (host name, CUDA device
+//           count, NCCL built in) and takes "nccl" when every rank could (ChooseAutoBackend),
+//           else stays on the ring. Every rank decides from the same data, so they agree.
+// Multi-node hierarchical all-reduce (NCCL inside each node, the gRPC ring across nodes) is
+// not implemented: jobs spanning hosts use the ring. Gradients are host buffers;
+// NcclCommunicator stages them through the GPU (see the TODO in collective.cc).
 //
 // Thread safety: a Collective is used by one thread at a time; collectives of a job must be
 // called in the same order on every rank. The registry's const methods may run concurrently.
@@ -36,10 +48,21 @@ class Collective {
   virtual int size() const = 0;
   // Sums `data` over all ranks in place; every rank ends with the same bits.
   virtual absl::Status AllreduceSum(absl::Span<float> data) = 0;
+  // The same, telling `on_final` about ranges whose sums are final before it returns (see
+  // FinalRangeFn in ring.h; every element is reported once if it returns OK). The default
+  // reports the whole buffer after AllreduceSum.
+  virtual absl::Status AllreduceSumStreaming(absl::Span<float> data,
+                                             const FinalRangeFn& on_final) {
+    absl::Status st = AllreduceSum(data);
+    if (st.ok() && !data.empty()) on_final(0, static_cast<int64_t>(data.size()));
+    return st;
+  }
   // All ranks' `mine`, in rank order.
   virtual absl::StatusOr<std::vector<std::string>> Allgather(absl::string_view mine) = 0;
-  // Payload bytes this rank has sent so far.
+  // Payload bytes this rank has sent so far (NCCL: what the ring algorithm would send).
   virtual int64_t bytes_sent() const = 0;
+  // The backend actually in use: "ring" or "nccl".
+  virtual std::string backend() const = 0;
 };
 
 // Everything a backend may need to connect the ranks of one job.
@@ -50,6 +73,10 @@ struct CollectiveContext {
   CollectiveServiceImpl* local = nullptr;   // This process's CollectiveService; not owned.
   absl::Duration timeout = absl::Seconds(30);  // Longest wait for a peer.
   int64_t segment_bytes = 2 << 20;          // Ring: pipelining segment (see RingOptions).
+  RingCodec codec = RingCodec::kNone;       // Ring: wire format (see RingOptions).
+  // This rank's host, as compared between ranks by "auto"/"nccl". Empty: the machine's
+  // host name (tests set it to place ranks on different "hosts").
+  std::string host;
 };
 
 using CollectiveFactory =
@@ -57,7 +84,7 @@ using CollectiveFactory =
 
 class CollectiveRegistry {
  public:
-  // "ring", and "nccl" answering UNIMPLEMENTED (needs a --config=cuda build).
+  // "ring", "nccl" and "auto" (see the file comment).
   static CollectiveRegistry WithBuiltins();
   void Register(const std::string& name, CollectiveFactory factory);
   // INVALID_ARGUMENT for an unknown name (listing the known ones); the factory's errors.
@@ -68,8 +95,26 @@ class CollectiveRegistry {
   NamedRegistry<CollectiveFactory> factories_{"allreduce backend"};
 };
 
-// "auto" -> "ring" (the NCCL backend decides for itself once built in); others unchanged.
+// "" -> "auto"; others unchanged.
 std::string ResolveBackend(const std::string& backend);
+
+// Where a rank runs, as "auto" and "nccl" compare it.
+struct RankPlacement {
+  std::string host;        // Host name.
+  int cuda_devices = 0;    // CudaDeviceCount() there.
+  bool nccl_built_in = false;
+};
+std::string EncodePlacement(const RankPlacement& p);
+// INVALID_ARGUMENT for a malformed string.
+absl::StatusOr<RankPlacement> DecodePlacement(absl::string_view s);
+
+// Why NCCL cannot serve ranks placed as `ranks` (rank order), naming the first offending
+// rank and its host; empty if it can: NCCL built in everywhere, one host, and at least as many
+// CUDA devices there as ranks.
+std::string NcclUnsuitable(const std::vector<RankPlacement>& ranks);
+
+// "nccl" if NcclUnsuitable(ranks) is empty, else "ring".
+std::string ChooseAutoBackend(const std::vector<RankPlacement>& ranks);
 
 // A Collective over any RingTransport (owned).
 std::unique_ptr<Collective> NewRingCollective(std::unique_ptr<RingTransport> transport,

@@ -274,11 +274,12 @@ class GrpcRingTransport final : public RingTransport {
     p = PutVarint(seq, p);
     p = PutVarint(data_tag, p);
     p = PutVarint(data.size(), p);
+    // Fill `head` before wrapping it: a small slice is inlined, i.e. its bytes live in the
+    // grpc_slice struct itself, which grpc::Slice copies.
+    if (copy && !data.empty()) std::memcpy(p, data.data(), data.size());
     grpc::Slice slices[2] = {grpc::Slice(head, grpc::Slice::STEAL_REF), grpc::Slice()};
     size_t count = 1;
-    if (copy) {
-      if (!data.empty()) std::memcpy(p, data.data(), data.size());
-    } else if (!data.empty()) {
+    if (!copy && !data.empty()) {
       grpc_slice body = grpc_slice_new_with_user_data(const_cast<char*>(data.data()),
                                                       data.size(), &KeepNothing, nullptr);
       slices[1] = grpc::Slice(body, grpc::Slice::STEAL_REF);

@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
+#include "compression/float16.h"
 
 namespace gradmesh {
 namespace {
@@ -57,6 +58,101 @@ void CopyInto(const RingMessage& msg, char* dst) {
   }
 }
 
+// The fp16 wire format: every message carries float16 values (half the bytes), sums are
+// accumulated in float32. The completed chunk's owner rounds its own copy to fp16 as well, so
+// every rank ends with the same bits.
+absl::Status RingAllreduceFp16(RingTransport* transport, absl::Span<float> data,
+                               const RingOptions& options, int64_t* bytes_sent,
+                               const FinalRangeFn* on_final) {
+  const int n = transport->size();
+  const int r = transport->rank();
+  const int64_t length = static_cast<int64_t>(data.size());
+  const int64_t seg = std::max<int64_t>(1, options.segment_bytes / sizeof(uint16_t));
+  const int last_step = 2 * (n - 1) - 1;
+  int64_t sent = 0;
+  std::vector<uint16_t> half;  // One segment, encoded or received.
+  std::vector<float> wide;     // One segment, decoded.
+
+  // Encodes data[b, e) and sends it (copied).
+  auto send_encoded = [&](int64_t b, int64_t e, int step) -> absl::Status {
+    half.resize(e - b);
+    const int64_t bad = FloatToHalf(data.data() + b, e - b, half.data());
+    if (bad >= 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "fp16 ring all-reduce: element ", b + bad, " is ", data[b + bad],
+          " (the fp16 codec needs finite gradients)"));
+    }
+    const size_t bytes = half.size() * sizeof(uint16_t);
+    RETURN_IF_ERROR(Annotate(
+        transport->Send(absl::Span<const char>(reinterpret_cast<const char*>(half.data()), bytes)),
+        absl::StrCat("fp16 ring all-reduce step ", step)));
+    sent += static_cast<int64_t>(bytes);
+    return absl::OkStatus();
+  };
+
+  {
+    const ChunkRange range = RingChunkRange(length, n, r);
+    for (int64_t b = range.begin; b < range.end; b += seg) {
+      RETURN_IF_ERROR(send_encoded(b, std::min(range.end, b + seg), 0));
+    }
+  }
+  for (int step = 0; step <= last_step; ++step) {
+    const bool reduce = step < n - 1;
+    const ChunkRange range = RingChunkRange(length, n, Mod(r - step - 1, n));
+    for (int64_t b = range.begin; b < range.end; b += seg) {
+      const int64_t e = std::min(range.end, b + seg);
+      const size_t want = static_cast<size_t>(e - b) * sizeof(uint16_t);
+      absl::StatusOr<RingMessage> msg = transport->Recv(absl::Now() + options.timeout);
+      if (!msg.ok()) {
+        return Annotate(msg.status(), absl::StrCat("fp16 ring all-reduce step ", step, " of ",
+                                                   last_step + 1));
+      }
+      if (msg->size() != want) {
+        return absl::InternalError(absl::StrCat(
+            "fp16 ring all-reduce step ", step, ": ", transport->PeerName(Mod(r - 1, n)),
+            " sent ", msg->size(), " bytes where ", want,
+            " were expected (do all ranks reduce buffers of the same length and codec?)"));
+      }
+      half.resize(e - b);
+      CopyInto(*msg, reinterpret_cast<char*>(half.data()));
+      msg->owner.reset();
+      float* dst = data.data() + b;
+      if (reduce) {
+        wide.resize(e - b);
+        if (HalfToFloat(half.data(), e - b, wide.data()) >= 0) {
+          return absl::InternalError(absl::StrCat("fp16 ring all-reduce step ", step, ": ",
+                                                  transport->PeerName(Mod(r - 1, n)),
+                                                  " sent a non-finite value"));
+        }
+        for (int64_t i = 0; i < e - b; ++i) dst[i] += wide[i];
+        if (step == n - 2) {
+          // The sum of this chunk is complete here: round it as the others will see it.
+          RETURN_IF_ERROR(send_encoded(b, e, step + 1));
+          HalfToFloat(half.data(), e - b, dst);
+        } else {
+          RETURN_IF_ERROR(send_encoded(b, e, step + 1));
+        }
+      } else {
+        if (HalfToFloat(half.data(), e - b, dst) >= 0) {
+          return absl::InternalError(absl::StrCat("fp16 ring all-reduce step ", step, ": ",
+                                                  transport->PeerName(Mod(r - 1, n)),
+                                                  " sent a non-finite value"));
+        }
+        if (step < last_step) {
+          RETURN_IF_ERROR(Annotate(
+              transport->Send(absl::Span<const char>(reinterpret_cast<const char*>(half.data()),
+                                                     want)),
+              absl::StrCat("fp16 ring all-reduce step ", step + 1)));
+          sent += static_cast<int64_t>(want);
+        }
+      }
+      if (on_final != nullptr && step >= n - 2) (*on_final)(b, e);
+    }
+  }
+  if (bytes_sent != nullptr) *bytes_sent += sent;
+  return Annotate(transport->Flush(absl::Now() + options.timeout), "fp16 ring all-reduce flush");
+}
+
 }  // namespace
 
 size_t RingMessage::size() const {
@@ -70,10 +166,14 @@ ChunkRange RingChunkRange(int64_t length, int n, int c) {
 }
 
 absl::Status RingAllreduce(RingTransport* transport, absl::Span<float> data,
-                           const RingOptions& options, int64_t* bytes_sent) {
+                           const RingOptions& options, int64_t* bytes_sent,
+                           const FinalRangeFn* on_final) {
   const int n = transport->size();
   const int r = transport->rank();
-  if (n <= 1) return absl::OkStatus();
+  if (n <= 1) {
+    if (on_final != nullptr && !data.empty()) (*on_final)(0, static_cast<int64_t>(data.size()));
+    return absl::OkStatus();
+  }
   const int64_t length = static_cast<int64_t>(data.size());
   const int64_t seg = std::max<int64_t>(1, options.segment_bytes / sizeof(float));
   const int last_step = 2 * (n - 1) - 1;
@@ -91,6 +191,10 @@ absl::Status RingAllreduce(RingTransport* transport, absl::Span<float> data,
     }
     return absl::OkStatus();
   };
+
+  if (options.codec == RingCodec::kFp16) {
+    return RingAllreduceFp16(transport, data, options, bytes_sent, on_final);
+  }
 
   RETURN_IF_ERROR(send_chunk(r, 0));
   for (int step = 0; step <= last_step; ++step) {
@@ -125,6 +229,9 @@ absl::Status RingAllreduce(RingTransport* transport, absl::Span<float> data,
             absl::StrCat("ring all-reduce step ", step + 1)));
         sent += static_cast<int64_t>(want);
       }
+      // The last reduce-scatter step completes this rank's own chunk; every all-gather
+      // message is a final chunk of another rank.
+      if (on_final != nullptr && step >= n - 2) (*on_final)(b, e);
     }
   }
   if (bytes_sent != nullptr) *bytes_sent += sent;

@@ -34,6 +34,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -87,6 +88,8 @@ class RingTransport {
   virtual std::string PeerName(int rank) const = 0;
 };
 
+enum class RingCodec { kNone, kFp16 };
+
 struct RingOptions {
   // Largest message of the pipelined ring, bytes (> 0, rounded down to whole floats).
   // Default 2 MiB (measured: with 4 processes on 2 cores, fewer larger messages win; with
@@ -95,13 +98,31 @@ struct RingOptions {
   // A receive that waits longer than this for the previous rank fails with
   // DEADLINE_EXCEEDED. Default 30 s.
   absl::Duration timeout = absl::Seconds(30);
+  // What travels on the wire. kFp16 halves the bytes: every message carries IEEE float16
+  // (round to nearest even, clamped to +-65504; compression/float16.h), sums are accumulated
+  // in float32 and the final sum is rounded to fp16 on every rank (so all ranks still end
+  // with the same bits), as Horovod's --fp16-allreduce / DDP's fp16_compress_hook. A
+  // non-finite input is INVALID_ARGUMENT. Messages are copied (no in-place sends); all ranks
+  // must use the same codec. Default kNone (float32, exact sums).
+  RingCodec codec = RingCodec::kNone;
 };
+
+// Called with element ranges [begin, end) of an all-reduced buffer as soon as their final
+// sums are in place, before the collective has returned (so the caller can start using them,
+// e.g. apply the optimizer, while the rest is still on the wire). The ranges are disjoint,
+// cover the buffer and come in no particular order; empty ranges are not reported. The
+// callee may read data[begin, end) but must not write it until the collective has returned
+// (the bytes may still be being sent in place). Runs on the collective's calling thread.
+using FinalRangeFn = std::function<void(int64_t begin, int64_t end)>;
 
 // Sums `data` over every rank of `transport`'s ring, in place (see the file comment). Every
 // rank must call it with the same length; lengths 0 and < n are fine.
-// `bytes_sent`, if not null, is increased by the payload bytes this rank sent.
+// `bytes_sent`, if not null, is increased by the payload bytes this rank sent. `on_final`, if
+// not null, hears of each segment once its sum is final (its own chunk after the
+// reduce-scatter, the others as they arrive in the all-gather): see FinalRangeFn.
 absl::Status RingAllreduce(RingTransport* transport, absl::Span<float> data,
-                           const RingOptions& options, int64_t* bytes_sent = nullptr);
+                           const RingOptions& options, int64_t* bytes_sent = nullptr,
+                           const FinalRangeFn* on_final = nullptr);
 
 // Every rank contributes `mine` (any length, may differ between ranks); returns all ranks'
 // contributions in rank order. n-1 steps around the ring. Same errors as RingAllreduce.

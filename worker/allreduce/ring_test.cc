@@ -111,6 +111,96 @@ TEST_P(RingAllreduceTest, RanksEndBitIdenticalWithNonIntegerValues) {
   for (int64_t i = 0; i < len; ++i) ASSERT_NEAR(bufs[0][i], exact[i], 1e-3) << i;
 }
 
+// on_final reports every element exactly once, and only once its final sum is in place; with
+// either wire format (small integers are exact in fp16 too, partial sums included).
+TEST_P(RingAllreduceTest, FinalRangesCoverEveryElementOnceAfterItsSumIsFinal) {
+  const int n = GetParam();
+  for (RingCodec codec : {RingCodec::kNone, RingCodec::kFp16}) {
+    for (int64_t len : {0, 1, 7, 1001, 30011}) {
+      SCOPED_TRACE(absl::StrCat("n=", n, " len=", len, " fp16=", codec == RingCodec::kFp16));
+      auto ring = NewLocalRing(n);
+      std::vector<std::vector<float>> bufs(n, std::vector<float>(len));
+      std::vector<float> want(len, 0);
+      for (int r = 0; r < n; ++r) {
+        for (int64_t i = 0; i < len; ++i) {
+          bufs[r][i] = Input(r, i);
+          want[i] += Input(r, i);
+        }
+      }
+      RingOptions options;
+      options.segment_bytes = 4000;
+      options.codec = codec;
+      std::vector<std::vector<int>> seen(n, std::vector<int>(len, 0));
+      std::vector<int64_t> early_mismatch(n, -1);
+      std::vector<int64_t> sent(n, 0);
+      auto st = RunRanks(ring, [&](int r, RingTransport* t) {
+        FinalRangeFn on_final = [&, r](int64_t b, int64_t e) {
+          EXPECT_LT(b, e);
+          for (int64_t i = b; i < e; ++i) {
+            ++seen[r][i];
+            if (bufs[r][i] != want[i] && early_mismatch[r] < 0) early_mismatch[r] = i;
+          }
+        };
+        return RingAllreduce(t, absl::MakeSpan(bufs[r]), options, &sent[r], &on_final);
+      });
+      for (int r = 0; r < n; ++r) {
+        ASSERT_OK(st[r]) << "rank " << r;
+        EXPECT_EQ(early_mismatch[r], -1) << "rank " << r << " reported a range before its sum";
+        for (int64_t i = 0; i < len; ++i) {
+          ASSERT_EQ(seen[r][i], 1) << "rank " << r << " element " << i;
+          ASSERT_EQ(bufs[r][i], want[i]) << "rank " << r << " element " << i;
+        }
+        // fp16 sends 2 bytes per element where float32 sends 4.
+        int64_t total = 0;
+        for (int q = 0; q < n; ++q) total += sent[q];
+        EXPECT_EQ(total, n == 1 ? 0
+                                : int64_t{2} * (n - 1) * len *
+                                      (codec == RingCodec::kFp16 ? 2 : 4));
+      }
+    }
+  }
+}
+
+// fp16 on the wire: every rank ends with the same bits, within fp16 rounding of the exact sum.
+TEST_P(RingAllreduceTest, Fp16RanksEndBitIdenticalWithinHalfPrecision) {
+  const int n = GetParam();
+  const int64_t len = 10007;
+  auto ring = NewLocalRing(n);
+  std::mt19937 rng(n);
+  std::uniform_real_distribution<float> dist(-1, 1);
+  std::vector<std::vector<float>> bufs(n, std::vector<float>(len));
+  std::vector<double> exact(len, 0), magnitude(len, 0);
+  for (int r = 0; r < n; ++r) {
+    for (int64_t i = 0; i < len; ++i) {
+      bufs[r][i] = dist(rng) * 100;
+      exact[i] += bufs[r][i];
+      magnitude[i] += std::fabs(bufs[r][i]);
+    }
+  }
+  RingOptions options;
+  options.segment_bytes = 1000;
+  options.codec = RingCodec::kFp16;
+  auto st = RunRanks(ring, [&](int r, RingTransport* t) {
+    return RingAllreduce(t, absl::MakeSpan(bufs[r]), options);
+  });
+  for (int r = 0; r < n; ++r) ASSERT_OK(st[r]);
+  for (int r = 1; r < n; ++r) {
+    EXPECT_EQ(std::memcmp(bufs[r].data(), bufs[0].data(), len * sizeof(float)), 0)
+        << "rank " << r << " differs from rank 0";
+  }
+  // Each input and each of the n partial sums is rounded once to fp16 (relative 2^-11).
+  int64_t changed = 0;
+  for (int64_t i = 0; i < len; ++i) {
+    if (n == 1) {
+      ASSERT_EQ(bufs[0][i], static_cast<float>(exact[i])) << "one rank: nothing is encoded";
+      continue;
+    }
+    ASSERT_NEAR(bufs[0][i], exact[i], (n + 1) * magnitude[i] * std::ldexp(1.0, -11)) << i;
+    if (bufs[0][i] != static_cast<float>(exact[i])) ++changed;
+  }
+  if (n > 1) EXPECT_GT(changed, len / 2) << "the values did not go through fp16";
+}
+
 TEST_P(RingAllreduceTest, AllgatherReturnsEveryRanksBytesInRankOrder) {
   const int n = GetParam();
   auto ring = NewLocalRing(n);
@@ -211,6 +301,20 @@ TEST(RingAllreduceErrorsTest, ClosedPeerIsUnavailableAndSilentPeerTimesOut) {
   // Rank 0 waits for rank 2, which gives up on rank 1 without sending.
   EXPECT_STATUS_MSG(st0, absl::StatusCode::kDeadlineExceeded, "nothing from rank 2 in time");
   EXPECT_LT(absl::Now() - start, absl::Seconds(2));
+}
+
+TEST(RingAllreduceErrorsTest, Fp16NonFiniteInputIsInvalidArgument) {
+  auto ring = NewLocalRing(2);
+  std::vector<float> a(10, 1), b(10, 1);
+  a[3] = std::nanf("");  // In rank 0's own chunk (elements 0-4), encoded first.
+  RingOptions options;
+  options.codec = RingCodec::kFp16;
+  options.timeout = absl::Milliseconds(300);
+  auto st = RunRanks(ring, [&](int r, RingTransport* t) {
+    return RingAllreduce(t, absl::MakeSpan(r == 0 ? a : b), options);
+  });
+  EXPECT_STATUS_MSG(st[0], absl::StatusCode::kInvalidArgument, "element 3 is nan");
+  EXPECT_FALSE(st[1].ok());
 }
 
 }  // namespace

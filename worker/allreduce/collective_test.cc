@@ -1,0 +1,199 @@
+// Tests of the collective backends and their selection (collective.h): the placement rules as
+// pure functions, then "ring", "auto" and "nccl" over real gRPC rings on 127.0.0.1 (two
+// simulated processes as threads, each with its own CollectiveService). The NCCL cases run
+// only in a --config=cuda build with at least two CUDA devices and are skipped otherwise; in
+// a CPU build "nccl" must refuse with UNIMPLEMENTED naming --config=cuda.
+#include "worker/allreduce/collective.h"
+
+#include <grpcpp/grpcpp.h>
+
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_testing.h"
+#include "gtest/gtest.h"
+#include "worker/allreduce/collective_service.h"
+#include "worker/nccl/nccl_communicator.h"
+
+namespace gradmesh {
+namespace {
+
+RankPlacement Gpu(const std::string& host, int devices) { return {host, devices, true}; }
+
+TEST(PlacementTest, EncodeDecodeRoundTripAndRejectsGarbage) {
+  const RankPlacement p{"node-7.example", 4, true};
+  ASSERT_OK_AND_ASSIGN(RankPlacement q, DecodePlacement(EncodePlacement(p)));
+  EXPECT_EQ(q.host, "node-7.example");
+  EXPECT_EQ(q.cuda_devices, 4);
+  EXPECT_TRUE(q.nccl_built_in);
+  for (const char* bad : {"", "1", "1 2", "x 2 h", "2 2 h", "1 -1 h", "1 y h"}) {
+    EXPECT_STATUS_MSG(DecodePlacement(bad), absl::StatusCode::kInvalidArgument,
+                      "bad rank placement") << bad;
+  }
+}
+
+TEST(PlacementTest, NcclOnlyOnOneHostWithAGpuPerRank) {
+  EXPECT_EQ(ChooseAutoBackend({Gpu("a", 2), Gpu("a", 2)}), "nccl");
+  EXPECT_EQ(NcclUnsuitable({Gpu("a", 8), Gpu("a", 8), Gpu("a", 8)}), "");
+  EXPECT_EQ(ChooseAutoBackend({Gpu("a", 1)}), "nccl");
+  // Two hosts: the ring (hierarchical NCCL + ring is not implemented).
+  EXPECT_EQ(NcclUnsuitable({Gpu("a", 2), Gpu("b", 2)}),
+            "rank 1 runs on host b, rank 0 on a (NCCL is used within one node; jobs across "
+            "nodes use the ring)");
+  EXPECT_EQ(ChooseAutoBackend({Gpu("a", 2), Gpu("b", 2)}), "ring");
+  // A rank without a GPU, or without NCCL in its build.
+  EXPECT_EQ(NcclUnsuitable({Gpu("a", 2), Gpu("a", 0)}), "rank 1 (host a) has no CUDA device");
+  EXPECT_EQ(NcclUnsuitable({Gpu("a", 2), RankPlacement{"a", 2, false}}),
+            "rank 1 (host a) runs a worker built without --config=cuda");
+  // Two ranks cannot share one GPU in NCCL.
+  EXPECT_EQ(NcclUnsuitable({Gpu("a", 1), Gpu("a", 1)}),
+            "2 ranks on host a but only 1 CUDA device(s) (one GPU per rank)");
+  EXPECT_EQ(ChooseAutoBackend({Gpu("a", 1), Gpu("a", 1)}), "ring");
+}
+
+TEST(ResolveBackendTest, EmptyMeansAuto) {
+  EXPECT_EQ(ResolveBackend(""), "auto");
+  EXPECT_EQ(ResolveBackend("ring"), "ring");
+  EXPECT_EQ(ResolveBackend("nccl"), "nccl");
+}
+
+// One "process": a CollectiveService served on 127.0.0.1.
+struct Node {
+  std::unique_ptr<CollectiveServiceImpl> service;
+  std::unique_ptr<grpc::Server> server;
+  std::string address;
+};
+
+class CollectiveRegistryTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    for (int i = 0; i < 2; ++i) {
+      Node n;
+      n.service = std::make_unique<CollectiveServiceImpl>();
+      grpc::ServerBuilder b;
+      int port = 0;
+      b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+      b.RegisterService(n.service.get());
+      n.server = b.BuildAndStart();
+      ASSERT_NE(n.server, nullptr);
+      n.address = absl::StrCat("127.0.0.1:", port);
+      peers_.push_back(n.address);
+      nodes_.push_back(std::move(n));
+    }
+  }
+  void TearDown() override {
+    for (Node& n : nodes_) n.server->Shutdown(absl::ToChronoTime(absl::Now()));
+  }
+
+  CollectiveContext Context(int rank, const std::string& host) {
+    CollectiveContext c;
+    c.job = "j";
+    c.rank = rank;
+    c.peers = peers_;
+    c.local = nodes_[rank].service.get();
+    c.timeout = absl::Seconds(10);
+    c.host = host;
+    return c;
+  }
+
+  // Creates `backend` on both ranks at once (host of rank r: hosts[r]); then, where that
+  // worked, all-reduces {1, 2, 3} * (r + 1) and all-gathers "r<r>". Returns each rank's
+  // status; `used` gets each rank's backend().
+  std::vector<absl::Status> Run(const std::string& backend, std::vector<std::string> hosts,
+                                std::vector<std::string>* used) {
+    std::vector<absl::Status> st(2);
+    used->assign(2, "");
+    std::vector<std::thread> threads;
+    for (int r = 0; r < 2; ++r) {
+      threads.emplace_back([&, r] {
+        absl::StatusOr<std::unique_ptr<Collective>> c =
+            CollectiveRegistry::WithBuiltins().Create(backend, Context(r, hosts[r]));
+        if (!c.ok()) {
+          st[r] = c.status();
+          return;
+        }
+        (*used)[r] = (*c)->backend();
+        std::vector<float> v = {1.0f * (r + 1), 2.0f * (r + 1), 3.0f * (r + 1)};
+        st[r] = (*c)->AllreduceSum(absl::MakeSpan(v));
+        if (!st[r].ok()) return;
+        EXPECT_EQ(v, (std::vector<float>{3, 6, 9})) << "rank " << r;
+        absl::StatusOr<std::vector<std::string>> all = (*c)->Allgather(absl::StrCat("r", r));
+        st[r] = all.status();
+        if (all.ok()) EXPECT_EQ(*all, (std::vector<std::string>{"r0", "r1"})) << "rank " << r;
+      });
+    }
+    for (auto& t : threads) t.join();
+    return st;
+  }
+
+  std::vector<Node> nodes_;
+  std::vector<std::string> peers_;
+};
+
+TEST_F(CollectiveRegistryTest, UnknownBackendIsInvalidArgument) {
+  EXPECT_STATUS_MSG(CollectiveRegistry::WithBuiltins().Create("mpi", Context(0, "a")),
+                    absl::StatusCode::kInvalidArgument, "mpi");
+}
+
+TEST_F(CollectiveRegistryTest, RingSumsAndGathers) {
+  std::vector<std::string> used;
+  std::vector<absl::Status> st = Run("ring", {"a", "a"}, &used);
+  for (int r = 0; r < 2; ++r) ASSERT_OK(st[r]) << "rank " << r;
+  EXPECT_EQ(used, (std::vector<std::string>{"ring", "ring"}));
+}
+
+TEST_F(CollectiveRegistryTest, AutoOnTwoHostsIsTheRing) {
+  std::vector<std::string> used;
+  std::vector<absl::Status> st = Run("auto", {"host-a", "host-b"}, &used);
+  for (int r = 0; r < 2; ++r) ASSERT_OK(st[r]) << "rank " << r;
+  EXPECT_EQ(used, (std::vector<std::string>{"ring", "ring"}));
+}
+
+TEST_F(CollectiveRegistryTest, AutoOnOneHostIsNcclExactlyWhenEveryRankHasAGpu) {
+  const bool nccl = NcclBuiltIn() && CudaDeviceCount() >= 2;
+  std::vector<std::string> used;
+  std::vector<absl::Status> st = Run("auto", {"h", "h"}, &used);
+  for (int r = 0; r < 2; ++r) ASSERT_OK(st[r]) << "rank " << r;
+  const std::string want = nccl ? "nccl" : "ring";
+  EXPECT_EQ(used, (std::vector<std::string>{want, want}));
+}
+
+TEST_F(CollectiveRegistryTest, NcclWithoutCudaBuildIsUnimplementedNamingTheFlag) {
+  if (NcclBuiltIn()) GTEST_SKIP() << "built with --config=cuda";
+  EXPECT_STATUS_MSG(CollectiveRegistry::WithBuiltins().Create("nccl", Context(0, "h")),
+                    absl::StatusCode::kUnimplemented, "--config=cuda");
+}
+
+TEST_F(CollectiveRegistryTest, NcclWithTooFewGpusFailsOnEveryRankNamingWhy) {
+  if (!NcclBuiltIn()) GTEST_SKIP() << "needs --config=cuda";
+  if (CudaDeviceCount() >= 2) GTEST_SKIP() << "this machine has 2 CUDA devices";
+  std::vector<std::string> used;
+  std::vector<absl::Status> st = Run("nccl", {"h", "h"}, &used);
+  const std::string why = CudaDeviceCount() == 0 ? "rank 0 (host h) has no CUDA device"
+                                                 : "2 ranks on host h but only 1 CUDA device";
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_STATUS_MSG(st[r], absl::StatusCode::kFailedPrecondition, why) << "rank " << r;
+  }
+}
+
+TEST_F(CollectiveRegistryTest, NcclOnTwoGpusSumsAndGathers) {
+  if (!NcclBuiltIn() || CudaDeviceCount() < 2) {
+    GTEST_SKIP() << "needs --config=cuda and 2 CUDA devices (have " << CudaDeviceCount() << ")";
+  }
+  std::vector<std::string> used;
+  std::vector<absl::Status> st = Run("nccl", {"h", "h"}, &used);
+  for (int r = 0; r < 2; ++r) ASSERT_OK(st[r]) << "rank " << r;
+  EXPECT_EQ(used, (std::vector<std::string>{"nccl", "nccl"}));
+}
+
+TEST_F(CollectiveRegistryTest, NcclAcrossHostsFailsOnEveryRank) {
+  if (!NcclBuiltIn()) GTEST_SKIP() << "needs --config=cuda";
+  std::vector<std::string> used;
+  std::vector<absl::Status> st = Run("nccl", {"a", "b"}, &used);
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(st[r].code(), absl::StatusCode::kFailedPrecondition) << st[r];
+  }
+}
+
+}  // namespace
+}  // namespace gradmesh
