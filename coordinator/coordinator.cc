@@ -359,10 +359,14 @@ void Coordinator::RefreshLocked(JobEntry* job) {
   JobStatus* st = r.mutable_status();
   const int n = st->workers_size();
   if (IsActive(st->state())) {
+    // A sync job whose group was re-formed is done when every rank still in it is: its lost
+    // ranks are out of the job for good.
+    const bool reformed = st->spec().mode() == "sync" && r.active_ranks_size() > 0;
     bool all_done = n > 0, all_running = n > 0;
     for (const WorkerPlacement& w : st->workers()) {
-      all_done = all_done && w.state() == kSucceeded;
-      all_running = all_running && (w.state() == kRunning || w.state() == kSucceeded);
+      const bool out = reformed && w.state() == kLost;
+      all_done = all_done && (w.state() == kSucceeded || out);
+      all_running = all_running && (w.state() == kRunning || w.state() == kSucceeded || out);
     }
     if (all_done) {
       // Also from PAUSED: every rank finished (rank 0 evaluated) before the shard went down.
@@ -420,7 +424,10 @@ void Coordinator::RefreshLocked(JobEntry* job) {
   p->set_epochs(st->spec().epochs());
   p->set_loss(with_loss > 0 ? loss / with_loss : 0);
   p->set_samples_per_s(samples);
-  p->set_accuracy(n > 0 && r.ranks(0).accuracy() >= 0 ? r.ranks(0).accuracy() : -1);
+  // Rank 0 evaluates (the lowest rank still in a re-formed sync group if rank 0 is out).
+  double accuracy = -1;
+  for (int i = 0; i < n && accuracy < 0; ++i) accuracy = r.ranks(i).accuracy();
+  p->set_accuracy(accuracy >= 0 ? accuracy : -1);
   p->set_eta_s(eta);
   p->set_checkpoint_step(checkpoint == -2 ? -1 : checkpoint);
 }
@@ -541,11 +548,11 @@ void Coordinator::NodeUpLocked(NodeEntry* node, bool address_changed) {
             for (const WorkerPlacement& w : st->workers()) holds = holds || w.node() == name;
             if (holds) break;
           }
-          if (sync) {  // As in MoveRankLocked: sync ranks only take free slots.
-            const auto used = UsedSlotsLocked("");
-            auto u = used.find(name);
-            if (u != used.end() && u->second >= node->record.info().slots()) break;
-          }
+          // A sync job that re-formed its group finishes with the survivors: a rank that
+          // rejoined would start behind the group's step (its own record is older), and the
+          // group's steps cannot wait for it. (Moving a rank with a free slot at once, in
+          // MoveRankLocked, keeps the full group instead.)
+          if (sync) break;
           AssignRankLocked(job, r, *node);
           changed = true;
         }

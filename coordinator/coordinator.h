@@ -99,12 +99,15 @@
 //   pace of its slowest rank, so doubling up one node would slow every rank, and re-forming
 //   the group (below) keeps the survivors at full speed.
 // * With no candidate the rank is "lost" (node ""), and it is given to the next worker node
-//   that registers (or revives) and qualifies (sync: while it has free slots).
+//   that registers (or revives) and qualifies (not for sync: see below).
 // * sync jobs: while ranks are lost the barrier group is re-formed: active_ranks = ranks not
 //   lost (ascending), lr_scale = |active| / num_workers (sync_lr_scaling "linear") or 1
 //   ("none"), sent to every rank and shard with a new generation; JobStatus.active_workers =
-//   |active|. When the lost ranks are placed again the full group is restored (active_ranks
-//   empty, lr_scale 1, new generation). If every rank is lost the last group is kept.
+//   |active|. A re-formed sync job finishes with its survivors (SUCCEEDED once every rank
+//   still in the group succeeded; the lowest of them evaluates): a worker that registers
+//   later is not given a lost sync rank, because that rank's record is behind the group's
+//   step and a lock-step group cannot wait for it. The workers take the new group in place
+//   (no restart). If every rank is lost the last group is kept.
 // * Dead server node: every active job with a shard there goes PAUSED ("shard S on node N
 //   (addr) is down; workers wait for it to come back"); shards never move (their state is on
 //   that node). When the node registers again under the same name the jobs resume.

@@ -10,6 +10,11 @@ void JobTokens::Set(const std::string& job, const std::string& token) {
   tokens_[job] = token;
 }
 
+void JobTokens::Remove(const std::string& job) {
+  absl::MutexLock lock(&mu_);
+  tokens_.erase(job);
+}
+
 absl::Status JobTokens::Check(const std::string& job, absl::string_view presented) const {
   absl::MutexLock lock(&mu_);
   auto it = tokens_.find(job);

@@ -26,6 +26,8 @@ class JobTokens {
   explicit JobTokens(bool required) : required_(required) {}
 
   void Set(const std::string& job, const std::string& token) ABSL_LOCKS_EXCLUDED(mu_);
+  // Forgets the job's token: its calls are then treated as for a job never set.
+  void Remove(const std::string& job) ABSL_LOCKS_EXCLUDED(mu_);
 
   // OK if `presented` may act on `job` (see above).
   absl::Status Check(const std::string& job, absl::string_view presented) const

@@ -36,6 +36,14 @@ TEST(JobTokensTest, OnlyTheJobsOwnTokenIsAccepted) {
     tokens.Set("a", "new");
     EXPECT_OK(tokens.Check("a", "new"));
     EXPECT_STATUS(tokens.Check("a", "secret-a"), absl::StatusCode::kPermissionDenied);
+    // Withdrawn: as if never set.
+    tokens.Remove("a");
+    if (required) {
+      EXPECT_STATUS(tokens.Check("a", "new"), absl::StatusCode::kUnavailable);
+    } else {
+      EXPECT_OK(tokens.Check("a", ""));
+    }
+    EXPECT_OK(tokens.Check("b", "secret-b"));
   }
 }
 

@@ -35,7 +35,9 @@ ABSL_FLAG(std::string, host, "0.0.0.0", "Address to listen on.");
 ABSL_FLAG(int, port, 7001, "Port to listen on (0 = pick a free one; see --port_file).");
 ABSL_FLAG(std::string, port_file, "", "If set, the bound port is written to this file.");
 ABSL_FLAG(int64_t, max_message_mb, 256, "Largest gRPC message sent or received, MiB.");
-ABSL_FLAG(std::string, node, "", "Node name in logs (default: host name).");
+ABSL_FLAG(std::string, node, "",
+          "Node name: in logs, and in service mode this daemon's identity in the coordinator "
+          "(keep it across restarts, with --data_dir; default: the advertised host:port).");
 ABSL_FLAG(int, shutdown_grace_s, 5, "Seconds to let calls in flight finish on shutdown.");
 ABSL_FLAG(int64_t, dedupe_window, 4096, "Push request ids remembered per worker.");
 ABSL_FLAG(std::string, data_dir, "",
@@ -64,7 +66,8 @@ struct ServerMainOptions {
   std::string advertise;
   int slots = 16;
   std::string port_file;
-  std::string node;
+  std::string node;       // Name in logs.
+  std::string node_flag;  // --node as given ("" = default).
   std::string data_dir;
   bool fsync = false;
   int shutdown_grace_s = 5;
@@ -125,11 +128,13 @@ int Run(ServerMainOptions options) {
     ao.coordinator = options.coordinator;
     ao.auth_token = options.auth_token;
     ao.logger = &logger;
-    ao.node.set_name(options.node);
-    ao.node.set_role(SERVER);
+    // The node name is the daemon's identity in the coordinator: by default the advertised
+    // address (a host name alone would collide with a worker daemon on the same host).
     ao.node.set_address(options.advertise.empty()
                             ? absl::StrCat(host == "0.0.0.0" ? HostName() : host, ":", port)
                             : options.advertise);
+    ao.node.set_name(options.node_flag.empty() ? ao.node.address() : options.node_flag);
+    ao.node.set_role(SERVER);
     ao.node.set_cores(static_cast<int>(std::thread::hardware_concurrency()));
     ao.node.set_slots(options.slots);
     ao.node.set_host(HostName());
@@ -161,6 +166,15 @@ int Run(ServerMainOptions options) {
             } else if (std::string& last = group_errors[t.job_id()]; last != st.ToString()) {
               last = st.ToString();
               logger.Error("sync_group_failed", {Kv("job", t.job_id()), Kv("error", last)});
+            }
+          }
+          // Withdrawn (cancelled or failed job): its workers are stopped; refuse its calls.
+          for (const Task& old : tasks) {
+            bool kept = false;
+            for (const Task& t : desired) kept |= t.job_id() == old.job_id();
+            if (!kept) {
+              tokens.Remove(old.job_id());
+              logger.Info("shard_withdrawn", {Kv("job", old.job_id()), Kv("shard", old.index())});
             }
           }
           tasks = desired;
@@ -201,6 +215,7 @@ int main(int argc, char** argv) {
   options.address = absl::StrCat(absl::GetFlag(FLAGS_host), ":", absl::GetFlag(FLAGS_port));
   options.port_file = absl::GetFlag(FLAGS_port_file);
   options.node = absl::GetFlag(FLAGS_node).empty() ? gradmesh::HostName() : absl::GetFlag(FLAGS_node);
+  options.node_flag = absl::GetFlag(FLAGS_node);
   options.shutdown_grace_s = absl::GetFlag(FLAGS_shutdown_grace_s);
   options.rpc.max_message_bytes = absl::GetFlag(FLAGS_max_message_mb) << 20;
   options.shard.dedupe_window = absl::GetFlag(FLAGS_dedupe_window);

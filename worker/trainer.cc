@@ -30,7 +30,15 @@ Trainer::Trainer(TrainerOptions options, ClientFactory client_factory,
                  PeerServices peer_services)
     : options_(std::move(options)),
       client_factory_(std::move(client_factory)),
-      peer_services_(peer_services) {}
+      peer_services_(peer_services),
+      active_ranks_(options_.active_ranks),
+      evaluate_(options_.evaluate) {}
+
+void Trainer::SetGroup(std::vector<int32_t> active_ranks, bool evaluate) {
+  absl::MutexLock lock(&group_mu_);
+  active_ranks_ = std::move(active_ranks);
+  evaluate_ = evaluate;
+}
 Trainer::~Trainer() = default;
 
 absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerOptions options,
@@ -311,21 +319,28 @@ absl::StatusOr<TrainResult> Trainer::RunPs() {
   // shards must keep waiting for (and counting) its clock.
   if (!result.stopped_early) RETURN_IF_ERROR(client->Finish(step));
 
-  if (options_.evaluate && !result.stopped_early) {
+  bool evaluate;
+  {
+    absl::MutexLock lock(&group_mu_);
+    evaluate = evaluate_;
+  }
+  if (evaluate && !result.stopped_early) {
     // Wait for every worker so the evaluated model is the job's final one.
     const absl::Time deadline = absl::Now() + options_.wait_for_workers;
     while (true) {
       ASSIGN_OR_RETURN(std::vector<JobInfoResponse> infos, client->GetJobInfo());
       // A sync job re-formed after losing workers waits only for the ranks still in it.
-      const int32_t needed = options_.active_ranks.empty()
-                                 ? spec.num_workers()
-                                 : static_cast<int32_t>(options_.active_ranks.size());
+      std::vector<int32_t> active;
+      {
+        absl::MutexLock lock(&group_mu_);
+        active = active_ranks_;
+      }
+      const int32_t needed =
+          active.empty() ? spec.num_workers() : static_cast<int32_t>(active.size());
       int32_t finished = 0;
       for (const WorkerState& w : infos[0].workers()) {
         const bool counted =
-            options_.active_ranks.empty() ||
-            std::find(options_.active_ranks.begin(), options_.active_ranks.end(), w.worker()) !=
-                options_.active_ranks.end();
+            active.empty() || std::find(active.begin(), active.end(), w.worker()) != active.end();
         finished += counted && w.finished() ? 1 : 0;
       }
       if (finished == needed) break;

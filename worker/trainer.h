@@ -27,8 +27,10 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/logging.h"
 #include "proto/gradmesh.pb.h"
@@ -62,6 +64,11 @@ class Trainer {
   absl::StatusOr<TrainResult> Run();
   void RequestStop() { stop_requested_.store(true); }
 
+  // A sync job's barrier group was re-formed by the coordinator while this rank runs: the
+  // ranks still in it (empty: all) and whether this rank evaluates at the end (the lowest
+  // rank of the group). Used by the final wait; may be called from any thread.
+  void SetGroup(std::vector<int32_t> active_ranks, bool evaluate) ABSL_LOCKS_EXCLUDED(group_mu_);
+
  private:
   Trainer(TrainerOptions options, ClientFactory client_factory, PeerServices peer_services);
   absl::StatusOr<TrainResult> RunPs();
@@ -69,6 +76,9 @@ class Trainer {
   const TrainerOptions options_;
   const ClientFactory client_factory_;
   const PeerServices peer_services_;
+  absl::Mutex group_mu_;
+  std::vector<int32_t> active_ranks_ ABSL_GUARDED_BY(group_mu_);
+  bool evaluate_ ABSL_GUARDED_BY(group_mu_);
   std::atomic<bool> stop_requested_{false};
 };
 

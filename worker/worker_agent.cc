@@ -1,10 +1,12 @@
 #include "worker/worker_agent.h"
 
+#include <algorithm>
 #include <atomic>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "common/job_spec.h"
 
 namespace gradmesh {
@@ -24,6 +26,28 @@ struct WorkerAgent::Run {
     if (trainer != nullptr) trainer->RequestStop();
   }
 };
+
+namespace {
+
+// Rank 0 evaluates; in a re-formed sync group, the lowest rank still in it.
+bool Evaluates(const Task& task) {
+  if (task.active_ranks().empty()) return task.index() == 0;
+  return task.index() == *std::min_element(task.active_ranks().begin(), task.active_ranks().end());
+}
+
+// True if `a` and `b` differ at most in the sync group (active ranks, lr scale) and the
+// generation: the rank can go on in place.
+bool OnlyGroupChanged(const Task& a, const Task& b) {
+  Task x = a, y = b;
+  for (Task* t : {&x, &y}) {
+    t->clear_active_ranks();
+    t->clear_lr_scale();
+    t->clear_generation();
+  }
+  return x.SerializeAsString() == y.SerializeAsString();
+}
+
+}  // namespace
 
 WorkerAgent::WorkerAgent(WorkerAgentOptions options) : options_(std::move(options)) {}
 
@@ -53,7 +77,7 @@ void WorkerAgent::Execute(Run* run) {
   TrainerOptions to = options_.base;
   to.spec = task.spec();
   to.rank = task.index();
-  to.evaluate = task.index() == 0;
+  to.evaluate = Evaluates(task);
   to.peers.assign(task.peers().begin(), task.peers().end());
   to.job_token = task.job_token();
   to.active_ranks.assign(task.active_ranks().begin(), task.active_ranks().end());
@@ -130,6 +154,7 @@ void WorkerAgent::Execute(Run* run) {
 void WorkerAgent::Reconcile(const std::vector<Task>& desired) {
   std::vector<std::shared_ptr<Run>> to_join;
   absl::MutexLock lock(&mu_);
+  if (stopping_) return;  // StopAll owns the runs now.
   std::map<Key, const Task*> want;
   for (const Task& t : desired) want[{t.job_id(), t.index()}] = &t;
   // Stop what is no longer wanted; forget it once it has ended (its final report was sent).
@@ -149,7 +174,26 @@ void WorkerAgent::Reconcile(const std::vector<Task>& desired) {
       it = runs_.erase(it);
       continue;
     }
-    if (w->second->generation() != it->second->task.generation()) {
+    if (w->second->generation() != it->second->task.generation() &&
+        OnlyGroupChanged(*w->second, it->second->task)) {
+      // A sync group re-formed: every rank of a lock-step job must go on from the same step,
+      // so the running trainer takes the new group in place (the shards apply it to the
+      // barrier) instead of stopping, which could leave a survivor waiting at a barrier the
+      // others have left.
+      Run& run = *it->second;
+      run.task = *w->second;
+      absl::MutexLock run_lock(&run.mu);
+      run.report.set_generation(run.task.generation());
+      if (run.trainer != nullptr) {
+        run.trainer->SetGroup(
+            std::vector<int32_t>(run.task.active_ranks().begin(), run.task.active_ranks().end()),
+            Evaluates(run.task));
+      }
+      LogInfo(options_.logger, "task_group_changed",
+              {Kv("job", run.task.job_id()), Kv("rank", run.task.index()),
+               Kv("active_ranks", absl::StrJoin(run.task.active_ranks(), ",")),
+               Kv("generation", run.task.generation())});
+    } else if (w->second->generation() != it->second->task.generation()) {
       // New placement: stop this run; start the new one once it has ended.
       it->second->RequestStop();
       if (it->second->ended.load()) {
@@ -182,6 +226,7 @@ void WorkerAgent::StopAll() {
   std::vector<std::shared_ptr<Run>> runs;
   {
     absl::MutexLock lock(&mu_);
+    stopping_ = true;
     for (auto& [key, run] : runs_) runs.push_back(run);
   }
   for (auto& r : runs) r->RequestStop();

@@ -6,7 +6,8 @@
 // task's spec, shard addresses, peer addresses and job token), a running task no longer
 // listed is asked to stop after its current step (cancelled job, or its rank moved), and a
 // task whose generation changed is stopped and started again with the new placement (its
-// rank resumes where the shards or its checkpoint say). Reports() returns one TaskReport per
+// rank resumes where the shards or its checkpoint say), except when only a sync job's group
+// changed (active ranks, lr scale): then the running trainer takes it in place. Reports() returns one TaskReport per
 // task: live progress while running, then its final state ("succeeded", "failed" with the
 // error, or "stopped") until the coordinator stops listing it. Several tasks (of different
 // jobs, or several ranks of one ps job after a failure) can run at once.
@@ -62,8 +63,8 @@ class WorkerAgent {
   const WorkerAgentOptions options_;
   absl::Mutex mu_;
   std::map<Key, std::shared_ptr<Run>> runs_ ABSL_GUARDED_BY(mu_);
-  // Runs replaced by a newer generation, joined once they end.
-  std::vector<std::shared_ptr<Run>> retired_ ABSL_GUARDED_BY(mu_);
+  // Set by StopAll: Reconcile no longer starts, stops or joins anything.
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 }  // namespace gradmesh

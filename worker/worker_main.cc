@@ -66,7 +66,9 @@ ABSL_FLAG(int, rank, 0, "This worker's rank in [0, num_workers).");
 ABSL_FLAG(std::string, data_dir, "/var/lib/gradmesh/data",
           "Directory holding one folder per dataset (mnist/, fashion-mnist/).");
 ABSL_FLAG(int, threads, 1, "LibTorch intra-op threads.");
-ABSL_FLAG(std::string, node, "", "Node name in logs (default: host name).");
+ABSL_FLAG(std::string, node, "",
+          "Node name: in logs, and in service mode this daemon's identity in the coordinator "
+          "(keep it across restarts; default: host name, or host:port in service mode).");
 ABSL_FLAG(bool, evaluate, true, "Rank 0 waits for all workers, evaluates and saves the model.");
 ABSL_FLAG(int64_t, max_message_mb, 256, "Largest gRPC message sent or received, MiB.");
 // Overrides of job spec fields (applied when set).
@@ -225,13 +227,16 @@ absl::StatusOr<WorkerMainOptions> ParseOptions() {
 
 // Service mode: register with the coordinator and run what it places here until SIGTERM.
 int RunService() {
-  const std::string node = absl::GetFlag(FLAGS_node).empty() ? HostName() : absl::GetFlag(FLAGS_node);
-  Logger logger({Kv("node", node), Kv("role", "worker")});
+  // The node name is the daemon's identity in the coordinator; by default its advertised
+  // peer address (host:port), known once the peer service is bound below.
+  std::string node = absl::GetFlag(FLAGS_node);
+  Logger boot_logger({Kv("node", node.empty() ? HostName() : node), Kv("role", "worker")});
+  Logger* log = &boot_logger;
   std::string token;
   if (!absl::GetFlag(FLAGS_auth_token_file).empty()) {
     auto t = ReadTokenFile(absl::GetFlag(FLAGS_auth_token_file));
     if (!t.ok()) {
-      logger.Error("bad_arguments", {Kv("error", t.status().ToString())});
+      log->Error("bad_arguments", {Kv("error", t.status().ToString())});
       return 2;
     }
     token = *t;
@@ -251,18 +256,20 @@ int RunService() {
   builder.RegisterService(&gossip);
   std::unique_ptr<grpc::Server> peer_server = builder.BuildAndStart();
   if (peer_server == nullptr || port == 0) {
-    logger.Error("listen_failed", {Kv("port", absl::GetFlag(FLAGS_peer_port))});
+    log->Error("listen_failed", {Kv("port", absl::GetFlag(FLAGS_peer_port))});
     return 1;
   }
   if (!absl::GetFlag(FLAGS_port_file).empty()) {
     if (absl::Status st = WritePortFile(absl::GetFlag(FLAGS_port_file), port); !st.ok()) {
-      logger.Error("port_file_failed", {Kv("error", st.ToString())});
+      log->Error("port_file_failed", {Kv("error", st.ToString())});
       return 1;
     }
   }
   std::string advertise = absl::GetFlag(FLAGS_advertise_host);
   if (advertise.empty()) advertise = host == "0.0.0.0" ? HostName() : host;
   const std::string address = absl::StrCat(advertise, ":", port);
+  if (node.empty()) node = address;
+  Logger logger({Kv("node", node), Kv("role", "worker")});
   logger.Info("peer_service", {Kv("address", address)});
 
   WorkerAgentOptions wo;
@@ -273,6 +280,9 @@ int RunService() {
   wo.base.logger = &logger;
   wo.client.rpc = rpc;
   wo.client.logger = &logger;
+  // A shard that is down pauses the job (the coordinator says PAUSED) until it is back: keep
+  // retrying for about half an hour (5 s apart) instead of failing the rank after ~11 s.
+  wo.client.max_attempts = 400;
   wo.peer_services = PeerServices{&collective, &gossip};
   wo.logger = &logger;
   WorkerAgent worker_agent(wo);
