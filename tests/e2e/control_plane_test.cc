@@ -7,6 +7,8 @@
 // * A worker daemon killed (or preempted with SIGTERM) mid-job (async): its rank moves to the
 //   other daemon, resumes where
 //   the shards recorded it, and every rank's data is trained to the last step.
+// * A sync job whose worker dies with no free slot elsewhere re-forms its barrier group with
+//   the survivors (lr scaled 2/3 on the shards) and finishes.
 // * The coordinator killed and restarted mid-job: it still knows the job and its progress,
 //   and the job completes.
 // * Every process stopped mid-job, then restarted: the job resumes from the shards'
@@ -299,6 +301,47 @@ TEST_F(ControlPlaneTest, KilledWorkerRankMovesAndNoDataIsDropped) {
 
 TEST_F(ControlPlaneTest, PreemptedWorkerLeavesCleanlyAndItsRankMoves) {
   LoseWorkerMidJob(SIGTERM, "preempted");
+}
+
+TEST_F(ControlPlaneTest, SyncJobReformsItsGroupWhenAWorkerDies) {
+  StartCluster();
+  auto w2 = StartServiceWorker("w2");
+  const std::string spec = WriteSpec(
+      "sync", absl::StrReplaceAll(MlpSpec("elastic", 1),
+                                  {{"mode: async", "mode: sync"}, {"num_workers: 2", "num_workers: 3"}}));
+  const CliResult submit = SubmitWhenPlaced(spec);
+  ASSERT_EQ(submit.code, 0) << submit.out;
+  std::string victim_node;
+  ASSERT_TRUE(WaitForStatus(
+      "elastic",
+      [&](const JobStatus& s) {
+        if (s.progress().step() < 50 || s.workers_size() < 3) return false;
+        victim_node = s.workers(2).node();
+        return true;
+      },
+      absl::Minutes(3)));
+  Subprocess* victim =
+      victim_node == "w0" ? w0_.get() : victim_node == "w1" ? w1_.get() : w2.get();
+  ASSERT_OK(victim->Signal(SIGKILL));
+
+  // No worker has a free slot: the group re-forms with the two survivors, which finish the job.
+  CliResult watch = Cli({"watch", "elastic"}, absl::Minutes(5));
+  EXPECT_EQ(watch.code, 0) << watch.out;
+  const JobStatus st = Status("elastic");
+  ASSERT_EQ(st.state(), SUCCEEDED) << st.DebugString();
+  EXPECT_EQ(st.active_workers(), 2);
+  EXPECT_EQ(st.workers(2).state(), "lost");
+  EXPECT_GT(st.progress().accuracy(), 0.9) << st.DebugString();
+  for (const ShardPlacement& shard : st.shards()) {
+    ASSERT_OK_AND_ASSIGN(JobInfoResponse info, GetJobInfo(shard.address(), "elastic"));
+    EXPECT_EQ(std::vector<int32_t>(info.active_workers().begin(), info.active_workers().end()),
+              (std::vector<int32_t>{0, 1}));
+    EXPECT_FLOAT_EQ(info.lr_scale(), 2.0 / 3.0);
+    // The survivors trained every step; the lost rank stopped where it died.
+    EXPECT_EQ(info.workers(0).last_step(), st.progress().total_steps() - 1);
+    EXPECT_EQ(info.workers(1).last_step(), st.progress().total_steps() - 1);
+    EXPECT_LT(info.workers(2).last_step(), st.progress().total_steps() - 1);
+  }
 }
 
 TEST_F(ControlPlaneTest, RestartedCoordinatorKnowsTheJobAndItCompletes) {
