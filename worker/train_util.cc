@@ -2,6 +2,8 @@
 
 #include <torch/torch.h>
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
 #include "worker/model.h"
@@ -24,6 +26,14 @@ BatchLoader::Options LoaderOptions(const JobSpec& spec, int32_t rank) {
   lo.max_steps = spec.steps();
   lo.seed = spec.seed();
   return lo;
+}
+
+OptimizerSpec WithDecayUpdates(const OptimizerSpec& spec, int64_t updates) {
+  OptimizerSpec out = spec;
+  if (!out.lr_schedule().empty() && out.lr_schedule() != "constant" && out.decay_updates() == 0) {
+    out.set_decay_updates(std::max<int64_t>(updates, 1));
+  }
+  return out;
 }
 
 absl::StatusOr<double> EvaluateAccuracy(Model* model, const DatasetFiles& data) {

@@ -79,6 +79,10 @@ absl::StatusOr<DatasetFiles> LoadJobData(const JobSpec& spec, const std::string&
 // BatchLoader options for `rank` of the job (data sharded by rank, seeded order).
 BatchLoader::Options LoaderOptions(const JobSpec& spec, int32_t rank);
 
+// The job's optimizer spec with a decaying lr schedule's length filled in when the spec leaves
+// it 0: `updates` (the number of optimizer updates the job makes, at least 1).
+OptimizerSpec WithDecayUpdates(const OptimizerSpec& spec, int64_t updates);
+
 // Test-set accuracy of `model` (evaluation mode, no autograd), in [0, 1]. Leaves the model in
 // evaluation mode.
 absl::StatusOr<double> EvaluateAccuracy(Model* model, const DatasetFiles& data);

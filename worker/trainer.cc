@@ -132,14 +132,11 @@ absl::StatusOr<TrainResult> Trainer::RunPs() {
   JobLayout layout;
   layout.job = spec.name();
   layout.chunk_elems = spec.chunk_bytes() / static_cast<int64_t>(sizeof(float));
-  layout.optimizer = spec.optimizer();
-  if (!layout.optimizer.lr_schedule().empty() && layout.optimizer.lr_schedule() != "constant" &&
-      layout.optimizer.decay_updates() == 0) {
-    // Every worker derives the same value: chunk updates over the whole job (one per step in
-    // sync mode, where a step's pushes are averaged; one per push of any worker otherwise).
-    const int64_t per_step = spec.mode() == "sync" ? 1 : spec.num_workers();
-    layout.optimizer.set_decay_updates(loader->total_steps() * per_step);
-  }
+  // Every worker derives the same schedule length: chunk updates over the whole job (one per
+  // step in sync mode, where a step's pushes are averaged; one per push of any worker
+  // otherwise).
+  layout.optimizer = WithDecayUpdates(
+      spec.optimizer(), loader->total_steps() * (spec.mode() == "sync" ? 1 : spec.num_workers()));
   layout.consistency = spec.mode();
   layout.num_workers = spec.num_workers();
   layout.durability = spec.durability();

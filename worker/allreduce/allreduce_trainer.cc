@@ -71,11 +71,7 @@ absl::StatusOr<TrainResult> RunAllreduce(const TrainerOptions& options,
   const int64_t total = loader->total_steps();
 
   // The optimizer runs here, on every rank, on the averaged gradient: one update per step.
-  OptimizerSpec opt_spec = spec.optimizer();
-  if (!opt_spec.lr_schedule().empty() && opt_spec.lr_schedule() != "constant" &&
-      opt_spec.decay_updates() == 0) {
-    opt_spec.set_decay_updates(total);
-  }
+  const OptimizerSpec opt_spec = WithDecayUpdates(spec.optimizer(), total);
   ASSIGN_OR_RETURN(std::unique_ptr<Optimizer> optimizer,
                    OptimizerRegistry::WithBuiltins().Create(opt_spec));
   const int num_slots = optimizer->num_slots();

@@ -92,11 +92,7 @@ absl::StatusOr<TrainResult> RunGossip(const TrainerOptions& options, GossipServi
                    BatchLoader::Create(&data.train, data.mean, data.stddev, lo));
   const int64_t total = loader->total_steps();
 
-  OptimizerSpec ospec = spec.optimizer();
-  if (!ospec.lr_schedule().empty() && ospec.lr_schedule() != "constant" &&
-      ospec.decay_updates() == 0) {
-    ospec.set_decay_updates(std::max<int64_t>(total, 1));  // One update per local step.
-  }
+  const OptimizerSpec ospec = WithDecayUpdates(spec.optimizer(), total);  // One per local step.
   RETURN_IF_ERROR(ValidateLrSchedule(ospec));
   ASSIGN_OR_RETURN(std::unique_ptr<Optimizer> optimizer,
                    OptimizerRegistry::WithBuiltins().Create(ospec));
