@@ -2,6 +2,9 @@
 
 #include <climits>
 
+#include "absl/strings/str_cat.h"
+#include "common/daemon.h"
+
 #include <grpcpp/create_channel.h>
 #include <grpcpp/security/credentials.h>
 #include <grpcpp/support/channel_arguments.h>
@@ -27,6 +30,28 @@ std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address, const Rpc
 void ConfigureServerBuilder(const RpcOptions& options, grpc::ServerBuilder* builder) {
   builder->SetMaxReceiveMessageSize(ClampToInt(options.max_message_bytes));
   builder->SetMaxSendMessageSize(ClampToInt(options.max_message_bytes));
+}
+
+}  // namespace gradmesh
+
+namespace gradmesh {
+
+absl::StatusOr<std::unique_ptr<grpc::Server>> StartGrpcServer(
+    const std::string& address, const std::vector<grpc::Service*>& services,
+    const RpcOptions& options, const std::string& port_file, int* port) {
+  grpc::ServerBuilder builder;
+  *port = 0;
+  builder.AddListeningPort(address, grpc::InsecureServerCredentials(), port);
+  ConfigureServerBuilder(options, &builder);
+  for (grpc::Service* s : services) builder.RegisterService(s);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (server == nullptr || *port == 0) {
+    return absl::UnavailableError(absl::StrCat("cannot listen on ", address));
+  }
+  if (!port_file.empty()) {
+    if (absl::Status st = WritePortFile(port_file, *port); !st.ok()) return st;
+  }
+  return server;
 }
 
 }  // namespace gradmesh

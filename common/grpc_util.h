@@ -8,8 +8,12 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
 
 #include <grpcpp/channel.h>
+#include <grpcpp/server.h>
 #include <grpcpp/server_builder.h>
 
 namespace gradmesh {
@@ -32,6 +36,14 @@ std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address, const Rpc
 
 // Applies the limits of `options` to a server being built.
 void ConfigureServerBuilder(const RpcOptions& options, grpc::ServerBuilder* builder);
+
+// Starts an insecure server on `address` ("host:port"; port 0 picks a free one) serving
+// `services` (not owned; they must outlive the server) with the limits of `options`, and
+// writes the bound port to `port_file` when it is not empty (see WritePortFile). Sets *port.
+// Unavailable if the address cannot be bound; the port file's error if it cannot be written.
+absl::StatusOr<std::unique_ptr<grpc::Server>> StartGrpcServer(
+    const std::string& address, const std::vector<grpc::Service*>& services,
+    const RpcOptions& options, const std::string& port_file, int* port);
 
 }  // namespace gradmesh
 

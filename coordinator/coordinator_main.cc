@@ -95,24 +95,15 @@ int Run(const CoordinatorMainOptions& options) {
   TokenChecker auth(token);
   JobServiceImpl job_service(coordinator->get(), &auth);
   NodeServiceImpl node_service(coordinator->get(), &auth);
-  grpc::ServerBuilder builder;
   int port = 0;
-  builder.AddListeningPort(options.address, grpc::InsecureServerCredentials(), &port);
-  ConfigureServerBuilder(RpcOptions(), &builder);
-  builder.RegisterService(&job_service);
-  builder.RegisterService(&node_service);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  if (server == nullptr || port == 0) {
-    logger.Error("listen_failed", {Kv("address", options.address)});
+  auto started = StartGrpcServer(options.address, {&job_service, &node_service}, RpcOptions(),
+                                 options.port_file, &port);
+  if (!started.ok()) {
+    logger.Error("listen_failed",
+                 {Kv("address", options.address), Kv("error", started.status().ToString())});
     return 1;
   }
-  if (!options.port_file.empty()) {
-    absl::Status st = WritePortFile(options.port_file, port);
-    if (!st.ok()) {
-      logger.Error("port_file_failed", {Kv("error", st.ToString())});
-      return 1;
-    }
-  }
+  std::unique_ptr<grpc::Server> server = std::move(started).value();
   const std::string host = options.address.substr(0, options.address.rfind(':'));
   logger.Info("listening", {Kv("address", absl::StrCat(host, ":", port)), Kv("port", port),
                             Kv("auth", auth.enabled() ? "token" : "none"),

@@ -101,23 +101,14 @@ int Run(ServerMainOptions options) {
   // Service mode: the coordinator's tasks say which jobs (and tokens) this server serves.
   JobTokens tokens(/*required=*/true);
   ParameterServiceImpl service(shard->get(), options.coordinator.empty() ? nullptr : &tokens);
-  grpc::ServerBuilder builder;
   int port = 0;
-  builder.AddListeningPort(options.address, grpc::InsecureServerCredentials(), &port);
-  ConfigureServerBuilder(options.rpc, &builder);
-  builder.RegisterService(&service);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  if (server == nullptr || port == 0) {
-    logger.Error("listen_failed", {Kv("address", options.address)});
+  auto started = StartGrpcServer(options.address, {&service}, options.rpc, options.port_file, &port);
+  if (!started.ok()) {
+    logger.Error("listen_failed",
+                 {Kv("address", options.address), Kv("error", started.status().ToString())});
     return 1;
   }
-  if (!options.port_file.empty()) {
-    absl::Status st = WritePortFile(options.port_file, port);
-    if (!st.ok()) {
-      logger.Error("port_file_failed", {Kv("error", st.ToString())});
-      return 1;
-    }
-  }
+  std::unique_ptr<grpc::Server> server = std::move(started).value();
   const std::string host = options.address.substr(0, options.address.rfind(':'));
   logger.Info("listening", {Kv("address", absl::StrCat(host, ":", port)), Kv("port", port)});
   std::unique_ptr<NodeAgent> agent;

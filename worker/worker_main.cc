@@ -246,25 +246,17 @@ int RunService() {
   rpc.link_bits_per_s = absl::GetFlag(FLAGS_link_mbit) * 1e6;
   CollectiveServiceImpl collective;
   GossipServiceImpl gossip;
-  grpc::ServerBuilder builder;
   int port = 0;
   const std::string host = absl::GetFlag(FLAGS_host);
-  builder.AddListeningPort(absl::StrCat(host, ":", absl::GetFlag(FLAGS_peer_port)),
-                           grpc::InsecureServerCredentials(), &port);
-  ConfigureServerBuilder(rpc, &builder);
-  builder.RegisterService(&collective);
-  builder.RegisterService(&gossip);
-  std::unique_ptr<grpc::Server> peer_server = builder.BuildAndStart();
-  if (peer_server == nullptr || port == 0) {
-    log->Error("listen_failed", {Kv("port", absl::GetFlag(FLAGS_peer_port))});
+  auto started = StartGrpcServer(absl::StrCat(host, ":", absl::GetFlag(FLAGS_peer_port)),
+                                 {&collective, &gossip}, rpc, absl::GetFlag(FLAGS_port_file),
+                                 &port);
+  if (!started.ok()) {
+    log->Error("listen_failed", {Kv("port", absl::GetFlag(FLAGS_peer_port)),
+                                 Kv("error", started.status().ToString())});
     return 1;
   }
-  if (!absl::GetFlag(FLAGS_port_file).empty()) {
-    if (absl::Status st = WritePortFile(absl::GetFlag(FLAGS_port_file), port); !st.ok()) {
-      log->Error("port_file_failed", {Kv("error", st.ToString())});
-      return 1;
-    }
-  }
+  std::unique_ptr<grpc::Server> peer_server = std::move(started).value();
   std::string advertise = absl::GetFlag(FLAGS_advertise_host);
   if (advertise.empty()) advertise = host == "0.0.0.0" ? HostName() : host;
   const std::string address = absl::StrCat(advertise, ":", port);
@@ -332,17 +324,15 @@ int Run() {
   std::unique_ptr<grpc::Server> peer_server;
   if (!o.trainer.peers.empty() && !IsPsMode(o.trainer.spec.mode())) {
     const std::string& address = o.trainer.peers[o.trainer.rank];
-    grpc::ServerBuilder builder;
-    builder.AddListeningPort(address, grpc::InsecureServerCredentials());
-    builder.SetMaxReceiveMessageSize(static_cast<int>(absl::GetFlag(FLAGS_max_message_mb) << 20));
-    builder.SetMaxSendMessageSize(static_cast<int>(absl::GetFlag(FLAGS_max_message_mb) << 20));
-    builder.RegisterService(&collective);
-    builder.RegisterService(&gossip);
-    peer_server = builder.BuildAndStart();
-    if (peer_server == nullptr) {
+    RpcOptions rpc;
+    rpc.max_message_bytes = absl::GetFlag(FLAGS_max_message_mb) << 20;
+    int port = 0;
+    auto started = StartGrpcServer(address, {&collective, &gossip}, rpc, "", &port);
+    if (!started.ok()) {
       logger.Error("bad_arguments", {Kv("error", "cannot serve the peer service on " + address)});
       return 2;
     }
+    peer_server = std::move(started).value();
     logger.Info("peer_service", {Kv("address", address), Kv("rank", o.trainer.rank)});
   }
   auto trainer = Trainer::Create(
