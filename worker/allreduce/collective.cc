@@ -1,6 +1,8 @@
 // Collective backends and their registry (see collective.h).
 #include "worker/allreduce/collective.h"
 
+#include <algorithm>
+#include <map>
 #include <set>
 
 #include "absl/strings/numbers.h"
@@ -62,6 +64,9 @@ class NcclCollective final : public Collective {
     return absl::OkStatus();
   }
   absl::StatusOr<std::vector<std::string>> Allgather(absl::string_view mine) override {
+    if (ring_ == nullptr) {  // A node-local communicator inside "hierarchical".
+      return absl::FailedPreconditionError("nccl collective without a ring: no all-gather");
+    }
     return RingAllgather(ring_.get(), mine, options_);
   }
   int64_t bytes_sent() const override { return bytes_sent_; }
@@ -144,6 +149,135 @@ absl::StatusOr<std::unique_ptr<Collective>> ConnectNccl(
       new NcclCollective(std::move(ring), RingOptionsOf(c), *std::move(comm)));
 }
 
+// NCCL (or, in tests, a ring) among the ranks of each host, the gRPC ring among one leader
+// per host, then the leaders' sums spread through each host's group: the group all-reduces
+// again with every rank but the leader contributing zeros (adding zeros is exact, so every
+// rank ends with the leader's bits).
+class HierarchicalCollective final : public Collective {
+ public:
+  HierarchicalCollective(std::unique_ptr<RingTransport> world, RingOptions options,
+                         std::unique_ptr<Collective> local, std::unique_ptr<Collective> cross,
+                         bool leader, std::string local_backend)
+      : world_(std::move(world)),
+        options_(options),
+        local_(std::move(local)),
+        cross_(std::move(cross)),
+        leader_(leader),
+        local_backend_(std::move(local_backend)) {}
+  int rank() const override { return world_->rank(); }
+  int size() const override { return world_->size(); }
+  absl::Status AllreduceSum(absl::Span<float> data) override {
+    if (local_ != nullptr) {
+      RETURN_IF_ERROR(Annotate(local_->AllreduceSum(data), "hierarchical all-reduce in the node"));
+    }
+    if (leader_ && cross_ != nullptr) {
+      RETURN_IF_ERROR(
+          Annotate(cross_->AllreduceSum(data), "hierarchical all-reduce across nodes"));
+    }
+    if (local_ != nullptr) {
+      if (!leader_) std::fill(data.begin(), data.end(), 0.0f);
+      RETURN_IF_ERROR(
+          Annotate(local_->AllreduceSum(data), "hierarchical broadcast in the node"));
+    }
+    return absl::OkStatus();
+  }
+  absl::StatusOr<std::vector<std::string>> Allgather(absl::string_view mine) override {
+    ASSIGN_OR_RETURN(std::vector<std::string> all, RingAllgather(world_.get(), mine, options_));
+    for (int r = 0; r < size(); ++r) {
+      if (r != rank()) gather_bytes_ += static_cast<int64_t>(all[r].size());
+    }
+    return all;
+  }
+  int64_t bytes_sent() const override {
+    return gather_bytes_ + (local_ != nullptr ? local_->bytes_sent() : 0) +
+           (cross_ != nullptr ? cross_->bytes_sent() : 0);
+  }
+  std::string backend() const override { return "hierarchical(" + local_backend_ + "+ring)"; }
+
+ private:
+  std::unique_ptr<RingTransport> world_;
+  const RingOptions options_;
+  std::unique_ptr<Collective> local_;  // Null when this host has one rank.
+  std::unique_ptr<Collective> cross_;  // Null unless this rank leads its host and hosts > 1.
+  const bool leader_;
+  const std::string local_backend_;
+  int64_t gather_bytes_ = 0;
+};
+
+// Builds the hierarchical collective over the connected job-wide ring `world`. Every rank
+// calls it at once with the same placements. `local_backend`: "nccl" or "ring".
+absl::StatusOr<std::unique_ptr<Collective>> ConnectHierarchicalOver(
+    std::unique_ptr<RingTransport> world, const CollectiveContext& c,
+    const std::vector<RankPlacement>& placements, const std::string& local_backend) {
+  const int n = static_cast<int>(placements.size());
+  const std::string& host = placements[c.rank].host;
+  std::vector<int> group, leaders;
+  std::set<std::string> seen;
+  for (int r = 0; r < n; ++r) {
+    if (placements[r].host == host) group.push_back(r);
+    if (seen.insert(placements[r].host).second) leaders.push_back(r);
+  }
+  const int local_index =
+      static_cast<int>(std::find(group.begin(), group.end(), c.rank) - group.begin());
+  const bool leader = group[0] == c.rank;
+  const RingOptions ro = RingOptionsOf(c);
+
+  // NCCL ids: the leader of every multi-rank host makes one; one all-gather hands them out
+  // (every rank takes part, so the world ring's order of collectives stays the same).
+  std::string my_id;
+  if (local_backend == "nccl" && leader && group.size() > 1) {
+    absl::StatusOr<std::string> id = NcclCommunicator::GetUniqueId();
+    my_id = id.ok() ? *id : absl::StrCat("!", id.status().ToString()).substr(0, 100);
+  }
+  std::vector<std::string> ids;
+  if (local_backend == "nccl") {
+    ASSIGN_OR_RETURN(ids, RingAllgather(world.get(), my_id, ro));
+  }
+
+  std::unique_ptr<Collective> local;
+  if (group.size() > 1) {
+    if (local_backend == "nccl") {
+      const std::string& id = ids[group[0]];
+      if (id.size() != kNcclUniqueIdBytes) {
+        return absl::UnavailableError(absl::StrCat("allreduce backend hierarchical: rank ",
+                                                   group[0], " could not create an NCCL id: ",
+                                                   id.substr(1)));
+      }
+      NcclOptions no;
+      no.timeout = c.timeout;
+      const int device = local_index % std::max(1, CudaDeviceCount());
+      absl::StatusOr<std::unique_ptr<NcclCommunicator>> comm = NcclCommunicator::Create(
+          local_index, static_cast<int>(group.size()), id, device, no);
+      if (!comm.ok()) {
+        return Annotate(comm.status(), absl::StrCat("allreduce backend hierarchical: rank ",
+                                                    c.rank, " joining on device ", device));
+      }
+      local.reset(new NcclCollective(nullptr, ro, *std::move(comm)));
+    } else {
+      CollectiveContext lc = c;
+      lc.job = absl::StrCat(c.job, "/host:", host);
+      lc.rank = local_index;
+      lc.peers.clear();
+      for (int r : group) lc.peers.push_back(c.peers[r]);
+      ASSIGN_OR_RETURN(std::unique_ptr<RingTransport> t, ConnectRing(lc));
+      local = NewRingCollective(std::move(t), ro);
+    }
+  }
+  std::unique_ptr<Collective> cross;
+  if (leader && leaders.size() > 1) {
+    CollectiveContext xc = c;
+    xc.job = absl::StrCat(c.job, "/leaders");
+    xc.rank = static_cast<int>(std::find(leaders.begin(), leaders.end(), c.rank) -
+                               leaders.begin());
+    xc.peers.clear();
+    for (int r : leaders) xc.peers.push_back(c.peers[r]);
+    ASSIGN_OR_RETURN(std::unique_ptr<RingTransport> t, ConnectRing(xc));
+    cross = NewRingCollective(std::move(t), ro);
+  }
+  return std::unique_ptr<Collective>(new HierarchicalCollective(
+      std::move(world), ro, std::move(local), std::move(cross), leader, local_backend));
+}
+
 }  // namespace
 
 std::unique_ptr<Collective> NewRingCollective(std::unique_ptr<RingTransport> transport,
@@ -198,8 +332,46 @@ std::string NcclUnsuitable(const std::vector<RankPlacement>& ranks) {
   return "";
 }
 
+std::string HierarchicalUnsuitable(const std::vector<RankPlacement>& ranks) {
+  std::map<std::string, int> per_host;
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    if (!ranks[r].nccl_built_in) {
+      return absl::StrCat("rank ", r, " (host ", ranks[r].host,
+                          ") runs a worker built without --config=cuda");
+    }
+    if (ranks[r].cuda_devices == 0) {
+      return absl::StrCat("rank ", r, " (host ", ranks[r].host, ") has no CUDA device");
+    }
+    ++per_host[ranks[r].host];
+  }
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    const int here = per_host[ranks[r].host];
+    if (ranks[r].cuda_devices < here) {
+      return absl::StrCat(here, " ranks on host ", ranks[r].host, " but only ",
+                          ranks[r].cuda_devices, " CUDA device(s) (one GPU per rank)");
+    }
+  }
+  return "";
+}
+
 std::string ChooseAutoBackend(const std::vector<RankPlacement>& ranks) {
-  return NcclUnsuitable(ranks).empty() ? "nccl" : "ring";
+  if (NcclUnsuitable(ranks).empty()) return "nccl";
+  std::set<std::string> hosts;
+  for (const RankPlacement& p : ranks) hosts.insert(p.host);
+  if (hosts.size() > 1 && HierarchicalUnsuitable(ranks).empty()) return "hierarchical";
+  return "ring";
+}
+
+absl::StatusOr<std::unique_ptr<Collective>> ConnectHierarchical(
+    const CollectiveContext& c, const std::string& local_backend) {
+  if (local_backend != "nccl" && local_backend != "ring") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "hierarchical all-reduce: node-local backend \"", local_backend,
+        "\" is not one of nccl, ring"));
+  }
+  ASSIGN_OR_RETURN(std::unique_ptr<RingTransport> t, ConnectRing(c));
+  ASSIGN_OR_RETURN(std::vector<RankPlacement> placements, GatherPlacements(t.get(), c));
+  return ConnectHierarchicalOver(std::move(t), c, placements, local_backend);
 }
 
 CollectiveRegistry CollectiveRegistry::WithBuiltins() {
@@ -226,11 +398,31 @@ CollectiveRegistry CollectiveRegistry::WithBuiltins() {
     }
     return ConnectNccl(std::move(t), c, placements);
   });
+  r.Register("hierarchical", [](const CollectiveContext& c)
+                                 -> absl::StatusOr<std::unique_ptr<Collective>> {
+    if (!NcclBuiltIn()) {
+      return absl::UnimplementedError(
+          "allreduce.backend hierarchical needs a worker built with --config=cuda (this one "
+          "is CPU-only); use backend ring or auto");
+    }
+    ASSIGN_OR_RETURN(std::unique_ptr<RingTransport> t, ConnectRing(c));
+    ASSIGN_OR_RETURN(std::vector<RankPlacement> placements, GatherPlacements(t.get(), c));
+    if (std::string why = HierarchicalUnsuitable(placements); !why.empty()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("allreduce.backend hierarchical cannot be used: ", why,
+                       "; use backend ring or auto"));
+    }
+    return ConnectHierarchicalOver(std::move(t), c, placements, "nccl");
+  });
   r.Register("auto", [](const CollectiveContext& c)
                          -> absl::StatusOr<std::unique_ptr<Collective>> {
     ASSIGN_OR_RETURN(std::unique_ptr<RingTransport> t, ConnectRing(c));
     ASSIGN_OR_RETURN(std::vector<RankPlacement> placements, GatherPlacements(t.get(), c));
-    if (ChooseAutoBackend(placements) == "nccl") return ConnectNccl(std::move(t), c, placements);
+    const std::string choice = ChooseAutoBackend(placements);
+    if (choice == "nccl") return ConnectNccl(std::move(t), c, placements);
+    if (choice == "hierarchical") {
+      return ConnectHierarchicalOver(std::move(t), c, placements, "nccl");
+    }
     return NewRingCollective(std::move(t), RingOptionsOf(c));
   });
   return r;

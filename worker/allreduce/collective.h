@@ -12,12 +12,18 @@
 //           (naming the rank and host) when some rank has no CUDA device, the ranks are on
 //           several hosts, or a host has fewer GPUs than ranks (NCCL refuses two ranks on
 //           one device).
+//   "hierarchical"  (--config=cuda) ranks on several nodes: NCCL among the ranks of each
+//           node (one id per node, made by its lowest rank and handed out over the job's
+//           gRPC ring), then the gRPC ring among one leader per node, then each node's
+//           leader spreads the sum through NCCL again (the others contribute zeros, which
+//           is exact). Refused like "nccl" when a rank has no GPU or a node has fewer GPUs
+//           than ranks.
 //   "auto"  connects the ring, all-gathers every rank's placement (host name, CUDA device
-//           count, NCCL built in) and takes "nccl" when every rank could (ChooseAutoBackend),
-//           else stays on the ring. Every rank decides from the same data, so they agree.
-// Multi-node hierarchical all-reduce (NCCL inside each node, the gRPC ring across nodes) is
-// not implemented: jobs spanning hosts use the ring. Gradients are host buffers;
-// NcclCommunicator stages them through the GPU (see the TODO in collective.cc).
+//           count, NCCL built in) and takes "nccl" when every rank could on one host,
+//           "hierarchical" when they could on several (ChooseAutoBackend), else stays on the
+//           ring. Every rank decides from the same data, so they agree.
+// Gradients are host buffers; NcclCommunicator stages them through the GPU (see the TODO in
+// collective.cc).
 //
 // Thread safety: a Collective is used by one thread at a time; collectives of a job must be
 // called in the same order on every rank. The registry's const methods may run concurrently.
@@ -113,8 +119,20 @@ absl::StatusOr<RankPlacement> DecodePlacement(absl::string_view s);
 // CUDA devices there as ranks.
 std::string NcclUnsuitable(const std::vector<RankPlacement>& ranks);
 
-// "nccl" if NcclUnsuitable(ranks) is empty, else "ring".
+// Why hierarchical NCCL + ring cannot serve `ranks`; empty if it can: NCCL built in and a
+// CUDA device at every rank, and at least as many devices on each host as ranks there.
+std::string HierarchicalUnsuitable(const std::vector<RankPlacement>& ranks);
+
+// "nccl" if NcclUnsuitable(ranks) is empty; else "hierarchical" if the ranks span several
+// hosts and HierarchicalUnsuitable is empty; else "ring".
 std::string ChooseAutoBackend(const std::vector<RankPlacement>& ranks);
+
+// The hierarchical collective with node-local backend `local_backend`: "nccl" (what the
+// "hierarchical" backend uses) or "ring" (a gRPC ring per host; it lets CPU builds and tests
+// run the same composition). Connects the job's ring and gathers placements first; every
+// rank must call it at once. INVALID_ARGUMENT for another local backend.
+absl::StatusOr<std::unique_ptr<Collective>> ConnectHierarchical(
+    const CollectiveContext& c, const std::string& local_backend);
 
 // A Collective over any RingTransport (owned).
 std::unique_ptr<Collective> NewRingCollective(std::unique_ptr<RingTransport> transport,

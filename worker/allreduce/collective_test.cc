@@ -36,11 +36,20 @@ TEST(PlacementTest, NcclOnlyOnOneHostWithAGpuPerRank) {
   EXPECT_EQ(ChooseAutoBackend({Gpu("a", 2), Gpu("a", 2)}), "nccl");
   EXPECT_EQ(NcclUnsuitable({Gpu("a", 8), Gpu("a", 8), Gpu("a", 8)}), "");
   EXPECT_EQ(ChooseAutoBackend({Gpu("a", 1)}), "nccl");
-  // Two hosts: the ring (hierarchical NCCL + ring is not implemented).
+  // Two hosts: not plain NCCL, but NCCL within each host + the ring across them.
   EXPECT_EQ(NcclUnsuitable({Gpu("a", 2), Gpu("b", 2)}),
             "rank 1 runs on host b, rank 0 on a (NCCL is used within one node; jobs across "
             "nodes use the ring)");
-  EXPECT_EQ(ChooseAutoBackend({Gpu("a", 2), Gpu("b", 2)}), "ring");
+  EXPECT_EQ(ChooseAutoBackend({Gpu("a", 2), Gpu("b", 2)}), "hierarchical");
+  EXPECT_EQ(ChooseAutoBackend({Gpu("a", 2), Gpu("a", 2), Gpu("b", 1)}), "hierarchical");
+  EXPECT_EQ(HierarchicalUnsuitable({Gpu("a", 2), Gpu("a", 2), Gpu("b", 1)}), "");
+  // ... as long as every host has a GPU per rank and every rank NCCL.
+  EXPECT_EQ(HierarchicalUnsuitable({Gpu("a", 1), Gpu("a", 1), Gpu("b", 1)}),
+            "2 ranks on host a but only 1 CUDA device(s) (one GPU per rank)");
+  EXPECT_EQ(ChooseAutoBackend({Gpu("a", 1), Gpu("a", 1), Gpu("b", 1)}), "ring");
+  EXPECT_EQ(HierarchicalUnsuitable({Gpu("a", 1), RankPlacement{"b", 1, false}}),
+            "rank 1 (host b) runs a worker built without --config=cuda");
+  EXPECT_EQ(ChooseAutoBackend({Gpu("a", 1), Gpu("b", 0)}), "ring");
   // A rank without a GPU, or without NCCL in its build.
   EXPECT_EQ(NcclUnsuitable({Gpu("a", 2), Gpu("a", 0)}), "rank 1 (host a) has no CUDA device");
   EXPECT_EQ(NcclUnsuitable({Gpu("a", 2), RankPlacement{"a", 2, false}}),
@@ -119,7 +128,9 @@ class CollectiveRegistryTest : public ::testing::Test {
         EXPECT_EQ(v, (std::vector<float>{3, 6, 9})) << "rank " << r;
         absl::StatusOr<std::vector<std::string>> all = (*c)->Allgather(absl::StrCat("r", r));
         st[r] = all.status();
-        if (all.ok()) EXPECT_EQ(*all, (std::vector<std::string>{"r0", "r1"})) << "rank " << r;
+        if (all.ok()) {
+          EXPECT_EQ(*all, (std::vector<std::string>{"r0", "r1"})) << "rank " << r;
+        }
       });
     }
     for (auto& t : threads) t.join();
@@ -142,11 +153,18 @@ TEST_F(CollectiveRegistryTest, RingSumsAndGathers) {
   EXPECT_EQ(used, (std::vector<std::string>{"ring", "ring"}));
 }
 
-TEST_F(CollectiveRegistryTest, AutoOnTwoHostsIsTheRing) {
+TEST_F(CollectiveRegistryTest, AutoOnTwoHostsIsTheRingWithoutGpus) {
+  if (NcclBuiltIn() && CudaDeviceCount() > 0) GTEST_SKIP() << "has a GPU: auto may be hierarchical";
   std::vector<std::string> used;
   std::vector<absl::Status> st = Run("auto", {"host-a", "host-b"}, &used);
   for (int r = 0; r < 2; ++r) ASSERT_OK(st[r]) << "rank " << r;
   EXPECT_EQ(used, (std::vector<std::string>{"ring", "ring"}));
+}
+
+TEST_F(CollectiveRegistryTest, HierarchicalWithoutCudaBuildIsUnimplemented) {
+  if (NcclBuiltIn()) GTEST_SKIP() << "built with --config=cuda";
+  EXPECT_STATUS_MSG(CollectiveRegistry::WithBuiltins().Create("hierarchical", Context(0, "h")),
+                    absl::StatusCode::kUnimplemented, "--config=cuda");
 }
 
 TEST_F(CollectiveRegistryTest, AutoOnOneHostIsNcclExactlyWhenEveryRankHasAGpu) {
@@ -193,6 +211,99 @@ TEST_F(CollectiveRegistryTest, NcclAcrossHostsFailsOnEveryRank) {
   for (int r = 0; r < 2; ++r) {
     EXPECT_EQ(st[r].code(), absl::StatusCode::kFailedPrecondition) << st[r];
   }
+}
+
+// The hierarchical composition with a gRPC ring inside each "host" (so it runs without GPUs):
+// n simulated processes, each with its own CollectiveService on 127.0.0.1.
+class HierarchicalTest : public ::testing::TestWithParam<std::vector<std::string>> {
+ protected:
+  void SetUp() override {
+    for (size_t i = 0; i < GetParam().size(); ++i) {
+      Node n;
+      n.service = std::make_unique<CollectiveServiceImpl>();
+      grpc::ServerBuilder b;
+      int port = 0;
+      b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+      b.RegisterService(n.service.get());
+      n.server = b.BuildAndStart();
+      ASSERT_NE(n.server, nullptr);
+      n.address = absl::StrCat("127.0.0.1:", port);
+      peers_.push_back(n.address);
+      nodes_.push_back(std::move(n));
+    }
+  }
+  void TearDown() override {
+    for (Node& n : nodes_) n.server->Shutdown(absl::ToChronoTime(absl::Now()));
+  }
+  std::vector<Node> nodes_;
+  std::vector<std::string> peers_;
+};
+
+TEST_P(HierarchicalTest, SumsExactlyOnEveryRankAndGathersInRankOrder) {
+  const std::vector<std::string>& hosts = GetParam();
+  const int n = static_cast<int>(hosts.size());
+  // Integer-valued floats: every order of summation gives the same, exact result. Odd length,
+  // not divisible by any group size.
+  const int len = 1001;
+  std::vector<float> want(len, 0);
+  for (int r = 0; r < n; ++r) {
+    for (int i = 0; i < len; ++i) want[i] += static_cast<float>((r + 1) * (i % 17) - r);
+  }
+  std::vector<absl::Status> st(n);
+  std::vector<std::vector<float>> got(n);
+  std::vector<std::string> backend(n);
+  std::vector<std::vector<std::string>> gathered(n);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r) {
+    threads.emplace_back([&, r] {
+      CollectiveContext c;
+      c.job = "h";
+      c.rank = r;
+      c.peers = peers_;
+      c.local = nodes_[r].service.get();
+      c.timeout = absl::Seconds(10);
+      c.segment_bytes = 256;  // Several segments per ring step.
+      c.host = hosts[r];
+      absl::StatusOr<std::unique_ptr<Collective>> coll = ConnectHierarchical(c, "ring");
+      if (!coll.ok()) {
+        st[r] = coll.status();
+        return;
+      }
+      backend[r] = (*coll)->backend();
+      for (int round = 0; round < 2 && st[r].ok(); ++round) {  // Reusable.
+        got[r].assign(len, 0);
+        for (int i = 0; i < len; ++i) got[r][i] = static_cast<float>((r + 1) * (i % 17) - r);
+        st[r] = (*coll)->AllreduceSum(absl::MakeSpan(got[r]));
+      }
+      if (!st[r].ok()) return;
+      absl::StatusOr<std::vector<std::string>> all = (*coll)->Allgather(absl::StrCat("r", r));
+      st[r] = all.status();
+      if (all.ok()) gathered[r] = *all;
+    });
+  }
+  for (auto& t : threads) t.join();
+  std::vector<std::string> names;
+  for (int r = 0; r < n; ++r) names.push_back(absl::StrCat("r", r));
+  for (int r = 0; r < n; ++r) {
+    ASSERT_OK(st[r]) << "rank " << r;
+    EXPECT_EQ(got[r], want) << "rank " << r;
+    EXPECT_EQ(backend[r], "hierarchical(ring+ring)");
+    EXPECT_EQ(gathered[r], names) << "rank " << r;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Hosts, HierarchicalTest,
+    ::testing::Values(std::vector<std::string>{"a", "a", "b", "b"},   // Two nodes of two.
+                      std::vector<std::string>{"a", "b", "b", "c"},   // Uneven, one-rank nodes.
+                      std::vector<std::string>{"b", "a", "b", "a"},   // Interleaved ranks.
+                      std::vector<std::string>{"a", "a", "a"},        // One node: no cross ring.
+                      std::vector<std::string>{"a", "b", "c"}));      // No node-local group.
+
+TEST(HierarchicalArgsTest, UnknownLocalBackendIsInvalidArgument) {
+  CollectiveContext c;
+  EXPECT_STATUS_MSG(ConnectHierarchical(c, "mpi"), absl::StatusCode::kInvalidArgument,
+                    "\"mpi\" is not one of nccl, ring");
 }
 
 }  // namespace
