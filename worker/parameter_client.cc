@@ -449,6 +449,16 @@ class GrpcParameterClient final : public ParameterClient {
 
 }  // namespace
 
+void SetClientOptionsFromSpec(const JobSpec& spec, GrpcParameterClientOptions* options) {
+  const CompressionSpec& cs = spec.compression();
+  options->push_codec = cs.push() == "auto" ? "" : cs.push();
+  options->pull_codec = cs.pull();
+  options->error_feedback = !cs.has_error_feedback() || cs.error_feedback();
+  options->ef_momentum = static_cast<float>(cs.momentum());
+  options->warmup_steps = cs.warmup_steps();
+  options->seed = spec.seed();
+}
+
 absl::StatusOr<std::unique_ptr<ParameterClient>> NewGrpcParameterClient(
     JobLayout layout, GrpcParameterClientOptions options) {
   if (options.servers.empty()) {

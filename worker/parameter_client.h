@@ -104,6 +104,10 @@ struct GrpcParameterClientOptions {
   std::string job_token;
 };
 
+// Sets the codec, error-feedback and seed fields of `options` from `spec` (compression.push
+// "auto" starts dense: the trainer switches codecs once it has measured the job).
+void SetClientOptionsFromSpec(const JobSpec& spec, GrpcParameterClientOptions* options);
+
 // InvalidArgument if the layout or options are unusable (no servers, bad rank, ...).
 absl::StatusOr<std::unique_ptr<ParameterClient>> NewGrpcParameterClient(
     JobLayout layout, GrpcParameterClientOptions options);

@@ -95,13 +95,7 @@ void WorkerAgent::Execute(Run* run) {
   co.servers.assign(task.servers().begin(), task.servers().end());
   co.worker = task.index();
   co.job_token = task.job_token();
-  const CompressionSpec& cs = task.spec().compression();
-  co.push_codec = cs.push() == "auto" ? "" : cs.push();
-  co.pull_codec = cs.pull();
-  co.error_feedback = !cs.has_error_feedback() || cs.error_feedback();
-  co.ef_momentum = static_cast<float>(cs.momentum());
-  co.warmup_steps = cs.warmup_steps();
-  co.seed = task.spec().seed();
+  SetClientOptionsFromSpec(task.spec(), &co);
 
   absl::StatusOr<TrainResult> result;
   auto trainer = Trainer::Create(

@@ -198,11 +198,6 @@ absl::StatusOr<WorkerMainOptions> ParseOptions() {
         "job spec asks for %d shards but --servers lists %d", spec.num_shards(),
         o.client.servers.size()));
   }
-  if (!ps && static_cast<int>(o.trainer.peers.size()) != spec.num_workers()) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "mode %s needs --peers with one host:port per worker (%d), got %d", spec.mode(),
-        spec.num_workers(), o.trainer.peers.size()));
-  }
   o.trainer.checkpoint_dir = absl::GetFlag(FLAGS_checkpoint_dir);
   o.trainer.spec = spec;
   o.trainer.rank = absl::GetFlag(FLAGS_rank);
@@ -211,14 +206,7 @@ absl::StatusOr<WorkerMainOptions> ParseOptions() {
   o.trainer.evaluate = absl::GetFlag(FLAGS_evaluate) && o.trainer.rank == 0;
   o.trainer.step_delay = absl::Milliseconds(absl::GetFlag(FLAGS_step_delay_ms));
   o.client.worker = o.trainer.rank;
-  // "auto" starts dense; the trainer switches the codec when it has measured the job.
-  o.client.push_codec = spec.compression().push() == "auto" ? "" : spec.compression().push();
-  o.client.pull_codec = spec.compression().pull();
-  o.client.error_feedback =
-      !spec.compression().has_error_feedback() || spec.compression().error_feedback();
-  o.client.ef_momentum = static_cast<float>(spec.compression().momentum());
-  o.client.warmup_steps = spec.compression().warmup_steps();
-  o.client.seed = spec.seed();
+  SetClientOptionsFromSpec(spec, &o.client);
   o.client.rpc.max_message_bytes = absl::GetFlag(FLAGS_max_message_mb) << 20;
   o.client.rpc.link_bits_per_s = absl::GetFlag(FLAGS_link_mbit) * 1e6;
   o.node = absl::GetFlag(FLAGS_node).empty() ? HostName() : absl::GetFlag(FLAGS_node);
@@ -318,10 +306,21 @@ int Run() {
   o.client.logger = &logger;
   logger.Info("job_spec", {Kv("job", o.trainer.spec.name()), Kv("spec", JobSpecToJson(o.trainer.spec))});
   const GrpcParameterClientOptions client_options = o.client;
-  // gossip/allreduce: serve this rank's peer service before training starts.
   CollectiveServiceImpl collective;
   GossipServiceImpl gossip;
+  auto trainer = Trainer::Create(
+      o.trainer,
+      [&client_options](JobLayout layout) {
+        return NewGrpcParameterClient(std::move(layout), client_options);
+      },
+      PeerServices{&collective, &gossip});
+  if (!trainer.ok()) {
+    logger.Error("bad_arguments", {Kv("error", trainer.status().ToString())});
+    return 2;
+  }
   std::unique_ptr<grpc::Server> peer_server;
+  // gossip/allreduce: serve this rank's peer service before training starts (after
+  // Trainer::Create has checked the rank and that --peers names every worker).
   if (!o.trainer.peers.empty() && !IsPsMode(o.trainer.spec.mode())) {
     const std::string& address = o.trainer.peers[o.trainer.rank];
     RpcOptions rpc;
@@ -334,16 +333,6 @@ int Run() {
     }
     peer_server = std::move(started).value();
     logger.Info("peer_service", {Kv("address", address), Kv("rank", o.trainer.rank)});
-  }
-  auto trainer = Trainer::Create(
-      o.trainer,
-      [&client_options](JobLayout layout) {
-        return NewGrpcParameterClient(std::move(layout), client_options);
-      },
-      PeerServices{&collective, &gossip});
-  if (!trainer.ok()) {
-    logger.Error("bad_arguments", {Kv("error", trainer.status().ToString())});
-    return 2;
   }
   // Stop after the current step on SIGTERM/SIGINT.
   std::thread signals([t = trainer->get(), &logger] {
