@@ -12,7 +12,7 @@
 namespace gradmesh {
 
 struct WorkerAgent::Run {
-  Task task;
+  Task task;  // As started; read by the run's thread, never changed (see Reconcile).
   std::thread thread;
   std::atomic<bool> stop{false};
   std::atomic<bool> ended{false};
@@ -168,29 +168,34 @@ void WorkerAgent::Reconcile(const std::vector<Task>& desired) {
       it = runs_.erase(it);
       continue;
     }
-    if (w->second->generation() != it->second->task.generation() &&
-        OnlyGroupChanged(*w->second, it->second->task)) {
+    Run& run = *it->second;
+    const Task& next = *w->second;
+    int64_t generation;
+    {
+      absl::MutexLock run_lock(&run.mu);
+      generation = run.report.generation();
+    }
+    if (next.generation() != generation && OnlyGroupChanged(next, run.task)) {
       // A sync group re-formed: every rank of a lock-step job must go on from the same step,
       // so the running trainer takes the new group in place (the shards apply it to the
       // barrier) instead of stopping, which could leave a survivor waiting at a barrier the
-      // others have left.
-      Run& run = *it->second;
-      run.task = *w->second;
+      // others have left. run.task stays as started (its thread reads it); the current
+      // generation lives in the report.
       absl::MutexLock run_lock(&run.mu);
-      run.report.set_generation(run.task.generation());
+      run.report.set_generation(next.generation());
       if (run.trainer != nullptr) {
         run.trainer->SetGroup(
-            std::vector<int32_t>(run.task.active_ranks().begin(), run.task.active_ranks().end()),
-            Evaluates(run.task));
+            std::vector<int32_t>(next.active_ranks().begin(), next.active_ranks().end()),
+            Evaluates(next));
       }
       LogInfo(options_.logger, "task_group_changed",
-              {Kv("job", run.task.job_id()), Kv("rank", run.task.index()),
-               Kv("active_ranks", absl::StrJoin(run.task.active_ranks(), ",")),
-               Kv("generation", run.task.generation())});
-    } else if (w->second->generation() != it->second->task.generation()) {
+              {Kv("job", next.job_id()), Kv("rank", next.index()),
+               Kv("active_ranks", absl::StrJoin(next.active_ranks(), ",")),
+               Kv("generation", next.generation())});
+    } else if (next.generation() != generation) {
       // New placement: stop this run; start the new one once it has ended.
-      it->second->RequestStop();
-      if (it->second->ended.load()) {
+      run.RequestStop();
+      if (run.ended.load()) {
         to_join.push_back(it->second);
         it = runs_.erase(it);
         continue;
