@@ -191,6 +191,7 @@ void ApplyJobSpecDefaults(int num_servers, JobSpec* spec) {
     if (a->bucket_bytes() == 0) a->set_bucket_bytes(1 << 20);
     if (a->backend().empty()) a->set_backend("auto");
     if (a->timeout_s() == 0) a->set_timeout_s(30);
+    if (a->transport().empty()) a->set_transport("tcp");
   }
   DurabilitySpec* d = spec->mutable_durability();
   // In the ps modes a checkpoint is a durable snapshot of the shards: every_steps steps of
@@ -316,9 +317,14 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
         a.bucket_bytes()));
   }
   if (!a.backend().empty() && a.backend() != "ring" && a.backend() != "nccl" &&
-      a.backend() != "auto") {
-    return absl::InvalidArgumentError(absl::StrCat("job spec: allreduce.backend \"",
-                                                   a.backend(), "\" is not one of auto, ring, nccl"));
+      a.backend() != "hierarchical" && a.backend() != "auto") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("job spec: allreduce.backend \"", a.backend(),
+                     "\" is not one of auto, hierarchical, nccl, ring"));
+  }
+  if (!a.transport().empty() && a.transport() != "grpc" && a.transport() != "tcp") {
+    return absl::InvalidArgumentError(absl::StrCat("job spec: allreduce.transport \"",
+                                                   a.transport(), "\" is not one of grpc, tcp"));
   }
   if (a.timeout_s() < 0) {
     return absl::InvalidArgumentError("job spec: allreduce.timeout_s must be >= 0");

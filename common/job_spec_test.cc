@@ -102,6 +102,33 @@ TEST(JobSpecTest, DefaultsAndValidation) {
   EXPECT_STATUS_MSG(ValidateJobSpec(bad), absl::StatusCode::kInvalidArgument, "chunk_bytes");
 }
 
+TEST(JobSpecTest, AllreduceDefaultsAndValidation) {
+  JobSpec spec;
+  spec.set_mode("allreduce");
+  ApplyJobSpecDefaults(2, &spec);
+  EXPECT_EQ(spec.allreduce().backend(), "auto");
+  EXPECT_EQ(spec.allreduce().transport(), "tcp");
+  EXPECT_EQ(spec.allreduce().bucket_bytes(), 1 << 20);
+  EXPECT_OK(ValidateJobSpec(spec));
+  for (const char* backend : {"auto", "ring", "nccl", "hierarchical"}) {
+    JobSpec ok = spec;
+    ok.mutable_allreduce()->set_backend(backend);
+    EXPECT_OK(ValidateJobSpec(ok));
+  }
+  JobSpec ok = spec;
+  ok.mutable_allreduce()->set_transport("grpc");
+  EXPECT_OK(ValidateJobSpec(ok));
+
+  JobSpec bad = spec;
+  bad.mutable_allreduce()->set_transport("udp");
+  EXPECT_STATUS_MSG(ValidateJobSpec(bad), absl::StatusCode::kInvalidArgument,
+                    "allreduce.transport \"udp\" is not one of grpc, tcp");
+  bad = spec;
+  bad.mutable_allreduce()->set_backend("mpi");
+  EXPECT_STATUS_MSG(ValidateJobSpec(bad), absl::StatusCode::kInvalidArgument,
+                    "allreduce.backend \"mpi\" is not one of auto, hierarchical, nccl, ring");
+}
+
 TEST(JobSpecTest, JsonRoundTrip) {
   JobSpec spec;
   ApplyJobSpecDefaults(1, &spec);

@@ -42,11 +42,15 @@
 #include "worker/allreduce/collective_service.h"
 #include "worker/allreduce/grpc_ring.h"
 #include "worker/allreduce/ring.h"
+#include "worker/allreduce/tcp_ring.h"
 
 ABSL_FLAG(std::string, nps, "2,4", "Process counts to measure.");
 ABSL_FLAG(std::string, sizes, "4096,16384,65536,262144,1048576,4194304,16777216,67108864",
           "All-reduce sizes in bytes (multiples of 4).");
 ABSL_FLAG(int64_t, segment_bytes, 2 << 20, "Ring segment size, bytes (RingOptions' default).");
+ABSL_FLAG(std::string, transports, "grpc,tcp",
+          "Ring transports to measure: grpc (CollectiveService streams) and/or tcp "
+          "(tcp_ring.h, connected over the gRPC ring).");
 ABSL_FLAG(std::string, codec, "", "Ring wire format: empty (float32) or fp16 (RingOptions::codec).");
 ABSL_FLAG(int64_t, budget_bytes, 256 << 20, "Bytes per size: iters = budget / size, clamped.");
 ABSL_FLAG(int, min_iters, 5, "Fewest timed iterations per size.");
@@ -141,6 +145,63 @@ std::string FindGlooScript(const char* argv0) {
   return rel;
 }
 
+// Every size over transport `t`; rank 0 prints the JSON lines as `impl`. 0 or an exit code.
+int MeasureSizes(RingTransport* t, const RingOptions& ro, const std::string& impl) {
+  const int n = t->size();
+  const int rank = t->rank();
+  std::vector<float> one(1);
+  for (int64_t bytes : ParseList(absl::GetFlag(FLAGS_sizes))) {
+    std::vector<float> buf(bytes / 4, 1.0f);
+    for (int w = 0; w < absl::GetFlag(FLAGS_warmup); ++w) {
+      std::fill(buf.begin(), buf.end(), 1.0f);
+      absl::Status st = RingAllreduce(t, absl::MakeSpan(buf), ro);
+      if (!st.ok()) {
+        std::fprintf(stderr, "rank %d: %s\n", rank, st.ToString().c_str());
+        return 1;
+      }
+      for (float v : buf) {
+        if (v != static_cast<float>(n)) {
+          std::fprintf(stderr, "rank %d: wrong sum %f\n", rank, v);
+          return 1;
+        }
+      }
+    }
+    std::fill(buf.begin(), buf.end(), 0.0f);
+    const int iters = Iterations(bytes);
+    if (!RingAllreduce(t, absl::MakeSpan(one), ro).ok()) return 1;  // Barrier.
+    const absl::Time start = absl::Now();
+    for (int i = 0; i < iters; ++i) {
+      absl::Status st = RingAllreduce(t, absl::MakeSpan(buf), ro);
+      if (!st.ok()) {
+        std::fprintf(stderr, "rank %d: %s\n", rank, st.ToString().c_str());
+        return 1;
+      }
+    }
+    const double mean = absl::ToDoubleSeconds(absl::Now() - start) / iters;
+    auto all = RingAllgather(t, absl::string_view(reinterpret_cast<const char*>(&mean),
+                                                  sizeof(mean)),
+                             ro);
+    if (!all.ok()) return 1;
+    double slowest = 0;
+    for (const std::string& s : *all) {
+      double v;
+      std::memcpy(&v, s.data(), sizeof(v));
+      slowest = std::max(slowest, v);
+    }
+    if (rank == 0) {
+      const double algbw = bytes / slowest / 1e9;
+      std::printf(
+          "{\"impl\": \"%s\", \"np\": %d, \"bytes\": %lld, \"iters\": %d, "
+          "\"time_us\": %.1f, \"algbw_gbps\": %.3f, \"busbw_gbps\": %.3f, "
+          "\"segment_bytes\": %lld}\n",
+          impl.c_str(), n, static_cast<long long>(bytes), iters, slowest * 1e6, algbw,
+          algbw * 2 * (n - 1) / n, static_cast<long long>(ro.segment_bytes));
+      std::fflush(stdout);
+    }
+  }
+  return 0;
+}
+
 // One rank: serve, connect, measure every size.
 int RunRank(int rank, const std::vector<std::string>& peers) {
   const int n = static_cast<int>(peers.size());
@@ -168,60 +229,29 @@ int RunRank(int rank, const std::vector<std::string>& peers) {
       std::fprintf(stderr, "rank %d: %s\n", rank, transport.status().ToString().c_str());
       return 1;
     }
-    RingTransport* t = transport->get();
+    RingTransport* grpc_ring = transport->get();
     RingOptions ro;
     ro.segment_bytes = absl::GetFlag(FLAGS_segment_bytes);
     ro.timeout = absl::Seconds(60);
     if (absl::GetFlag(FLAGS_codec) == "fp16") ro.codec = RingCodec::kFp16;
-    std::vector<float> one(1);
-    for (int64_t bytes : ParseList(absl::GetFlag(FLAGS_sizes))) {
-      std::vector<float> buf(bytes / 4, 1.0f);
-      for (int w = 0; w < absl::GetFlag(FLAGS_warmup); ++w) {
-        std::fill(buf.begin(), buf.end(), 1.0f);
-        absl::Status st = RingAllreduce(t, absl::MakeSpan(buf), ro);
-        if (!st.ok()) {
-          std::fprintf(stderr, "rank %d: %s\n", rank, st.ToString().c_str());
+    for (absl::string_view name : absl::StrSplit(absl::GetFlag(FLAGS_transports), ',',
+                                                 absl::SkipEmpty())) {
+      std::unique_ptr<RingTransport> tcp;
+      RingTransport* t = grpc_ring;
+      if (name == "tcp") {
+        auto connected = ConnectTcpRing(grpc_ring, peers, absl::Seconds(60));
+        if (!connected.ok()) {
+          std::fprintf(stderr, "rank %d: %s\n", rank, connected.status().ToString().c_str());
           return 1;
         }
-        for (float v : buf) {
-          if (v != static_cast<float>(n)) {
-            std::fprintf(stderr, "rank %d: wrong sum %f\n", rank, v);
-            return 1;
-          }
-        }
+        tcp = *std::move(connected);
+        t = tcp.get();
+      } else if (name != "grpc") {
+        std::fprintf(stderr, "unknown transport %s (known: grpc, tcp)\n",
+                     std::string(name).c_str());
+        return 2;
       }
-      std::fill(buf.begin(), buf.end(), 0.0f);
-      const int iters = Iterations(bytes);
-      if (!RingAllreduce(t, absl::MakeSpan(one), ro).ok()) return 1;  // Barrier.
-      const absl::Time start = absl::Now();
-      for (int i = 0; i < iters; ++i) {
-        absl::Status st = RingAllreduce(t, absl::MakeSpan(buf), ro);
-        if (!st.ok()) {
-          std::fprintf(stderr, "rank %d: %s\n", rank, st.ToString().c_str());
-          return 1;
-        }
-      }
-      const double mean = absl::ToDoubleSeconds(absl::Now() - start) / iters;
-      auto all = RingAllgather(t, absl::string_view(reinterpret_cast<const char*>(&mean),
-                                                    sizeof(mean)),
-                               ro);
-      if (!all.ok()) return 1;
-      double slowest = 0;
-      for (const std::string& s : *all) {
-        double v;
-        std::memcpy(&v, s.data(), sizeof(v));
-        slowest = std::max(slowest, v);
-      }
-      if (rank == 0) {
-        const double algbw = bytes / slowest / 1e9;
-        std::printf(
-            "{\"impl\": \"gradmesh_ring\", \"np\": %d, \"bytes\": %lld, \"iters\": %d, "
-            "\"time_us\": %.1f, \"algbw_gbps\": %.3f, \"busbw_gbps\": %.3f, "
-            "\"segment_bytes\": %lld}\n",
-            n, static_cast<long long>(bytes), iters, slowest * 1e6, algbw,
-            algbw * 2 * (n - 1) / n, static_cast<long long>(ro.segment_bytes));
-        std::fflush(stdout);
-      }
+      if (int rc = MeasureSizes(t, ro, absl::StrCat("gradmesh_", name)); rc != 0) return rc;
     }
   }
   server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(1)));
@@ -248,7 +278,9 @@ int RunParent(const char* argv0) {
                             absl::StrCat("--budget_bytes=", absl::GetFlag(FLAGS_budget_bytes)),
                             absl::StrCat("--min_iters=", absl::GetFlag(FLAGS_min_iters)),
                             absl::StrCat("--max_iters=", absl::GetFlag(FLAGS_max_iters)),
-                            absl::StrCat("--warmup=", absl::GetFlag(FLAGS_warmup))}));
+                            absl::StrCat("--warmup=", absl::GetFlag(FLAGS_warmup)),
+                            absl::StrCat("--transports=", absl::GetFlag(FLAGS_transports)),
+                            absl::StrCat("--codec=", absl::GetFlag(FLAGS_codec))}));
     }
     worst = std::max(worst, WaitAll(pids));
     if (absl::GetFlag(FLAGS_gloo)) {

@@ -88,6 +88,7 @@ absl::StatusOr<TrainResult> RunAllreduce(const TrainerOptions& options,
   ctx.local = local;
   ctx.timeout = absl::Seconds(spec.allreduce().timeout_s() > 0 ? spec.allreduce().timeout_s()
                                                                 : 30);
+  ctx.transport = spec.allreduce().transport().empty() ? "tcp" : spec.allreduce().transport();
   const std::string backend = ResolveBackend(spec.allreduce().backend());
   ASSIGN_OR_RETURN(std::unique_ptr<Collective> collective,
                    CollectiveRegistry::WithBuiltins().Create(backend, ctx));

@@ -10,6 +10,7 @@
 #include "common/daemon.h"
 #include "common/status.h"
 #include "worker/allreduce/grpc_ring.h"
+#include "worker/allreduce/tcp_ring.h"
 #include "worker/nccl/nccl_communicator.h"
 
 namespace gradmesh {
@@ -87,7 +88,7 @@ RingOptions RingOptionsOf(const CollectiveContext& c) {
   return ro;
 }
 
-absl::StatusOr<std::unique_ptr<RingTransport>> ConnectRing(const CollectiveContext& c) {
+absl::StatusOr<std::unique_ptr<RingTransport>> ConnectGrpcRing(const CollectiveContext& c) {
   GrpcRingOptions o;
   o.job = c.job;
   o.rank = c.rank;
@@ -95,6 +96,14 @@ absl::StatusOr<std::unique_ptr<RingTransport>> ConnectRing(const CollectiveConte
   o.local = c.local;
   o.close_timeout = c.timeout;
   return NewGrpcRingTransport(o);
+}
+
+// The job's ring over the transport `c.transport` names.
+absl::StatusOr<std::unique_ptr<RingTransport>> ConnectRing(const CollectiveContext& c) {
+  const NamedRegistry<RingTransportFactory> transports = RingTransportsWithBuiltins();
+  ASSIGN_OR_RETURN(const RingTransportFactory* factory,
+                   transports.Find(c.transport.empty() ? "tcp" : c.transport));
+  return (*factory)(c);
 }
 
 // Every rank's placement, over the ring (one all-gather).
@@ -372,6 +381,22 @@ absl::StatusOr<std::unique_ptr<Collective>> ConnectHierarchical(
   ASSIGN_OR_RETURN(std::unique_ptr<RingTransport> t, ConnectRing(c));
   ASSIGN_OR_RETURN(std::vector<RankPlacement> placements, GatherPlacements(t.get(), c));
   return ConnectHierarchicalOver(std::move(t), c, placements, local_backend);
+}
+
+NamedRegistry<RingTransportFactory> RingTransportsWithBuiltins() {
+  NamedRegistry<RingTransportFactory> r("allreduce transport");
+  r.Set("grpc", ConnectGrpcRing);
+  r.Set("tcp", [](const CollectiveContext& c) -> absl::StatusOr<std::unique_ptr<RingTransport>> {
+    ASSIGN_OR_RETURN(std::unique_ptr<RingTransport> bootstrap, ConnectGrpcRing(c));
+    if (bootstrap->size() < 2) return bootstrap;  // No links to connect.
+    absl::StatusOr<std::unique_ptr<RingTransport>> t =
+        ConnectTcpRing(bootstrap.get(), c.peers, c.timeout);
+    if (!t.ok()) {
+      return Annotate(t.status(), absl::StrCat("allreduce transport tcp, rank ", c.rank));
+    }
+    return t;
+  });
+  return r;
 }
 
 CollectiveRegistry CollectiveRegistry::WithBuiltins() {

@@ -3,7 +3,9 @@
 // in JobSpec.allreduce.backend.
 //
 // Backends (every rank of a job must ask for the same one):
-//   "ring"  ring all-reduce over the workers' gRPC CollectiveService (ring.h + grpc_ring.h).
+//   "ring"  ring all-reduce (ring.h) over the transport CollectiveContext::transport names:
+//           plain TCP links set up over the workers' gRPC CollectiveService (tcp_ring.h,
+//           the default) or the gRPC streams themselves (grpc_ring.h).
 //   "nccl"  NCCL (worker/nccl/), one GPU per rank (device = local rank mod
 //           CudaDeviceCount()), for the ranks of one node. The ranks first connect the gRPC
 //           ring, over which rank 0 hands its ncclUniqueId (128 bytes) to the others and
@@ -78,12 +80,26 @@ struct CollectiveContext {
   std::vector<std::string> peers;           // Every rank's peer-service address.
   CollectiveServiceImpl* local = nullptr;   // This process's CollectiveService; not owned.
   absl::Duration timeout = absl::Seconds(30);  // Longest wait for a peer.
+  // Ring: what carries the ring's bytes, a name in RingTransportsWithBuiltins(). Empty:
+  // "tcp".
+  std::string transport = "tcp";
   int64_t segment_bytes = 2 << 20;          // Ring: pipelining segment (see RingOptions).
   RingCodec codec = RingCodec::kNone;       // Ring: wire format (see RingOptions).
   // This rank's host, as compared between ranks by "auto"/"nccl". Empty: the machine's
   // host name (tests set it to place ranks on different "hosts").
   std::string host;
 };
+
+using RingTransportFactory =
+    std::function<absl::StatusOr<std::unique_ptr<RingTransport>>(const CollectiveContext&)>;
+
+// The ring transports (JobSpec.allreduce.transport), every rank of a job must use the same:
+//   "grpc"  one CollectiveService.Ring stream per link (grpc_ring.h);
+//   "tcp"   one plain TCP connection per link, set up over the gRPC ring, which is then
+//           closed (tcp_ring.h). Faster: no second copy of received bytes, no thread
+//           hand-offs (README, Performance). Needs ephemeral TCP ports open between workers.
+// Every backend's ring (the job's, a host's, the leaders') uses the context's transport.
+NamedRegistry<RingTransportFactory> RingTransportsWithBuiltins();
 
 using CollectiveFactory =
     std::function<absl::StatusOr<std::unique_ptr<Collective>>(const CollectiveContext&)>;

@@ -102,6 +102,7 @@ class CollectiveRegistryTest : public ::testing::Test {
     c.local = nodes_[rank].service.get();
     c.timeout = absl::Seconds(10);
     c.host = host;
+    c.transport = transport_;
     return c;
   }
 
@@ -139,6 +140,7 @@ class CollectiveRegistryTest : public ::testing::Test {
 
   std::vector<Node> nodes_;
   std::vector<std::string> peers_;
+  std::string transport_ = "tcp";
 };
 
 TEST_F(CollectiveRegistryTest, UnknownBackendIsInvalidArgument) {
@@ -146,11 +148,21 @@ TEST_F(CollectiveRegistryTest, UnknownBackendIsInvalidArgument) {
                     absl::StatusCode::kInvalidArgument, "mpi");
 }
 
-TEST_F(CollectiveRegistryTest, RingSumsAndGathers) {
-  std::vector<std::string> used;
-  std::vector<absl::Status> st = Run("ring", {"a", "a"}, &used);
-  for (int r = 0; r < 2; ++r) ASSERT_OK(st[r]) << "rank " << r;
-  EXPECT_EQ(used, (std::vector<std::string>{"ring", "ring"}));
+TEST_F(CollectiveRegistryTest, RingSumsAndGathersOverEveryTransport) {
+  for (const char* transport : {"tcp", "grpc"}) {
+    transport_ = transport;
+    std::vector<std::string> used;
+    std::vector<absl::Status> st = Run("ring", {"a", "a"}, &used);
+    for (int r = 0; r < 2; ++r) ASSERT_OK(st[r]) << "rank " << r << " over " << transport;
+    EXPECT_EQ(used, (std::vector<std::string>{"ring", "ring"}));
+  }
+}
+
+TEST_F(CollectiveRegistryTest, UnknownTransportIsInvalidArgumentListingTheKnownOnes) {
+  transport_ = "udp";
+  EXPECT_STATUS_MSG(CollectiveRegistry::WithBuiltins().Create("ring", Context(0, "a")),
+                    absl::StatusCode::kInvalidArgument,
+                    "unknown allreduce transport \"udp\" (known: grpc, tcp)");
 }
 
 TEST_F(CollectiveRegistryTest, AutoOnTwoHostsIsTheRingWithoutGpus) {
@@ -237,6 +249,7 @@ class HierarchicalTest : public ::testing::TestWithParam<std::vector<std::string
   }
   std::vector<Node> nodes_;
   std::vector<std::string> peers_;
+  std::string transport_ = "tcp";
 };
 
 TEST_P(HierarchicalTest, SumsExactlyOnEveryRankAndGathersInRankOrder) {

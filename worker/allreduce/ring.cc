@@ -155,6 +155,13 @@ absl::Status RingAllreduceFp16(RingTransport* transport, absl::Span<float> data,
 
 }  // namespace
 
+absl::StatusOr<size_t> RingTransport::RecvInto(absl::Span<char> dst, absl::Time deadline) {
+  ASSIGN_OR_RETURN(RingMessage msg, Recv(deadline));
+  const size_t size = msg.size();
+  if (size == dst.size()) CopyInto(msg, dst.data());
+  return size;
+}
+
 size_t RingMessage::size() const {
   size_t n = 0;
   for (const auto& p : pieces) n += p.size();
@@ -203,24 +210,34 @@ absl::Status RingAllreduce(RingTransport* transport, absl::Span<float> data,
     for (int64_t b = range.begin; b < range.end; b += seg) {
       const int64_t e = std::min(range.end, b + seg);
       const size_t want = static_cast<size_t>(e - b) * sizeof(float);
-      absl::StatusOr<RingMessage> msg = transport->Recv(absl::Now() + options.timeout);
-      if (!msg.ok()) {
-        return Annotate(msg.status(), absl::StrCat("ring all-reduce step ", step, " of ",
-                                                   last_step + 1));
+      float* dst = data.data() + b;
+      const absl::Time deadline = absl::Now() + options.timeout;
+      size_t got = 0;
+      if (reduce) {
+        absl::StatusOr<RingMessage> msg = transport->Recv(deadline);
+        if (!msg.ok()) {
+          return Annotate(msg.status(), absl::StrCat("ring all-reduce step ", step, " of ",
+                                                     last_step + 1));
+        }
+        got = msg->size();
+        if (got == want) AddInto(*msg, dst);
+        // msg (and its receive buffers) goes back to the transport here.
+      } else {
+        // All-gather: the final sum is copied in place, so let the transport put it there.
+        absl::StatusOr<size_t> size =
+            transport->RecvInto(absl::Span<char>(reinterpret_cast<char*>(dst), want), deadline);
+        if (!size.ok()) {
+          return Annotate(size.status(), absl::StrCat("ring all-reduce step ", step, " of ",
+                                                      last_step + 1));
+        }
+        got = *size;
       }
-      if (msg->size() != want) {
+      if (got != want) {
         return absl::InternalError(absl::StrCat(
             "ring all-reduce step ", step, ": ", transport->PeerName(Mod(r - 1, n)), " sent ",
-            msg->size(), " bytes where ", want,
+            got, " bytes where ", want,
             " were expected (do all ranks reduce buffers of the same length?)"));
       }
-      float* dst = data.data() + b;
-      if (reduce) {
-        AddInto(*msg, dst);
-      } else {
-        CopyInto(*msg, reinterpret_cast<char*>(dst));
-      }
-      msg->owner.reset();  // Hand the receive buffers back early.
       if (step < last_step) {
         // Chunk c is sent at step + 1. It is overwritten again (all-gather) only after its
         // sum has come round the ring, i.e. after the next rank has received these bytes.

@@ -84,6 +84,12 @@ class RingTransport {
   // the link's error) if either link has failed or the previous rank closed its stream.
   virtual absl::StatusOr<RingMessage> Recv(absl::Time deadline) = 0;
 
+  // Receives the next message straight into `dst` (no intermediate buffer where the
+  // transport can avoid one) and returns its size. When that size differs from dst.size(),
+  // dst holds no message and the ring is out of step (the caller fails it). Errors as Recv.
+  // The default receives (Recv) and copies.
+  virtual absl::StatusOr<size_t> RecvInto(absl::Span<char> dst, absl::Time deadline);
+
   // Description of a neighbour for error messages ("rank 1 (127.0.0.1:7101)").
   virtual std::string PeerName(int rank) const = 0;
 };
