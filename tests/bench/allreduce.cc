@@ -204,7 +204,6 @@ int MeasureSizes(RingTransport* t, const RingOptions& ro, const std::string& imp
 
 // One rank: serve, connect, measure every size.
 int RunRank(int rank, const std::vector<std::string>& peers) {
-  const int n = static_cast<int>(peers.size());
   CollectiveServiceImpl service;
   grpc::ServerBuilder builder;
   builder.AddListeningPort(peers[rank], grpc::InsecureServerCredentials());

@@ -119,7 +119,6 @@ mode: allreduce
 num_workers: 2
 seed: 7
 log_every: 10
-allreduce: {bucket_bytes: 262144}
 )";
 
 // Why 2 x 32 equals 1 x 64: BatchLoader shards like DistributedSampler, so the union of the
@@ -133,21 +132,32 @@ TEST_F(AllreduceTest, TwoWorkersEqualOneProcessWithTwiceTheBatch) {
   if (!HaveMnist()) GTEST_SKIP() << "MNIST files not found under " << DataDir() << "/mnist";
   constexpr int64_t kSteps = 50;
   constexpr double kTolerance = 1e-5;
-  const std::string output = dir_ + "/model.pt";
-  auto workers = StartRanks(WriteJob("eq", kEquivalenceJob), Peers(2), 2,
-                            {"--output=" + output});
-  std::vector<int> codes = WaitAll(Raw(workers), absl::Minutes(3));
-  ASSERT_EQ(codes, (std::vector<int>{0, 0}));
-  for (int r = 0; r < 2; ++r) {
-    const std::string done = DoneLine(ReadFile(workers[r]->log_path()));
-    EXPECT_EQ(ToInt(LogField(done, "steps")), kSteps) << done;
-    EXPECT_EQ(ToInt(LogField(done, "samples")), kSteps * 32) << done;
-    EXPECT_EQ(LogField(done, "stopped_early"), "false");
-    // Each rank sends 2 (n-1)/n of the gradients per step (plus a few handshake bytes).
-    EXPECT_GE(ToInt(LogField(done, "bytes_pushed")), kSteps * 269322 * 4);
-    EXPECT_LT(ToInt(LogField(done, "bytes_pushed")), kSteps * 269322 * 4 + 4096);
+  // Both ring transports: plain TCP links (the default) and the gRPC streams.
+  const std::vector<std::string> transports = {"tcp", "grpc"};
+  std::vector<std::string> outputs;
+  for (const std::string& transport : transports) {
+    const std::string output = absl::StrCat(dir_, "/model-", transport, ".pt");
+    outputs.push_back(output);
+    auto workers = StartRanks(
+        WriteJob(absl::StrCat("eq-", transport),
+                 absl::StrCat(kEquivalenceJob, "allreduce: {bucket_bytes: 262144, transport: ",
+                              transport, "}\n")),
+        Peers(2), 2, {"--output=" + output});
+    std::vector<int> codes = WaitAll(Raw(workers), absl::Minutes(3));
+    ASSERT_EQ(codes, (std::vector<int>{0, 0})) << transport;
+    for (int r = 0; r < 2; ++r) {
+      const std::string log = ReadFile(workers[r]->log_path());
+      const std::string done = DoneLine(log);
+      EXPECT_EQ(ToInt(LogField(done, "steps")), kSteps) << done;
+      EXPECT_EQ(ToInt(LogField(done, "samples")), kSteps * 32) << done;
+      EXPECT_EQ(LogField(done, "stopped_early"), "false");
+      // Each rank sends 2 (n-1)/n of the gradients per step (plus a few handshake bytes).
+      EXPECT_GE(ToInt(LogField(done, "bytes_pushed")), kSteps * 269322 * 4);
+      EXPECT_LT(ToInt(LogField(done, "bytes_pushed")), kSteps * 269322 * 4 + 4096);
+      EXPECT_NE(log.find(absl::StrCat("transport=", transport)), std::string::npos) << log;
+    }
+    EXPECT_GT(ToDouble(LogField(DoneLine(ReadFile(workers[0]->log_path())), "accuracy")), 0.5);
   }
-  EXPECT_GT(ToDouble(LogField(DoneLine(ReadFile(workers[0]->log_path())), "accuracy")), 0.5);
 
   // The reference, and the same run with rank 1's gradients dropped.
   torch::set_num_threads(1);
@@ -186,8 +196,6 @@ TEST_F(AllreduceTest, TwoWorkersEqualOneProcessWithTwiceTheBatch) {
     (l0 * 0.5).backward();
     sgd_dropped.step();
   }
-  std::vector<torch::Tensor> got = LoadSaved(output, names);
-  ASSERT_EQ(got.size(), names.size());
   std::vector<torch::Tensor> want, want_dropped;
   for (const auto& p : ref->Parameters()) want.push_back(p.detach());
   for (const auto& p : dropped->Parameters()) want_dropped.push_back(p.detach());
@@ -195,12 +203,17 @@ TEST_F(AllreduceTest, TwoWorkersEqualOneProcessWithTwiceTheBatch) {
     const double moved = (want[i] - initial[i]).norm().item<double>() / want[i].norm().item<double>();
     EXPECT_GT(moved, 100 * kTolerance) << names[i] << ": training must move every tensor";
   }
-  const double err = MaxRelError(got, want);
-  const double err_dropped = MaxRelError(got, want_dropped);
-  std::cout << absl::StrFormat("max rel. error vs batch-64 reference %.3e, vs dropped rank 1 %.3e\n",
-                               err, err_dropped);
-  EXPECT_LE(err, kTolerance);
-  EXPECT_GT(err_dropped, 100 * kTolerance) << "the comparison could not tell a dropped gradient";
+  for (size_t t = 0; t < transports.size(); ++t) {
+    std::vector<torch::Tensor> got = LoadSaved(outputs[t], names);
+    ASSERT_EQ(got.size(), names.size());
+    const double err = MaxRelError(got, want);
+    const double err_dropped = MaxRelError(got, want_dropped);
+    std::cout << absl::StrFormat(
+        "transport %s: max rel. error vs batch-64 reference %.3e, vs dropped rank 1 %.3e\n",
+        transports[t], err, err_dropped);
+    EXPECT_LE(err, kTolerance) << transports[t];
+    EXPECT_GT(err_dropped, 100 * kTolerance) << "the comparison could not tell a dropped gradient";
+  }
 }
 
 constexpr char kLongJob[] = R"(

@@ -181,7 +181,8 @@ absl::StatusOr<TrainResult> RunAllreduce(const TrainerOptions& options,
           {Kv("job", spec.name()), Kv("rank", rank), Kv("model", spec.model().name()),
            Kv("dataset", spec.dataset().name()), Kv("steps", total),
            Kv("steps_per_epoch", loader->steps_per_epoch()), Kv("batch", spec.batch_size()),
-           Kv("mode", "allreduce"), Kv("backend", collective->backend()), Kv("workers", n),
+           Kv("mode", "allreduce"), Kv("backend", collective->backend()),
+           Kv("transport", ctx.transport), Kv("workers", n),
            Kv("buckets", reducer.buckets().size()),
            Kv("bucket_bytes", spec.allreduce().bucket_bytes())});
 

@@ -545,13 +545,13 @@ absl::StatusOr<std::unique_ptr<RingTransport>> ConnectTcpRing(
   const int prev = (r + n - 1) % n;
   const auto port_of = [&](int i) { return static_cast<int>(GetU64(all[i].data())); };
   const std::string next_host = HostOfAddress(peers[next]);
-  const std::string next_name =
-      absl::StrCat("rank ", next, " (", next_host, ":", port_of(next), ")");
-  const std::string prev_name =
-      absl::StrCat("rank ", prev, " (", HostOfAddress(peers[prev]), ":", port_of(prev), ")");
+  // Ranks are named by their peer-service address, as everywhere else.
+  const std::string next_name = absl::StrCat("rank ", next, " (", peers[next], ")");
+  const std::string prev_name = absl::StrCat("rank ", prev, " (", peers[prev], ")");
 
   // Connect and say hello (the listener's backlog takes it before the peer accepts).
-  ASSIGN_OR_RETURN(Fd out, Connect(next_host, port_of(next), deadline, next_name));
+  ASSIGN_OR_RETURN(Fd out, Connect(next_host, port_of(next), deadline,
+                                   absl::StrCat(next_name, " at data port ", port_of(next))));
   char hello[kHelloBytes];
   std::memcpy(hello, kHelloMagic, sizeof(kHelloMagic));
   PutU32(static_cast<uint32_t>(r), hello + 8);

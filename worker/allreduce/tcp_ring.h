@@ -21,11 +21,12 @@
 //
 // Wire format per message: seq (u64 LE, 0, 1, ...) | length (u64 LE) | payload.
 //
-// Failure: the previous rank's connection closing or resetting is UNAVAILABLE naming it
-// ("ring link from rank 1 (10.0.0.2:7101) ended: connection closed (process gone?)"), a
-// failed send UNAVAILABLE naming the next rank; a receive that gets nothing within its
-// deadline is DEADLINE_EXCEEDED naming the previous rank; a wrong seq or an oversized length
-// is UNAVAILABLE "broke the protocol". After any error the transport fails every later call.
+// Failure: the previous rank's connection closing or resetting is UNAVAILABLE naming it by
+// its peer-service address ("ring link from rank 1 (10.0.0.2:7101) ended: connection closed
+// (process gone?)"), a failed send UNAVAILABLE naming the next rank; a receive that gets
+// nothing within its deadline is DEADLINE_EXCEEDED naming the previous rank; a wrong seq or
+// an oversized length is UNAVAILABLE "broke the protocol". After any error the transport
+// fails every later call.
 // Destroying the transport writes what is still queued (for at most `timeout`; not after a
 // failure) and closes both connections.
 //
