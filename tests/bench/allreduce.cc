@@ -51,6 +51,9 @@ ABSL_FLAG(int64_t, segment_bytes, 2 << 20, "Ring segment size, bytes (RingOption
 ABSL_FLAG(std::string, transports, "grpc,tcp",
           "Ring transports to measure: grpc (CollectiveService streams) and/or tcp "
           "(tcp_ring.h, connected over the gRPC ring).");
+ABSL_FLAG(int64_t, socket_buffer_bytes, -1,
+          "tcp transport: SO_SNDBUF/SO_RCVBUF (TcpRingOptions: -1 = by oversubscription, "
+          "0 = kernel auto-tuning).");
 ABSL_FLAG(std::string, codec, "", "Ring wire format: empty (float32) or fp16 (RingOptions::codec).");
 ABSL_FLAG(int64_t, budget_bytes, 256 << 20, "Bytes per size: iters = budget / size, clamped.");
 ABSL_FLAG(int, min_iters, 5, "Fewest timed iterations per size.");
@@ -238,7 +241,10 @@ int RunRank(int rank, const std::vector<std::string>& peers) {
       std::unique_ptr<RingTransport> tcp;
       RingTransport* t = grpc_ring;
       if (name == "tcp") {
-        auto connected = ConnectTcpRing(grpc_ring, peers, absl::Seconds(60));
+        TcpRingOptions to;
+        to.timeout = absl::Seconds(60);
+        to.socket_buffer_bytes = absl::GetFlag(FLAGS_socket_buffer_bytes);
+        auto connected = ConnectTcpRing(grpc_ring, peers, to);
         if (!connected.ok()) {
           std::fprintf(stderr, "rank %d: %s\n", rank, connected.status().ToString().c_str());
           return 1;
@@ -279,6 +285,8 @@ int RunParent(const char* argv0) {
                             absl::StrCat("--max_iters=", absl::GetFlag(FLAGS_max_iters)),
                             absl::StrCat("--warmup=", absl::GetFlag(FLAGS_warmup)),
                             absl::StrCat("--transports=", absl::GetFlag(FLAGS_transports)),
+                            absl::StrCat("--socket_buffer_bytes=",
+                                         absl::GetFlag(FLAGS_socket_buffer_bytes)),
                             absl::StrCat("--codec=", absl::GetFlag(FLAGS_codec))}));
     }
     worst = std::max(worst, WaitAll(pids));

@@ -390,7 +390,7 @@ NamedRegistry<RingTransportFactory> RingTransportsWithBuiltins() {
     ASSIGN_OR_RETURN(std::unique_ptr<RingTransport> bootstrap, ConnectGrpcRing(c));
     if (bootstrap->size() < 2) return bootstrap;  // No links to connect.
     absl::StatusOr<std::unique_ptr<RingTransport>> t =
-        ConnectTcpRing(bootstrap.get(), c.peers, c.timeout);
+        ConnectTcpRing(bootstrap.get(), c.peers, TcpRingOptions{c.timeout});
     if (!t.ok()) {
       return Annotate(t.status(), absl::StrCat("allreduce transport tcp, rank ", c.rank));
     }

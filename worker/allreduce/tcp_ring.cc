@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cstring>
 #include <deque>
+#include <thread>
 
 #include "absl/random/random.h"
 #include "absl/strings/numbers.h"
@@ -98,9 +99,15 @@ absl::Status SetNonBlocking(int fd) {
   return absl::OkStatus();
 }
 
-void SetNoDelay(int fd) {
+// TCP_NODELAY, and the socket buffers when `buffer_bytes` > 0.
+void TuneSocket(int fd, int64_t buffer_bytes) {
   const int one = 1;
   (void)setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  if (buffer_bytes > 0) {
+    const int b = static_cast<int>(std::min<int64_t>(buffer_bytes, 1 << 30));
+    (void)setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &b, sizeof(b));
+    (void)setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &b, sizeof(b));
+  }
 }
 
 // A listening socket on an ephemeral port on every address (IPv6 dual stack where the host
@@ -226,7 +233,6 @@ absl::StatusOr<Fd> Connect(const std::string& host, int port, absl::Time deadlin
       }
       if (rc == 0) {
         freeaddrinfo(res);
-        SetNoDelay(fd.get());
         return fd;
       }
       last = ErrnoText(errno);
@@ -508,8 +514,20 @@ std::string HostOfAddress(const std::string& address) {
   return address.substr(0, colon);
 }
 
+int64_t TcpRingSocketBuffer(const std::vector<std::string>& peers, int rank,
+                            const TcpRingOptions& options, int hardware_threads) {
+  if (options.socket_buffer_bytes >= 0) return options.socket_buffer_bytes;
+  if (rank < 0 || rank >= static_cast<int>(peers.size()) || hardware_threads <= 0) return 0;
+  const std::string host = HostOfAddress(peers[rank]);
+  int here = 0;
+  for (const std::string& p : peers) here += HostOfAddress(p) == host ? 1 : 0;
+  return here > hardware_threads ? kOversubscribedSocketBuffer : 0;
+}
+
 absl::StatusOr<std::unique_ptr<RingTransport>> ConnectTcpRing(
-    RingTransport* bootstrap, const std::vector<std::string>& peers, absl::Duration timeout) {
+    RingTransport* bootstrap, const std::vector<std::string>& peers,
+    const TcpRingOptions& options) {
+  const absl::Duration timeout = options.timeout;
   const int n = bootstrap->size();
   const int r = bootstrap->rank();
   if (static_cast<int>(peers.size()) != n) {
@@ -552,6 +570,9 @@ absl::StatusOr<std::unique_ptr<RingTransport>> ConnectTcpRing(
   // Connect and say hello (the listener's backlog takes it before the peer accepts).
   ASSIGN_OR_RETURN(Fd out, Connect(next_host, port_of(next), deadline,
                                    absl::StrCat(next_name, " at data port ", port_of(next))));
+  const int64_t buffer_bytes = TcpRingSocketBuffer(
+      peers, r, options, static_cast<int>(std::thread::hardware_concurrency()));
+  TuneSocket(out.get(), buffer_bytes);
   char hello[kHelloBytes];
   std::memcpy(hello, kHelloMagic, sizeof(kHelloMagic));
   PutU32(static_cast<uint32_t>(r), hello + 8);
@@ -586,7 +607,7 @@ absl::StatusOr<std::unique_ptr<RingTransport>> ConnectTcpRing(
       rejected = "a connection without this ring's hello";
       continue;
     }
-    SetNoDelay(c.get());
+    TuneSocket(c.get(), buffer_bytes);
     in = std::move(c);
   }
   return std::unique_ptr<RingTransport>(new TcpRingTransport(

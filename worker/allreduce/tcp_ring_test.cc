@@ -60,7 +60,7 @@ std::vector<std::unique_ptr<RingTransport>> ConnectAll(
     threads.emplace_back([&, r] {
       Spy spy(std::move(boot[r]), spies[r]);
       absl::StatusOr<std::unique_ptr<RingTransport>> t =
-          ConnectTcpRing(&spy, Peers(n), absl::Seconds(20));
+          ConnectTcpRing(&spy, Peers(n), TcpRingOptions{absl::Seconds(20)});
       EXPECT_OK(t.status()) << "rank " << r;
       if (t.ok()) out[r] = *std::move(t);
     });
@@ -246,11 +246,26 @@ TEST(TcpRingTest, StrangersWithoutTheRingsSecretAreRefused) {
 
 TEST(TcpRingTest, BadArgumentsAreInvalidArgument) {
   std::vector<std::unique_ptr<RingTransport>> boot = NewLocalRing(2);
-  EXPECT_STATUS_MSG(ConnectTcpRing(boot[0].get(), Peers(3), absl::Seconds(1)).status(),
+  EXPECT_STATUS_MSG(ConnectTcpRing(boot[0].get(), Peers(3), TcpRingOptions{absl::Seconds(1)}).status(),
                     absl::StatusCode::kInvalidArgument, "3 peer addresses for a ring of 2");
   std::vector<std::unique_ptr<RingTransport>> one = NewLocalRing(1);
-  EXPECT_STATUS_MSG(ConnectTcpRing(one[0].get(), Peers(1), absl::Seconds(1)).status(),
+  EXPECT_STATUS_MSG(ConnectTcpRing(one[0].get(), Peers(1), TcpRingOptions{absl::Seconds(1)}).status(),
                     absl::StatusCode::kInvalidArgument, "a ring of one rank");
+}
+
+TEST(TcpRingTest, SocketBuffersAreFixedOnlyWhenTheHostsRanksOversubscribeItsCores) {
+  const std::vector<std::string> four_here = Peers(4);
+  const std::vector<std::string> spread = {"a:1", "a:2", "b:1", "b:2"};
+  TcpRingOptions o;  // -1: decide.
+  EXPECT_EQ(TcpRingSocketBuffer(four_here, 0, o, 2), kOversubscribedSocketBuffer);
+  EXPECT_EQ(TcpRingSocketBuffer(four_here, 3, o, 4), 0);  // 4 ranks, 4 threads: auto-tune.
+  EXPECT_EQ(TcpRingSocketBuffer(spread, 2, o, 2), 0);     // 2 on host b.
+  EXPECT_EQ(TcpRingSocketBuffer(spread, 2, o, 1), kOversubscribedSocketBuffer);
+  EXPECT_EQ(TcpRingSocketBuffer(four_here, 0, o, 0), 0);  // Unknown core count.
+  o.socket_buffer_bytes = 0;
+  EXPECT_EQ(TcpRingSocketBuffer(four_here, 0, o, 2), 0);
+  o.socket_buffer_bytes = 123456;
+  EXPECT_EQ(TcpRingSocketBuffer(spread, 2, o, 64), 123456);
 }
 
 TEST(TcpRingTest, HostOfAddress) {
