@@ -1,16 +1,19 @@
-// Benchmark: gradmesh's ring all-reduce over gRPC against PyTorch's gloo, on 127.0.0.1.
+// Benchmark: gradmesh's ring all-reduce (tcp and grpc transports) against PyTorch's gloo,
+// on 127.0.0.1.
 //
-//   bazel run -c opt //tests/bench:allreduce [-- --nps=2,4 --sizes=4096,...,67108864]
+//   bazel run -c opt //tests/bench:allreduce [-- --nps=2,4 --sizes=4096,...,67108864
+//                                               --transports=grpc,tcp]
 //
 // For each process count n (--nps) it starts n real processes (this binary re-executed with
 // --rank), each serving a CollectiveServiceImpl on its own port like gradmesh_worker does and
-// running RingAllreduce over the gRPC ring transport; then the same sizes with
+// running RingAllreduce over the gRPC ring transport, then over the TCP transport connected
+// through that gRPC ring (tcp_ring.h, as allreduce jobs do); then the same sizes with
 // tests/bench/gloo_allreduce.py (torch.distributed gloo, run with --python). For every size:
 // warm-up (checked: n ranks of ones sum to n), a barrier, `iters` timed all-reduces (chosen
 // so each size moves about --budget_bytes), and the time of one all-reduce is the slowest
-// rank's mean. One JSON line per (impl, n, size):
+// rank's mean. One JSON line per (impl, n, size), impl gradmesh_grpc, gradmesh_tcp or gloo:
 //
-//   {"impl":"gradmesh_ring","np":2,"bytes":1048576,"iters":100,"time_us":...,
+//   {"impl":"gradmesh_tcp","np":2,"bytes":1048576,"iters":100,"time_us":...,
 //    "algbw_gbps":...,"busbw_gbps":...}
 //
 // algbw = bytes / time, busbw = algbw * 2 (n - 1) / n, as nccl-tests defines them
