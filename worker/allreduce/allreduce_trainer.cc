@@ -7,6 +7,7 @@
 #include <limits>
 #include <optional>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/numbers.h"
@@ -167,6 +168,13 @@ absl::StatusOr<TrainResult> RunAllreduce(const TrainerOptions& options,
   }
 
   BucketReducer reducer(collective.get(), numels, spec.allreduce().bucket_bytes());
+  // On every return: stop the communication thread, then close the collective, and only then
+  // free the buckets (declared first, destroyed last): after a failed all-reduce the ring's
+  // transport may still hold in-place references to them until it is closed.
+  absl::Cleanup close_collective_first = [&reducer, &collective] {
+    reducer.Stop();
+    collective.reset();
+  };
   // Gradient hooks: each parameter's gradient goes to its bucket the moment backward has it.
   for (size_t i = 0; i < params.size(); ++i) {
     const int index = static_cast<int>(i);
@@ -182,7 +190,7 @@ absl::StatusOr<TrainResult> RunAllreduce(const TrainerOptions& options,
            Kv("dataset", spec.dataset().name()), Kv("steps", total),
            Kv("steps_per_epoch", loader->steps_per_epoch()), Kv("batch", spec.batch_size()),
            Kv("mode", "allreduce"), Kv("backend", collective->backend()),
-           Kv("transport", ctx.transport), Kv("workers", n),
+           Kv("transport", collective->transport()), Kv("workers", n),
            Kv("buckets", reducer.buckets().size()),
            Kv("bucket_bytes", spec.allreduce().bucket_bytes())});
 

@@ -51,7 +51,10 @@ BucketReducer::BucketReducer(Collective* collective, const std::vector<int64_t>&
   thread_ = std::thread([this] { CommLoop(); });
 }
 
-BucketReducer::~BucketReducer() {
+BucketReducer::~BucketReducer() { Stop(); }
+
+void BucketReducer::Stop() {
+  if (!thread_.joinable()) return;
   {
     absl::MutexLock lock(&mu_);
     stop_ = true;

@@ -58,7 +58,12 @@ class BucketReducer {
   // `collective` (not owned) must outlive the reducer. Starts the communication thread.
   BucketReducer(Collective* collective, const std::vector<int64_t>& numels,
                 int64_t bucket_bytes);
-  ~BucketReducer();  // Stops the thread (after the bucket in flight, if any).
+  ~BucketReducer();  // Stop().
+
+  // Stops the communication thread after the bucket in flight, if any; no collective is
+  // started afterwards. Idempotent. Lets the owner close the collective (whose transport may
+  // still reference the buckets after a failed all-reduce) before the buckets are freed.
+  void Stop();
   BucketReducer(const BucketReducer&) = delete;
   BucketReducer& operator=(const BucketReducer&) = delete;
 

@@ -39,6 +39,7 @@ class RingCollective final : public Collective {
   }
   int64_t bytes_sent() const override { return bytes_sent_; }
   std::string backend() const override { return "ring"; }
+  std::string transport() const override { return transport_->kind(); }
 
  private:
   std::unique_ptr<RingTransport> transport_;
@@ -72,6 +73,7 @@ class NcclCollective final : public Collective {
   }
   int64_t bytes_sent() const override { return bytes_sent_; }
   std::string backend() const override { return "nccl"; }
+  std::string transport() const override { return ring_ != nullptr ? ring_->kind() : ""; }
 
  private:
   std::unique_ptr<RingTransport> ring_;
@@ -202,6 +204,7 @@ class HierarchicalCollective final : public Collective {
            (cross_ != nullptr ? cross_->bytes_sent() : 0);
   }
   std::string backend() const override { return "hierarchical(" + local_backend_ + "+ring)"; }
+  std::string transport() const override { return world_->kind(); }
 
  private:
   std::unique_ptr<RingTransport> world_;

@@ -69,8 +69,10 @@ class Collective {
   virtual absl::StatusOr<std::vector<std::string>> Allgather(absl::string_view mine) = 0;
   // Payload bytes this rank has sent so far (NCCL: what the ring algorithm would send).
   virtual int64_t bytes_sent() const = 0;
-  // The backend actually in use: "ring" or "nccl".
+  // The backend actually in use: "ring", "nccl" or "hierarchical(...)".
   virtual std::string backend() const = 0;
+  // The RingTransport kind of its job-wide ring ("tcp", "grpc"); "" without one.
+  virtual std::string transport() const { return ""; }
 };
 
 // Everything a backend may need to connect the ranks of one job.

@@ -1,5 +1,5 @@
 // Tests of the collective backends and their selection (collective.h): the placement rules as
-// pure functions, then "ring", "auto" and "nccl" over real gRPC rings on 127.0.0.1 (two
+// pure functions, then "ring", "auto" and "nccl" over real rings on 127.0.0.1 (two
 // simulated processes as threads, each with its own CollectiveService). The NCCL cases run
 // only in a --config=cuda build with at least two CUDA devices and are skipped otherwise; in
 // a CPU build "nccl" must refuse with UNIMPLEMENTED naming --config=cuda.
@@ -108,7 +108,7 @@ class CollectiveRegistryTest : public ::testing::Test {
 
   // Creates `backend` on both ranks at once (host of rank r: hosts[r]); then, where that
   // worked, all-reduces {1, 2, 3} * (r + 1) and all-gathers "r<r>". Returns each rank's
-  // status; `used` gets each rank's backend().
+  // status; `used` gets each rank's "backend()/transport()".
   std::vector<absl::Status> Run(const std::string& backend, std::vector<std::string> hosts,
                                 std::vector<std::string>* used) {
     std::vector<absl::Status> st(2);
@@ -122,7 +122,7 @@ class CollectiveRegistryTest : public ::testing::Test {
           st[r] = c.status();
           return;
         }
-        (*used)[r] = (*c)->backend();
+        (*used)[r] = absl::StrCat((*c)->backend(), "/", (*c)->transport());
         std::vector<float> v = {1.0f * (r + 1), 2.0f * (r + 1), 3.0f * (r + 1)};
         st[r] = (*c)->AllreduceSum(absl::MakeSpan(v));
         if (!st[r].ok()) return;
@@ -154,7 +154,8 @@ TEST_F(CollectiveRegistryTest, RingSumsAndGathersOverEveryTransport) {
     std::vector<std::string> used;
     std::vector<absl::Status> st = Run("ring", {"a", "a"}, &used);
     for (int r = 0; r < 2; ++r) ASSERT_OK(st[r]) << "rank " << r << " over " << transport;
-    EXPECT_EQ(used, (std::vector<std::string>{"ring", "ring"}));
+    const std::string want = absl::StrCat("ring/", transport);
+    EXPECT_EQ(used, (std::vector<std::string>{want, want}));
   }
 }
 
@@ -170,7 +171,7 @@ TEST_F(CollectiveRegistryTest, AutoOnTwoHostsIsTheRingWithoutGpus) {
   std::vector<std::string> used;
   std::vector<absl::Status> st = Run("auto", {"host-a", "host-b"}, &used);
   for (int r = 0; r < 2; ++r) ASSERT_OK(st[r]) << "rank " << r;
-  EXPECT_EQ(used, (std::vector<std::string>{"ring", "ring"}));
+  EXPECT_EQ(used, (std::vector<std::string>{"ring/tcp", "ring/tcp"}));
 }
 
 TEST_F(CollectiveRegistryTest, HierarchicalWithoutCudaBuildIsUnimplemented) {
@@ -184,7 +185,7 @@ TEST_F(CollectiveRegistryTest, AutoOnOneHostIsNcclExactlyWhenEveryRankHasAGpu) {
   std::vector<std::string> used;
   std::vector<absl::Status> st = Run("auto", {"h", "h"}, &used);
   for (int r = 0; r < 2; ++r) ASSERT_OK(st[r]) << "rank " << r;
-  const std::string want = nccl ? "nccl" : "ring";
+  const std::string want = nccl ? "nccl/tcp" : "ring/tcp";
   EXPECT_EQ(used, (std::vector<std::string>{want, want}));
 }
 
@@ -213,7 +214,7 @@ TEST_F(CollectiveRegistryTest, NcclOnTwoGpusSumsAndGathers) {
   std::vector<std::string> used;
   std::vector<absl::Status> st = Run("nccl", {"h", "h"}, &used);
   for (int r = 0; r < 2; ++r) ASSERT_OK(st[r]) << "rank " << r;
-  EXPECT_EQ(used, (std::vector<std::string>{"nccl", "nccl"}));
+  EXPECT_EQ(used, (std::vector<std::string>{"nccl/tcp", "nccl/tcp"}));
 }
 
 TEST_F(CollectiveRegistryTest, NcclAcrossHostsFailsOnEveryRank) {
@@ -225,8 +226,9 @@ TEST_F(CollectiveRegistryTest, NcclAcrossHostsFailsOnEveryRank) {
   }
 }
 
-// The hierarchical composition with a gRPC ring inside each "host" (so it runs without GPUs):
-// n simulated processes, each with its own CollectiveService on 127.0.0.1.
+// The hierarchical composition with a ring inside each "host" (so it runs without GPUs): n
+// simulated processes, each with its own CollectiveService on 127.0.0.1; every ring over the
+// tcp transport, then over grpc.
 class HierarchicalTest : public ::testing::TestWithParam<std::vector<std::string>> {
  protected:
   void SetUp() override {
@@ -249,10 +251,10 @@ class HierarchicalTest : public ::testing::TestWithParam<std::vector<std::string
   }
   std::vector<Node> nodes_;
   std::vector<std::string> peers_;
-  std::string transport_ = "tcp";
 };
 
 TEST_P(HierarchicalTest, SumsExactlyOnEveryRankAndGathersInRankOrder) {
+ for (const std::string transport : {"tcp", "grpc"}) {
   const std::vector<std::string>& hosts = GetParam();
   const int n = static_cast<int>(hosts.size());
   // Integer-valued floats: every order of summation gives the same, exact result. Odd length,
@@ -277,12 +279,13 @@ TEST_P(HierarchicalTest, SumsExactlyOnEveryRankAndGathersInRankOrder) {
       c.timeout = absl::Seconds(10);
       c.segment_bytes = 256;  // Several segments per ring step.
       c.host = hosts[r];
+      c.transport = transport;
       absl::StatusOr<std::unique_ptr<Collective>> coll = ConnectHierarchical(c, "ring");
       if (!coll.ok()) {
         st[r] = coll.status();
         return;
       }
-      backend[r] = (*coll)->backend();
+      backend[r] = absl::StrCat((*coll)->backend(), "/", (*coll)->transport());
       for (int round = 0; round < 2 && st[r].ok(); ++round) {  // Reusable.
         got[r].assign(len, 0);
         for (int i = 0; i < len; ++i) got[r][i] = static_cast<float>((r + 1) * (i % 17) - r);
@@ -300,9 +303,10 @@ TEST_P(HierarchicalTest, SumsExactlyOnEveryRankAndGathersInRankOrder) {
   for (int r = 0; r < n; ++r) {
     ASSERT_OK(st[r]) << "rank " << r;
     EXPECT_EQ(got[r], want) << "rank " << r;
-    EXPECT_EQ(backend[r], "hierarchical(ring+ring)");
+    EXPECT_EQ(backend[r], "hierarchical(ring+ring)/" + transport);
     EXPECT_EQ(gathered[r], names) << "rank " << r;
   }
+ }
 }
 
 INSTANTIATE_TEST_SUITE_P(

@@ -255,6 +255,8 @@ class GrpcRingTransport final : public RingTransport {
     return absl::StrCat("rank ", rank, " (", options_.peers[rank], ")");
   }
 
+  std::string kind() const override { return "grpc"; }
+
  private:
   // One RingChunk: header_prefix_ | seq (field 5) | data (field 15). The header is its own
   // small slice; the data is copied behind it (`copy`) or referenced in place.

@@ -275,6 +275,10 @@ absl::StatusOr<std::vector<std::string>> RingAllgather(RingTransport* transport,
     in.resize(msg->size());
     CopyInto(*msg, in.data());
   }
+  // A transport without background threads moves bytes only while it is called: hand the
+  // last block to the next rank before returning.
+  RETURN_IF_ERROR(Annotate(transport->Flush(absl::Now() + options.timeout),
+                           "ring all-gather flush"));
   return all;
 }
 

@@ -92,6 +92,9 @@ class RingTransport {
 
   // Description of a neighbour for error messages ("rank 1 (127.0.0.1:7101)").
   virtual std::string PeerName(int rank) const = 0;
+
+  // What carries the bytes, for logs and tests: "grpc", "tcp", "local", ...
+  virtual std::string kind() const { return "local"; }
 };
 
 enum class RingCodec { kNone, kFp16 };

@@ -15,9 +15,9 @@
 #include <algorithm>
 #include <cstring>
 #include <deque>
+#include <random>
 #include <thread>
 
-#include "absl/random/random.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "common/auth.h"
@@ -220,9 +220,15 @@ absl::StatusOr<Fd> Connect(const std::string& host, int port, absl::Time deadlin
       if (!SetNonBlocking(fd.get()).ok()) continue;
       int rc = connect(fd.get(), ai->ai_addr, ai->ai_addrlen);
       if (rc != 0 && errno == EINPROGRESS) {
+        // At most a few seconds per address, so a black-holed one does not starve the rest.
+        const absl::Time attempt = std::min(deadline, absl::Now() + absl::Seconds(5));
         pollfd p{fd.get(), POLLOUT, 0};
-        if (poll(&p, 1, PollTimeout(deadline)) == 0) {
-          last = "timed out";
+        int ready;
+        do {
+          ready = poll(&p, 1, PollTimeout(attempt));
+        } while (ready < 0 && errno == EINTR);
+        if (ready <= 0) {
+          last = ready == 0 ? "timed out" : ErrnoText(errno);
           continue;
         }
         int err = 0;
@@ -259,7 +265,12 @@ class TcpRingTransport final : public RingTransport {
         stage_(new char[kStageBytes]) {}
 
   ~TcpRingTransport() override {
-    if (error_.ok() && !queue_.empty()) (void)Flush(absl::Now() + close_timeout_);
+    // Copies still queued (an all-gather's last block) are delivered. A queued in-place
+    // message means a collective failed before its Flush: the caller's buffer may be gone
+    // by now, so nothing of it is read; the next rank sees the connection close.
+    bool in_place = false;
+    for (const Item& item : queue_) in_place = in_place || item.owned == nullptr;
+    if (error_.ok() && !in_place && !queue_.empty()) (void)Flush(absl::Now() + close_timeout_);
   }
 
   int rank() const override { return rank_; }
@@ -273,7 +284,7 @@ class TcpRingTransport final : public RingTransport {
       WriteSome();
       if (!error_.ok() || queue_.empty()) break;
       if (!Wait(/*read=*/false, deadline)) {
-        return absl::DeadlineExceededError(
+        error_ = absl::DeadlineExceededError(
             absl::StrCat(next_name_, " did not take the last ring messages in time"));
       }
     }
@@ -281,6 +292,7 @@ class TcpRingTransport final : public RingTransport {
   }
 
   absl::StatusOr<RingMessage> Recv(absl::Time deadline) override {
+    recv_start_ = absl::Now();
     ASSIGN_OR_RETURN(uint64_t size, ReadHeader(deadline));
     std::shared_ptr<Buffer> buf = TakeBuffer(size);
     RETURN_IF_ERROR(ReadBody(buf->data.get(), size, deadline));
@@ -291,6 +303,7 @@ class TcpRingTransport final : public RingTransport {
   }
 
   absl::StatusOr<size_t> RecvInto(absl::Span<char> dst, absl::Time deadline) override {
+    recv_start_ = absl::Now();
     ASSIGN_OR_RETURN(uint64_t size, ReadHeader(deadline));
     if (size != dst.size()) {
       // The ring is out of step; the caller fails it. Make later calls fail too.
@@ -302,6 +315,8 @@ class TcpRingTransport final : public RingTransport {
     RETURN_IF_ERROR(ReadBody(dst.data(), size, deadline));
     return static_cast<size_t>(size);
   }
+
+  std::string kind() const override { return "tcp"; }
 
   std::string PeerName(int rank) const override {
     if (rank == (rank_ + 1) % n_) return next_name_;
@@ -315,7 +330,8 @@ class TcpRingTransport final : public RingTransport {
     size_t capacity = 0;
   };
 
-  // One queued message: its header and its payload (copied into `owned` or in place).
+  // One queued message: its header and its payload (copied into `owned`, or in place when
+  // `owned` is null).
   struct Item {
     char header[kHeaderBytes];
     std::unique_ptr<char[]> owned;
@@ -429,7 +445,6 @@ class TcpRingTransport final : public RingTransport {
 
   // Fills dst[0, size) from the incoming socket, writing queued messages meanwhile.
   absl::Status ReadExactly(char* dst, size_t size, absl::Time deadline) {
-    const absl::Time start = absl::Now();
     size_t done = 0;
     while (done < size) {
       if (!error_.ok()) return error_;
@@ -439,8 +454,10 @@ class TcpRingTransport final : public RingTransport {
       if (!queue_.empty()) WriteSome();
       if (got > 0 || !error_.ok()) continue;
       if (!Wait(/*read=*/true, deadline)) {
-        error_ = absl::DeadlineExceededError(absl::StrCat(
-            "nothing from ", prev_name_, " within ", absl::FormatDuration(absl::Now() - start)));
+        error_ = absl::DeadlineExceededError(
+            absl::StrCat("nothing from ", prev_name_, " within ",
+                         absl::FormatDuration(absl::Now() - recv_start_),
+                         done > 0 ? " (a message arrived in part)" : ""));
       }
     }
     return error_;
@@ -496,6 +513,7 @@ class TcpRingTransport final : public RingTransport {
   absl::Status error_;
   uint64_t send_seq_ = 0;
   uint64_t recv_seq_ = 0;
+  absl::Time recv_start_;  // When the current Recv/RecvInto began (for messages).
   std::deque<Item> queue_;
   std::unique_ptr<char[]> stage_;
   size_t stage_begin_ = 0, stage_end_ = 0;
@@ -537,7 +555,6 @@ absl::StatusOr<std::unique_ptr<RingTransport>> ConnectTcpRing(
   if (n < 2) {
     return absl::InvalidArgumentError("ring tcp: a ring of one rank has no links");
   }
-  const absl::Time deadline = absl::Now() + timeout;
   ASSIGN_OR_RETURN(auto listener, Listen());
   Fd& listen_fd = listener.first;
 
@@ -545,14 +562,14 @@ absl::StatusOr<std::unique_ptr<RingTransport>> ConnectTcpRing(
   std::string mine(8 + kSecretBytes, '\0');
   PutU64(static_cast<uint64_t>(listener.second), mine.data());
   {
-    absl::BitGen gen;
-    for (size_t i = 0; i < kSecretBytes; i += 8) {
-      PutU64(absl::Uniform<uint64_t>(gen), mine.data() + 8 + i);
-    }
+    std::random_device urandom;  // getrandom(2): the secret authenticates the hello.
+    for (size_t i = 0; i < kSecretBytes; i += 4) PutU32(urandom(), mine.data() + 8 + i);
   }
   RingOptions ro;
   ro.timeout = timeout;
   ASSIGN_OR_RETURN(std::vector<std::string> all, RingAllgather(bootstrap, mine, ro));
+  // Connecting and accepting get the whole timeout once every rank is listening.
+  const absl::Time deadline = absl::Now() + timeout;
   for (int i = 0; i < n; ++i) {
     if (all[i].size() != mine.size()) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -593,10 +610,19 @@ absl::StatusOr<std::unique_ptr<RingTransport>> ConnectTcpRing(
           rejected.empty() ? "" : absl::StrCat(" (refused: ", rejected, ")")));
     }
     Fd c(accept4(listen_fd.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
-    if (c.get() < 0) continue;
+    if (c.get() < 0) {
+      const int err = errno;
+      if (err == EAGAIN || err == EWOULDBLOCK || err == EINTR || err == ECONNABORTED ||
+          err == EPROTO) {
+        continue;
+      }
+      return absl::UnavailableError(
+          absl::StrCat("ring tcp: accepting ", prev_name, ": ", ErrnoText(err)));
+    }
+    // The ring's ranks send their hello at once; a silent connection costs at most 1 s.
     char got[kHelloBytes];
     absl::Status st = ReadAll(c.get(), got, sizeof(got),
-                              std::min(deadline, absl::Now() + absl::Seconds(5)), "hello");
+                              std::min(deadline, absl::Now() + absl::Seconds(1)), "hello");
     if (!st.ok()) {
       rejected = std::string(st.message());
       continue;

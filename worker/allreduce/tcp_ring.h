@@ -16,8 +16,10 @@
 //   3. connect to rank r+1 at the host of its peer address and that port, and send a hello:
 //      "GMRING01", from_rank, world_size and rank r+1's random bytes, which only ranks of this
 //      ring have learned (a stranger that connects first is dropped, not trusted);
-//   4. accept connections until one from rank r-1 presents this rank's bytes.
-//   Every step is bounded by `timeout`. The bootstrap ring is not used afterwards.
+//   4. accept connections until one from rank r-1 presents this rank's bytes (a connection
+//      that sends no hello within 1 s is dropped).
+//   The all-gather is bounded by `timeout` per step, connecting and accepting together by
+//   `timeout` from when it ends. The bootstrap ring is not used afterwards.
 //
 // Wire format per message: seq (u64 LE, 0, 1, ...) | length (u64 LE) | payload.
 //
@@ -25,10 +27,15 @@
 // its peer-service address ("ring link from rank 1 (10.0.0.2:7101) ended: connection closed
 // (process gone?)"), a failed send UNAVAILABLE naming the next rank; a receive that gets
 // nothing within its deadline is DEADLINE_EXCEEDED naming the previous rank; a wrong seq or
-// an oversized length is UNAVAILABLE "broke the protocol". After any error the transport
-// fails every later call.
-// Destroying the transport writes what is still queued (for at most `timeout`; not after a
-// failure) and closes both connections.
+// an oversized length is UNAVAILABLE "broke the protocol"; a Flush that times out is
+// DEADLINE_EXCEEDED naming the next rank. After any error the transport fails every later
+// call. Unlike the gRPC transport, a link to the next rank that breaks while nothing is
+// queued for it is noticed at the next send, not by a waiting Recv (a next rank that has
+// finished a collective may legitimately close while this one still receives); a dead next
+// rank still stops the ring at once, because its own next rank fails and closes in turn.
+// Destroying the transport writes queued copies (Send; for at most `timeout`, not after a
+// failure), never queued in-place messages (SendNoCopy: their memory may be gone after a
+// failed collective), and closes both connections.
 //
 // Thread safety: one thread at a time (RingTransport's contract). No background threads.
 #ifndef GRADMESH_WORKER_ALLREDUCE_TCP_RING_H_

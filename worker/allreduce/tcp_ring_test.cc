@@ -182,6 +182,65 @@ TEST(TcpRingTest, DeadPeerFailsItsNeighboursFastNamingIt) {
   EXPECT_STATUS(ts[0]->Send(absl::MakeConstSpan(block)), absl::StatusCode::kUnavailable);
 }
 
+TEST(TcpRingTest, RecvIntoAWrongSizeReportsTheSizeAndFailsTheTransport) {
+  std::vector<std::unique_ptr<RingTransport>> ts = ConnectAll(2);
+  for (auto& t : ts) ASSERT_NE(t, nullptr);
+  EXPECT_EQ(ts[0]->kind(), "tcp");
+  const std::string eight = "12345678";
+  ASSERT_OK(ts[1]->Send(absl::Span<const char>(eight.data(), eight.size())));
+  ASSERT_OK(ts[1]->Flush(absl::Now() + absl::Seconds(10)));
+  char dst[12];
+  ASSERT_OK_AND_ASSIGN(size_t got, ts[0]->RecvInto(absl::MakeSpan(dst), absl::Now() + absl::Seconds(10)));
+  EXPECT_EQ(got, 8u);
+  // The stream is out of step: every later call fails.
+  EXPECT_STATUS_MSG(ts[0]->Recv(absl::Now() + absl::Seconds(1)).status(),
+                    absl::StatusCode::kUnavailable, "sent 8 bytes where 12 were expected");
+  // And a message of the right size lands in place.
+  std::vector<std::unique_ptr<RingTransport>> fresh = ConnectAll(2);
+  ASSERT_OK(fresh[1]->Send(absl::Span<const char>(eight.data(), eight.size())));
+  char exact[8];
+  ASSERT_OK_AND_ASSIGN(got, fresh[0]->RecvInto(absl::MakeSpan(exact), absl::Now() + absl::Seconds(10)));
+  EXPECT_EQ(got, 8u);
+  EXPECT_EQ(std::string(exact, 8), eight);
+}
+
+TEST(TcpRingTest, AFlushThatTimesOutFailsTheTransportAndClosingDropsInPlaceMessages) {
+  std::vector<std::unique_ptr<RingTransport>> ts = ConnectAll(2);
+  for (auto& t : ts) ASSERT_NE(t, nullptr);
+  // 64 MiB in place: far more than the socket buffers hold while rank 1 does not read.
+  auto block = std::make_unique<std::vector<char>>(64 << 20, 'b');
+  ASSERT_OK(ts[0]->SendNoCopy(absl::MakeConstSpan(*block)));
+  EXPECT_STATUS_MSG(ts[0]->Flush(absl::Now() + absl::Milliseconds(200)),
+                    absl::StatusCode::kDeadlineExceeded,
+                    "rank 1 (127.0.0.1:7001) did not take the last ring messages in time");
+  EXPECT_STATUS(ts[0]->Send(absl::MakeConstSpan(*block).subspan(0, 4)),
+                absl::StatusCode::kDeadlineExceeded);
+  // Closing neither waits the 20 s close timeout nor reads the in-place block again.
+  const absl::Time start = absl::Now();
+  ts[0].reset();
+  block.reset();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(2));
+  // Rank 1 sees part of the message, then the end of the connection.
+  EXPECT_STATUS_MSG(ts[1]->Recv(absl::Now() + absl::Seconds(10)).status(),
+                    absl::StatusCode::kUnavailable, "ring link from rank 0 (127.0.0.1:7000) ended");
+}
+
+TEST(TcpRingTest, ClosingDeliversQueuedCopies) {
+  std::vector<std::unique_ptr<RingTransport>> ts = ConnectAll(2);
+  for (auto& t : ts) ASSERT_NE(t, nullptr);
+  std::string big(16 << 20, '\0');
+  for (size_t i = 0; i < big.size(); ++i) big[i] = static_cast<char>(i * 13 + 1);
+  ASSERT_OK(ts[0]->Send(absl::Span<const char>(big.data(), big.size())));
+  std::thread closer([&] { ts[0].reset(); });  // Writes the rest while rank 1 reads.
+  ASSERT_OK_AND_ASSIGN(RingMessage msg, ts[1]->Recv(absl::Now() + absl::Seconds(20)));
+  std::string got;
+  for (auto p : msg.pieces) got.append(p.data(), p.size());
+  EXPECT_TRUE(got == big) << "got " << got.size() << " bytes";
+  closer.join();
+  EXPECT_STATUS(ts[1]->Recv(absl::Now() + absl::Seconds(10)).status(),
+                absl::StatusCode::kUnavailable);
+}
+
 TEST(TcpRingTest, SilentPeerIsDeadlineExceededNamingIt) {
   std::vector<std::unique_ptr<RingTransport>> ts = ConnectAll(2);
   for (auto& t : ts) ASSERT_NE(t, nullptr);
@@ -209,16 +268,18 @@ TEST(TcpRingTest, BuffersOfDifferentLengthsAreInternalNamingThePeer) {
   EXPECT_STATUS_MSG(st[1], absl::StatusCode::kInternal, "sent 20 bytes where 28 were expected");
 }
 
-// A stranger connects to rank 1's listener before rank 0 does (it learns the port from rank
-// 0's bootstrap message), with a wrong secret, and another with garbage: both are dropped and
-// the real ring works.
+// Strangers connect to rank 1's listener before rank 0 does (they learn the port, and rank 1's
+// secret, from rank 0's bootstrap message): without the secret, with garbage, with the secret
+// but the wrong rank or ring size. All are dropped and the real ring works.
 TEST(TcpRingTest, StrangersWithoutTheRingsSecretAreRefused) {
   std::vector<int> strangers;
   auto spy = [&](const std::string& msg) {
     ASSERT_EQ(msg.size(), 24u);  // port (u64) + 16 secret bytes.
     uint64_t port = 0;
     for (int i = 0; i < 8; ++i) port |= static_cast<uint64_t>(static_cast<unsigned char>(msg[i])) << (8 * i);
-    for (int kind = 0; kind < 2; ++kind) {
+    // kind 0: no secret; 1: garbage; 2: rank 1's secret but claiming to be rank 1;
+    // 3: the secret and rank 0, but a ring of 3.
+    for (int kind = 0; kind < 4; ++kind) {
       const int fd = socket(AF_INET, SOCK_STREAM, 0);
       sockaddr_in a{};
       a.sin_family = AF_INET;
@@ -226,13 +287,16 @@ TEST(TcpRingTest, StrangersWithoutTheRingsSecretAreRefused) {
       a.sin_port = htons(static_cast<uint16_t>(port));
       ASSERT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
       char hello[32] = {'G', 'M', 'R', 'I', 'N', 'G', '0', '1', 0, 0, 0, 0, 2, 0, 0, 0};
-      if (kind == 1) std::memset(hello, 'z', sizeof(hello));  // Garbage.
+      if (kind == 1) std::memset(hello, 'z', sizeof(hello));
+      if (kind >= 2) std::memcpy(hello + 16, msg.data() + 8, 16);
+      if (kind == 2) hello[8] = 1;
+      if (kind == 3) hello[12] = 3;
       ASSERT_EQ(write(fd, hello, sizeof(hello)), 32);
       strangers.push_back(fd);
     }
   };
   std::vector<std::unique_ptr<RingTransport>> ts = ConnectAll(2, {spy, nullptr});
-  ASSERT_EQ(strangers.size(), 2u);
+  ASSERT_EQ(strangers.size(), 4u);
   for (auto& t : ts) ASSERT_NE(t, nullptr);
   RingOptions ro;
   ro.timeout = absl::Seconds(20);
