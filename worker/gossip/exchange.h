@@ -33,6 +33,7 @@ struct ExchangeHeader {
   double weight = 0;      // kPushSum, kFinal: push-sum weight carried with the values.
   std::string codec;      // ValueCodec name of the payload ("", fp16, bf16).
   int64_t numel = 0;      // Elements of the flat parameter vector.
+  uint64_t exchange_id = 0;  // kPushSum: the share's id (see proto/gossip.proto); 0 = none.
 };
 
 // ExchangeResponse.
@@ -41,7 +42,7 @@ struct ExchangeReply {
   std::string codec;      // kAverage: codec of `payload` (the request's).
   int64_t numel = 0;      // kAverage: elements encoded in `payload`.
   std::string payload;    // kAverage: the receiver's values before averaging.
-  bool duplicate = false; // kFinal: already had this sender's final.
+  bool duplicate = false; // kFinal: already had this sender's final; kPushSum: this share.
 };
 
 // GossipStateResponse.

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <map>
 #include <optional>
+#include <random>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -41,7 +42,12 @@ Gossiper::Gossiper(GossiperOptions options, ValueCodec codec,
       transport_(transport),
       rank_(replica_->options().rank),
       n_(replica_->options().num_workers),
-      health_(n_, options_.backoff_initial, options_.backoff_max) {}
+      health_(n_, options_.backoff_initial, options_.backoff_max) {
+  // A random start keeps ids unique across restarts of this rank (a receiver remembers the
+  // last id of each sender).
+  std::random_device urandom;
+  next_share_id_ = (static_cast<uint64_t>(urandom()) << 32) | urandom();
+}
 
 Gossiper::~Gossiper() { Stop(); }
 
@@ -76,6 +82,17 @@ RoundResult Gossiper::RunRound(int64_t round, int64_t step) {
   return r;
 }
 
+namespace {
+
+// Errors after which the receiver may or may not have applied the request.
+bool OutcomeUnknown(const absl::Status& st) {
+  return st.code() == absl::StatusCode::kDeadlineExceeded ||
+         st.code() == absl::StatusCode::kUnavailable ||
+         st.code() == absl::StatusCode::kCancelled || st.code() == absl::StatusCode::kUnknown;
+}
+
+}  // namespace
+
 RoundResult Gossiper::PushSum(int32_t peer, int64_t round, int64_t step) {
   absl::StatusOr<double> weight = replica_->BeginPushSum(&sent_, options_.min_send_weight);
   if (!weight.ok()) return RoundResult{};  // Finished: no more mixing.
@@ -94,8 +111,22 @@ RoundResult Gossiper::PushSum(int32_t peer, int64_t round, int64_t step) {
   }
   ExchangeHeader h = Header(peer, ExchangeKind::kPushSum, round, step);
   h.weight = *weight;
+  if (++next_share_id_ == 0) ++next_share_id_;
+  h.exchange_id = next_share_id_;
   absl::StatusOr<ExchangeReply> reply =
       transport_->Exchange(peer, h, payload_, options_.timeout);
+  if (!reply.ok() && OutcomeUnknown(reply.status())) {
+    // The receiver may have absorbed the share and only the reply was lost: ask again with
+    // the same id rather than take the weight back and count the share twice.
+    absl::StatusOr<ExchangeReply> again =
+        transport_->Exchange(peer, h, payload_, options_.timeout);
+    {
+      absl::MutexLock lock(&mu_);
+      ++stats_.resent;
+      if (again.ok() && again->duplicate) ++stats_.resent_duplicate;
+    }
+    if (again.ok()) reply = std::move(again);
+  }
   replica_->EndPushSum(reply.ok(), *weight);
   if (reply.ok() && !codec_.lossless()) {
     replica_->AddScaledDifference(sent_, sent_decoded_, 1.0f);

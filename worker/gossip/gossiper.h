@@ -8,7 +8,13 @@
 //     `coalesced`), so a slow network lowers the mixing rate instead of stalling training.
 //   * A round asks the Topology for a peer among the available ones (PeerHealth), then does
 //     one exchange with it: a push-sum share (exponential) or a pairwise average (random),
-//     with values encoded by gossip.codec. The exchange waits at most gossip.timeout_s.
+//     with values encoded by gossip.codec. The exchange waits at most gossip.timeout_s. A
+//     push-sum share whose outcome is unknown (DEADLINE_EXCEEDED, UNAVAILABLE, CANCELLED,
+//     UNKNOWN: the receiver may have absorbed it and lost only the reply) is sent once more
+//     with the same exchange id, so the round then waits at most twice the timeout; the
+//     receiver answers "duplicate" if it had it (see replica.h), and the share counts once.
+//     A pairwise average whose reply is lost is not retried: the callee has moved halfway
+//     towards the caller, the caller stays (no weights, so nothing is counted twice).
 //   * Failure (unreachable, timeout, NOT_FOUND because the peer has not started the job yet,
 //     any error) puts the peer into backoff (peer_health.h; NOT_FOUND is retried after the
 //     initial backoff without growing it) and nothing is mixed on this side (a push-sum
@@ -83,6 +89,8 @@ struct GossiperStats {
   int64_t failed = 0;       // Exchanges that failed.
   int64_t no_peer = 0;      // Rounds without an available peer.
   int64_t kept = 0;         // Push-sum rounds skipped by the weight floor.
+  int64_t resent = 0;       // Push-sum shares sent again after an unknown outcome ...
+  int64_t resent_duplicate = 0;  // ... of which the receiver had absorbed the first copy.
   int64_t bytes_sent = 0;   // Payload bytes sent (requests) ...
   int64_t bytes_received = 0;  // ... and received (pairwise replies).
   int64_t raw_bytes_sent = 0;  // The same as float32 ...
@@ -147,6 +155,7 @@ class Gossiper {
   PeerHealth health_;
   std::vector<float> sent_, sent_decoded_, peer_values_;
   std::string payload_;
+  uint64_t next_share_id_;  // Push-sum exchange ids: random start, then +1 (never 0).
 
   mutable absl::Mutex mu_;
   absl::CondVar wake_;

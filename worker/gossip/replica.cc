@@ -129,9 +129,19 @@ void GossipReplica::RecordDistance(absl::Span<const float> a, absl::Span<const f
 }
 
 absl::Status GossipReplica::AbsorbPushSum(int32_t from, absl::Span<const float> v,
-                                          double weight) {
+                                          double weight, uint64_t id, bool* duplicate) {
   absl::MutexLock lock(&mu_);
+  // Before the refusal: a share absorbed before Finish/Stop was delivered, and its sender
+  // must not take it back.
+  if (id != 0) {
+    auto it = last_share_.find(from);
+    if (it != last_share_.end() && it->second == id) {
+      *duplicate = true;
+      return absl::OkStatus();
+    }
+  }
   if (stopped_) return Refusal(from);
+  if (id != 0) last_share_[from] = id;
   RecordDistance(x_, v);
   const double total = w_ + weight;
   const float a = static_cast<float>(weight / total);
@@ -206,7 +216,7 @@ absl::StatusOr<ExchangeReply> GossipReplica::Handle(const ExchangeHeader& h,
   ExchangeReply reply;
   switch (h.kind) {
     case ExchangeKind::kPushSum:
-      RETURN_IF_ERROR(AbsorbPushSum(h.from, v, h.weight));
+      RETURN_IF_ERROR(AbsorbPushSum(h.from, v, h.weight, h.exchange_id, &reply.duplicate));
       break;
     case ExchangeKind::kAverage: {
       std::vector<float> before;

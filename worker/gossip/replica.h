@@ -11,6 +11,11 @@
 //   sender    BeginPushSum: w_i /= 2 (x_i unchanged; the half (x_i, w_i/2) travels)
 //   receiver  x_j = (w_j x_j + w_s x_s) / (w_j + w_s);  w_j += w_s     (one critical section)
 //   sender    delivered: done; not delivered (error, timeout, peer finished): w_i += w_s.
+//   A timeout or broken connection leaves the outcome unknown (the receiver may have absorbed
+//   the share and lost only the reply), so the sender sends the same share again, with the
+//   same exchange id: a receiver that already absorbed it answers "duplicate" and changes
+//   nothing. Only if that retry fails too is the weight taken back (the receiver then
+//   either never got it, or got it and has been unreachable ever since).
 //   Total weight sum_i w_i and total mass sum_i w_i x_i are conserved by every exchange, so
 //   x_i converges to sum(mass) / sum(w), the average of the initial values, for fixed inputs.
 //   Weight floor: a rank whose weight is below min_weight keeps its whole mass for the round
@@ -157,7 +162,9 @@ class GossipReplica {
 
  private:
   // Receiver rules on decoded values `v` (the lock is taken inside).
-  absl::Status AbsorbPushSum(int32_t from, absl::Span<const float> v, double weight);
+  // Sets *duplicate (and changes nothing) when `id` is the last share absorbed from `from`.
+  absl::Status AbsorbPushSum(int32_t from, absl::Span<const float> v, double weight,
+                             uint64_t id, bool* duplicate);
   absl::Status AverageWith(int32_t from, absl::Span<const float> v, std::vector<float>* before);
   // FAILED_PRECONDITION (finished) or ABORTED (stopped) for an exchange from `from`.
   absl::Status Refusal(int32_t from) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -172,6 +179,8 @@ class GossipReplica {
   mutable absl::Mutex mu_;
   std::vector<float> x_ ABSL_GUARDED_BY(mu_);
   double w_ ABSL_GUARDED_BY(mu_);
+  // The id of the last push-sum share absorbed from each sender (lost-reply retries).
+  std::map<int32_t, uint64_t> last_share_ ABSL_GUARDED_BY(mu_);
   int64_t step_ ABSL_GUARDED_BY(mu_);
   bool finished_ ABSL_GUARDED_BY(mu_) = false;  // Finish() was called.
   bool stopped_ ABSL_GUARDED_BY(mu_) = false;   // Finish() or Stop() was called.

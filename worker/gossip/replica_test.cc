@@ -53,6 +53,44 @@ TEST(ReplicaTest, PushSumReceiveIsTheWeightedAverageAndAddsTheWeight) {
   EXPECT_TRUE(reply.payload.empty());
 }
 
+TEST(ReplicaTest, APushSumShareSentAgainWithItsIdIsAbsorbedOnce) {
+  GossipReplica r(Opts(1), {1, 2}, 1.0);
+  ExchangeHeader h = Header(0, 1, ExchangeKind::kPushSum, 2, 0.5);
+  h.exchange_id = 77;
+  ASSERT_OK_AND_ASSIGN(ExchangeReply first, r.Handle(h, Raw({4, 8}), absl::InfiniteFuture()));
+  EXPECT_FALSE(first.duplicate);
+  // The reply was lost; the sender asks again: nothing changes.
+  ASSERT_OK_AND_ASSIGN(ExchangeReply again, r.Handle(h, Raw({4, 8}), absl::InfiniteFuture()));
+  EXPECT_TRUE(again.duplicate);
+  EXPECT_EQ(Values(r), (std::vector<float>{2.0f, 4.0f}));
+  EXPECT_DOUBLE_EQ(r.Snapshot().weight, 1.5);
+  // The same id from another sender, and the next id from this one, are new shares.
+  ExchangeHeader other = h;
+  other.from = 2;
+  ASSERT_OK_AND_ASSIGN(ExchangeReply o, r.Handle(other, Raw({2, 4}), absl::InfiniteFuture()));
+  EXPECT_FALSE(o.duplicate);
+  EXPECT_DOUBLE_EQ(r.Snapshot().weight, 2.0);
+  h.exchange_id = 78;
+  ASSERT_OK_AND_ASSIGN(ExchangeReply next, r.Handle(h, Raw({2, 4}), absl::InfiniteFuture()));
+  EXPECT_FALSE(next.duplicate);
+  EXPECT_DOUBLE_EQ(r.Snapshot().weight, 2.5);
+  // Once finished, a retry of a share absorbed before is still "delivered" (the sender must
+  // not take it back), while a new share is refused.
+  r.Finish();
+  ASSERT_OK_AND_ASSIGN(ExchangeReply late, r.Handle(h, Raw({2, 4}), absl::InfiniteFuture()));
+  EXPECT_TRUE(late.duplicate);
+  h.exchange_id = 79;
+  EXPECT_STATUS(r.Handle(h, Raw({2, 4}), absl::InfiniteFuture()).status(),
+                absl::StatusCode::kFailedPrecondition);
+  EXPECT_DOUBLE_EQ(r.Snapshot().weight, 2.5);
+  // Id 0 means "no check": the same share twice is absorbed twice.
+  GossipReplica plain(Opts(1), {1, 2}, 1.0);
+  ExchangeHeader h0 = Header(0, 1, ExchangeKind::kPushSum, 2, 0.5);
+  ASSERT_OK(plain.Handle(h0, Raw({4, 8}), absl::InfiniteFuture()).status());
+  ASSERT_OK(plain.Handle(h0, Raw({4, 8}), absl::InfiniteFuture()).status());
+  EXPECT_DOUBLE_EQ(plain.Snapshot().weight, 2.0);
+}
+
 TEST(ReplicaTest, PushSumSenderHalvesTheWeightAndTakesItBackWhenNotDelivered) {
   GossipReplica r(Opts(0), {3, 5}, 0.75);
   std::vector<float> sent;

@@ -46,6 +46,7 @@ absl::StatusOr<ExchangeHeader> HeaderFromProto(const GossipExchangeRequest& requ
   h.round = request.round();
   h.step = request.step();
   h.weight = request.weight();
+  h.exchange_id = request.exchange_id();
   h.codec = request.values().codec();
   h.numel = request.values().numel();
   return h;
@@ -60,6 +61,7 @@ void HeaderToProto(const ExchangeHeader& header, absl::string_view payload,
   request->set_round(header.round);
   request->set_step(header.step);
   request->set_weight(header.weight);
+  request->set_exchange_id(header.exchange_id);
   GossipValues* v = request->mutable_values();
   v->set_numel(header.numel);
   v->set_codec(header.codec);
