@@ -901,6 +901,14 @@ absl::StatusOr<JobStatus> Coordinator::GetJob(const std::string& job_id) {
   return it->second.record.status();
 }
 
+std::vector<coordinator_state::NodeRecord> Coordinator::ListNodes() {
+  absl::MutexLock lock(&mu_);
+  CheckNodesLocked();
+  std::vector<coordinator_state::NodeRecord> out;
+  for (const auto& kv : nodes_) out.push_back(kv.second.record);
+  return out;
+}
+
 std::vector<JobStatus> Coordinator::ListJobs() {
   absl::MutexLock lock(&mu_);
   CheckNodesLocked();

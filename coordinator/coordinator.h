@@ -188,6 +188,8 @@ class Coordinator {
   std::vector<JobStatus> ListJobs();
   // NOT_FOUND for an unknown id; FAILED_PRECONDITION if the job already ended.
   absl::StatusOr<JobStatus> CancelJob(const std::string& job_id);
+  // Every registered node (info and liveness as last decided), by name.
+  std::vector<coordinator_state::NodeRecord> ListNodes();
 
   struct JobView {
     JobStatus status;

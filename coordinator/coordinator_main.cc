@@ -23,14 +23,22 @@
 #include "common/daemon.h"
 #include "common/grpc_util.h"
 #include "common/logging.h"
+#include "common/metrics_http.h"
 #include "coordinator/clock.h"
 #include "coordinator/coordinator.h"
+#include "coordinator/coordinator_metrics.h"
 #include "coordinator/coordinator_store.h"
 #include "coordinator/service.h"
 
 ABSL_FLAG(std::string, host, "127.0.0.1", "Address to listen on.");
 ABSL_FLAG(int, port, 7000, "Port to listen on (0 = pick a free one; see --port_file).");
 ABSL_FLAG(std::string, port_file, "", "If set, the bound port is written to this file.");
+ABSL_FLAG(int, metrics_port, -1,
+          "Port of the Prometheus endpoint (HTTP GET /metrics, /healthz) on --host: 0 = pick a "
+          "free one (see --metrics_port_file), -1 = none. Unauthenticated: job names and "
+          "progress are readable by whoever reaches it.");
+ABSL_FLAG(std::string, metrics_port_file, "",
+          "If set, the metrics endpoint's bound port is written to this file.");
 ABSL_FLAG(std::string, data_dir, "", "RocksDB directory of the job and node tables (required).");
 ABSL_FLAG(std::string, auth_token_file, "",
           "File holding the API token every call must present (empty: no authentication).");
@@ -52,6 +60,7 @@ struct CoordinatorMainOptions {
   int64_t heartbeat_interval_ms = 500;
   int64_t heartbeat_timeout_ms = 3000;
   int shutdown_grace_s = 2;
+  MetricsEndpointOptions metrics;
 };
 
 int Run(const CoordinatorMainOptions& options) {
@@ -108,12 +117,26 @@ int Run(const CoordinatorMainOptions& options) {
   logger.Info("listening", {Kv("address", absl::StrCat(host, ":", port)), Kv("port", port),
                             Kv("auth", auth.enabled() ? "token" : "none"),
                             Kv("data_dir", options.data_dir)});
+  MetricsRegistry metrics;
+  Coordinator* const core = coordinator->get();
+  metrics.AddCollector([core](MetricsWriter* w) {
+    CollectCoordinatorMetrics(core->ListJobs(), core->ListNodes(), w);
+  });
+  auto metrics_server = StartMetricsEndpoint(options.metrics, &metrics);
+  if (!metrics_server.ok()) {
+    logger.Error("listen_failed", {Kv("error", metrics_server.status().ToString())});
+    return 1;
+  }
+  if (*metrics_server != nullptr) {
+    logger.Info("metrics_listening", {Kv("port", (*metrics_server)->port())});
+  }
   const std::string sig = WaitForTerminationSignal();
   logger.Info("shutting_down", {Kv("signal", sig)});
   // Shutdown cancels open watches (their loops see IsCancelled within one poll interval).
   server->Shutdown(std::chrono::system_clock::now() +
                    std::chrono::seconds(options.shutdown_grace_s));
   server->Wait();
+  metrics_server->reset();  // Its collector reads the coordinator.
   coordinator->reset();  // Stops the monitor thread and writes pending progress.
   logger.Info("stopped");
   return 0;
@@ -128,6 +151,9 @@ int main(int argc, char** argv) {
   gradmesh::CoordinatorMainOptions options;
   options.address = absl::StrCat(absl::GetFlag(FLAGS_host), ":", absl::GetFlag(FLAGS_port));
   options.port_file = absl::GetFlag(FLAGS_port_file);
+  options.metrics.host = absl::GetFlag(FLAGS_host);
+  options.metrics.port = absl::GetFlag(FLAGS_metrics_port);
+  options.metrics.port_file = absl::GetFlag(FLAGS_metrics_port_file);
   options.data_dir = absl::GetFlag(FLAGS_data_dir);
   options.auth_token_file = absl::GetFlag(FLAGS_auth_token_file);
   options.node =

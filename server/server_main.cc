@@ -27,14 +27,21 @@
 #include "common/grpc_util.h"
 #include "common/logging.h"
 #include "common/node_agent.h"
+#include "common/metrics_http.h"
 #include "server/parameter_service.h"
 #include "server/shard.h"
+#include "server/shard_metrics.h"
 #include "server/shard_store.h"
 
 ABSL_FLAG(std::string, host, "0.0.0.0", "Address to listen on.");
 ABSL_FLAG(int, port, 7001, "Port to listen on (0 = pick a free one; see --port_file).");
 ABSL_FLAG(std::string, port_file, "", "If set, the bound port is written to this file.");
 ABSL_FLAG(int64_t, max_message_mb, 256, "Largest gRPC message sent or received, MiB.");
+ABSL_FLAG(int, metrics_port, -1,
+          "Port of the Prometheus endpoint (HTTP GET /metrics, /healthz) on --host: 0 = pick a "
+          "free one (see --metrics_port_file), -1 = none.");
+ABSL_FLAG(std::string, metrics_port_file, "",
+          "If set, the metrics endpoint's bound port is written to this file.");
 ABSL_FLAG(std::string, node, "",
           "Node name: in logs, and in service mode this daemon's identity in the coordinator "
           "(keep it across restarts, with --data_dir; default: the advertised host:port).");
@@ -66,6 +73,7 @@ struct ServerMainOptions {
   std::string advertise;
   int slots = 16;
   std::string port_file;
+  MetricsEndpointOptions metrics;
   std::string node;       // Name in logs.
   std::string node_flag;  // --node as given ("" = default).
   std::string data_dir;
@@ -111,6 +119,17 @@ int Run(ServerMainOptions options) {
   std::unique_ptr<grpc::Server> server = std::move(started).value();
   const std::string host = options.address.substr(0, options.address.rfind(':'));
   logger.Info("listening", {Kv("address", absl::StrCat(host, ":", port)), Kv("port", port)});
+  MetricsRegistry metrics;
+  Shard* const shard_ptr = shard->get();
+  metrics.AddCollector([shard_ptr](MetricsWriter* w) { CollectShardMetrics(shard_ptr, w); });
+  auto metrics_server = StartMetricsEndpoint(options.metrics, &metrics);
+  if (!metrics_server.ok()) {
+    logger.Error("listen_failed", {Kv("error", metrics_server.status().ToString())});
+    return 1;
+  }
+  if (*metrics_server != nullptr) {
+    logger.Info("metrics_listening", {Kv("port", (*metrics_server)->port())});
+  }
   std::unique_ptr<NodeAgent> agent;
   absl::Mutex tasks_mu;
   std::vector<Task> tasks;  // Guarded by tasks_mu: the coordinator's latest list.
@@ -205,6 +224,9 @@ int main(int argc, char** argv) {
   gradmesh::ServerMainOptions options;
   options.address = absl::StrCat(absl::GetFlag(FLAGS_host), ":", absl::GetFlag(FLAGS_port));
   options.port_file = absl::GetFlag(FLAGS_port_file);
+  options.metrics.host = absl::GetFlag(FLAGS_host);
+  options.metrics.port = absl::GetFlag(FLAGS_metrics_port);
+  options.metrics.port_file = absl::GetFlag(FLAGS_metrics_port_file);
   options.node = absl::GetFlag(FLAGS_node).empty() ? gradmesh::HostName() : absl::GetFlag(FLAGS_node);
   options.node_flag = absl::GetFlag(FLAGS_node);
   options.shutdown_grace_s = absl::GetFlag(FLAGS_shutdown_grace_s);

@@ -939,6 +939,16 @@ absl::Status Shard::Finish(const FinishRequest& request) {
   return absl::OkStatus();
 }
 
+std::vector<std::string> Shard::JobNames() const {
+  std::vector<std::string> names;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& kv : jobs_) names.push_back(kv.first);
+  }
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
 absl::StatusOr<JobInfoResponse> Shard::GetJobInfo(const JobInfoRequest& request) {
   ASSIGN_OR_RETURN(std::shared_ptr<Job> job, FindJob(request.job()));
   JobInfoResponse r;

@@ -89,6 +89,8 @@ class Shard {
   absl::Status Pull(const PullRequest& request, PullResponse* response);
   absl::Status Finish(const FinishRequest& request);
   absl::StatusOr<JobInfoResponse> GetJobInfo(const JobInfoRequest& request);
+  // Names of the jobs this shard holds, sorted.
+  std::vector<std::string> JobNames() const;
 
   // Sets the barrier group of sync job `job`: the ranks whose pushes complete a step (empty:
   // all ranks) and the factor on the learning rate of its updates (in (0, 1]). NOT_FOUND for
@@ -120,7 +122,7 @@ class Shard {
 
   const ShardOptions options_;
   absl::Mutex init_mu_;  // Serialises job creation (taken before mu_).
-  absl::Mutex mu_;
+  mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, std::shared_ptr<Job>> jobs_ ABSL_GUARDED_BY(mu_);
   absl::Mutex codecs_mu_;
   absl::flat_hash_map<std::string, std::shared_ptr<const Compressor>> codecs_

@@ -29,6 +29,7 @@
 #include "common/auth.h"
 #include "common/daemon.h"
 #include "common/grpc_util.h"
+#include "common/metrics_http.h"
 #include "common/node_agent.h"
 #include "common/job_spec.h"
 #include "common/logging.h"
@@ -41,6 +42,7 @@
 #include "worker/parameter_client.h"
 #include "worker/trainer.h"
 #include "worker/worker_agent.h"
+#include "worker/worker_metrics.h"
 
 ABSL_FLAG(std::string, job, "", "Job spec file (YAML or JSON). Empty: defaults plus flags.");
 ABSL_FLAG(std::string, servers, "",
@@ -62,6 +64,11 @@ ABSL_FLAG(int, slots, 1, "Service mode: ranks this worker runs at once.");
 ABSL_FLAG(std::string, port_file, "", "Service mode: write the bound peer port here.");
 ABSL_FLAG(std::string, checkpoint_dir, "/var/lib/gradmesh/checkpoints",
           "gossip/allreduce: checkpoint directory when the spec names none.");
+ABSL_FLAG(int, metrics_port, -1,
+          "Port of the Prometheus endpoint (HTTP GET /metrics, /healthz) on --host: 0 = pick a "
+          "free one (see --metrics_port_file), -1 = none.");
+ABSL_FLAG(std::string, metrics_port_file, "",
+          "If set, the metrics endpoint's bound port is written to this file.");
 ABSL_FLAG(int, rank, 0, "This worker's rank in [0, num_workers).");
 ABSL_FLAG(std::string, data_dir, "/var/lib/gradmesh/data",
           "Directory holding one folder per dataset (mnist/, fashion-mnist/).");
@@ -214,6 +221,14 @@ absl::StatusOr<WorkerMainOptions> ParseOptions() {
 }
 
 // Service mode: register with the coordinator and run what it places here until SIGTERM.
+MetricsEndpointOptions MetricsFlags() {
+  MetricsEndpointOptions m;
+  m.host = absl::GetFlag(FLAGS_host);
+  m.port = absl::GetFlag(FLAGS_metrics_port);
+  m.port_file = absl::GetFlag(FLAGS_metrics_port_file);
+  return m;
+}
+
 int RunService() {
   // The node name is the daemon's identity in the coordinator; by default its advertised
   // peer address (host:port), known once the peer service is bound below.
@@ -266,6 +281,17 @@ int RunService() {
   wo.peer_services = PeerServices{&collective, &gossip};
   wo.logger = &logger;
   WorkerAgent worker_agent(wo);
+  MetricsRegistry metrics;
+  metrics.AddCollector(
+      [&worker_agent](MetricsWriter* w) { CollectWorkerMetrics(worker_agent.Reports(), w); });
+  auto metrics_server = StartMetricsEndpoint(MetricsFlags(), &metrics);
+  if (!metrics_server.ok()) {
+    logger.Error("listen_failed", {Kv("error", metrics_server.status().ToString())});
+    return 1;
+  }
+  if (*metrics_server != nullptr) {
+    logger.Info("metrics_listening", {Kv("port", (*metrics_server)->port())});
+  }
 
   NodeAgentOptions ao;
   ao.coordinator = absl::GetFlag(FLAGS_coordinator);
@@ -288,6 +314,7 @@ int RunService() {
   // or its checkpoint); the last heartbeat reports them stopped so they move elsewhere.
   worker_agent.StopAll();
   node_agent.Stop(/*leaving=*/true);
+  metrics_server->reset();  // Before worker_agent, which its collector reads.
   peer_server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
   logger.Info("stopped");
   return 0;
@@ -304,6 +331,28 @@ int Run() {
   Logger logger({Kv("node", o.node), Kv("role", "worker")});
   o.trainer.logger = &logger;
   o.client.logger = &logger;
+  // Metrics: the latest progress of this rank, as a service-mode daemon would report it.
+  absl::Mutex progress_mu;
+  TaskReport latest = ReportFromProgress(o.trainer.spec.name(), o.trainer.rank, "running",
+                                         TrainProgress());
+  o.trainer.on_progress = [&progress_mu, &latest, name = o.trainer.spec.name(),
+                           rank = o.trainer.rank](const TrainProgress& p) {
+    absl::MutexLock lock(&progress_mu);
+    latest = ReportFromProgress(name, rank, "running", p);
+  };
+  MetricsRegistry metrics;
+  metrics.AddCollector([&progress_mu, &latest](MetricsWriter* w) {
+    absl::MutexLock lock(&progress_mu);
+    CollectWorkerMetrics({latest}, w);
+  });
+  auto metrics_server = StartMetricsEndpoint(MetricsFlags(), &metrics);
+  if (!metrics_server.ok()) {
+    logger.Error("listen_failed", {Kv("error", metrics_server.status().ToString())});
+    return 1;
+  }
+  if (*metrics_server != nullptr) {
+    logger.Info("metrics_listening", {Kv("port", (*metrics_server)->port())});
+  }
   logger.Info("job_spec", {Kv("job", o.trainer.spec.name()), Kv("spec", JobSpecToJson(o.trainer.spec))});
   const GrpcParameterClientOptions client_options = o.client;
   CollectiveServiceImpl collective;

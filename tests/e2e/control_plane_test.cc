@@ -17,6 +17,12 @@
 //   with messages that say what to fix, and nothing is created.
 #include <signal.h>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cmath>
 #include <cstdint>
 #include <fstream>
 #include <functional>
@@ -24,10 +30,13 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_replace.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "common/job_spec.h"
 #include "common/status_testing.h"
@@ -77,7 +86,8 @@ class ControlPlaneTest : public E2eHarness {
                            absl::StrCat("--port=", coordinator_port_), "--port_file=" + pf,
                            "--data_dir=" + dir_ + "/coord", "--auth_token_file=" + token_file_,
                            "--heartbeat_interval_ms=300", "--heartbeat_timeout_ms=2000",
-                           "--node=coordinator"},
+                           "--node=coordinator", "--metrics_port=0",
+                           "--metrics_port_file=" + dir_ + "/coordinator.metrics"},
                           ChildEnv(), NewLog(absl::StrCat("coordinator", starts_))));
     ASSERT_OK(WaitForPortFile(pf, absl::Seconds(60), coord_proc_.get()).status());
   }
@@ -88,7 +98,8 @@ class ControlPlaneTest : public E2eHarness {
     auto p = Subprocess::Start(
         {server_bin_, "--host=127.0.0.1", absl::StrCat("--port=", port), "--port_file=" + pf,
          "--node=" + name, "--data_dir=" + dir_ + "/" + name, "--coordinator=" + coordinator_,
-         "--auth_token_file=" + token_file_},
+         "--auth_token_file=" + token_file_, "--metrics_port=0",
+         "--metrics_port_file=" + dir_ + "/" + name + ".metrics"},
         ChildEnv(), NewLog(absl::StrCat(name, "-", starts_)));
     EXPECT_OK(p);
     if (!p.ok()) return nullptr;
@@ -102,12 +113,50 @@ class ControlPlaneTest : public E2eHarness {
     auto p = Subprocess::Start(
         {worker_bin_, "--host=127.0.0.1", "--peer_port=0", "--port_file=" + pf,
          "--node=" + name, "--coordinator=" + coordinator_, "--auth_token_file=" + token_file_,
-         "--data_dir=" + DataDir(), "--checkpoint_dir=" + dir_ + "/ckpt"},
+         "--data_dir=" + DataDir(), "--checkpoint_dir=" + dir_ + "/ckpt", "--metrics_port=0",
+         "--metrics_port_file=" + dir_ + "/" + name + ".metrics"},
         ChildEnv(), NewLog(absl::StrCat(name, "-", starts_)));
     EXPECT_OK(p);
     if (!p.ok()) return nullptr;
     EXPECT_OK(WaitForPortFile(pf, absl::Seconds(60), p->get()).status());
     return std::move(p).value();
+  }
+
+  // GET /metrics of the daemon `name` (its --metrics_port_file is <dir>/<name>.metrics):
+  // the response body, or "" (a test failure) if it cannot be fetched.
+  std::string Scrape(const std::string& name) {
+    const std::string text = ReadFile(absl::StrCat(dir_, "/", name, ".metrics"));
+    int port = 0;
+    EXPECT_TRUE(absl::SimpleAtoi(absl::StripAsciiWhitespace(text), &port)) << name << ": " << text;
+    const int fd = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    a.sin_port = htons(static_cast<uint16_t>(port));
+    std::string out;
+    if (connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0) {
+      const std::string req = "GET /metrics HTTP/1.1\r\nHost: e2e\r\n\r\n";
+      (void)!write(fd, req.data(), req.size());
+      char buf[4096];
+      ssize_t r;
+      while ((r = read(fd, buf, sizeof(buf))) > 0) out.append(buf, static_cast<size_t>(r));
+    }
+    close(fd);
+    EXPECT_TRUE(absl::StartsWith(out, "HTTP/1.1 200 OK\r\n")) << name << ": " << out;
+    const size_t body = out.find("\r\n\r\n");
+    return body == std::string::npos ? "" : out.substr(body + 4);
+  }
+
+  // The value of the sample line starting with `series` ("name{labels}") in `text`; NaN if
+  // there is none.
+  static double Sample(const std::string& text, const std::string& series) {
+    for (absl::string_view line : absl::StrSplit(text, '\n')) {
+      if (absl::StartsWith(line, series + " ")) {
+        double v;
+        if (absl::SimpleAtod(line.substr(series.size() + 1), &v)) return v;
+      }
+    }
+    return std::nan("");
   }
 
   // Runs the CLI with `args` (the coordinator and token flags added unless `bare`).
@@ -224,6 +273,20 @@ TEST_F(ControlPlaneTest, SubmitAndWatchThroughTheCliReachesAccuracy) {
   ASSERT_EQ(submit.code, 0) << submit.out;
   EXPECT_TRUE(absl::StrContains(submit.out, "mlp-e2e")) << submit.out;
 
+  // While it trains, the worker daemons' /metrics show their rank's progress.
+  ASSERT_TRUE(WaitForStatus(
+      "mlp-e2e", [](const JobStatus& s) { return s.progress().step() >= 100; },
+      absl::Minutes(3)));
+  for (const char* w : {"w0", "w1"}) {
+    const std::string m = Scrape(w);
+    EXPECT_EQ(Sample(m, "gradmesh_worker_ranks{state=\"running\"}"), 1) << w << ":\n" << m;
+    double step = std::nan("");
+    for (int rank = 0; rank < 2 && std::isnan(step); ++rank) {
+      step = Sample(m, absl::StrCat("gradmesh_worker_step{job=\"mlp-e2e\",rank=\"", rank, "\"}"));
+    }
+    EXPECT_GE(step, 50) << w << ":\n" << m;
+  }
+
   CliResult watch = Cli({"watch", "mlp-e2e"}, absl::Minutes(5));
   EXPECT_EQ(watch.code, 0) << watch.out;
   EXPECT_TRUE(absl::StrContains(watch.out, "SUCCEEDED")) << watch.out;
@@ -244,6 +307,28 @@ TEST_F(ControlPlaneTest, SubmitAndWatchThroughTheCliReachesAccuracy) {
   EXPECT_EQ(list.code, 0) << list.out;
   EXPECT_TRUE(absl::StrContains(list.out, "mlp-e2e")) << list.out;
   EXPECT_TRUE(absl::StrContains(list.out, "SUCCEEDED")) << list.out;
+
+  // The coordinator's and the shards' /metrics agree with what the job did.
+  const std::string cm = Scrape("coordinator");
+  EXPECT_EQ(Sample(cm, "gradmesh_coordinator_jobs{state=\"succeeded\"}"), 1) << cm;
+  EXPECT_EQ(Sample(cm, "gradmesh_coordinator_jobs{state=\"running\"}"), 0) << cm;
+  EXPECT_EQ(Sample(cm, "gradmesh_coordinator_nodes{role=\"server\",alive=\"true\"}"), 2) << cm;
+  EXPECT_EQ(Sample(cm, "gradmesh_coordinator_nodes{role=\"worker\",alive=\"true\"}"), 2) << cm;
+  for (const ShardPlacement& shard : st.shards()) {
+    ASSERT_OK_AND_ASSIGN(JobInfoResponse info, GetJobInfo(shard.address(), "mlp-e2e"));
+    const std::string m = Scrape(shard.node());
+    const std::string labels = absl::StrCat("{job=\"mlp-e2e\",shard=\"", shard.shard(), "\"");
+    EXPECT_EQ(Sample(m, "gradmesh_shard_pushes_applied_total" + labels + "}"),
+              static_cast<double>(info.pushes_applied()))
+        << m;
+    EXPECT_GT(info.pushes_applied(), 0);
+    for (int rank = 0; rank < 2; ++rank) {
+      EXPECT_EQ(Sample(m, absl::StrCat("gradmesh_shard_worker_last_step", labels, ",worker=\"",
+                                       rank, "\"}")),
+                static_cast<double>(st.progress().total_steps() - 1))
+          << m;
+    }
+  }
 }
 
 // A worker daemon that goes away mid-job (SIGKILL: missed heartbeats; SIGTERM: preemption,

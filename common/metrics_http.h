@@ -1,0 +1,67 @@
+// MetricsHttpServer: a minimal HTTP/1.1 endpoint for Prometheus scrapes, on its own port
+// (`--metrics_port` of every daemon), beside the daemon's gRPC port.
+//
+//   GET /metrics   200, Content-Type: text/plain; version=0.0.4 (MetricsRegistry::Scrape())
+//   GET /healthz   200, "ok"
+//   other paths    404; other methods 405; an unreadable request 400
+//
+// One connection at a time on one thread (scrapes are seconds apart); every response closes
+// the connection. A client that sends no complete request head (8 KiB at most) within 2 s
+// gets 400 and is closed, so a stalled client delays the next scrape by at most that.
+//
+// Thread safety: the server runs on its own thread; Start and the destructor from one thread.
+#ifndef GRADMESH_COMMON_METRICS_HTTP_H_
+#define GRADMESH_COMMON_METRICS_HTTP_H_
+
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/status/statusor.h"
+#include "common/metrics.h"
+
+namespace gradmesh {
+
+class MetricsHttpServer {
+ public:
+  // Listens on host:port (port 0: a free one; see port()) and serves `registry` (not owned;
+  // must outlive the server). UNAVAILABLE naming the address if it cannot listen.
+  static absl::StatusOr<std::unique_ptr<MetricsHttpServer>> Start(const std::string& host,
+                                                                  int port,
+                                                                  MetricsRegistry* registry);
+  // Stops accepting, finishes the request in progress (at most ~2 s) and joins the thread.
+  ~MetricsHttpServer();
+
+  int port() const { return port_; }
+
+ private:
+  MetricsHttpServer(int listen_fd, int wake_fd, int port, MetricsRegistry* registry);
+  void Loop();
+  void Serve(int fd);
+
+  const int listen_fd_;
+  const int wake_fd_;  // eventfd: written by the destructor to stop Loop().
+  const int port_;
+  MetricsRegistry* const registry_;
+  std::thread thread_;
+};
+
+// How a daemon's main() starts its endpoint (from --metrics_port / --metrics_port_file).
+struct MetricsEndpointOptions {
+  std::string host;       // As the daemon's --host.
+  int port = -1;          // -1: no endpoint; 0: a free port.
+  std::string port_file;  // If set, the bound port is written here (common/daemon.h).
+};
+
+// Starts the endpoint; null (and OK) when options.port < 0. Errors: Start's, or the port
+// file's.
+absl::StatusOr<std::unique_ptr<MetricsHttpServer>> StartMetricsEndpoint(
+    const MetricsEndpointOptions& options, MetricsRegistry* registry);
+
+// The response to one request head (request line + headers, without the body), as sent:
+// status line, headers and body. Exposed for tests.
+std::string MetricsHttpResponse(const std::string& request_head, MetricsRegistry* registry);
+
+}  // namespace gradmesh
+
+#endif  // GRADMESH_COMMON_METRICS_HTTP_H_

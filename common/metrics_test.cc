@@ -1,0 +1,135 @@
+// Tests of the Prometheus text rendering (metrics.h) and the /metrics endpoint
+// (metrics_http.h) over a real socket on 127.0.0.1.
+#include "common/metrics.h"
+
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <limits>
+
+#include "absl/strings/match.h"
+#include "absl/time/clock.h"
+#include "common/metrics_http.h"
+#include "common/status_testing.h"
+#include "gtest/gtest.h"
+
+namespace gradmesh {
+namespace {
+
+TEST(MetricsWriterTest, RendersFamiliesOnceWithEscapedLabelsAndExactValues) {
+  MetricsWriter w;
+  w.Counter("a_total", "Things.\nMore", {{"job", "x\"y\\z\nw"}, {"shard", "0"}}, 3);
+  w.Gauge("b", "B.", {}, 0.25);
+  w.Counter("a_total", "ignored help", {{"job", "j2"}, {"shard", "1"}}, 12345678901234);
+  w.Gauge("a_total", "wrong type: dropped", {}, 1);
+  w.Gauge("c", "C.", {{"k", "v"}}, std::numeric_limits<double>::quiet_NaN());
+  w.Gauge("c", "C.", {{"k", "p"}}, std::numeric_limits<double>::infinity());
+  w.Gauge("c", "C.", {{"k", "m"}}, -std::numeric_limits<double>::infinity());
+  w.Gauge("d", "D.", {}, 1.0 / 3);
+  EXPECT_EQ(w.Render(),
+            "# HELP a_total Things.\\nMore\n"
+            "# TYPE a_total counter\n"
+            "a_total{job=\"x\\\"y\\\\z\\nw\",shard=\"0\"} 3\n"
+            "a_total{job=\"j2\",shard=\"1\"} 12345678901234\n"
+            "# HELP b B.\n"
+            "# TYPE b gauge\n"
+            "b 0.25\n"
+            "# HELP c C.\n"
+            "# TYPE c gauge\n"
+            "c{k=\"v\"} NaN\n"
+            "c{k=\"p\"} +Inf\n"
+            "c{k=\"m\"} -Inf\n"
+            "# HELP d D.\n"
+            "# TYPE d gauge\n"
+            "d 0.33333333333333331\n");
+}
+
+TEST(MetricsRegistryTest, ScrapeRunsEveryCollectorInOrderAndCountsScrapes) {
+  MetricsRegistry r;
+  int calls = 0;
+  r.AddCollector([&](MetricsWriter* w) { w->Gauge("first", "F.", {}, ++calls); });
+  r.AddCollector([&](MetricsWriter* w) { w->Gauge("second", "S.", {}, 7); });
+  const std::string one = r.Scrape();
+  EXPECT_LT(one.find("first 1\n"), one.find("second 7\n"));
+  EXPECT_TRUE(absl::StrContains(one, "gradmesh_scrapes_total 1\n")) << one;
+  EXPECT_TRUE(absl::StrContains(one, "# TYPE gradmesh_process_start_time_seconds gauge\n"));
+  const std::string two = r.Scrape();
+  EXPECT_TRUE(absl::StrContains(two, "first 2\n")) << two;
+  EXPECT_TRUE(absl::StrContains(two, "gradmesh_scrapes_total 2\n")) << two;
+}
+
+TEST(MetricsHttpResponseTest, AnswersByMethodAndPath) {
+  MetricsRegistry r;
+  r.AddCollector([](MetricsWriter* w) { w->Gauge("g", "G.", {}, 5); });
+  const std::string ok = MetricsHttpResponse("GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n", &r);
+  EXPECT_TRUE(absl::StartsWith(ok, "HTTP/1.1 200 OK\r\n")) << ok;
+  EXPECT_TRUE(absl::StrContains(ok, "Content-Type: text/plain; version=0.0.4; charset=utf-8\r\n"));
+  EXPECT_TRUE(absl::StrContains(ok, "\r\n\r\n# HELP g G.\n# TYPE g gauge\ng 5\n")) << ok;
+  const std::string body = ok.substr(ok.find("\r\n\r\n") + 4);
+  EXPECT_TRUE(absl::StrContains(ok, absl::StrCat("Content-Length: ", body.size(), "\r\n")));
+  EXPECT_TRUE(absl::StartsWith(MetricsHttpResponse("GET /metrics?x=1 HTTP/1.0\r\n\r\n", &r),
+                               "HTTP/1.1 200 OK"));
+  const std::string head = MetricsHttpResponse("HEAD /metrics HTTP/1.1\r\n\r\n", &r);
+  EXPECT_TRUE(absl::StartsWith(head, "HTTP/1.1 200 OK"));
+  EXPECT_TRUE(absl::EndsWith(head, "\r\n\r\n")) << head;  // No body.
+  EXPECT_TRUE(absl::StrContains(MetricsHttpResponse("GET /healthz HTTP/1.1\r\n\r\n", &r),
+                                "\r\n\r\nok\n"));
+  EXPECT_TRUE(absl::StartsWith(MetricsHttpResponse("GET /x HTTP/1.1\r\n\r\n", &r),
+                               "HTTP/1.1 404 Not Found"));
+  EXPECT_TRUE(absl::StartsWith(MetricsHttpResponse("POST /metrics HTTP/1.1\r\n\r\n", &r),
+                               "HTTP/1.1 405 Method Not Allowed"));
+  EXPECT_TRUE(absl::StartsWith(MetricsHttpResponse("hello\r\n\r\n", &r),
+                               "HTTP/1.1 400 Bad Request"));
+}
+
+// Sends `request` to 127.0.0.1:port and returns everything the server answers.
+std::string Fetch(int port, const std::string& request) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  if (connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0) {
+    close(fd);
+    return "connect failed";
+  }
+  if (!request.empty()) (void)!write(fd, request.data(), request.size());
+  std::string out;
+  char buf[4096];
+  ssize_t r;
+  while ((r = read(fd, buf, sizeof(buf))) > 0) out.append(buf, static_cast<size_t>(r));
+  close(fd);
+  return out;
+}
+
+TEST(MetricsHttpServerTest, ServesScrapesOverTcpAndSurvivesBadClients) {
+  MetricsRegistry r;
+  r.AddCollector([](MetricsWriter* w) { w->Counter("hits_total", "H.", {{"a", "b"}}, 42); });
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<MetricsHttpServer> server,
+                       MetricsHttpServer::Start("127.0.0.1", 0, &r));
+  ASSERT_GT(server->port(), 0);
+  const std::string got = Fetch(server->port(), "GET /metrics HTTP/1.1\r\nHost: t\r\n\r\n");
+  EXPECT_TRUE(absl::StartsWith(got, "HTTP/1.1 200 OK\r\n")) << got;
+  EXPECT_TRUE(absl::StrContains(got, "hits_total{a=\"b\"} 42\n")) << got;
+  // A client that sends half a request and goes quiet gets 400 after ~2 s; the next scrape
+  // is served after it.
+  const absl::Time start = absl::Now();
+  EXPECT_TRUE(absl::StartsWith(Fetch(server->port(), "GET /metr"), "HTTP/1.1 400")) << "stall";
+  EXPECT_LT(absl::Now() - start, absl::Seconds(4));
+  EXPECT_TRUE(absl::StrContains(Fetch(server->port(), "GET /healthz HTTP/1.1\r\n\r\n"), "ok\n"));
+  // A request head over 8 KiB is refused.
+  EXPECT_TRUE(absl::StartsWith(
+      Fetch(server->port(), "GET /metrics HTTP/1.1\r\nX: " + std::string(9000, 'x')),
+      "HTTP/1.1 400"));
+  // The port is taken while it runs.
+  EXPECT_STATUS_MSG(MetricsHttpServer::Start("127.0.0.1", server->port(), &r).status(),
+                    absl::StatusCode::kUnavailable, "metrics endpoint 127.0.0.1:");
+  const int port = server->port();
+  server.reset();  // Stops promptly.
+  EXPECT_EQ(Fetch(port, "GET /metrics HTTP/1.1\r\n\r\n"), "connect failed");
+}
+
+}  // namespace
+}  // namespace gradmesh

@@ -1,0 +1,47 @@
+// CollectWorkerMetrics / ReportFromProgress: exact samples for known reports.
+#include "worker/worker_metrics.h"
+
+#include "absl/strings/match.h"
+#include "gtest/gtest.h"
+
+namespace gradmesh {
+namespace {
+
+TEST(WorkerMetricsTest, RanksByStateAndPerRankFigures) {
+  TrainProgress p;
+  p.step = 120;
+  p.total_steps = 938;
+  p.epoch = 1;
+  p.loss = 0.5;
+  p.samples_per_s = 8000;
+  p.checkpoint_step = 100;
+  TaskReport running = ReportFromProgress("mnist", 1, "running", p);
+  EXPECT_EQ(running.job_id(), "mnist");
+  EXPECT_EQ(running.index(), 1);
+  EXPECT_EQ(running.step(), 120);
+  p.accuracy = 0.975;
+  TaskReport done = ReportFromProgress("other", 0, "succeeded", p);
+  MetricsWriter w;
+  CollectWorkerMetrics({running, done}, &w);
+  const std::string text = w.Render();
+  for (const char* line : {
+           "gradmesh_worker_ranks{state=\"running\"} 1\n",
+           "gradmesh_worker_ranks{state=\"succeeded\"} 1\n",
+           "gradmesh_worker_step{job=\"mnist\",rank=\"1\"} 120\n",
+           "gradmesh_worker_total_steps{job=\"mnist\",rank=\"1\"} 938\n",
+           "gradmesh_worker_loss{job=\"mnist\",rank=\"1\"} 0.5\n",
+           "gradmesh_worker_samples_per_second{job=\"mnist\",rank=\"1\"} 8000\n",
+           "gradmesh_worker_checkpoint_step{job=\"mnist\",rank=\"1\"} 100\n",
+           "gradmesh_worker_accuracy{job=\"other\",rank=\"0\"} 0.97499999999999998\n",
+       }) {
+    EXPECT_TRUE(absl::StrContains(text, line)) << line << "\nin:\n" << text;
+  }
+  EXPECT_FALSE(absl::StrContains(text, "gradmesh_worker_accuracy{job=\"mnist\"")) << text;
+  // No ranks: the running count is still there (0), so dashboards see the daemon.
+  MetricsWriter empty;
+  CollectWorkerMetrics({}, &empty);
+  EXPECT_TRUE(absl::StrContains(empty.Render(), "gradmesh_worker_ranks{state=\"running\"} 0\n"));
+}
+
+}  // namespace
+}  // namespace gradmesh
