@@ -40,14 +40,17 @@ int MillisUntil(absl::Time deadline) {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<MetricsHttpServer>> StartMetricsEndpoint(
-    const MetricsEndpointOptions& options, MetricsRegistry* registry) {
+    const MetricsEndpointOptions& options, MetricsRegistry* registry, const Logger* logger) {
   if (options.port < 0) return std::unique_ptr<MetricsHttpServer>();
   absl::StatusOr<std::unique_ptr<MetricsHttpServer>> server =
       MetricsHttpServer::Start(options.host, options.port, registry);
-  if (!server.ok() || options.port_file.empty()) return server;
-  if (absl::Status st = WritePortFile(options.port_file, (*server)->port()); !st.ok()) {
-    return st;
+  if (!server.ok()) return server;
+  if (!options.port_file.empty()) {
+    if (absl::Status st = WritePortFile(options.port_file, (*server)->port()); !st.ok()) {
+      return st;
+    }
   }
+  if (logger != nullptr) logger->Info("metrics_listening", {Kv("port", (*server)->port())});
   return server;
 }
 

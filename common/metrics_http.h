@@ -18,6 +18,7 @@
 #include <thread>
 
 #include "absl/status/statusor.h"
+#include "common/logging.h"
 #include "common/metrics.h"
 
 namespace gradmesh {
@@ -53,10 +54,10 @@ struct MetricsEndpointOptions {
   std::string port_file;  // If set, the bound port is written here (common/daemon.h).
 };
 
-// Starts the endpoint; null (and OK) when options.port < 0. Errors: Start's, or the port
-// file's.
+// Starts the endpoint and logs event=metrics_listening port=N to `logger` (may be null);
+// null (and OK) when options.port < 0. Errors: Start's, or the port file's.
 absl::StatusOr<std::unique_ptr<MetricsHttpServer>> StartMetricsEndpoint(
-    const MetricsEndpointOptions& options, MetricsRegistry* registry);
+    const MetricsEndpointOptions& options, MetricsRegistry* registry, const Logger* logger);
 
 // The response to one request head (request line + headers, without the body), as sent:
 // status line, headers and body. Exposed for tests.

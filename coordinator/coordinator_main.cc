@@ -122,13 +122,10 @@ int Run(const CoordinatorMainOptions& options) {
   metrics.AddCollector([core](MetricsWriter* w) {
     CollectCoordinatorMetrics(core->ListJobs(), core->ListNodes(), w);
   });
-  auto metrics_server = StartMetricsEndpoint(options.metrics, &metrics);
+  auto metrics_server = StartMetricsEndpoint(options.metrics, &metrics, &logger);
   if (!metrics_server.ok()) {
     logger.Error("listen_failed", {Kv("error", metrics_server.status().ToString())});
     return 1;
-  }
-  if (*metrics_server != nullptr) {
-    logger.Info("metrics_listening", {Kv("port", (*metrics_server)->port())});
   }
   const std::string sig = WaitForTerminationSignal();
   logger.Info("shutting_down", {Kv("signal", sig)});

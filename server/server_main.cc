@@ -122,13 +122,10 @@ int Run(ServerMainOptions options) {
   MetricsRegistry metrics;
   Shard* const shard_ptr = shard->get();
   metrics.AddCollector([shard_ptr](MetricsWriter* w) { CollectShardMetrics(shard_ptr, w); });
-  auto metrics_server = StartMetricsEndpoint(options.metrics, &metrics);
+  auto metrics_server = StartMetricsEndpoint(options.metrics, &metrics, &logger);
   if (!metrics_server.ok()) {
     logger.Error("listen_failed", {Kv("error", metrics_server.status().ToString())});
     return 1;
-  }
-  if (*metrics_server != nullptr) {
-    logger.Info("metrics_listening", {Kv("port", (*metrics_server)->port())});
   }
   std::unique_ptr<NodeAgent> agent;
   absl::Mutex tasks_mu;

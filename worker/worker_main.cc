@@ -284,13 +284,10 @@ int RunService() {
   MetricsRegistry metrics;
   metrics.AddCollector(
       [&worker_agent](MetricsWriter* w) { CollectWorkerMetrics(worker_agent.Reports(), w); });
-  auto metrics_server = StartMetricsEndpoint(MetricsFlags(), &metrics);
+  auto metrics_server = StartMetricsEndpoint(MetricsFlags(), &metrics, &logger);
   if (!metrics_server.ok()) {
     logger.Error("listen_failed", {Kv("error", metrics_server.status().ToString())});
     return 1;
-  }
-  if (*metrics_server != nullptr) {
-    logger.Info("metrics_listening", {Kv("port", (*metrics_server)->port())});
   }
 
   NodeAgentOptions ao;
@@ -345,13 +342,10 @@ int Run() {
     absl::MutexLock lock(&progress_mu);
     CollectWorkerMetrics({latest}, w);
   });
-  auto metrics_server = StartMetricsEndpoint(MetricsFlags(), &metrics);
+  auto metrics_server = StartMetricsEndpoint(MetricsFlags(), &metrics, &logger);
   if (!metrics_server.ok()) {
     logger.Error("listen_failed", {Kv("error", metrics_server.status().ToString())});
     return 1;
-  }
-  if (*metrics_server != nullptr) {
-    logger.Info("metrics_listening", {Kv("port", (*metrics_server)->port())});
   }
   logger.Info("job_spec", {Kv("job", o.trainer.spec.name()), Kv("spec", JobSpecToJson(o.trainer.spec))});
   const GrpcParameterClientOptions client_options = o.client;
