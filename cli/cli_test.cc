@@ -346,7 +346,7 @@ TEST_F(CliTest, BadTokenFilesAreUsageErrors) {
   EXPECT_TRUE(absl::StrContains(r.err, "is empty")) << r.err;
   r = Run({"--auth_token_file=" + dir_ + "/none", "list"});
   EXPECT_EQ(r.code, kExitUsage);
-  EXPECT_EQ(r.err, absl::StrCat("error: cannot read API token file ", dir_, "/none\n"));
+  EXPECT_EQ(r.err, absl::StrCat("error: cannot read token file ", dir_, "/none\n"));
   EXPECT_EQ(fake().calls(), 0);
 }
 

@@ -15,18 +15,18 @@ namespace gradmesh {
 
 absl::StatusOr<std::string> ReadTokenFile(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat("cannot read API token file ", path));
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot read token file ", path));
   std::stringstream ss;
   ss << in.rdbuf();
   const std::string token(absl::StripAsciiWhitespace(ss.str()));
   if (token.empty()) {
     return absl::InvalidArgumentError(
-        absl::StrCat("API token file ", path, " is empty; write a secret token into it"));
+        absl::StrCat("token file ", path, " is empty; write a secret token into it"));
   }
   for (unsigned char c : token) {
     if (c < 0x21 || c == 0x7f) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "API token file ", path,
+          "token file ", path,
           " must hold one token without spaces or control characters (it is sent as a header)"));
     }
   }
@@ -45,8 +45,8 @@ bool ConstantTimeEquals(absl::string_view a, absl::string_view b) {
 }
 
 absl::Status CheckBearerToken(const std::multimap<grpc::string_ref, grpc::string_ref>& metadata,
-                              absl::string_view token) {
-  const absl::Status denied = absl::UnauthenticatedError("missing or wrong API token");
+                              absl::string_view token, absl::string_view what) {
+  const absl::Status denied = absl::UnauthenticatedError(absl::StrCat("missing or wrong ", what));
   const auto range = metadata.equal_range(kAuthorizationMetadataKey);
   if (range.first == range.second) return denied;
   // Exactly one header: a second one would make the meaning ambiguous.
@@ -65,7 +65,7 @@ void AddBearerToken(absl::string_view token, grpc::ClientContext* context) {
 
 absl::Status TokenChecker::Check(const grpc::ServerContextBase& context) const {
   if (token_.empty()) return absl::OkStatus();
-  return CheckBearerToken(context.client_metadata(), token_);
+  return CheckBearerToken(context.client_metadata(), token_, what_);
 }
 
 }  // namespace gradmesh

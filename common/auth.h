@@ -2,6 +2,11 @@
 // NodeService, and the clients that call them: the `gradmesh` CLI, daemons with
 // --coordinator).
 //
+// The coordinator may hold two tokens: the API token (--auth_token_file) for JobService (users,
+// the CLI) and a node token (--node_token_file) for NodeService (daemons), so a daemon, or
+// code running in one, cannot call JobService and read other jobs' tokens. Without
+// --node_token_file the API token serves both.
+//
 // A token is a shared secret read from a file (--auth_token_file). Clients send it as the
 // gRPC metadata header `authorization: Bearer <token>`; the server checks it at the top of
 // every method and answers UNAUTHENTICATED "missing or wrong API token" otherwise. Tokens are
@@ -48,10 +53,10 @@ absl::StatusOr<std::string> ReadTokenFile(const std::string& path);
 bool ConstantTimeEquals(absl::string_view a, absl::string_view b);
 
 // Checks `authorization: Bearer <token>` in a request's metadata against `token`.
-// OK if it matches; Unauthenticated "missing or wrong API token" if the header is absent,
+// OK if it matches; Unauthenticated "missing or wrong <what>" if the header is absent,
 // malformed or holds another token. (The message does not say which, so a caller cannot probe.)
 absl::Status CheckBearerToken(const std::multimap<grpc::string_ref, grpc::string_ref>& metadata,
-                              absl::string_view token);
+                              absl::string_view token, absl::string_view what = "API token");
 
 // Adds `authorization: Bearer <token>` to an outgoing call. Does nothing for an empty token
 // (a coordinator without --auth_token_file accepts calls without the header).
@@ -59,9 +64,11 @@ void AddBearerToken(absl::string_view token, grpc::ClientContext* context);
 
 // Server-side check bound to one token. An empty token disables the check (every call is
 // accepted), which is how a coordinator without --auth_token_file runs.
+// `what` names the token in the error ("API token", "node token").
 class TokenChecker {
  public:
-  explicit TokenChecker(std::string token) : token_(std::move(token)) {}
+  explicit TokenChecker(std::string token, std::string what = "API token")
+      : token_(std::move(token)), what_(std::move(what)) {}
 
   bool enabled() const { return !token_.empty(); }
 
@@ -70,6 +77,7 @@ class TokenChecker {
 
  private:
   const std::string token_;
+  const std::string what_;
 };
 
 }  // namespace gradmesh

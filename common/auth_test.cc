@@ -38,7 +38,7 @@ TEST(ReadTokenFileTest, InnerWhitespaceIsAnError) {
 
 TEST(ReadTokenFileTest, MissingFileIsNotFound) {
   EXPECT_STATUS_MSG(ReadTokenFile("/nonexistent/dir/token"), absl::StatusCode::kNotFound,
-                    "cannot read API token file /nonexistent/dir/token");
+                    "cannot read token file /nonexistent/dir/token");
 }
 
 TEST(ConstantTimeEqualsTest, ComparesContentAndLength) {

@@ -2,11 +2,14 @@
 // server and worker daemons started with --coordinator). See coordinator/coordinator.h.
 //
 //   gradmesh_coordinator --data_dir=DIR [--host=127.0.0.1] [--port=7000] [--port_file=F]
-//                        [--auth_token_file=F] [--heartbeat_interval_ms=500]
-//                        [--heartbeat_timeout_ms=3000] [--node=NAME]
+//                        [--auth_token_file=F [--node_token_file=G]]
+//                        [--heartbeat_interval_ms=500] [--heartbeat_timeout_ms=3000]
+//                        [--node=NAME] [--metrics_port=-1]
 //
 // Jobs and nodes live in RocksDB under --data_dir; a restart on the same directory knows every
-// job. With --auth_token_file every call must carry `authorization: Bearer <token>`.
+// job. With --auth_token_file every call must carry `authorization: Bearer <token>`; with
+// --node_token_file too, NodeService (daemons) takes that token and JobService (users) only
+// the API token.
 // SIGTERM/SIGINT: stops accepting calls, ends watches, writes pending progress, exits 0.
 // Exit codes: 0 after a signal, 2 for bad flags, 1 if it cannot start.
 #include <chrono>
@@ -41,7 +44,12 @@ ABSL_FLAG(std::string, metrics_port_file, "",
           "If set, the metrics endpoint's bound port is written to this file.");
 ABSL_FLAG(std::string, data_dir, "", "RocksDB directory of the job and node tables (required).");
 ABSL_FLAG(std::string, auth_token_file, "",
-          "File holding the API token every call must present (empty: no authentication).");
+          "File holding the API token every call must present (empty: no authentication). "
+          "With --node_token_file, only JobService calls (users, the CLI).");
+ABSL_FLAG(std::string, node_token_file, "",
+          "File holding the node token NodeService calls (server and worker daemons) must "
+          "present instead of the API token, so daemons cannot call JobService (and read other "
+          "jobs' tokens). Empty: the API token serves both.");
 ABSL_FLAG(int64_t, heartbeat_interval_ms, 500, "Heartbeat interval daemons are told to use, ms.");
 ABSL_FLAG(int64_t, heartbeat_timeout_ms, 3000,
           "A node without heartbeats for this long is dead and its ranks are moved, ms.");
@@ -56,6 +64,7 @@ struct CoordinatorMainOptions {
   std::string port_file;
   std::string data_dir;
   std::string auth_token_file;
+  std::string node_token_file;
   std::string node;
   int64_t heartbeat_interval_ms = 500;
   int64_t heartbeat_timeout_ms = 3000;
@@ -84,6 +93,25 @@ int Run(const CoordinatorMainOptions& options) {
     }
     token = *t;
   }
+  std::string node_token = token;
+  if (!options.node_token_file.empty()) {
+    if (token.empty()) {
+      logger.Error("bad_arguments",
+                   {Kv("error", "--node_token_file needs --auth_token_file (the API token)")});
+      return 2;
+    }
+    absl::StatusOr<std::string> t = ReadTokenFile(options.node_token_file);
+    if (!t.ok()) {
+      logger.Error("bad_arguments", {Kv("error", t.status().ToString())});
+      return 2;
+    }
+    if (*t == token) {
+      logger.Error("bad_arguments",
+                   {Kv("error", "--node_token_file holds the API token; use a different secret")});
+      return 2;
+    }
+    node_token = *t;
+  }
   auto store = CoordinatorStore::Open(options.data_dir, CoordinatorStore::Options());
   if (!store.ok()) {
     logger.Error("store_open_failed", {Kv("error", store.status().ToString())});
@@ -102,8 +130,9 @@ int Run(const CoordinatorMainOptions& options) {
     return 1;
   }
   TokenChecker auth(token);
+  TokenChecker node_auth(node_token, options.node_token_file.empty() ? "API token" : "node token");
   JobServiceImpl job_service(coordinator->get(), &auth);
-  NodeServiceImpl node_service(coordinator->get(), &auth);
+  NodeServiceImpl node_service(coordinator->get(), &node_auth);
   int port = 0;
   auto started = StartGrpcServer(options.address, {&job_service, &node_service}, RpcOptions(),
                                  options.port_file, &port);
@@ -115,7 +144,9 @@ int Run(const CoordinatorMainOptions& options) {
   std::unique_ptr<grpc::Server> server = std::move(started).value();
   const std::string host = options.address.substr(0, options.address.rfind(':'));
   logger.Info("listening", {Kv("address", absl::StrCat(host, ":", port)), Kv("port", port),
-                            Kv("auth", auth.enabled() ? "token" : "none"),
+                            Kv("auth", !auth.enabled()                      ? "none"
+                                       : options.node_token_file.empty() ? "token"
+                                                                         : "api+node"),
                             Kv("data_dir", options.data_dir)});
   MetricsRegistry metrics;
   Coordinator* const core = coordinator->get();
@@ -153,6 +184,7 @@ int main(int argc, char** argv) {
   options.metrics.port_file = absl::GetFlag(FLAGS_metrics_port_file);
   options.data_dir = absl::GetFlag(FLAGS_data_dir);
   options.auth_token_file = absl::GetFlag(FLAGS_auth_token_file);
+  options.node_token_file = absl::GetFlag(FLAGS_node_token_file);
   options.node =
       absl::GetFlag(FLAGS_node).empty() ? gradmesh::HostName() : absl::GetFlag(FLAGS_node);
   options.heartbeat_interval_ms = absl::GetFlag(FLAGS_heartbeat_interval_ms);

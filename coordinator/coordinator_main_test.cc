@@ -73,6 +73,25 @@ TEST_F(CoordinatorMainTest, BadFlagsExitTwo) {
   ASSERT_OK_AND_ASSIGN(code, (*proc)->Wait(absl::Seconds(20)));
   EXPECT_EQ(code, 2);
   EXPECT_EQ(LinesWith(ReadFile(dir_ + "/empty.log"), "is empty").size(), 1u);
+
+  // A node token needs an API token, and must differ from it.
+  const std::string tok = dir_ + "/t.token";
+  std::ofstream(tok) << "same\n";
+  const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
+      {{"--node_token_file=" + tok}, "--node_token_file needs --auth_token_file"},
+      {{"--auth_token_file=" + tok, "--node_token_file=" + tok}, "holds the API token"},
+  };
+  for (size_t i = 0; i < cases.size(); ++i) {
+    std::vector<std::string> argv = {binary_, "--port=0",
+                                     absl::StrCat("--data_dir=", dir_, "/n", i)};
+    argv.insert(argv.end(), cases[i].first.begin(), cases[i].first.end());
+    const std::string log = absl::StrCat(dir_, "/node", i, ".log");
+    proc = Subprocess::Start(argv, {}, log);
+    ASSERT_OK(proc);
+    ASSERT_OK_AND_ASSIGN(code, (*proc)->Wait(absl::Seconds(20)));
+    EXPECT_EQ(code, 2) << cases[i].second;
+    EXPECT_EQ(LinesWith(ReadFile(log), cases[i].second).size(), 1u) << ReadFile(log);
+  }
 }
 
 TEST_F(CoordinatorMainTest, ServesWithTokenAndRestartsWithItsTables) {
@@ -137,6 +156,41 @@ TEST_F(CoordinatorMainTest, ServesWithTokenAndRestartsWithItsTables) {
   ASSERT_OK(proc_->Signal(SIGTERM));
   ASSERT_OK_AND_ASSIGN(code, proc_->Wait(absl::Seconds(20)));
   EXPECT_EQ(code, 0);
+}
+
+TEST_F(CoordinatorMainTest, NodeTokenSeparatesDaemonsFromUsers) {
+  const std::string api_file = dir_ + "/api.token";
+  const std::string node_file = dir_ + "/node.token";
+  std::ofstream(api_file) << "api-secret\n";
+  std::ofstream(node_file) << "node-secret\n";
+  ASSERT_OK_AND_ASSIGN(int port, Start("tokens", {"--data_dir=" + dir_ + "/t2",
+                                                  "--auth_token_file=" + api_file,
+                                                  "--node_token_file=" + node_file}));
+  auto channel = MakeChannel(absl::StrCat("127.0.0.1:", port), RpcOptions());
+  auto jobs = JobService::NewStub(channel);
+  auto nodes = NodeService::NewStub(channel);
+  RegisterRequest reg;
+  reg.mutable_node()->set_name("s0");
+  reg.mutable_node()->set_role(SERVER);
+  reg.mutable_node()->set_address("127.0.0.1:1");
+  reg.mutable_node()->set_slots(1);
+  RegisterResponse reg_resp;
+  // Daemons: the node token, not the API token.
+  grpc::Status st = nodes->Register(Ctx("api-secret").get(), reg, &reg_resp);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_EQ(st.error_message(), "missing or wrong node token");
+  EXPECT_TRUE(nodes->Register(Ctx("node-secret").get(), reg, &reg_resp).ok());
+  // Users: the API token; a daemon's node token cannot list jobs (or read their tokens).
+  ListJobsRequest list;
+  ListJobsResponse listed;
+  st = jobs->ListJobs(Ctx("node-secret").get(), list, &listed);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_EQ(st.error_message(), "missing or wrong API token");
+  EXPECT_TRUE(jobs->ListJobs(Ctx("api-secret").get(), list, &listed).ok());
+  ASSERT_OK(proc_->Signal(SIGTERM));
+  ASSERT_OK_AND_ASSIGN(int code, proc_->Wait(absl::Seconds(20)));
+  EXPECT_EQ(code, 0);
+  EXPECT_EQ(LinesWith(ReadFile(log_), "auth=api+node").size(), 1u) << ReadFile(log_);
 }
 
 }  // namespace

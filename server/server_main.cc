@@ -54,7 +54,8 @@ ABSL_FLAG(std::string, coordinator, "",
           "Service mode: host:port of gradmesh_coordinator to register with. Jobs' shards are "
           "then placed here by the coordinator, and only its tasks' job tokens are accepted.");
 ABSL_FLAG(std::string, auth_token_file, "",
-          "File holding the coordinator's API token (service mode).");
+          "Service mode: file holding the token the coordinator takes from daemons (its "
+          "--node_token_file, or its API token when it has none).");
 ABSL_FLAG(std::string, advertise, "",
           "host:port the coordinator hands to workers (default: --host, or this host's name "
           "when --host is 0.0.0.0, with the bound port).");

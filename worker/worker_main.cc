@@ -54,7 +54,9 @@ ABSL_FLAG(std::string, coordinator, "",
           "Service mode: host:port of gradmesh_coordinator. The worker registers, serves its "
           "peer service on --peer_port and runs the tasks the coordinator places on it; no "
           "--job/--servers/--rank then.");
-ABSL_FLAG(std::string, auth_token_file, "", "File holding the coordinator's API token.");
+ABSL_FLAG(std::string, auth_token_file, "",
+          "Service mode: file holding the token the coordinator takes from daemons (its "
+          "--node_token_file, or its API token when it has none).");
 ABSL_FLAG(int, peer_port, 0, "Service mode: peer-service port (0 = any free one).");
 ABSL_FLAG(std::string, host, "0.0.0.0", "Service mode: address the peer service listens on.");
 ABSL_FLAG(std::string, advertise_host, "",
