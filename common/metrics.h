@@ -38,7 +38,7 @@ class MetricsWriter {
  public:
   // Adds one sample of family `name` (a valid Prometheus metric name; counters end in
   // _total). The first sample of a family fixes its help and type; a later sample of the
-  // same family with another type is a programmer error (CHECK).
+  // same family with another type is dropped (a collector bug must not crash a daemon).
   void Add(absl::string_view name, MetricType type, absl::string_view help,
            const MetricLabels& labels, double value);
   void Counter(absl::string_view name, absl::string_view help, const MetricLabels& labels,
@@ -75,7 +75,8 @@ class MetricsRegistry {
   void AddCollector(Collector collector) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Runs every collector and renders their samples, plus gradmesh_process_start_time_seconds
-  // (a gauge) and gradmesh_scrapes_total.
+  // (a gauge: when the registry was made, i.e. the daemon's start-up) and
+  // gradmesh_scrapes_total.
   std::string Scrape() ABSL_LOCKS_EXCLUDED(mu_);
 
  private:

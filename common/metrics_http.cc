@@ -95,7 +95,9 @@ absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
   int fd = -1;
   std::string last = "no address";
   for (addrinfo* ai = res; ai != nullptr && fd < 0; ai = ai->ai_next) {
-    fd = socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol);
+    // Non-blocking: a connection that vanishes between poll and accept must not block the
+    // loop (the destructor could not wake it).
+    fd = socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, ai->ai_protocol);
     if (fd < 0) {
       last = std::strerror(errno);
       continue;
@@ -152,6 +154,15 @@ void MetricsHttpServer::Loop() {
       continue;
     }
     Serve(fd);
+    // Unread input (a body, an oversized head) would make close() send a reset that can cut
+    // the response short: end our side, then drain briefly.
+    shutdown(fd, SHUT_WR);
+    const absl::Time drain_until = absl::Now() + absl::Milliseconds(200);
+    char sink[4096];
+    pollfd drain{fd, POLLIN, 0};
+    while (poll(&drain, 1, MillisUntil(drain_until)) > 0 &&
+           recv(fd, sink, sizeof(sink), 0) > 0) {
+    }
     close(fd);
   }
 }

@@ -904,6 +904,7 @@ absl::StatusOr<JobStatus> Coordinator::GetJob(const std::string& job_id) {
 std::vector<coordinator_state::NodeRecord> Coordinator::ListNodes() {
   absl::MutexLock lock(&mu_);
   CheckNodesLocked();
+  (void)PersistLocked();
   std::vector<coordinator_state::NodeRecord> out;
   for (const auto& kv : nodes_) out.push_back(kv.second.record);
   return out;

@@ -18,6 +18,10 @@ void CollectCoordinatorMetrics(const std::vector<JobStatus>& jobs,
              {{"state", absl::AsciiStrToLower(JobState_Name(state))}}, count);
   }
   std::map<std::pair<std::string, bool>, int> node_counts;
+  for (const char* role : {"server", "worker"}) {
+    node_counts[{role, true}] = 0;  // Every combination, so a series drops to 0, not away.
+    node_counts[{role, false}] = 0;
+  }
   for (const coordinator_state::NodeRecord& n : nodes) {
     ++node_counts[{absl::AsciiStrToLower(NodeRole_Name(n.info().role())), n.alive()}];
   }
@@ -27,7 +31,7 @@ void CollectCoordinatorMetrics(const std::vector<JobStatus>& jobs,
   }
   for (const JobStatus& j : jobs) {
     if (j.state() != PENDING && j.state() != RUNNING && j.state() != PAUSED) continue;
-    const MetricLabels l = {{"job", j.job_id()}};
+    const MetricLabels l = {{"job_id", j.job_id()}};
     const JobProgress& p = j.progress();
     w->Gauge("gradmesh_job_step", "Steps done by the job's slowest rank.", l,
              static_cast<double>(p.step()));

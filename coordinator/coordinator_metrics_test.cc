@@ -48,21 +48,22 @@ TEST(CoordinatorMetricsTest, CountsJobsAndNodesAndDetailsOnlyLiveJobs) {
            "gradmesh_coordinator_jobs{state=\"failed\"} 0\n",
            "gradmesh_coordinator_jobs{state=\"cancelled\"} 0\n",
            "gradmesh_coordinator_nodes{role=\"server\",alive=\"true\"} 1\n",
+           "gradmesh_coordinator_nodes{role=\"server\",alive=\"false\"} 0\n",
            "gradmesh_coordinator_nodes{role=\"worker\",alive=\"false\"} 1\n",
            "gradmesh_coordinator_nodes{role=\"worker\",alive=\"true\"} 2\n",
-           "gradmesh_job_step{job=\"run\"} 410\n",
-           "gradmesh_job_total_steps{job=\"run\"} 938\n",
-           "gradmesh_job_loss{job=\"run\"} 0.25\n",
-           "gradmesh_job_samples_per_second{job=\"run\"} 16000.5\n",
-           "gradmesh_job_workers{job=\"run\"} 2\n",
-           "gradmesh_job_workers{job=\"p\"} 2\n",
-           "gradmesh_job_paused{job=\"p\"} 1\n",
-           "gradmesh_job_paused{job=\"run\"} 0\n",
+           "gradmesh_job_step{job_id=\"run\"} 410\n",
+           "gradmesh_job_total_steps{job_id=\"run\"} 938\n",
+           "gradmesh_job_loss{job_id=\"run\"} 0.25\n",
+           "gradmesh_job_samples_per_second{job_id=\"run\"} 16000.5\n",
+           "gradmesh_job_workers{job_id=\"run\"} 2\n",
+           "gradmesh_job_workers{job_id=\"p\"} 2\n",
+           "gradmesh_job_paused{job_id=\"p\"} 1\n",
+           "gradmesh_job_paused{job_id=\"run\"} 0\n",
        }) {
     EXPECT_TRUE(absl::StrContains(text, line)) << line << "\nin:\n" << text;
   }
   // The ended job is only counted; no live job has an accuracy yet.
-  EXPECT_FALSE(absl::StrContains(text, "job=\"old\"")) << text;
+  EXPECT_FALSE(absl::StrContains(text, "job_id=\"old\"")) << text;
   EXPECT_FALSE(absl::StrContains(text, "gradmesh_job_accuracy")) << text;
 }
 

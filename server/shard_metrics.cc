@@ -14,14 +14,16 @@ void CollectShardMetrics(Shard* shard, MetricsWriter* w) {
     req.set_job(name);
     absl::StatusOr<JobInfoResponse> info = shard->GetJobInfo(req);
     if (!info.ok()) continue;
-    const MetricLabels l = {{"job", name}, {"shard", absl::StrCat(info->shard_index())}};
-    w->Counter("gradmesh_shard_pushes_applied_total",
-               "Pushes applied by this shard (retried duplicates excluded).", l,
+    const MetricLabels l = {{"job_id", name}, {"shard", absl::StrCat(info->shard_index())}};
+    // The job's own totals, restored with the job: gauges, since a shard restored from a
+    // periodic snapshot may report less than it did before its crash.
+    w->Gauge("gradmesh_shard_pushes_applied",
+               "Pushes applied to the job on this shard (retried duplicates excluded).", l,
                static_cast<double>(info->pushes_applied()));
-    w->Counter("gradmesh_shard_duplicate_pushes_total",
+    w->Gauge("gradmesh_shard_duplicate_pushes",
                "Retried pushes recognised by their request id and not applied again.", l,
                static_cast<double>(info->duplicates_dropped()));
-    w->Counter("gradmesh_shard_updates_applied_total",
+    w->Gauge("gradmesh_shard_updates_applied",
                "Optimizer updates applied (sync: steps completed).", l,
                static_cast<double>(info->updates_applied()));
     w->Gauge("gradmesh_shard_owned_elements", "Parameters of the job stored on this shard.", l,
@@ -43,7 +45,7 @@ void CollectShardMetrics(Shard* shard, MetricsWriter* w) {
       wl.emplace_back("worker", absl::StrCat(ws.worker()));
       w->Gauge("gradmesh_shard_worker_last_step", "Highest step the worker pushed (-1: none).",
                wl, static_cast<double>(ws.last_step()));
-      w->Counter("gradmesh_shard_worker_pushes_applied_total",
+      w->Gauge("gradmesh_shard_worker_pushes_applied",
                  "Pushes of the worker applied (retried duplicates excluded).", wl,
                  static_cast<double>(ws.pushes_applied()));
     }

@@ -66,21 +66,21 @@ TEST(ShardMetricsTest, ReportsEveryJobsCountersAndEveryWorkersStep) {
   const std::string text = w.Render();
   for (const char* line : {
            "gradmesh_shard_jobs 2\n",
-           "gradmesh_shard_pushes_applied_total{job=\"a\",shard=\"0\"} 3\n",
-           "gradmesh_shard_pushes_applied_total{job=\"b\",shard=\"0\"} 0\n",
-           "gradmesh_shard_duplicate_pushes_total{job=\"a\",shard=\"0\"} 1\n",
-           "gradmesh_shard_updates_applied_total{job=\"a\",shard=\"0\"} 3\n",
-           "gradmesh_shard_owned_elements{job=\"a\",shard=\"0\"} 8\n",
-           "gradmesh_shard_worker_last_step{job=\"a\",shard=\"0\",worker=\"0\"} 1\n",
-           "gradmesh_shard_worker_last_step{job=\"a\",shard=\"0\",worker=\"1\"} 0\n",
-           "gradmesh_shard_worker_last_step{job=\"b\",shard=\"0\",worker=\"0\"} -1\n",
-           "gradmesh_shard_worker_pushes_applied_total{job=\"a\",shard=\"0\",worker=\"0\"} 2\n",
-           "# TYPE gradmesh_shard_pushes_applied_total counter\n",
+           "gradmesh_shard_pushes_applied{job_id=\"a\",shard=\"0\"} 3\n",
+           "gradmesh_shard_pushes_applied{job_id=\"b\",shard=\"0\"} 0\n",
+           "gradmesh_shard_duplicate_pushes{job_id=\"a\",shard=\"0\"} 1\n",
+           "gradmesh_shard_updates_applied{job_id=\"a\",shard=\"0\"} 3\n",
+           "gradmesh_shard_owned_elements{job_id=\"a\",shard=\"0\"} 8\n",
+           "gradmesh_shard_worker_last_step{job_id=\"a\",shard=\"0\",worker=\"0\"} 1\n",
+           "gradmesh_shard_worker_last_step{job_id=\"a\",shard=\"0\",worker=\"1\"} 0\n",
+           "gradmesh_shard_worker_last_step{job_id=\"b\",shard=\"0\",worker=\"0\"} -1\n",
+           "gradmesh_shard_worker_pushes_applied{job_id=\"a\",shard=\"0\",worker=\"0\"} 2\n",
+           "# TYPE gradmesh_shard_pushes_applied gauge\n",
        }) {
     EXPECT_TRUE(absl::StrContains(text, line)) << line << "\nin:\n" << text;
   }
   // Jobs in name order: "a" before "b".
-  EXPECT_LT(text.find("pushes_applied_total{job=\"a\""), text.find("pushes_applied_total{job=\"b\""));
+  EXPECT_LT(text.find("pushes_applied{job_id=\"a\""), text.find("pushes_applied{job_id=\"b\""));
 }
 
 }  // namespace

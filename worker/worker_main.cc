@@ -337,7 +337,10 @@ int Run() {
   o.trainer.on_progress = [&progress_mu, &latest, name = o.trainer.spec.name(),
                            rank = o.trainer.rank](const TrainProgress& p) {
     absl::MutexLock lock(&progress_mu);
+    const int64_t checkpoint = latest.checkpoint_step();
     latest = ReportFromProgress(name, rank, "running", p);
+    // The final (evaluation) report carries no checkpoint step: keep the last one.
+    if (p.checkpoint_step < 0) latest.set_checkpoint_step(checkpoint);
   };
   MetricsRegistry metrics;
   metrics.AddCollector([&progress_mu, &latest](MetricsWriter* w) {

@@ -15,7 +15,7 @@ void CollectWorkerMetrics(const std::vector<TaskReport>& reports, MetricsWriter*
              {{"state", state}}, count);
   }
   for (const TaskReport& r : reports) {
-    const MetricLabels l = {{"job", r.job_id()}, {"rank", absl::StrCat(r.index())}};
+    const MetricLabels l = {{"job_id", r.job_id()}, {"rank", absl::StrCat(r.index())}};
     w->Gauge("gradmesh_worker_step", "Steps the rank has done (resumed ones included).", l,
              static_cast<double>(r.step()));
     w->Gauge("gradmesh_worker_total_steps", "Steps of the rank in the whole job.", l,

@@ -27,16 +27,16 @@ TEST(WorkerMetricsTest, RanksByStateAndPerRankFigures) {
   for (const char* line : {
            "gradmesh_worker_ranks{state=\"running\"} 1\n",
            "gradmesh_worker_ranks{state=\"succeeded\"} 1\n",
-           "gradmesh_worker_step{job=\"mnist\",rank=\"1\"} 120\n",
-           "gradmesh_worker_total_steps{job=\"mnist\",rank=\"1\"} 938\n",
-           "gradmesh_worker_loss{job=\"mnist\",rank=\"1\"} 0.5\n",
-           "gradmesh_worker_samples_per_second{job=\"mnist\",rank=\"1\"} 8000\n",
-           "gradmesh_worker_checkpoint_step{job=\"mnist\",rank=\"1\"} 100\n",
-           "gradmesh_worker_accuracy{job=\"other\",rank=\"0\"} 0.97499999999999998\n",
+           "gradmesh_worker_step{job_id=\"mnist\",rank=\"1\"} 120\n",
+           "gradmesh_worker_total_steps{job_id=\"mnist\",rank=\"1\"} 938\n",
+           "gradmesh_worker_loss{job_id=\"mnist\",rank=\"1\"} 0.5\n",
+           "gradmesh_worker_samples_per_second{job_id=\"mnist\",rank=\"1\"} 8000\n",
+           "gradmesh_worker_checkpoint_step{job_id=\"mnist\",rank=\"1\"} 100\n",
+           "gradmesh_worker_accuracy{job_id=\"other\",rank=\"0\"} 0.97499999999999998\n",
        }) {
     EXPECT_TRUE(absl::StrContains(text, line)) << line << "\nin:\n" << text;
   }
-  EXPECT_FALSE(absl::StrContains(text, "gradmesh_worker_accuracy{job=\"mnist\"")) << text;
+  EXPECT_FALSE(absl::StrContains(text, "gradmesh_worker_accuracy{job_id=\"mnist\"")) << text;
   // No ranks: the running count is still there (0), so dashboards see the daemon.
   MetricsWriter empty;
   CollectWorkerMetrics({}, &empty);

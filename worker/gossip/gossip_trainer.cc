@@ -295,7 +295,9 @@ absl::StatusOr<TrainResult> RunGossip(const TrainerOptions& options, GossipServi
   LogInfo(log, "gossip_stats",
           {Kv("job", spec.name()), Kv("rank", rank), Kv("rounds", gst.rounds),
            Kv("mixed", gst.mixed), Kv("failed", gst.failed), Kv("no_peer", gst.no_peer),
-           Kv("kept", gst.kept), Kv("coalesced", gst.coalesced), Kv("bytes_sent", gst.bytes_sent),
+           Kv("kept", gst.kept), Kv("coalesced", gst.coalesced),
+           Kv("resent", gst.resent), Kv("resent_duplicate", gst.resent_duplicate),
+           Kv("unresolved_shares", gst.pending), Kv("bytes_sent", gst.bytes_sent),
            Kv("busy_s", absl::StrFormat("%.2f", gst.busy_s)),
            Kv("weight", absl::StrFormat("%.6g", final.weight))});
   if (result.stopped_early) {

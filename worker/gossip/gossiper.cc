@@ -43,10 +43,12 @@ Gossiper::Gossiper(GossiperOptions options, ValueCodec codec,
       rank_(replica_->options().rank),
       n_(replica_->options().num_workers),
       health_(n_, options_.backoff_initial, options_.backoff_max) {
-  // A random start keeps ids unique across restarts of this rank (a receiver remembers the
-  // last id of each sender).
+  // A random incarnation tells this gossiper's shares from those of an earlier run of the
+  // rank (a receiver remembers the last (incarnation, sequence) of each sender).
   std::random_device urandom;
-  next_share_id_ = (static_cast<uint64_t>(urandom()) << 32) | urandom();
+  do {
+    incarnation_ = urandom();
+  } while (incarnation_ == 0);
 }
 
 Gossiper::~Gossiper() { Stop(); }
@@ -94,6 +96,29 @@ bool OutcomeUnknown(const absl::Status& st) {
 }  // namespace
 
 RoundResult Gossiper::PushSum(int32_t peer, int64_t round, int64_t step) {
+  // A share whose fate is unknown goes first: nothing new goes to this peer until it is
+  // known to be absorbed (keep its weight given) or refused (take the weight back).
+  if (auto it = pending_.find(peer); it != pending_.end()) {
+    PendingShare& p = it->second;
+    absl::StatusOr<ExchangeReply> reply =
+        transport_->Exchange(peer, p.header, p.payload, options_.timeout);
+    if (!reply.ok() && (OutcomeUnknown(reply.status()) ||
+                        reply.status().code() == absl::StatusCode::kNotFound)) {
+      return Settle(peer, reply.status(), false);  // Still unknown.
+    }
+    if (reply.ok()) {
+      if (!p.sent.empty()) replica_->AddScaledDifference(p.sent, p.decoded, 1.0f);
+    } else {
+      replica_->EndPushSum(false, p.weight);  // Refused: it was never absorbed.
+    }
+    pending_.erase(it);
+    {
+      absl::MutexLock lock(&mu_);
+      --stats_.pending;
+      ++(reply.ok() ? stats_.pending_delivered : stats_.pending_returned);
+    }
+    return Settle(peer, reply.status(), reply.ok());
+  }
   absl::StatusOr<double> weight = replica_->BeginPushSum(&sent_, options_.min_send_weight);
   if (!weight.ok()) return RoundResult{};  // Finished: no more mixing.
   if (*weight == 0) return RoundResult{RoundResult::Outcome::kKept, peer, absl::OkStatus()};
@@ -111,10 +136,14 @@ RoundResult Gossiper::PushSum(int32_t peer, int64_t round, int64_t step) {
   }
   ExchangeHeader h = Header(peer, ExchangeKind::kPushSum, round, step);
   h.weight = *weight;
-  if (++next_share_id_ == 0) ++next_share_id_;
-  h.exchange_id = next_share_id_;
+  h.exchange_id = (static_cast<uint64_t>(incarnation_) << 32) | ++share_seq_;
   absl::StatusOr<ExchangeReply> reply =
       transport_->Exchange(peer, h, payload_, options_.timeout);
+  {
+    absl::MutexLock lock(&mu_);
+    stats_.bytes_sent += static_cast<int64_t>(payload_.size());
+    stats_.raw_bytes_sent += static_cast<int64_t>(sent_.size() * sizeof(float));
+  }
   if (!reply.ok() && OutcomeUnknown(reply.status())) {
     // The receiver may have absorbed the share and only the reply was lost: ask again with
     // the same id rather than take the weight back and count the share twice.
@@ -125,16 +154,29 @@ RoundResult Gossiper::PushSum(int32_t peer, int64_t round, int64_t step) {
       ++stats_.resent;
       if (again.ok() && again->duplicate) ++stats_.resent_duplicate;
     }
-    if (again.ok()) reply = std::move(again);
+    if (!again.ok() && (OutcomeUnknown(again.status()) ||
+                        again.status().code() == absl::StatusCode::kNotFound)) {
+      // Still unknown (NOT_FOUND: the peer may have absorbed it and left since). Keep the
+      // weight out and settle it before anything else goes to this peer.
+      PendingShare& p = pending_[peer];
+      p.header = h;
+      p.payload = payload_;
+      p.weight = *weight;
+      if (!codec_.lossless()) {
+        p.sent = sent_;
+        p.decoded = sent_decoded_;
+      }
+      {
+        absl::MutexLock lock(&mu_);
+        ++stats_.pending;
+      }
+      return Settle(peer, again.status(), false);
+    }
+    reply = std::move(again);  // Absorbed (now or before), or definitely refused.
   }
   replica_->EndPushSum(reply.ok(), *weight);
   if (reply.ok() && !codec_.lossless()) {
     replica_->AddScaledDifference(sent_, sent_decoded_, 1.0f);
-  }
-  {
-    absl::MutexLock lock(&mu_);
-    stats_.bytes_sent += static_cast<int64_t>(payload_.size());
-    stats_.raw_bytes_sent += static_cast<int64_t>(sent_.size() * sizeof(float));
   }
   return Settle(peer, reply.status(), reply.ok());
 }

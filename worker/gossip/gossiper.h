@@ -13,6 +13,13 @@
 //     UNKNOWN: the receiver may have absorbed it and lost only the reply) is sent once more
 //     with the same exchange id, so the round then waits at most twice the timeout; the
 //     receiver answers "duplicate" if it had it (see replica.h), and the share counts once.
+//     If that is unknown too (or NOT_FOUND: the peer may have absorbed it and left), the
+//     share becomes pending: its weight stays out, nothing new goes to that peer, and the
+//     next round that picks the peer sends it again, until it is absorbed (done) or refused
+//     (FAILED_PRECONDITION, ABORTED, INVALID_ARGUMENT: weight taken back; a refusal proves
+//     it was never absorbed, since the receiver checks for a duplicate first). So a share is
+//     counted at most once; one still pending when the rank finishes (a peer dead for good)
+//     is lost with its weight, as push-sum loses a dead peer's mass (stats().pending).
 //     A pairwise average whose reply is lost is not retried: the callee has moved halfway
 //     towards the caller, the caller stays (no weights, so nothing is counted twice).
 //   * Failure (unreachable, timeout, NOT_FOUND because the peer has not started the job yet,
@@ -32,6 +39,7 @@
 #define GRADMESH_WORKER_GOSSIP_GOSSIPER_H_
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <thread>
@@ -91,6 +99,9 @@ struct GossiperStats {
   int64_t kept = 0;         // Push-sum rounds skipped by the weight floor.
   int64_t resent = 0;       // Push-sum shares sent again after an unknown outcome ...
   int64_t resent_duplicate = 0;  // ... of which the receiver had absorbed the first copy.
+  int64_t pending = 0;      // Shares whose fate is still unknown (their weight is out).
+  int64_t pending_delivered = 0;  // Pending shares later found absorbed ...
+  int64_t pending_returned = 0;   // ... or refused (weight taken back).
   int64_t bytes_sent = 0;   // Payload bytes sent (requests) ...
   int64_t bytes_received = 0;  // ... and received (pairwise replies).
   int64_t raw_bytes_sent = 0;  // The same as float32 ...
@@ -155,7 +166,17 @@ class Gossiper {
   PeerHealth health_;
   std::vector<float> sent_, sent_decoded_, peer_values_;
   std::string payload_;
-  uint64_t next_share_id_;  // Push-sum exchange ids: random start, then +1 (never 0).
+  // Push-sum exchange ids: incarnation (random, non-zero) << 32 | sequence (1, 2, ...).
+  uint32_t incarnation_ = 0;
+  uint32_t share_seq_ = 0;
+  // Shares whose fate is unknown, by peer (at most one each; see the file comment).
+  struct PendingShare {
+    ExchangeHeader header;
+    std::string payload;
+    double weight = 0;
+    std::vector<float> sent, decoded;  // Lossy codecs: the rounding to compensate once absorbed.
+  };
+  std::map<int32_t, PendingShare> pending_;
 
   mutable absl::Mutex mu_;
   absl::CondVar wake_;

@@ -135,7 +135,9 @@ absl::Status GossipReplica::AbsorbPushSum(int32_t from, absl::Span<const float> 
   // must not take it back.
   if (id != 0) {
     auto it = last_share_.find(from);
-    if (it != last_share_.end() && it->second == id) {
+    // A resend, or a stale first copy that reaches the lock after a newer share did.
+    if (it != last_share_.end() && (it->second >> 32) == (id >> 32) &&
+        (id & 0xffffffffu) <= (it->second & 0xffffffffu)) {
       *duplicate = true;
       return absl::OkStatus();
     }

@@ -14,8 +14,10 @@
 //   A timeout or broken connection leaves the outcome unknown (the receiver may have absorbed
 //   the share and lost only the reply), so the sender sends the same share again, with the
 //   same exchange id: a receiver that already absorbed it answers "duplicate" and changes
-//   nothing. Only if that retry fails too is the weight taken back (the receiver then
-//   either never got it, or got it and has been unreachable ever since).
+//   nothing. If that is unknown too, the share stays pending at the sender (weight out)
+//   until a later resend is answered: absorbed (done) or refused (weight taken back; the
+//   duplicate check comes before any refusal, so a refusal proves it was never absorbed).
+//   A share is thus counted at most once (gossiper.h).
 //   Total weight sum_i w_i and total mass sum_i w_i x_i are conserved by every exchange, so
 //   x_i converges to sum(mass) / sum(w), the average of the initial values, for fixed inputs.
 //   Weight floor: a rank whose weight is below min_weight keeps its whole mass for the round
@@ -162,7 +164,8 @@ class GossipReplica {
 
  private:
   // Receiver rules on decoded values `v` (the lock is taken inside).
-  // Sets *duplicate (and changes nothing) when `id` is the last share absorbed from `from`.
+  // Sets *duplicate (and changes nothing) when `id` is a share from `from` absorbed before:
+  // same incarnation as the newest one absorbed and a sequence not above it.
   absl::Status AbsorbPushSum(int32_t from, absl::Span<const float> v, double weight,
                              uint64_t id, bool* duplicate);
   absl::Status AverageWith(int32_t from, absl::Span<const float> v, std::vector<float>* before);
@@ -179,7 +182,8 @@ class GossipReplica {
   mutable absl::Mutex mu_;
   std::vector<float> x_ ABSL_GUARDED_BY(mu_);
   double w_ ABSL_GUARDED_BY(mu_);
-  // The id of the last push-sum share absorbed from each sender (lost-reply retries).
+  // The id of the newest push-sum share absorbed from each sender: a share of the same
+  // incarnation (id >> 32) with a sequence (low 32 bits) not above it is a duplicate.
   std::map<int32_t, uint64_t> last_share_ ABSL_GUARDED_BY(mu_);
   int64_t step_ ABSL_GUARDED_BY(mu_);
   bool finished_ ABSL_GUARDED_BY(mu_) = false;  // Finish() was called.

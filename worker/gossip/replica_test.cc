@@ -74,15 +74,29 @@ TEST(ReplicaTest, APushSumShareSentAgainWithItsIdIsAbsorbedOnce) {
   ASSERT_OK_AND_ASSIGN(ExchangeReply next, r.Handle(h, Raw({2, 4}), absl::InfiniteFuture()));
   EXPECT_FALSE(next.duplicate);
   EXPECT_DOUBLE_EQ(r.Snapshot().weight, 2.5);
-  // Once finished, a retry of a share absorbed before is still "delivered" (the sender must
-  // not take it back), while a new share is refused.
+  // A stale first copy of 77 that arrives after 78: a duplicate too (same incarnation).
+  h.exchange_id = 77;
+  ASSERT_OK_AND_ASSIGN(ExchangeReply stale, r.Handle(h, Raw({2, 4}), absl::InfiniteFuture()));
+  EXPECT_TRUE(stale.duplicate);
+  EXPECT_DOUBLE_EQ(r.Snapshot().weight, 2.5);
+  // A restarted sender (another incarnation) starts its sequence again: new shares.
+  h.exchange_id = (uint64_t{5} << 32) | 1;
+  ASSERT_OK_AND_ASSIGN(ExchangeReply fresh, r.Handle(h, Raw({2, 4}), absl::InfiniteFuture()));
+  EXPECT_FALSE(fresh.duplicate);
+  EXPECT_DOUBLE_EQ(r.Snapshot().weight, 3.0);
+  h.exchange_id = 78;  // The old incarnation's 78 again: no longer remembered, absorbed.
+
+  ASSERT_OK(r.Handle(h, Raw({2, 4}), absl::InfiniteFuture()).status());
+  EXPECT_DOUBLE_EQ(r.Snapshot().weight, 3.5);
+  // Once finished, a resend of a share absorbed before is still "delivered" (the sender
+  // must not take it back), while a new share is refused.
   r.Finish();
   ASSERT_OK_AND_ASSIGN(ExchangeReply late, r.Handle(h, Raw({2, 4}), absl::InfiniteFuture()));
   EXPECT_TRUE(late.duplicate);
   h.exchange_id = 79;
   EXPECT_STATUS(r.Handle(h, Raw({2, 4}), absl::InfiniteFuture()).status(),
                 absl::StatusCode::kFailedPrecondition);
-  EXPECT_DOUBLE_EQ(r.Snapshot().weight, 2.5);
+  EXPECT_DOUBLE_EQ(r.Snapshot().weight, 3.5);
   // Id 0 means "no check": the same share twice is absorbed twice.
   GossipReplica plain(Opts(1), {1, 2}, 1.0);
   ExchangeHeader h0 = Header(0, 1, ExchangeKind::kPushSum, 2, 0.5);
