@@ -53,6 +53,11 @@ struct ReplicaState {
   double weight = 1;
 };
 
+// Payload type URL on an error status whose request was never sent (the peer could not be
+// connected to), so the receiver cannot have applied it; without it, a timeout or broken
+// connection leaves that unknown.
+inline constexpr char kGossipNotSentPayload[] = "type.gradmesh/gossip.not_sent";
+
 // How the Gossiper reaches peers. The gRPC implementation is NewGrpcGossipTransport
 // (grpc_transport.h); tests use in-process ones.
 class GossipTransport {
@@ -60,8 +65,8 @@ class GossipTransport {
   virtual ~GossipTransport() = default;
 
   // Sends one exchange to rank `peer` and waits at most `timeout` for the reply. Returns the
-  // receiver's status (see proto/gossip.proto), UNAVAILABLE when the peer cannot be reached,
-  // DEADLINE_EXCEEDED after `timeout`.
+  // receiver's status (see proto/gossip.proto), UNAVAILABLE when the peer cannot be reached
+  // (with kGossipNotSentPayload when nothing was sent), DEADLINE_EXCEEDED after `timeout`.
   virtual absl::StatusOr<ExchangeReply> Exchange(int32_t peer, const ExchangeHeader& header,
                                                  absl::string_view payload,
                                                  absl::Duration timeout) = 0;

@@ -86,11 +86,25 @@ RoundResult Gossiper::RunRound(int64_t round, int64_t step) {
 
 namespace {
 
+// The request was never sent (the transport could not connect): not applied.
+bool NotSent(const absl::Status& st) {
+  return st.GetPayload(kGossipNotSentPayload).has_value();
+}
+
 // Errors after which the receiver may or may not have applied the request.
 bool OutcomeUnknown(const absl::Status& st) {
+  if (NotSent(st)) return false;
   return st.code() == absl::StatusCode::kDeadlineExceeded ||
          st.code() == absl::StatusCode::kUnavailable ||
          st.code() == absl::StatusCode::kCancelled || st.code() == absl::StatusCode::kUnknown;
+}
+
+// An answer of the receiver itself refusing the share. Its duplicate check comes first, so a
+// refusal proves an earlier copy was not absorbed either. (NOT_FOUND: the peer may have
+// absorbed it and left since.)
+bool ReceiverRefused(const absl::Status& st) {
+  return !st.ok() && !NotSent(st) && !OutcomeUnknown(st) &&
+         st.code() != absl::StatusCode::kNotFound;
 }
 
 }  // namespace
@@ -102,8 +116,7 @@ RoundResult Gossiper::PushSum(int32_t peer, int64_t round, int64_t step) {
     PendingShare& p = it->second;
     absl::StatusOr<ExchangeReply> reply =
         transport_->Exchange(peer, p.header, p.payload, options_.timeout);
-    if (!reply.ok() && (OutcomeUnknown(reply.status()) ||
-                        reply.status().code() == absl::StatusCode::kNotFound)) {
+    if (!reply.ok() && !ReceiverRefused(reply.status())) {
       return Settle(peer, reply.status(), false);  // Still unknown.
     }
     if (reply.ok()) {
@@ -154,10 +167,10 @@ RoundResult Gossiper::PushSum(int32_t peer, int64_t round, int64_t step) {
       ++stats_.resent;
       if (again.ok() && again->duplicate) ++stats_.resent_duplicate;
     }
-    if (!again.ok() && (OutcomeUnknown(again.status()) ||
-                        again.status().code() == absl::StatusCode::kNotFound)) {
-      // Still unknown (NOT_FOUND: the peer may have absorbed it and left since). Keep the
-      // weight out and settle it before anything else goes to this peer.
+    if (!again.ok() && !ReceiverRefused(again.status())) {
+      // Still unknown (NOT_FOUND: the peer may have absorbed it and left since; not sent:
+      // this copy did not reach it, the first may have). Keep the weight out and settle it
+      // before anything else goes to this peer.
       PendingShare& p = pending_[peer];
       p.header = h;
       p.payload = payload_;

@@ -13,8 +13,10 @@
 //     UNKNOWN: the receiver may have absorbed it and lost only the reply) is sent once more
 //     with the same exchange id, so the round then waits at most twice the timeout; the
 //     receiver answers "duplicate" if it had it (see replica.h), and the share counts once.
-//     If that is unknown too (or NOT_FOUND: the peer may have absorbed it and left), the
-//     share becomes pending: its weight stays out, nothing new goes to that peer, and the
+//     A request the transport could not send at all (kGossipNotSentPayload: no connection)
+//     was not applied, so that share's weight is simply taken back, with no resend.
+//     If the resend's outcome is unknown too (or NOT_FOUND: the peer may have absorbed it and
+//     left), the share becomes pending: its weight stays out, nothing new goes to that peer, and the
 //     next round that picks the peer sends it again, until it is absorbed (done) or refused
 //     (FAILED_PRECONDITION, ABORTED, INVALID_ARGUMENT: weight taken back; a refusal proves
 //     it was never absorbed, since the receiver checks for a duplicate first). So a share is

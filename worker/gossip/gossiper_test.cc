@@ -9,6 +9,7 @@
 #include <memory>
 #include <set>
 
+#include "absl/strings/cord.h"
 #include "absl/synchronization/notification.h"
 #include "common/status_testing.h"
 #include "gtest/gtest.h"
@@ -30,7 +31,13 @@ class LocalTransport : public GossipTransport {
       ++calls_[peer];
       rounds_.push_back(header.round);
       if (down_.count(peer) > 0 || replicas_.count(peer) == 0) {
-        return absl::UnavailableError("peer down");
+        absl::Status st = absl::UnavailableError("peer down");
+        st.SetPayload(kGossipNotSentPayload, absl::Cord("1"));  // No connection.
+        return st;
+      }
+      if (drop_next_ > 0) {
+        --drop_next_;
+        return absl::DeadlineExceededError("request lost");  // Sent, never arrived.
       }
       r = replicas_[peer];
     }
@@ -76,6 +83,7 @@ class LocalTransport : public GossipTransport {
   std::function<void()> before_exchange_;  // Set before use; called outside the lock.
   int lose_reply_every_ = 0;  // Set before use: every k-th reply (after Handle) is lost.
   int lose_next_ = 0;         // Set before use: the next k replies (after Handle) are lost.
+  int drop_next_ = 0;         // Set before use: the next k requests are lost (no Handle).
 
  private:
   absl::Mutex mu_;
@@ -219,14 +227,22 @@ TEST(GossiperTest, ASharesFateUnknownTwiceIsSettledLaterAndCountedOnce) {
   EXPECT_DOUBLE_EQ(c.replicas[1]->Snapshot().weight, 1.5);  // Absorbed once.
   EXPECT_EQ(c.transport.calls(1), 3);
 
-  // Rank 2 -> rank 3 while 3 is down: pending. Rank 3 finishes meanwhile; the resend is
-  // refused (FAILED_PRECONDITION), so the share was never absorbed and its weight returns.
-  c.transport.SetDown(3, true);
+  // Rank 2 -> rank 3, both copies lost on the way (never absorbed): pending. Rank 3
+  // finishes meanwhile; the resend is refused (FAILED_PRECONDITION), which proves the share
+  // was never absorbed, so its weight returns.
+  c.transport.drop_next_ = 2;
   r = c.gossipers[2]->RunRound(0, 0);
   EXPECT_EQ(r.peer, 3);
   EXPECT_EQ(c.gossipers[2]->stats().pending, 1);
   EXPECT_DOUBLE_EQ(c.replicas[2]->Snapshot().weight, 0.5);
+  EXPECT_NEAR(c.TotalWeight(), 3.5, 1e-12);  // In flight, as far as anyone knows.
   c.replicas[3]->Finish();
+  // A resend that cannot even be sent teaches nothing: still pending.
+  c.transport.SetDown(3, true);
+  absl::SleepFor(absl::Milliseconds(5));
+  r = c.gossipers[2]->RunRound(0, 0);
+  EXPECT_EQ(r.outcome, Outcome::kFailed);
+  EXPECT_EQ(c.gossipers[2]->stats().pending, 1);
   c.transport.SetDown(3, false);
   absl::SleepFor(absl::Milliseconds(5));
   r = c.gossipers[2]->RunRound(0, 0);
@@ -272,36 +288,32 @@ TEST(GossiperTest, PairwiseAveragingConservesTheSumAndConverges) {
   }
 }
 
-TEST(GossiperTest, AShareToAnUnreachablePeerIsHeldAndThePeerBacksOffThenReturns) {
+TEST(GossiperTest, AShareThatCouldNotBeSentIsTakenBackAndThePeerBacksOffThenReturns) {
   GossiperOptions o;
   o.backoff_initial = absl::Milliseconds(100);
   o.backoff_max = absl::Milliseconds(100);
   Cluster c(Initial(), "exponential", "", o);
   c.transport.SetDown(3, true);
-  // Round 0: rank 2 sends to 3 (down). UNAVAILABLE leaves the outcome unknown: the share
-  // is sent once more, then held (its weight is out until 3 answers).
+  // Round 0: rank 2 sends to 3 (down: no connection, nothing sent): the share's weight is
+  // taken back at once, no resend.
   RoundResult r = c.gossipers[2]->RunRound(0, 0);
   EXPECT_EQ(r.outcome, Outcome::kFailed);
   EXPECT_EQ(r.peer, 3);
   EXPECT_STATUS(r.error, absl::StatusCode::kUnavailable);
-  EXPECT_DOUBLE_EQ(c.replicas[2]->Snapshot().weight, 0.5);
-  EXPECT_EQ(c.transport.calls(3), 2);
-  EXPECT_EQ(c.gossipers[2]->stats().resent, 1);
-  EXPECT_EQ(c.gossipers[2]->stats().resent_duplicate, 0);
-  EXPECT_EQ(c.gossipers[2]->stats().pending, 1);
+  EXPECT_DOUBLE_EQ(c.replicas[2]->Snapshot().weight, 1.0);
+  EXPECT_EQ(c.transport.calls(3), 1);
+  EXPECT_EQ(c.gossipers[2]->stats().resent, 0);
+  EXPECT_EQ(c.gossipers[2]->stats().pending, 0);
   // Round 2 (distance 1 again) within the backoff: skipped without a call.
   EXPECT_EQ(c.gossipers[2]->RunRound(2, 2).outcome, Outcome::kNoPeer);
-  EXPECT_EQ(c.transport.calls(3), 2);
+  EXPECT_EQ(c.transport.calls(3), 1);
   // Other peers are unaffected meanwhile.
   EXPECT_EQ(c.gossipers[2]->RunRound(1, 1).outcome, Outcome::kMixed);
   // Back up and past the backoff: included again.
   c.transport.SetDown(3, false);
   absl::SleepFor(absl::Milliseconds(120));
-  // The held share is what goes first: absorbed now, nothing counted twice.
   EXPECT_EQ(c.gossipers[2]->RunRound(4, 4).outcome, Outcome::kMixed);
-  EXPECT_EQ(c.transport.calls(3), 3);
-  EXPECT_EQ(c.gossipers[2]->stats().pending, 0);
-  EXPECT_EQ(c.gossipers[2]->stats().pending_delivered, 1);
+  EXPECT_EQ(c.transport.calls(3), 2);
   EXPECT_NEAR(c.TotalWeight(), 4.0, 1e-12);
   EXPECT_EQ(c.gossipers[2]->stats().failed, 1);
   EXPECT_EQ(c.gossipers[2]->stats().no_peer, 1);

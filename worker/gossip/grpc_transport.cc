@@ -2,7 +2,9 @@
 #include "worker/gossip/grpc_transport.h"
 
 #include <grpcpp/client_context.h>
+#include <grpcpp/grpcpp.h>
 
+#include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/status.h"
@@ -17,7 +19,8 @@ class GrpcGossipTransport final : public GossipTransport {
   GrpcGossipTransport(std::vector<std::string> peers, const RpcOptions& rpc)
       : peers_(std::move(peers)) {
     for (const std::string& address : peers_) {
-      stubs_.push_back(GossipService::NewStub(MakeChannel(address, rpc)));
+      channels_.push_back(MakeChannel(address, rpc));
+      stubs_.push_back(GossipService::NewStub(channels_.back()));
     }
   }
 
@@ -28,8 +31,21 @@ class GrpcGossipTransport final : public GossipTransport {
     GossipExchangeRequest request;
     HeaderToProto(header, payload, &request);
     GossipExchangeResponse response;
+    const absl::Time deadline = absl::Now() + timeout;
+    // Only a call on a connected channel can reach the peer: when there is no connection
+    // (the peer is down: fail at once; or not connected yet: wait for it up to the deadline)
+    // say that nothing was sent, so the caller knows the peer cannot have applied it.
+    grpc_connectivity_state state = channels_[peer]->GetState(/*try_to_connect=*/true);
+    if (state != GRPC_CHANNEL_READY &&
+        (state == GRPC_CHANNEL_TRANSIENT_FAILURE || state == GRPC_CHANNEL_SHUTDOWN ||
+         !channels_[peer]->WaitForConnected(absl::ToChronoTime(deadline)))) {
+      absl::Status st = absl::UnavailableError(
+          absl::StrCat(Where(peer), ": not connected (nothing was sent)"));
+      st.SetPayload(kGossipNotSentPayload, absl::Cord("1"));
+      return st;
+    }
     grpc::ClientContext ctx;
-    ctx.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+    ctx.set_deadline(absl::ToChronoTime(deadline));
     grpc::Status st = stubs_[peer]->Exchange(&ctx, request, &response);
     if (!st.ok()) return Annotate(FromGrpcStatus(st), Where(peer));
     return ReplyFromProto(&response);
@@ -63,7 +79,9 @@ class GrpcGossipTransport final : public GossipTransport {
   }
 
   const std::vector<std::string> peers_;
-  std::vector<std::unique_ptr<GossipService::Stub>> stubs_;  // Constant after construction.
+  // Constant after construction.
+  std::vector<std::shared_ptr<grpc::Channel>> channels_;
+  std::vector<std::unique_ptr<GossipService::Stub>> stubs_;
 };
 
 }  // namespace
