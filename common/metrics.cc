@@ -21,38 +21,29 @@ std::string FormatValue(double v) {
   return buf;
 }
 
-// HELP text escaping: backslash and newline.
-std::string EscapeHelp(absl::string_view h) {
-  std::string out;
-  for (char c : h) {
-    if (c == '\\') {
-      out += "\\\\";
-    } else if (c == '\n') {
-      out += "\\n";
-    } else {
-      out += c;
-    }
-  }
-  return out;
-}
-
-}  // namespace
-
-std::string EscapeLabelValue(absl::string_view v) {
+// Backslash and newline escaped, and double quotes too if `quotes` (label values; HELP text
+// keeps them).
+std::string Escape(absl::string_view v, bool quotes) {
   std::string out;
   for (char c : v) {
     if (c == '\\') {
       out += "\\\\";
-    } else if (c == '"') {
-      out += "\\\"";
     } else if (c == '\n') {
       out += "\\n";
+    } else if (c == '"' && quotes) {
+      out += "\\\"";
     } else {
       out += c;
     }
   }
   return out;
 }
+
+std::string EscapeHelp(absl::string_view h) { return Escape(h, /*quotes=*/false); }
+
+}  // namespace
+
+std::string EscapeLabelValue(absl::string_view v) { return Escape(v, /*quotes=*/true); }
 
 void MetricsWriter::Add(absl::string_view name, MetricType type, absl::string_view help,
                         const MetricLabels& labels, double value) {

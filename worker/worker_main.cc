@@ -327,7 +327,10 @@ int Run() {
     return 2;
   }
   WorkerMainOptions o = std::move(parsed).value();
-  Logger logger({Kv("node", o.node), Kv("role", "worker")});
+  // Shared with the detached signal thread below, which may outlive Run().
+  auto shared_logger = std::make_shared<Logger>(
+      std::vector<LogField>{Kv("node", o.node), Kv("role", "worker")});
+  Logger& logger = *shared_logger;
   o.trainer.logger = &logger;
   o.client.logger = &logger;
   // Metrics: the latest progress of this rank, as a service-mode daemon would report it.
@@ -382,14 +385,17 @@ int Run() {
     peer_server = std::move(started).value();
     logger.Info("peer_service", {Kv("address", address), Kv("rank", o.trainer.rank)});
   }
-  // Stop after the current step on SIGTERM/SIGINT.
-  std::thread signals([t = trainer->get(), &logger] {
+  // Stop after the current step on SIGTERM/SIGINT. The detached thread shares ownership of
+  // what it touches, so a signal that arrives after Run() has returned (while the process
+  // shuts down) finds them alive.
+  std::shared_ptr<Trainer> shared_trainer = std::move(*trainer);
+  std::thread signals([shared_trainer, shared_logger] {
     const std::string sig = WaitForTerminationSignal();
-    logger.Info("signal", {Kv("signal", sig)});
-    t->RequestStop();
+    shared_logger->Info("signal", {Kv("signal", sig)});
+    shared_trainer->RequestStop();
   });
   signals.detach();
-  auto result = (*trainer)->Run();
+  auto result = shared_trainer->Run();
   if (peer_server != nullptr) peer_server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
   if (!result.ok()) {
     logger.Error("failed", {Kv("job", o.trainer.spec.name()), Kv("error", result.status().ToString())});
