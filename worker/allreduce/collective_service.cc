@@ -320,18 +320,7 @@ CollectiveServiceImpl::Next CollectiveServiceImpl::Deliver(RingReader* reader, R
     return finish(st);
   }
   ++inbox->next_seq;
-  const size_t size = payload.size();
-  ++reader->chunks;
-  reader->bytes += size;
-  inbox->queued_bytes += static_cast<int64_t>(size);
-  inbox->queue.push_back(std::move(payload));
-  inbox->cv.Signal();
-  if (inbox->queued_bytes >= options_.inbox_bytes) {
-    inbox->paused = reader;
-    return Next::kWait;
-  }
-  reader->reading = true;
-  return Next::kRead;
+  return EnqueueLocked(reader, inbox, std::move(payload));
 }
 
 CollectiveServiceImpl::Next CollectiveServiceImpl::AttachLocked(
@@ -375,6 +364,12 @@ CollectiveServiceImpl::Next CollectiveServiceImpl::AttachLocked(
     return Next::kFinish;
   }
   inbox->next_seq = 1;
+  return EnqueueLocked(reader, inbox.get(), std::move(payload));
+}
+
+CollectiveServiceImpl::Next CollectiveServiceImpl::EnqueueLocked(RingReader* reader,
+                                                                 Inbox* inbox,
+                                                                 RingMessage payload) {
   const size_t size = payload.size();
   ++reader->chunks;
   reader->bytes += size;
@@ -382,7 +377,7 @@ CollectiveServiceImpl::Next CollectiveServiceImpl::AttachLocked(
   inbox->queue.push_back(std::move(payload));
   inbox->cv.Signal();
   if (inbox->queued_bytes >= options_.inbox_bytes) {
-    inbox->paused = reader;
+    inbox->paused = reader;  // Backpressure: the stream is read again once Receive drains.
     return Next::kWait;
   }
   reader->reading = true;

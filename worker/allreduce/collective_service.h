@@ -92,6 +92,9 @@ class CollectiveServiceImpl final
   void StreamDone(RingReader* reader) ABSL_LOCKS_EXCLUDED(mu_);
   Next AttachLocked(RingReader* reader, const std::shared_ptr<Inbox>& inbox,
                     RingChunk header, RingMessage payload) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Queues an accepted chunk's payload in `inbox`: read on, or wait while it is full.
+  Next EnqueueLocked(RingReader* reader, Inbox* inbox, RingMessage payload)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const Options options_;
   absl::Mutex mu_;
