@@ -2,6 +2,7 @@
 // in the local CollectiveServiceImpl.
 #include "worker/allreduce/grpc_ring.h"
 
+#include <google/protobuf/io/coded_stream.h>
 #include <grpc/slice.h>
 #include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
@@ -23,22 +24,13 @@ const std::string& RingMethod() {
   return *kMethod;
 }
 
-size_t VarintSize(uint64_t v) {
-  size_t n = 1;
-  while (v >= 0x80) {
-    v >>= 7;
-    ++n;
-  }
-  return n;
-}
+using google::protobuf::io::CodedOutputStream;
+
+size_t VarintSize(uint64_t v) { return CodedOutputStream::VarintSize64(v); }
 
 char* PutVarint(uint64_t v, char* p) {
-  while (v >= 0x80) {
-    *p++ = static_cast<char>((v & 0x7f) | 0x80);
-    v >>= 7;
-  }
-  *p++ = static_cast<char>(v);
-  return p;
+  return reinterpret_cast<char*>(
+      CodedOutputStream::WriteVarint64ToArray(v, reinterpret_cast<uint8_t*>(p)));
 }
 
 // Slices that point into a caller's memory (SendNoCopy) own nothing. gRPC may drop its
