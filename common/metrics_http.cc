@@ -18,6 +18,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "common/daemon.h"
+#include "common/fd.h"
 
 namespace gradmesh {
 namespace {
@@ -30,11 +31,6 @@ std::string Response(int code, absl::string_view reason, absl::string_view conte
   return absl::StrCat("HTTP/1.1 ", code, " ", reason, "\r\nContent-Type: ", content_type,
                       "\r\nContent-Length: ", body.size(), "\r\nConnection: close\r\n\r\n",
                       head_only ? "" : body);
-}
-
-int MillisUntil(absl::Time deadline) {
-  const int64_t ms = absl::ToInt64Milliseconds(deadline - absl::Now());
-  return ms < 0 ? 0 : static_cast<int>(ms);
 }
 
 }  // namespace
@@ -92,63 +88,65 @@ absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
   if (gai != 0) {
     return absl::UnavailableError(absl::StrCat(where, ": ", gai_strerror(gai)));
   }
-  int fd = -1;
+  Fd fd;
   std::string last = "no address";
-  for (addrinfo* ai = res; ai != nullptr && fd < 0; ai = ai->ai_next) {
+  for (addrinfo* ai = res; ai != nullptr && fd.get() < 0; ai = ai->ai_next) {
     // Non-blocking: a connection that vanishes between poll and accept must not block the
     // loop (the destructor could not wake it).
-    fd = socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, ai->ai_protocol);
-    if (fd < 0) {
+    fd.reset(socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK,
+                    ai->ai_protocol));
+    if (fd.get() < 0) {
       last = std::strerror(errno);
       continue;
     }
     const int one = 1;
-    (void)setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-    if (bind(fd, ai->ai_addr, ai->ai_addrlen) != 0 || listen(fd, 16) != 0) {
+    (void)setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    if (bind(fd.get(), ai->ai_addr, ai->ai_addrlen) != 0 || listen(fd.get(), 16) != 0) {
       last = std::strerror(errno);
-      close(fd);
-      fd = -1;
+      fd.reset();
     }
   }
   freeaddrinfo(res);
-  if (fd < 0) return absl::UnavailableError(absl::StrCat(where, ": ", last));
+  if (fd.get() < 0) return absl::UnavailableError(absl::StrCat(where, ": ", last));
   sockaddr_storage ss{};
   socklen_t len = sizeof(ss);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&ss), &len);
+  getsockname(fd.get(), reinterpret_cast<sockaddr*>(&ss), &len);
   const int bound = ss.ss_family == AF_INET6
                         ? ntohs(reinterpret_cast<sockaddr_in6*>(&ss)->sin6_port)
                         : ntohs(reinterpret_cast<sockaddr_in*>(&ss)->sin_port);
-  const int wake = eventfd(0, EFD_CLOEXEC);
-  if (wake < 0) {
-    close(fd);
+  Fd wake(eventfd(0, EFD_CLOEXEC));
+  if (wake.get() < 0) {
     return absl::UnavailableError(absl::StrCat(where, ": eventfd: ", std::strerror(errno)));
   }
-  return std::unique_ptr<MetricsHttpServer>(new MetricsHttpServer(fd, wake, bound, registry));
+  return std::unique_ptr<MetricsHttpServer>(
+      new MetricsHttpServer(std::move(fd), std::move(wake), bound, registry));
 }
 
-MetricsHttpServer::MetricsHttpServer(int listen_fd, int wake_fd, int port,
+MetricsHttpServer::MetricsHttpServer(Fd listen_fd, Fd wake_fd, int port,
                                      MetricsRegistry* registry)
-    : listen_fd_(listen_fd), wake_fd_(wake_fd), port_(port), registry_(registry) {
+    : listen_fd_(std::move(listen_fd)),
+      wake_fd_(std::move(wake_fd)),
+      port_(port),
+      registry_(registry) {
   thread_ = std::thread([this] { Loop(); });
 }
 
 MetricsHttpServer::~MetricsHttpServer() {
   const uint64_t one = 1;
-  (void)!write(wake_fd_, &one, sizeof(one));
+  (void)!write(wake_fd_.get(), &one, sizeof(one));
   thread_.join();
-  close(listen_fd_);
-  close(wake_fd_);
 }
 
 void MetricsHttpServer::Loop() {
   while (true) {
-    pollfd p[2] = {{listen_fd_, POLLIN, 0}, {wake_fd_, POLLIN, 0}};
+    pollfd p[2] = {{listen_fd_.get(), POLLIN, 0}, {wake_fd_.get(), POLLIN, 0}};
     if (poll(p, 2, -1) < 0) {
       if (errno == EINTR) continue;
       return;
     }
     if (p[1].revents != 0) return;
-    const int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+    Fd conn(accept4(listen_fd_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
+    const int fd = conn.get();
     if (fd < 0) {
       if (errno == EMFILE || errno == ENFILE) absl::SleepFor(absl::Milliseconds(100));
       continue;
@@ -160,10 +158,9 @@ void MetricsHttpServer::Loop() {
     const absl::Time drain_until = absl::Now() + absl::Milliseconds(200);
     char sink[4096];
     pollfd drain{fd, POLLIN, 0};
-    while (poll(&drain, 1, MillisUntil(drain_until)) > 0 &&
+    while (poll(&drain, 1, PollTimeoutMs(drain_until)) > 0 &&
            recv(fd, sink, sizeof(sink), 0) > 0) {
     }
-    close(fd);
   }
 }
 
@@ -173,8 +170,8 @@ void MetricsHttpServer::Serve(int fd) {
   char buf[1024];
   bool complete = false;
   while (!complete && head.size() < kMaxHead) {
-    pollfd p[2] = {{fd, POLLIN, 0}, {wake_fd_, POLLIN, 0}};
-    const int rc = poll(p, 2, MillisUntil(deadline));
+    pollfd p[2] = {{fd, POLLIN, 0}, {wake_fd_.get(), POLLIN, 0}};
+    const int rc = poll(p, 2, PollTimeoutMs(deadline));
     if (rc == 0 || p[1].revents != 0) break;  // Timed out, or the server is stopping.
     if (rc < 0) {
       if (errno == EINTR) continue;
@@ -202,7 +199,7 @@ void MetricsHttpServer::Serve(int fd) {
     }
     if (w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
       pollfd p{fd, POLLOUT, 0};
-      if (poll(&p, 1, MillisUntil(send_deadline)) <= 0) return;
+      if (poll(&p, 1, PollTimeoutMs(send_deadline)) <= 0) return;
       continue;
     }
     return;

@@ -18,6 +18,7 @@
 #include <thread>
 
 #include "absl/status/statusor.h"
+#include "common/fd.h"
 #include "common/logging.h"
 #include "common/metrics.h"
 
@@ -36,12 +37,12 @@ class MetricsHttpServer {
   int port() const { return port_; }
 
  private:
-  MetricsHttpServer(int listen_fd, int wake_fd, int port, MetricsRegistry* registry);
+  MetricsHttpServer(Fd listen_fd, Fd wake_fd, int port, MetricsRegistry* registry);
   void Loop();
   void Serve(int fd);
 
-  const int listen_fd_;
-  const int wake_fd_;  // eventfd: written by the destructor to stop Loop().
+  const Fd listen_fd_;
+  const Fd wake_fd_;  // eventfd: written by the destructor to stop Loop().
   const int port_;
   MetricsRegistry* const registry_;
   std::thread thread_;

@@ -21,6 +21,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "common/auth.h"
+#include "common/fd.h"
 #include "common/status.h"
 
 namespace gradmesh {
@@ -56,40 +57,6 @@ uint32_t GetU32(const char* p) {
 }
 
 std::string ErrnoText(int err) { return std::strerror(err); }
-
-// Milliseconds until `deadline` for poll(), at least 0, at most ~24 days.
-int PollTimeout(absl::Time deadline) {
-  const absl::Duration left = deadline - absl::Now();
-  if (left <= absl::ZeroDuration()) return 0;
-  return static_cast<int>(std::min<int64_t>(absl::ToInt64Milliseconds(absl::Ceil(left, absl::Milliseconds(1))),
-                                            (int64_t{1} << 31) - 1));
-}
-
-// An owned file descriptor.
-class Fd {
- public:
-  Fd() = default;
-  explicit Fd(int fd) : fd_(fd) {}
-  Fd(Fd&& o) noexcept : fd_(o.release()) {}
-  Fd& operator=(Fd&& o) noexcept {
-    reset(o.release());
-    return *this;
-  }
-  ~Fd() { reset(); }
-  int get() const { return fd_; }
-  int release() {
-    const int fd = fd_;
-    fd_ = -1;
-    return fd;
-  }
-  void reset(int fd = -1) {
-    if (fd_ >= 0) close(fd_);
-    fd_ = fd;
-  }
-
- private:
-  int fd_ = -1;
-};
 
 absl::Status SetNonBlocking(int fd) {
   const int flags = fcntl(fd, F_GETFL, 0);
@@ -160,7 +127,7 @@ absl::Status WriteAll(int fd, const char* data, size_t size, absl::Time deadline
     if (w < 0 && errno == EINTR) continue;
     if (w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
       pollfd p{fd, POLLOUT, 0};
-      if (poll(&p, 1, PollTimeout(deadline)) == 0) {
+      if (poll(&p, 1, PollTimeoutMs(deadline)) == 0) {
         return absl::DeadlineExceededError(absl::StrCat("ring tcp: ", what, ": timed out"));
       }
       continue;
@@ -184,7 +151,7 @@ absl::Status ReadAll(int fd, char* data, size_t size, absl::Time deadline,
     if (errno == EINTR) continue;
     if (errno == EAGAIN || errno == EWOULDBLOCK) {
       pollfd p{fd, POLLIN, 0};
-      if (poll(&p, 1, PollTimeout(deadline)) == 0) {
+      if (poll(&p, 1, PollTimeoutMs(deadline)) == 0) {
         return absl::DeadlineExceededError(absl::StrCat("ring tcp: ", what, ": timed out"));
       }
       continue;
@@ -225,7 +192,7 @@ absl::StatusOr<Fd> Connect(const std::string& host, int port, absl::Time deadlin
         pollfd p{fd.get(), POLLOUT, 0};
         int ready;
         do {
-          ready = poll(&p, 1, PollTimeout(attempt));
+          ready = poll(&p, 1, PollTimeoutMs(attempt));
         } while (ready < 0 && errno == EINTR);
         if (ready <= 0) {
           last = ready == 0 ? "timed out" : ErrnoText(errno);
@@ -406,7 +373,7 @@ class TcpRingTransport final : public RingTransport {
     if (read) p[count++] = {in_.get(), POLLIN, 0};
     if (!queue_.empty()) p[count++] = {out_.get(), POLLOUT, 0};
     if (count == 0) return true;
-    const int rc = poll(p, count, PollTimeout(deadline));
+    const int rc = poll(p, count, PollTimeoutMs(deadline));
     if (rc == 0) return absl::Now() < deadline;
     return true;
   }
@@ -604,7 +571,7 @@ absl::StatusOr<std::unique_ptr<RingTransport>> ConnectTcpRing(
   std::string rejected;
   while (in.get() < 0) {
     pollfd p{listen_fd.get(), POLLIN, 0};
-    if (poll(&p, 1, PollTimeout(deadline)) == 0) {
+    if (poll(&p, 1, PollTimeoutMs(deadline)) == 0) {
       return absl::DeadlineExceededError(absl::StrCat(
           "ring tcp: ", prev_name, " did not connect within ", absl::FormatDuration(timeout),
           rejected.empty() ? "" : absl::StrCat(" (refused: ", rejected, ")")));
