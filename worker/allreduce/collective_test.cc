@@ -73,22 +73,27 @@ struct Node {
   std::string address;
 };
 
+// Starts `n` nodes on 127.0.0.1, appending them and their addresses.
+void StartNodes(int n, std::vector<Node>* nodes, std::vector<std::string>* peers) {
+  for (int i = 0; i < n; ++i) {
+    Node node;
+    node.service = std::make_unique<CollectiveServiceImpl>();
+    grpc::ServerBuilder b;
+    int port = 0;
+    b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+    b.RegisterService(node.service.get());
+    node.server = b.BuildAndStart();
+    ASSERT_NE(node.server, nullptr);
+    node.address = absl::StrCat("127.0.0.1:", port);
+    peers->push_back(node.address);
+    nodes->push_back(std::move(node));
+  }
+}
+
 class CollectiveRegistryTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    for (int i = 0; i < 2; ++i) {
-      Node n;
-      n.service = std::make_unique<CollectiveServiceImpl>();
-      grpc::ServerBuilder b;
-      int port = 0;
-      b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-      b.RegisterService(n.service.get());
-      n.server = b.BuildAndStart();
-      ASSERT_NE(n.server, nullptr);
-      n.address = absl::StrCat("127.0.0.1:", port);
-      peers_.push_back(n.address);
-      nodes_.push_back(std::move(n));
-    }
+    StartNodes(2, &nodes_, &peers_);
   }
   void TearDown() override {
     for (Node& n : nodes_) n.server->Shutdown(absl::ToChronoTime(absl::Now()));
@@ -232,19 +237,7 @@ TEST_F(CollectiveRegistryTest, NcclAcrossHostsFailsOnEveryRank) {
 class HierarchicalTest : public ::testing::TestWithParam<std::vector<std::string>> {
  protected:
   void SetUp() override {
-    for (size_t i = 0; i < GetParam().size(); ++i) {
-      Node n;
-      n.service = std::make_unique<CollectiveServiceImpl>();
-      grpc::ServerBuilder b;
-      int port = 0;
-      b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-      b.RegisterService(n.service.get());
-      n.server = b.BuildAndStart();
-      ASSERT_NE(n.server, nullptr);
-      n.address = absl::StrCat("127.0.0.1:", port);
-      peers_.push_back(n.address);
-      nodes_.push_back(std::move(n));
-    }
+    StartNodes(static_cast<int>(GetParam().size()), &nodes_, &peers_);
   }
   void TearDown() override {
     for (Node& n : nodes_) n.server->Shutdown(absl::ToChronoTime(absl::Now()));
