@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "common/status.h"
 #include "worker/model.h"
 
@@ -49,6 +50,16 @@ absl::StatusOr<double> EvaluateAccuracy(Model* model, const DatasetFiles& data) 
   }
   if (data.test.size == 0) return absl::FailedPreconditionError("evaluate: empty test set");
   return static_cast<double>(correct) / data.test.size;
+}
+
+double SecondsSince(absl::Time since) { return absl::ToDoubleSeconds(absl::Now() - since); }
+
+std::optional<Batch> NextBatch(BatchLoader* loader, absl::Duration step_delay, double* data_s) {
+  if (step_delay > absl::ZeroDuration()) absl::SleepFor(step_delay);
+  const absl::Time start = absl::Now();
+  std::optional<Batch> batch = loader->Next();
+  if (batch.has_value()) *data_s += SecondsSince(start);
+  return batch;
 }
 
 }  // namespace gradmesh

@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -34,6 +35,14 @@ struct TrainProgress {
   double accuracy = -1;       // Set once evaluated.
   int64_t checkpoint_step = -1;
 };
+
+// Seconds elapsed since `since` (the training loops' timers).
+double SecondsSince(absl::Time since);
+
+// The training loops' batch fetch: sleeps `step_delay` (fault injection; zero: none), then
+// takes the loader's next batch and adds the time that took to *data_s. nullopt (nothing
+// added) once the loader is done.
+std::optional<Batch> NextBatch(BatchLoader* loader, absl::Duration step_delay, double* data_s);
 
 struct TrainerOptions {
   JobSpec spec;                // Defaults applied and validated by the caller.

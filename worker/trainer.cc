@@ -20,11 +20,6 @@
 #include "worker/model.h"
 
 namespace gradmesh {
-namespace {
-
-double Seconds(absl::Time since) { return absl::ToDoubleSeconds(absl::Now() - since); }
-
-}  // namespace
 
 Trainer::Trainer(TrainerOptions options, ClientFactory client_factory,
                  PeerServices peer_services)
@@ -210,13 +205,10 @@ absl::StatusOr<TrainResult> Trainer::RunPs() {
       LogInfo(log, "stop_requested", {Kv("job", spec.name()), Kv("step", step)});
       break;
     }
-    if (options_.step_delay > absl::ZeroDuration()) absl::SleepFor(options_.step_delay);
-    absl::Time t0 = absl::Now();
-    std::optional<Batch> batch = loader->Next();
+    std::optional<Batch> batch = NextBatch(loader.get(), options_.step_delay, &result.data_s);
     if (!batch.has_value()) break;
-    result.data_s += Seconds(t0);
 
-    t0 = absl::Now();
+    absl::Time t0 = absl::Now();
     const absl::Time compute_start = t0;
     torch::Tensor x = torch::from_blob(batch->x.data(), {batch->size, 1, img.rows, img.cols},
                                        torch::kFloat);
@@ -246,7 +238,7 @@ absl::StatusOr<TrainResult> Trainer::RunPs() {
       torch::NoGradGuard no_grad;
       RETURN_IF_ERROR(Annotate(client->Pull(param_spans), absl::StrCat("step ", step)));
     }
-    result.comm_s += Seconds(t0);
+    result.comm_s += SecondsSince(t0);
 
     if (auto_codec.has_value()) {
       const absl::Duration comm = absl::Now() - t0;
@@ -266,7 +258,7 @@ absl::StatusOr<TrainResult> Trainer::RunPs() {
     window_loss += loss_value;
     ++window_steps;
     if (spec.log_every() > 0 && (step % spec.log_every() == 0 || step == total)) {
-      const double dt = Seconds(window_start);
+      const double dt = SecondsSince(window_start);
       result.final_loss = window_loss / window_steps;
       LogInfo(log, "progress",
               {Kv("job", spec.name()), Kv("rank", options_.rank), Kv("step", step),
@@ -305,7 +297,7 @@ absl::StatusOr<TrainResult> Trainer::RunPs() {
   }
   if (window_steps > 0) result.final_loss = window_loss / window_steps;
   result.steps = step - lo.first_step;
-  result.wall_s = Seconds(start);
+  result.wall_s = SecondsSince(start);
   result.samples_per_s = result.wall_s > 0 ? result.samples / result.wall_s : 0;
   result.bytes_pushed = client->bytes_pushed();
   result.bytes_pulled = client->bytes_pulled();

@@ -26,8 +26,6 @@
 namespace gradmesh {
 namespace {
 
-double Seconds(absl::Time since) { return absl::ToDoubleSeconds(absl::Now() - since); }
-
 // What every rank must agree on before the first collective.
 std::string Fingerprint(const JobSpec& spec, const std::vector<int64_t>& numels,
                         int64_t total_steps) {
@@ -208,13 +206,10 @@ absl::StatusOr<TrainResult> RunAllreduce(const TrainerOptions& options,
   std::vector<float*> slot_ptrs(num_slots);
   double opt_s = 0;  // Inside the optimizer (part of comm_s: it overlaps the all-reduce).
   while (step < total) {
-    if (options.step_delay > absl::ZeroDuration()) absl::SleepFor(options.step_delay);
-    absl::Time t0 = absl::Now();
-    std::optional<Batch> batch = loader->Next();
+    std::optional<Batch> batch = NextBatch(loader.get(), options.step_delay, &result.data_s);
     if (!batch.has_value()) break;
-    result.data_s += Seconds(t0);
 
-    t0 = absl::Now();
+    absl::Time t0 = absl::Now();
     torch::Tensor x = torch::from_blob(batch->x.data(),
                                        {batch->size, 1, data.train.rows, data.train.cols},
                                        torch::kFloat);
@@ -245,11 +240,11 @@ absl::StatusOr<TrainResult> RunAllreduce(const TrainerOptions& options,
             optimizer->Apply(step + 1, lr_factor, grad.data(),
                              params[p].data_ptr<float>() + begin, slot_ptrs.data(),
                              static_cast<int64_t>(grad.size()));
-            opt_s += Seconds(o0);
+            opt_s += SecondsSince(o0);
           }),
           absl::StrCat("allreduce: step ", step)));
     }
-    result.comm_s += Seconds(backward_end);
+    result.comm_s += SecondsSince(backward_end);
     const std::array<float, BucketReducer::kExtras> extras = reducer.extras();
     const bool stop_all = extras[0] > 0;
     const double mean_loss = extras[1] / n;
@@ -274,7 +269,7 @@ absl::StatusOr<TrainResult> RunAllreduce(const TrainerOptions& options,
 
     const bool last = step == total || stop_all;
     if ((spec.log_every() > 0 && step % spec.log_every() == 0) || last) {
-      const double dt = Seconds(window_start);
+      const double dt = SecondsSince(window_start);
       const int64_t done = step - first_step;
       result.final_loss = window_loss / window_steps;
       const double comm_busy = reducer.comm_seconds();
@@ -309,7 +304,7 @@ absl::StatusOr<TrainResult> RunAllreduce(const TrainerOptions& options,
   }
   if (window_steps > 0) result.final_loss = window_loss / window_steps;
   result.steps = step - first_step;
-  result.wall_s = Seconds(start);
+  result.wall_s = SecondsSince(start);
   result.samples_per_s = result.wall_s > 0 ? result.samples / result.wall_s : 0;
   result.bytes_pushed = result.raw_bytes_pushed = collective->bytes_sent();
   // In a ring every rank receives as much as it sends.

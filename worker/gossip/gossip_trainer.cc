@@ -29,8 +29,6 @@
 namespace gradmesh {
 namespace {
 
-double Seconds(absl::Time since) { return absl::ToDoubleSeconds(absl::Now() - since); }
-
 // The model's parameters as one flat vector: offsets into it, in model order.
 struct FlatLayout {
   std::vector<torch::Tensor> params;
@@ -199,13 +197,10 @@ absl::StatusOr<TrainResult> RunGossip(const TrainerOptions& options, GossipServi
       LogInfo(log, "stop_requested", {Kv("job", spec.name()), Kv("step", step)});
       break;
     }
-    if (options.step_delay > absl::ZeroDuration()) absl::SleepFor(options.step_delay);
-    absl::Time t0 = absl::Now();
-    std::optional<Batch> batch = loader->Next();
+    std::optional<Batch> batch = NextBatch(loader.get(), options.step_delay, &result.data_s);
     if (!batch.has_value()) break;
-    result.data_s += Seconds(t0);
 
-    t0 = absl::Now();
+    absl::Time t0 = absl::Now();
     {
       // The latest mixed values, copied under the replica's lock (never torn).
       torch::NoGradGuard no_grad;
@@ -236,7 +231,7 @@ absl::StatusOr<TrainResult> RunGossip(const TrainerOptions& options, GossipServi
     replica->Update([&](absl::Span<float> xs) {
       optimizer->Apply(step + 1, lr_scale, grad.data(), xs.data(), slot_ptrs.data(), flat.numel);
     });
-    result.compute_s += Seconds(t0);
+    result.compute_s += SecondsSince(t0);
     ++step;
     replica->set_step(step);
     if (step % gs.every_steps() == 0) gossiper->RequestRound(step / gs.every_steps(), step);
@@ -249,7 +244,7 @@ absl::StatusOr<TrainResult> RunGossip(const TrainerOptions& options, GossipServi
     window_loss += loss_value;
     ++window_steps;
     if (spec.log_every() > 0 && (step % spec.log_every() == 0 || step == total)) {
-      const double dt = Seconds(window_start);
+      const double dt = SecondsSince(window_start);
       result.final_loss = window_loss / window_steps;
       const double consensus = EstimateConsensus(replica->TakeConsensus(), n);
       if (consensus >= 0) result.consensus_distance = consensus;
@@ -279,7 +274,7 @@ absl::StatusOr<TrainResult> RunGossip(const TrainerOptions& options, GossipServi
   }
   if (window_steps > 0) result.final_loss = window_loss / window_steps;
   result.steps = step - lo.first_step;
-  result.wall_s = Seconds(start);
+  result.wall_s = SecondsSince(start);
   result.samples_per_s = result.wall_s > 0 ? result.samples / result.wall_s : 0;
 
   // No more mixing in or out: a finished rank hands its final to rank 0; a stopped one keeps
@@ -310,11 +305,11 @@ absl::StatusOr<TrainResult> RunGossip(const TrainerOptions& options, GossipServi
       LogWarning(log, "final_not_delivered",
                  {Kv("job", spec.name()), Kv("rank", rank), Kv("error", st.ToString())});
     }
-    result.comm_s = Seconds(final_start);
+    result.comm_s = SecondsSince(final_start);
     return result;
   }
   FinalAverage avg = gossiper->GatherFinal();
-  result.comm_s = Seconds(final_start);
+  result.comm_s = SecondsSince(final_start);
   result.consensus_distance = avg.consensus;
   {
     torch::NoGradGuard no_grad;
