@@ -13,7 +13,7 @@ PACKAGES=(
   bazel-bootstrap pkg-config g++ libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev
   protobuf-compiler librocksdb-dev libabsl-dev libtorch-dev libgtest-dev libgmock-dev
   libbenchmark-dev libyaml-cpp-dev zlib1g-dev libopenblas0-pthread
-  dataset-fashion-mnist bible-kjv python3-torch
+  dataset-fashion-mnist bible-kjv python3-torch clang-format
 )
 
 say() { echo "setup: $*" >&2; }
