@@ -1,34 +1,128 @@
 // Gossip checkpoint files (see checkpoint.h).
 #include "worker/gossip/checkpoint.h"
 
-#include <zlib.h>
 
-#include <cerrno>
-#include <cstdio>
 #include <cstring>
-#include <filesystem>
-#include <fstream>
-#include <sstream>
+#include <limits>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 
 namespace gradmesh {
 namespace {
 
-constexpr char kMagic[8] = {'G', 'M', 'G', 'O', 'S', 'C', 'K', '1'};
-
-template <typename T>
-void Put(std::string* out, const T& v) {
-  out->append(reinterpret_cast<const char*>(&v), sizeof(T));
-}
+constexpr char kKind[] = "gossip";
+constexpr char kLegacyMagic[] = "GMGOSCK1";
+constexpr char kLegacyAllreduceMagic[] = "GMARCKP1";
 
 // Reads sizeof(T) bytes at *pos; false if too short.
 template <typename T>
-bool Get(const std::string& in, size_t* pos, T* v) {
-  if (in.size() - *pos < sizeof(T)) return false;
+bool Get(const std::string& in, size_t end, size_t* pos, T* v) {
+  if (end - *pos < sizeof(T)) return false;
   std::memcpy(v, in.data() + *pos, sizeof(T));
   *pos += sizeof(T);
   return true;
+}
+
+// The pre-common/checkpoint gossip layout (see checkpoint.h), as a kind "gossip" checkpoint.
+absl::StatusOr<ckpt::Checkpoint> ParseLegacy(const std::string& path, const std::string& data) {
+  auto bad = [&path](const std::string& what) {
+    return absl::DataLossError(
+        absl::StrCat("checkpoint ", path, " (legacy gossip format GMGOSCK1): ", what));
+  };
+  if (data.size() < 8 + sizeof(uint32_t)) return bad("truncated (bad magic or too short)");
+  uint32_t stored_crc = 0;
+  std::memcpy(&stored_crc, data.data() + data.size() - sizeof(uint32_t), sizeof(uint32_t));
+  ckpt::Crc32 crc;
+  crc.Update(data.data(), data.size() - sizeof(uint32_t));
+  if (crc.value() != stored_crc) return bad("CRC mismatch (corrupt file)");
+  const size_t end = data.size() - sizeof(uint32_t);
+  size_t pos = 8;
+  int32_t rank, num_workers, num_slots;
+  int64_t numel, step;
+  double weight;
+  if (!Get(data, end, &pos, &rank) || !Get(data, end, &pos, &num_workers) ||
+      !Get(data, end, &pos, &numel) || !Get(data, end, &pos, &num_slots) ||
+      !Get(data, end, &pos, &step) || !Get(data, end, &pos, &weight)) {
+    return bad("truncated header");
+  }
+  if (numel < 0 || num_slots < 0 || step < 0 || !(weight > 0)) {
+    return bad("invalid header values");
+  }
+  const size_t floats = static_cast<size_t>(numel) * (1 + static_cast<size_t>(num_slots));
+  if (end - pos != floats * sizeof(float)) {
+    return bad(absl::StrCat(end - pos, " bytes of values and slots, expected ",
+                            floats * sizeof(float)));
+  }
+  ckpt::Checkpoint c;
+  c.header.kind = kKind;
+  c.header.metadata.SetInt("rank", rank);
+  c.header.metadata.SetInt("num_workers", num_workers);
+  c.header.metadata.SetInt("num_slots", num_slots);
+  c.header.metadata.SetInt("step", step);
+  c.header.metadata.SetDouble("weight", weight);
+  std::vector<float> values(numel), slots(static_cast<size_t>(numel) * num_slots);
+  std::memcpy(values.data(), data.data() + pos, values.size() * sizeof(float));
+  pos += values.size() * sizeof(float);
+  std::memcpy(slots.data(), data.data() + pos, slots.size() * sizeof(float));
+  c.Add("values", std::move(values));
+  c.Add("slots", std::move(slots));
+  return c;
+}
+
+std::vector<ckpt::LegacyFormat> LegacyFormats() {
+  return {
+      ckpt::LegacyFormat{kLegacyMagic, "legacy gossip checkpoint (GMGOSCK1)", ParseLegacy},
+      ckpt::LegacyFormat{kLegacyAllreduceMagic, "legacy allreduce checkpoint (GMARCKP1)", {}},
+  };
+}
+
+// Reads an int64 metadata value that must fit in int32.
+absl::StatusOr<int32_t> GetInt32(const ckpt::Metadata& m, const char* key) {
+  absl::StatusOr<int64_t> v = m.GetInt(key);
+  if (!v.ok()) return v.status();
+  if (*v < std::numeric_limits<int32_t>::min() || *v > std::numeric_limits<int32_t>::max()) {
+    return absl::InvalidArgumentError(absl::StrCat("metadata '", key, "' = ", *v,
+                                                   " is out of range"));
+  }
+  return static_cast<int32_t>(*v);
+}
+
+absl::StatusOr<GossipCheckpoint> FromCheckpoint(ckpt::Checkpoint c) {
+  const std::string& path = c.header.source.path;
+  auto bad = [&path](const absl::Status& why) {
+    return absl::DataLossError(
+        absl::StrCat("checkpoint ", path, ": not a valid gossip checkpoint: ", why.message()));
+  };
+  const ckpt::Metadata& m = c.header.metadata;
+  GossipCheckpoint g;
+  absl::StatusOr<int32_t> rank = GetInt32(m, "rank"), num_workers = GetInt32(m, "num_workers"),
+                          num_slots = GetInt32(m, "num_slots");
+  absl::StatusOr<int64_t> step = m.GetInt("step");
+  absl::StatusOr<double> weight = m.GetDouble("weight");
+  for (const absl::Status& s : {rank.status(), num_workers.status(), num_slots.status(),
+                                step.status(), weight.status()}) {
+    if (!s.ok()) return bad(s);
+  }
+  g.rank = *rank;
+  g.num_workers = *num_workers;
+  g.num_slots = *num_slots;
+  g.step = *step;
+  g.weight = *weight;
+  absl::StatusOr<std::vector<float>> values = c.Take<float>("values");
+  if (!values.ok()) return bad(values.status());
+  absl::StatusOr<std::vector<float>> slots = c.Take<float>("slots");
+  if (!slots.ok()) return bad(slots.status());
+  g.values = std::move(values).value();
+  g.slots = std::move(slots).value();
+  if (g.num_slots < 0 || g.step < 0 || !(g.weight > 0) ||
+      g.slots.size() != g.values.size() * static_cast<size_t>(g.num_slots)) {
+    return absl::DataLossError(absl::StrCat(
+        "checkpoint ", path, ": invalid header values (step ", g.step, ", weight ", g.weight,
+        ", ", g.values.size(), " values, ", g.num_slots, " slots of ", g.slots.size(),
+        " floats)"));
+  }
+  return g;
 }
 
 }  // namespace
@@ -38,86 +132,37 @@ std::string GossipCheckpointPath(const std::string& dir, const std::string& job,
 }
 
 absl::Status WriteGossipCheckpoint(const std::string& path, const GossipCheckpoint& c) {
-  std::string data;
-  data.append(kMagic, sizeof(kMagic));
-  Put(&data, c.rank);
-  Put(&data, c.num_workers);
-  Put(&data, static_cast<int64_t>(c.values.size()));
-  Put(&data, c.num_slots);
-  Put(&data, c.step);
-  Put(&data, c.weight);
-  data.append(reinterpret_cast<const char*>(c.values.data()), c.values.size() * sizeof(float));
-  data.append(reinterpret_cast<const char*>(c.slots.data()), c.slots.size() * sizeof(float));
-  const uint32_t crc = static_cast<uint32_t>(
-      crc32(0L, reinterpret_cast<const Bytef*>(data.data()), static_cast<uInt>(data.size())));
-  Put(&data, crc);
-
-  std::error_code ec;
-  std::filesystem::create_directories(std::filesystem::path(path).parent_path(), ec);
-  if (ec) {
-    return absl::InternalError(
-        absl::StrCat("checkpoint ", path, ": cannot create its directory: ", ec.message()));
+  if (c.num_slots < 0 || c.slots.size() != c.values.size() * static_cast<size_t>(c.num_slots)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "checkpoint ", path, ": ", c.slots.size(), " slot values for ", c.num_slots,
+        " slots of ", c.values.size(), " values"));
   }
-  const std::string tmp = path + ".tmp";
-  std::FILE* f = std::fopen(tmp.c_str(), "wb");
-  if (f == nullptr) {
-    return absl::InternalError(absl::StrCat("checkpoint ", tmp, ": ", std::strerror(errno)));
-  }
-  const bool ok = std::fwrite(data.data(), 1, data.size(), f) == data.size() &&
-                  std::fflush(f) == 0;
-  const bool closed = std::fclose(f) == 0;
-  if (!ok || !closed) {
-    std::remove(tmp.c_str());
-    return absl::InternalError(absl::StrCat("checkpoint ", tmp, ": write failed"));
-  }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-    return absl::InternalError(
-        absl::StrCat("checkpoint ", path, ": rename failed: ", std::strerror(errno)));
-  }
-  return absl::OkStatus();
+  ckpt::Metadata m;
+  m.SetInt("rank", c.rank);
+  m.SetInt("num_workers", c.num_workers);
+  m.SetInt("num_slots", c.num_slots);
+  m.SetInt("step", c.step);
+  m.SetDouble("weight", c.weight);
+  const ckpt::ArrayRef arrays[] = {ckpt::ArrayRef::Of<float>("values", c.values),
+                                   ckpt::ArrayRef::Of<float>("slots", c.slots)};
+  ckpt::WriteOptions o;
+  o.legacy = LegacyFormats();
+  return ckpt::WriteCheckpointFile(path, kKind, m, arrays, o);
 }
 
 absl::StatusOr<GossipCheckpoint> ReadGossipCheckpoint(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat("checkpoint ", path, " does not exist"));
-  std::stringstream ss;
-  ss << in.rdbuf();
-  const std::string data = ss.str();
-  auto bad = [&path](const std::string& what) {
-    return absl::DataLossError(absl::StrCat("checkpoint ", path, ": ", what));
-  };
-  if (data.size() < sizeof(kMagic) + sizeof(uint32_t) ||
-      std::memcmp(data.data(), kMagic, sizeof(kMagic)) != 0) {
-    return bad("not a gossip checkpoint (bad magic or too short)");
-  }
-  uint32_t stored_crc = 0;
-  std::memcpy(&stored_crc, data.data() + data.size() - sizeof(uint32_t), sizeof(uint32_t));
-  const uint32_t crc = static_cast<uint32_t>(crc32(
-      0L, reinterpret_cast<const Bytef*>(data.data()), static_cast<uInt>(data.size() - 4)));
-  if (crc != stored_crc) return bad("CRC mismatch (corrupt file)");
-  const std::string body = data.substr(0, data.size() - sizeof(uint32_t));
-  size_t pos = sizeof(kMagic);
-  GossipCheckpoint c;
-  int64_t numel = 0;
-  if (!Get(body, &pos, &c.rank) || !Get(body, &pos, &c.num_workers) || !Get(body, &pos, &numel) ||
-      !Get(body, &pos, &c.num_slots) || !Get(body, &pos, &c.step) ||
-      !Get(body, &pos, &c.weight)) {
-    return bad("truncated header");
-  }
-  if (numel < 0 || c.num_slots < 0 || c.step < 0 || !(c.weight > 0)) {
-    return bad("invalid header values");
-  }
-  const size_t floats = static_cast<size_t>(numel) * (1 + static_cast<size_t>(c.num_slots));
-  if (body.size() - pos != floats * sizeof(float)) {
-    return bad(absl::StrCat(body.size() - pos, " bytes of values and slots, expected ",
-                            floats * sizeof(float)));
-  }
-  c.values.resize(numel);
-  std::memcpy(c.values.data(), body.data() + pos, numel * sizeof(float));
-  pos += numel * sizeof(float);
-  c.slots.resize(static_cast<size_t>(numel) * c.num_slots);
-  std::memcpy(c.slots.data(), body.data() + pos, c.slots.size() * sizeof(float));
-  return c;
+  return ReadGossipCheckpoint(path, nullptr);
+}
+
+absl::StatusOr<GossipCheckpoint> ReadGossipCheckpoint(const std::string& path,
+                                                      ckpt::CheckpointSource* source) {
+  ckpt::ReadOptions o;
+  o.kind = kKind;
+  o.legacy = LegacyFormats();
+  absl::StatusOr<ckpt::Checkpoint> c = ckpt::ReadCheckpointFile(path, o);
+  if (!c.ok()) return c.status();
+  if (source != nullptr) *source = c->header.source;
+  return FromCheckpoint(std::move(c).value());
 }
 
 }  // namespace gradmesh

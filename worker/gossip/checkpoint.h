@@ -2,11 +2,14 @@
 // to continue: its values, push-sum weight, optimizer slots and steps done (the data position
 // follows from the step; see BatchLoader::Options::first_step).
 //
-// Format (little-endian): "GMGOSCK1", int32 rank, int32 num_workers, int64 numel,
-// int32 num_slots, int64 step, float64 weight, numel float32 values, num_slots * numel float32
-// slots, then the CRC-32 (zlib) of everything before it as uint32.
-// Written to <path>.tmp, flushed, then renamed over <path>: a crash leaves the old or the new
-// file, never a torn one.
+// Format: common/checkpoint.h, kind "gossip"; metadata rank, num_workers, step, num_slots
+// (int64) and weight (double); float32 arrays "values" (numel) and "slots" (num_slots * numel,
+// slot-major). Written crash-safely (temporary file, fsync, rename, directory fsync) keeping
+// the previous file as <path>.prev; reads fall back to it when <path> is missing or corrupt.
+//
+// Files of the old gossip format (before common/checkpoint; little-endian "GMGOSCK1", int32
+// rank, int32 num_workers, int64 numel, int32 num_slots, int64 step, float64 weight, the
+// values, the slots, CRC-32 of the rest) are still read; old allreduce files are refused.
 //
 // Thread safety: functions are thread-safe for distinct paths.
 #ifndef GRADMESH_WORKER_GOSSIP_CHECKPOINT_H_
@@ -18,6 +21,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "common/checkpoint.h"
 
 namespace gradmesh {
 
@@ -34,12 +38,19 @@ struct GossipCheckpoint {
 // <dir>/<job>/rank-<rank>.ckpt
 std::string GossipCheckpointPath(const std::string& dir, const std::string& job, int32_t rank);
 
-// Creates the parent directory if needed. Internal naming the path on I/O errors.
+// Creates the parent directory if needed. INTERNAL naming the path on I/O errors;
+// INVALID_ARGUMENT when slots.size() != num_slots * values.size().
 absl::Status WriteGossipCheckpoint(const std::string& path, const GossipCheckpoint& ckpt);
 
-// NOT_FOUND if the file does not exist; DATA_LOSS naming the path if it is truncated, has
-// the wrong magic or sizes, or fails the CRC.
+// Reads <path>, or <path>.prev when <path> is missing, truncated or corrupt.
+// NOT_FOUND if neither file exists; DATA_LOSS naming the file(s) if they are truncated, have
+// the wrong magic or sizes, or fail the CRC; FAILED_PRECONDITION for a checkpoint of another
+// kind (e.g. an allreduce one).
 absl::StatusOr<GossipCheckpoint> ReadGossipCheckpoint(const std::string& path);
+
+// The same, also telling which file was read and why <path> was not (when it was not).
+absl::StatusOr<GossipCheckpoint> ReadGossipCheckpoint(const std::string& path,
+                                                      ckpt::CheckpointSource* source);
 
 }  // namespace gradmesh
 

@@ -1,11 +1,14 @@
-// Tests of gossip checkpoint files: exact round trip, missing file, corruption, truncation.
+// Tests of gossip checkpoint files: exact round trip, missing file, corruption, truncation,
+// the .prev fallback, other kinds, and files of the old (pre-common/checkpoint) format.
 #include "worker/gossip/checkpoint.h"
 
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <iterator>
 
+#include "common/checkpoint.h"
 #include "common/status_testing.h"
 #include "gtest/gtest.h"
 
@@ -72,6 +75,96 @@ TEST(CheckpointTest, MissingCorruptAndTruncatedFiles) {
   EXPECT_STATUS(ReadGossipCheckpoint(path), absl::StatusCode::kDataLoss);
   WriteAll(path, "hello");
   EXPECT_STATUS_MSG(ReadGossipCheckpoint(path), absl::StatusCode::kDataLoss, "bad magic");
+}
+
+// The old writer's byte layout (before common/checkpoint), kept here to test legacy reads.
+std::string LegacyGossipBytes(const GossipCheckpoint& c) {
+  std::string data = "GMGOSCK1";
+  auto put = [&data](const auto& v) {
+    data.append(reinterpret_cast<const char*>(&v), sizeof(v));
+  };
+  put(c.rank);
+  put(c.num_workers);
+  put(static_cast<int64_t>(c.values.size()));
+  put(c.num_slots);
+  put(c.step);
+  put(c.weight);
+  data.append(reinterpret_cast<const char*>(c.values.data()), c.values.size() * sizeof(float));
+  data.append(reinterpret_cast<const char*>(c.slots.data()), c.slots.size() * sizeof(float));
+  ckpt::Crc32 crc;
+  crc.Update(data.data(), data.size());
+  put(crc.value());
+  return data;
+}
+
+TEST(CheckpointTest, FallsBackToThePreviousFile) {
+  const std::string path = TempDir() + "/ckpt_prev/rank-0.ckpt";
+  GossipCheckpoint first = Sample();
+  first.step = 100;
+  ASSERT_OK(WriteGossipCheckpoint(path, first));
+  ASSERT_OK(WriteGossipCheckpoint(path, Sample()));
+  std::string main = ReadAll(path);
+  main[main.size() - 6] ^= 1;  // In the slots.
+  WriteAll(path, main);
+  ckpt::CheckpointSource source;
+  ASSERT_OK_AND_ASSIGN(GossipCheckpoint c, ReadGossipCheckpoint(path, &source));
+  EXPECT_EQ(c.step, 100);
+  EXPECT_EQ(c.slots, Sample().slots);
+  EXPECT_TRUE(source.from_prev);
+  EXPECT_EQ(source.path, path + ".prev");
+  EXPECT_NE(source.main_error.find("checksum mismatch"), std::string::npos);
+  // Both bad: DATA_LOSS naming both files.
+  WriteAll(path + ".prev", ReadAll(path + ".prev").substr(0, 30));
+  EXPECT_STATUS_MSG(ReadGossipCheckpoint(path), absl::StatusCode::kDataLoss, path + ": ");
+  EXPECT_STATUS_MSG(ReadGossipCheckpoint(path), absl::StatusCode::kDataLoss,
+                    path + ".prev: truncated");
+  // Inconsistent input is refused before anything is written.
+  GossipCheckpoint odd = Sample();
+  odd.slots.pop_back();
+  EXPECT_STATUS_MSG(WriteGossipCheckpoint(path, odd), absl::StatusCode::kInvalidArgument,
+                    "5 slot values for 2 slots of 3 values");
+}
+
+TEST(CheckpointTest, ReadsTheOldFormatAndRefusesOtherKinds) {
+  const std::string path = TempDir() + "/ckpt_legacy/rank-2.ckpt";
+  std::filesystem::create_directories(TempDir() + "/ckpt_legacy");
+  const std::string legacy = LegacyGossipBytes(Sample());
+  WriteAll(path, legacy);
+  ckpt::CheckpointSource source;
+  ASSERT_OK_AND_ASSIGN(GossipCheckpoint c, ReadGossipCheckpoint(path, &source));
+  EXPECT_EQ(source.format, "legacy gossip checkpoint (GMGOSCK1)");
+  EXPECT_EQ(c.rank, 2);
+  EXPECT_EQ(c.num_workers, 4);
+  EXPECT_EQ(c.step, 123);
+  EXPECT_EQ(c.weight, 0.3125);
+  EXPECT_EQ(c.values, Sample().values);
+  EXPECT_EQ(c.num_slots, 2);
+  EXPECT_EQ(c.slots, Sample().slots);
+  // A corrupt old file is DATA_LOSS naming the file and the format.
+  std::string flipped = legacy;
+  flipped[40] ^= 1;
+  WriteAll(path, flipped);
+  EXPECT_STATUS_MSG(ReadGossipCheckpoint(path), absl::StatusCode::kDataLoss,
+                    path + " (legacy gossip format GMGOSCK1): CRC mismatch");
+  // The first new write keeps the (valid) old file as .prev.
+  WriteAll(path, legacy);
+  GossipCheckpoint later = Sample();
+  later.step = 300;
+  ASSERT_OK(WriteGossipCheckpoint(path, later));
+  EXPECT_EQ(ReadAll(path + ".prev"), legacy);
+  ASSERT_OK_AND_ASSIGN(c, ReadGossipCheckpoint(path));
+  EXPECT_EQ(c.step, 300);
+
+  // Allreduce checkpoints, old and new, are refused by name.
+  const std::string other = TempDir() + "/ckpt_legacy/other.ckpt";
+  WriteAll(other, std::string("GMARCKP1") + std::string(20, '\0'));
+  EXPECT_STATUS_MSG(ReadGossipCheckpoint(other), absl::StatusCode::kFailedPrecondition,
+                    other + " is a legacy allreduce checkpoint (GMARCKP1), not a gossip");
+  const std::vector<float> v = {1};
+  ASSERT_OK(ckpt::WriteCheckpointFile(other, "allreduce", {},
+                                      {ckpt::ArrayRef::Of<float>("a0", v)}));
+  EXPECT_STATUS_MSG(ReadGossipCheckpoint(other), absl::StatusCode::kFailedPrecondition,
+                    "holds a 'allreduce' checkpoint, expected 'gossip'");
 }
 
 }  // namespace
