@@ -1,6 +1,5 @@
 #include "common/tensor_wire.h"
 
-#include <cmath>
 #include <cstring>
 
 #include <google/protobuf/io/coded_stream.h>
@@ -160,76 +159,6 @@ absl::Status DecodePullResponse(const grpc::ByteBuffer& buffer, const PullChunkS
     ++index;
   }
   if (!in.ConsumedEntireMessage()) return absl::DataLossError("PullResponse: malformed");
-  return absl::OkStatus();
-}
-
-bool EncodeChanges(const float* now, float* held, int64_t n, int64_t max_bytes, std::string* out) {
-  std::vector<int64_t> changed;
-  for (int64_t i = 0; i < n; ++i) {
-    uint32_t a, b;
-    std::memcpy(&a, now + i, sizeof(a));
-    std::memcpy(&b, held + i, sizeof(b));
-    if (a != b) {
-      // Receivers refuse non-finite changes: let such a chunk go dense.
-      if (!std::isfinite(now[i])) return false;
-      changed.push_back(i);
-    }
-  }
-  std::string payload;
-  PutVarint(changed.size(), &payload);
-  int64_t prev = -1;
-  for (int64_t i : changed) {
-    PutVarint(static_cast<uint64_t>(i - prev - 1), &payload);
-    prev = i;
-    if (static_cast<int64_t>(payload.size() + 4 * changed.size()) >= max_bytes) return false;
-  }
-  const size_t values_at = payload.size();
-  payload.resize(values_at + 4 * changed.size());
-  for (size_t k = 0; k < changed.size(); ++k) {
-    std::memcpy(&payload[values_at + 4 * k], now + changed[k], sizeof(float));
-  }
-  if (static_cast<int64_t>(payload.size()) >= max_bytes) return false;
-  for (int64_t i : changed) held[i] = now[i];
-  *out = std::move(payload);
-  return true;
-}
-
-absl::Status DecodeChanges(absl::string_view payload, absl::Span<float> values) {
-  CodedInputStream in(reinterpret_cast<const uint8_t*>(payload.data()),
-                      static_cast<int>(payload.size()));
-  uint64_t count;
-  if (!in.ReadVarint64(&count) || count > values.size()) {
-    return absl::DataLossError("changes payload: bad entry count");
-  }
-  std::vector<uint64_t> indices(count);
-  int64_t prev = -1;
-  for (uint64_t k = 0; k < count; ++k) {
-    uint64_t gap;
-    if (!in.ReadVarint64(&gap) || gap >= values.size()) {
-      return absl::DataLossError("changes payload: truncated or bad index");
-    }
-    const uint64_t idx = static_cast<uint64_t>(prev + 1) + gap;
-    if (idx >= values.size()) {
-      return absl::DataLossError(absl::StrCat("changes payload: index ", idx, " out of range [0, ",
-                                              values.size(), ")"));
-    }
-    indices[k] = idx;
-    prev = static_cast<int64_t>(idx);
-  }
-  const int rest = in.BytesUntilLimit() >= 0 ? in.BytesUntilLimit()
-                                               : static_cast<int>(payload.size()) -
-                                                     in.CurrentPosition();
-  if (static_cast<uint64_t>(rest) != 4 * count) {
-    return absl::DataLossError(absl::StrCat("changes payload: ", rest, " value bytes for ", count,
-                                            " entries"));
-  }
-  const char* v = payload.data() + in.CurrentPosition();
-  for (uint64_t k = 0; k < count; ++k) {
-    float f;
-    std::memcpy(&f, v + 4 * k, sizeof(f));
-    if (!std::isfinite(f)) return absl::DataLossError("changes payload: non-finite value");
-  }
-  for (uint64_t k = 0; k < count; ++k) std::memcpy(&values[indices[k]], v + 4 * k, sizeof(float));
   return absl::OkStatus();
 }
 

@@ -9,6 +9,7 @@
 //     sends the buffer has completed.
 //   * DecodePullResponse: copying each chunk's data straight from gRPC's slices into memory
 //     chosen by the caller.
+// The bytes of a "changes" chunk (compression/changes.h) are not framing and are not here.
 //
 // Thread safety: pure functions.
 #ifndef GRADMESH_COMMON_TENSOR_WIRE_H_
@@ -25,6 +26,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
+#include "compression/changes.h"
 
 namespace gradmesh {
 
@@ -56,19 +58,15 @@ using PullChunkSink = std::function<absl::StatusOr<char*>(
 // input, returns DataLoss naming the problem.
 absl::Status DecodePullResponse(const grpc::ByteBuffer& buffer, const PullChunkSink& sink);
 
-// "changes" pull payloads: the entries of a chunk that differ from what the receiver holds,
-// sent as new values (an exact overwrite, not a float difference).
-//   varint count, count varint gaps (first index; then index - previous - 1), count float32.
-// EncodeChanges compares `now` with `held` bit for bit, writes the payload of the differing
-// entries and copies them into `held`. Returns false (and changes nothing) when the payload
-// would not be smaller than `max_bytes`, or a changed value is not finite: the caller then
-// sends the chunk dense.
-bool EncodeChanges(const float* now, float* held, int64_t n, int64_t max_bytes, std::string* out);
-
-// Applies a "changes" payload to `values` (the n entries the receiver holds). All-or-nothing:
-// DataLoss naming the problem (truncated, trailing bytes, index out of range or not
-// increasing, non-finite value) leaves `values` unchanged.
-absl::Status DecodeChanges(absl::string_view payload, absl::Span<float> values);
+// "changes" pull payloads: the codec lives in compression/changes.h (EncodeChanges on spans,
+// DecodeChanges), which this header includes so that its users keep compiling. Transitional:
+// new code includes compression/changes.h directly. This overload keeps the older
+// pointer-and-count form of EncodeChanges.
+inline bool EncodeChanges(const float* now, float* held, int64_t n, int64_t max_bytes,
+                          std::string* out) {
+  return EncodeChanges(absl::MakeConstSpan(now, static_cast<size_t>(n)),
+                       absl::MakeSpan(held, static_cast<size_t>(n)), max_bytes, out);
+}
 
 }  // namespace gradmesh
 
