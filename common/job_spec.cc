@@ -13,6 +13,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_join.h"
 #include "common/job_name.h"
+#include "common/mode.h"
 #include "common/status.h"
 
 namespace gradmesh {
@@ -285,18 +286,8 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
     return absl::InvalidArgumentError(
         absl::StrCat("job spec: compression.momentum must be in [0, 1), got ", c.momentum()));
   }
-  const std::string& mode = spec.mode();
-  if (!mode.empty() && !IsPsMode(mode) && mode != "gossip" && mode != "allreduce") {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "job spec: mode \"", mode,
-        "\" is not one of async (or ps), ssp:<staleness>, sync, gossip, allreduce"));
-  }
-  if (absl::StartsWith(mode, "ssp:")) {
-    int64_t s = 0;
-    if (!absl::SimpleAtoi(mode.substr(4), &s) || s < 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "job spec: mode \"", mode, "\": the staleness bound after ssp: must be an integer >= 0"));
-    }
+  if (!spec.mode().empty()) {
+    if (absl::Status st = ParseMode(spec.mode()).status(); !st.ok()) return st;
   }
   const GossipSpec& g = spec.gossip();
   if (!g.topology().empty() && g.topology() != "random" && g.topology() != "exponential") {
@@ -342,7 +333,8 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
 }
 
 bool IsPsMode(const std::string& mode) {
-  return mode == "async" || mode == "ps" || mode == "sync" || absl::StartsWith(mode, "ssp:");
+  absl::StatusOr<Mode> m = ParseMode(mode);
+  return m.ok() && IsPsMode(*m);
 }
 
 std::string JobSpecToJson(const JobSpec& spec) {

@@ -46,7 +46,7 @@ Logger::Logger(std::vector<LogField> base, std::FILE* out, LogLevel min_level)
     : base_(std::move(base)), out_(out), min_level_(min_level) {}
 
 std::string Logger::Format(LogLevel level, const std::string& event,
-                           std::initializer_list<LogField> fields) const {
+                           absl::Span<const LogField> fields) const {
   std::string line = absl::FormatTime("%Y-%m-%dT%H:%M:%E3SZ", absl::Now(), absl::UTCTimeZone());
   absl::StrAppend(&line, " ", LevelName(level));
   AppendField(&line, {"event", event});
@@ -56,7 +56,7 @@ std::string Logger::Format(LogLevel level, const std::string& event,
 }
 
 void Logger::Log(LogLevel level, const std::string& event,
-                 std::initializer_list<LogField> fields) const {
+                 absl::Span<const LogField> fields) const {
   if (level < min_level_) return;
   std::string line = Format(level, event, fields);
   line.push_back('\n');

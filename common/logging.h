@@ -18,6 +18,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/types/span.h"
 
 namespace gradmesh {
 
@@ -40,20 +41,20 @@ class Logger {
   explicit Logger(std::vector<LogField> base, std::FILE* out = stderr,
                   LogLevel min_level = LogLevel::kInfo);
 
-  void Log(LogLevel level, const std::string& event, std::initializer_list<LogField> fields) const;
-  void Info(const std::string& event, std::initializer_list<LogField> fields = {}) const {
+  void Log(LogLevel level, const std::string& event, absl::Span<const LogField> fields) const;
+  void Info(const std::string& event, absl::Span<const LogField> fields = {}) const {
     Log(LogLevel::kInfo, event, fields);
   }
-  void Warning(const std::string& event, std::initializer_list<LogField> fields = {}) const {
+  void Warning(const std::string& event, absl::Span<const LogField> fields = {}) const {
     Log(LogLevel::kWarning, event, fields);
   }
-  void Error(const std::string& event, std::initializer_list<LogField> fields = {}) const {
+  void Error(const std::string& event, absl::Span<const LogField> fields = {}) const {
     Log(LogLevel::kError, event, fields);
   }
 
   // Formats one line (without the trailing newline); exposed for tests.
   std::string Format(LogLevel level, const std::string& event,
-                     std::initializer_list<LogField> fields) const;
+                     absl::Span<const LogField> fields) const;
 
  private:
   const std::vector<LogField> base_;
@@ -64,15 +65,15 @@ class Logger {
 
 // Null-safe helpers: do nothing when logger is null.
 inline void LogInfo(const Logger* logger, const std::string& event,
-                    std::initializer_list<LogField> fields = {}) {
+                    absl::Span<const LogField> fields = {}) {
   if (logger != nullptr) logger->Log(LogLevel::kInfo, event, fields);
 }
 inline void LogWarning(const Logger* logger, const std::string& event,
-                       std::initializer_list<LogField> fields = {}) {
+                       absl::Span<const LogField> fields = {}) {
   if (logger != nullptr) logger->Log(LogLevel::kWarning, event, fields);
 }
 inline void LogError(const Logger* logger, const std::string& event,
-                     std::initializer_list<LogField> fields = {}) {
+                     absl::Span<const LogField> fields = {}) {
   if (logger != nullptr) logger->Log(LogLevel::kError, event, fields);
 }
 

@@ -1,4 +1,5 @@
 #include "worker/model.h"
+#include "worker/model_names.h"
 
 #include <sys/stat.h>
 
@@ -302,6 +303,10 @@ absl::StatusOr<int64_t> CountCorrect(Model* model, const torch::Tensor& x,
   } catch (const std::exception& e) {
     return FromException(absl::StatusCode::kInvalidArgument, "counting correct predictions", e);
   }
+}
+
+absl::Status CheckModelName(const std::string& name) {
+  return ModelRegistry::WithBuiltins().Check(name);
 }
 
 }  // namespace gradmesh

@@ -1,7 +1,7 @@
 // ParameterClient: how a worker talks to the parameter-server shards of its job.
 //
-// The Trainer sees only this interface (no gRPC); NewGrpcParameterClient() returns the gRPC
-// implementation. A client is bound to one job and one worker rank. It cuts every tensor into
+// The training modes see only the interface (worker/parameter_client_interface.h, no gRPC);
+// NewGrpcParameterClient() returns this gRPC implementation. A client is bound to one job and one worker rank. It cuts every tensor into
 // chunks with the shared partitioner (common/partitioner.h), sends each shard one message per
 // operation carrying all of that shard's chunks (small tensors fused), talks to all shards in
 // parallel, and remembers the version of every chunk it last pulled so that each push carries
@@ -31,55 +31,9 @@
 #include "common/grpc_util.h"
 #include "common/logging.h"
 #include "proto/gradmesh.pb.h"
+#include "worker/parameter_client_interface.h"
 
 namespace gradmesh {
-
-// Everything a shard needs to know about a job, as the worker sees it.
-struct JobLayout {
-  std::string job;
-  std::vector<TensorSpec> tensors;
-  int64_t chunk_elems = 262144;  // 1 MiB of float32.
-  OptimizerSpec optimizer;
-  std::string consistency = "async";
-  int32_t num_workers = 1;
-  DurabilitySpec durability;       // Default: none.
-  bool staleness_damping = false;  // async only.
-  double barrier_timeout_s = 0;    // 0: the shard's default (120 s).
-};
-
-class ParameterClient {
- public:
-  virtual ~ParameterClient() = default;
-
-  // Registers the job on every shard with `initial` values (one span per tensor, layout
-  // order). Idempotent: if the job exists with the same layout nothing changes.
-  virtual absl::Status InitJob(const std::vector<absl::Span<const float>>& initial) = 0;
-
-  // Pushes one gradient per tensor (layout order) computed at `step`.
-  virtual absl::Status Push(int64_t step, const std::vector<absl::Span<const float>>& grads) = 0;
-
-  // Overwrites `params` (one span per tensor, layout order) with the shards' current values.
-  virtual absl::Status Pull(const std::vector<absl::Span<float>>& params) = 0;
-
-  // Tells every shard this worker is done.
-  virtual absl::Status Finish(int64_t step) = 0;
-
-  // Job state as seen by each shard, in shard order.
-  virtual absl::StatusOr<std::vector<JobInfoResponse>> GetJobInfo() = 0;
-
-  // Bytes of tensor payload sent and received so far by Push and Pull (excluding protocol
-  // overhead), as on the wire (after compression) and as float32 (before).
-  virtual int64_t bytes_pushed() const = 0;
-  virtual int64_t bytes_pulled() const = 0;
-  virtual int64_t raw_bytes_pushed() const = 0;
-  virtual int64_t raw_bytes_pulled() const = 0;
-  // Seconds spent encoding pushes and decoding pulls.
-  virtual double codec_seconds() const = 0;
-
-  // Switches the push codec from the next Push on ("" = dense); error-feedback residuals start
-  // from zero. InvalidArgument for an unknown codec (nothing changes).
-  virtual absl::Status SetPushCodec(const std::string& spec) = 0;
-};
 
 struct GrpcParameterClientOptions {
   std::vector<std::string> servers;  // "host:port" of each shard, shard order. Required.

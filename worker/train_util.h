@@ -18,6 +18,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "common/logging.h"
+#include "common/mode.h"
 #include "proto/gradmesh.pb.h"
 #include "worker/dataset.h"
 
@@ -46,6 +47,7 @@ std::optional<Batch> NextBatch(BatchLoader* loader, absl::Duration step_delay, d
 
 struct TrainerOptions {
   JobSpec spec;                // Defaults applied and validated by the caller.
+  Mode mode = Mode::kAsync;    // spec.mode(), parsed once by Trainer::Create.
   int32_t rank = 0;            // In [0, spec.num_workers()).
   std::string data_dir;        // Parent of <dataset name>/ when spec.dataset.path is empty.
   bool evaluate = true;        // Wait for all workers, evaluate and save at the end.

@@ -1,64 +1,35 @@
 // Trainer: runs one worker's part of a JobSpec.
 //
-// Modes: the ps modes (async, ssp, sync) are implemented here; gossip and allreduce are in
-// worker/gossip/ and worker/allreduce/, and Run() hands over to them.
+// Create() checks the options (rank, names, codecs, dataset), parses the mode once and makes
+// it from the registry it is given (worker/modes.h binds the built-in modes to this process's
+// services); Run() runs the one training loop (worker/training_loop.h) with that mode. The same
+// Trainer runs a job given by flags (gradmesh_worker --job=...) or placed by the coordinator.
 //
-// The same Trainer runs a job given by flags (gradmesh_worker --job=...) or, later, placed by
-// the coordinator. Each step: take this rank's next batch (prefetched by BatchLoader),
-// forward/backward in LibTorch, push every gradient to its shards in parallel, pull fresh
-// parameters. At the end the worker tells the shards it finished; rank 0 (or whoever has
-// `evaluate` set) then waits for the other workers, pulls the final parameters, evaluates on
-// the test set and saves the model if the spec names an output.
+// The header is free of LibTorch and gRPC on purpose (LibTorch is slow to compile): the model
+// and tensors exist only inside the loop.
 //
-// Resume: if the shards already hold the job (InitJob finds it, e.g. after every process was
-// stopped and durable shards restarted), the worker continues after the last step the shards
-// recorded for its rank (the minimum over shards), with the data it would have seen then.
-//
-// The header is free of LibTorch on purpose (it is slow to compile): the model and tensors
-// exist only inside Run().
-//
-// Thread safety: Run() is called once, from one thread. RequestStop() may be called from any
-// thread (e.g. a signal-handling thread) while Run() is in progress.
+// Thread safety: Run() is called once, from one thread. RequestStop() and SetGroup() may be
+// called from any thread (e.g. a signal-handling thread) while Run() is in progress.
 #ifndef GRADMESH_WORKER_TRAINER_H_
 #define GRADMESH_WORKER_TRAINER_H_
 
 #include <atomic>
 #include <cstdint>
-#include <functional>
 #include <memory>
-#include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
-#include "absl/time/time.h"
-#include "common/logging.h"
-#include "proto/gradmesh.pb.h"
-#include "worker/parameter_client.h"
 #include "worker/train_util.h"
+#include "worker/training_mode.h"
 
 namespace gradmesh {
 
-class CollectiveServiceImpl;  // worker/allreduce/collective_service.h
-class GossipServiceImpl;      // worker/gossip/gossip_service.h
-
-// This process's peer services (serving on options.peers[rank]), needed by the gossip and
-// allreduce modes; not owned.
-struct PeerServices {
-  CollectiveServiceImpl* collective = nullptr;
-  GossipServiceImpl* gossip = nullptr;
-};
-
 class Trainer {
  public:
-  // `client_factory` makes the ParameterClient once the model (and so the layout) is known.
-  using ClientFactory =
-      std::function<absl::StatusOr<std::unique_ptr<ParameterClient>>(JobLayout layout)>;
-
-  // `client_factory` is used by the ps modes, `peer_services` by gossip and allreduce.
+  // INVALID_ARGUMENT for options that cannot run (rank out of range, unknown model, dataset,
+  // mode or codec, missing peers, a mode whose service or client is missing); nothing started.
   static absl::StatusOr<std::unique_ptr<Trainer>> Create(TrainerOptions options,
-                                                         ClientFactory client_factory,
-                                                         PeerServices peer_services = {});
+                                                         const TrainingModeRegistry& modes);
   ~Trainer();
 
   absl::StatusOr<TrainResult> Run();
@@ -66,19 +37,16 @@ class Trainer {
 
   // A sync job's barrier group was re-formed by the coordinator while this rank runs: the
   // ranks still in it (empty: all) and whether this rank evaluates at the end (the lowest
-  // rank of the group). Used by the final wait; may be called from any thread.
-  void SetGroup(std::vector<int32_t> active_ranks, bool evaluate) ABSL_LOCKS_EXCLUDED(group_mu_);
+  // rank of the group). Used by the final wait.
+  void SetGroup(std::vector<int32_t> active_ranks, bool evaluate) {
+    mode_->SetGroup(std::move(active_ranks), evaluate);
+  }
 
  private:
-  Trainer(TrainerOptions options, ClientFactory client_factory, PeerServices peer_services);
-  absl::StatusOr<TrainResult> RunPs();
+  explicit Trainer(TrainerOptions options) : options_(std::move(options)) {}
 
   const TrainerOptions options_;
-  const ClientFactory client_factory_;
-  const PeerServices peer_services_;
-  absl::Mutex group_mu_;
-  std::vector<int32_t> active_ranks_ ABSL_GUARDED_BY(group_mu_);
-  bool evaluate_ ABSL_GUARDED_BY(group_mu_);
+  std::unique_ptr<TrainingMode> mode_;  // Set by Create; refers to options_.
   std::atomic<bool> stop_requested_{false};
 };
 

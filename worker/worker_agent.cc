@@ -99,8 +99,10 @@ void WorkerAgent::Execute(Run* run) {
 
   absl::StatusOr<TrainResult> result;
   auto trainer = Trainer::Create(
-      to, [co](JobLayout layout) { return NewGrpcParameterClient(std::move(layout), co); },
-      options_.peer_services);
+      to,
+      BuiltinTrainingModes(
+          [co](JobLayout layout) { return NewGrpcParameterClient(std::move(layout), co); },
+          options_.peer_services));
   if (!trainer.ok()) {
     result = trainer.status();
   } else {

@@ -29,6 +29,7 @@
 #include "absl/synchronization/mutex.h"
 #include "common/logging.h"
 #include "proto/coordinator.pb.h"
+#include "worker/modes.h"
 #include "worker/parameter_client.h"
 #include "worker/trainer.h"
 

@@ -38,6 +38,7 @@
 
 #include "worker/allreduce/collective_service.h"
 #include "worker/gossip/gossip_service.h"
+#include "worker/modes.h"
 #include "worker/nccl/nccl_communicator.h"
 #include "worker/parameter_client.h"
 #include "worker/trainer.h"
@@ -360,11 +361,11 @@ int Run() {
   CollectiveServiceImpl collective;
   GossipServiceImpl gossip;
   auto trainer = Trainer::Create(
-      o.trainer,
-      [&client_options](JobLayout layout) {
-        return NewGrpcParameterClient(std::move(layout), client_options);
-      },
-      PeerServices{&collective, &gossip});
+      o.trainer, BuiltinTrainingModes(
+                     [&client_options](JobLayout layout) {
+                       return NewGrpcParameterClient(std::move(layout), client_options);
+                     },
+                     PeerServices{&collective, &gossip}));
   if (!trainer.ok()) {
     logger.Error("bad_arguments", {Kv("error", trainer.status().ToString())});
     return 2;

@@ -1,6 +1,6 @@
 // End-to-end tests of mode "gossip": four gradmesh_worker processes on 127.0.0.1 training the
 // MNIST MLP with no shards, each serving its GossipService on a --peers entry (see
-// worker/gossip/gossip_trainer.h and tests/e2e/e2e_harness.h).
+// worker/gossip/gossip_mode.h and tests/e2e/e2e_harness.h).
 //
 // * ExponentialReachesAccuracyAndConsensusShrinks: SGP push-sum over the exponential graph,
 //   adam (lr 0.003: four ranks of batch 64 train like one of batch 256) + cosine schedule, 3

@@ -1,0 +1,31 @@
+// The training modes as an enum: parsed once where a job spec is read (strings stay at the
+// edges: the spec, logs, the CLI).
+//
+//   async, ps (= async), ssp:<staleness>, sync  the parameter-server modes (through shards)
+//   gossip                                      decentralised averaging between workers
+//   allreduce                                   synchronous data parallel over a collective
+//
+// Thread safety: pure functions.
+#ifndef GRADMESH_COMMON_MODE_H_
+#define GRADMESH_COMMON_MODE_H_
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+
+namespace gradmesh {
+
+enum class Mode { kAsync, kSsp, kSync, kGossip, kAllreduce };
+
+// "async" and "ps" -> kAsync, "ssp:<s>" (s an integer >= 0) -> kSsp, "sync", "gossip",
+// "allreduce". INVALID_ARGUMENT naming the string and the known modes otherwise.
+absl::StatusOr<Mode> ParseMode(absl::string_view mode);
+
+// The canonical name: "async", "ssp", "sync", "gossip", "allreduce".
+absl::string_view ModeName(Mode mode);
+
+// async, ssp and sync go through parameter-server shards.
+bool IsPsMode(Mode mode);
+
+}  // namespace gradmesh
+
+#endif  // GRADMESH_COMMON_MODE_H_

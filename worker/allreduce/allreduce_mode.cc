@@ -1,0 +1,263 @@
+#include "worker/allreduce/allreduce_mode.h"
+
+#include <array>
+#include <cstring>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "common/optimizer.h"
+#include "common/status.h"
+#include "worker/allreduce/bucket_reducer.h"
+#include "worker/allreduce/checkpoint.h"
+#include "worker/allreduce/collective.h"
+#include "worker/allreduce/collective_service.h"
+
+namespace gradmesh {
+namespace {
+
+class AllreduceMode : public TrainingMode {
+ public:
+  AllreduceMode(const TrainerOptions& options, CollectiveServiceImpl* local)
+      : options_(options), spec_(options.spec), local_(local) {}
+  ~AllreduceMode() override;
+
+  absl::StatusOr<int64_t> Start(ModelView* model, const LoopInfo& info) override;
+  std::vector<LogField> StartFields() const override;
+  bool collective_stop() const override { return true; }
+  void BeforeBackward(int64_t step, double loss, bool stop_requested) override {
+    // A stop request travels with this step's last bucket: every rank stops after it.
+    reducer_->StartStep({stop_requested ? 1.0f : 0.0f, static_cast<float>(loss)});
+  }
+  bool wants_gradient_hook() const override { return true; }
+  void OnGradient(int param, absl::Span<const float> grad) override {
+    reducer_->ParamReady(param, grad.data(), static_cast<int64_t>(grad.size()));
+  }
+  void AbortStep() override { (void)reducer_->FinishStep(); }
+  absl::StatusOr<StepOutcome> Exchange(int64_t step,
+                                       absl::Span<const absl::Span<const float>> grads,
+                                       double loss, const StepTiming& timing) override;
+  absl::StatusOr<bool> MaybeCheckpoint(int64_t steps_done) override;
+  int64_t bytes_sent() const override { return collective_->bytes_sent(); }
+  std::vector<LogField> ProgressFields(int64_t done, int64_t window) override;
+  absl::StatusOr<bool> Finish(int64_t step, TrainResult* result) override;
+
+ private:
+  // What every rank must agree on before the first collective.
+  std::string Fingerprint() const;
+  absl::Status Handshake();
+  // The newest checkpoint step every rank has (0: none), restored into the model and slots.
+  absl::StatusOr<int64_t> Resume();
+  absl::Status Restore(const RankCheckpoint& c);
+
+  const TrainerOptions& options_;
+  const JobSpec& spec_;
+  CollectiveServiceImpl* const local_;
+  ModelView* model_ = nullptr;
+  int64_t total_ = 0;
+  std::vector<int64_t> numels_;
+  OptimizerSpec optimizer_spec_;
+  std::unique_ptr<Optimizer> optimizer_;
+  int num_slots_ = 0;
+  std::vector<std::vector<std::vector<float>>> slots_;  // [param][slot][element].
+  std::vector<float*> slot_ptrs_;
+  std::string checkpoint_path_;
+  std::unique_ptr<Collective> collective_;
+  std::unique_ptr<BucketReducer> reducer_;
+  double opt_s_ = 0;  // Inside the optimizer (part of comm: it overlaps the all-reduce).
+  double comm_busy_at_window_ = 0;
+};
+
+AllreduceMode::~AllreduceMode() {
+  // Stop the communication thread, then close the collective, and only then free the buckets:
+  // after a failed all-reduce the ring's transport may still hold in-place references to them
+  // until it is closed.
+  if (reducer_ != nullptr) reducer_->Stop();
+  collective_.reset();
+}
+
+std::string AllreduceMode::Fingerprint() const {
+  return absl::StrCat("model=", spec_.model().name(), " params=", absl::StrJoin(numels_, ","),
+                      " steps=", total_, " batch=", spec_.batch_size(), " seed=", spec_.seed(),
+                      " bucket_bytes=", spec_.allreduce().bucket_bytes(),
+                      " optimizer=", spec_.optimizer().name());
+}
+
+absl::Status AllreduceMode::Handshake() {
+  // Every rank must run the same model and schedule, or the ring would mix garbage.
+  const std::string fingerprint = Fingerprint();
+  absl::StatusOr<std::vector<std::string>> gathered = collective_->Allgather(fingerprint);
+  if (!gathered.ok()) return Annotate(gathered.status(), "allreduce: handshake");
+  for (int r = 0; r < spec_.num_workers(); ++r) {
+    if ((*gathered)[r] != fingerprint) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("allreduce: rank ", r, " runs a different job (", (*gathered)[r],
+                       ") than rank ", options_.rank, " (", fingerprint, ")"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status AllreduceMode::Restore(const RankCheckpoint& c) {
+  size_t a = 0;
+  for (size_t i = 0; i < numels_.size(); ++i, ++a) {
+    if (static_cast<int64_t>(c.arrays[a].size()) != numels_[i]) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "allreduce: checkpoint ", checkpoint_path_, " holds ", c.arrays[a].size(),
+          " values for ", model_->names[i], ", the model has ", numels_[i]));
+    }
+    std::memcpy(model_->params[i].data(), c.arrays[a].data(), numels_[i] * sizeof(float));
+  }
+  for (size_t i = 0; i < numels_.size(); ++i) {
+    for (int k = 0; k < num_slots_; ++k, ++a) {
+      if (static_cast<int64_t>(c.arrays[a].size()) != numels_[i]) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("allreduce: checkpoint ", checkpoint_path_, " has bad optimizer slots"));
+      }
+      slots_[i][k] = c.arrays[a];
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<int64_t> AllreduceMode::Resume() {
+  if (spec_.checkpoint().every_steps() <= 0) return 0;
+  std::vector<RankCheckpoint> available = ReadAvailableCheckpoints(checkpoint_path_);
+  std::string mine;
+  for (const RankCheckpoint& c : available) {
+    if (c.arrays.size() != numels_.size() * (1 + num_slots_)) continue;  // Another model.
+    absl::StrAppend(&mine, mine.empty() ? "" : ",", c.step);
+  }
+  absl::StatusOr<std::vector<std::string>> gathered = collective_->Allgather(mine);
+  if (!gathered.ok()) return Annotate(gathered.status(), "allreduce: checkpoint handshake");
+  std::vector<std::vector<int64_t>> steps(spec_.num_workers());
+  for (int r = 0; r < spec_.num_workers(); ++r) {
+    for (absl::string_view s : absl::StrSplit((*gathered)[r], ',', absl::SkipEmpty())) {
+      int64_t v;
+      if (absl::SimpleAtoi(s, &v)) steps[r].push_back(v);
+    }
+  }
+  ASSIGN_OR_RETURN(const int64_t first_step, ResumeStep(steps));
+  if (first_step == 0) return 0;
+  const RankCheckpoint* use = nullptr;
+  for (const RankCheckpoint& c : available) {
+    if (c.step == first_step) use = &c;
+  }
+  if (use == nullptr) return absl::InternalError("allreduce: chosen checkpoint vanished");
+  RETURN_IF_ERROR(Restore(*use));
+  LogInfo(options_.logger, "resuming",
+          {Kv("job", spec_.name()), Kv("rank", options_.rank), Kv("step", first_step),
+           Kv("checkpoint", checkpoint_path_)});
+  return first_step;
+}
+
+absl::StatusOr<int64_t> AllreduceMode::Start(ModelView* model, const LoopInfo& info) {
+  model_ = model;
+  total_ = info.total_steps;
+  for (absl::Span<float> p : model->params) numels_.push_back(static_cast<int64_t>(p.size()));
+  // The optimizer runs here, on every rank, on the averaged gradient: one update per step.
+  optimizer_spec_ = WithDecayUpdates(spec_.optimizer(), total_);
+  ASSIGN_OR_RETURN(optimizer_, OptimizerRegistry::WithBuiltins().Create(optimizer_spec_));
+  num_slots_ = optimizer_->num_slots();
+  slot_ptrs_.resize(num_slots_);
+  for (int64_t n : numels_) slots_.emplace_back(num_slots_, std::vector<float>(n, 0.0f));
+
+  CollectiveContext ctx;
+  ctx.job = spec_.name();
+  ctx.rank = options_.rank;
+  ctx.peers = options_.peers;
+  ctx.local = local_;
+  ctx.timeout =
+      absl::Seconds(spec_.allreduce().timeout_s() > 0 ? spec_.allreduce().timeout_s() : 30);
+  ctx.transport = spec_.allreduce().transport().empty() ? "tcp" : spec_.allreduce().transport();
+  ASSIGN_OR_RETURN(collective_, CollectiveRegistry::WithBuiltins().Create(
+                                    ResolveBackend(spec_.allreduce().backend()), ctx));
+  RETURN_IF_ERROR(Handshake());
+  checkpoint_path_ = CheckpointPath(
+      spec_.checkpoint().dir().empty() ? options_.checkpoint_dir : spec_.checkpoint().dir(),
+      spec_.name(), options_.rank);
+  ASSIGN_OR_RETURN(const int64_t first_step, Resume());
+  reducer_ = std::make_unique<BucketReducer>(collective_.get(), numels_,
+                                             spec_.allreduce().bucket_bytes());
+  return first_step;
+}
+
+std::vector<LogField> AllreduceMode::StartFields() const {
+  return {Kv("backend", collective_->backend()), Kv("transport", collective_->transport()),
+          Kv("buckets", reducer_->buckets().size()),
+          Kv("bucket_bytes", spec_.allreduce().bucket_bytes())};
+}
+
+absl::StatusOr<StepOutcome> AllreduceMode::Exchange(
+    int64_t step, absl::Span<const absl::Span<const float>> grads, double loss,
+    const StepTiming& timing) {
+  // Same update on every rank, from bit-identical averaged gradients, applied piece by piece
+  // as the all-reduce finishes them (the optimizers are elementwise).
+  const float lr_factor = LrScheduleFactor(optimizer_spec_, step);
+  RETURN_IF_ERROR(Annotate(
+      reducer_->FinishStep([&](int p, int64_t begin, absl::Span<const float> grad) {
+        const absl::Time o0 = absl::Now();
+        for (int k = 0; k < num_slots_; ++k) slot_ptrs_[k] = slots_[p][k].data() + begin;
+        optimizer_->Apply(step + 1, lr_factor, grad.data(), model_->params[p].data() + begin,
+                          slot_ptrs_.data(), static_cast<int64_t>(grad.size()));
+        opt_s_ += SecondsSince(o0);
+      }),
+      "allreduce"));
+  const std::array<float, BucketReducer::kExtras> extras = reducer_->extras();
+  StepOutcome out;
+  out.stop = extras[0] > 0;
+  out.loss = extras[1] / spec_.num_workers();
+  return out;
+}
+
+absl::StatusOr<bool> AllreduceMode::MaybeCheckpoint(int64_t steps_done) {
+  const int64_t every = spec_.checkpoint().every_steps();
+  if (every <= 0 || steps_done % every != 0) return false;
+  std::vector<absl::Span<const float>> arrays;
+  for (absl::Span<float> p : model_->params) arrays.emplace_back(p);
+  for (size_t i = 0; i < numels_.size(); ++i) {
+    for (int k = 0; k < num_slots_; ++k) arrays.emplace_back(slots_[i][k]);
+  }
+  RETURN_IF_ERROR(WriteCheckpoint(checkpoint_path_, steps_done, arrays));
+  LogInfo(options_.logger, "checkpoint", {Kv("job", spec_.name()), Kv("rank", options_.rank),
+                                          Kv("step", steps_done), Kv("path", checkpoint_path_)});
+  return true;
+}
+
+std::vector<LogField> AllreduceMode::ProgressFields(int64_t done, int64_t window) {
+  const double comm_busy = reducer_->comm_seconds();
+  std::vector<LogField> f = {
+      Kv("opt_ms", absl::StrFormat("%.1f", 1e3 * opt_s_ / done)),
+      Kv("allreduce_ms",
+         absl::StrFormat("%.1f", 1e3 * (comm_busy - comm_busy_at_window_) / window))};
+  comm_busy_at_window_ = comm_busy;
+  return f;
+}
+
+absl::StatusOr<bool> AllreduceMode::Finish(int64_t step, TrainResult* result) {
+  result->bytes_pushed = result->raw_bytes_pushed = collective_->bytes_sent();
+  // In a ring every rank receives as much as it sends.
+  result->bytes_pulled = result->raw_bytes_pulled = collective_->bytes_sent();
+  return options_.evaluate && !result->stopped_early;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<TrainingMode>> NewAllreduceMode(const TrainerOptions& options,
+                                                               CollectiveServiceImpl* local) {
+  if (local == nullptr) return absl::InvalidArgumentError("allreduce: no CollectiveService");
+  if (static_cast<int>(options.peers.size()) != options.spec.num_workers()) {
+    return absl::InvalidArgumentError(absl::StrCat("allreduce: ", options.peers.size(),
+                                                   " peer addresses for ",
+                                                   options.spec.num_workers(), " workers"));
+  }
+  return std::unique_ptr<TrainingMode>(new AllreduceMode(options, local));
+}
+
+}  // namespace gradmesh

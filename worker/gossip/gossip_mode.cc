@@ -1,0 +1,302 @@
+#include "worker/gossip/gossip_mode.h"
+
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "common/grpc_util.h"
+#include "common/optimizer.h"
+#include "common/status.h"
+#include "worker/gossip/checkpoint.h"
+#include "worker/gossip/gossip_service.h"
+#include "worker/gossip/gossiper.h"
+#include "worker/gossip/grpc_transport.h"
+#include "worker/gossip/replica.h"
+#include "worker/gossip/topology.h"
+
+namespace gradmesh {
+namespace {
+
+class GossipMode : public TrainingMode {
+ public:
+  GossipMode(const TrainerOptions& options, GossipServiceImpl* local)
+      : options_(options), spec_(options.spec), gs_(options.spec.gossip()), local_(local) {}
+  ~GossipMode() override;
+
+  absl::StatusOr<int64_t> Start(ModelView* model, const LoopInfo& info) override;
+  std::vector<LogField> StartFields() const override;
+  absl::Status BeforeForward(int64_t step) override;
+  absl::StatusOr<StepOutcome> Exchange(int64_t step,
+                                       absl::Span<const absl::Span<const float>> grads,
+                                       double loss, const StepTiming& timing) override;
+  absl::StatusOr<bool> MaybeCheckpoint(int64_t steps_done) override;
+  int64_t bytes_sent() const override { return gossiper_->stats().bytes_sent; }
+  std::vector<LogField> ProgressFields(int64_t done, int64_t window) override;
+  absl::StatusOr<bool> Finish(int64_t step, TrainResult* result) override;
+  std::vector<LogField> EvaluatedFields() const override {
+    return {Kv("ranks_averaged", ranks_averaged_)};
+  }
+
+ private:
+  // The model's parameters <-> the replica's flat vector (model order).
+  void CopyIn(absl::Span<const float> x);
+  void CopyOut(float* x) const;
+  // Resumes from this rank's checkpoint if there is one: values, slots, weight; the step.
+  absl::StatusOr<int64_t> Restore(std::vector<float>* values, double* weight);
+  absl::Status WriteCheckpoint(ReplicaSnapshot snap, int64_t step);
+  absl::Status StartGossiper();
+  void LogStats(const ReplicaSnapshot& final) const;
+
+  const TrainerOptions& options_;
+  const JobSpec& spec_;
+  const GossipSpec& gs_;
+  GossipServiceImpl* const local_;
+  ModelView* model_ = nullptr;
+  int64_t numel_ = 0;
+  int64_t total_ = 0;
+  OptimizerSpec optimizer_spec_;
+  std::unique_ptr<Optimizer> optimizer_;
+  std::vector<float> slots_;  // num_slots * numel_; only the training thread touches them.
+  std::vector<float*> slot_ptrs_;
+  std::vector<float> grad_;
+  std::string checkpoint_path_;
+  std::shared_ptr<GossipReplica> replica_;
+  bool registered_ = false;
+  std::unique_ptr<GossipTransport> transport_;
+  std::unique_ptr<Gossiper> gossiper_;
+  double consensus_ = -1;
+  size_t ranks_averaged_ = 0;
+};
+
+GossipMode::~GossipMode() {
+  if (gossiper_ != nullptr) gossiper_->Stop();
+  if (registered_) local_->Unregister(spec_.name(), options_.rank);
+}
+
+void GossipMode::CopyIn(absl::Span<const float> x) {
+  const float* src = x.data();
+  for (absl::Span<float> p : model_->params) {
+    std::memcpy(p.data(), src, p.size() * sizeof(float));
+    src += p.size();
+  }
+}
+
+void GossipMode::CopyOut(float* x) const {
+  for (absl::Span<float> p : model_->params) {
+    std::memcpy(x, p.data(), p.size() * sizeof(float));
+    x += p.size();
+  }
+}
+
+absl::StatusOr<int64_t> GossipMode::Restore(std::vector<float>* values, double* weight) {
+  if (spec_.checkpoint().every_steps() <= 0) return 0;
+  const int32_t rank = options_.rank, n = spec_.num_workers();
+  const int num_slots = optimizer_->num_slots();
+  absl::StatusOr<GossipCheckpoint> c = ReadGossipCheckpoint(checkpoint_path_);
+  if (!c.ok()) {
+    if (c.status().code() == absl::StatusCode::kNotFound) return 0;
+    return c.status();
+  }
+  if (static_cast<int64_t>(c->values.size()) != numel_ || c->num_slots != num_slots ||
+      c->rank != rank || c->num_workers != n) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "gossip: checkpoint ", checkpoint_path_, " holds rank ", c->rank, " of ", c->num_workers,
+        " with ", c->values.size(), " values and ", c->num_slots,
+        " optimizer slots; this is rank ", rank, " of ", n, " with ", numel_, " and ",
+        num_slots));
+  }
+  *values = std::move(c->values);
+  std::copy(c->slots.begin(), c->slots.end(), slots_.begin());
+  *weight = c->weight;
+  const int64_t step = std::min(c->step, total_);
+  LogInfo(options_.logger, "resuming",
+          {Kv("job", spec_.name()), Kv("rank", rank), Kv("step", step),
+           Kv("weight", absl::StrFormat("%.6g", *weight)), Kv("checkpoint", checkpoint_path_)});
+  return step;
+}
+
+absl::Status GossipMode::StartGossiper() {
+  transport_ = NewGrpcGossipTransport(options_.peers, RpcOptions{});
+  ASSIGN_OR_RETURN(std::unique_ptr<Topology> topology,
+                   TopologyRegistry::WithBuiltins().Create(gs_.topology(), spec_.seed()));
+  GossiperOptions go;
+  go.codec = gs_.codec();
+  go.timeout = absl::Seconds(gs_.timeout_s());
+  go.dead_after = std::max(3 * go.timeout, absl::Seconds(5));
+  go.max_wait = options_.wait_for_workers;
+  go.logger = options_.logger;
+  ASSIGN_OR_RETURN(gossiper_, Gossiper::Create(go, replica_, std::move(topology),
+                                               transport_.get()));
+  gossiper_->Start();
+  return absl::OkStatus();
+}
+
+absl::StatusOr<int64_t> GossipMode::Start(ModelView* model, const LoopInfo& info) {
+  model_ = model;
+  numel_ = model->numel();
+  total_ = info.total_steps;
+  optimizer_spec_ = WithDecayUpdates(spec_.optimizer(), total_);  // One per local step.
+  RETURN_IF_ERROR(ValidateLrSchedule(optimizer_spec_));
+  ASSIGN_OR_RETURN(optimizer_, OptimizerRegistry::WithBuiltins().Create(optimizer_spec_));
+  const int num_slots = optimizer_->num_slots();
+  slots_.assign(static_cast<size_t>(num_slots) * numel_, 0.0f);
+  for (int s = 0; s < num_slots; ++s) slot_ptrs_.push_back(slots_.data() + s * numel_);
+  grad_.resize(numel_);
+  checkpoint_path_ = GossipCheckpointPath(
+      spec_.checkpoint().dir().empty() ? options_.checkpoint_dir : spec_.checkpoint().dir(),
+      spec_.name(), options_.rank);
+
+  std::vector<float> values(numel_);
+  CopyOut(values.data());
+  double weight = 1.0;
+  ASSIGN_OR_RETURN(const int64_t first_step, Restore(&values, &weight));
+
+  GossipReplica::Options ro;
+  ro.job = spec_.name();
+  ro.rank = options_.rank;
+  ro.num_workers = spec_.num_workers();
+  ro.total_steps = total_;
+  ro.root = 0;
+  replica_ = std::make_shared<GossipReplica>(ro, std::move(values), weight, first_step);
+  RETURN_IF_ERROR(local_->Register(replica_));
+  registered_ = true;
+  RETURN_IF_ERROR(StartGossiper());
+  return first_step;
+}
+
+std::vector<LogField> GossipMode::StartFields() const {
+  return {Kv("topology", gs_.topology()), Kv("every_steps", gs_.every_steps()),
+          Kv("codec", gs_.codec().empty() ? "float32" : gs_.codec())};
+}
+
+absl::Status GossipMode::BeforeForward(int64_t step) {
+  // The latest mixed values, copied under the replica's lock (never torn).
+  replica_->Update([this](absl::Span<float> x) { CopyIn(x); });
+  return absl::OkStatus();
+}
+
+absl::StatusOr<StepOutcome> GossipMode::Exchange(int64_t step,
+                                                 absl::Span<const absl::Span<const float>> grads,
+                                                 double loss, const StepTiming& timing) {
+  float* g = grad_.data();
+  for (absl::Span<const float> p : grads) {
+    std::memcpy(g, p.data(), p.size() * sizeof(float));
+    g += p.size();
+  }
+  // The local optimizer step, on the shared values (which may have been mixed since the
+  // forward pass: AD-PSGD applies the gradient to the current model).
+  const float lr_scale = LrScheduleFactor(optimizer_spec_, step);
+  replica_->Update([&](absl::Span<float> xs) {
+    optimizer_->Apply(step + 1, lr_scale, grad_.data(), xs.data(), slot_ptrs_.data(), numel_);
+  });
+  replica_->set_step(step + 1);
+  if ((step + 1) % gs_.every_steps() == 0) {
+    gossiper_->RequestRound((step + 1) / gs_.every_steps(), step + 1);
+  }
+  StepOutcome out;
+  out.loss = loss;
+  return out;
+}
+
+absl::Status GossipMode::WriteCheckpoint(ReplicaSnapshot snap, int64_t step) {
+  GossipCheckpoint c;
+  c.rank = options_.rank;
+  c.num_workers = spec_.num_workers();
+  c.step = step;
+  c.weight = snap.weight;
+  c.values = std::move(snap.values);
+  c.num_slots = optimizer_->num_slots();
+  c.slots = slots_;
+  RETURN_IF_ERROR(WriteGossipCheckpoint(checkpoint_path_, c));
+  LogInfo(options_.logger, "checkpoint", {Kv("job", spec_.name()), Kv("rank", options_.rank),
+                                          Kv("step", step), Kv("path", checkpoint_path_)});
+  return absl::OkStatus();
+}
+
+absl::StatusOr<bool> GossipMode::MaybeCheckpoint(int64_t steps_done) {
+  const int64_t every = spec_.checkpoint().every_steps();
+  if (every <= 0 || steps_done % every != 0) return false;
+  RETURN_IF_ERROR(WriteCheckpoint(replica_->Snapshot(), steps_done));
+  return true;
+}
+
+std::vector<LogField> GossipMode::ProgressFields(int64_t done, int64_t window) {
+  const double consensus = EstimateConsensus(replica_->TakeConsensus(), spec_.num_workers());
+  if (consensus >= 0) consensus_ = consensus;
+  const GossiperStats gst = gossiper_->stats();
+  return {Kv("consensus", absl::StrFormat("%.5g", consensus)),
+          Kv("weight", absl::StrFormat("%.4g", replica_->State().weight)), Kv("mixed", gst.mixed),
+          Kv("failed", gst.failed), Kv("coalesced", gst.coalesced)};
+}
+
+void GossipMode::LogStats(const ReplicaSnapshot& final) const {
+  const GossiperStats gst = gossiper_->stats();
+  LogInfo(options_.logger, "gossip_stats",
+          {Kv("job", spec_.name()), Kv("rank", options_.rank), Kv("rounds", gst.rounds),
+           Kv("mixed", gst.mixed), Kv("failed", gst.failed), Kv("no_peer", gst.no_peer),
+           Kv("kept", gst.kept), Kv("coalesced", gst.coalesced), Kv("resent", gst.resent),
+           Kv("resent_duplicate", gst.resent_duplicate), Kv("unresolved_shares", gst.pending),
+           Kv("bytes_sent", gst.bytes_sent), Kv("busy_s", absl::StrFormat("%.2f", gst.busy_s)),
+           Kv("weight", absl::StrFormat("%.6g", final.weight))});
+}
+
+absl::StatusOr<bool> GossipMode::Finish(int64_t step, TrainResult* result) {
+  result->consensus_distance = consensus_;
+  // No more mixing in or out: a finished rank hands its final to rank 0; a stopped one keeps
+  // its state for a resume (refusing exchanges with ABORTED, so peers retry it later).
+  const absl::Time final_start = absl::Now();
+  gossiper_->Stop();
+  const ReplicaSnapshot final = result->stopped_early ? replica_->Stop() : replica_->Finish();
+  const GossiperStats gst = gossiper_->stats();
+  result->bytes_pushed = gst.bytes_sent;
+  result->bytes_pulled = gst.bytes_received;
+  result->raw_bytes_pushed = gst.raw_bytes_sent;
+  result->raw_bytes_pulled = gst.raw_bytes_received;
+  LogStats(final);
+  if (result->stopped_early) {
+    if (spec_.checkpoint().every_steps() > 0) RETURN_IF_ERROR(WriteCheckpoint(final, step));
+    return false;
+  }
+  if (options_.rank != 0) {
+    absl::Status st = gossiper_->DeliverFinal(final);
+    if (!st.ok()) {
+      LogWarning(options_.logger, "final_not_delivered",
+                 {Kv("job", spec_.name()), Kv("rank", options_.rank), Kv("error", st.ToString())});
+    }
+    result->comm_s += SecondsSince(final_start);
+    return false;
+  }
+  FinalAverage avg = gossiper_->GatherFinal();
+  result->comm_s += SecondsSince(final_start);
+  result->consensus_distance = avg.consensus;
+  ranks_averaged_ = avg.ranks.size();
+  CopyIn(avg.values);
+  return options_.evaluate;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<TrainingMode>> NewGossipMode(const TrainerOptions& options,
+                                                            GossipServiceImpl* local) {
+  const JobSpec& spec = options.spec;
+  const int32_t n = spec.num_workers();
+  if (local == nullptr) return absl::InvalidArgumentError("gossip: no local GossipService");
+  if (options.rank < 0 || options.rank >= n || static_cast<int32_t>(options.peers.size()) != n) {
+    return absl::InvalidArgumentError(absl::StrCat("gossip: rank ", options.rank, " of ", n,
+                                                   " workers with ", options.peers.size(),
+                                                   " peer addresses"));
+  }
+  if (!(spec.gossip().timeout_s() > 0) || spec.gossip().every_steps() <= 0) {
+    return absl::InvalidArgumentError(
+        "gossip: gossip.timeout_s and gossip.every_steps must be > 0 (defaults not applied?)");
+  }
+  return std::unique_ptr<TrainingMode>(new GossipMode(options, local));
+}
+
+}  // namespace gradmesh

@@ -1,0 +1,72 @@
+// ParameterClient: how a worker talks to the parameter-server shards of its job (the
+// interface; worker/parameter_client.h has the gRPC implementation, NewGrpcParameterClient).
+//
+// A client is bound to one job and one worker rank. The training modes see only this
+// interface (no gRPC), so tests can substitute either side.
+//
+// Thread safety: all methods may be called concurrently; each call blocks until every shard
+// answered (or retries are exhausted).
+#ifndef GRADMESH_WORKER_PARAMETER_CLIENT_INTERFACE_H_
+#define GRADMESH_WORKER_PARAMETER_CLIENT_INTERFACE_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "proto/gradmesh.pb.h"
+
+namespace gradmesh {
+
+// Everything a shard needs to know about a job, as the worker sees it.
+struct JobLayout {
+  std::string job;
+  std::vector<TensorSpec> tensors;
+  int64_t chunk_elems = 262144;  // 1 MiB of float32.
+  OptimizerSpec optimizer;
+  std::string consistency = "async";
+  int32_t num_workers = 1;
+  DurabilitySpec durability;       // Default: none.
+  bool staleness_damping = false;  // async only.
+  double barrier_timeout_s = 0;    // 0: the shard's default (120 s).
+};
+
+class ParameterClient {
+ public:
+  virtual ~ParameterClient() = default;
+
+  // Registers the job on every shard with `initial` values (one span per tensor, layout
+  // order). Idempotent: if the job exists with the same layout nothing changes.
+  virtual absl::Status InitJob(const std::vector<absl::Span<const float>>& initial) = 0;
+
+  // Pushes one gradient per tensor (layout order) computed at `step`.
+  virtual absl::Status Push(int64_t step, const std::vector<absl::Span<const float>>& grads) = 0;
+
+  // Overwrites `params` (one span per tensor, layout order) with the shards' current values.
+  virtual absl::Status Pull(const std::vector<absl::Span<float>>& params) = 0;
+
+  // Tells every shard this worker is done.
+  virtual absl::Status Finish(int64_t step) = 0;
+
+  // Job state as seen by each shard, in shard order.
+  virtual absl::StatusOr<std::vector<JobInfoResponse>> GetJobInfo() = 0;
+
+  // Bytes of tensor payload sent and received so far by Push and Pull (excluding protocol
+  // overhead), as on the wire (after compression) and as float32 (before).
+  virtual int64_t bytes_pushed() const = 0;
+  virtual int64_t bytes_pulled() const = 0;
+  virtual int64_t raw_bytes_pushed() const = 0;
+  virtual int64_t raw_bytes_pulled() const = 0;
+  // Seconds spent encoding pushes and decoding pulls.
+  virtual double codec_seconds() const = 0;
+
+  // Switches the push codec from the next Push on ("" = dense); error-feedback residuals start
+  // from zero. InvalidArgument for an unknown codec (nothing changes).
+  virtual absl::Status SetPushCodec(const std::string& spec) = 0;
+};
+
+}  // namespace gradmesh
+
+#endif  // GRADMESH_WORKER_PARAMETER_CLIENT_INTERFACE_H_

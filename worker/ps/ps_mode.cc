@@ -1,0 +1,218 @@
+#include "worker/ps/ps_mode.h"
+
+#include <algorithm>
+#include <limits>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "common/status.h"
+#include "worker/auto_codec.h"
+
+namespace gradmesh {
+namespace {
+
+class PsMode : public TrainingMode {
+ public:
+  PsMode(const TrainerOptions& options, ParameterClientFactory client_factory)
+      : options_(options),
+        spec_(options.spec),
+        client_factory_(std::move(client_factory)),
+        active_ranks_(options.active_ranks),
+        evaluate_(options.evaluate) {}
+
+  absl::StatusOr<int64_t> Start(ModelView* model, const LoopInfo& info) override;
+  std::vector<LogField> StartFields() const override;
+  absl::StatusOr<StepOutcome> Exchange(int64_t step,
+                                       absl::Span<const absl::Span<const float>> grads,
+                                       double loss, const StepTiming& timing) override;
+  absl::StatusOr<bool> MaybeCheckpoint(int64_t steps_done) override;
+  int64_t bytes_sent() const override { return client_->bytes_pushed(); }
+  std::vector<LogField> ProgressFields(int64_t done, int64_t window) override;
+  absl::StatusOr<bool> Finish(int64_t step, TrainResult* result) override;
+
+  void SetGroup(std::vector<int32_t> active_ranks, bool evaluate) override {
+    absl::MutexLock lock(&group_mu_);
+    active_ranks_ = std::move(active_ranks);
+    evaluate_ = evaluate;
+  }
+
+ private:
+  JobLayout Layout(const ModelView& model, int64_t total_steps) const;
+  absl::Status MaybeSwitchCodec(int64_t step, double loss, double compute_s, double comm_s);
+  // Waits (bounded by options.wait_for_workers) until every worker of the group finished.
+  absl::Status WaitForWorkers();
+
+  const TrainerOptions& options_;
+  const JobSpec& spec_;
+  const ParameterClientFactory client_factory_;
+  ModelView* model_ = nullptr;
+  std::unique_ptr<ParameterClient> client_;
+  std::optional<AutoCodec> auto_codec_;  // compression.push: auto (worker/auto_codec.h).
+
+  absl::Mutex group_mu_;
+  std::vector<int32_t> active_ranks_ ABSL_GUARDED_BY(group_mu_);
+  bool evaluate_ ABSL_GUARDED_BY(group_mu_);
+};
+
+JobLayout PsMode::Layout(const ModelView& model, int64_t total_steps) const {
+  JobLayout layout;
+  layout.job = spec_.name();
+  layout.chunk_elems = spec_.chunk_bytes() / static_cast<int64_t>(sizeof(float));
+  // Every worker derives the same schedule length: chunk updates over the whole job (one per
+  // step in sync mode, where a step's pushes are averaged; one per push of any worker
+  // otherwise).
+  layout.optimizer = WithDecayUpdates(
+      spec_.optimizer(), total_steps * (options_.mode == Mode::kSync ? 1 : spec_.num_workers()));
+  layout.consistency = spec_.mode();
+  layout.num_workers = spec_.num_workers();
+  layout.durability = spec_.durability();
+  layout.staleness_damping = spec_.staleness_damping();
+  layout.barrier_timeout_s = spec_.barrier_timeout_s();
+  for (size_t i = 0; i < model.params.size(); ++i) {
+    TensorSpec t;
+    t.set_name(model.names[i]);
+    for (int64_t d : model.shapes[i]) t.add_shape(d);
+    layout.tensors.push_back(t);
+  }
+  return layout;
+}
+
+absl::StatusOr<int64_t> PsMode::Start(ModelView* model, const LoopInfo& info) {
+  model_ = model;
+  ASSIGN_OR_RETURN(client_, client_factory_(Layout(*model, info.total_steps)));
+  if (spec_.compression().push() == "auto") auto_codec_.emplace();
+  // Every worker offers the same seeded initial values; the first InitJob wins, the rest see
+  // the job already exists. Then everyone starts from the shards' values.
+  std::vector<absl::Span<const float>> initial(model->params.begin(), model->params.end());
+  RETURN_IF_ERROR(client_->InitJob(initial));
+  RETURN_IF_ERROR(client_->Pull(model->params));
+  // Resume where the shards say this rank got to (0 for a new job).
+  int64_t first_step = std::numeric_limits<int64_t>::max();
+  ASSIGN_OR_RETURN(std::vector<JobInfoResponse> infos, client_->GetJobInfo());
+  for (const JobInfoResponse& job : infos) {
+    first_step = std::min(first_step, job.workers(options_.rank).last_step() + 1);
+  }
+  if (first_step > 0) {
+    LogInfo(options_.logger, "resuming",
+            {Kv("job", spec_.name()), Kv("rank", options_.rank),
+             Kv("step", std::min(first_step, info.total_steps))});
+  }
+  return first_step;
+}
+
+std::vector<LogField> PsMode::StartFields() const {
+  return {Kv("shards", spec_.num_shards()),
+          Kv("push_codec", spec_.compression().push().empty() ? "float32"
+                                                               : spec_.compression().push()),
+          Kv("pull_codec", spec_.compression().pull().empty() ? "float32"
+                                                               : spec_.compression().pull())};
+}
+
+absl::Status PsMode::MaybeSwitchCodec(int64_t step, double loss, double compute_s,
+                                      double comm_s) {
+  std::optional<std::string> next = auto_codec_->Observe(loss, compute_s, comm_s);
+  if (!next.has_value()) return absl::OkStatus();
+  RETURN_IF_ERROR(client_->SetPushCodec(*next));
+  LogInfo(options_.logger, auto_codec_->fell_back() ? "auto_codec_fallback" : "auto_codec",
+          {Kv("job", spec_.name()), Kv("rank", options_.rank), Kv("step", step),
+           Kv("codec", next->empty() ? "dense" : *next),
+           Kv("comm_over_compute", absl::StrFormat("%.2f", auto_codec_->ratio()))});
+  return absl::OkStatus();
+}
+
+absl::StatusOr<StepOutcome> PsMode::Exchange(int64_t step,
+                                             absl::Span<const absl::Span<const float>> grads,
+                                             double loss, const StepTiming& timing) {
+  const absl::Time start = absl::Now();
+  RETURN_IF_ERROR(client_->Push(step, std::vector<absl::Span<const float>>(grads.begin(),
+                                                                           grads.end())));
+  RETURN_IF_ERROR(client_->Pull(model_->params));
+  if (auto_codec_.has_value()) {
+    RETURN_IF_ERROR(MaybeSwitchCodec(step, loss, timing.compute_s,
+                                     absl::ToDoubleSeconds(absl::Now() - start)));
+  }
+  StepOutcome out;
+  out.loss = loss;
+  return out;
+}
+
+absl::StatusOr<bool> PsMode::MaybeCheckpoint(int64_t steps_done) {
+  // The shards snapshot durably every checkpoint.every_steps steps of every worker.
+  const int64_t every = spec_.checkpoint().every_steps();
+  return every > 0 && steps_done % every == 0;
+}
+
+std::vector<LogField> PsMode::ProgressFields(int64_t done, int64_t window) {
+  const int64_t pushed = client_->bytes_pushed();
+  return {Kv("codec_ms", absl::StrFormat("%.2f", 1e3 * client_->codec_seconds() / done)),
+          Kv("push_ratio",
+             absl::StrFormat("%.1f", pushed > 0 ? static_cast<double>(
+                                                      client_->raw_bytes_pushed()) / pushed
+                                                : 1.0))};
+}
+
+absl::Status PsMode::WaitForWorkers() {
+  const absl::Time deadline = absl::Now() + options_.wait_for_workers;
+  while (true) {
+    ASSIGN_OR_RETURN(std::vector<JobInfoResponse> infos, client_->GetJobInfo());
+    // A sync job re-formed after losing workers waits only for the ranks still in it.
+    std::vector<int32_t> active;
+    {
+      absl::MutexLock lock(&group_mu_);
+      active = active_ranks_;
+    }
+    const int32_t needed =
+        active.empty() ? spec_.num_workers() : static_cast<int32_t>(active.size());
+    int32_t finished = 0;
+    for (const WorkerState& w : infos[0].workers()) {
+      const bool counted =
+          active.empty() || std::find(active.begin(), active.end(), w.worker()) != active.end();
+      finished += counted && w.finished() ? 1 : 0;
+    }
+    if (finished == needed) return absl::OkStatus();
+    if (absl::Now() > deadline) {
+      return absl::DeadlineExceededError(absl::StrCat("trainer: only ", finished, " of ", needed,
+                                                      " workers finished job ", spec_.name(),
+                                                      " within the wait bound"));
+    }
+    absl::SleepFor(absl::Milliseconds(200));
+  }
+}
+
+absl::StatusOr<bool> PsMode::Finish(int64_t step, TrainResult* result) {
+  result->bytes_pushed = client_->bytes_pushed();
+  result->bytes_pulled = client_->bytes_pulled();
+  result->raw_bytes_pushed = client_->raw_bytes_pushed();
+  result->raw_bytes_pulled = client_->raw_bytes_pulled();
+  result->codec_s = client_->codec_seconds();
+  // A worker stopped early (SIGTERM) has not finished the job: it may be resumed, and the
+  // shards must keep waiting for (and counting) its clock.
+  if (result->stopped_early) return false;
+  RETURN_IF_ERROR(client_->Finish(step));
+  bool evaluate;
+  {
+    absl::MutexLock lock(&group_mu_);
+    evaluate = evaluate_;
+  }
+  if (!evaluate) return false;
+  // Wait for every worker so the evaluated model is the job's final one.
+  RETURN_IF_ERROR(WaitForWorkers());
+  RETURN_IF_ERROR(client_->Pull(model_->params));
+  return true;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<TrainingMode>> NewPsMode(const TrainerOptions& options,
+                                                        ParameterClientFactory client_factory) {
+  if (!client_factory) return absl::InvalidArgumentError("trainer: no client factory");
+  return std::unique_ptr<TrainingMode>(new PsMode(options, std::move(client_factory)));
+}
+
+}  // namespace gradmesh

@@ -1,0 +1,37 @@
+// The parameter-server modes (async, ssp:<s>, sync) as a TrainingMode.
+//
+// Start: every worker offers the same seeded initial values (InitJob: the first wins, the rest
+// find the job), then pulls the shards' values and resumes after the last step the shards
+// recorded for this rank (the minimum over shards; 0 for a new job).
+// Exchange: push every gradient to its shards in parallel, then pull fresh parameters into the
+// model (compression.push "auto" lets AutoCodec switch the push codec as it measures the job).
+// Checkpoints are the shards' durable snapshots (checkpoint.every_steps turns them on, see
+// common/job_spec.h); the loop reports them at those steps.
+// Finish: tell the shards this worker finished (not after a stop request: the shards keep
+// waiting for a worker that may be resumed); the evaluating rank waits until every worker of
+// the group finished, then pulls the final parameters.
+//
+// Thread safety: see worker/training_mode.h; SetGroup may be called from any thread.
+#ifndef GRADMESH_WORKER_PS_PS_MODE_H_
+#define GRADMESH_WORKER_PS_PS_MODE_H_
+
+#include <functional>
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "worker/parameter_client_interface.h"
+#include "worker/training_mode.h"
+
+namespace gradmesh {
+
+// Makes the ParameterClient once the model (and so the job's layout) is known.
+using ParameterClientFactory =
+    std::function<absl::StatusOr<std::unique_ptr<ParameterClient>>(JobLayout layout)>;
+
+// INVALID_ARGUMENT if `client_factory` is empty.
+absl::StatusOr<std::unique_ptr<TrainingMode>> NewPsMode(const TrainerOptions& options,
+                                                        ParameterClientFactory client_factory);
+
+}  // namespace gradmesh
+
+#endif  // GRADMESH_WORKER_PS_PS_MODE_H_

@@ -1,0 +1,224 @@
+// The one training loop against a scripted fake mode: the hook order, resume, both kinds of
+// stop, gradient hooks, the progress schema, evaluation, and that a mode's writes through the
+// model view are the model. Uses MNIST from GRADMESH_DATA_DIR (set by .bazelrc; installed by
+// deploy/setup.sh): a missing data set fails the test.
+#include "worker/training_loop.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "common/logging.h"
+#include "common/status_testing.h"
+
+namespace gradmesh {
+namespace {
+
+class FakeMode : public TrainingMode {
+ public:
+  int64_t first_step = 0;
+  bool hook = false;
+  bool collective = false;
+  int64_t stop_after_step = -1;  // Exchange of this step says stop (collective).
+  bool evaluate = false;
+  bool zero_model = false;       // Start writes zeros through the view.
+  std::vector<std::string> calls;
+  std::vector<double> losses;
+  int64_t gradients_seen = 0;
+  int64_t grad_elems_in_exchange = 0;
+  bool finish_saw_stopped = false;
+  ModelView* view = nullptr;
+
+  absl::StatusOr<int64_t> Start(ModelView* model, const LoopInfo& info) override {
+    view = model;
+    calls.push_back(absl::StrCat("start total=", info.total_steps));
+    if (zero_model) {
+      for (absl::Span<float> p : model->params) std::fill(p.begin(), p.end(), 0.0f);
+    }
+    return first_step;
+  }
+  bool collective_stop() const override { return collective; }
+  absl::Status BeforeForward(int64_t step) override {
+    calls.push_back(absl::StrCat("forward ", step));
+    return absl::OkStatus();
+  }
+  void BeforeBackward(int64_t step, double loss, bool stop_requested) override {
+    calls.push_back(absl::StrCat("backward ", step, stop_requested ? " stop" : ""));
+  }
+  bool wants_gradient_hook() const override { return hook; }
+  void OnGradient(int param, absl::Span<const float> grad) override {
+    ++gradients_seen;
+    EXPECT_EQ(grad.size(), view->params[param].size());
+  }
+  absl::StatusOr<StepOutcome> Exchange(int64_t step,
+                                       absl::Span<const absl::Span<const float>> grads,
+                                       double loss, const StepTiming& timing) override {
+    calls.push_back(absl::StrCat("exchange ", step));
+    EXPECT_EQ(grads.size(), view->params.size());
+    for (absl::Span<const float> g : grads) grad_elems_in_exchange += g.size();
+    EXPECT_GT(timing.compute_s, 0);
+    losses.push_back(loss);
+    StepOutcome out;
+    out.loss = loss;
+    out.stop = step == stop_after_step;
+    return out;
+  }
+  absl::StatusOr<bool> MaybeCheckpoint(int64_t steps_done) override {
+    calls.push_back(absl::StrCat("checkpoint? ", steps_done));
+    return steps_done == 2;
+  }
+  int64_t bytes_sent() const override { return 1000 * static_cast<int64_t>(losses.size()); }
+  std::vector<LogField> ProgressFields(int64_t done, int64_t window) override {
+    return {Kv("fake_done", done), Kv("fake_window", window)};
+  }
+  absl::StatusOr<bool> Finish(int64_t step, TrainResult* result) override {
+    calls.push_back(absl::StrCat("finish ", step));
+    finish_saw_stopped = result->stopped_early;
+    result->bytes_pushed = 7;
+    return evaluate;
+  }
+};
+
+TrainerOptions Options(int64_t steps) {
+  TrainerOptions o;
+  o.spec.set_name("loop");
+  o.spec.set_mode("async");
+  o.spec.mutable_model()->set_name("mlp");
+  o.spec.mutable_dataset()->set_name("mnist");
+  o.spec.set_num_workers(1);
+  o.spec.set_batch_size(16);
+  o.spec.set_steps(steps);
+  o.spec.set_seed(3);
+  o.spec.set_log_every(2);
+  const char* root = std::getenv("GRADMESH_DATA_DIR");
+  o.data_dir = root == nullptr ? "" : root;
+  return o;
+}
+
+std::vector<std::string> Lines(std::FILE* f) {
+  std::fflush(f);
+  std::rewind(f);
+  std::string text;
+  char buf[4096];
+  size_t n;
+  while ((n = std::fread(buf, 1, sizeof(buf), f)) > 0) text.append(buf, n);
+  return absl::StrSplit(text, '\n', absl::SkipEmpty());
+}
+
+TEST(TrainingLoopTest, CallsTheHooksInOrderAndReportsOneSchema) {
+  ASSERT_NE(std::getenv("GRADMESH_DATA_DIR"), nullptr) << "run deploy/setup.sh";
+  std::FILE* out = std::tmpfile();
+  Logger logger({}, out);
+  TrainerOptions o = Options(3);
+  o.logger = &logger;
+  std::vector<TrainProgress> reports;
+  o.on_progress = [&reports](const TrainProgress& p) { reports.push_back(p); };
+  FakeMode mode;
+  std::atomic<bool> stop{false};
+  ASSERT_OK_AND_ASSIGN(TrainResult r, RunTrainingLoop(o, &mode, stop));
+
+  const std::vector<std::string> want = {
+      "start total=3", "forward 0", "backward 0", "exchange 0", "checkpoint? 1",
+      "forward 1",     "backward 1", "exchange 1", "checkpoint? 2", "forward 2",
+      "backward 2",    "exchange 2", "checkpoint? 3", "finish 3"};
+  EXPECT_EQ(mode.calls, want);
+  EXPECT_EQ(mode.gradients_seen, 0);
+  EXPECT_EQ(mode.grad_elems_in_exchange, 3 * (784 * 256 + 256 + 256 * 256 + 256 + 256 * 10 + 10));
+  EXPECT_EQ(r.steps, 3);
+  EXPECT_EQ(r.samples, 48);
+  EXPECT_EQ(r.first_step, 0);
+  EXPECT_FALSE(r.stopped_early);
+  EXPECT_EQ(r.bytes_pushed, 7);
+  EXPECT_EQ(r.test_accuracy, -1);  // The mode did not ask for evaluation.
+  EXPECT_DOUBLE_EQ(r.final_loss, mode.losses[2]);  // The last window holds step 2 only.
+
+  // Progress at step 2 (log_every) and at the last step, with the common keys in order.
+  std::vector<std::string> progress;
+  for (const std::string& line : Lines(out)) {
+    if (line.find("event=progress") != std::string::npos) progress.push_back(line);
+  }
+  ASSERT_EQ(progress.size(), 2u);
+  for (const char* key : {" job=loop", " rank=0", " mode=async", " total=3", " epoch=1",
+                          " epochs=1", " loss=", " samples_per_s=", " data_ms=", " compute_ms=",
+                          " comm_ms=", " fake_done="}) {
+    EXPECT_NE(progress[0].find(key), std::string::npos) << key << " in " << progress[0];
+  }
+  EXPECT_NE(progress[0].find(" step=2 "), std::string::npos);
+  EXPECT_NE(progress[0].find(" bytes_per_step=1000 checkpoint_step=2 fake_done=2 fake_window=2"),
+            std::string::npos)
+      << progress[0];
+  EXPECT_NE(progress[1].find(" step=3 "), std::string::npos);
+  EXPECT_NE(progress[1].find(" fake_done=3 fake_window=1"), std::string::npos) << progress[1];
+  ASSERT_EQ(reports.size(), 2u);
+  EXPECT_EQ(reports[0].step, 2);
+  EXPECT_EQ(reports[0].checkpoint_step, 2);
+  EXPECT_EQ(reports[1].step, 3);
+  EXPECT_EQ(reports[1].total_steps, 3);
+  EXPECT_EQ(reports[1].accuracy, -1);
+  std::fclose(out);
+}
+
+TEST(TrainingLoopTest, ResumesAtTheModesStepAndCallsGradientHooks) {
+  TrainerOptions o = Options(5);
+  FakeMode mode;
+  mode.first_step = 3;
+  mode.hook = true;
+  std::atomic<bool> stop{false};
+  ASSERT_OK_AND_ASSIGN(TrainResult r, RunTrainingLoop(o, &mode, stop));
+  EXPECT_EQ(r.first_step, 3);
+  EXPECT_EQ(r.steps, 2);
+  EXPECT_EQ(mode.calls[1], "forward 3");
+  EXPECT_EQ(mode.calls.back(), "finish 5");
+  EXPECT_EQ(mode.gradients_seen, 2 * 6);  // Every parameter, every step.
+}
+
+TEST(TrainingLoopTest, ALocalStopEndsBeforeTheNextStep) {
+  TrainerOptions o = Options(5);
+  FakeMode mode;
+  std::atomic<bool> stop{true};
+  ASSERT_OK_AND_ASSIGN(TrainResult r, RunTrainingLoop(o, &mode, stop));
+  EXPECT_TRUE(r.stopped_early);
+  EXPECT_EQ(r.steps, 0);
+  EXPECT_TRUE(mode.finish_saw_stopped);
+  EXPECT_EQ(mode.calls, (std::vector<std::string>{"start total=5", "finish 0"}));
+}
+
+TEST(TrainingLoopTest, ACollectiveStopEndsAfterTheStepThatCarriesIt) {
+  TrainerOptions o = Options(5);
+  FakeMode mode;
+  mode.collective = true;
+  mode.stop_after_step = 1;
+  std::atomic<bool> stop{true};  // Passed on to the mode, not acted on by the loop.
+  ASSERT_OK_AND_ASSIGN(TrainResult r, RunTrainingLoop(o, &mode, stop));
+  EXPECT_TRUE(r.stopped_early);
+  EXPECT_EQ(r.steps, 2);
+  EXPECT_EQ(mode.calls[2], "backward 0 stop");
+  EXPECT_EQ(mode.calls.back(), "finish 2");
+}
+
+TEST(TrainingLoopTest, TheModelViewIsTheModelAndEvaluationUsesIt) {
+  TrainerOptions o = Options(1);
+  std::vector<TrainProgress> reports;
+  o.on_progress = [&reports](const TrainProgress& p) { reports.push_back(p); };
+  FakeMode mode;
+  mode.zero_model = true;
+  mode.evaluate = true;
+  std::atomic<bool> stop{false};
+  ASSERT_OK_AND_ASSIGN(TrainResult r, RunTrainingLoop(o, &mode, stop));
+  // All-zero weights give uniform logits: cross-entropy is exactly ln(10).
+  ASSERT_EQ(mode.losses.size(), 1u);
+  EXPECT_NEAR(mode.losses[0], std::log(10.0), 1e-6);
+  // Still all zero (the fake mode never updates): every test sample gets class 0.
+  EXPECT_NEAR(r.test_accuracy, 980.0 / 10000.0, 1e-12);  // MNIST's test set has 980 zeros.
+  ASSERT_FALSE(reports.empty());
+  EXPECT_NEAR(reports.back().accuracy, 0.098, 1e-12);
+}
+
+}  // namespace
+}  // namespace gradmesh

@@ -1,0 +1,153 @@
+// TrainingMode: what one training mode adds to the one training loop (worker/training_loop.h).
+//
+// The loop owns everything the modes share: the data (sharded, prefetched batches), the model
+// (creation, the float32 check), forward/backward (the only backward() call of worker/),
+// timing (data / compute / comm), progress lines and reports, stop requests, evaluation and
+// saving. A mode supplies only what differs, through these hooks, called in this order:
+//
+//   Start(model, info)            connect, initialise or restore; returns the first step
+//   per step:
+//     BeforeForward(step)         e.g. gossip copies the latest mixed values into the model
+//     BeforeBackward(step, ...)   e.g. allreduce opens the step's buckets
+//     OnGradient(i, grad)         during backward, as each parameter's gradient is produced
+//                                 (only if wants_gradient_hook())
+//     Exchange(step, grads, ...)  the step's exchange and update (push/pull, all-reduce and
+//                                 optimizer, local update and gossip round)
+//     MaybeCheckpoint(step + 1)   after the step is counted
+//   Finish(step, result)          the final exchange; leaves the final model in the model
+//                                 view and says whether this rank evaluates and saves it
+//
+// A new mode is one file implementing this interface plus one line registering its factory
+// (worker/modes.h). Modes never see LibTorch: the model is a list of float32 spans that
+// alias the parameters' storage.
+//
+// Thread safety: a mode is used by one training thread, except OnGradient, which LibTorch may
+// call from its autograd thread while backward runs (the loop's thread waits for it), and
+// SetGroup, which may be called from any thread at any time.
+#ifndef GRADMESH_WORKER_TRAINING_MODE_H_
+#define GRADMESH_WORKER_TRAINING_MODE_H_
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "common/logging.h"
+#include "common/registry.h"
+#include "worker/train_util.h"
+
+namespace gradmesh {
+
+// The model as the modes see it: every trainable parameter as a contiguous float32 span over
+// the model's own storage (writing through a span changes the model), in the model's fixed
+// parameter order.
+struct ModelView {
+  std::vector<std::string> names;             // "fc1.weight", ...
+  std::vector<std::vector<int64_t>> shapes;   // Tensor shapes.
+  std::vector<absl::Span<float>> params;      // Aliases of the parameters' storage.
+
+  int64_t numel() const {
+    int64_t n = 0;
+    for (const absl::Span<float>& p : params) n += static_cast<int64_t>(p.size());
+    return n;
+  }
+};
+
+// What the loop knows before the first step.
+struct LoopInfo {
+  int64_t total_steps = 0;      // Steps of the whole job for this rank (from the data).
+  int64_t steps_per_epoch = 0;  // >= 1.
+};
+
+// The result of one step's exchange.
+struct StepOutcome {
+  double loss = 0;    // The step's training loss as reported (allreduce: mean over ranks).
+  bool stop = false;  // Every rank stops after this step (a stop decided collectively).
+};
+
+// How the step's time went so far (seconds), for modes that adapt to it (auto codec).
+struct StepTiming {
+  double compute_s = 0;  // Forward and backward of this step.
+};
+
+class TrainingMode {
+ public:
+  virtual ~TrainingMode() = default;
+
+  // Connects, initialises or restores the mode for `model` (whose parameters hold the seeded
+  // initial values; the mode may overwrite them, e.g. with the shards' or a checkpoint's
+  // values). Returns the first step to run: 0 for a new job, > 0 when resuming. `model`
+  // outlives the mode.
+  virtual absl::StatusOr<int64_t> Start(ModelView* model, const LoopInfo& info) = 0;
+
+  // Mode-specific fields of the train_start line (the loop logs the common ones).
+  virtual std::vector<LogField> StartFields() const { return {}; }
+
+  // True when a stop request is decided collectively: the loop does not stop by itself but
+  // passes the request to BeforeBackward, and stops after the step whose outcome says stop.
+  // False: the loop stops before the next step.
+  virtual bool collective_stop() const { return false; }
+
+  // Before the forward pass of `step` (0-based).
+  virtual absl::Status BeforeForward(int64_t step) { return absl::OkStatus(); }
+
+  // After the forward pass of `step`, before backward: its local loss and whether a stop was
+  // requested (only meaningful when collective_stop()).
+  virtual void BeforeBackward(int64_t step, double loss, bool stop_requested) {}
+
+  // Whether OnGradient should be called during backward.
+  virtual bool wants_gradient_hook() const { return false; }
+
+  // Parameter `param`'s gradient, the moment backward has produced it (float32, contiguous,
+  // valid only during the call).
+  virtual void OnGradient(int param, absl::Span<const float> grad) {}
+
+  // Backward failed after BeforeBackward: undo what the step started.
+  virtual void AbortStep() {}
+
+  // The step's exchange and update. `grads` holds every parameter's gradient in model order
+  // (valid during the call). INTERNAL/UNAVAILABLE/... end the run with that status.
+  virtual absl::StatusOr<StepOutcome> Exchange(int64_t step,
+                                               absl::Span<const absl::Span<const float>> grads,
+                                               double loss, const StepTiming& timing) = 0;
+
+  // After `steps_done` steps (absolute): writes a checkpoint if one is due. True if written.
+  virtual absl::StatusOr<bool> MaybeCheckpoint(int64_t steps_done) { return false; }
+
+  // Bytes this rank has sent so far (on the wire), for the progress lines.
+  virtual int64_t bytes_sent() const = 0;
+
+  // Mode-specific fields of a progress line: `done` steps in this run (>= 1), `window` steps
+  // since the last progress line.
+  virtual std::vector<LogField> ProgressFields(int64_t done, int64_t window) { return {}; }
+
+  // After the last step (`step` absolute; result->stopped_early says whether a stop request
+  // ended the run). Does the final exchange, fills the byte counts of *result (and may add to
+  // comm_s / set consensus_distance), and returns true if this rank evaluates and saves: then
+  // the model view holds the job's final model.
+  virtual absl::StatusOr<bool> Finish(int64_t step, TrainResult* result) = 0;
+
+  // Mode-specific fields of the evaluated line.
+  virtual std::vector<LogField> EvaluatedFields() const { return {}; }
+
+  // A sync job's barrier group was re-formed: the ranks still in it (empty: all) and whether
+  // this rank evaluates at the end. Ignored by modes without such a group.
+  virtual void SetGroup(std::vector<int32_t> active_ranks, bool evaluate) {}
+};
+
+// Makes a mode for one rank of one job. `options` (with options.mode parsed) outlives the mode.
+using TrainingModeFactory =
+    std::function<absl::StatusOr<std::unique_ptr<TrainingMode>>(const TrainerOptions& options)>;
+
+// Modes by name (ModeName(): "async", "ssp", "sync", "gossip", "allreduce"). The built-in
+// modes are registered by worker/modes.h, which binds them to this process's services.
+using TrainingModeRegistry = NamedRegistry<TrainingModeFactory>;
+
+}  // namespace gradmesh
+
+#endif  // GRADMESH_WORKER_TRAINING_MODE_H_
