@@ -28,10 +28,10 @@ namespace ckpt {
 namespace {
 
 constexpr char kMagic[8] = {'G', 'M', 'C', 'K', 'P', 'T', 'F', '\n'};
-constexpr size_t kPrefixBytes = 16;           // Magic, version, header length.
-constexpr size_t kMinHeaderSection = 4 * 4;   // Kind length, two counts, CRC.
+constexpr size_t kPrefixBytes = 16;          // Magic, version, header length.
+constexpr size_t kMinHeaderSection = 4 * 4;  // Kind length, two counts, CRC.
 constexpr uint32_t kMaxHeaderSection = 1u << 30;
-constexpr size_t kStreamBuffer = 1 << 20;     // Payload verification reads.
+constexpr size_t kStreamBuffer = 1 << 20;  // Payload verification reads.
 constexpr char kFormatName[] = "gmckpt/1";
 
 static_assert(sizeof(z_size_t) >= sizeof(size_t), "crc32_z must take size_t lengths");
@@ -137,11 +137,16 @@ class Cursor {
 
 ArrayData MakeArrayData(DType dtype, size_t count) {
   switch (dtype) {
-    case DType::kFloat32: return std::vector<float>(count);
-    case DType::kFloat64: return std::vector<double>(count);
-    case DType::kInt64: return std::vector<int64_t>(count);
-    case DType::kUint8: return std::vector<uint8_t>(count);
-    case DType::kInt32: return std::vector<int32_t>(count);
+    case DType::kFloat32:
+      return std::vector<float>(count);
+    case DType::kFloat64:
+      return std::vector<double>(count);
+    case DType::kInt64:
+      return std::vector<int64_t>(count);
+    case DType::kUint8:
+      return std::vector<uint8_t>(count);
+    case DType::kInt32:
+      return std::vector<int32_t>(count);
   }
   return std::vector<uint8_t>();
 }
@@ -178,9 +183,10 @@ absl::StatusOr<Checkpoint> ReadOne(const std::string& path, const ReadOptions& o
     for (const LegacyFormat& l : options.legacy) {
       if (l.magic.empty() || prefix.compare(0, l.magic.size(), l.magic) != 0) continue;
       if (!l.parse) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "checkpoint ", path, " is a ", l.name, ", not ",
-            options.kind.empty() ? "a readable checkpoint" : "a " + options.kind + " checkpoint"));
+        return absl::FailedPreconditionError(
+            absl::StrCat("checkpoint ", path, " is a ", l.name, ", ",
+                         options.kind.empty() ? "which is not read here"
+                                              : "expected kind '" + options.kind + "'"));
       }
       std::string bytes(static_cast<size_t>(size), '\0');
       if (lseek(fd.get(), 0, SEEK_SET) != 0 || !ReadAll(fd.get(), bytes.data(), bytes.size())) {
@@ -189,9 +195,9 @@ absl::StatusOr<Checkpoint> ReadOne(const std::string& path, const ReadOptions& o
       absl::StatusOr<Checkpoint> c = l.parse(path, bytes);
       if (!c.ok()) return c.status();
       if (!options.kind.empty() && c->header.kind != options.kind) {
-        return absl::FailedPreconditionError(
-            absl::StrCat("checkpoint ", path, " is a ", l.name, " holding a '", c->header.kind,
-                         "' checkpoint, expected '", options.kind, "'"));
+        return absl::FailedPreconditionError(absl::StrCat("checkpoint ", path, " is a ", l.name,
+                                                          " of kind '", c->header.kind,
+                                                          "', expected '", options.kind, "'"));
       }
       c->header.source.path = path;
       c->header.source.format = l.name;
@@ -207,9 +213,9 @@ absl::StatusOr<Checkpoint> ReadOne(const std::string& path, const ReadOptions& o
   std::memcpy(&version, prefix.data() + 8, 4);
   std::memcpy(&section, prefix.data() + 12, 4);
   if (version != kFormatVersion) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("checkpoint ", path, " has format version ", version,
-                     "; this build reads version ", kFormatVersion));
+    return absl::FailedPreconditionError(absl::StrCat("checkpoint ", path, " has format version ",
+                                                      version, "; this build reads version ",
+                                                      kFormatVersion));
   }
   if (section < kMinHeaderSection || section > kMaxHeaderSection) {
     return loss(absl::StrCat("malformed header length ", section));
@@ -247,11 +253,11 @@ absl::StatusOr<Checkpoint> ReadOne(const std::string& path, const ReadOptions& o
     if (!cur.GetString(&key) || !cur.Get(&type)) return loss("malformed header (metadata)");
     bool ok = false;
     if (type == kMetaInt64) {
-      int64_t v;
+      int64_t v = 0;
       ok = cur.Get(&v);
       h.metadata.SetInt(key, v);
     } else if (type == kMetaFloat64) {
-      double v;
+      double v = 0;
       ok = cur.Get(&v);
       h.metadata.SetDouble(key, v);
     } else if (type == kMetaString) {
@@ -285,8 +291,8 @@ absl::StatusOr<Checkpoint> ReadOne(const std::string& path, const ReadOptions& o
   }
   if (!cur.done()) return loss("malformed header (trailing bytes)");
   if (!options.kind.empty() && h.kind != options.kind) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "checkpoint ", path, " holds a '", h.kind, "' checkpoint, expected '", options.kind, "'"));
+    return absl::FailedPreconditionError(absl::StrCat("checkpoint ", path, " is of kind '", h.kind,
+                                                      "', expected '", options.kind, "'"));
   }
   const uint64_t expected = head.size() + payload + 4;
   if (size < expected) {
@@ -356,8 +362,8 @@ absl::StatusOr<Checkpoint> ReadWithFallback(const std::string& path, const ReadO
     return absl::Status(prev.status().code(),
                         absl::StrCat(main.status().message(), "; ", prev.status().message()));
   }
-  return absl::DataLossError(absl::StrCat(main.status().message(), "; and the previous copy: ",
-                                          prev.status().message()));
+  return absl::DataLossError(
+      absl::StrCat(main.status().message(), "; and the previous copy: ", prev.status().message()));
 }
 
 absl::Status ValidateWrite(const std::string& path, absl::string_view kind,
@@ -375,8 +381,8 @@ absl::Status ValidateWrite(const std::string& path, absl::string_view kind,
     if (a.name.empty()) return bad("an array has an empty name");
     if (!names.insert(a.name).second) return bad(absl::StrCat("two arrays named '", a.name, "'"));
     if (DTypeSize(a.dtype) == 0) {
-      return bad(absl::StrCat("array '", a.name, "' has unknown dtype ",
-                              static_cast<int>(a.dtype)));
+      return bad(
+          absl::StrCat("array '", a.name, "' has unknown dtype ", static_cast<int>(a.dtype)));
     }
     if (a.count < 0 || (a.count > 0 && a.data == nullptr)) {
       return bad(absl::StrCat("array '", a.name, "' has count ", a.count,
@@ -430,22 +436,32 @@ absl::Status SyncDirectory(const std::string& dir) {
 
 size_t DTypeSize(DType dtype) {
   switch (dtype) {
-    case DType::kFloat32: return 4;
-    case DType::kFloat64: return 8;
-    case DType::kInt64: return 8;
-    case DType::kUint8: return 1;
-    case DType::kInt32: return 4;
+    case DType::kFloat32:
+      return 4;
+    case DType::kFloat64:
+      return 8;
+    case DType::kInt64:
+      return 8;
+    case DType::kUint8:
+      return 1;
+    case DType::kInt32:
+      return 4;
   }
   return 0;
 }
 
 std::string DTypeName(DType dtype) {
   switch (dtype) {
-    case DType::kFloat32: return "float32";
-    case DType::kFloat64: return "float64";
-    case DType::kInt64: return "int64";
-    case DType::kUint8: return "uint8";
-    case DType::kInt32: return "int32";
+    case DType::kFloat32:
+      return "float32";
+    case DType::kFloat64:
+      return "float64";
+    case DType::kInt64:
+      return "int64";
+    case DType::kUint8:
+      return "uint8";
+    case DType::kInt32:
+      return "int32";
   }
   return absl::StrCat("dtype(", static_cast<int>(dtype), ")");
 }
@@ -543,8 +559,7 @@ absl::Status WriteCheckpointFile(const std::string& path, absl::string_view kind
   return SyncDirectory(parent.string());
 }
 
-absl::StatusOr<Checkpoint> ReadCheckpointFile(const std::string& path,
-                                              const ReadOptions& options) {
+absl::StatusOr<Checkpoint> ReadCheckpointFile(const std::string& path, const ReadOptions& options) {
   return ReadWithFallback(path, options, /*header_only=*/false);
 }
 

@@ -165,10 +165,10 @@ using ArrayData = std::variant<std::vector<float>, std::vector<double>, std::vec
 
 // Where a read came from.
 struct CheckpointSource {
-  std::string path;          // The file actually read: <path> or <path>.prev.
-  bool from_prev = false;    // True when <path> was unusable and <path>.prev was read.
-  std::string main_error;    // Why <path> was not used (empty when it was).
-  std::string format;        // "gmckpt/1", or the LegacyFormat's name.
+  std::string path;        // The file actually read: <path> or <path>.prev.
+  bool from_prev = false;  // True when <path> was unusable and <path>.prev was read.
+  std::string main_error;  // Why <path> was not used (empty when it was).
+  std::string format;      // "gmckpt/1", or the LegacyFormat's name.
 };
 
 // Everything but the array values.
@@ -256,10 +256,11 @@ std::string PrevPath(const std::string& path);
 template <typename T>
 absl::StatusOr<std::vector<T>> Checkpoint::Take(absl::string_view name) {
   const int i = header.Find(name);
-  if (i < 0 || header.arrays[i].dtype != DTypeOf<T>::value) {
+  if (i < 0 || header.arrays[i].dtype != DTypeOf<T>::value ||
+      static_cast<size_t>(i) >= data.size()) {
     return absl::InvalidArgumentError(
-        std::string("checkpoint ") + header.source.path + ": no " +
-        DTypeName(DTypeOf<T>::value) + " array '" + std::string(name) + "'" +
+        std::string("checkpoint ") + header.source.path + ": no " + DTypeName(DTypeOf<T>::value) +
+        " array '" + std::string(name) + "'" +
         (i < 0 ? "" : " (it is " + DTypeName(header.arrays[i].dtype) + ")"));
   }
   std::vector<T> out = std::move(std::get<std::vector<T>>(data[i]));

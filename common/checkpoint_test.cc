@@ -54,9 +54,9 @@ struct Sample {
     meta.SetString("empty", "");
   }
   std::vector<ArrayRef> Arrays() const {
-    return {ArrayRef::Of<float>("f32", f32),    ArrayRef::Of<double>("f64", f64),
-            ArrayRef::Of<int64_t>("i64", i64),  ArrayRef::Of<uint8_t>("u8", u8),
-            ArrayRef::Of<int32_t>("i32", i32),  ArrayRef::Of<float>("empty", empty)};
+    return {ArrayRef::Of<float>("f32", f32),   ArrayRef::Of<double>("f64", f64),
+            ArrayRef::Of<int64_t>("i64", i64), ArrayRef::Of<uint8_t>("u8", u8),
+            ArrayRef::Of<int32_t>("i32", i32), ArrayRef::Of<float>("empty", empty)};
   }
   absl::Status Write(const std::string& path, const WriteOptions& o = {}) const {
     return WriteCheckpointFile(path, "test", meta, Arrays(), o);
@@ -258,11 +258,9 @@ TEST(CheckpointFileTest, OtherKindsFormatsAndBadRequests) {
   const std::string path = TempDir() + "/common_kind/a.ckpt";
   ASSERT_OK(Sample(1).Write(path));
   ASSERT_OK(Sample(2).Write(path));
-  EXPECT_STATUS_MSG(ReadCheckpointFile(path, Kind("gossip")),
-                    absl::StatusCode::kFailedPrecondition,
-                    "checkpoint " + path + " holds a 'test' checkpoint, expected 'gossip'");
-  EXPECT_STATUS(ReadCheckpointHeader(path, Kind("gossip")),
-                absl::StatusCode::kFailedPrecondition);
+  EXPECT_STATUS_MSG(ReadCheckpointFile(path, Kind("gossip")), absl::StatusCode::kFailedPrecondition,
+                    "checkpoint " + path + " is of kind 'test', expected 'gossip'");
+  EXPECT_STATUS(ReadCheckpointHeader(path, Kind("gossip")), absl::StatusCode::kFailedPrecondition);
 
   // A newer format version is refused, not taken for corruption.
   std::string v2 = ReadAll(path);
@@ -300,9 +298,9 @@ TEST(CheckpointFileTest, OtherKindsFormatsAndBadRequests) {
   EXPECT_EQ(ReadAll(PrevPath(path)), "OLDFMT01payload");
 
   WriteAll(path, "OTHER001payload");
-  EXPECT_STATUS_MSG(ReadCheckpointFile(path, legacy), absl::StatusCode::kFailedPrecondition,
-                    "checkpoint " + path +
-                        " is a legacy other checkpoint (OTHER001), not a test checkpoint");
+  EXPECT_STATUS_MSG(
+      ReadCheckpointFile(path, legacy), absl::StatusCode::kFailedPrecondition,
+      "checkpoint " + path + " is a legacy other checkpoint (OTHER001), expected kind 'test'");
   WriteAll(path, "something else entirely");
   EXPECT_STATUS_MSG(ReadCheckpointFile(path, legacy), absl::StatusCode::kDataLoss,
                     "bad magic or too short (23 bytes starting \"somethin\")");
@@ -311,11 +309,12 @@ TEST(CheckpointFileTest, OtherKindsFormatsAndBadRequests) {
   const std::vector<float> v = {1};
   EXPECT_STATUS_MSG(WriteCheckpointFile(path, "", {}, {}), absl::StatusCode::kInvalidArgument,
                     "empty kind");
+  EXPECT_STATUS_MSG(WriteCheckpointFile(path, "k", {},
+                                        {ArrayRef::Of<float>("a", v), ArrayRef::Of<float>("a", v)}),
+                    absl::StatusCode::kInvalidArgument, "two arrays named 'a'");
   EXPECT_STATUS_MSG(
-      WriteCheckpointFile(path, "k", {}, {ArrayRef::Of<float>("a", v), ArrayRef::Of<float>("a", v)}),
-      absl::StatusCode::kInvalidArgument, "two arrays named 'a'");
-  EXPECT_STATUS_MSG(WriteCheckpointFile(path, "k", {}, {ArrayRef{"a", DType::kFloat32, nullptr, 3}}),
-                    absl::StatusCode::kInvalidArgument, "has count 3 and no data");
+      WriteCheckpointFile(path, "k", {}, {ArrayRef{"a", DType::kFloat32, nullptr, 3}}),
+      absl::StatusCode::kInvalidArgument, "has count 3 and no data");
   Metadata bad;
   bad.SetInt("", 1);
   EXPECT_STATUS_MSG(WriteCheckpointFile(path, "k", bad, {}), absl::StatusCode::kInvalidArgument,

@@ -1,46 +1,97 @@
 // Per-rank checkpoint files (see checkpoint.h).
 #include "worker/allreduce/checkpoint.h"
 
-#include <errno.h>
-#include <fcntl.h>
-#include <sys/stat.h>
-#include <unistd.h>
-#include <zlib.h>
-
 #include <algorithm>
-#include <cstdio>
 #include <cstring>
+#include <iterator>
 #include <set>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/checkpoint.h"
 
 namespace gradmesh {
 namespace {
 
-constexpr char kMagic[8] = {'G', 'M', 'A', 'R', 'C', 'K', 'P', '1'};
+constexpr char kKind[] = "allreduce";
+constexpr char kLegacyMagic[8] = {'G', 'M', 'A', 'R', 'C', 'K', 'P', '1'};
 
-absl::Status Errno(const std::string& what, const std::string& path) {
-  return absl::InternalError(absl::StrCat("checkpoint: ", what, " ", path, ": ",
-                                          std::strerror(errno)));
+std::string ArrayName(size_t i) { return absl::StrCat("a", i); }
+
+// The pre-common/checkpoint allreduce layout (see checkpoint.h), as a kind "allreduce"
+// checkpoint.
+absl::StatusOr<ckpt::Checkpoint> ParseLegacy(const std::string& path, const std::string& data) {
+  auto corrupt = [&](const std::string& why) {
+    return absl::DataLossError(absl::StrCat(
+        "checkpoint ", path, " (legacy allreduce format GMARCKP1) is unusable: ", why));
+  };
+  if (data.size() < sizeof(kLegacyMagic) + 8 + 4 + 4) return corrupt("truncated");
+  if (std::memcmp(data.data(), kLegacyMagic, sizeof(kLegacyMagic)) != 0) {
+    return corrupt("bad magic");
+  }
+  uint32_t sum;
+  std::memcpy(&sum, data.data() + data.size() - 4, 4);
+  ckpt::Crc32 crc;
+  crc.Update(data.data(), data.size() - 4);
+  if (crc.value() != sum) return corrupt("checksum mismatch");
+  size_t at = sizeof(kLegacyMagic);
+  auto get = [&](void* out, size_t len) {
+    if (len > data.size() - 4 - at) return false;
+    std::memcpy(out, data.data() + at, len);
+    at += len;
+    return true;
+  };
+  uint64_t step;
+  uint32_t count;
+  if (!get(&step, 8) || !get(&count, 4)) return corrupt("truncated header");
+  ckpt::Checkpoint c;
+  c.header.kind = kKind;
+  c.header.metadata.SetInt("step", static_cast<int64_t>(step));
+  for (uint32_t i = 0; i < count; ++i) {
+    uint64_t len;
+    if (!get(&len, 8) || len > (data.size() - 4 - at) / sizeof(float)) {
+      return corrupt(absl::StrCat("array ", i, " truncated"));
+    }
+    std::vector<float> a(len);
+    if (!get(a.data(), len * sizeof(float))) return corrupt(absl::StrCat("array ", i));
+    c.Add(ArrayName(i), std::move(a));
+  }
+  if (at != data.size() - 4) return corrupt("trailing bytes");
+  return c;
 }
 
-absl::Status MakeDirs(const std::string& dir) {
-  std::string at;
-  for (size_t i = 0; i <= dir.size(); ++i) {
-    if (i == dir.size() || dir[i] == '/') {
-      at = dir.substr(0, i);
-      if (!at.empty() && mkdir(at.c_str(), 0755) != 0 && errno != EEXIST) {
-        return Errno("cannot create directory", at);
-      }
+std::vector<ckpt::LegacyFormat> LegacyFormats() {
+  return {
+      ckpt::LegacyFormat{std::string(kLegacyMagic, sizeof(kLegacyMagic)),
+                         "legacy allreduce checkpoint (GMARCKP1)", ParseLegacy},
+      ckpt::LegacyFormat{"GMGOSCK1", "legacy gossip checkpoint (GMGOSCK1)", {}},
+  };
+}
+
+ckpt::ReadOptions ReadOptionsForOneFile() {
+  ckpt::ReadOptions o;
+  o.kind = kKind;
+  o.fallback_to_prev = false;  // The caller reads <path> and <path>.prev itself.
+  o.legacy = LegacyFormats();
+  return o;
+}
+
+// Step and array checks shared by full and header reads.
+absl::StatusOr<int64_t> CheckHeader(const ckpt::CheckpointHeader& h) {
+  const std::string& path = h.source.path;
+  absl::StatusOr<int64_t> step = h.metadata.GetInt("step");
+  if (!step.ok()) {
+    return absl::DataLossError(absl::StrCat("checkpoint ", path, ": ", step.status().message()));
+  }
+  for (const ckpt::ArrayInfo& a : h.arrays) {
+    if (a.dtype != ckpt::DType::kFloat32) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("checkpoint ", path, ": array '", a.name, "' is ",
+                       ckpt::DTypeName(a.dtype), "; allreduce checkpoints hold float32"));
     }
   }
-  return absl::OkStatus();
-}
-
-template <typename T>
-void Put(std::string* out, T v) {
-  out->append(reinterpret_cast<const char*>(&v), sizeof(v));
+  return *step;
 }
 
 }  // namespace
@@ -51,106 +102,52 @@ std::string CheckpointPath(const std::string& dir, const std::string& job, int r
 
 absl::Status WriteCheckpoint(const std::string& path, int64_t step,
                              const std::vector<absl::Span<const float>>& arrays) {
-  const size_t slash = path.rfind('/');
-  if (slash != std::string::npos) {
-    if (absl::Status st = MakeDirs(path.substr(0, slash)); !st.ok()) return st;
+  ckpt::Metadata m;
+  m.SetInt("step", step);
+  std::vector<ckpt::ArrayRef> refs;
+  refs.reserve(arrays.size());
+  for (size_t i = 0; i < arrays.size(); ++i) {
+    refs.push_back(ckpt::ArrayRef::Of<float>(ArrayName(i), arrays[i]));
   }
-  std::string head(kMagic, sizeof(kMagic));
-  Put<uint64_t>(&head, static_cast<uint64_t>(step));
-  Put<uint32_t>(&head, static_cast<uint32_t>(arrays.size()));
-  const std::string tmp = absl::StrCat(path, ".tmp.", getpid());
-  const int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  if (fd < 0) return Errno("cannot create", tmp);
-  uLong crc = crc32(0L, Z_NULL, 0);
-  auto write_all = [&](const char* p, size_t n) {
-    if (n == 0) return true;  // (crc32 with a null buffer would restart the sum.)
-    crc = crc32(crc, reinterpret_cast<const Bytef*>(p), static_cast<uInt>(n));
-    while (n > 0) {
-      const ssize_t w = write(fd, p, n);
-      if (w < 0) {
-        if (errno == EINTR) continue;
-        return false;
-      }
-      p += w;
-      n -= static_cast<size_t>(w);
-    }
-    return true;
-  };
-  bool ok = write_all(head.data(), head.size());
-  for (const auto& a : arrays) {
-    if (!ok) break;
-    const uint64_t len = a.size();
-    ok = write_all(reinterpret_cast<const char*>(&len), sizeof(len)) &&
-         write_all(reinterpret_cast<const char*>(a.data()), a.size() * sizeof(float));
-  }
-  const uint32_t sum = static_cast<uint32_t>(crc);
-  ok = ok && write(fd, &sum, sizeof(sum)) == sizeof(sum) && fsync(fd) == 0;
-  const int saved = errno;
-  close(fd);
-  if (!ok) {
-    errno = saved;
-    unlink(tmp.c_str());
-    return Errno("cannot write", tmp);
-  }
-  // Keep the previous checkpoint as .prev, then move the new one in.
-  if (rename(path.c_str(), (path + ".prev").c_str()) != 0 && errno != ENOENT) {
-    return Errno("cannot rename", path);
-  }
-  if (rename(tmp.c_str(), path.c_str()) != 0) return Errno("cannot rename", tmp);
-  return absl::OkStatus();
+  ckpt::WriteOptions o;
+  o.legacy = LegacyFormats();
+  return ckpt::WriteCheckpointFile(path, kKind, m, refs, o);
 }
 
 absl::StatusOr<RankCheckpoint> ReadCheckpoint(const std::string& path) {
-  std::FILE* f = std::fopen(path.c_str(), "rb");
-  if (f == nullptr) {
-    if (errno == ENOENT) return absl::NotFoundError(absl::StrCat("no checkpoint at ", path));
-    return Errno("cannot open", path);
-  }
-  std::string data;
-  char buf[1 << 16];
-  size_t n;
-  while ((n = std::fread(buf, 1, sizeof(buf), f)) > 0) data.append(buf, n);
-  std::fclose(f);
-  auto corrupt = [&](const std::string& why) {
-    return absl::DataLossError(absl::StrCat("checkpoint ", path, " is unusable: ", why));
-  };
-  if (data.size() < sizeof(kMagic) + 8 + 4 + 4) return corrupt("truncated");
-  if (std::memcmp(data.data(), kMagic, sizeof(kMagic)) != 0) return corrupt("bad magic");
-  uint32_t sum;
-  std::memcpy(&sum, data.data() + data.size() - 4, 4);
-  const uLong crc = crc32(crc32(0L, Z_NULL, 0), reinterpret_cast<const Bytef*>(data.data()),
-                          static_cast<uInt>(data.size() - 4));
-  if (static_cast<uint32_t>(crc) != sum) return corrupt("checksum mismatch");
-  size_t at = sizeof(kMagic);
-  auto get = [&](void* out, size_t len) {
-    if (at + len > data.size() - 4) return false;
-    std::memcpy(out, data.data() + at, len);
-    at += len;
-    return true;
-  };
+  absl::StatusOr<ckpt::Checkpoint> c = ckpt::ReadCheckpointFile(path, ReadOptionsForOneFile());
+  if (!c.ok()) return c.status();
+  absl::StatusOr<int64_t> step = CheckHeader(c->header);
+  if (!step.ok()) return step.status();
   RankCheckpoint ck;
-  uint64_t step;
-  uint32_t count;
-  if (!get(&step, 8) || !get(&count, 4)) return corrupt("truncated header");
-  ck.step = static_cast<int64_t>(step);
-  for (uint32_t i = 0; i < count; ++i) {
-    uint64_t len;
-    if (!get(&len, 8) || len > (data.size() - at) / sizeof(float)) {
-      return corrupt(absl::StrCat("array ", i, " truncated"));
-    }
-    std::vector<float> a(len);
-    if (!get(a.data(), len * sizeof(float))) return corrupt(absl::StrCat("array ", i));
-    ck.arrays.push_back(std::move(a));
-  }
-  if (at != data.size() - 4) return corrupt("trailing bytes");
+  ck.step = *step;
+  ck.arrays.reserve(c->data.size());
+  for (ckpt::ArrayData& d : c->data) ck.arrays.push_back(std::move(std::get<0>(d)));
   return ck;
 }
 
 std::vector<RankCheckpoint> ReadAvailableCheckpoints(const std::string& path) {
   std::vector<RankCheckpoint> out;
-  for (const std::string& p : {path, path + ".prev"}) {
+  for (const std::string& p : {path, ckpt::PrevPath(path)}) {
     absl::StatusOr<RankCheckpoint> ck = ReadCheckpoint(p);
     if (ck.ok()) out.push_back(std::move(ck).value());
+  }
+  return out;
+}
+
+std::vector<RankCheckpointInfo> ListAvailableCheckpoints(const std::string& path) {
+  std::vector<RankCheckpointInfo> out;
+  const ckpt::ReadOptions o = ReadOptionsForOneFile();  // verify_payload is on.
+  for (const std::string& p : {path, ckpt::PrevPath(path)}) {
+    absl::StatusOr<ckpt::CheckpointHeader> h = ckpt::ReadCheckpointHeader(p, o);
+    if (!h.ok()) continue;
+    absl::StatusOr<int64_t> step = CheckHeader(*h);
+    if (!step.ok()) continue;
+    RankCheckpointInfo info;
+    info.path = p;
+    info.step = *step;
+    for (const ckpt::ArrayInfo& a : h->arrays) info.array_sizes.push_back(a.count);
+    out.push_back(std::move(info));
   }
   return out;
 }

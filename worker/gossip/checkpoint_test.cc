@@ -159,12 +159,12 @@ TEST(CheckpointTest, ReadsTheOldFormatAndRefusesOtherKinds) {
   const std::string other = TempDir() + "/ckpt_legacy/other.ckpt";
   WriteAll(other, std::string("GMARCKP1") + std::string(20, '\0'));
   EXPECT_STATUS_MSG(ReadGossipCheckpoint(other), absl::StatusCode::kFailedPrecondition,
-                    other + " is a legacy allreduce checkpoint (GMARCKP1), not a gossip");
+                    other + " is a legacy allreduce checkpoint (GMARCKP1), expected kind 'gossip'");
   const std::vector<float> v = {1};
   ASSERT_OK(ckpt::WriteCheckpointFile(other, "allreduce", {},
                                       {ckpt::ArrayRef::Of<float>("a0", v)}));
   EXPECT_STATUS_MSG(ReadGossipCheckpoint(other), absl::StatusCode::kFailedPrecondition,
-                    "holds a 'allreduce' checkpoint, expected 'gossip'");
+                    "is of kind 'allreduce', expected 'gossip'");
 }
 
 }  // namespace
