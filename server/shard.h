@@ -32,6 +32,12 @@
 // The gRPC adapter (server/parameter_service.h) only converts between wire and these calls;
 // the request/response types are the proto messages of proto/gradmesh.proto.
 //
+// Shard is a facade over one set of parts per job: JobState (server/job_state.h: layout,
+// chunks, optimizer, policy, sync group), RequestLedger (server/request_ledger.h: dedupe
+// window, per-worker progress, counters), ShardDurability (server/shard_durability.h: log,
+// snapshots, restore) and PullEncoder (server/pull_encoder.h: dense, fp16/bf16 and "changes"
+// pulls); push decoding is server/push_decoding.h.
+//
 // Thread safety: all methods may be called concurrently. Calls block on chunk and job locks,
 // on the store (durable jobs) and on the consistency policy (sync pushes, ssp pulls, bounded
 // by the job's barrier timeout).
@@ -52,9 +58,12 @@
 #include "compression/compressor.h"
 #include "server/consistency.h"
 #include "common/optimizer.h"
+#include "server/push_decoding.h"
 #include "server/shard_store.h"
 
 namespace gradmesh {
+
+struct Chunk;  // server/job_state.h
 
 struct ShardOptions {
   // Retried-push detection: request ids remembered per (job, worker). Default 4096.
@@ -102,31 +111,36 @@ class Shard {
                             double lr_scale);
 
  private:
+  // Lock order: init_mu_ (job creation), then mu_ (the job map, held only to look up or insert
+  // a job), then a job's own locks, whose order the job's parts document (ShardDurability:
+  // apply lock, chunk, snapshot bookkeeping, ledger; PullEncoder: chunk, then what was sent;
+  // JobState: sync group, then the policy). codecs_ has its own leaf lock.
   struct Job;
   explicit Shard(ShardOptions options);
   absl::StatusOr<std::shared_ptr<Job>> FindJob(const std::string& name);
+  // True if the job exists with this layout; FAILED_PRECONDITION if it exists with another.
+  absl::StatusOr<bool> JobExists(const InitJobRequest& layout) ABSL_LOCKS_EXCLUDED(mu_);
   // Builds an empty job (partition, optimizer, policy, chunks) from a validated layout.
   absl::StatusOr<std::shared_ptr<Job>> BuildJob(const InitJobRequest& layout) const;
+  // Makes `job` durable (if it asks to be) and visible, unless one of its name exists by now.
+  absl::StatusOr<bool> AddJob(const std::string& name, std::shared_ptr<Job> job)
+      ABSL_LOCKS_EXCLUDED(init_mu_, mu_);
   // Logs (durable jobs, unless replaying) and applies an update; records its requests.
   absl::Status ApplyUpdate(Job* job, const ChunkUpdate& update, bool replay);
-  // Writes a snapshot if the job's durability policy says one is due, or now if `force`
-  // (waiting for one in progress). Errors are logged and returned.
-  absl::Status MaybeSnapshot(Job* job, bool force);
   absl::Status Restore();
-  // The codec for `spec` (cached; InvalidArgument if unknown).
-  absl::StatusOr<std::shared_ptr<const Compressor>> Codec(const std::string& spec);
-  // The dense float32 gradient of a pushed chunk: its raw data, or its payload decoded into
-  // `scratch`; validated (length, codec, finiteness). `where` names the chunk in errors.
-  absl::StatusOr<const float*> ChunkValues(const ChunkData& c, int64_t numel,
-                                           const std::string& where, std::vector<float>* scratch);
+  absl::Status RestoreJob(const ShardStore::StoredJob& stored);
+  // Validates a push completely and turns it into an update of `targets`; gradients that
+  // need decoding or realignment live in `scratch`.
+  absl::Status PushUpdate(const Job& job, const PushRequest& request, ChunkUpdate* update,
+                          std::vector<Chunk*>* targets, std::vector<std::vector<float>>* scratch);
+  // After a worker's first Finish: logs the job's statistics if every worker has finished.
+  void MaybeLogJobStats(const Job& job);
 
   const ShardOptions options_;
+  CodecCache codecs_{&options_.compressors};  // Codecs of pushes and fp16/bf16 pulls.
   absl::Mutex init_mu_;  // Serialises job creation (taken before mu_).
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, std::shared_ptr<Job>> jobs_ ABSL_GUARDED_BY(mu_);
-  absl::Mutex codecs_mu_;
-  absl::flat_hash_map<std::string, std::shared_ptr<const Compressor>> codecs_
-      ABSL_GUARDED_BY(codecs_mu_);
 };
 
 }  // namespace gradmesh

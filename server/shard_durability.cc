@@ -1,0 +1,213 @@
+#include "server/shard_durability.h"
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "common/status.h"
+#include "server/push_decoding.h"
+
+namespace gradmesh {
+
+ShardDurability::ShardDurability(const JobState* job, RequestLedger* ledger, ShardStore* store,
+                                 const Logger* logger)
+    : job_(job), ledger_(ledger), store_(store), logger_(logger) {
+  absl::MutexLock lock(&mu_);
+  snapshot_time_ = absl::Now();
+}
+
+absl::Status ShardDurability::Apply(const ChunkUpdate& u, bool replay,
+                                    absl::FunctionRef<void()> apply) {
+  if (job_->durability() == Durability::kEveryUpdate && !replay) {
+    absl::WriterMutexLock lock(&apply_mu_);
+    // Write-ahead: the update is in the log before anything changes or is acknowledged.
+    RETURN_IF_ERROR(AppendToLog(u));
+    apply();
+    return absl::OkStatus();
+  }
+  absl::ReaderMutexLock lock(&apply_mu_);
+  apply();
+  return absl::OkStatus();
+}
+
+absl::Status ShardDurability::AppendToLog(const ChunkUpdate& u) {
+  state::UpdateRecord rec;
+  // Stable: every update runs under apply_mu_, which we hold exclusively.
+  rec.set_seq(ledger_->updates_applied() + 1);
+  for (size_t i = 0; i < u.chunks.size(); ++i) {
+    const ChunkInfo& info = job_->partition().chunks()[u.chunks[i]];
+    ChunkData* g = rec.add_grads();
+    g->set_tensor(info.tensor);
+    g->set_chunk(info.chunk);
+    g->set_version(u.base_versions[i]);
+    g->set_data(reinterpret_cast<const char*>(u.grads[i]),
+                static_cast<size_t>(u.numels[i]) * sizeof(float));
+  }
+  for (const RequestRef& r : u.requests) {
+    state::RequestRef* out = rec.add_requests();
+    out->set_worker(r.worker);
+    out->set_step(r.step);
+    out->set_request_id(r.request_id);
+  }
+  if (u.lr_scale != 1.0f) rec.set_lr_scale(u.lr_scale);
+  RETURN_IF_ERROR(Annotate(store_->AppendUpdate(job_->name(), rec),
+                           absl::StrCat("Push: job ", job_->name(), " not applied")));
+  absl::MutexLock lock(&mu_);
+  logged_bytes_ += static_cast<int64_t>(rec.ByteSizeLong());
+  return absl::OkStatus();
+}
+
+bool ShardDurability::StartSnapshot(bool force) {
+  const DurabilitySpec& d = job_->layout().durability();
+  absl::MutexLock lock(&mu_);
+  if (force) {
+    // A forced snapshot must capture the state as of now: wait for one in progress.
+    mu_.Await(absl::Condition(+[](bool* running) { return !*running; }, &snapshot_running_));
+  } else if (snapshot_running_) {
+    return false;
+  }
+  const int64_t updates = ledger_->updates_applied();
+  const bool by_count = updates - snapshot_update_ >= d.snapshot_every_updates();
+  // Log records deleted before RocksDB flushes its memtable never reach an SST file.
+  const bool by_bytes = logged_bytes_ >= kLogBytesPerSnapshot;
+  // Time-based snapshots would differ between shards of a sync job: count only there.
+  const bool by_time = !job_->sync_mode() && d.snapshot_every_seconds() > 0 &&
+                       updates > snapshot_update_ &&
+                       absl::Now() - snapshot_time_ >= absl::Seconds(d.snapshot_every_seconds());
+  if (!force && !by_count && !by_time && !by_bytes) return false;
+  if (!force && absl::Now() < snapshot_retry_after_) return false;
+  snapshot_running_ = true;
+  return true;
+}
+
+void ShardDurability::Capture(std::map<int64_t, state::ChunkState>* chunks,
+                              state::JobSnapshot* snap) {
+  // Exclusive: no update is half-applied while we copy.
+  absl::WriterMutexLock apply_lock(&apply_mu_);
+  for (const auto& [idx, chunk] : job_->chunks()) {
+    absl::MutexLock lock(&chunk->mu);
+    state::ChunkState& cs = (*chunks)[idx];
+    cs.set_version(chunk->version);
+    cs.set_values(reinterpret_cast<const char*>(chunk->values.data()),
+                  chunk->values.size() * sizeof(float));
+    cs.set_slots(reinterpret_cast<const char*>(chunk->slots.data()),
+                 chunk->slots.size() * sizeof(float));
+  }
+  ledger_->SaveTo(snap);
+}
+
+absl::Status ShardDurability::MaybeSnapshot(bool force) {
+  if (job_->durability() == Durability::kNone) return absl::OkStatus();
+  if (!StartSnapshot(force)) return absl::OkStatus();
+  const absl::Time start = absl::Now();
+  std::map<int64_t, state::ChunkState> chunks;
+  state::JobSnapshot snap;
+  Capture(&chunks, &snap);
+  // A forced snapshot (job creation, job end) also (re)writes the layout: the first one must.
+  auto bytes = store_->WriteSnapshot(job_->name(), force ? &job_->layout() : nullptr, chunks,
+                                     snap);
+  const double secs = absl::ToDoubleSeconds(absl::Now() - start);
+  absl::MutexLock lock(&mu_);
+  snapshot_running_ = false;
+  if (!bytes.ok()) {
+    // Not on every push: each attempt holds apply_mu_ exclusively.
+    snapshot_retry_after_ = absl::Now() + absl::Seconds(5);
+    LogError(logger_, "snapshot_failed",
+             {Kv("job", job_->name()), Kv("error", bytes.status().ToString())});
+    return bytes.status();
+  }
+  snapshot_update_ = snap.seq();
+  logged_bytes_ = 0;
+  snapshot_time_ = absl::Now();
+  ++snapshots_;
+  last_snapshot_s_ = secs;
+  last_snapshot_bytes_ = *bytes;
+  LogInfo(logger_, "snapshot",
+          {Kv("job", job_->name()), Kv("update", snap.seq()), Kv("bytes", *bytes),
+           Kv("ms", absl::StrFormat("%.1f", secs * 1e3))});
+  return absl::OkStatus();
+}
+
+absl::Status ShardDurability::RestoreChunks(const ShardStore::StoredJob& s) const {
+  for (const auto& [idx, chunk] : job_->chunks()) {
+    auto it = s.chunks.find(idx);
+    absl::MutexLock lock(&chunk->mu);
+    const size_t want_values = chunk->info.numel * sizeof(float);
+    if (it == s.chunks.end() || it->second.values().size() != want_values ||
+        it->second.slots().size() != chunk->slots.size() * sizeof(float)) {
+      return absl::DataLossError(absl::StrCat("restoring job ", job_->name(), " from ",
+                                              store_->dir(), ": chunk ", idx,
+                                              " is missing or has the wrong size"));
+    }
+    chunk->version = it->second.version();
+    chunk->values.resize(chunk->info.numel);
+    std::memcpy(chunk->values.data(), it->second.values().data(), want_values);
+    std::memcpy(chunk->slots.data(), it->second.slots().data(), it->second.slots().size());
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ShardDurability::ReplayLog(
+    const ShardStore::StoredJob& s,
+    const std::function<absl::Status(const ChunkUpdate&)>& replay) const {
+  const Partition& p = job_->partition();
+  for (const state::UpdateRecord& rec : s.log) {
+    ChunkUpdate u;
+    std::vector<std::vector<float>> scratch(rec.grads_size());
+    for (int i = 0; i < rec.grads_size(); ++i) {
+      const ChunkData& g = rec.grads(i);
+      const int64_t idx = p.Find(g.tensor(), g.chunk());
+      if (idx < 0 || job_->chunks().find(idx) == job_->chunks().end() ||
+          g.data().size() != p.chunks()[idx].numel * sizeof(float)) {
+        return absl::DataLossError(absl::StrCat("restoring job ", job_->name(), ": log record ",
+                                                rec.seq(), " names a chunk this shard "
+                                                "does not own or has the wrong size"));
+      }
+      u.chunks.push_back(idx);
+      u.numels.push_back(p.chunks()[idx].numel);
+      u.grads.push_back(FloatView(g.data(), &scratch[i]));
+      u.base_versions.push_back(g.version());
+    }
+    for (const state::RequestRef& r : rec.requests()) {
+      u.requests.push_back({r.worker(), r.step(), r.request_id()});
+    }
+    if (rec.lr_scale() != 0.0f) u.lr_scale = rec.lr_scale();
+    RETURN_IF_ERROR(replay(u));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ShardDurability::Restore(
+    const ShardStore::StoredJob& s,
+    const std::function<absl::Status(const ChunkUpdate&)>& replay) {
+  RETURN_IF_ERROR(RestoreChunks(s));
+  {
+    absl::WriterMutexLock apply_lock(&apply_mu_);
+    ledger_->RestoreFrom(s.snapshot);
+    absl::MutexLock lock(&mu_);
+    snapshot_update_ = s.snapshot.seq();
+    restored_ = true;
+  }
+  // Replay logged updates in order, through the same code that applied them.
+  RETURN_IF_ERROR(ReplayLog(s, replay));
+  absl::MutexLock lock(&mu_);
+  replayed_ = static_cast<int64_t>(s.log.size());
+  return absl::OkStatus();
+}
+
+ShardDurability::Stats ShardDurability::stats() const {
+  absl::MutexLock lock(&mu_);
+  Stats s;
+  s.snapshots = snapshots_;
+  s.last_snapshot_s = last_snapshot_s_;
+  s.last_snapshot_bytes = last_snapshot_bytes_;
+  s.snapshot_update = snapshot_update_;
+  s.restored = restored_;
+  s.replayed = replayed_;
+  return s;
+}
+
+}  // namespace gradmesh
