@@ -12,21 +12,16 @@
 // the API token.
 // SIGTERM/SIGINT: stops accepting calls, ends watches, writes pending progress, exits 0.
 // Exit codes: 0 after a signal, 2 for bad flags, 1 if it cannot start.
-#include <chrono>
 #include <memory>
 #include <string>
 
-#include <grpcpp/server.h>
-#include <grpcpp/server_builder.h>
-
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "common/auth.h"
-#include "common/daemon.h"
-#include "common/grpc_util.h"
+#include "common/daemon_main.h"
 #include "common/logging.h"
-#include "common/metrics_http.h"
+#include "common/metrics.h"
 #include "coordinator/clock.h"
 #include "coordinator/coordinator.h"
 #include "coordinator/coordinator_metrics.h"
@@ -60,135 +55,132 @@ namespace gradmesh {
 namespace {
 
 struct CoordinatorMainOptions {
-  std::string address;
-  std::string port_file;
+  DaemonOptions daemon;  // address, port_file, shutdown_grace, metrics.
   std::string data_dir;
   std::string auth_token_file;
   std::string node_token_file;
   std::string node;
   int64_t heartbeat_interval_ms = 500;
   int64_t heartbeat_timeout_ms = 3000;
-  int shutdown_grace_s = 2;
-  MetricsEndpointOptions metrics;
 };
 
-int Run(const CoordinatorMainOptions& options) {
-  Logger logger({Kv("node", options.node), Kv("role", "coordinator")});
-  if (options.data_dir.empty()) {
-    logger.Error("bad_arguments", {Kv("error", "--data_dir is required")});
-    return 2;
-  }
+struct Tokens {
+  std::string api;   // "" = no authentication.
+  std::string node;  // NodeService's token: the API token unless --node_token_file.
+};
+
+// Checks the flags and reads the token files. Errors are INVALID_ARGUMENT whose message is
+// what bad_arguments logs (a token file's error as its full status text).
+absl::StatusOr<Tokens> CheckArguments(const CoordinatorMainOptions& options) {
+  if (options.data_dir.empty()) return absl::InvalidArgumentError("--data_dir is required");
   if (options.heartbeat_interval_ms <= 0 ||
       options.heartbeat_timeout_ms <= options.heartbeat_interval_ms) {
-    logger.Error("bad_arguments",
-                 {Kv("error", "need 0 < --heartbeat_interval_ms < --heartbeat_timeout_ms")});
-    return 2;
+    return absl::InvalidArgumentError(
+        "need 0 < --heartbeat_interval_ms < --heartbeat_timeout_ms");
   }
-  std::string token;
+  Tokens tokens;
   if (!options.auth_token_file.empty()) {
     absl::StatusOr<std::string> t = ReadTokenFile(options.auth_token_file);
-    if (!t.ok()) {
-      logger.Error("bad_arguments", {Kv("error", t.status().ToString())});
-      return 2;
-    }
-    token = *t;
+    if (!t.ok()) return absl::InvalidArgumentError(t.status().ToString());
+    tokens.api = *t;
   }
-  std::string node_token = token;
+  tokens.node = tokens.api;
   if (!options.node_token_file.empty()) {
-    if (token.empty()) {
-      logger.Error("bad_arguments",
-                   {Kv("error", "--node_token_file needs --auth_token_file (the API token)")});
-      return 2;
+    if (tokens.api.empty()) {
+      return absl::InvalidArgumentError(
+          "--node_token_file needs --auth_token_file (the API token)");
     }
     absl::StatusOr<std::string> t = ReadTokenFile(options.node_token_file);
-    if (!t.ok()) {
-      logger.Error("bad_arguments", {Kv("error", t.status().ToString())});
-      return 2;
+    if (!t.ok()) return absl::InvalidArgumentError(t.status().ToString());
+    if (*t == tokens.api) {
+      return absl::InvalidArgumentError(
+          "--node_token_file holds the API token; use a different secret");
     }
-    if (*t == token) {
-      logger.Error("bad_arguments",
-                   {Kv("error", "--node_token_file holds the API token; use a different secret")});
-      return 2;
-    }
-    node_token = *t;
+    tokens.node = *t;
   }
+  return tokens;
+}
+
+// Opens the tables and creates the core; logs the failure (exit code 1).
+absl::StatusOr<std::unique_ptr<Coordinator>> OpenCoordinator(
+    const CoordinatorMainOptions& options, const Clock* clock, const Logger* logger) {
   auto store = CoordinatorStore::Open(options.data_dir, CoordinatorStore::Options());
   if (!store.ok()) {
-    logger.Error("store_open_failed", {Kv("error", store.status().ToString())});
-    return 1;
+    logger->Error("store_open_failed", {Kv("error", store.status().ToString())});
+    return store.status();
   }
-  SystemClock clock;
   Coordinator::Options co;
   co.store = std::move(store).value();
-  co.clock = &clock;
-  co.logger = &logger;
+  co.clock = clock;
+  co.logger = logger;
   co.heartbeat_interval_ms = options.heartbeat_interval_ms;
   co.heartbeat_timeout_ms = options.heartbeat_timeout_ms;
   auto coordinator = Coordinator::Create(std::move(co));
   if (!coordinator.ok()) {
-    logger.Error("start_failed", {Kv("error", coordinator.status().ToString())});
-    return 1;
+    logger->Error("start_failed", {Kv("error", coordinator.status().ToString())});
   }
-  TokenChecker auth(token);
-  TokenChecker node_auth(node_token, options.node_token_file.empty() ? "API token" : "node token");
+  return coordinator;
+}
+
+int Run(const CoordinatorMainOptions& options) {
+  Logger logger({Kv("node", options.node), Kv("role", "coordinator")});
+  absl::StatusOr<Tokens> tokens = CheckArguments(options);
+  if (!tokens.ok()) {
+    logger.Error("bad_arguments", {Kv("error", tokens.status().message())});
+    return kExitBadArguments;
+  }
+  SystemClock clock;
+  auto coordinator = OpenCoordinator(options, &clock, &logger);
+  if (!coordinator.ok()) return kExitFailed;
+  TokenChecker auth(tokens->api);
+  TokenChecker node_auth(tokens->node,
+                         options.node_token_file.empty() ? "API token" : "node token");
   JobServiceImpl job_service(coordinator->get(), &auth);
   NodeServiceImpl node_service(coordinator->get(), &node_auth);
-  int port = 0;
-  auto started = StartGrpcServer(options.address, {&job_service, &node_service}, RpcOptions(),
-                                 options.port_file, &port);
-  if (!started.ok()) {
-    logger.Error("listen_failed",
-                 {Kv("address", options.address), Kv("error", started.status().ToString())});
-    return 1;
-  }
-  std::unique_ptr<grpc::Server> server = std::move(started).value();
-  const std::string host = options.address.substr(0, options.address.rfind(':'));
-  logger.Info("listening", {Kv("address", absl::StrCat(host, ":", port)), Kv("port", port),
-                            Kv("auth", !auth.enabled()                      ? "none"
-                                       : options.node_token_file.empty() ? "token"
-                                                                         : "api+node"),
-                            Kv("data_dir", options.data_dir)});
   MetricsRegistry metrics;
   Coordinator* const core = coordinator->get();
   metrics.AddCollector([core](MetricsWriter* w) {
     CollectCoordinatorMetrics(core->ListJobs(), core->ListNodes(), w);
   });
-  auto metrics_server = StartMetricsEndpoint(options.metrics, &metrics, &logger);
-  if (!metrics_server.ok()) {
-    logger.Error("listen_failed", {Kv("error", metrics_server.status().ToString())});
-    return 1;
+  Daemon daemon(options.daemon, &logger);
+  if (absl::Status st = daemon.Serve({&job_service, &node_service}); !st.ok()) {
+    logger.Error("listen_failed",
+                 {Kv("address", options.daemon.address), Kv("error", st.ToString())});
+    return kExitFailed;
   }
-  const std::string sig = WaitForTerminationSignal();
-  logger.Info("shutting_down", {Kv("signal", sig)});
-  // Shutdown cancels open watches (their loops see IsCancelled within one poll interval).
-  server->Shutdown(std::chrono::system_clock::now() +
-                   std::chrono::seconds(options.shutdown_grace_s));
-  server->Wait();
-  metrics_server->reset();  // Its collector reads the coordinator.
-  coordinator->reset();  // Stops the monitor thread and writes pending progress.
-  logger.Info("stopped");
-  return 0;
+  logger.Info("listening", {Kv("address", daemon.ListenAddress()), Kv("port", daemon.port()),
+                            Kv("auth", !auth.enabled()                      ? "none"
+                                       : options.node_token_file.empty() ? "token"
+                                                                         : "api+node"),
+                            Kv("data_dir", options.data_dir)});
+  if (!daemon.StartMetrics(&metrics).ok()) return kExitFailed;
+  // The server's shutdown cancels open watches (their loops see IsCancelled within one poll
+  // interval); then the endpoint, whose collector reads the coordinator, stops.
+  ShutdownSteps steps;
+  steps.after_server_stop = [&coordinator] {
+    coordinator->reset();  // Stops the monitor thread and writes pending progress.
+  };
+  return daemon.WaitForSignalAndShutdown(steps);
 }
 
 }  // namespace
 }  // namespace gradmesh
 
 int main(int argc, char** argv) {
-  gradmesh::BlockTerminationSignals();
-  absl::ParseCommandLine(argc, argv);
+  gradmesh::InitDaemonProcess(argc, argv);
   gradmesh::CoordinatorMainOptions options;
-  options.address = absl::StrCat(absl::GetFlag(FLAGS_host), ":", absl::GetFlag(FLAGS_port));
-  options.port_file = absl::GetFlag(FLAGS_port_file);
-  options.metrics.host = absl::GetFlag(FLAGS_host);
-  options.metrics.port = absl::GetFlag(FLAGS_metrics_port);
-  options.metrics.port_file = absl::GetFlag(FLAGS_metrics_port_file);
+  options.daemon.address =
+      absl::StrCat(absl::GetFlag(FLAGS_host), ":", absl::GetFlag(FLAGS_port));
+  options.daemon.port_file = absl::GetFlag(FLAGS_port_file);
+  options.daemon.metrics.host = absl::GetFlag(FLAGS_host);
+  options.daemon.metrics.port = absl::GetFlag(FLAGS_metrics_port);
+  options.daemon.metrics.port_file = absl::GetFlag(FLAGS_metrics_port_file);
+  options.daemon.shutdown_grace = absl::Seconds(absl::GetFlag(FLAGS_shutdown_grace_s));
   options.data_dir = absl::GetFlag(FLAGS_data_dir);
   options.auth_token_file = absl::GetFlag(FLAGS_auth_token_file);
   options.node_token_file = absl::GetFlag(FLAGS_node_token_file);
-  options.node =
-      absl::GetFlag(FLAGS_node).empty() ? gradmesh::HostName() : absl::GetFlag(FLAGS_node);
+  options.node = gradmesh::NodeNameOrHostName(absl::GetFlag(FLAGS_node));
   options.heartbeat_interval_ms = absl::GetFlag(FLAGS_heartbeat_interval_ms);
   options.heartbeat_timeout_ms = absl::GetFlag(FLAGS_heartbeat_timeout_ms);
-  options.shutdown_grace_s = absl::GetFlag(FLAGS_shutdown_grace_s);
   return gradmesh::Run(options);
 }

@@ -7,27 +7,24 @@
 //
 // Serves ParameterService until SIGTERM/SIGINT, then stops accepting calls, lets calls in
 // flight finish (up to --shutdown_grace_s) and exits 0.
+#include <cstdio>
 #include <memory>
 #include <string>
 #include <thread>
 #include <vector>
 
-#include <grpcpp/server.h>
-#include <grpcpp/server_builder.h>
-#include <unistd.h>
-
-
+#include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "common/auth.h"
 #include "common/daemon.h"
-#include "common/grpc_util.h"
+#include "common/daemon_main.h"
 #include "common/logging.h"
+#include "common/metrics.h"
 #include "common/node_agent.h"
-#include "common/metrics_http.h"
 #include "server/parameter_service.h"
 #include "server/shard.h"
 #include "server/shard_metrics.h"
@@ -68,24 +65,93 @@ namespace gradmesh {
 namespace {
 
 struct ServerMainOptions {
-  std::string address;
+  DaemonOptions daemon;     // address, port_file, rpc, shutdown_grace, metrics.
   std::string coordinator;  // Service mode when set.
   std::string auth_token;
   std::string advertise;
   int slots = 16;
-  std::string port_file;
-  MetricsEndpointOptions metrics;
   std::string node;       // Name in logs.
   std::string node_flag;  // --node as given ("" = default).
   std::string data_dir;
   bool fsync = false;
-  int shutdown_grace_s = 5;
-  RpcOptions rpc;
   ShardOptions shard;
 };
 
-int Run(ServerMainOptions options) {
-  Logger logger({Kv("node", options.node), Kv("role", "server")});
+// Service mode: applies the coordinator's task list (job tokens, sync barrier groups) to the
+// shard and reports the tasks back. Thread safety: Reconcile and Reports run on the node
+// agent's thread (one at a time); the mutex also makes them safe from any thread.
+class ServerTasks {
+ public:
+  // `shard`, `tokens` and `logger` are not owned and must outlive this object.
+  ServerTasks(Shard* shard, JobTokens* tokens, const Logger* logger)
+      : shard_(shard), tokens_(tokens), logger_(logger) {}
+
+  void Reconcile(const std::vector<Task>& desired) {
+    absl::MutexLock lock(&mu_);
+    for (const Task& t : desired) ApplyLocked(t);
+    // Withdrawn (cancelled or failed job): its workers are stopped; refuse its calls.
+    for (const Task& old : tasks_) {
+      bool kept = false;
+      for (const Task& t : desired) kept |= t.job_id() == old.job_id();
+      if (!kept) {
+        tokens_->Remove(old.job_id());
+        logger_->Info("shard_withdrawn", {Kv("job", old.job_id()), Kv("shard", old.index())});
+      }
+    }
+    tasks_ = desired;
+  }
+
+  std::vector<TaskReport> Reports() {
+    absl::MutexLock lock(&mu_);
+    std::vector<TaskReport> reports;
+    for (const Task& t : tasks_) {
+      TaskReport r;
+      r.set_job_id(t.job_id());
+      r.set_index(t.index());
+      r.set_state("running");
+      r.set_generation(t.generation());
+      reports.push_back(std::move(r));
+    }
+    return reports;
+  }
+
+ private:
+  void ApplyLocked(const Task& t) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    bool known = false;
+    for (const Task& old : tasks_) {
+      known |= old.job_id() == t.job_id() && old.job_token() == t.job_token();
+    }
+    if (!known) logger_->Info("shard_placed", {Kv("job", t.job_id()), Kv("shard", t.index())});
+    tokens_->Set(t.job_id(), t.job_token());
+    // Elastic sync: the coordinator sends the barrier group on every heartbeat, and
+    // SetSyncGroup is idempotent, so it is simply applied each time. NOT_FOUND: the workers
+    // have not called InitJob yet; the next heartbeat (500 ms) retries.
+    if (t.spec().mode() != "sync") return;
+    const std::vector<int32_t> active(t.active_ranks().begin(), t.active_ranks().end());
+    const double lr_scale = t.lr_scale() == 0 ? 1.0 : t.lr_scale();  // 0: unset.
+    const absl::Status st = shard_->SetSyncGroup(t.job_id(), active, lr_scale);
+    if (st.ok() || absl::IsNotFound(st)) {
+      group_errors_.erase(t.job_id());
+    } else if (std::string& last = group_errors_[t.job_id()]; last != st.ToString()) {
+      last = st.ToString();
+      logger_->Error("sync_group_failed", {Kv("job", t.job_id()), Kv("error", last)});
+    }
+  }
+
+  Shard* const shard_;
+  JobTokens* const tokens_;
+  const Logger* const logger_;
+  absl::Mutex mu_;
+  std::vector<Task> tasks_ ABSL_GUARDED_BY(mu_);  // The coordinator's latest list.
+  // The last SetSyncGroup error logged per job, so a bad task is logged once, not every
+  // heartbeat.
+  absl::flat_hash_map<std::string, std::string> group_errors_ ABSL_GUARDED_BY(mu_);
+};
+
+// Opens the store (with --data_dir) and creates the shard, restoring stored jobs. Logs the
+// failure and sets *exit_code when it returns null.
+std::unique_ptr<Shard> OpenShard(ServerMainOptions& options, const Logger& logger,
+                                 int* exit_code) {
   options.shard.logger = &logger;
   if (!options.data_dir.empty()) {
     ShardStore::Options so;
@@ -93,7 +159,8 @@ int Run(ServerMainOptions options) {
     auto store = ShardStore::Open(options.data_dir, so);
     if (!store.ok()) {
       logger.Error("store_open_failed", {Kv("error", store.status().ToString())});
-      return 1;
+      *exit_code = kExitFailed;
+      return nullptr;
     }
     options.shard.store = std::move(store).value();
   }
@@ -101,134 +168,90 @@ int Run(ServerMainOptions options) {
   auto shard = Shard::Create(options.shard);
   if (!shard.ok()) {
     logger.Error("start_failed", {Kv("error", shard.status().ToString())});
-    return shard.status().code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
+    *exit_code = shard.status().code() == absl::StatusCode::kInvalidArgument ? kExitBadArguments
+                                                                              : kExitFailed;
+    return nullptr;
   }
   if (!options.data_dir.empty()) {
     logger.Info("state_loaded", {Kv("dir", options.data_dir),
                                  Kv("ms", absl::ToInt64Milliseconds(absl::Now() - restore_start))});
   }
+  return std::move(shard).value();
+}
+
+// Service mode: the node's identity in the coordinator.
+NodeAgentOptions AgentOptions(const ServerMainOptions& options, const Daemon& daemon,
+                              const Logger* logger) {
+  NodeAgentOptions ao;
+  ao.coordinator = options.coordinator;
+  ao.auth_token = options.auth_token;
+  ao.logger = logger;
+  // The node name is the daemon's identity in the coordinator: by default the advertised
+  // address (a host name alone would collide with a worker daemon on the same host).
+  ao.node.set_address(options.advertise.empty()
+                          ? absl::StrCat(AdvertisedHost(daemon.host()), ":", daemon.port())
+                          : options.advertise);
+  ao.node.set_name(options.node_flag.empty() ? ao.node.address() : options.node_flag);
+  ao.node.set_role(SERVER);
+  ao.node.set_cores(static_cast<int>(std::thread::hardware_concurrency()));
+  ao.node.set_slots(options.slots);
+  ao.node.set_host(HostName());
+  return ao;
+}
+
+int Run(ServerMainOptions options) {
+  Logger logger({Kv("node", options.node), Kv("role", "server")});
+  int exit_code = kExitOk;
+  std::unique_ptr<Shard> shard = OpenShard(options, logger, &exit_code);
+  if (shard == nullptr) return exit_code;
   // Service mode: the coordinator's tasks say which jobs (and tokens) this server serves.
   JobTokens tokens(/*required=*/true);
-  ParameterServiceImpl service(shard->get(), options.coordinator.empty() ? nullptr : &tokens);
-  int port = 0;
-  auto started = StartGrpcServer(options.address, {&service}, options.rpc, options.port_file, &port);
-  if (!started.ok()) {
-    logger.Error("listen_failed",
-                 {Kv("address", options.address), Kv("error", started.status().ToString())});
-    return 1;
-  }
-  std::unique_ptr<grpc::Server> server = std::move(started).value();
-  const std::string host = options.address.substr(0, options.address.rfind(':'));
-  logger.Info("listening", {Kv("address", absl::StrCat(host, ":", port)), Kv("port", port)});
+  ParameterServiceImpl service(shard.get(), options.coordinator.empty() ? nullptr : &tokens);
   MetricsRegistry metrics;
-  Shard* const shard_ptr = shard->get();
+  Shard* const shard_ptr = shard.get();
   metrics.AddCollector([shard_ptr](MetricsWriter* w) { CollectShardMetrics(shard_ptr, w); });
-  auto metrics_server = StartMetricsEndpoint(options.metrics, &metrics, &logger);
-  if (!metrics_server.ok()) {
-    logger.Error("listen_failed", {Kv("error", metrics_server.status().ToString())});
-    return 1;
-  }
+  ServerTasks tasks(shard.get(), &tokens, &logger);
   std::unique_ptr<NodeAgent> agent;
-  absl::Mutex tasks_mu;
-  std::vector<Task> tasks;  // Guarded by tasks_mu: the coordinator's latest list.
+  Daemon daemon(options.daemon, &logger);
+  if (absl::Status st = daemon.Serve({&service}); !st.ok()) {
+    logger.Error("listen_failed",
+                 {Kv("address", options.daemon.address), Kv("error", st.ToString())});
+    return kExitFailed;
+  }
+  logger.Info("listening", {Kv("address", daemon.ListenAddress()), Kv("port", daemon.port())});
+  if (!daemon.StartMetrics(&metrics).ok()) return kExitFailed;
   if (!options.coordinator.empty()) {
-    NodeAgentOptions ao;
-    ao.coordinator = options.coordinator;
-    ao.auth_token = options.auth_token;
-    ao.logger = &logger;
-    // The node name is the daemon's identity in the coordinator: by default the advertised
-    // address (a host name alone would collide with a worker daemon on the same host).
-    ao.node.set_address(options.advertise.empty()
-                            ? absl::StrCat(host == "0.0.0.0" ? HostName() : host, ":", port)
-                            : options.advertise);
-    ao.node.set_name(options.node_flag.empty() ? ao.node.address() : options.node_flag);
-    ao.node.set_role(SERVER);
-    ao.node.set_cores(static_cast<int>(std::thread::hardware_concurrency()));
-    ao.node.set_slots(options.slots);
-    ao.node.set_host(HostName());
     agent = std::make_unique<NodeAgent>(
-        ao,
-        // `group_errors`: the last SetSyncGroup error logged per job (callbacks run one at a
-        // time on the agent's thread), so a bad task is logged once, not every heartbeat.
-        [&, group_errors = absl::flat_hash_map<std::string, std::string>()](
-            const std::vector<Task>& desired) mutable {
-          absl::MutexLock lock(&tasks_mu);
-          for (const Task& t : desired) {
-            bool known = false;
-            for (const Task& old : tasks) {
-              known |= old.job_id() == t.job_id() && old.job_token() == t.job_token();
-            }
-            if (!known) {
-              logger.Info("shard_placed", {Kv("job", t.job_id()), Kv("shard", t.index())});
-            }
-            tokens.Set(t.job_id(), t.job_token());
-            // Elastic sync: the coordinator sends the barrier group on every heartbeat, and
-            // SetSyncGroup is idempotent, so it is simply applied each time. NOT_FOUND: the
-            // workers have not called InitJob yet; the next heartbeat (500 ms) retries.
-            if (t.spec().mode() != "sync") continue;
-            const std::vector<int32_t> active(t.active_ranks().begin(), t.active_ranks().end());
-            const double lr_scale = t.lr_scale() == 0 ? 1.0 : t.lr_scale();  // 0: unset.
-            const absl::Status st = (*shard)->SetSyncGroup(t.job_id(), active, lr_scale);
-            if (st.ok() || absl::IsNotFound(st)) {
-              group_errors.erase(t.job_id());
-            } else if (std::string& last = group_errors[t.job_id()]; last != st.ToString()) {
-              last = st.ToString();
-              logger.Error("sync_group_failed", {Kv("job", t.job_id()), Kv("error", last)});
-            }
-          }
-          // Withdrawn (cancelled or failed job): its workers are stopped; refuse its calls.
-          for (const Task& old : tasks) {
-            bool kept = false;
-            for (const Task& t : desired) kept |= t.job_id() == old.job_id();
-            if (!kept) {
-              tokens.Remove(old.job_id());
-              logger.Info("shard_withdrawn", {Kv("job", old.job_id()), Kv("shard", old.index())});
-            }
-          }
-          tasks = desired;
-        },
-        [&] {
-          absl::MutexLock lock(&tasks_mu);
-          std::vector<TaskReport> reports;
-          for (const Task& t : tasks) {
-            TaskReport r;
-            r.set_job_id(t.job_id());
-            r.set_index(t.index());
-            r.set_state("running");
-            r.set_generation(t.generation());
-            reports.push_back(std::move(r));
-          }
-          return reports;
-        });
+        AgentOptions(options, daemon, &logger),
+        [&tasks](const std::vector<Task>& desired) { tasks.Reconcile(desired); },
+        [&tasks] { return tasks.Reports(); });
     agent->Start();
   }
-  const std::string sig = WaitForTerminationSignal();
-  logger.Info("shutting_down", {Kv("signal", sig)});
-  if (agent != nullptr) agent->Stop(/*leaving=*/true);
-  server->Shutdown(std::chrono::system_clock::now() +
-                   std::chrono::seconds(options.shutdown_grace_s));
-  server->Wait();
-  logger.Info("stopped");
-  return 0;
+  ShutdownSteps steps;
+  steps.before_server_stop = [&agent] {
+    if (agent != nullptr) agent->Stop(/*leaving=*/true);
+  };
+  return daemon.WaitForSignalAndShutdown(steps);
 }
 
 }  // namespace
 }  // namespace gradmesh
 
 int main(int argc, char** argv) {
-  gradmesh::BlockTerminationSignals();
-  gradmesh::TuneAllocatorForLargeMessages();
-  absl::ParseCommandLine(argc, argv);
+  gradmesh::ProcessOptions process;
+  process.tune_allocator_for_large_messages = true;
+  gradmesh::InitDaemonProcess(argc, argv, process);
   gradmesh::ServerMainOptions options;
-  options.address = absl::StrCat(absl::GetFlag(FLAGS_host), ":", absl::GetFlag(FLAGS_port));
-  options.port_file = absl::GetFlag(FLAGS_port_file);
-  options.metrics.host = absl::GetFlag(FLAGS_host);
-  options.metrics.port = absl::GetFlag(FLAGS_metrics_port);
-  options.metrics.port_file = absl::GetFlag(FLAGS_metrics_port_file);
-  options.node = absl::GetFlag(FLAGS_node).empty() ? gradmesh::HostName() : absl::GetFlag(FLAGS_node);
+  options.daemon.address =
+      absl::StrCat(absl::GetFlag(FLAGS_host), ":", absl::GetFlag(FLAGS_port));
+  options.daemon.port_file = absl::GetFlag(FLAGS_port_file);
+  options.daemon.metrics.host = absl::GetFlag(FLAGS_host);
+  options.daemon.metrics.port = absl::GetFlag(FLAGS_metrics_port);
+  options.daemon.metrics.port_file = absl::GetFlag(FLAGS_metrics_port_file);
+  options.daemon.shutdown_grace = absl::Seconds(absl::GetFlag(FLAGS_shutdown_grace_s));
+  options.daemon.rpc.max_message_bytes = absl::GetFlag(FLAGS_max_message_mb) << 20;
+  options.node = gradmesh::NodeNameOrHostName(absl::GetFlag(FLAGS_node));
   options.node_flag = absl::GetFlag(FLAGS_node);
-  options.shutdown_grace_s = absl::GetFlag(FLAGS_shutdown_grace_s);
-  options.rpc.max_message_bytes = absl::GetFlag(FLAGS_max_message_mb) << 20;
   options.shard.dedupe_window = absl::GetFlag(FLAGS_dedupe_window);
   options.data_dir = absl::GetFlag(FLAGS_data_dir);
   options.fsync = absl::GetFlag(FLAGS_fsync);
@@ -240,7 +263,7 @@ int main(int argc, char** argv) {
     if (!token.ok()) {
       std::fprintf(stderr, "event=bad_arguments role=server error=\"%s\"\n",
                    token.status().ToString().c_str());
-      return 2;
+      return gradmesh::kExitBadArguments;
     }
     options.auth_token = *token;
   }
