@@ -13,20 +13,10 @@
 namespace gradmesh {
 namespace {
 
-constexpr char kPending[] = "pending";
-constexpr char kRunning[] = "running";
-constexpr char kSucceeded[] = "succeeded";
-constexpr char kFailed[] = "failed";
-constexpr char kStopped[] = "stopped";
-constexpr char kLost[] = "lost";
-
 // Window of (time, step) samples behind eta_s.
 constexpr int64_t kEtaWindowMs = 30'000;
 
 bool IsActive(JobState s) { return s == PENDING || s == RUNNING || s == PAUSED; }
-
-// Whether a rank still has to run (is placed and not finished).
-bool Unfinished(const WorkerPlacement& w) { return w.state() == kPending || w.state() == kRunning; }
 
 std::string RandomHex(int bytes) {
   std::random_device rd;
@@ -100,8 +90,19 @@ absl::Status Coordinator::Load() {
     if (entry.record.alive()) ++alive;
   }
   for (auto& record : jobs) {
+    std::vector<TaskState> rank_states;
+    for (const WorkerPlacement& w : record.status().workers()) {
+      absl::StatusOr<TaskState> state = ParseTaskState(w.state());
+      if (!state.ok()) {
+        return absl::DataLossError(absl::StrCat("stored job \"", record.status().job_id(),
+                                                "\" rank ", w.rank(), ": ",
+                                                state.status().message()));
+      }
+      rank_states.push_back(*state);
+    }
     JobEntry& entry = jobs_[record.status().job_id()];
     entry.record = std::move(record);
+    entry.rank_states = std::move(rank_states);
     JobStatus published = entry.record.status();
     published.set_updated_ms(0);
     entry.published = published.SerializeAsString();
@@ -215,6 +216,12 @@ void Coordinator::SetStateLocked(JobEntry* job, JobState state, const std::strin
   persist_jobs_.insert(st->job_id());
 }
 
+void Coordinator::SetRankState(JobEntry* job, int rank, TaskState state) {
+  job->rank_states[rank] = state;
+  job->record.mutable_status()->mutable_workers(rank)->set_state(
+      std::string(TaskStateName(state)));
+}
+
 // ---------------------------------------------------------------------------------------------
 // Placement helpers.
 
@@ -228,8 +235,11 @@ std::map<std::string, int> Coordinator::UsedSlotsLocked(const std::string& exclu
   for (const auto& [id, job] : jobs_) {
     if (id == exclude_job || !IsActive(job.record.status().state())) continue;
     for (const ShardPlacement& s : job.record.status().shards()) used[s.node()]++;
-    for (const WorkerPlacement& w : job.record.status().workers()) {
-      if (!w.node().empty() && Unfinished(w)) used[w.node()]++;
+    const auto& workers = job.record.status().workers();
+    for (int r = 0; r < workers.size(); ++r) {
+      if (!workers[r].node().empty() && IsUnfinished(job.rank_states[r])) {
+        used[workers[r].node()]++;
+      }
     }
   }
   return used;
@@ -273,7 +283,7 @@ void Coordinator::AssignRankLocked(JobEntry* job, int rank, const NodeEntry& nod
   const std::string from = w->node().empty() ? "(lost)" : w->node();
   w->set_node(node.record.info().name());
   w->set_address(node.record.info().address());
-  w->set_state(kPending);
+  SetRankState(job, rank, TaskState::kPending);
   w->set_reassignments(w->reassignments() + 1);
   // A new daemon takes over; its peers (gossip/allreduce) must learn the new address.
   BumpGenerationLocked(job, OneRankPerNode(job->record.status().spec()), false, rank);
@@ -315,7 +325,7 @@ void Coordinator::MoveRankLocked(JobEntry* job, int rank, const std::string& rea
   WorkerPlacement* w = job->record.mutable_status()->mutable_workers(rank);
   w->set_node("");
   w->set_address("");
-  w->set_state(kLost);
+  SetRankState(job, rank, TaskState::kLost);
   if (one_per_node) BumpGenerationLocked(job, true, false, -1);  // Peers lost an address.
   LogWarning(options_.logger, "rank_lost",
              {Kv("job", st.job_id()), Kv("rank", rank), Kv("from", from), Kv("reason", reason),
@@ -328,7 +338,7 @@ void Coordinator::UpdateGroupLocked(JobEntry* job) {
   if (st->spec().mode() != "sync") return;
   std::vector<int> active;
   for (int i = 0; i < st->workers_size(); ++i) {
-    if (st->workers(i).state() != kLost) active.push_back(i);
+    if (job->rank_states[i] != TaskState::kLost) active.push_back(i);
   }
   if (active.empty()) return;  // Nobody left to train: keep the last group.
   const int n = st->spec().num_workers();
@@ -363,10 +373,11 @@ void Coordinator::RefreshLocked(JobEntry* job) {
     // ranks are out of the job for good.
     const bool reformed = st->spec().mode() == "sync" && r.active_ranks_size() > 0;
     bool all_done = n > 0, all_running = n > 0;
-    for (const WorkerPlacement& w : st->workers()) {
-      const bool out = reformed && w.state() == kLost;
-      all_done = all_done && (w.state() == kSucceeded || out);
-      all_running = all_running && (w.state() == kRunning || w.state() == kSucceeded || out);
+    for (const TaskState state : job->rank_states) {
+      const bool out = reformed && state == TaskState::kLost;
+      all_done = all_done && (state == TaskState::kSucceeded || out);
+      all_running = all_running &&
+                    (state == TaskState::kRunning || state == TaskState::kSucceeded || out);
     }
     if (all_done) {
       // Also from PAUSED: every rank finished (rank 0 evaluated) before the shard went down.
@@ -385,12 +396,12 @@ void Coordinator::RefreshLocked(JobEntry* job) {
     const WorkerPlacement& w = st->workers(i);
     const coordinator_state::RankRecord& rr = r.ranks(i);
     total = std::max(total, rr.total_steps());
-    if (w.state() == kRunning) samples += rr.samples_per_s();
+    if (job->rank_states[i] == TaskState::kRunning) samples += rr.samples_per_s();
     if (rr.reported()) {
       loss += rr.loss();
       ++with_loss;
     }
-    if (w.state() == kLost) continue;
+    if (job->rank_states[i] == TaskState::kLost) continue;
     if (step < 0 || w.step() < step) {
       step = w.step();
       epoch = rr.epoch();
@@ -475,7 +486,7 @@ void Coordinator::MarkDeadLocked(NodeEntry* node, const std::string& reason) {
       if (!IsActive(st->state())) continue;
       bool moved = false;
       for (int r = 0; r < st->workers_size(); ++r) {
-        if (st->workers(r).node() == name && Unfinished(st->workers(r))) {
+        if (st->workers(r).node() == name && IsUnfinished(job->rank_states[r])) {
           MoveRankLocked(job, r, absl::StrCat("node ", name, " is down: ", reason));
           moved = true;
         }
@@ -542,7 +553,7 @@ void Coordinator::NodeUpLocked(NodeEntry* node, bool address_changed) {
         const bool one_per_node = OneRankPerNode(st->spec());
         const bool sync = st->spec().mode() == "sync";
         for (int r = 0; r < st->workers_size(); ++r) {
-          if (st->workers(r).state() != kLost) continue;
+          if (job->rank_states[r] != TaskState::kLost) continue;
           if (one_per_node) {
             bool holds = false;
             for (const WorkerPlacement& w : st->workers()) holds = holds || w.node() == name;
@@ -632,11 +643,13 @@ void Coordinator::ApplyReportLocked(const NodeEntry& node, const TaskReport& rep
   if (!IsActive(st->state())) return;
   const std::string& name = node.record.info().name();
   const int index = report.index();
+  // The report's state enters here (unknown: ignored, logged for ranks below).
+  const absl::StatusOr<TaskState> rs = ParseTaskState(report.state());
   if (node.record.info().role() == SERVER) {
     if (index < 0 || index >= st->shards_size() || st->shards(index).node() != name) return;
     const bool current =
         report.generation() == 0 || report.generation() == r.shard_generation(index);
-    if (report.state() == kFailed && current) {
+    if (rs.ok() && *rs == TaskState::kFailed && current) {
       SetStateLocked(job, FAILED,
                      absl::StrCat("shard ", index, " on node ", name, ": ", report.message()));
       ChangedLocked(job, true);
@@ -648,7 +661,7 @@ void Coordinator::ApplyReportLocked(const NodeEntry& node, const TaskReport& rep
   coordinator_state::RankRecord* rr = r.mutable_ranks(index);
   const bool current = report.generation() == 0 || report.generation() == rr->generation();
   const JobState state_before = st->state();
-  const std::string rank_state_before = w->state();
+  const TaskState rank_state_before = job->rank_states[index];
   w->set_step(report.step());
   rr->set_total_steps(report.total_steps());
   rr->set_epoch(report.epoch());
@@ -657,30 +670,33 @@ void Coordinator::ApplyReportLocked(const NodeEntry& node, const TaskReport& rep
   rr->set_accuracy(report.accuracy());
   rr->set_samples_per_s(report.samples_per_s());
   rr->set_checkpoint_step(report.checkpoint_step());
-  const std::string& rs = report.state();
-  if (rs == kRunning) {
-    if (w->state() == kPending) w->set_state(kRunning);
-  } else if (rs == kSucceeded) {
-    if (current) w->set_state(kSucceeded);
-  } else if (rs == kFailed) {
+  // "pending" and "lost" are the coordinator's own states, never a daemon's report.
+  const bool reportable = rs.ok() && *rs != TaskState::kPending && *rs != TaskState::kLost;
+  if (!reportable) {
+    LogWarning(options_.logger, "unknown_report_state",
+               {Kv("job", st->job_id()), Kv("rank", index), Kv("node_name", name),
+                Kv("state", report.state())});
+  } else if (*rs == TaskState::kRunning) {
+    if (job->rank_states[index] == TaskState::kPending) {
+      SetRankState(job, index, TaskState::kRunning);
+    }
+  } else if (*rs == TaskState::kSucceeded) {
+    if (current) SetRankState(job, index, TaskState::kSucceeded);
+  } else if (*rs == TaskState::kFailed) {
     if (current) {
-      w->set_state(kFailed);
+      SetRankState(job, index, TaskState::kFailed);
       SetStateLocked(job, FAILED,
                      absl::StrCat("rank ", index, " on node ", name, ": ", report.message()));
     }
-  } else if (rs == kStopped) {
+  } else if (*rs == TaskState::kStopped) {
     if (current) {
       MoveRankLocked(job, index, absl::StrCat("rank stopped on node ", name));
       UpdateGroupLocked(job);
     }
-  } else {
-    LogWarning(options_.logger, "unknown_report_state",
-               {Kv("job", st->job_id()), Kv("rank", index), Kv("node_name", name),
-                Kv("state", rs)});
   }
   RefreshLocked(job);
   const bool persist_now =
-      state_before != st->state() || rank_state_before != st->workers(index).state();
+      state_before != st->state() || rank_state_before != job->rank_states[index];
   ChangedLocked(job, persist_now);
 }
 
@@ -752,7 +768,7 @@ std::vector<Task> Coordinator::TasksForLocked(const NodeEntry& node) const {
     };
     if (worker) {
       for (int i = 0; i < st.workers_size(); ++i) {
-        if (st.workers(i).node() == name && Unfinished(st.workers(i))) {
+        if (st.workers(i).node() == name && IsUnfinished(job->rank_states[i])) {
           tasks.push_back(make(i, r.ranks(i).generation()));
         }
       }
@@ -857,7 +873,7 @@ absl::StatusOr<JobStatus> Coordinator::SubmitJob(const SubmitJobRequest& request
     wp->set_rank(static_cast<int>(w));
     wp->set_node(placement.worker_nodes[w]);
     wp->set_address(NodeAddressLocked(placement.worker_nodes[w]));
-    wp->set_state(kPending);
+    wp->set_state(std::string(TaskStateName(TaskState::kPending)));
     coordinator_state::RankRecord* rr = record.add_ranks();
     rr->set_generation(generation);
     rr->set_accuracy(-1);
@@ -872,6 +888,7 @@ absl::StatusOr<JobStatus> Coordinator::SubmitJob(const SubmitJobRequest& request
   JobEntry& entry = jobs_[id];
   entry = JobEntry();
   entry.record = std::move(record);
+  entry.rank_states.assign(placement.worker_nodes.size(), TaskState::kPending);
   entry.version = version;
   JobStatus published = entry.record.status();
   published.set_updated_ms(0);

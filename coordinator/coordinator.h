@@ -143,6 +143,7 @@
 #include "coordinator/coordinator_store.h"
 #include "coordinator/placement.h"
 #include "coordinator/state.pb.h"
+#include "coordinator/task_state.h"
 #include "proto/coordinator.pb.h"
 
 namespace gradmesh {
@@ -224,7 +225,12 @@ class Coordinator {
     int64_t last_persist_ms = 0;
     bool dirty = false;           // Progress changed since the last write.
     std::vector<std::pair<int64_t, int64_t>> step_samples;  // (ms, job step), for eta.
+    // Index = rank: each rank's state, parsed once when the record entered (submit, load).
+    // record.status().workers(r).state() is its name, kept equal by SetRankState.
+    std::vector<TaskState> rank_states;
   };
+  // Sets rank `rank`'s state: the enum and the placement's state string.
+  static void SetRankState(JobEntry* job, int rank, TaskState state);
 
   explicit Coordinator(Options options);
   absl::Status Load();
