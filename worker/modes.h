@@ -10,7 +10,7 @@
 #define GRADMESH_WORKER_MODES_H_
 
 #include "worker/ps/ps_mode.h"
-#include "worker/training_mode.h"
+#include "worker/core/training_mode.h"
 
 namespace gradmesh {
 

@@ -31,7 +31,7 @@
 #include "common/grpc_util.h"
 #include "common/logging.h"
 #include "proto/gradmesh.pb.h"
-#include "worker/parameter_client_interface.h"
+#include "worker/core/parameter_client_interface.h"
 
 namespace gradmesh {
 

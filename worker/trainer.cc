@@ -8,7 +8,7 @@
 #include "absl/strings/str_join.h"
 #include "common/status.h"
 #include "compression/compressor.h"
-#include "worker/dataset.h"
+#include "worker/core/dataset.h"
 #include "worker/model_names.h"
 #include "worker/training_loop.h"
 

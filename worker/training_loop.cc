@@ -12,11 +12,29 @@
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "common/status.h"
-#include "worker/dataset.h"
+#include "worker/core/dataset.h"
 #include "worker/model.h"
 
 namespace gradmesh {
 namespace {
+
+// Test-set accuracy of `model` (evaluation mode, no autograd), in [0, 1]. Leaves the model in
+// evaluation mode.
+absl::StatusOr<double> EvaluateAccuracy(Model* model, const DatasetFiles& data) {
+  model->SetTraining(false);
+  int64_t correct = 0;
+  std::vector<Batch> eval = MakeEvalBatches(data.test, data.mean, data.stddev, 1000);
+  for (Batch& b : eval) {
+    torch::Tensor x =
+        torch::from_blob(b.x.data(), {b.size, 1, data.test.rows, data.test.cols}, torch::kFloat);
+    torch::Tensor y = torch::from_blob(b.y.data(), {b.size}, torch::kLong);
+    ASSIGN_OR_RETURN(int64_t c, CountCorrect(model, x, y));
+    correct += c;
+  }
+  if (data.test.size == 0) return absl::FailedPreconditionError("evaluate: empty test set");
+  return static_cast<double>(correct) / data.test.size;
+}
+
 
 class TrainingLoop {
  public:

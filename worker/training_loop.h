@@ -24,8 +24,8 @@
 #include <atomic>
 
 #include "absl/status/statusor.h"
-#include "worker/train_util.h"
-#include "worker/training_mode.h"
+#include "worker/core/train_util.h"
+#include "worker/core/training_mode.h"
 
 namespace gradmesh {
 

@@ -16,7 +16,7 @@
 
 #include "common/metrics.h"
 #include "proto/coordinator.pb.h"
-#include "worker/train_util.h"
+#include "worker/core/train_util.h"
 
 namespace gradmesh {
 

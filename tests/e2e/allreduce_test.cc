@@ -21,7 +21,7 @@
 #include "gtest/gtest.h"
 #include "tests/e2e/e2e_harness.h"
 #include "tests/testing/subprocess.h"
-#include "worker/dataset.h"
+#include "worker/core/dataset.h"
 #include "worker/model.h"
 #include "worker/nccl/nccl_communicator.h"
 

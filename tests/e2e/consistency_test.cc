@@ -26,7 +26,7 @@
 #include "proto/gradmesh.pb.h"
 #include "tests/e2e/e2e_harness.h"
 #include "tests/testing/subprocess.h"
-#include "worker/dataset.h"
+#include "worker/core/dataset.h"
 #include "worker/model.h"
 #include "worker/parameter_client.h"
 

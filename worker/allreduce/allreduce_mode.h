@@ -16,7 +16,7 @@
 #include <memory>
 
 #include "absl/status/statusor.h"
-#include "worker/training_mode.h"
+#include "worker/core/training_mode.h"
 
 namespace gradmesh {
 

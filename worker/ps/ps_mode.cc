@@ -12,7 +12,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "common/status.h"
-#include "worker/auto_codec.h"
+#include "worker/core/auto_codec.h"
 
 namespace gradmesh {
 namespace {

@@ -19,8 +19,8 @@
 #include <memory>
 
 #include "absl/status/statusor.h"
-#include "worker/parameter_client_interface.h"
-#include "worker/training_mode.h"
+#include "worker/core/parameter_client_interface.h"
+#include "worker/core/training_mode.h"
 
 namespace gradmesh {
 

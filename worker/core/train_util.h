@@ -1,9 +1,9 @@
 // What every training mode shares: the options a worker's rank runs with, the figures it
-// reports, loading the job's data, the learning-rate schedule and evaluation.
+// reports, loading the job's data and the learning-rate schedule's length.
 //
-// The ps modes (worker/trainer.h), gossip (worker/gossip/) and allreduce (worker/allreduce/)
-// all take TrainerOptions and return TrainResult, so worker_main and the coordinator agent
-// treat them alike. Free of LibTorch on purpose (it is slow to compile).
+// Every mode (worker/ps/, worker/gossip/, worker/allreduce/) runs in the one training loop
+// (worker/training_loop.h) from TrainerOptions and returns TrainResult, so worker_main and the
+// coordinator agent treat them alike. Free of LibTorch and gRPC.
 //
 // Thread safety: plain data and pure functions.
 #ifndef GRADMESH_WORKER_TRAIN_UTIL_H_
@@ -20,11 +20,9 @@
 #include "common/logging.h"
 #include "common/mode.h"
 #include "proto/gradmesh.pb.h"
-#include "worker/dataset.h"
+#include "worker/core/dataset.h"
 
 namespace gradmesh {
-
-class Model;
 
 // Live figures of a running rank, for the coordinator's progress view.
 struct TrainProgress {
@@ -37,7 +35,7 @@ struct TrainProgress {
   int64_t checkpoint_step = -1;
 };
 
-// Seconds elapsed since `since` (the training loops' timers).
+// Seconds elapsed since `since` (the training loop's and the modes' timers).
 double SecondsSince(absl::Time since);
 
 // The training loops' batch fetch: sleeps `step_delay` (fault injection; zero: none), then
@@ -93,10 +91,6 @@ BatchLoader::Options LoaderOptions(const JobSpec& spec, int32_t rank);
 // The job's optimizer spec with a decaying lr schedule's length filled in when the spec leaves
 // it 0: `updates` (the number of optimizer updates the job makes, at least 1).
 OptimizerSpec WithDecayUpdates(const OptimizerSpec& spec, int64_t updates);
-
-// Test-set accuracy of `model` (evaluation mode, no autograd), in [0, 1]. Leaves the model in
-// evaluation mode.
-absl::StatusOr<double> EvaluateAccuracy(Model* model, const DatasetFiles& data);
 
 }  // namespace gradmesh
 

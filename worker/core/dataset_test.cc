@@ -1,4 +1,4 @@
-#include "worker/dataset.h"
+#include "worker/core/dataset.h"
 
 #include <stdlib.h>
 #include <sys/stat.h>

@@ -39,7 +39,7 @@
 #include "absl/types/span.h"
 #include "common/logging.h"
 #include "common/registry.h"
-#include "worker/train_util.h"
+#include "worker/core/train_util.h"
 
 namespace gradmesh {
 

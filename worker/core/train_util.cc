@@ -1,13 +1,10 @@
-#include "worker/train_util.h"
-
-#include <torch/torch.h>
+#include "worker/core/train_util.h"
 
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/status.h"
-#include "worker/model.h"
 
 namespace gradmesh {
 
@@ -35,21 +32,6 @@ OptimizerSpec WithDecayUpdates(const OptimizerSpec& spec, int64_t updates) {
     out.set_decay_updates(std::max<int64_t>(updates, 1));
   }
   return out;
-}
-
-absl::StatusOr<double> EvaluateAccuracy(Model* model, const DatasetFiles& data) {
-  model->SetTraining(false);
-  int64_t correct = 0;
-  std::vector<Batch> eval = MakeEvalBatches(data.test, data.mean, data.stddev, 1000);
-  for (Batch& b : eval) {
-    torch::Tensor x =
-        torch::from_blob(b.x.data(), {b.size, 1, data.test.rows, data.test.cols}, torch::kFloat);
-    torch::Tensor y = torch::from_blob(b.y.data(), {b.size}, torch::kLong);
-    ASSIGN_OR_RETURN(int64_t c, CountCorrect(model, x, y));
-    correct += c;
-  }
-  if (data.test.size == 0) return absl::FailedPreconditionError("evaluate: empty test set");
-  return static_cast<double>(correct) / data.test.size;
 }
 
 double SecondsSince(absl::Time since) { return absl::ToDoubleSeconds(absl::Now() - since); }

@@ -1,4 +1,4 @@
-#include "worker/auto_codec.h"
+#include "worker/core/auto_codec.h"
 
 #include <limits>
 
