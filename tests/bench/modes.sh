@@ -10,6 +10,9 @@
 #   MODES="allreduce ddp_gloo" ALLREDUCE_FLAGS="--job=/tmp/ar.yaml" bash tests/bench/modes.sh
 #     MODES: which of ps gossip allreduce ddp_gloo to run (default all); <MODE>_FLAGS (upper
 #     case, e.g. ALLREDUCE_FLAGS): extra worker flags for that mode.
+#   GRADMESH_BIN=/path bash tests/bench/modes.sh
+#     runs prebuilt binaries (<path>/server/gradmesh_server, <path>/worker/gradmesh_worker),
+#     e.g. another commit's, for a before/after comparison in one session.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 EPOCHS="${EPOCHS:-3}"
@@ -18,9 +21,13 @@ MODES="${MODES:-ps gossip allreduce ddp_gloo}"
 want() { [[ " $MODES " == *" $1 "* ]]; }
 DATA_DIR="${GRADMESH_DATA_DIR:-/var/lib/gradmesh/data}"
 RUN_DIR="$(mktemp -d /tmp/gradmesh-modes.XXXXXX)"
-bazel build -c opt //server:gradmesh_server //worker:gradmesh_worker >"$RUN_DIR/build.log" 2>&1 ||
-  { tail -20 "$RUN_DIR/build.log" >&2; exit 1; }
-BIN="$(bazel info -c opt bazel-bin 2>/dev/null)"
+if [ -n "${GRADMESH_BIN:-}" ]; then
+  BIN="$GRADMESH_BIN"  # Prebuilt binaries (server/gradmesh_server, worker/gradmesh_worker).
+else
+  bazel build -c opt //server:gradmesh_server //worker:gradmesh_worker >"$RUN_DIR/build.log" 2>&1 ||
+    { tail -20 "$RUN_DIR/build.log" >&2; exit 1; }
+  BIN="$(bazel info -c opt bazel-bin 2>/dev/null)"
+fi
 export OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1
 PIDS=()
 cleanup() { for p in "${PIDS[@]:-}"; do [ -n "$p" ] && kill "$p" 2>/dev/null || true; done; }
