@@ -30,6 +30,7 @@
 
 namespace gradmesh {
 
+// Thread safety: `info` is immutable; values, slots and version only under `mu`.
 // One stored chunk: values, optimizer slots and version, under its own lock.
 struct Chunk {
   explicit Chunk(const ChunkInfo& i) : info(i) {}
@@ -53,6 +54,9 @@ absl::Status ValidateLayout(const InitJobRequest& r);
 // that equal layouts compare equal.
 InitJobRequest NormalizedLayout(const InitJobRequest& request);
 
+// Thread safety: accessors of the immutable parts need no lock; chunk contents need their
+// Chunk::mu; the sync-group methods lock group_mu_ (see the file comment).
+// One job of this shard (see the file comment).
 class JobState {
  public:
   using ChunkMap = absl::flat_hash_map<int64_t, std::unique_ptr<Chunk>>;

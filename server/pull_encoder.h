@@ -36,6 +36,8 @@ struct PullFormat {
   std::shared_ptr<const Compressor> compressor;  // kNarrow: the fp16/bf16 codec.
 };
 
+// Thread safety: Encode may be called concurrently; the caller holds the chunk's Chunk::mu,
+// Encode then takes that chunk's record lock (a leaf). One job's pull encodings.
 class PullEncoder {
  public:
   // Chunks are the partition indices of the chunks the job owns on this shard.

@@ -21,6 +21,7 @@
 
 namespace gradmesh {
 
+// Thread safety: Get may be called concurrently (one leaf mutex).
 // Codecs by spec ("fp16", "topk:0.01+bf16", ...), created from a registry on first use and
 // kept (at most 64, so clients cannot grow it without bound with ever new specs).
 class CodecCache {

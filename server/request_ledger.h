@@ -35,6 +35,8 @@
 
 namespace gradmesh {
 
+// Thread safety: every method is safe to call concurrently; internally locked by one leaf
+// mutex. One job's pushes, progress and counters (see the file comment).
 class RequestLedger {
  public:
   // `num_workers` > 0, `dedupe_window` > 0, `staleness_buckets` >= 2 (the last bucket counts

@@ -20,7 +20,8 @@
 
 namespace gradmesh {
 
-// One job's parts (see shard.h). `state` is built first and outlives the others, which refer
+// Thread safety: the members are fixed after construction and are each thread-safe (their
+// headers give the contracts and lock orders). One job's parts (see shard.h). `state` is built first and outlives the others, which refer
 // to it; ledger before durability, which refers to it.
 struct Shard::Job {
   Job(std::unique_ptr<JobState> s, const ShardOptions& options)

@@ -82,6 +82,8 @@ struct ShardOptions {
   const Logger* logger = nullptr;
 };
 
+// Thread safety: every method may be called concurrently (see the file comment; lock order
+// below). One parameter-server shard.
 class Shard {
  public:
   // InvalidArgument for nonsensical options; the store's error if its state cannot be

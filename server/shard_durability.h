@@ -44,6 +44,8 @@ namespace gradmesh {
 // memtable), so that log records are deleted before they are flushed to disk.
 inline constexpr int64_t kLogBytesPerSnapshot = 32ll << 20;
 
+// Thread safety: every method may be called concurrently (Restore before the job is shared);
+// lock order apply_mu_ > Chunk::mu > mu_ > the ledger's lock. One job's durability.
 class ShardDurability {
  public:
   // `job` and `ledger` must outlive this; `store` may be null only for jobs without
