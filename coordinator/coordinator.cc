@@ -784,74 +784,57 @@ std::vector<Task> Coordinator::TasksForLocked(const NodeEntry& node) const {
 // ---------------------------------------------------------------------------------------------
 // Jobs.
 
-absl::StatusOr<JobStatus> Coordinator::SubmitJob(const SubmitJobRequest& request) {
-  absl::MutexLock lock(&mu_);
-  CheckNodesLocked();
-  (void)PersistLocked();
-  JobSpec spec = request.spec();
-  if (spec.name().empty()) {
-    do {
-      spec.set_name(absl::StrFormat("job-%d-%s", Now() / 1000, RandomHex(2)));
-    } while (jobs_.count(spec.name()) > 0);
+absl::StatusOr<std::vector<std::string>> Coordinator::ResumableShardNodesLocked(
+    const JobSpec& spec, const JobEntry* existing, bool resume) const {
+  const std::string& id = spec.name();
+  if (existing == nullptr) return std::vector<std::string>();
+  const JobState state = existing->record.status().state();
+  if (!resume) {
+    return absl::AlreadyExistsError(absl::StrCat(
+        "job \"", id, "\" already exists (", JobState_Name(state),
+        "); choose another name, or resubmit with resume once it has ended"));
   }
-  int alive_servers = 0;
-  for (const auto& [name, node] : nodes_) {
-    if (node.record.alive() && node.record.info().role() == SERVER) ++alive_servers;
+  if (IsActive(state)) {
+    return absl::AlreadyExistsError(absl::StrCat(
+        "job \"", id, "\" is ", JobState_Name(state),
+        "; only a job that ended (SUCCEEDED, FAILED, CANCELLED) can be resumed"));
   }
-  ApplyJobSpecDefaults(alive_servers, &spec);
-  RETURN_IF_ERROR(ValidateJobSpec(spec));
-  const std::string id = spec.name();
-  auto existing_it = jobs_.find(id);
-  const JobEntry* existing = existing_it == jobs_.end() ? nullptr : &existing_it->second;
-  if (existing != nullptr) {
-    const JobState state = existing->record.status().state();
-    if (!request.resume()) {
-      return absl::AlreadyExistsError(absl::StrCat(
-          "job \"", id, "\" already exists (", JobState_Name(state),
-          "); choose another name, or resubmit with resume once it has ended"));
-    }
-    if (IsActive(state)) {
-      return absl::AlreadyExistsError(absl::StrCat(
-          "job \"", id, "\" is ", JobState_Name(state),
-          "; only a job that ended (SUCCEEDED, FAILED, CANCELLED) can be resumed"));
-    }
-  }
-  const bool keep_shards = existing != nullptr && IsPsMode(spec.mode()) &&
-                           !existing->record.status().shards().empty();
   std::vector<std::string> shard_nodes;
-  if (keep_shards) {
-    const JobStatus& old = existing->record.status();
-    if (old.shards_size() != spec.num_shards()) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "job \"", id, "\" ran with ", old.shards_size(),
-          " shards, which hold its state; resume it with num_shards: ", old.shards_size()));
-    }
-    for (const ShardPlacement& s : old.shards()) {
-      auto n = nodes_.find(s.node());
-      if (n == nodes_.end() || !n->second.record.alive()) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "resuming job \"", id, "\" needs shard ", s.shard(), "'s node ", s.node(),
-            " (it holds the job's state), which is not alive; start gradmesh_server --node=",
-            s.node(), " --coordinator=... again"));
-      }
-      shard_nodes.push_back(s.node());
-    }
+  if (!IsPsMode(spec.mode()) || existing->record.status().shards().empty()) return shard_nodes;
+  const JobStatus& old = existing->record.status();
+  if (old.shards_size() != spec.num_shards()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "job \"", id, "\" ran with ", old.shards_size(),
+        " shards, which hold its state; resume it with num_shards: ", old.shards_size()));
   }
-  const std::string strategy = DefaultPlacementFor(spec);
-  ASSIGN_OR_RETURN(JobPlacement placement, PlaceLocked(spec, strategy, id, keep_shards));
-  if (keep_shards) placement.shard_nodes = shard_nodes;
+  for (const ShardPlacement& s : old.shards()) {
+    auto n = nodes_.find(s.node());
+    if (n == nodes_.end() || !n->second.record.alive()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "resuming job \"", id, "\" needs shard ", s.shard(), "'s node ", s.node(),
+          " (it holds the job's state), which is not alive; start gradmesh_server --node=",
+          s.node(), " --coordinator=... again"));
+    }
+    shard_nodes.push_back(s.node());
+  }
+  return shard_nodes;
+}
 
-  const int64_t now = Now();
-  const int64_t generation = existing != nullptr ? existing->record.generation() + 1 : 1;
+coordinator_state::JobRecord Coordinator::NewJobRecordLocked(const JobSpec& spec,
+                                                             const JobPlacement& placement,
+                                                             const std::string& strategy,
+                                                             int64_t generation,
+                                                             int64_t created_ms,
+                                                             int64_t now) const {
   coordinator_state::JobRecord record;
   record.set_generation(generation);
   record.set_lr_scale(1.0);
   record.set_placement(strategy);
   JobStatus* st = record.mutable_status();
-  st->set_job_id(id);
+  st->set_job_id(spec.name());
   *st->mutable_spec() = spec;
   st->set_state(PENDING);
-  st->set_created_ms(existing != nullptr ? existing->record.status().created_ms() : now);
+  st->set_created_ms(created_ms);
   st->set_updated_ms(now);
   st->set_active_workers(spec.num_workers());
   JobProgress* p = st->mutable_progress();
@@ -879,12 +862,48 @@ absl::StatusOr<JobStatus> Coordinator::SubmitJob(const SubmitJobRequest& request
     rr->set_accuracy(-1);
     rr->set_checkpoint_step(-1);
   }
+  return record;
+}
+
+absl::StatusOr<JobStatus> Coordinator::SubmitJob(const SubmitJobRequest& request) {
+  absl::MutexLock lock(&mu_);
+  CheckNodesLocked();
+  (void)PersistLocked();
+  JobSpec spec = request.spec();
+  if (spec.name().empty()) {
+    do {
+      spec.set_name(absl::StrFormat("job-%d-%s", Now() / 1000, RandomHex(2)));
+    } while (jobs_.count(spec.name()) > 0);
+  }
+  int alive_servers = 0;
+  for (const auto& [name, node] : nodes_) {
+    if (node.record.alive() && node.record.info().role() == SERVER) ++alive_servers;
+  }
+  ApplyJobSpecDefaults(alive_servers, &spec);
+  RETURN_IF_ERROR(ValidateJobSpec(spec));
+  const std::string id = spec.name();
+  auto existing_it = jobs_.find(id);
+  const JobEntry* existing = existing_it == jobs_.end() ? nullptr : &existing_it->second;
+  ASSIGN_OR_RETURN(std::vector<std::string> shard_nodes,
+                   ResumableShardNodesLocked(spec, existing, request.resume()));
+  const bool keep_shards = !shard_nodes.empty();
+  const std::string strategy = DefaultPlacementFor(spec);
+  ASSIGN_OR_RETURN(JobPlacement placement, PlaceLocked(spec, strategy, id, keep_shards));
+  if (keep_shards) placement.shard_nodes = shard_nodes;
+
+  const int64_t now = Now();
+  const int64_t generation = existing != nullptr ? existing->record.generation() + 1 : 1;
+  coordinator_state::JobRecord record = NewJobRecordLocked(
+      spec, placement, strategy, generation,
+      existing != nullptr ? existing->record.status().created_ms() : now, now);
+  JobStatus* st = record.mutable_status();
   if (request.dry_run()) return *st;
 
   st->set_job_token(existing != nullptr ? existing->record.status().job_token() : NewToken());
   record.set_sequence(existing != nullptr ? existing->record.sequence() : next_sequence_++);
   RETURN_IF_ERROR(store_->Write({&record}, {}));
   const int64_t version = existing != nullptr ? existing->version + 1 : 1;
+  const bool resubmitted = existing != nullptr;
   JobEntry& entry = jobs_[id];
   entry = JobEntry();
   entry.record = std::move(record);
@@ -895,7 +914,7 @@ absl::StatusOr<JobStatus> Coordinator::SubmitJob(const SubmitJobRequest& request
   entry.published = published.SerializeAsString();
   entry.last_persist_ms = now;
   changed_.SignalAll();
-  LogInfo(options_.logger, existing != nullptr ? "job_resubmitted" : "job_submitted",
+  LogInfo(options_.logger, resubmitted ? "job_resubmitted" : "job_submitted",
           {Kv("job", id), Kv("mode", spec.mode()), Kv("model", spec.model().name()),
            Kv("dataset", spec.dataset().name()), Kv("num_workers", spec.num_workers()),
            Kv("num_shards", placement.shard_nodes.size())});

@@ -270,6 +270,19 @@ class Coordinator {
                                            const std::string& exclude_job,
                                            bool skip_shards) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // SubmitJob of an id in use: ALREADY_EXISTS unless `resume` and the job ended; then the
+  // shard nodes a ps job must keep (FAILED_PRECONDITION if one is not alive or num_shards
+  // changed; empty when there are none to keep). Empty for a new id.
+  absl::StatusOr<std::vector<std::string>> ResumableShardNodesLocked(const JobSpec& spec,
+                                                                     const JobEntry* existing,
+                                                                     bool resume) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A PENDING job's record as placed (every rank "pending"; no token, no sequence yet).
+  coordinator_state::JobRecord NewJobRecordLocked(const JobSpec& spec,
+                                                  const JobPlacement& placement,
+                                                  const std::string& strategy, int64_t generation,
+                                                  int64_t created_ms, int64_t now) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Jobs in submission order (deterministic handling of several jobs at once).
   std::vector<JobEntry*> JobsInOrderLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Ranks/shards of active jobs per node name.

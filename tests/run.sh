@@ -17,6 +17,10 @@ if [ "$skipped" = 0 ]; then
   skipped=$(sed -nE 's/.* ([0-9]+) (was|were) skipped.*/\1/p' "$log" | tail -1)
   skipped=${skipped:-0}
 fi
+# Report only (does not change the exit status yet): functions longer than 120 lines.
+echo "function length report (tests/lint/function_length.py, > 120 lines):"
+/usr/bin/python3 tests/lint/function_length.py common compression server worker coordinator \
+  cli tests || true
 echo "${passed} passed, ${failed} failed, ${skipped} skipped"
 if [ "$rc" != 0 ] && [ "$failed" = 0 ]; then
   echo "bazel test exited with $rc (see $log)"
