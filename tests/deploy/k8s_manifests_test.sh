@@ -36,8 +36,10 @@ export HOME="$tmp"  # kubectl's cache; nothing from a real kubeconfig is used or
 validate() { node tests/deploy/k8s_validate.mjs "$NPM_DIR" "$tmp/flags.json" "$@"; }
 
 bash deploy/k8s/make-secrets.sh --print >"$tmp/secrets.yaml"
+# A real copy: kustomize does not follow the symlinks Bazel's runfiles are made of.
+cp -rL deploy/k8s "$tmp/k8s"
 for overlay in cpu gpu; do
-  kubectl kustomize "deploy/k8s/overlays/$overlay" >"$tmp/$overlay.yaml" 2>"$tmp/$overlay.err" ||
+  kubectl kustomize "$tmp/k8s/overlays/$overlay" >"$tmp/$overlay.yaml" 2>"$tmp/$overlay.err" ||
     { cat "$tmp/$overlay.err"; fail "kubectl kustomize overlays/$overlay"; }
   echo "overlays/$overlay: $(validate "$tmp/$overlay.yaml" "$tmp/secrets.yaml")"
 done
