@@ -52,8 +52,12 @@ ctx="$(mktemp -d "$WORK/context.XXXXXX")"
 trap 'rm -rf "$ctx"' EXIT
 git ls-files -z | xargs -0 -I{} sh -c '[ -e "{}" ] && printf "%s\0" "{}"' |
   tar --null -T - -c | tar -C "$ctx" -x
+# The host's CA bundle, mounted only while setup.sh runs (a secret: not in any layer).
+CA="${CA_BUNDLE:-/etc/ssl/certs/ca-certificates.crt}"
+[ -s "$CA" ] || { CA="$WORK/no-ca"; : >"$CA"; }
 say "building $IMAGE (log: $WORK/build.log)"
 if ! "${PODMAN[@]}" build --network=host "${RUN_OPTS[@]}" -f deploy/container/Containerfile \
+    --secret id=cacerts,src="$CA" \
     --build-arg BASE_IMAGE="$BASE_IMAGE" --build-arg BAZEL_CONFIG="${BAZEL_CONFIG:-}" \
     -t "$IMAGE" "$ctx" >"$WORK/build.log" 2>&1; then
   tail -30 "$WORK/build.log" >&2; say "build failed"; exit 1
