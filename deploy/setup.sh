@@ -5,7 +5,7 @@
 #     a text corpus (Debian bible-kjv)
 #   * deployment checks (tests/deploy): Prometheus + promtool (Debian prometheus; where systemd
 #     runs, the package also starts a Prometheus service on :9090), kubectl (Debian
-#     kubernetes-client, unless a kubectl is already installed), podman (the container build,
+#     kubernetes-client, unless a kubectl is already installed), podman, runc and debootstrap (the container build,
 #     deploy/container/build.sh), and the npm packages pinned in tests/deploy/package.json
 #     (Kubernetes OpenAPI models) in GRADMESH_DEPLOY_NPM_DIR (/var/lib/gradmesh/npm-deploy)
 # into GRADMESH_DATA_DIR (default /var/lib/gradmesh/data), one folder per dataset.
@@ -19,7 +19,7 @@ PACKAGES=(
   protobuf-compiler librocksdb-dev libabsl-dev libtorch-dev libgtest-dev libgmock-dev
   libbenchmark-dev libyaml-cpp-dev zlib1g-dev libopenblas0-pthread
   dataset-fashion-mnist bible-kjv python3-torch clang-format
-  prometheus podman
+  prometheus podman runc debootstrap
 )
 
 say() { echo "setup: $*" >&2; }
