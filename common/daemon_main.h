@@ -107,6 +107,10 @@ class Daemon {
   Daemon(const Daemon&) = delete;
   Daemon& operator=(const Daemon&) = delete;
 
+  // Lines logged from now on go to `logger` (not owned, may be null): for a daemon whose
+  // node name is known only once it is bound.
+  void set_logger(const Logger* logger) { logger_ = logger; }
+
   // Starts the gRPC server on options.address serving `services` (not owned; they must
   // outlive the Daemon or its Shutdown) and writes the port file. Logs nothing: callers log
   // their own `listening`/`listen_failed` line. UNAVAILABLE if the address cannot be bound;
@@ -135,7 +139,7 @@ class Daemon {
   void StopServer();
 
   const DaemonOptions options_;
-  const Logger* const logger_;
+  const Logger* logger_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<MetricsHttpServer> metrics_server_;
   int port_ = 0;

@@ -22,12 +22,12 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/str_cat.h"
 #include "common/auth.h"
 #include "common/daemon.h"
+#include "common/daemon_main.h"
 #include "common/grpc_util.h"
 #include "common/metrics_http.h"
 #include "common/node_agent.h"
@@ -252,22 +252,25 @@ int RunService() {
   rpc.link_bits_per_s = absl::GetFlag(FLAGS_link_mbit) * 1e6;
   CollectiveServiceImpl collective;
   GossipServiceImpl gossip;
-  int port = 0;
   const std::string host = absl::GetFlag(FLAGS_host);
-  auto started = StartGrpcServer(absl::StrCat(host, ":", absl::GetFlag(FLAGS_peer_port)),
-                                 {&collective, &gossip}, rpc, absl::GetFlag(FLAGS_port_file),
-                                 &port);
-  if (!started.ok()) {
-    log->Error("listen_failed", {Kv("port", absl::GetFlag(FLAGS_peer_port)),
-                                 Kv("error", started.status().ToString())});
-    return 1;
+  DaemonOptions daemon_options;
+  daemon_options.address = absl::StrCat(host, ":", absl::GetFlag(FLAGS_peer_port));
+  daemon_options.port_file = absl::GetFlag(FLAGS_port_file);
+  daemon_options.rpc = rpc;
+  daemon_options.shutdown_grace = absl::Seconds(2);
+  daemon_options.metrics = MetricsFlags();
+  Daemon daemon(daemon_options, log);
+  if (absl::Status st = daemon.Serve({&collective, &gossip}); !st.ok()) {
+    log->Error("listen_failed",
+               {Kv("port", absl::GetFlag(FLAGS_peer_port)), Kv("error", st.ToString())});
+    return kExitFailed;
   }
-  std::unique_ptr<grpc::Server> peer_server = std::move(started).value();
   std::string advertise = absl::GetFlag(FLAGS_advertise_host);
-  if (advertise.empty()) advertise = host == "0.0.0.0" ? HostName() : host;
-  const std::string address = absl::StrCat(advertise, ":", port);
+  if (advertise.empty()) advertise = AdvertisedHost(host);
+  const std::string address = absl::StrCat(advertise, ":", daemon.port());
   if (node.empty()) node = address;
   Logger logger({Kv("node", node), Kv("role", "worker")});
+  daemon.set_logger(&logger);
   logger.Info("peer_service", {Kv("address", address)});
 
   WorkerAgentOptions wo;
@@ -287,11 +290,7 @@ int RunService() {
   MetricsRegistry metrics;
   metrics.AddCollector(
       [&worker_agent](MetricsWriter* w) { CollectWorkerMetrics(worker_agent.Reports(), w); });
-  auto metrics_server = StartMetricsEndpoint(MetricsFlags(), &metrics, &logger);
-  if (!metrics_server.ok()) {
-    logger.Error("listen_failed", {Kv("error", metrics_server.status().ToString())});
-    return 1;
-  }
+  if (!daemon.StartMetrics(&metrics).ok()) return kExitFailed;
 
   NodeAgentOptions ao;
   ao.coordinator = absl::GetFlag(FLAGS_coordinator);
@@ -308,16 +307,15 @@ int RunService() {
       ao, [&worker_agent](const std::vector<Task>& desired) { worker_agent.Reconcile(desired); },
       [&worker_agent] { return worker_agent.Reports(); });
   node_agent.Start();
-  const std::string sig = WaitForTerminationSignal();
-  logger.Info("shutting_down", {Kv("signal", sig)});
+  ShutdownSteps steps;
   // Preemption: every task stops after its current step (leaving its position on the shards
-  // or its checkpoint); the last heartbeat reports them stopped so they move elsewhere.
-  worker_agent.StopAll();
-  node_agent.Stop(/*leaving=*/true);
-  metrics_server->reset();  // Before worker_agent, which its collector reads.
-  peer_server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
-  logger.Info("stopped");
-  return 0;
+  // or its checkpoint); the last heartbeat reports them stopped so they move elsewhere. The
+  // metrics endpoint then stops before worker_agent, which its collector reads.
+  steps.before_server_stop = [&worker_agent, &node_agent] {
+    worker_agent.StopAll();
+    node_agent.Stop(/*leaving=*/true);
+  };
+  return daemon.WaitForSignalAndShutdown(steps);
 }
 
 int Run() {
@@ -390,12 +388,10 @@ int Run() {
   // what it touches, so a signal that arrives after Run() has returned (while the process
   // shuts down) finds them alive.
   std::shared_ptr<Trainer> shared_trainer = std::move(*trainer);
-  std::thread signals([shared_trainer, shared_logger] {
-    const std::string sig = WaitForTerminationSignal();
+  StartTerminationSignalThread([shared_trainer, shared_logger](const std::string& sig) {
     shared_logger->Info("signal", {Kv("signal", sig)});
     shared_trainer->RequestStop();
   });
-  signals.detach();
   auto result = shared_trainer->Run();
   if (peer_server != nullptr) peer_server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
   if (!result.ok()) {
@@ -424,9 +420,9 @@ int Run() {
 }  // namespace gradmesh
 
 int main(int argc, char** argv) {
-  gradmesh::BlockTerminationSignals();
-  gradmesh::TuneAllocatorForLargeMessages();
-  absl::ParseCommandLine(argc, argv);
+  gradmesh::ProcessOptions process;
+  process.tune_allocator_for_large_messages = true;
+  gradmesh::InitDaemonProcess(argc, argv, process);
   // OpenBLAS sizes its thread pool when the library loads, before main(): launchers set
   // OPENBLAS_NUM_THREADS=1 when several processes share the cores (see deploy/).
   return gradmesh::Run();
