@@ -106,7 +106,12 @@ class WatchPrinter {
 
   void OnUpdate(const JobStatus& job) {
     last_ = job;
-    if (job.progress().samples_per_s() > 0) last_rate_ = job.progress().samples_per_s();
+    // The job's rate is the sum over its running ranks: remember it only while every rank
+    // counts (ranks that finished early report no rate), so the final line shows the total
+    // samples/s of all workers, as the quickstart's RESULT line does.
+    if (job.progress().samples_per_s() > 0 && (AllRanksRunning(job) || last_rate_ == 0)) {
+      last_rate_ = job.progress().samples_per_s();
+    }
     if (IsFinalState(job.state())) {
       // Workers that are done report no rate any more: show the last one measured.
       JobStatus shown = job;
@@ -157,6 +162,14 @@ class WatchPrinter {
     bar_shown_ = false;
   }
 
+  // Every rank that is not lost is "running".
+  static bool AllRanksRunning(const JobStatus& job) {
+    for (const WorkerPlacement& w : job.workers()) {
+      if (w.state() != "lost" && w.state() != "running") return false;
+    }
+    return job.workers_size() > 0;
+  }
+
   Session* const s_;
   JobStatus last_;
   bool done_ = false;
@@ -164,7 +177,7 @@ class WatchPrinter {
   JobState state_ = JOB_STATE_UNSPECIFIED;
   std::string message_;
   bool bar_shown_ = false;
-  double last_rate_ = 0;  // Last positive samples/s seen.
+  double last_rate_ = 0;  // Last positive samples/s of all ranks seen.
   absl::Time last_plain_ = absl::InfinitePast();
 };
 

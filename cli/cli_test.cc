@@ -455,8 +455,29 @@ TEST_F(CliTest, WatchPlainLinesUntilSucceeded) {
             "25% step 100/400 epoch 1/1 loss 0.3121 acc - 11.2k samples/s ETA 0:35\n"
             "50% step 200/400 epoch 1/1 loss 0.3121 acc - 11.2k samples/s ETA 0:35\n"
             "job mnist-mlp SUCCEEDED accuracy=0.9812 loss=0.3121 steps=400/400 "
-            "samples_per_s=11.2k time=0:35\n");
+            "samples_per_s(all workers)=11.2k time=0:35\n");
   EXPECT_EQ(r.err, "");
+}
+
+// Rank 1 finishes first: the job's rate then counts rank 0 only (5k). The final line keeps
+// the last rate of all workers (11.2k), the same definition as the quickstart's RESULT line.
+TEST_F(CliTest, WatchFinalRateIsThatOfAllWorkers) {
+  std::vector<JobStatus> msgs = Lifecycle(SUCCEEDED);
+  JobStatus tail = MakeJob("mnist-mlp", RUNNING, 300, 400);
+  tail.mutable_workers(1)->set_state("succeeded");
+  tail.mutable_progress()->set_samples_per_s(5000);
+  msgs.insert(msgs.begin() + 3, tail);
+  fake().AddWatchScript({msgs});
+  Result r = Run({"watch", "mnist-mlp"});
+  EXPECT_EQ(r.code, kExitOk) << r.err;
+  EXPECT_EQ(r.out,
+            "job mnist-mlp PENDING\n"
+            "job mnist-mlp RUNNING\n"
+            "25% step 100/400 epoch 1/1 loss 0.3121 acc - 11.2k samples/s ETA 0:35\n"
+            "50% step 200/400 epoch 1/1 loss 0.3121 acc - 11.2k samples/s ETA 0:35\n"
+            "75% step 300/400 epoch 1/1 loss 0.3121 acc - 5.0k samples/s ETA 0:35\n"
+            "job mnist-mlp SUCCEEDED accuracy=0.9812 loss=0.3121 steps=400/400 "
+            "samples_per_s(all workers)=11.2k time=0:35\n");
 }
 
 TEST_F(CliTest, WatchPlainLinesAreThrottled) {
@@ -475,7 +496,7 @@ TEST_F(CliTest, WatchPlainLinesAreThrottled) {
             "job mnist-mlp PAUSED: shard 1 is down\n"
             "job mnist-mlp RUNNING\n"
             "job mnist-mlp SUCCEEDED accuracy=0.9812 loss=0.3121 steps=400/400 "
-            "samples_per_s=11.2k time=0:35\n");
+            "samples_per_s(all workers)=11.2k time=0:35\n");
 }
 
 TEST_F(CliTest, WatchFailedOrCancelledExits1WithMessage) {
@@ -497,7 +518,7 @@ TEST_F(CliTest, WatchFailedOrCancelledExits1WithMessage) {
   EXPECT_EQ(r.code, kExitOk);
   EXPECT_EQ(r.out,
             "job mnist-mlp SUCCEEDED accuracy=0.9812 loss=0.3121 steps=400/400 "
-            "samples_per_s=0 time=0:35\n");
+            "samples_per_s(all workers)=0 time=0:35\n");
 }
 
 TEST_F(CliTest, WatchOnTerminalRedrawsOneLine) {
@@ -512,7 +533,7 @@ TEST_F(CliTest, WatchOnTerminalRedrawsOneLine) {
                          progress, "\r\033[K[##########..........]  50% step 200/400", progress,
                          "\r\033[K"
                          "job mnist-mlp SUCCEEDED accuracy=0.9812 loss=0.3121 "
-                         "steps=400/400 samples_per_s=11.2k time=0:35\n"));
+                         "steps=400/400 samples_per_s(all workers)=11.2k time=0:35\n"));
 }
 
 TEST_F(CliTest, WatchUnknownJobExits1) {
@@ -533,7 +554,7 @@ TEST_F(CliTest, WatchReconnectsWhenTheStreamBreaks) {
             "25% step 100/400 epoch 1/1 loss 0.3121 acc - 11.2k samples/s ETA 0:35\n"
             "50% step 200/400 epoch 1/1 loss 0.3121 acc - 11.2k samples/s ETA 0:35\n"
             "job mnist-mlp SUCCEEDED accuracy=0.9812 loss=0.3121 steps=400/400 "
-            "samples_per_s=11.2k time=0:35\n");
+            "samples_per_s(all workers)=11.2k time=0:35\n");
   EXPECT_EQ(r.err, absl::StrCat("note: lost the watch stream of job mnist-mlp (UNAVAILABLE: "
                                 "restarting); reconnecting to ",
                                 coordinator_->address(), " until the job ends\n",
@@ -565,7 +586,7 @@ TEST_F(CliTest, WatchSurvivesACoordinatorRestart) {
   EXPECT_TRUE(absl::StartsWith(r.out, "job mnist-mlp RUNNING\n25% step 100/400")) << r.out;
   EXPECT_TRUE(absl::EndsWith(r.out,
                              "\njob mnist-mlp SUCCEEDED accuracy=0.9812 loss=0.3121 "
-                             "steps=400/400 samples_per_s=11.2k time=0:35\n"))
+                             "steps=400/400 samples_per_s(all workers)=11.2k time=0:35\n"))
       << r.out;
   EXPECT_TRUE(absl::StartsWith(r.err, "note: lost the watch stream of job mnist-mlp (")) << r.err;
   EXPECT_TRUE(absl::EndsWith(

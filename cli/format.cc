@@ -203,7 +203,7 @@ std::string FinalLine(const JobStatus& job) {
     const double wall_s = (job.updated_ms() - job.created_ms()) / 1e3;
     return absl::StrCat("job ", job.job_id(), " SUCCEEDED accuracy=", Accuracy(p.accuracy()),
                         " loss=", Loss(p), " steps=", StepOfTotal(p),
-                        " samples_per_s=", FormatRate(p.samples_per_s()),
+                        " samples_per_s(all workers)=", FormatRate(p.samples_per_s()),
                         " time=", FormatClock(wall_s));
   }
   std::string out =

@@ -55,7 +55,9 @@ std::string FormatJobStatus(const JobStatus& job, absl::Time now);
 std::string FormatPlacement(const JobStatus& job);
 
 // The last line of `watch` for a job in a final state, e.g.
-//   "job mnist SUCCEEDED accuracy=0.9812 loss=0.0712 steps=938/938 samples_per_s=11.2k time=0:35"
+//   "job mnist SUCCEEDED accuracy=0.9812 loss=0.0712 steps=938/938
+//    samples_per_s(all workers)=11.2k time=0:35" (one line; the rate is the job's total over
+//   all its workers, JobProgress.samples_per_s)
 //   "job mnist FAILED at step 410/938: worker 1 ..."
 std::string FinalLine(const JobStatus& job);
 

@@ -88,9 +88,10 @@ TEST(FormatTest, FinalLines) {
   j.mutable_progress()->set_accuracy(0.98125);
   j.mutable_progress()->set_loss(0.07123);
   j.mutable_progress()->set_samples_per_s(17380);
-  EXPECT_EQ(FinalLine(j),
-            "job j SUCCEEDED accuracy=0.9812 loss=0.0712 steps=938/938 samples_per_s=17.4k "
-            "time=1:02:05");
+  EXPECT_EQ(
+      FinalLine(j),
+      "job j SUCCEEDED accuracy=0.9812 loss=0.0712 steps=938/938 samples_per_s(all workers)=17.4k "
+      "time=1:02:05");
   j.set_state(FAILED);
   EXPECT_EQ(FinalLine(j), "job j FAILED at step 938/938");
   j.set_message("boom");
