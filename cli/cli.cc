@@ -14,10 +14,10 @@
 #include "cli/format.h"
 #include "cli/shard_export.h"
 #include "cli/state_dict.h"
-#include "common/auth.h"
 #include "common/job_spec.h"
 #include "common/status.h"
 #include "google/protobuf/util/json_util.h"
+#include "rpc/auth.h"
 
 namespace gradmesh {
 namespace cli {

@@ -5,9 +5,10 @@
 
 #include <chrono>
 
-#include "common/auth.h"
 #include "common/status.h"
 #include "proto/coordinator.grpc.pb.h"
+#include "rpc/auth.h"
+#include "rpc/grpc_status.h"
 
 namespace gradmesh {
 namespace cli {

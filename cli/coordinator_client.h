@@ -18,8 +18,8 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "common/grpc_util.h"
 #include "proto/coordinator.pb.h"
+#include "rpc/grpc_util.h"
 
 namespace gradmesh {
 namespace cli {

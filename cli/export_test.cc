@@ -21,12 +21,12 @@
 #include "cli/cli.h"
 #include "cli/fake_job_service.h"
 #include "cli/shard_export.h"
-#include "common/grpc_util.h"
 #include "common/partitioner.h"
 #include "common/status_testing.h"
 #include "gtest/gtest.h"
 #include "proto/coordinator.pb.h"
 #include "proto/gradmesh.grpc.pb.h"
+#include "rpc/grpc_util.h"
 #include "server/job_tokens.h"
 #include "server/parameter_service.h"
 #include "server/shard.h"
@@ -232,8 +232,7 @@ TEST_F(ExportTest, WrongTokenIsPermissionDenied) {
   std::string out, err;
   EXPECT_EQ(Run({"export", kJob, "--out", dir_ + "/x.pt"}, &out, &err), kExitFailed);
   // GetJobInfo (layout only) is open; the first Pull is refused.
-  EXPECT_TRUE(absl::StrContains(err, "error: PERMISSION_DENIED: export of job mnist-mlp: "))
-      << err;
+  EXPECT_TRUE(absl::StrContains(err, "error: PERMISSION_DENIED: export of job mnist-mlp: ")) << err;
   EXPECT_TRUE(absl::StrContains(err, "job mnist-mlp: missing or wrong job token")) << err;
   EXPECT_EQ(out, "");
   EXPECT_FALSE(std::ifstream(dir_ + "/x.pt").good());

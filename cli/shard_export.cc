@@ -12,6 +12,7 @@
 #include "common/status.h"
 #include "google/protobuf/util/message_differencer.h"
 #include "proto/gradmesh.grpc.pb.h"
+#include "rpc/grpc_status.h"
 
 namespace gradmesh {
 namespace cli {

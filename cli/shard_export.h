@@ -21,7 +21,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "common/grpc_util.h"
+#include "rpc/grpc_util.h"
 
 namespace gradmesh {
 namespace cli {

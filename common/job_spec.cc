@@ -1,16 +1,16 @@
 #include "common/job_spec.h"
 
-#include <fstream>
-#include <sstream>
-#include <vector>
-
 #include <google/protobuf/descriptor.h>
 #include <google/protobuf/util/json_util.h>
 #include <yaml-cpp/yaml.h>
 
-#include "absl/strings/str_cat.h"
+#include <fstream>
+#include <sstream>
+#include <vector>
+
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/job_name.h"
 #include "common/mode.h"
@@ -25,11 +25,21 @@ std::string JsonQuote(const std::string& s) {
   std::string out = "\"";
   for (char c : s) {
     switch (c) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\n': out += "\\n"; break;
-      case '\t': out += "\\t"; break;
-      case '\r': out += "\\r"; break;
+      case '"':
+        out += "\\\"";
+        break;
+      case '\\':
+        out += "\\\\";
+        break;
+      case '\n':
+        out += "\\n";
+        break;
+      case '\t':
+        out += "\\t";
+        break;
+      case '\r':
+        out += "\\r";
+        break;
       default:
         if (static_cast<unsigned char>(c) < 0x20) {
           out += absl::StrCat("\\u00", absl::Hex(static_cast<unsigned char>(c), absl::kZeroPad2));
@@ -63,9 +73,9 @@ absl::Status MessageToJson(const YAML::Node& node, const pb::Descriptor* desc,
     if (field == nullptr) {
       std::vector<std::string> known;
       for (int i = 0; i < desc->field_count(); ++i) known.push_back(desc->field(i)->name());
-      return absl::InvalidArgumentError(absl::StrCat("unknown field \"", key, "\" in ",
-                                                     Where(path), " (known fields: ",
-                                                     absl::StrJoin(known, ", "), ")"));
+      return absl::InvalidArgumentError(absl::StrCat("unknown field \"", key, "\" in ", Where(path),
+                                                     " (known fields: ", absl::StrJoin(known, ", "),
+                                                     ")"));
     }
     const std::string child = path.empty() ? key : absl::StrCat(path, ".", key);
     std::string value;
@@ -223,8 +233,8 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
   // coordinator must not link, so these lists mirror ModelRegistry and the dataset loader.
   const std::string& model = spec.model().name();
   if (!model.empty() && model != "lenet" && model != "mlp" && model != "torchscript") {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "job spec: unknown model \"", model, "\" (known: lenet, mlp, torchscript)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("job spec: unknown model \"", model, "\" (known: lenet, mlp, torchscript)"));
   }
   if (model == "torchscript" && spec.model().path().empty()) {
     return absl::InvalidArgumentError(
@@ -232,8 +242,8 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
   }
   const std::string& dataset = spec.dataset().name();
   if (!dataset.empty() && dataset != "mnist" && dataset != "fashion-mnist") {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "job spec: unknown dataset \"", dataset, "\" (known: fashion-mnist, mnist)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("job spec: unknown dataset \"", dataset, "\" (known: fashion-mnist, mnist)"));
   }
   if (spec.batch_size() <= 0) {
     return absl::InvalidArgumentError(
@@ -298,14 +308,14 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
     return absl::InvalidArgumentError("job spec: gossip.every_steps and timeout_s must be >= 0");
   }
   if (!g.codec().empty() && g.codec() != "fp16" && g.codec() != "bf16") {
-    return absl::InvalidArgumentError(absl::StrCat("job spec: gossip.codec \"", g.codec(),
-                                                   "\" is not one of \"\", fp16, bf16"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("job spec: gossip.codec \"", g.codec(), "\" is not one of \"\", fp16, bf16"));
   }
   const AllreduceSpec& a = spec.allreduce();
   if (a.bucket_bytes() < 0 || a.bucket_bytes() % 4 != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "job spec: allreduce.bucket_bytes must be a multiple of 4 and >= 0, got ",
-        a.bucket_bytes()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("job spec: allreduce.bucket_bytes must be a multiple of 4 and >= 0, got ",
+                     a.bucket_bytes()));
   }
   if (!a.backend().empty() && a.backend() != "ring" && a.backend() != "nccl" &&
       a.backend() != "hierarchical" && a.backend() != "auto") {
@@ -326,8 +336,8 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
   }
   const std::string& scaling = spec.sync_lr_scaling();
   if (!scaling.empty() && scaling != "linear" && scaling != "none") {
-    return absl::InvalidArgumentError(absl::StrCat("job spec: sync_lr_scaling \"", scaling,
-                                                   "\" is not one of linear, none"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("job spec: sync_lr_scaling \"", scaling, "\" is not one of linear, none"));
   }
   return absl::OkStatus();
 }

@@ -34,8 +34,10 @@ seed: 42
 }
 
 TEST(JobSpecTest, ParsesJsonWithCamelCase) {
-  ASSERT_OK_AND_ASSIGN(JobSpec spec, ParseJobSpec(
-      R"({"name": "j", "batchSize": 32, "numWorkers": 4, "optimizer": {"name": "sgd",
+  ASSERT_OK_AND_ASSIGN(
+      JobSpec spec,
+      ParseJobSpec(
+          R"({"name": "j", "batchSize": 32, "numWorkers": 4, "optimizer": {"name": "sgd",
           "lr": 0.1, "momentum": 0.9, "nesterov": true}})"));
   EXPECT_EQ(spec.batch_size(), 32);
   EXPECT_EQ(spec.num_workers(), 4);

@@ -92,8 +92,8 @@ std::string MetricsRegistry::Scrape() {
   MetricsWriter w;
   for (const Collector& c : collectors_) c(&w);
   w.Gauge("gradmesh_process_start_time_seconds",
-          "When this process started, Unix seconds (a restart resets the counters).",
-          {}, start_time_);
+          "When this process started, Unix seconds (a restart resets the counters).", {},
+          start_time_);
   w.Counter("gradmesh_scrapes_total", "Scrapes of /metrics served by this process.", {},
             static_cast<double>(scrapes_));
   return w.Render();

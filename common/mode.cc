@@ -21,18 +21,23 @@ absl::StatusOr<Mode> ParseMode(absl::string_view mode) {
     }
     return Mode::kSsp;
   }
-  return absl::InvalidArgumentError(absl::StrCat(
-      "job spec: mode \"", mode,
-      "\" is not one of async (or ps), ssp:<staleness>, sync, gossip, allreduce"));
+  return absl::InvalidArgumentError(
+      absl::StrCat("job spec: mode \"", mode,
+                   "\" is not one of async (or ps), ssp:<staleness>, sync, gossip, allreduce"));
 }
 
 absl::string_view ModeName(Mode mode) {
   switch (mode) {
-    case Mode::kAsync: return "async";
-    case Mode::kSsp: return "ssp";
-    case Mode::kSync: return "sync";
-    case Mode::kGossip: return "gossip";
-    case Mode::kAllreduce: return "allreduce";
+    case Mode::kAsync:
+      return "async";
+    case Mode::kSsp:
+      return "ssp";
+    case Mode::kSync:
+      return "sync";
+    case Mode::kGossip:
+      return "gossip";
+    case Mode::kAllreduce:
+      return "allreduce";
   }
   return "async";
 }

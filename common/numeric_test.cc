@@ -17,9 +17,9 @@ TEST(NumericTest, FirstNonFinite) {
   EXPECT_EQ(FirstNonFinite(x.data(), 0), -1);
   EXPECT_EQ(FirstNonFinite(x.data(), static_cast<int64_t>(x.size())), -1);
   for (int64_t pos : {0, 7, 999, 1000}) {
-    for (float bad : {std::numeric_limits<float>::quiet_NaN(),
-                      std::numeric_limits<float>::infinity(),
-                      -std::numeric_limits<float>::infinity()}) {
+    for (float bad :
+         {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
+          -std::numeric_limits<float>::infinity()}) {
       std::vector<float> y = x;
       y[pos] = bad;
       EXPECT_EQ(FirstNonFinite(y.data(), static_cast<int64_t>(y.size())), pos);

@@ -148,17 +148,16 @@ constexpr double kPi = 3.14159265358979323846;
 
 absl::Status ValidateLrSchedule(const OptimizerSpec& s) {
   if (s.lr_schedule() != "" && s.lr_schedule() != "constant" && s.lr_schedule() != "cosine") {
-    return absl::InvalidArgumentError(absl::StrCat("unknown optimizer.lr_schedule \"",
-                                                   s.lr_schedule(),
-                                                   "\" (known: constant, cosine)"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "unknown optimizer.lr_schedule \"", s.lr_schedule(), "\" (known: constant, cosine)"));
   }
   if (s.lr_schedule() == "cosine" && s.decay_updates() <= 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "optimizer.decay_updates must be > 0 for the cosine schedule, got ", s.decay_updates()));
   }
   if (!(s.min_lr_fraction() >= 0 && s.min_lr_fraction() <= 1)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "optimizer.min_lr_fraction must be in [0, 1], got ", s.min_lr_fraction()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("optimizer.min_lr_fraction must be in [0, 1], got ", s.min_lr_fraction()));
   }
   if (s.warmup_updates() < 0) {
     return absl::InvalidArgumentError("optimizer.warmup_updates must be >= 0");
@@ -187,8 +186,7 @@ OptimizerRegistry OptimizerRegistry::WithBuiltins() {
     if (absl::Status st = CheckRange("momentum", s.momentum(), 0, 1); !st.ok()) return st;
     if (absl::Status st = CheckRange("dampening", s.dampening(), 0, 1); !st.ok()) return st;
     if (s.nesterov() && (s.momentum() <= 0 || s.dampening() != 0)) {
-      return absl::InvalidArgumentError(
-          "optimizer.nesterov needs momentum > 0 and dampening = 0");
+      return absl::InvalidArgumentError("optimizer.nesterov needs momentum > 0 and dampening = 0");
     }
     return std::unique_ptr<Optimizer>(new Sgd(s));
   });

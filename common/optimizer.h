@@ -1,4 +1,5 @@
-// Optimizers applied by parameter-server shards (and by workers in gossip and allreduce modes) to chunks of float32 parameters.
+// Optimizers applied by parameter-server shards (and by workers in gossip and allreduce modes) to
+// chunks of float32 parameters.
 //
 // An Optimizer is stateless itself: the per-element state ("slots", e.g. momentum buffers or
 // Adam moments) is owned by the caller, one float per slot per element, so a shard can keep

@@ -21,9 +21,10 @@ constexpr int kSteps = 25;
 // is absolute below 1 because ATen's vectorised add_ uses fused multiply-add (one rounding)
 // where we round twice: for a parameter that cancels to near zero after an update of size
 // ~0.5, the two differ by a few ulps of the update, ~1e-7 absolute.
-void CompareWithTorch(const OptimizerSpec& spec,
-                      const std::function<std::unique_ptr<torch::optim::Optimizer>(
-                          std::vector<torch::Tensor>)>& make_torch) {
+void CompareWithTorch(
+    const OptimizerSpec& spec,
+    const std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<torch::Tensor>)>&
+        make_torch) {
   torch::manual_seed(3);
   torch::Tensor p = torch::randn({kN}).set_requires_grad(true);
   auto torch_opt = make_torch({p});
@@ -199,8 +200,7 @@ TEST(LrScheduleTest, Validation) {
   s.set_name("adam");
   s.set_lr(0.1);
   s.set_lr_schedule("exponential");
-  EXPECT_STATUS_MSG(OptimizerRegistry::WithBuiltins().Create(s),
-                    absl::StatusCode::kInvalidArgument,
+  EXPECT_STATUS_MSG(OptimizerRegistry::WithBuiltins().Create(s), absl::StatusCode::kInvalidArgument,
                     "unknown optimizer.lr_schedule \"exponential\" (known: constant, cosine)");
   s.set_lr_schedule("cosine");
   EXPECT_STATUS_MSG(ValidateLrSchedule(s), absl::StatusCode::kInvalidArgument,

@@ -43,9 +43,8 @@ absl::StatusOr<Partition> Partition::Create(const std::vector<int64_t>& tensor_n
   // Largest first; stable on (tensor, chunk) because chunks_ is already in that order.
   std::vector<int64_t> order(p.chunks_.size());
   for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int64_t>(i);
-  std::stable_sort(order.begin(), order.end(), [&p](int64_t a, int64_t b) {
-    return p.chunks_[a].numel > p.chunks_[b].numel;
-  });
+  std::stable_sort(order.begin(), order.end(),
+                   [&p](int64_t a, int64_t b) { return p.chunks_[a].numel > p.chunks_[b].numel; });
   p.shard_elements_.assign(num_shards, 0);
   for (int64_t i : order) {
     int32_t best = 0;
@@ -63,8 +62,8 @@ absl::StatusOr<Partition> Partition::Create(const std::vector<int64_t>& tensor_n
 }
 
 int32_t Partition::num_chunks(int32_t tensor) const {
-  const int64_t end = tensor + 1 < num_tensors() ? first_chunk_[tensor + 1]
-                                                  : static_cast<int64_t>(chunks_.size());
+  const int64_t end =
+      tensor + 1 < num_tensors() ? first_chunk_[tensor + 1] : static_cast<int64_t>(chunks_.size());
   return static_cast<int32_t>(end - first_chunk_[tensor]);
 }
 

@@ -31,7 +31,8 @@ void CheckInvariants(const std::vector<int64_t>& numels, int64_t chunk, int32_t 
     EXPECT_EQ(load, p.shard_elements(s));
   }
   for (size_t t = 0; t < numels.size(); ++t) {
-    for (int64_t i = 0; i < numels[t]; ++i) ASSERT_EQ(owner[t][i], 1) << "tensor " << t << " elem " << i;
+    for (int64_t i = 0; i < numels[t]; ++i)
+      ASSERT_EQ(owner[t][i], 1) << "tensor " << t << " elem " << i;
   }
   int64_t total = 0;
   for (int64_t n : numels) total += n;
@@ -82,7 +83,8 @@ TEST(PartitionerTest, DeterministicAcrossCalls) {
   ASSERT_OK_AND_ASSIGN(Partition a, Partition::Create({1000, 77, 5000, 1}, 128, 3));
   ASSERT_OK_AND_ASSIGN(Partition b, Partition::Create({1000, 77, 5000, 1}, 128, 3));
   ASSERT_EQ(a.chunks().size(), b.chunks().size());
-  for (size_t i = 0; i < a.chunks().size(); ++i) EXPECT_EQ(a.chunks()[i].shard, b.chunks()[i].shard);
+  for (size_t i = 0; i < a.chunks().size(); ++i)
+    EXPECT_EQ(a.chunks()[i].shard, b.chunks()[i].shard);
 }
 
 TEST(PartitionerTest, RejectsBadArguments) {
@@ -90,8 +92,7 @@ TEST(PartitionerTest, RejectsBadArguments) {
                     "chunk_elems");
   EXPECT_STATUS_MSG(Partition::Create({10}, 4, 0), absl::StatusCode::kInvalidArgument,
                     "num_shards");
-  EXPECT_STATUS_MSG(Partition::Create({-1}, 4, 1), absl::StatusCode::kInvalidArgument,
-                    "negative");
+  EXPECT_STATUS_MSG(Partition::Create({-1}, 4, 1), absl::StatusCode::kInvalidArgument, "negative");
 }
 
 TEST(PartitionerTest, EmptyTensorHasNoChunks) {

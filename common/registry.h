@@ -58,10 +58,9 @@ class NamedRegistry {
                                       absl::string_view hint = {}) const {
     auto it = factories_.find(name);
     if (it != factories_.end()) return &it->second;
-    return absl::InvalidArgumentError(
-        absl::StrCat("unknown ", kind_, " \"", shown_as.empty() ? name : shown_as,
-                     "\" (known: ", absl::StrJoin(Names(), ", "),
-                     hint.empty() ? "" : absl::StrCat("; ", hint), ")"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "unknown ", kind_, " \"", shown_as.empty() ? name : shown_as, "\" (known: ",
+        absl::StrJoin(Names(), ", "), hint.empty() ? "" : absl::StrCat("; ", hint), ")"));
   }
 
  private:

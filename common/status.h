@@ -1,8 +1,7 @@
 // Status helpers shared by every module.
 //
 // * RETURN_IF_ERROR / ASSIGN_OR_RETURN: early return on error.
-// * ToGrpcStatus / FromGrpcStatus: the single mapping between absl::Status and grpc::Status
-//   (same code, same message) used by every service adapter and client.
+// (The mapping to grpc::Status is rpc/grpc_status.h: this header links no gRPC.)
 // * StatusCodeName: the canonical upper-case name of a code, for messages and tests.
 //
 // Thread safety: all functions are pure.
@@ -14,18 +13,14 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 
-namespace grpc {
-class Status;
-}  // namespace grpc
-
 #define GM_STATUS_CONCAT_INNER_(a, b) a##b
 #define GM_STATUS_CONCAT_(a, b) GM_STATUS_CONCAT_INNER_(a, b)
 
 // Evaluates `expr` (an absl::Status) and returns it from the caller if it is not OK.
-#define RETURN_IF_ERROR(expr)                    \
-  do {                                           \
-    ::absl::Status gm_status_ = (expr);          \
-    if (!gm_status_.ok()) return gm_status_;     \
+#define RETURN_IF_ERROR(expr)                \
+  do {                                       \
+    ::absl::Status gm_status_ = (expr);      \
+    if (!gm_status_.ok()) return gm_status_; \
   } while (0)
 
 // `lhs` = value of `rexpr` (an absl::StatusOr<T>), or returns its status from the caller.
@@ -37,10 +32,6 @@ class Status;
   lhs = std::move(var).value()
 
 namespace gradmesh {
-
-// Converts with the same code and message. OK maps to OK.
-grpc::Status ToGrpcStatus(const absl::Status& status);
-absl::Status FromGrpcStatus(const grpc::Status& status);
 
 // "OK", "INVALID_ARGUMENT", ... as in google.rpc.Code.
 std::string StatusCodeName(absl::StatusCode code);

@@ -1,7 +1,5 @@
 #include "common/status.h"
 
-#include <grpcpp/support/status.h>
-
 #include "common/status_testing.h"
 #include "gtest/gtest.h"
 
@@ -18,18 +16,6 @@ absl::Status UseMacros(int x, int* out) {
   RETURN_IF_ERROR(h > 10 ? absl::OutOfRangeError("too big") : absl::OkStatus());
   *out = h;
   return absl::OkStatus();
-}
-
-TEST(StatusTest, GrpcRoundTripKeepsCodeAndMessage) {
-  for (int code = 1; code <= 16; ++code) {
-    absl::Status s(static_cast<absl::StatusCode>(code), "where: what");
-    grpc::Status g = ToGrpcStatus(s);
-    EXPECT_EQ(static_cast<int>(g.error_code()), code);
-    EXPECT_EQ(g.error_message(), "where: what");
-    EXPECT_EQ(FromGrpcStatus(g), s);
-  }
-  EXPECT_TRUE(ToGrpcStatus(absl::OkStatus()).ok());
-  EXPECT_TRUE(FromGrpcStatus(grpc::Status::OK).ok());
 }
 
 TEST(StatusTest, Macros) {

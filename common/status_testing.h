@@ -38,17 +38,17 @@ inline ::testing::AssertionResult StatusHas(const absl::Status& s, absl::StatusC
 }  // namespace testing_internal
 }  // namespace gradmesh
 
-#define EXPECT_STATUS(expr, code) \
+#define EXPECT_STATUS(expr, code)                      \
   EXPECT_TRUE(::gradmesh::testing_internal::StatusHas( \
       ::gradmesh::testing_internal::GetStatus(expr), code, ""))
-#define EXPECT_STATUS_MSG(expr, code, substr) \
+#define EXPECT_STATUS_MSG(expr, code, substr)          \
   EXPECT_TRUE(::gradmesh::testing_internal::StatusHas( \
       ::gradmesh::testing_internal::GetStatus(expr), code, substr))
-#define ASSERT_OK(expr)                                                   \
-  ASSERT_TRUE(::gradmesh::testing_internal::StatusHas(                    \
+#define ASSERT_OK(expr)                                \
+  ASSERT_TRUE(::gradmesh::testing_internal::StatusHas( \
       ::gradmesh::testing_internal::GetStatus(expr), absl::StatusCode::kOk, ""))
-#define EXPECT_OK(expr)                                                   \
-  EXPECT_TRUE(::gradmesh::testing_internal::StatusHas(                    \
+#define EXPECT_OK(expr)                                \
+  EXPECT_TRUE(::gradmesh::testing_internal::StatusHas( \
       ::gradmesh::testing_internal::GetStatus(expr), absl::StatusCode::kOk, ""))
 #define ASSERT_OK_AND_ASSIGN(lhs, rexpr) \
   GM_ASSERT_OK_AND_ASSIGN_IMPL_(GM_STATUS_CONCAT_(gm_test_so_, __LINE__), lhs, rexpr)

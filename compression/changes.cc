@@ -86,16 +86,16 @@ absl::Status DecodeChanges(absl::string_view payload, absl::Span<float> values) 
     }
     const uint64_t idx = static_cast<uint64_t>(prev + 1) + gap;
     if (idx >= values.size()) {
-      return absl::DataLossError(absl::StrCat("changes payload: index ", idx, " out of range [0, ",
-                                              values.size(), ")"));
+      return absl::DataLossError(
+          absl::StrCat("changes payload: index ", idx, " out of range [0, ", values.size(), ")"));
     }
     indices[k] = idx;
     prev = static_cast<int64_t>(idx);
   }
   const int rest = static_cast<int>(payload.size()) - static_cast<int>(pos);
   if (static_cast<uint64_t>(rest) != 4 * count) {
-    return absl::DataLossError(absl::StrCat("changes payload: ", rest, " value bytes for ", count,
-                                            " entries"));
+    return absl::DataLossError(
+        absl::StrCat("changes payload: ", rest, " value bytes for ", count, " entries"));
   }
   const char* v = payload.data() + pos;
   for (uint64_t k = 0; k < count; ++k) {

@@ -45,9 +45,9 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Create(Options options
     return absl::InvalidArgumentError("Coordinator::Options.clock is required");
   }
   if (options.heartbeat_interval_ms <= 0 || options.heartbeat_timeout_ms <= 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "heartbeat_interval_ms and heartbeat_timeout_ms must be > 0, got ",
-        options.heartbeat_interval_ms, " and ", options.heartbeat_timeout_ms));
+    return absl::InvalidArgumentError(
+        absl::StrCat("heartbeat_interval_ms and heartbeat_timeout_ms must be > 0, got ",
+                     options.heartbeat_interval_ms, " and ", options.heartbeat_timeout_ms));
   }
   if (options.progress_persist_interval_ms < 0) {
     return absl::InvalidArgumentError("progress_persist_interval_ms must be >= 0");
@@ -218,8 +218,7 @@ void Coordinator::SetStateLocked(JobEntry* job, JobState state, const std::strin
 
 void Coordinator::SetRankState(JobEntry* job, int rank, TaskState state) {
   job->rank_states[rank] = state;
-  job->record.mutable_status()->mutable_workers(rank)->set_state(
-      std::string(TaskStateName(state)));
+  job->record.mutable_status()->mutable_workers(rank)->set_state(std::string(TaskStateName(state)));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -265,8 +264,7 @@ absl::StatusOr<JobPlacement> Coordinator::PlaceLocked(const JobSpec& spec,
   return placement->Place(input);
 }
 
-void Coordinator::BumpGenerationLocked(JobEntry* job, bool all_ranks, bool all_shards,
-                                       int rank) {
+void Coordinator::BumpGenerationLocked(JobEntry* job, bool all_ranks, bool all_shards, int rank) {
   coordinator_state::JobRecord& r = job->record;
   const int64_t g = r.generation() + 1;
   r.set_generation(g);
@@ -350,9 +348,8 @@ void Coordinator::UpdateGroupLocked(JobEntry* job) {
     r.set_lr_scale(1.0);
   } else {
     for (int i : active) r.add_active_ranks(i);
-    r.set_lr_scale(st->spec().sync_lr_scaling() == "none"
-                       ? 1.0
-                       : static_cast<double>(active.size()) / n);
+    r.set_lr_scale(st->spec().sync_lr_scaling() == "none" ? 1.0
+                                                          : static_cast<double>(active.size()) / n);
   }
   st->set_active_workers(static_cast<int>(active.size()));
   BumpGenerationLocked(job, true, true, -1);
@@ -376,8 +373,8 @@ void Coordinator::RefreshLocked(JobEntry* job) {
     for (const TaskState state : job->rank_states) {
       const bool out = reformed && state == TaskState::kLost;
       all_done = all_done && (state == TaskState::kSucceeded || out);
-      all_running = all_running &&
-                    (state == TaskState::kRunning || state == TaskState::kSucceeded || out);
+      all_running =
+          all_running && (state == TaskState::kRunning || state == TaskState::kSucceeded || out);
     }
     if (all_done) {
       // Also from PAUSED: every rank finished (rank 0 evaluated) before the shard went down.
@@ -406,8 +403,9 @@ void Coordinator::RefreshLocked(JobEntry* job) {
       step = w.step();
       epoch = rr.epoch();
     }
-    if (rr.reported()) checkpoint = checkpoint == -2 ? rr.checkpoint_step()
-                                                     : std::min(checkpoint, rr.checkpoint_step());
+    if (rr.reported())
+      checkpoint =
+          checkpoint == -2 ? rr.checkpoint_step() : std::min(checkpoint, rr.checkpoint_step());
   }
   if (step < 0) step = p->step();  // Every rank lost: keep the last figure.
   if (total == 0) total = st->spec().steps();
@@ -607,10 +605,10 @@ absl::StatusOr<RegisterResponse> Coordinator::Register(const RegisterRequest& re
       for (const ShardPlacement& s : st.shards()) uses = uses || s.node() == info.name();
       for (const WorkerPlacement& w : st.workers()) uses = uses || w.node() == info.name();
       if (uses) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "node \"", info.name(), "\" is registered as ",
-            RoleName(it->second.record.info().role()), " and placed in job ", id,
-            "; register the ", RoleName(info.role()), " under another node name"));
+        return absl::FailedPreconditionError(
+            absl::StrCat("node \"", info.name(), "\" is registered as ",
+                         RoleName(it->second.record.info().role()), " and placed in job ", id,
+                         "; register the ", RoleName(info.role()), " under another node name"));
       }
     }
   }
@@ -720,8 +718,7 @@ absl::StatusOr<HeartbeatResponse> Coordinator::Heartbeat(const HeartbeatRequest&
     node->record.set_alive(true);
     persist_nodes_.insert(request.node());
     LogInfo(options_.logger, "node_up",
-            {Kv("node_name", request.node()),
-             Kv("node_role", RoleName(node->record.info().role())),
+            {Kv("node_name", request.node()), Kv("node_role", RoleName(node->record.info().role())),
              Kv("address", node->record.info().address()), Kv("via", "heartbeat")});
     NodeUpLocked(node, false);
   }
@@ -790,14 +787,14 @@ absl::StatusOr<std::vector<std::string>> Coordinator::ResumableShardNodesLocked(
   if (existing == nullptr) return std::vector<std::string>();
   const JobState state = existing->record.status().state();
   if (!resume) {
-    return absl::AlreadyExistsError(absl::StrCat(
-        "job \"", id, "\" already exists (", JobState_Name(state),
-        "); choose another name, or resubmit with resume once it has ended"));
+    return absl::AlreadyExistsError(
+        absl::StrCat("job \"", id, "\" already exists (", JobState_Name(state),
+                     "); choose another name, or resubmit with resume once it has ended"));
   }
   if (IsActive(state)) {
-    return absl::AlreadyExistsError(absl::StrCat(
-        "job \"", id, "\" is ", JobState_Name(state),
-        "; only a job that ended (SUCCEEDED, FAILED, CANCELLED) can be resumed"));
+    return absl::AlreadyExistsError(
+        absl::StrCat("job \"", id, "\" is ", JobState_Name(state),
+                     "; only a job that ended (SUCCEEDED, FAILED, CANCELLED) can be resumed"));
   }
   std::vector<std::string> shard_nodes;
   if (!IsPsMode(spec.mode()) || existing->record.status().shards().empty()) return shard_nodes;
@@ -823,8 +820,7 @@ absl::StatusOr<std::vector<std::string>> Coordinator::ResumableShardNodesLocked(
 coordinator_state::JobRecord Coordinator::NewJobRecordLocked(const JobSpec& spec,
                                                              const JobPlacement& placement,
                                                              const std::string& strategy,
-                                                             int64_t generation,
-                                                             int64_t created_ms,
+                                                             int64_t generation, int64_t created_ms,
                                                              int64_t now) const {
   coordinator_state::JobRecord record;
   record.set_generation(generation);
@@ -893,9 +889,9 @@ absl::StatusOr<JobStatus> Coordinator::SubmitJob(const SubmitJobRequest& request
 
   const int64_t now = Now();
   const int64_t generation = existing != nullptr ? existing->record.generation() + 1 : 1;
-  coordinator_state::JobRecord record = NewJobRecordLocked(
-      spec, placement, strategy, generation,
-      existing != nullptr ? existing->record.status().created_ms() : now, now);
+  coordinator_state::JobRecord record =
+      NewJobRecordLocked(spec, placement, strategy, generation,
+                         existing != nullptr ? existing->record.status().created_ms() : now, now);
   JobStatus* st = record.mutable_status();
   if (request.dry_run()) return *st;
 
@@ -918,11 +914,11 @@ absl::StatusOr<JobStatus> Coordinator::SubmitJob(const SubmitJobRequest& request
           {Kv("job", id), Kv("mode", spec.mode()), Kv("model", spec.model().name()),
            Kv("dataset", spec.dataset().name()), Kv("num_workers", spec.num_workers()),
            Kv("num_shards", placement.shard_nodes.size())});
-  LogInfo(options_.logger, "job_placed",
-          {Kv("job", id), Kv("strategy", strategy),
-           Kv("shards", absl::StrJoin(placement.shard_nodes, ",")),
-           Kv("workers", absl::StrJoin(placement.worker_nodes, ",")),
-           Kv("generation", generation)});
+  LogInfo(
+      options_.logger, "job_placed",
+      {Kv("job", id), Kv("strategy", strategy),
+       Kv("shards", absl::StrJoin(placement.shard_nodes, ",")),
+       Kv("workers", absl::StrJoin(placement.worker_nodes, ",")), Kv("generation", generation)});
   return entry.record.status();
 }
 

@@ -221,9 +221,9 @@ class Coordinator {
   struct JobEntry {
     coordinator_state::JobRecord record;
     int64_t version = 1;
-    std::string published;        // Status as of the last version bump (updated_ms cleared).
+    std::string published;  // Status as of the last version bump (updated_ms cleared).
     int64_t last_persist_ms = 0;
-    bool dirty = false;           // Progress changed since the last write.
+    bool dirty = false;  // Progress changed since the last write.
     std::vector<std::pair<int64_t, int64_t>> step_samples;  // (ms, job step), for eta.
     // Index = rank: each rank's state, parsed once when the record entered (submit, load).
     // record.status().workers(r).state() is its name, kept equal by SetRankState.
@@ -267,8 +267,7 @@ class Coordinator {
   // scheduled, so the next call or the monitor thread retries).
   absl::Status PersistLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<JobPlacement> PlaceLocked(const JobSpec& spec, const std::string& strategy,
-                                           const std::string& exclude_job,
-                                           bool skip_shards) const
+                                           const std::string& exclude_job, bool skip_shards) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // SubmitJob of an id in use: ALREADY_EXISTS unless `resume` and the job ended; then the
   // shard nodes a ps job must keep (FAILED_PRECONDITION if one is not alive or num_shards
@@ -288,8 +287,7 @@ class Coordinator {
   // Ranks/shards of active jobs per node name.
   std::map<std::string, int> UsedSlotsLocked(const std::string& exclude_job) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  std::vector<Task> TasksForLocked(const NodeEntry& node) const
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  std::vector<Task> TasksForLocked(const NodeEntry& node) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::string NodeAddressLocked(const std::string& name) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::string NewToken();
 

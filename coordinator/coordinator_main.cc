@@ -18,8 +18,6 @@
 #include "absl/flags/flag.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
-#include "common/auth.h"
-#include "common/daemon_main.h"
 #include "common/logging.h"
 #include "common/metrics.h"
 #include "coordinator/clock.h"
@@ -27,6 +25,8 @@
 #include "coordinator/coordinator_metrics.h"
 #include "coordinator/coordinator_store.h"
 #include "coordinator/service.h"
+#include "rpc/auth.h"
+#include "runtime/daemon_main.h"
 
 ABSL_FLAG(std::string, host, "127.0.0.1", "Address to listen on.");
 ABSL_FLAG(int, port, 7000, "Port to listen on (0 = pick a free one; see --port_file).");
@@ -75,8 +75,7 @@ absl::StatusOr<Tokens> CheckArguments(const CoordinatorMainOptions& options) {
   if (options.data_dir.empty()) return absl::InvalidArgumentError("--data_dir is required");
   if (options.heartbeat_interval_ms <= 0 ||
       options.heartbeat_timeout_ms <= options.heartbeat_interval_ms) {
-    return absl::InvalidArgumentError(
-        "need 0 < --heartbeat_interval_ms < --heartbeat_timeout_ms");
+    return absl::InvalidArgumentError("need 0 < --heartbeat_interval_ms < --heartbeat_timeout_ms");
   }
   Tokens tokens;
   if (!options.auth_token_file.empty()) {
@@ -102,8 +101,9 @@ absl::StatusOr<Tokens> CheckArguments(const CoordinatorMainOptions& options) {
 }
 
 // Opens the tables and creates the core; logs the failure (exit code 1).
-absl::StatusOr<std::unique_ptr<Coordinator>> OpenCoordinator(
-    const CoordinatorMainOptions& options, const Clock* clock, const Logger* logger) {
+absl::StatusOr<std::unique_ptr<Coordinator>> OpenCoordinator(const CoordinatorMainOptions& options,
+                                                             const Clock* clock,
+                                                             const Logger* logger) {
   auto store = CoordinatorStore::Open(options.data_dir, CoordinatorStore::Options());
   if (!store.ok()) {
     logger->Error("store_open_failed", {Kv("error", store.status().ToString())});
@@ -149,7 +149,7 @@ int Run(const CoordinatorMainOptions& options) {
     return kExitFailed;
   }
   logger.Info("listening", {Kv("address", daemon.ListenAddress()), Kv("port", daemon.port()),
-                            Kv("auth", !auth.enabled()                      ? "none"
+                            Kv("auth", !auth.enabled()                   ? "none"
                                        : options.node_token_file.empty() ? "token"
                                                                          : "api+node"),
                             Kv("data_dir", options.data_dir)});
@@ -169,8 +169,7 @@ int Run(const CoordinatorMainOptions& options) {
 int main(int argc, char** argv) {
   gradmesh::InitDaemonProcess(argc, argv);
   gradmesh::CoordinatorMainOptions options;
-  options.daemon.address =
-      absl::StrCat(absl::GetFlag(FLAGS_host), ":", absl::GetFlag(FLAGS_port));
+  options.daemon.address = absl::StrCat(absl::GetFlag(FLAGS_host), ":", absl::GetFlag(FLAGS_port));
   options.daemon.port_file = absl::GetFlag(FLAGS_port_file);
   options.daemon.metrics.host = absl::GetFlag(FLAGS_host);
   options.daemon.metrics.port = absl::GetFlag(FLAGS_metrics_port);

@@ -1,20 +1,19 @@
 // End-to-end test of the gradmesh_coordinator binary as a subprocess: bad flags exit 2; with a
 // token file it serves both services over gRPC, requires the token, logs structured lines,
 // exits 0 on SIGTERM, and a restart on the same --data_dir knows the job and its node.
+#include <grpcpp/client_context.h>
 #include <signal.h>
 
 #include <fstream>
 #include <memory>
 
-#include <grpcpp/client_context.h>
-
 #include "absl/strings/str_cat.h"
-#include "common/auth.h"
-#include "common/grpc_util.h"
 #include "common/status.h"
 #include "common/status_testing.h"
 #include "gtest/gtest.h"
 #include "proto/coordinator.grpc.pb.h"
+#include "rpc/auth.h"
+#include "rpc/grpc_util.h"
 #include "tests/testing/subprocess.h"
 
 namespace gradmesh {
@@ -66,9 +65,9 @@ TEST_F(CoordinatorMainTest, BadFlagsExitTwo) {
 
   const std::string empty = dir_ + "/empty.token";
   std::ofstream(empty) << "\n";
-  proc = Subprocess::Start({binary_, "--port=0", "--data_dir=" + dir_ + "/d0",
-                            "--auth_token_file=" + empty},
-                           {}, dir_ + "/empty.log");
+  proc = Subprocess::Start(
+      {binary_, "--port=0", "--data_dir=" + dir_ + "/d0", "--auth_token_file=" + empty}, {},
+      dir_ + "/empty.log");
   ASSERT_OK(proc);
   ASSERT_OK_AND_ASSIGN(code, (*proc)->Wait(absl::Seconds(20)));
   EXPECT_EQ(code, 2);
@@ -163,9 +162,9 @@ TEST_F(CoordinatorMainTest, NodeTokenSeparatesDaemonsFromUsers) {
   const std::string node_file = dir_ + "/node.token";
   std::ofstream(api_file) << "api-secret\n";
   std::ofstream(node_file) << "node-secret\n";
-  ASSERT_OK_AND_ASSIGN(int port, Start("tokens", {"--data_dir=" + dir_ + "/t2",
-                                                  "--auth_token_file=" + api_file,
-                                                  "--node_token_file=" + node_file}));
+  ASSERT_OK_AND_ASSIGN(
+      int port, Start("tokens", {"--data_dir=" + dir_ + "/t2", "--auth_token_file=" + api_file,
+                                 "--node_token_file=" + node_file}));
   auto channel = MakeChannel(absl::StrCat("127.0.0.1:", port), RpcOptions());
   auto jobs = JobService::NewStub(channel);
   auto nodes = NodeService::NewStub(channel);

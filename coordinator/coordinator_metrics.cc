@@ -40,13 +40,13 @@ void CollectCoordinatorMetrics(const std::vector<JobStatus>& jobs,
     w->Gauge("gradmesh_job_loss", "Mean training loss over the last log window.", l, p.loss());
     w->Gauge("gradmesh_job_samples_per_second", "Training samples per second, all ranks.", l,
              p.samples_per_s());
-    w->Gauge("gradmesh_job_eta_seconds", "Estimated seconds to the last step (-1: unknown).",
-             l, p.eta_s());
+    w->Gauge("gradmesh_job_eta_seconds", "Estimated seconds to the last step (-1: unknown).", l,
+             p.eta_s());
     w->Gauge("gradmesh_job_checkpoint_step", "Step of the latest checkpoint (-1: none).", l,
              static_cast<double>(p.checkpoint_step()));
-    w->Gauge("gradmesh_job_workers", "Workers of the job (sync: still in the barrier group).",
-             l, static_cast<double>(j.active_workers() > 0 ? j.active_workers()
-                                                           : j.spec().num_workers()));
+    w->Gauge(
+        "gradmesh_job_workers", "Workers of the job (sync: still in the barrier group).", l,
+        static_cast<double>(j.active_workers() > 0 ? j.active_workers() : j.spec().num_workers()));
     w->Gauge("gradmesh_job_paused", "1 while the job waits for a shard to return.", l,
              j.state() == PAUSED ? 1 : 0);
     if (p.accuracy() >= 0) {

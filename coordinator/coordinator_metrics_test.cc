@@ -35,10 +35,9 @@ TEST(CoordinatorMetricsTest, CountsJobsAndNodesAndDetailsOnlyLiveJobs) {
   JobStatus paused = Job("p", PAUSED, 7, 3);
   paused.set_active_workers(2);
   MetricsWriter w;
-  CollectCoordinatorMetrics({Job("run", RUNNING, 410, 2), paused, done},
-                            {Node(SERVER, true), Node(WORKER, true), Node(WORKER, true),
-                             Node(WORKER, false)},
-                            &w);
+  CollectCoordinatorMetrics(
+      {Job("run", RUNNING, 410, 2), paused, done},
+      {Node(SERVER, true), Node(WORKER, true), Node(WORKER, true), Node(WORKER, false)}, &w);
   const std::string text = w.Render();
   for (const char* line : {
            "gradmesh_coordinator_jobs{state=\"pending\"} 0\n",

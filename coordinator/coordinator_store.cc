@@ -21,8 +21,8 @@ absl::StatusOr<std::vector<Record>> LoadPrefix(rocksdb::DB* db, const std::strin
   for (it->Seek(prefix); it->Valid() && it->key().starts_with(prefix); it->Next()) {
     Record record;
     if (!record.ParseFromArray(it->value().data(), static_cast<int>(it->value().size()))) {
-      return absl::DataLossError(absl::StrCat("coordinator table in ", dir, ": cannot parse key ",
-                                              it->key().ToString()));
+      return absl::DataLossError(
+          absl::StrCat("coordinator table in ", dir, ": cannot parse key ", it->key().ToString()));
     }
     out.push_back(std::move(record));
   }

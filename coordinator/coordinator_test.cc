@@ -101,8 +101,7 @@ class CoordinatorTest : public ::testing::Test {
     return spec;
   }
 
-  absl::StatusOr<JobStatus> Submit(const JobSpec& spec, bool dry_run = false,
-                                   bool resume = false) {
+  absl::StatusOr<JobStatus> Submit(const JobSpec& spec, bool dry_run = false, bool resume = false) {
     SubmitJobRequest req;
     *req.mutable_spec() = spec;
     req.set_dry_run(dry_run);
@@ -378,8 +377,8 @@ TEST_F(CoordinatorTest, CancelWithdrawsTasks) {
 TEST_F(CoordinatorTest, DeadWorkerRankMovesToLeastLoadedNode) {
   Cluster();
   Register("w3", WORKER, 4);
-  ASSERT_OK(Submit(Spec("j", "async", 3, 1)));       // w3, w0, w1 (w3 has 4 free slots).
-  ASSERT_OK(Submit(Spec("other", "async", 1, 1)));   // w2.
+  ASSERT_OK(Submit(Spec("j", "async", 3, 1)));      // w3, w0, w1 (w3 has 4 free slots).
+  ASSERT_OK(Submit(Spec("other", "async", 1, 1)));  // w2.
   EXPECT_EQ(WorkerNodes(Get("j")), (Strings{"w3", "w0", "w1"}));
   Beat("w0", {Report("j", 1, "running", 5)});
   // w0 stops heartbeating; the others go on.
@@ -479,8 +478,7 @@ TEST_F(CoordinatorTest, SyncRegroupsWithoutALostRankAndFinishesWithTheSurvivors)
   for (const std::string node : {"w0", "s0"}) {
     HeartbeatResponse r = Beat(node);
     ASSERT_EQ(r.tasks_size(), 1) << node;
-    EXPECT_EQ(std::vector<int>(r.tasks(0).active_ranks().begin(),
-                               r.tasks(0).active_ranks().end()),
+    EXPECT_EQ(std::vector<int>(r.tasks(0).active_ranks().begin(), r.tasks(0).active_ranks().end()),
               (std::vector<int>{0, 1}))
         << node;
     EXPECT_DOUBLE_EQ(r.tasks(0).lr_scale(), 2.0 / 3.0) << node;

@@ -96,8 +96,11 @@ TEST(PlacementTest, PeerModesPlaceNoShardsAndOneRankPerNode) {
 
 TEST(PlacementTest, PackFillsTheFewestHosts) {
   PlacementInput in = Input("allreduce", 3, 0);
-  in.workers = {{"a0", "hostA", 1, 0}, {"b0", "hostB", 1, 0}, {"b1", "hostB", 1, 0},
-                {"b2", "hostB", 1, 0}, {"c0", "hostC", 1, 1}};
+  in.workers = {{"a0", "hostA", 1, 0},
+                {"b0", "hostB", 1, 0},
+                {"b1", "hostB", 1, 0},
+                {"b2", "hostB", 1, 0},
+                {"c0", "hostC", 1, 1}};
   ASSERT_OK_AND_ASSIGN(JobPlacement p, Place("pack", in));
   EXPECT_EQ(p.worker_nodes, (Names{"b0", "b1", "b2"}));
   in.spec.set_num_workers(4);

@@ -3,6 +3,7 @@
 
 #include "absl/time/clock.h"
 #include "common/status.h"
+#include "rpc/grpc_status.h"
 
 namespace gradmesh {
 namespace {
@@ -11,10 +12,10 @@ bool IsFinal(JobState s) { return s == SUCCEEDED || s == FAILED || s == CANCELLE
 
 }  // namespace
 
-#define GM_CHECK_AUTH(context)                                   \
-  do {                                                           \
-    absl::Status gm_auth_ = auth_->Check(*(context));            \
-    if (!gm_auth_.ok()) return ToGrpcStatus(gm_auth_);           \
+#define GM_CHECK_AUTH(context)                         \
+  do {                                                 \
+    absl::Status gm_auth_ = auth_->Check(*(context));  \
+    if (!gm_auth_.ok()) return ToGrpcStatus(gm_auth_); \
   } while (0)
 
 grpc::Status JobServiceImpl::SubmitJob(grpc::ServerContext* context,
@@ -53,8 +54,7 @@ grpc::Status JobServiceImpl::CancelJob(grpc::ServerContext* context,
   return grpc::Status::OK;
 }
 
-grpc::Status JobServiceImpl::WatchJob(grpc::ServerContext* context,
-                                      const WatchJobRequest* request,
+grpc::Status JobServiceImpl::WatchJob(grpc::ServerContext* context, const WatchJobRequest* request,
                                       grpc::ServerWriter<JobStatus>* writer) {
   GM_CHECK_AUTH(context);
   int64_t seen = 0;  // Versions start at 1: the first wait returns the current status.
@@ -72,8 +72,7 @@ grpc::Status JobServiceImpl::WatchJob(grpc::ServerContext* context,
   return grpc::Status(grpc::StatusCode::CANCELLED, "watch cancelled by the client");
 }
 
-grpc::Status NodeServiceImpl::Register(grpc::ServerContext* context,
-                                       const RegisterRequest* request,
+grpc::Status NodeServiceImpl::Register(grpc::ServerContext* context, const RegisterRequest* request,
                                        RegisterResponse* response) {
   GM_CHECK_AUTH(context);
   absl::StatusOr<RegisterResponse> r = coordinator_->Register(*request);

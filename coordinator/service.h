@@ -14,9 +14,9 @@
 #define GRADMESH_COORDINATOR_SERVICE_H_
 
 #include "absl/time/time.h"
-#include "common/auth.h"
 #include "coordinator/coordinator.h"
 #include "proto/coordinator.grpc.pb.h"
+#include "rpc/auth.h"
 
 namespace gradmesh {
 

@@ -3,23 +3,23 @@
 // state, ends when the client cancels).
 #include "coordinator/service.h"
 
+#include <grpcpp/client_context.h>
+#include <grpcpp/server.h>
+#include <grpcpp/server_builder.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <memory>
 #include <thread>
 
-#include <grpcpp/client_context.h>
-#include <grpcpp/server.h>
-#include <grpcpp/server_builder.h>
-
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "common/auth.h"
-#include "common/grpc_util.h"
 #include "common/status.h"
 #include "common/status_testing.h"
 #include "gtest/gtest.h"
+#include "rpc/auth.h"
+#include "rpc/grpc_status.h"
+#include "rpc/grpc_util.h"
 
 namespace gradmesh {
 namespace {
@@ -30,8 +30,7 @@ class ServiceTest : public ::testing::Test {
  protected:
   void SetUp() override {
     static std::atomic<int> counter{0};
-    const std::string dir =
-        absl::StrCat(::testing::TempDir(), "/svc_", getpid(), "_", counter++);
+    const std::string dir = absl::StrCat(::testing::TempDir(), "/svc_", getpid(), "_", counter++);
     auto store = CoordinatorStore::Open(dir, {});
     ASSERT_OK(store);
     Coordinator::Options o;
@@ -137,9 +136,8 @@ TEST_F(ServiceTest, EveryMethodNeedsTheToken) {
     get.set_job_id("j");
     EXPECT_STATUS(FromGrpcStatus(job_stub_->GetJob(Ctx(token).get(), get, &st)), kUnauth);
     ListJobsResponse list;
-    EXPECT_STATUS(
-        FromGrpcStatus(job_stub_->ListJobs(Ctx(token).get(), ListJobsRequest(), &list)),
-        kUnauth);
+    EXPECT_STATUS(FromGrpcStatus(job_stub_->ListJobs(Ctx(token).get(), ListJobsRequest(), &list)),
+                  kUnauth);
     CancelJobRequest cancel;
     cancel.set_job_id("j");
     EXPECT_STATUS(FromGrpcStatus(job_stub_->CancelJob(Ctx(token).get(), cancel, &st)), kUnauth);

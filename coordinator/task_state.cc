@@ -26,9 +26,9 @@ absl::StatusOr<TaskState> ParseTaskState(absl::string_view name) {
   for (const auto& [s, n] : kNames) {
     if (n == name) return s;
   }
-  return absl::InvalidArgumentError(absl::StrCat(
-      "unknown task state \"", name,
-      "\" (known: pending, running, succeeded, failed, stopped, lost)"));
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown task state \"", name,
+                   "\" (known: pending, running, succeeded, failed, stopped, lost)"));
 }
 
 }  // namespace gradmesh

@@ -19,7 +19,7 @@ PACKAGES=(
   protobuf-compiler librocksdb-dev libabsl-dev libtorch-dev libgtest-dev libgmock-dev
   libbenchmark-dev libyaml-cpp-dev zlib1g-dev libopenblas0-pthread
   dataset-fashion-mnist bible-kjv python3-torch clang-format
-  prometheus podman runc debootstrap
+  prometheus
 )
 
 say() { echo "setup: $*" >&2; }

@@ -63,10 +63,10 @@ class SspPolicy final : public ConsistencyPolicy {
         }
       }
       wait_s_ += absl::ToDoubleSeconds(absl::Now() - start);
-      return absl::FailedPreconditionError(absl::StrCat(
-          "ssp:", bound_, " pull of worker ", worker, " at clock ", clock_[worker],
-          " waited ", absl::FormatDuration(timeout_), " for workers [",
-          absl::StrJoin(slow, ", "), "] to catch up"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("ssp:", bound_, " pull of worker ", worker, " at clock ", clock_[worker],
+                       " waited ", absl::FormatDuration(timeout_), " for workers [",
+                       absl::StrJoin(slow, ", "), "] to catch up"));
     }
     wait_s_ += absl::ToDoubleSeconds(absl::Now() - start);
     max_lead_ = std::max(max_lead_, clock_[worker] - SlowestLocked(worker));
@@ -143,14 +143,14 @@ class SyncPolicy final : public ConsistencyPolicy {
     if (!group[me.worker]) {
       if (active_[me.worker]) {
         return absl::FailedPreconditionError(absl::StrCat(
-            "worker ", me.worker, " is not in the sync group of job ", job_, " for step ",
-            me.step, " (active: ", RankList(group), "): that step was in progress when the "
+            "worker ", me.worker, " is not in the sync group of job ", job_, " for step ", me.step,
+            " (active: ", RankList(group),
+            "): that step was in progress when the "
             "worker joined the group, which applies from the next step with no pushes yet"));
       }
       return absl::FailedPreconditionError(absl::StrCat("worker ", me.worker,
-                                                        " is not in the sync group of job ",
-                                                        job_, " (active: ", RankList(group),
-                                                        ")"));
+                                                        " is not in the sync group of job ", job_,
+                                                        " (active: ", RankList(group), ")"));
     }
     if (step == nullptr) {
       step = std::make_shared<Step>(active_, lr_scale_);
@@ -161,9 +161,9 @@ class SyncPolicy final : public ConsistencyPolicy {
                                              " already pushed for this step"));
     }
     if (step->arrived > 0 && step->chunks != push.chunks) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "sync step ", me.step, ": worker ", me.worker,
-          " pushed a different set of chunks than the other workers"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("sync step ", me.step, ": worker ", me.worker,
+                       " pushed a different set of chunks than the other workers"));
     }
     // Copy: the caller's buffers are only valid during this call, and the step may complete
     // in another worker's call.
@@ -190,8 +190,8 @@ class SyncPolicy final : public ConsistencyPolicy {
     if (step->evicted[w]) {
       // SetGroup already removed this contribution from the step.
       return absl::FailedPreconditionError(absl::StrCat(
-          "worker ", w, " was removed from the sync group of job ", job_, " (active: ",
-          RankList(active_), ") while its push for step ", me.step,
+          "worker ", w, " was removed from the sync group of job ", job_,
+          " (active: ", RankList(active_), ") while its push for step ", me.step,
           " waited at the barrier; the push was dropped and nothing of it was applied"));
     }
     if (step->done) return step->result;
@@ -213,8 +213,9 @@ class SyncPolicy final : public ConsistencyPolicy {
     return absl::FailedPreconditionError(absl::StrCat(
         "sync barrier for step ", me.step, " timed out after ", absl::FormatDuration(timeout_),
         ": workers [", absl::StrJoin(missing, ", "), "] did not push",
-        gave_up.empty() ? "" : absl::StrCat(" (workers [", absl::StrJoin(gave_up, ", "),
-                                            "] pushed but gave up first)"),
+        gave_up.empty() ? ""
+                        : absl::StrCat(" (workers [", absl::StrJoin(gave_up, ", "),
+                                       "] pushed but gave up first)"),
         "; nothing was applied"));
   }
 
@@ -224,14 +225,14 @@ class SyncPolicy final : public ConsistencyPolicy {
           absl::StrCat("sync group of job ", job_, ": the group is empty"));
     }
     if (!(lr_scale > 0.0f && lr_scale <= 1.0f)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "sync group of job ", job_, ": lr_scale ", lr_scale, " not in (0, 1]"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("sync group of job ", job_, ": lr_scale ", lr_scale, " not in (0, 1]"));
     }
     std::vector<bool> members(num_workers_, false);
     for (int32_t r : active) {
       if (r < 0 || r >= num_workers_) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "sync group of job ", job_, ": rank ", r, " not in [0, ", num_workers_, ")"));
+        return absl::InvalidArgumentError(absl::StrCat("sync group of job ", job_, ": rank ", r,
+                                                       " not in [0, ", num_workers_, ")"));
       }
       if (members[r]) {
         return absl::InvalidArgumentError(
@@ -300,8 +301,8 @@ class SyncPolicy final : public ConsistencyPolicy {
     std::vector<bool> members;  // The step's group: fixed at creation, shrunk by SetGroup.
     float lr_scale;
     std::vector<std::optional<Contribution>> contributions;  // Only members have one.
-    std::vector<bool> withdrew;  // Pushed, then timed out and withdrew.
-    std::vector<bool> evicted;   // Pushed, then left the group while waiting.
+    std::vector<bool> withdrew;                              // Pushed, then timed out and withdrew.
+    std::vector<bool> evicted;  // Pushed, then left the group while waiting.
     std::vector<int64_t> chunks, numels;
     int32_t arrived = 0;  // Contributions present.
     bool done = false;
@@ -366,32 +367,36 @@ absl::Status NoParam(const std::string& name, const std::string& param) {
 }  // namespace
 
 absl::Status ConsistencyPolicy::SetGroup(const std::vector<int32_t>&, float) {
-  return absl::FailedPreconditionError(absl::StrCat(
-      "consistency mode ", mode(), " has no barrier group; only sync jobs have one"));
+  return absl::FailedPreconditionError(
+      absl::StrCat("consistency mode ", mode(), " has no barrier group; only sync jobs have one"));
 }
 
 ConsistencyRegistry ConsistencyRegistry::WithBuiltins() {
   ConsistencyRegistry r;
-  r.Register("async", [](const ConsistencyConfig&, const std::string& param)
-                          -> absl::StatusOr<std::unique_ptr<ConsistencyPolicy>> {
-    if (absl::Status st = NoParam("async", param); !st.ok()) return st;
-    return std::unique_ptr<ConsistencyPolicy>(new AsyncPolicy());
-  });
-  r.Register("sync", [](const ConsistencyConfig& config, const std::string& param)
-                         -> absl::StatusOr<std::unique_ptr<ConsistencyPolicy>> {
-    if (absl::Status st = NoParam("sync", param); !st.ok()) return st;
-    return std::unique_ptr<ConsistencyPolicy>(new SyncPolicy(config));
-  });
-  r.Register("ssp", [](const ConsistencyConfig& config, const std::string& param)
-                        -> absl::StatusOr<std::unique_ptr<ConsistencyPolicy>> {
-    int64_t bound = -1;
-    if (!absl::SimpleAtoi(param, &bound) || bound < 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "consistency mode ssp needs a staleness bound >= 0, as in \"ssp:3\"; got \"ssp:",
-          param, "\""));
-    }
-    return std::unique_ptr<ConsistencyPolicy>(new SspPolicy(config, bound));
-  });
+  r.Register("async",
+             [](const ConsistencyConfig&,
+                const std::string& param) -> absl::StatusOr<std::unique_ptr<ConsistencyPolicy>> {
+               if (absl::Status st = NoParam("async", param); !st.ok()) return st;
+               return std::unique_ptr<ConsistencyPolicy>(new AsyncPolicy());
+             });
+  r.Register("sync",
+             [](const ConsistencyConfig& config,
+                const std::string& param) -> absl::StatusOr<std::unique_ptr<ConsistencyPolicy>> {
+               if (absl::Status st = NoParam("sync", param); !st.ok()) return st;
+               return std::unique_ptr<ConsistencyPolicy>(new SyncPolicy(config));
+             });
+  r.Register(
+      "ssp",
+      [](const ConsistencyConfig& config,
+         const std::string& param) -> absl::StatusOr<std::unique_ptr<ConsistencyPolicy>> {
+        int64_t bound = -1;
+        if (!absl::SimpleAtoi(param, &bound) || bound < 0) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "consistency mode ssp needs a staleness bound >= 0, as in \"ssp:3\"; got \"ssp:",
+              param, "\""));
+        }
+        return std::unique_ptr<ConsistencyPolicy>(new SspPolicy(config, bound));
+      });
   return r;
 }
 

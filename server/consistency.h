@@ -79,9 +79,9 @@ struct ChunkUpdate {
 using ApplyFn = std::function<absl::Status(const ChunkUpdate&)>;
 
 struct ConsistencyConfig {
-  std::string job;           // Job name, for messages.
-  std::string mode;          // "async", "ssp:3", "sync".
-  int32_t num_workers = 1;   // > 0.
+  std::string job;          // Job name, for messages.
+  std::string mode;         // "async", "ssp:3", "sync".
+  int32_t num_workers = 1;  // > 0.
   absl::Duration barrier_timeout = absl::Seconds(120);
 };
 

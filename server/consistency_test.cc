@@ -185,9 +185,9 @@ TEST(ConsistencyRegistryTest, BuiltinModes) {
 
 TEST(ConsistencyRegistryTest, BadSspBound) {
   for (const std::string mode : {"ssp", "ssp:", "ssp:-1", "ssp:x", "ssp:1.5"}) {
-    EXPECT_STATUS_MSG(CreateStatus(mode), absl::StatusCode::kInvalidArgument,
-                      "staleness bound >= 0, as in \"ssp:3\"; got \"" + mode +
-                          (mode == "ssp" ? ":" : "") + "\"")
+    EXPECT_STATUS_MSG(
+        CreateStatus(mode), absl::StatusCode::kInvalidArgument,
+        "staleness bound >= 0, as in \"ssp:3\"; got \"" + mode + (mode == "ssp" ? ":" : "") + "\"")
         << mode;
   }
 }
@@ -221,12 +221,13 @@ TEST(ConsistencyRegistryTest, CustomFactoryGetsParamAndConfig) {
   ConsistencyRegistry r = ConsistencyRegistry::WithBuiltins();
   std::string seen_param;
   int32_t seen_workers = 0;
-  r.Register("custom", [&](const ConsistencyConfig& c, const std::string& param)
-                           -> absl::StatusOr<std::unique_ptr<ConsistencyPolicy>> {
-    seen_param = param;
-    seen_workers = c.num_workers;
-    return absl::UnimplementedError("custom factory ran");
-  });
+  r.Register("custom",
+             [&](const ConsistencyConfig& c,
+                 const std::string& param) -> absl::StatusOr<std::unique_ptr<ConsistencyPolicy>> {
+               seen_param = param;
+               seen_workers = c.num_workers;
+               return absl::UnimplementedError("custom factory ran");
+             });
   EXPECT_EQ(r.names(), (std::vector<std::string>{"async", "custom", "ssp", "sync"}));
   ConsistencyConfig c;
   c.mode = "custom:a:b";
@@ -444,8 +445,8 @@ TEST(SyncPolicyTest, SecondPushOfAWorkerForAStepIsAborted) {
 TEST(SyncPolicyTest, DifferentChunkSetsAreRejected) {
   auto policy = MakePolicy("sync", 2);
   FakeApply apply;
-  auto a = std::make_unique<PushThread>(policy.get(), MakePush(0, 0, {3, 7}, {{1}, {2}}),
-                                        apply.fn());
+  auto a =
+      std::make_unique<PushThread>(policy.get(), MakePush(0, 0, {3, 7}, {{1}, {2}}), apply.fn());
   auto b = std::make_unique<PushThread>(policy.get(), MakePush(1, 0, {3}, {{1}}), apply.fn());
   const absl::Time deadline = absl::Now() + kPromptly;
   while (!a->done() && !b->done() && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(1));
@@ -457,7 +458,8 @@ TEST(SyncPolicyTest, DifferentChunkSetsAreRejected) {
                         " pushed a different set of chunks than the other workers");
   EXPECT_EQ(apply.calls(), 0);
   // The refused worker retries with the accepted chunk set; the step completes.
-  auto retry = refused_worker == 0 ? MakePush(0, 0, {3}, {{5}}) : MakePush(1, 0, {3, 7}, {{5}, {6}});
+  auto retry =
+      refused_worker == 0 ? MakePush(0, 0, {3}, {{5}}) : MakePush(1, 0, {3, 7}, {{5}, {6}});
   EXPECT_OK(policy->OnPush(retry->update, apply.fn()));
   EXPECT_OK((refused_worker == 0 ? b : a)->status());
   ASSERT_EQ(apply.calls(), 1);
@@ -623,8 +625,7 @@ TEST(SyncGroupTest, PushesOfRemovedWorkersAreRefusedAndChangeNothing) {
   PushThread w0(policy.get(), GroupPush(0, 0), apply.fn());
   EXPECT_FALSE(w0.WaitFor(kStaysBlocked));
   auto late = MakePush(1, 0, {5}, {{1.0f}});  // Even with another chunk set.
-  EXPECT_STATUS_MSG(policy->OnPush(late->update, apply.fn()),
-                    absl::StatusCode::kFailedPrecondition,
+  EXPECT_STATUS_MSG(policy->OnPush(late->update, apply.fn()), absl::StatusCode::kFailedPrecondition,
                     "worker 1 is not in the sync group of job j (active: [0, 2, 3])");
   EXPECT_FALSE(w0.WaitFor(kStaysBlocked));
   EXPECT_EQ(apply.calls(), 0);
@@ -756,8 +757,9 @@ TEST(SyncGroupTest, AsyncAndSspHaveNoGroup) {
   for (const std::string mode : {"async", "ssp:2"}) {
     auto policy = MakePolicy(mode, 3);
     EXPECT_STATUS_MSG(policy->SetGroup({0, 1}, 0.5f), absl::StatusCode::kFailedPrecondition,
-                      "consistency mode " + mode + " has no barrier group; only sync jobs have "
-                      "one");
+                      "consistency mode " + mode +
+                          " has no barrier group; only sync jobs have "
+                          "one");
     // Updates keep factor 1.
     FakeApply apply;
     auto p = SimplePush(1, 0);

@@ -25,8 +25,8 @@ absl::Status ValidateTensors(const InitJobRequest& r) {
     const TensorSpec& ts = r.tensors(t);
     if (ts.name().empty() || !names.insert(ts.name()).second) {
       return absl::InvalidArgumentError(absl::StrCat("InitJob: job ", r.job(), " tensor ", t,
-                                                     " has an empty or repeated name \"",
-                                                     ts.name(), "\""));
+                                                     " has an empty or repeated name \"", ts.name(),
+                                                     "\""));
     }
     int64_t numel = 1;
     for (int64_t d : ts.shape()) {
@@ -35,8 +35,8 @@ absl::Status ValidateTensors(const InitJobRequest& r) {
                                                        ts.name(), " has a negative dimension"));
       }
       if (d != 0 && numel > (int64_t{1} << 40) / d) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "InitJob: job ", r.job(), " tensor ", ts.name(), " has more than 2^40 elements"));
+        return absl::InvalidArgumentError(absl::StrCat("InitJob: job ", r.job(), " tensor ",
+                                                       ts.name(), " has more than 2^40 elements"));
       }
       numel *= d;
     }
@@ -66,8 +66,8 @@ absl::Status ValidateLayout(const InitJobRequest& r) {
   RETURN_IF_ERROR(ValidateTensors(r));
   if (r.num_shards() <= 0 || r.shard_index() < 0 || r.shard_index() >= r.num_shards()) {
     return absl::InvalidArgumentError(absl::StrCat("InitJob: job ", r.job(), " shard_index ",
-                                                   r.shard_index(), " not in [0, ",
-                                                   r.num_shards(), ")"));
+                                                   r.shard_index(), " not in [0, ", r.num_shards(),
+                                                   ")"));
   }
   if (r.num_workers() <= 0) {
     return absl::InvalidArgumentError(
@@ -79,8 +79,8 @@ absl::Status ValidateLayout(const InitJobRequest& r) {
   }
   const DurabilitySpec& d = r.durability();
   if (d.snapshot_every_updates() < 0 || d.snapshot_every_seconds() < 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "InitJob: job ", r.job(), " snapshot intervals must be >= 0"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("InitJob: job ", r.job(), " snapshot intervals must be >= 0"));
   }
   return ParseDurability(d).status();
 }
@@ -138,9 +138,11 @@ absl::Status JobState::BuildStrategies(const OptimizerRegistry& optimizers,
     for (int32_t w = 0; w < layout_.num_workers(); ++w) active_workers_.push_back(w);
   }
   if (layout_.staleness_damping() && policy_->mode() != "async") {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "InitJob: job ", name(), " asks for staleness_damping, which applies to async "
-        "mode only (mode is ", policy_->mode(), ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("InitJob: job ", name(),
+                     " asks for staleness_damping, which applies to async "
+                     "mode only (mode is ",
+                     policy_->mode(), ")"));
   }
   return absl::OkStatus();
 }
@@ -175,7 +177,8 @@ absl::StatusOr<std::pair<int64_t, Chunk*>> JobState::OwnedChunk(const char* rpc,
                                                                 int32_t chunk) const {
   const int64_t idx = partition_->Find(tensor, chunk);
   if (idx < 0) {
-    return absl::NotFoundError(absl::StrCat(rpc, ": ", ChunkName(tensor, chunk), " does not exist"));
+    return absl::NotFoundError(
+        absl::StrCat(rpc, ": ", ChunkName(tensor, chunk), " does not exist"));
   }
   auto it = chunks_.find(idx);
   if (it == chunks_.end()) {
@@ -211,13 +214,13 @@ absl::Status JobState::SetSyncGroup(const std::vector<int32_t>& active, double l
                                     const Logger* logger) {
   const std::string context = absl::StrCat("SetSyncGroup: job ", name());
   if (!sync_mode_) {
-    return absl::FailedPreconditionError(
-        absl::StrCat(context, " has consistency mode ", layout_.consistency(),
-                     "; only sync jobs have a barrier group"));
+    return absl::FailedPreconditionError(absl::StrCat(context, " has consistency mode ",
+                                                      layout_.consistency(),
+                                                      "; only sync jobs have a barrier group"));
   }
   if (!(lr_scale > 0 && lr_scale <= 1)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        context, ": lr_scale ", absl::StrFormat("%.9g", lr_scale), " not in (0, 1]"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(context, ": lr_scale ", absl::StrFormat("%.9g", lr_scale), " not in (0, 1]"));
   }
   std::vector<int32_t> group = active;
   if (group.empty()) {

@@ -38,7 +38,7 @@ struct Chunk {
   absl::Mutex mu;
   std::vector<float> values ABSL_GUARDED_BY(mu);  // Empty until initial values are loaded.
   std::vector<float> slots ABSL_GUARDED_BY(mu);   // num_slots * numel, slot-major.
-  int64_t version ABSL_GUARDED_BY(mu) = 0;         // Number of updates applied.
+  int64_t version ABSL_GUARDED_BY(mu) = 0;        // Number of updates applied.
 };
 
 enum class Durability { kNone, kPeriodic, kEveryUpdate };

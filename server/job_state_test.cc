@@ -51,8 +51,9 @@ TEST(JobStateLayoutTest, ValidateLayoutNamesTheProblem) {
                 "InitJob: job name \"a/b\" may only use letters, digits, '_', '.', '-'"));
   bad = r;
   bad.mutable_tensors(1)->set_name("a");
-  EXPECT_EQ(ValidateLayout(bad), absl::InvalidArgumentError(
-                                     "InitJob: job j tensor 1 has an empty or repeated name \"a\""));
+  EXPECT_EQ(
+      ValidateLayout(bad),
+      absl::InvalidArgumentError("InitJob: job j tensor 1 has an empty or repeated name \"a\""));
   bad = r;
   bad.mutable_tensors(1)->set_shape(0, -3);
   EXPECT_EQ(ValidateLayout(bad),
@@ -144,9 +145,9 @@ TEST(JobStateTest, NamesWorkersAndOwnership) {
   EXPECT_EQ(owned.second, job->chunk(owned.first));
   const ChunkInfo& theirs = p.chunks()[p.shard_chunks(1)[0]];
   EXPECT_EQ(job->OwnedChunk("Push", theirs.tensor, theirs.chunk).status(),
-            absl::FailedPreconditionError(absl::StrCat(
-                "Push: ", job->ChunkName(theirs.tensor, theirs.chunk),
-                " belongs to shard 1, not shard 0")));
+            absl::FailedPreconditionError(
+                absl::StrCat("Push: ", job->ChunkName(theirs.tensor, theirs.chunk),
+                             " belongs to shard 1, not shard 0")));
   EXPECT_EQ(job->OwnedChunk("Pull", 0, 3).status(),
             absl::NotFoundError("Pull: job j tensor 0 (a) chunk 3 does not exist"));
 }

@@ -1,7 +1,7 @@
 #include "server/job_tokens.h"
 
 #include "absl/strings/str_cat.h"
-#include "common/auth.h"
+#include "rpc/auth.h"
 
 namespace gradmesh {
 
@@ -24,8 +24,8 @@ absl::Status JobTokens::Check(const std::string& job, absl::string_view presente
         "job ", job, " is not placed on this shard (yet): no task from the coordinator"));
   }
   if (!ConstantTimeEquals(it->second, presented)) {
-    return absl::PermissionDeniedError(absl::StrCat(
-        "job ", job, ": missing or wrong job token (metadata x-gradmesh-job-token)"));
+    return absl::PermissionDeniedError(
+        absl::StrCat("job ", job, ": missing or wrong job token (metadata x-gradmesh-job-token)"));
   }
   return absl::OkStatus();
 }

@@ -1,6 +1,7 @@
 #include "server/parameter_service.h"
 
 #include "common/status.h"
+#include "rpc/grpc_status.h"
 
 namespace gradmesh {
 namespace {

@@ -19,8 +19,7 @@ PullEncoder::PullEncoder(int32_t num_workers, absl::Span<const int64_t> chunks)
 }
 
 absl::StatusOr<PullFormat> PullEncoder::ParseFormat(const std::string& job,
-                                                    const std::string& codec,
-                                                    CodecCache& codecs) {
+                                                    const std::string& codec, CodecCache& codecs) {
   PullFormat format;
   format.codec = codec;
   if (codec.empty()) return format;
@@ -30,8 +29,8 @@ absl::StatusOr<PullFormat> PullEncoder::ParseFormat(const std::string& job,
   }
   // Parameters may be sent narrower or as exact changes, never sparsified or randomised.
   if (codec != "fp16" && codec != "bf16") {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "Pull: job ", job, " codec \"", codec, "\" is not one of \"\", fp16, bf16, changes"));
+    return absl::InvalidArgumentError(absl::StrCat("Pull: job ", job, " codec \"", codec,
+                                                   "\" is not one of \"\", fp16, bf16, changes"));
   }
   format.kind = PullFormat::Kind::kNarrow;
   ASSIGN_OR_RETURN(format.compressor, codecs.Get(codec));
@@ -56,8 +55,7 @@ absl::Status PullEncoder::Encode(const PullFormat& format, int64_t chunk, int32_
 }
 
 void PullEncoder::EncodeChanges(Sent* sent, int32_t worker, int64_t held_version,
-                                absl::Span<const float> values, int64_t version,
-                                ChunkData* out) {
+                                absl::Span<const float> values, int64_t version, ChunkData* out) {
   absl::MutexLock lock(&sent->mu);
   if (sent->values.empty()) {
     sent->values.resize(num_workers_);
@@ -67,10 +65,9 @@ void PullEncoder::EncodeChanges(Sent* sent, int32_t worker, int64_t held_version
   // when that is not smaller) the chunk dense, which it then holds.
   std::vector<float>& held = sent->values[worker];
   const int64_t dense = static_cast<int64_t>(values.size() * sizeof(float));
-  const bool known = held_version >= 0 && held_version == sent->version[worker] &&
-                     held.size() == values.size();
-  if (known && gradmesh::EncodeChanges(values, absl::MakeSpan(held), dense,
-                                       out->mutable_data())) {
+  const bool known =
+      held_version >= 0 && held_version == sent->version[worker] && held.size() == values.size();
+  if (known && gradmesh::EncodeChanges(values, absl::MakeSpan(held), dense, out->mutable_data())) {
     out->set_codec("changes");
   } else {
     held.assign(values.begin(), values.end());

@@ -55,16 +55,15 @@ class PullEncoder {
   // Writes the values of owned chunk `chunk` (at `version`) for `worker`, who holds version
   // `held_version` of it (-1: unknown), into out->data() and sets out->codec() ("" dense,
   // the narrow codec's name, "changes"). Only the codec's error for kNarrow.
-  absl::Status Encode(const PullFormat& format, int64_t chunk, int32_t worker,
-                      int64_t held_version, absl::Span<const float> values, int64_t version,
-                      ChunkData* out);
+  absl::Status Encode(const PullFormat& format, int64_t chunk, int32_t worker, int64_t held_version,
+                      absl::Span<const float> values, int64_t version, ChunkData* out);
 
  private:
   // What one chunk was last sent to each worker (allocated on its first "changes" pull).
   struct Sent {
     absl::Mutex mu;
     std::vector<std::vector<float>> values ABSL_GUARDED_BY(mu);  // Per worker.
-    std::vector<int64_t> version ABSL_GUARDED_BY(mu);             // Per worker; -1: none.
+    std::vector<int64_t> version ABSL_GUARDED_BY(mu);            // Per worker; -1: none.
   };
   void EncodeChanges(Sent* sent, int32_t worker, int64_t held_version,
                      absl::Span<const float> values, int64_t version, ChunkData* out);

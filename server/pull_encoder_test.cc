@@ -41,8 +41,8 @@ TEST_F(PullEncoderTest, FormatsAndTheirErrors) {
   for (const std::string bad : {"topk:0.1", "changez", "FP16", "randomk:0.5"}) {
     auto f = PullEncoder::ParseFormat("job7", bad, codecs_);
     EXPECT_STATUS(f, absl::StatusCode::kInvalidArgument);
-    EXPECT_EQ(f.status().message(), "Pull: job job7 codec \"" + bad +
-                                        "\" is not one of \"\", fp16, bf16, changes");
+    EXPECT_EQ(f.status().message(),
+              "Pull: job job7 codec \"" + bad + "\" is not one of \"\", fp16, bf16, changes");
   }
 }
 

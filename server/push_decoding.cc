@@ -33,9 +33,9 @@ absl::Status CheckDenseFloats(const ChunkData& c, int64_t numel, const std::stri
   }
   const int64_t want = numel * static_cast<int64_t>(sizeof(float));
   if (static_cast<int64_t>(c.data().size()) != want) {
-    return absl::InvalidArgumentError(absl::StrCat(where, ": expected ", numel,
-                                                   " float32 values (", want, " bytes), got ",
-                                                   c.data().size(), " bytes"));
+    return absl::InvalidArgumentError(absl::StrCat(where, ": expected ", numel, " float32 values (",
+                                                   want, " bytes), got ", c.data().size(),
+                                                   " bytes"));
   }
   std::vector<float> aligned;
   const float* x = reinterpret_cast<const float*>(c.data().data());
@@ -68,9 +68,9 @@ absl::StatusOr<const float*> DecodePushedChunk(CodecCache& codecs, const ChunkDa
     return FloatView(c.data(), scratch);
   }
   if (c.dtype() != FLOAT32 && c.dtype() != DTYPE_UNSPECIFIED) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        where, ": dtype ", DType_Name(c.dtype()), " with codec \"", c.codec(),
-        "\"; the codec's payload describes its own encoding, dtype must be FLOAT32"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ": dtype ", DType_Name(c.dtype()), " with codec \"", c.codec(),
+                     "\"; the codec's payload describes its own encoding, dtype must be FLOAT32"));
   }
   auto codec = codecs.Get(c.codec());
   if (!codec.ok()) return Annotate(codec.status(), where);

@@ -34,8 +34,7 @@ class CodecCache {
  private:
   const CompressorRegistry* const registry_;  // Not owned.
   absl::Mutex mu_;
-  absl::flat_hash_map<std::string, std::shared_ptr<const Compressor>> codecs_
-      ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, std::shared_ptr<const Compressor>> codecs_ ABSL_GUARDED_BY(mu_);
 };
 
 // Checks that `c` holds exactly `numel` finite float32 values, raw (dtype FLOAT32 or unset, no

@@ -25,8 +25,8 @@ absl::StatusOr<RequestLedger::Admission> RequestLedger::BeginPush(int32_t worker
       // The original is still being applied (e.g. waiting at a barrier): the client retries
       // ABORTED with backoff and will then be told it is a duplicate, or may apply it if the
       // original failed.
-      return absl::AbortedError(absl::StrCat("Push: job ", job_, " worker ", worker,
-                                             " request ", request_id, " is still in progress"));
+      return absl::AbortedError(absl::StrCat("Push: job ", job_, " worker ", worker, " request ",
+                                             request_id, " is still in progress"));
     }
     ++duplicates_;
     return Admission::kDuplicate;
@@ -41,8 +41,8 @@ absl::StatusOr<RequestLedger::Admission> RequestLedger::BeginPush(int32_t worker
     // Another push of this step, with another request id, is being applied: a restarted
     // worker re-pushing what its previous incarnation sent. Once that one is done, the
     // client's retry is told it is a duplicate (or is applied, if the first one failed).
-    return absl::AbortedError(absl::StrCat("Push: job ", job_, " worker ", worker, " step ",
-                                           step, " is already being applied"));
+    return absl::AbortedError(absl::StrCat("Push: job ", job_, " worker ", worker, " step ", step,
+                                           " is already being applied"));
   }
   w.recent_ids.emplace(request_id, false);
   w.steps_in_progress.insert(step);

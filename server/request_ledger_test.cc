@@ -12,8 +12,7 @@ namespace {
 using Admission = RequestLedger::Admission;
 
 // Admits, applies (as a one-push update with the given staleness) and ends a push.
-void ApplyPush(RequestLedger& l, int32_t worker, int64_t step, uint64_t id,
-               int64_t staleness = 0) {
+void ApplyPush(RequestLedger& l, int32_t worker, int64_t step, uint64_t id, int64_t staleness = 0) {
   ASSERT_OK_AND_ASSIGN(Admission a, l.BeginPush(worker, step, id));
   ASSERT_EQ(a, Admission::kAdmitted);
   const int64_t st[] = {staleness};

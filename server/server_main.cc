@@ -19,12 +19,12 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
-#include "common/auth.h"
 #include "common/daemon.h"
-#include "common/daemon_main.h"
 #include "common/logging.h"
 #include "common/metrics.h"
-#include "common/node_agent.h"
+#include "rpc/auth.h"
+#include "runtime/daemon_main.h"
+#include "runtime/node_agent.h"
 #include "server/parameter_service.h"
 #include "server/shard.h"
 #include "server/shard_metrics.h"
@@ -150,8 +150,7 @@ class ServerTasks {
 
 // Opens the store (with --data_dir) and creates the shard, restoring stored jobs. Logs the
 // failure and sets *exit_code when it returns null.
-std::unique_ptr<Shard> OpenShard(ServerMainOptions& options, const Logger& logger,
-                                 int* exit_code) {
+std::unique_ptr<Shard> OpenShard(ServerMainOptions& options, const Logger& logger, int* exit_code) {
   options.shard.logger = &logger;
   if (!options.data_dir.empty()) {
     ShardStore::Options so;
@@ -169,7 +168,7 @@ std::unique_ptr<Shard> OpenShard(ServerMainOptions& options, const Logger& logge
   if (!shard.ok()) {
     logger.Error("start_failed", {Kv("error", shard.status().ToString())});
     *exit_code = shard.status().code() == absl::StatusCode::kInvalidArgument ? kExitBadArguments
-                                                                              : kExitFailed;
+                                                                             : kExitFailed;
     return nullptr;
   }
   if (!options.data_dir.empty()) {
@@ -242,8 +241,7 @@ int main(int argc, char** argv) {
   process.tune_allocator_for_large_messages = true;
   gradmesh::InitDaemonProcess(argc, argv, process);
   gradmesh::ServerMainOptions options;
-  options.daemon.address =
-      absl::StrCat(absl::GetFlag(FLAGS_host), ":", absl::GetFlag(FLAGS_port));
+  options.daemon.address = absl::StrCat(absl::GetFlag(FLAGS_host), ":", absl::GetFlag(FLAGS_port));
   options.daemon.port_file = absl::GetFlag(FLAGS_port_file);
   options.daemon.metrics.host = absl::GetFlag(FLAGS_host);
   options.daemon.metrics.port = absl::GetFlag(FLAGS_metrics_port);

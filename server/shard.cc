@@ -21,8 +21,8 @@
 namespace gradmesh {
 
 // Thread safety: the members are fixed after construction and are each thread-safe (their
-// headers give the contracts and lock orders). One job's parts (see shard.h). `state` is built first and outlives the others, which refer
-// to it; ledger before durability, which refers to it.
+// headers give the contracts and lock orders). One job's parts (see shard.h). `state` is built
+// first and outlives the others, which refer to it; ledger before durability, which refers to it.
 struct Shard::Job {
   Job(std::unique_ptr<JobState> s, const ShardOptions& options)
       : state(std::move(s)),
@@ -112,10 +112,10 @@ absl::StatusOr<bool> Shard::JobExists(const InitJobRequest& layout) {
   auto it = jobs_.find(layout.job());
   if (it == jobs_.end()) return false;
   if (!google::protobuf::util::MessageDifferencer::Equals(it->second->state->layout(), layout)) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "InitJob: job ", layout.job(),
-        " already exists on this shard with a different layout, optimizer, mode, "
-        "durability or worker count; use another job name"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("InitJob: job ", layout.job(),
+                     " already exists on this shard with a different layout, optimizer, mode, "
+                     "durability or worker count; use another job name"));
   }
   return true;
 }
@@ -127,9 +127,9 @@ absl::StatusOr<bool> Shard::AddJob(const std::string& name, std::shared_ptr<Job>
   ASSIGN_OR_RETURN(const bool found, JobExists(job->state->layout()));
   if (found) return false;  // Created meanwhile by another call.
   if (job->state->durability() != Durability::kNone) {
-    RETURN_IF_ERROR(Annotate(job->durability.MaybeSnapshot(/*force=*/true),
-                             absl::StrCat("InitJob: job ", name,
-                                          " could not be made durable; not created")));
+    RETURN_IF_ERROR(
+        Annotate(job->durability.MaybeSnapshot(/*force=*/true),
+                 absl::StrCat("InitJob: job ", name, " could not be made durable; not created")));
   }
   absl::MutexLock lock(&mu_);
   jobs_.emplace(name, std::move(job));
@@ -152,13 +152,12 @@ absl::StatusOr<InitJobResponse> Shard::InitJob(const InitJobRequest& request) {
   ASSIGN_OR_RETURN(const bool created, AddJob(request.job(), job));
   response.set_created(created);
   if (created) {
-    LogInfo(options_.logger, "job_created",
-            {Kv("job", request.job()), Kv("shard", layout.shard_index()),
-             Kv("chunks", job->state->chunks().size()),
-             Kv("elements", job->state->owned_elements()),
-             Kv("optimizer", layout.optimizer().name()), Kv("mode", layout.consistency()),
-             Kv("workers", layout.num_workers()),
-             Kv("durability", layout.durability().mode())});
+    LogInfo(
+        options_.logger, "job_created",
+        {Kv("job", request.job()), Kv("shard", layout.shard_index()),
+         Kv("chunks", job->state->chunks().size()), Kv("elements", job->state->owned_elements()),
+         Kv("optimizer", layout.optimizer().name()), Kv("mode", layout.consistency()),
+         Kv("workers", layout.num_workers()), Kv("durability", layout.durability().mode())});
   }
   return response;
 }
@@ -216,8 +215,8 @@ absl::Status Shard::PushUpdate(const Job& job, const PushRequest& request, Chunk
       return absl::InvalidArgumentError(absl::StrCat("Push: ", where, " appears twice"));
     }
     ASSIGN_OR_RETURN(const float* grad,
-                     DecodePushedChunk(codecs_, c, chunk->info.numel,
-                                       absl::StrCat("Push: ", where), &(*scratch)[i]));
+                     DecodePushedChunk(codecs_, c, chunk->info.numel, absl::StrCat("Push: ", where),
+                                       &(*scratch)[i]));
     targets->push_back(chunk);
     update->chunks.push_back(idx);
     update->numels.push_back(chunk->info.numel);
@@ -232,8 +231,8 @@ absl::StatusOr<PushResponse> Shard::Push(const PushRequest& request) {
   ASSIGN_OR_RETURN(std::shared_ptr<Job> job, FindJob(request.job()));
   RETURN_IF_ERROR(job->state->CheckWorker("Push", request.worker()));
   if (request.step() < 0 || request.step() >= (int64_t{1} << 62)) {
-    return absl::InvalidArgumentError(absl::StrCat("Push: job ", request.job(), " step ",
-                                                   request.step(), " out of range"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("Push: job ", request.job(), " step ", request.step(), " out of range"));
   }
   // Validate everything before changing anything.
   ChunkUpdate update;
@@ -248,10 +247,9 @@ absl::StatusOr<PushResponse> Shard::Push(const PushRequest& request) {
     response.set_duplicate(true);
     return response;
   }
-  const absl::Status st =
-      job->state->policy().OnPush(update, [this, &job](const ChunkUpdate& u) {
-        return ApplyUpdate(job.get(), u, /*replay=*/false);
-      });
+  const absl::Status st = job->state->policy().OnPush(update, [this, &job](const ChunkUpdate& u) {
+    return ApplyUpdate(job.get(), u, /*replay=*/false);
+  });
   job->ledger.EndPush(request.worker(), request.step(), request.request_id(), st.ok());
   RETURN_IF_ERROR(st);
   for (Chunk* chunk : targets) {
@@ -294,11 +292,10 @@ absl::Status Shard::Pull(const PullRequest& request, PullResponse* response) {
     out->set_dtype(FLOAT32);
     absl::MutexLock lock(&chunk->mu);
     out->set_version(chunk->version);
-    RETURN_IF_ERROR(Annotate(
-        job->pulls.Encode(format, idx, request.worker(), held[t], chunk->values, chunk->version,
-                          out),
-        absl::StrCat("Pull: job ", request.job(), " chunk (", chunk->info.tensor, ",",
-                     chunk->info.chunk, ")")));
+    RETURN_IF_ERROR(Annotate(job->pulls.Encode(format, idx, request.worker(), held[t],
+                                               chunk->values, chunk->version, out),
+                             absl::StrCat("Pull: job ", request.job(), " chunk (",
+                                          chunk->info.tensor, ",", chunk->info.chunk, ")")));
   }
   return absl::OkStatus();
 }
@@ -328,16 +325,16 @@ void Shard::MaybeLogJobStats(const Job& job) {
   const ConsistencyStats ps = job.state->policy().stats();
   const RequestLedger::Stats ls = job.ledger.stats();
   const ShardDurability::Stats ds = job.durability.stats();
-  LogInfo(options_.logger, "job_stats",
-          {Kv("job", job.state->name()), Kv("mode", job.state->layout().consistency()),
-           Kv("pushes_applied", ls.pushes_applied), Kv("updates_applied", ls.updates_applied),
-           Kv("duplicates", ls.duplicates),
-           Kv("staleness_histogram", absl::StrJoin(ls.staleness, ",")),
-           Kv("max_clock_lead", ps.max_clock_lead),
-           Kv("barrier_wait_s", absl::StrFormat("%.3f", ps.barrier_wait_s)),
-           Kv("snapshots", ds.snapshots),
-           Kv("last_snapshot_ms", absl::StrFormat("%.1f", ds.last_snapshot_s * 1e3)),
-           Kv("last_snapshot_bytes", ds.last_snapshot_bytes)});
+  LogInfo(
+      options_.logger, "job_stats",
+      {Kv("job", job.state->name()), Kv("mode", job.state->layout().consistency()),
+       Kv("pushes_applied", ls.pushes_applied), Kv("updates_applied", ls.updates_applied),
+       Kv("duplicates", ls.duplicates), Kv("staleness_histogram", absl::StrJoin(ls.staleness, ",")),
+       Kv("max_clock_lead", ps.max_clock_lead),
+       Kv("barrier_wait_s", absl::StrFormat("%.3f", ps.barrier_wait_s)),
+       Kv("snapshots", ds.snapshots),
+       Kv("last_snapshot_ms", absl::StrFormat("%.1f", ds.last_snapshot_s * 1e3)),
+       Kv("last_snapshot_bytes", ds.last_snapshot_bytes)});
 }
 
 std::vector<std::string> Shard::JobNames() const {

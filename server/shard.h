@@ -54,10 +54,10 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "common/logging.h"
-#include "proto/gradmesh.pb.h"
-#include "compression/compressor.h"
-#include "server/consistency.h"
 #include "common/optimizer.h"
+#include "compression/compressor.h"
+#include "proto/gradmesh.pb.h"
+#include "server/consistency.h"
 #include "server/push_decoding.h"
 #include "server/shard_store.h"
 
@@ -140,7 +140,7 @@ class Shard {
 
   const ShardOptions options_;
   CodecCache codecs_{&options_.compressors};  // Codecs of pushes and fp16/bf16 pulls.
-  absl::Mutex init_mu_;  // Serialises job creation (taken before mu_).
+  absl::Mutex init_mu_;                       // Serialises job creation (taken before mu_).
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, std::shared_ptr<Job>> jobs_ ABSL_GUARDED_BY(mu_);
 };

@@ -65,7 +65,8 @@ bool ShardDurability::StartSnapshot(bool force) {
   absl::MutexLock lock(&mu_);
   if (force) {
     // A forced snapshot must capture the state as of now: wait for one in progress.
-    mu_.Await(absl::Condition(+[](bool* running) { return !*running; }, &snapshot_running_));
+    mu_.Await(absl::Condition(
+        +[](bool* running) { return !*running; }, &snapshot_running_));
   } else if (snapshot_running_) {
     return false;
   }
@@ -107,8 +108,7 @@ absl::Status ShardDurability::MaybeSnapshot(bool force) {
   state::JobSnapshot snap;
   Capture(&chunks, &snap);
   // A forced snapshot (job creation, job end) also (re)writes the layout: the first one must.
-  auto bytes = store_->WriteSnapshot(job_->name(), force ? &job_->layout() : nullptr, chunks,
-                                     snap);
+  auto bytes = store_->WriteSnapshot(job_->name(), force ? &job_->layout() : nullptr, chunks, snap);
   const double secs = absl::ToDoubleSeconds(absl::Now() - start);
   absl::MutexLock lock(&mu_);
   snapshot_running_ = false;
@@ -163,7 +163,8 @@ absl::Status ShardDurability::ReplayLog(
       if (idx < 0 || job_->chunks().find(idx) == job_->chunks().end() ||
           g.data().size() != p.chunks()[idx].numel * sizeof(float)) {
         return absl::DataLossError(absl::StrCat("restoring job ", job_->name(), ": log record ",
-                                                rec.seq(), " names a chunk this shard "
+                                                rec.seq(),
+                                                " names a chunk this shard "
                                                 "does not own or has the wrong size"));
       }
       u.chunks.push_back(idx);
@@ -181,8 +182,7 @@ absl::Status ShardDurability::ReplayLog(
 }
 
 absl::Status ShardDurability::Restore(
-    const ShardStore::StoredJob& s,
-    const std::function<absl::Status(const ChunkUpdate&)>& replay) {
+    const ShardStore::StoredJob& s, const std::function<absl::Status(const ChunkUpdate&)>& replay) {
   RETURN_IF_ERROR(RestoreChunks(s));
   {
     absl::WriterMutexLock apply_lock(&apply_mu_);

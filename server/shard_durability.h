@@ -109,7 +109,7 @@ class ShardDurability {
   mutable absl::Mutex mu_;
   bool snapshot_running_ ABSL_GUARDED_BY(mu_) = false;
   int64_t snapshot_update_ ABSL_GUARDED_BY(mu_) = 0;
-  int64_t logged_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // Log bytes since the last snapshot.
+  int64_t logged_bytes_ ABSL_GUARDED_BY(mu_) = 0;         // Log bytes since the last snapshot.
   absl::Time snapshot_retry_after_ ABSL_GUARDED_BY(mu_);  // Back-off after a failure.
   absl::Time snapshot_time_ ABSL_GUARDED_BY(mu_);
   int64_t snapshots_ ABSL_GUARDED_BY(mu_) = 0;

@@ -151,10 +151,9 @@ void ExpectSameProgress(const JobInfoResponse& want, const JobInfoResponse& got)
     EXPECT_EQ(got.workers(w).pushes_applied(), want.workers(w).pushes_applied()) << "worker " << w;
     EXPECT_EQ(got.workers(w).finished(), want.workers(w).finished()) << "worker " << w;
   }
-  EXPECT_EQ(std::vector<int64_t>(got.staleness_histogram().begin(),
-                                 got.staleness_histogram().end()),
-            std::vector<int64_t>(want.staleness_histogram().begin(),
-                                 want.staleness_histogram().end()));
+  EXPECT_EQ(
+      std::vector<int64_t>(got.staleness_histogram().begin(), got.staleness_histogram().end()),
+      std::vector<int64_t>(want.staleness_histogram().begin(), want.staleness_histogram().end()));
 }
 
 // Deterministic pseudo-random pushes: push i comes from worker i % 2 at step i / 2, covers a
@@ -305,9 +304,7 @@ void DurabilityTest::RunEveryUpdateRestart(const JobOptions& opts) {
   EXPECT_EQ(info_final.updates_applied(), kPushes + 1);
 }
 
-TEST_F(DurabilityTest, EveryUpdateRestoresSgdExactly) {
-  RunEveryUpdateRestart(JobOptions());
-}
+TEST_F(DurabilityTest, EveryUpdateRestoresSgdExactly) { RunEveryUpdateRestart(JobOptions()); }
 
 TEST_F(DurabilityTest, EveryUpdateRestoresMomentumAndDampingExactly) {
   JobOptions o;

@@ -1,5 +1,3 @@
-#include "server/shard_durability.h"
-
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -9,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/status_testing.h"
 #include "gtest/gtest.h"
+#include "server/shard_durability.h"
 
 namespace gradmesh {
 namespace {
@@ -48,9 +47,8 @@ struct Parts {
         durability(job.get(), &ledger, store, nullptr) {}
 
   absl::Status Apply(const ChunkUpdate& u, bool replay) {
-    return durability.Apply(u, replay, [this, &u] {
-      ledger.RecordUpdate(job->ApplyToChunks(u), u.requests);
-    });
+    return durability.Apply(u, replay,
+                            [this, &u] { ledger.RecordUpdate(job->ApplyToChunks(u), u.requests); });
   }
   // Applies gradient `g` to every element of both chunks as worker w's push `step`.
   absl::Status Push(float g, int32_t w, int64_t step) {
@@ -173,9 +171,8 @@ TEST_F(ShardDurabilityTest, RestoreLoadsTheSnapshotAndReplaysTheLogExactly) {
   EXPECT_EQ(s.snapshot.seq(), 4);
   ASSERT_EQ(s.log.size(), 1u);
   Parts r(s.layout, store_.get());
-  ASSERT_OK(r.durability.Restore(s, [&r](const ChunkUpdate& u) {
-    return r.Apply(u, /*replay=*/true);
-  }));
+  ASSERT_OK(
+      r.durability.Restore(s, [&r](const ChunkUpdate& u) { return r.Apply(u, /*replay=*/true); }));
   EXPECT_EQ(r.Values(), want);
   const ShardDurability::Stats st = r.durability.stats();
   EXPECT_TRUE(st.restored);

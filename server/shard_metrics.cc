@@ -18,14 +18,13 @@ void CollectShardMetrics(Shard* shard, MetricsWriter* w) {
     // The job's own totals, restored with the job: gauges, since a shard restored from a
     // periodic snapshot may report less than it did before its crash.
     w->Gauge("gradmesh_shard_pushes_applied",
-               "Pushes applied to the job on this shard (retried duplicates excluded).", l,
-               static_cast<double>(info->pushes_applied()));
+             "Pushes applied to the job on this shard (retried duplicates excluded).", l,
+             static_cast<double>(info->pushes_applied()));
     w->Gauge("gradmesh_shard_duplicate_pushes",
-               "Retried pushes recognised by their request id and not applied again.", l,
-               static_cast<double>(info->duplicates_dropped()));
-    w->Gauge("gradmesh_shard_updates_applied",
-               "Optimizer updates applied (sync: steps completed).", l,
-               static_cast<double>(info->updates_applied()));
+             "Retried pushes recognised by their request id and not applied again.", l,
+             static_cast<double>(info->duplicates_dropped()));
+    w->Gauge("gradmesh_shard_updates_applied", "Optimizer updates applied (sync: steps completed).",
+             l, static_cast<double>(info->updates_applied()));
     w->Gauge("gradmesh_shard_owned_elements", "Parameters of the job stored on this shard.", l,
              static_cast<double>(info->owned_elements()));
     w->Counter("gradmesh_shard_barrier_wait_seconds_total",
@@ -43,11 +42,11 @@ void CollectShardMetrics(Shard* shard, MetricsWriter* w) {
     for (const WorkerState& ws : info->workers()) {
       MetricLabels wl = l;
       wl.emplace_back("worker", absl::StrCat(ws.worker()));
-      w->Gauge("gradmesh_shard_worker_last_step", "Highest step the worker pushed (-1: none).",
-               wl, static_cast<double>(ws.last_step()));
+      w->Gauge("gradmesh_shard_worker_last_step", "Highest step the worker pushed (-1: none).", wl,
+               static_cast<double>(ws.last_step()));
       w->Gauge("gradmesh_shard_worker_pushes_applied",
-                 "Pushes of the worker applied (retried duplicates excluded).", wl,
-                 static_cast<double>(ws.pushes_applied()));
+               "Pushes of the worker applied (retried duplicates excluded).", wl,
+               static_cast<double>(ws.pushes_applied()));
     }
   }
 }

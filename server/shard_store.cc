@@ -71,8 +71,8 @@ absl::StatusOr<int64_t> ShardStore::WriteSnapshot(
   batch.DeleteRange(LogKey(job, 0), LogKey(job, snapshot.seq() + 1));
   rocksdb::WriteOptions w;
   w.sync = options_.fsync;
-  absl::Status st = FromRocks(db_->Write(w, &batch),
-                              absl::StrCat("snapshot of job ", job, " in ", dir_));
+  absl::Status st =
+      FromRocks(db_->Write(w, &batch), absl::StrCat("snapshot of job ", job, " in ", dir_));
   if (!st.ok()) return st;
   return bytes;
 }
@@ -83,8 +83,8 @@ absl::StatusOr<std::vector<ShardStore::StoredJob>> ShardStore::LoadAll() {
   for (it->Seek("m/"); it->Valid() && it->key().starts_with("m/"); it->Next()) {
     StoredJob job;
     if (!job.layout.ParseFromArray(it->value().data(), static_cast<int>(it->value().size()))) {
-      return absl::DataLossError(absl::StrCat("corrupt job layout at key ",
-                                              it->key().ToString(), " in ", dir_));
+      return absl::DataLossError(
+          absl::StrCat("corrupt job layout at key ", it->key().ToString(), " in ", dir_));
     }
     jobs.push_back(std::move(job));
   }
@@ -94,8 +94,8 @@ absl::StatusOr<std::vector<ShardStore::StoredJob>> ShardStore::LoadAll() {
     std::string value;
     rocksdb::Status s = db_->Get(rocksdb::ReadOptions(), SnapKey(name), &value);
     if (!s.ok() || !job.snapshot.ParseFromString(value)) {
-      return absl::DataLossError(absl::StrCat("job ", name, " has no readable snapshot in ", dir_,
-                                              ": ", s.ToString()));
+      return absl::DataLossError(
+          absl::StrCat("job ", name, " has no readable snapshot in ", dir_, ": ", s.ToString()));
     }
     const std::string cp = ChunkPrefix(name);
     for (it->Seek(cp); it->Valid() && it->key().starts_with(cp); it->Next()) {
@@ -103,8 +103,8 @@ absl::StatusOr<std::vector<ShardStore::StoredJob>> ShardStore::LoadAll() {
       const int64_t idx = static_cast<int64_t>(std::stoull(hex, nullptr, 16));
       state::ChunkState chunk;
       if (!chunk.ParseFromArray(it->value().data(), static_cast<int>(it->value().size()))) {
-        return absl::DataLossError(absl::StrCat("corrupt chunk state at key ",
-                                                it->key().ToString(), " in ", dir_));
+        return absl::DataLossError(
+            absl::StrCat("corrupt chunk state at key ", it->key().ToString(), " in ", dir_));
       }
       job.chunks.emplace(idx, std::move(chunk));
     }
@@ -112,8 +112,8 @@ absl::StatusOr<std::vector<ShardStore::StoredJob>> ShardStore::LoadAll() {
     for (it->Seek(lp); it->Valid() && it->key().starts_with(lp); it->Next()) {
       state::UpdateRecord rec;
       if (!rec.ParseFromArray(it->value().data(), static_cast<int>(it->value().size()))) {
-        return absl::DataLossError(absl::StrCat("corrupt update record at key ",
-                                                it->key().ToString(), " in ", dir_));
+        return absl::DataLossError(
+            absl::StrCat("corrupt update record at key ", it->key().ToString(), " in ", dir_));
       }
       if (rec.seq() > job.snapshot.seq()) job.log.push_back(std::move(rec));
     }

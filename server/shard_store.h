@@ -45,8 +45,7 @@ class ShardStore {
 
   // Opens (creating if needed) the database in `dir`. Internal error naming the directory if
   // RocksDB cannot open it (e.g. another process holds its lock).
-  static absl::StatusOr<std::unique_ptr<ShardStore>> Open(const std::string& dir,
-                                                          Options options);
+  static absl::StatusOr<std::unique_ptr<ShardStore>> Open(const std::string& dir, Options options);
   ~ShardStore();
 
   const std::string& dir() const { return dir_; }

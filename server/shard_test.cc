@@ -7,7 +7,6 @@
 #include <vector>
 
 #include "absl/synchronization/notification.h"
-
 #include "common/partitioner.h"
 #include "common/status_testing.h"
 #include "gtest/gtest.h"
@@ -348,8 +347,9 @@ TEST(ShardInProgressTest, SecondPushOfAStepInProgressIsAborted) {
   absl::Notification entered, release;
   // A consistency policy that holds the first push until released.
   options.consistency.Register(
-      "gate", [&](const ConsistencyConfig&, const std::string&)
-                  -> absl::StatusOr<std::unique_ptr<ConsistencyPolicy>> {
+      "gate",
+      [&](const ConsistencyConfig&,
+          const std::string&) -> absl::StatusOr<std::unique_ptr<ConsistencyPolicy>> {
         class Gate final : public ConsistencyPolicy {
          public:
           Gate(absl::Notification* e, absl::Notification* r) : entered_(e), release_(r) {}
@@ -564,8 +564,7 @@ TEST_F(SyncGroupShardTest, BadArgumentsAreRejectedWithExactCodesAndChangeNothing
                     absl::StatusCode::kInvalidArgument,
                     "SetSyncGroup: job s: lr_scale 1.0000001 not in (0, 1]");
   // A factor that rounds to 0 in float is refused by the policy.
-  EXPECT_STATUS_MSG(shard_->SetSyncGroup("s", {0, 1, 2}, 1e-60),
-                    absl::StatusCode::kInvalidArgument,
+  EXPECT_STATUS_MSG(shard_->SetSyncGroup("s", {0, 1, 2}, 1e-60), absl::StatusCode::kInvalidArgument,
                     "SetSyncGroup: sync group of job s: lr_scale 0 not in (0, 1]");
   // Still {0, 1} at 0.5: worker 2 is refused, and 0 and 1 complete a step at half the lr.
   JobInfoResponse info = SyncInfo();

@@ -11,6 +11,12 @@
 //     dense, never changes against values the worker does not hold.
 //   * A restarted (durable) shard has no `sent` state: each chunk once dense, then changes.
 //   * Unknown pull codecs are INVALID_ARGUMENT naming the accepted ones.
+#include <grpcpp/client_context.h>
+#include <grpcpp/security/server_credentials.h>
+#include <grpcpp/server.h>
+#include <grpcpp/server_builder.h>
+#include <grpcpp/support/status.h>
+
 #include <chrono>
 #include <cstdint>
 #include <cstdlib>
@@ -22,28 +28,22 @@
 #include <utility>
 #include <vector>
 
-#include <grpcpp/client_context.h>
-#include <grpcpp/security/server_credentials.h>
-#include <grpcpp/server.h>
-#include <grpcpp/server_builder.h>
-#include <grpcpp/support/status.h>
-
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
-#include "common/grpc_util.h"
 #include "common/partitioner.h"
 #include "common/status.h"
 #include "common/status_testing.h"
 #include "gtest/gtest.h"
 #include "proto/gradmesh.grpc.pb.h"
 #include "proto/gradmesh.pb.h"
+#include "rpc/grpc_util.h"
 #include "server/parameter_service.h"
 #include "server/shard.h"
 #include "server/shard_store.h"
-#include "worker/parameter_client.h"
+#include "worker/ps/parameter_client.h"
 
 namespace gradmesh {
 namespace {
@@ -356,9 +356,8 @@ class ChangesPullTest : public ::testing::Test {
                                             const Held* request_held = nullptr) {
     Partition p = MakePartition(l);
     PullResponse resp;
-    grpc::Status st =
-        stub->Pull(Ctx().get(), ChangesRequest(l, p, s, worker, request_held ? *request_held : *held),
-                   &resp);
+    grpc::Status st = stub->Pull(
+        Ctx().get(), ChangesRequest(l, p, s, worker, request_held ? *request_held : *held), &resp);
     EXPECT_TRUE(st.ok()) << st.error_message();
     std::map<int64_t, std::string> codecs;
     const auto& owned = p.shard_chunks(s);
@@ -459,8 +458,12 @@ TEST_F(ChangesPullTest, ClientFirstPullDenseThenExactChanges) {
   EXPECT_EQ(w0->bytes_pulled(), raw_all);  // nothing held: every chunk dense
 
   // A sparse gradient through the same client (dense push; zero entries change nothing).
-  const Values grad = Sparse(l, {{{0, 3}, 1.0f}, {{2, 5}, 0.5f}, {{2, 5001}, 2.0f},
-                                 {{2, 5002}, -0.25f}, {{2, 12344}, -1.0f}, {{3, 20}, 3.0f}});
+  const Values grad = Sparse(l, {{{0, 3}, 1.0f},
+                                 {{2, 5}, 0.5f},
+                                 {{2, 5001}, 2.0f},
+                                 {{2, 5002}, -0.25f},
+                                 {{2, 12344}, -1.0f},
+                                 {{3, 20}, 3.0f}});
   const Values want = Apply(init, grad);
   ASSERT_OK(w0->Push(1, ConstSpans(grad)));
   ASSERT_OK(w0->Pull(Spans(params)));
@@ -765,8 +768,8 @@ TEST_F(ChangesPullTest, RestartedDurableShardSendsDenseOnceThenChanges) {
   EXPECT_TRUE(SameBits(v, want2));
 
   // The real client against the restarted shards: first pull dense, then changes.
-  auto c = NewGrpcParameterClient(
-      l, ClientOptions({servers[0]->addr, servers[1]->addr}, 1, "changes"));
+  auto c =
+      NewGrpcParameterClient(l, ClientOptions({servers[0]->addr, servers[1]->addr}, 1, "changes"));
   ASSERT_OK(c.status());
   Values params = Zeros(l);
   ASSERT_OK((*c)->Pull(Spans(params)));

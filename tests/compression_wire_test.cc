@@ -16,6 +16,12 @@
 //     shard's float32 values, checked against an independent reference here; other pull
 //     codecs are INVALID_ARGUMENT. The client's pull counters are exact.
 //   * The client refuses unusable codec options up front.
+#include <grpcpp/client_context.h>
+#include <grpcpp/security/server_credentials.h>
+#include <grpcpp/server.h>
+#include <grpcpp/server_builder.h>
+#include <grpcpp/support/status.h>
+
 #include <algorithm>
 #include <cctype>
 #include <chrono>
@@ -29,18 +35,11 @@
 #include <string>
 #include <vector>
 
-#include <grpcpp/client_context.h>
-#include <grpcpp/security/server_credentials.h>
-#include <grpcpp/server.h>
-#include <grpcpp/server_builder.h>
-#include <grpcpp/support/status.h>
-
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
-#include "common/grpc_util.h"
 #include "common/partitioner.h"
 #include "common/status.h"
 #include "common/status_testing.h"
@@ -50,10 +49,12 @@
 #include "gtest/gtest.h"
 #include "proto/gradmesh.grpc.pb.h"
 #include "proto/gradmesh.pb.h"
+#include "rpc/grpc_status.h"
+#include "rpc/grpc_util.h"
 #include "server/parameter_service.h"
 #include "server/shard.h"
 #include "tests/testing/loopback.h"
-#include "worker/parameter_client.h"
+#include "worker/ps/parameter_client.h"
 
 namespace gradmesh {
 namespace {
@@ -91,10 +92,9 @@ JobLayout MakeLayout(const std::string& job, std::vector<TensorSpec> tensors, in
 
 // Odd sizes spanning both shards: 10, 1, 12345 (13 chunks, the last of 345), 3x7.
 JobLayout OddLayout(const std::string& job, int32_t num_workers = 1) {
-  return MakeLayout(job,
-                    {Tensor("a", {10}), Tensor("b", {1}), Tensor("c", {12345}),
-                     Tensor("d", {3, 7})},
-                    /*chunk_elems=*/1000, num_workers);
+  return MakeLayout(
+      job, {Tensor("a", {10}), Tensor("b", {1}), Tensor("c", {12345}), Tensor("d", {3, 7})},
+      /*chunk_elems=*/1000, num_workers);
 }
 
 uint32_t Hash(uint32_t x) {
@@ -140,8 +140,7 @@ std::unique_ptr<Compressor> MakeCodec(const std::string& spec) {
 // The seed GrpcParameterClient gives a chunk's encoding (worker/parameter_client.cc).
 uint64_t ClientSeed(uint64_t seed, int32_t worker, int64_t step, int64_t chunk_index) {
   return seed ^ (static_cast<uint64_t>(worker) << 48) ^
-         (static_cast<uint64_t>(step) * 0x9E3779B97F4A7C15ull) ^
-         static_cast<uint64_t>(chunk_index);
+         (static_cast<uint64_t>(step) * 0x9E3779B97F4A7C15ull) ^ static_cast<uint64_t>(chunk_index);
 }
 
 // Element-wise equality of the bit patterns, reporting the first difference.
@@ -151,15 +150,15 @@ uint64_t ClientSeed(uint64_t seed, int32_t worker, int64_t step, int64_t chunk_i
   }
   for (size_t t = 0; t < got.size(); ++t) {
     if (got[t].size() != want[t].size()) {
-      return ::testing::AssertionFailure() << "tensor " << t << " sizes " << got[t].size()
-                                           << " vs " << want[t].size();
+      return ::testing::AssertionFailure()
+             << "tensor " << t << " sizes " << got[t].size() << " vs " << want[t].size();
     }
     for (size_t i = 0; i < got[t].size(); ++i) {
       if (BitsOf(got[t][i]) != BitsOf(want[t][i])) {
         return ::testing::AssertionFailure()
                << "tensor " << t << " element " << i << ": got " << got[t][i] << " ("
-               << absl::StrFormat("0x%08x", BitsOf(got[t][i])) << "), want " << want[t][i]
-               << " (" << absl::StrFormat("0x%08x", BitsOf(want[t][i])) << ")";
+               << absl::StrFormat("0x%08x", BitsOf(got[t][i])) << "), want " << want[t][i] << " ("
+               << absl::StrFormat("0x%08x", BitsOf(want[t][i])) << ")";
       }
     }
   }
@@ -206,7 +205,6 @@ class CompressionWireTest : public TwoShardFixture {
     }
     return v;
   }
-
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -220,10 +218,9 @@ struct OnePushCase {
 // What one push of `grad` at `step` by `worker` (fresh client: zero residuals, so error
 // feedback does not change the first payload) does to `init`; adds the payload sizes to
 // *wire.
-Values ExpectedAfterOnePush(const Partition& p, const Compressor& codec,
-                            const Values& init, const Values& grad, uint64_t seed,
-                            int32_t worker, int64_t step, int64_t* wire,
-                            int64_t* sent_nonzero) {
+Values ExpectedAfterOnePush(const Partition& p, const Compressor& codec, const Values& init,
+                            const Values& grad, uint64_t seed, int32_t worker, int64_t step,
+                            int64_t* wire, int64_t* sent_nonzero) {
   Values want = init;
   std::string payload;
   for (size_t idx = 0; idx < p.chunks().size(); ++idx) {
@@ -263,8 +260,7 @@ TEST_P(OnePushTest, ShardAppliesExactlyTheDecodedPayload) {
   o.push_codec = tc.codec;
   o.error_feedback = tc.error_feedback;
   o.seed = kSeed;
-  ASSERT_OK_AND_ASSIGN(std::unique_ptr<ParameterClient> client,
-                       NewGrpcParameterClient(layout, o));
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<ParameterClient> client, NewGrpcParameterClient(layout, o));
   ASSERT_OK(client->InitJob(ConstSpans(init)));
   ASSERT_OK(client->Push(kStep, ConstSpans(grad)));
 
@@ -321,16 +317,15 @@ TEST_F(CompressionWireTest, Fp16PushBytesAreHeaderPlusTwoBytesPerElement) {
   const Partition p = MakePartition(layout, 2);
   GrpcParameterClientOptions o = ClientOptions(Addrs());
   o.push_codec = "fp16";
-  ASSERT_OK_AND_ASSIGN(std::unique_ptr<ParameterClient> client,
-                       NewGrpcParameterClient(layout, o));
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<ParameterClient> client, NewGrpcParameterClient(layout, o));
   ASSERT_OK(client->InitJob(ConstSpans(OddInit(layout))));
   const Values grad = IrregularGrad(layout, 2);
   ASSERT_OK(client->Push(0, ConstSpans(grad)));
   ASSERT_OK(client->Push(1, ConstSpans(grad)));
   const int64_t chunks = static_cast<int64_t>(p.chunks().size());
   EXPECT_EQ(chunks, 1 + 1 + 13 + 1);
-  EXPECT_EQ(client->bytes_pushed(), 2 * (static_cast<int64_t>(kHeaderBytes) * chunks +
-                                         2 * TotalElems(layout)));
+  EXPECT_EQ(client->bytes_pushed(),
+            2 * (static_cast<int64_t>(kHeaderBytes) * chunks + 2 * TotalElems(layout)));
   EXPECT_EQ(client->raw_bytes_pushed(), 2 * 4 * TotalElems(layout));
 }
 
@@ -345,8 +340,8 @@ struct EfCase {
 };
 
 void PrintTo(const EfCase& c, std::ostream* os) {
-  *os << c.codec << " momentum " << c.momentum << " warmup " << c.warmup_steps << ", "
-      << c.steps << " steps";
+  *os << c.codec << " momentum " << c.momentum << " warmup " << c.warmup_steps << ", " << c.steps
+      << " steps";
 }
 
 class ErrorFeedbackTest : public CompressionWireTest,
@@ -364,8 +359,7 @@ TEST_P(ErrorFeedbackTest, ShardStateMatchesMirroredErrorFeedbackEveryStep) {
   o.error_feedback = true;
   o.ef_momentum = tc.momentum;
   o.warmup_steps = tc.warmup_steps;
-  ASSERT_OK_AND_ASSIGN(std::unique_ptr<ParameterClient> client,
-                       NewGrpcParameterClient(layout, o));
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<ParameterClient> client, NewGrpcParameterClient(layout, o));
   ASSERT_OK(client->InitJob(ConstSpans(init)));
 
   // The mirror: one ErrorFeedback per chunk, the warm-up density per step.
@@ -438,7 +432,8 @@ TEST_P(ErrorFeedbackTest, ShardStateMatchesMirroredErrorFeedbackEveryStep) {
     for (int s = 0; s < tc.steps; ++s) {
       const int stage = std::min(s / 2, 4);
       EXPECT_DOUBLE_EQ(WarmupDensity(0.01, {8, 4}, s),
-                       stage < 4 ? std::pow(0.01, (stage + 1) / 5.0) : 0.01) << s;
+                       stage < 4 ? std::pow(0.01, (stage + 1) / 5.0) : 0.01)
+          << s;
       if (s > 0) {
         if (s % 2 == 0 && s <= 8) {
           EXPECT_LT(sent_per_step[s], sent_per_step[s - 1]) << s;
@@ -453,20 +448,21 @@ TEST_P(ErrorFeedbackTest, ShardStateMatchesMirroredErrorFeedbackEveryStep) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Codecs, ErrorFeedbackTest,
-    ::testing::Values(EfCase{"topk:0.01", 0.0f, 0, 20}, EfCase{"topk:0.01+fp16", 0.0f, 0, 12},
-                      EfCase{"fp16", 0.0f, 0, 6}, EfCase{"topk:0.01", 0.9f, 0, 12},
-                      EfCase{"topk:0.01", 0.0f, 8, 12}),
-    [](const ::testing::TestParamInfo<EfCase>& info) {
-      std::string name;
-      for (char ch : info.param.codec) {
-        name += (std::isalnum(static_cast<unsigned char>(ch)) ? ch : '_');
-      }
-      if (info.param.momentum > 0) name += "_momentum";
-      if (info.param.warmup_steps > 0) name += "_warmup";
-      return name;
-    });
+INSTANTIATE_TEST_SUITE_P(Codecs, ErrorFeedbackTest,
+                         ::testing::Values(EfCase{"topk:0.01", 0.0f, 0, 20},
+                                           EfCase{"topk:0.01+fp16", 0.0f, 0, 12},
+                                           EfCase{"fp16", 0.0f, 0, 6},
+                                           EfCase{"topk:0.01", 0.9f, 0, 12},
+                                           EfCase{"topk:0.01", 0.0f, 8, 12}),
+                         [](const ::testing::TestParamInfo<EfCase>& info) {
+                           std::string name;
+                           for (char ch : info.param.codec) {
+                             name += (std::isalnum(static_cast<unsigned char>(ch)) ? ch : '_');
+                           }
+                           if (info.param.momentum > 0) name += "_momentum";
+                           if (info.param.warmup_steps > 0) name += "_warmup";
+                           return name;
+                         });
 
 // Constant gradient, topk:0.5 on two 8-element tensors (one per shard): each step sends half
 // of each chunk; the residual's L1 norm stays within ||g||_1, and every coordinate is sent.
@@ -482,8 +478,7 @@ TEST_F(CompressionWireTest, TopkHalfWithErrorFeedbackSendsEveryCoordinateAndBoun
   GrpcParameterClientOptions o = ClientOptions(Addrs());
   o.push_codec = "topk:0.5";
   o.error_feedback = true;
-  ASSERT_OK_AND_ASSIGN(std::unique_ptr<ParameterClient> client,
-                       NewGrpcParameterClient(layout, o));
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<ParameterClient> client, NewGrpcParameterClient(layout, o));
   ASSERT_OK(client->InitJob(ConstSpans(init)));
 
   constexpr int kSteps = 12;
@@ -596,8 +591,8 @@ TEST_F(CompressionWireTest, MalformedPayloadsAreInvalidArgumentAndChangeNothing)
   EXPECT_TRUE(GrpcHas(push({{a, "zstd", topk_a, FLOAT32}}), kInvalid,
                       {where(a), "unknown codec \"zstd\"", "known: ", "fp16", "topk"}));
   unchanged();
-  EXPECT_TRUE(GrpcHas(push({{a, "topk:0.01+zstd", topk_a, FLOAT32}}), kInvalid,
-                      {where(a), "zstd"}));
+  EXPECT_TRUE(
+      GrpcHas(push({{a, "topk:0.01+zstd", topk_a, FLOAT32}}), kInvalid, {where(a), "zstd"}));
   EXPECT_TRUE(GrpcHas(push({{a, "topk:7", topk_a, FLOAT32}}), kInvalid, {where(a), "topk"}));
   unchanged();
 
@@ -606,8 +601,8 @@ TEST_F(CompressionWireTest, MalformedPayloadsAreInvalidArgumentAndChangeNothing)
                       kInvalid, {where(a), "malformed \"topk:0.01\" payload", "truncated"}));
   EXPECT_TRUE(GrpcHas(push({{a, "topk:0.01", topk_a.substr(0, 20), FLOAT32}}), kInvalid,
                       {where(a), "\"topk:0.01\""}));
-  EXPECT_TRUE(GrpcHas(push({{a, "topk:0.01", "", FLOAT32}}), kInvalid,
-                      {where(a), "\"topk:0.01\""}));
+  EXPECT_TRUE(
+      GrpcHas(push({{a, "topk:0.01", "", FLOAT32}}), kInvalid, {where(a), "\"topk:0.01\""}));
   // Trailing bytes.
   EXPECT_TRUE(GrpcHas(push({{a, "topk:0.01", topk_a + "x", FLOAT32}}), kInvalid,
                       {where(a), "\"topk:0.01\"", "trailing bytes"}));
@@ -622,8 +617,9 @@ TEST_F(CompressionWireTest, MalformedPayloadsAreInvalidArgumentAndChangeNothing)
     ASSERT_OK(topk->Encode(shorter, 0, &s1));
     ASSERT_OK(topk->Encode(longer, 0, &s2));
     ASSERT_OK(fp16->Encode(shorter, 0, &s3));
-    EXPECT_TRUE(GrpcHas(push({{a, "topk:0.01", s1, FLOAT32}}), kInvalid,
-                        {where(a), "\"topk:0.01\"", "payload has 999 elements, the output has 1000"}));
+    EXPECT_TRUE(
+        GrpcHas(push({{a, "topk:0.01", s1, FLOAT32}}), kInvalid,
+                {where(a), "\"topk:0.01\"", "payload has 999 elements, the output has 1000"}));
     EXPECT_TRUE(GrpcHas(push({{a, "topk:0.01", s2, FLOAT32}}), kInvalid,
                         {where(a), "payload has 1001 elements, the output has 1000"}));
     EXPECT_TRUE(GrpcHas(push({{a, "fp16", s3, FLOAT32}}), kInvalid,
@@ -676,10 +672,12 @@ TEST_F(CompressionWireTest, MalformedPayloadsAreInvalidArgumentAndChangeNothing)
   // A valid payload for one chunk and a malformed one for another, in either order: the
   // error names the bad chunk and nothing is applied.
   const std::string truncated_b = topk_b.substr(0, topk_b.size() - 2);
-  EXPECT_TRUE(GrpcHas(push({{a, "topk:0.01", topk_a, FLOAT32}, {b, "topk:0.01", truncated_b, FLOAT32}}),
-                      kInvalid, {where(b), "\"topk:0.01\""}));
-  EXPECT_TRUE(GrpcHas(push({{b, "topk:0.01", truncated_b, FLOAT32}, {a, "topk:0.01", topk_a, FLOAT32}}),
-                      kInvalid, {where(b), "\"topk:0.01\""}));
+  EXPECT_TRUE(
+      GrpcHas(push({{a, "topk:0.01", topk_a, FLOAT32}, {b, "topk:0.01", truncated_b, FLOAT32}}),
+              kInvalid, {where(b), "\"topk:0.01\""}));
+  EXPECT_TRUE(
+      GrpcHas(push({{b, "topk:0.01", truncated_b, FLOAT32}, {a, "topk:0.01", topk_a, FLOAT32}}),
+              kInvalid, {where(b), "\"topk:0.01\""}));
   EXPECT_TRUE(GrpcHas(push({{a, "topk:0.01", topk_a, FLOAT32},
                             {dense, "", Bytes(Slice(grad, dense).data(), dense.numel), FLOAT32},
                             {b, "zstd", fp16_b, FLOAT32}}),
@@ -753,13 +751,41 @@ float RefBf16(float x) {
 // irregular values over a wide exponent range.
 Values PullInit(const JobLayout& layout) {
   Values v = Zeros(layout);
-  const std::vector<float> special = {
-      0.0f, -0.0f, 1.0f, -1.0f, 2049.0f, 2051.0f, -4097.0f,
-      1.0f + 0x1p-11f, 1.0f + 3 * 0x1p-11f, 1.0f + 0x1p-8f, 1.0f + 3 * 0x1p-8f,
-      -(1.0f + 0x1p-8f), 0x1p-25f, 0x1.0002p-25f, 0x1p-24f, 0x1.8p-24f, 0x1p-15f, 1e-7f,
-      -3e-6f, 6.1e-5f, 65504.0f, 65519.0f, 65520.0f, -65536.0f, 1e6f, -1e30f, 3.39e38f,
-      0x1.fe8p127f, std::numeric_limits<float>::max(), -std::numeric_limits<float>::max(),
-      1e-40f, -1e-45f, std::numeric_limits<float>::min(), 0.1f, 1.0f / 3.0f};
+  const std::vector<float> special = {0.0f,
+                                      -0.0f,
+                                      1.0f,
+                                      -1.0f,
+                                      2049.0f,
+                                      2051.0f,
+                                      -4097.0f,
+                                      1.0f + 0x1p-11f,
+                                      1.0f + 3 * 0x1p-11f,
+                                      1.0f + 0x1p-8f,
+                                      1.0f + 3 * 0x1p-8f,
+                                      -(1.0f + 0x1p-8f),
+                                      0x1p-25f,
+                                      0x1.0002p-25f,
+                                      0x1p-24f,
+                                      0x1.8p-24f,
+                                      0x1p-15f,
+                                      1e-7f,
+                                      -3e-6f,
+                                      6.1e-5f,
+                                      65504.0f,
+                                      65519.0f,
+                                      65520.0f,
+                                      -65536.0f,
+                                      1e6f,
+                                      -1e30f,
+                                      3.39e38f,
+                                      0x1.fe8p127f,
+                                      std::numeric_limits<float>::max(),
+                                      -std::numeric_limits<float>::max(),
+                                      1e-40f,
+                                      -1e-45f,
+                                      std::numeric_limits<float>::min(),
+                                      0.1f,
+                                      1.0f / 3.0f};
   size_t k = 0;
   for (size_t t = 0; t < v.size(); ++t) {
     for (size_t i = 0; i < v[t].size(); ++i, ++k) {
@@ -894,8 +920,8 @@ TEST_F(CompressionWireTest, RawPullInFp16AndBf16IsTheRoundedValues) {
   // Any other pull codec is refused (parameters may be narrowed, never sparsified or
   // randomised), and the state is unchanged.
   const std::string before0 = Snapshot(stubs_[0].get(), layout.job);
-  for (const std::string spec : {"topk:0.01", "zstd", "qsgd:4", "identity", "fp16+bf16",
-                                 "topk:0.01+fp16", "FP16"}) {
+  for (const std::string spec :
+       {"topk:0.01", "zstd", "qsgd:4", "identity", "fp16+bf16", "topk:0.01+fp16", "FP16"}) {
     PullRequest req;
     req.set_job(layout.job);
     req.set_codec(spec);
@@ -954,7 +980,7 @@ TEST_F(CompressionWireTest, RealClientPullsFp16AndBf16WithExactByteCounts) {
                          NewGrpcParameterClient(layout, o));
     Values got = Zeros(layout);
     ASSERT_OK(client->Push(0, ConstSpans(IrregularGrad(layout, 9))));  // from version 0
-    ASSERT_OK(client->Pull(Spans(got)));                              // now at version 1
+    ASSERT_OK(client->Pull(Spans(got)));                               // now at version 1
     ASSERT_OK(client->Push(1, ConstSpans(IrregularGrad(layout, 10))));
     int64_t stale = 0, updates = 0;
     for (int s = 0; s < 2; ++s) {

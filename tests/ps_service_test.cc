@@ -7,6 +7,12 @@
 // fail with RESOURCE_EXHAUSTED and leave the server serving, retried pushes apply once, the
 // client retries UNAVAILABLE until a shard comes up, and concurrent pushes from several
 // workers are all applied exactly.
+#include <grpcpp/client_context.h>
+#include <grpcpp/security/server_credentials.h>
+#include <grpcpp/server.h>
+#include <grpcpp/server_builder.h>
+#include <grpcpp/support/status.h>
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -20,28 +26,23 @@
 #include <thread>
 #include <vector>
 
-#include <grpcpp/client_context.h>
-#include <grpcpp/security/server_credentials.h>
-#include <grpcpp/server.h>
-#include <grpcpp/server_builder.h>
-#include <grpcpp/support/status.h>
-
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
-#include "common/grpc_util.h"
 #include "common/partitioner.h"
 #include "common/status.h"
 #include "common/status_testing.h"
 #include "gtest/gtest.h"
 #include "proto/gradmesh.grpc.pb.h"
 #include "proto/gradmesh.pb.h"
+#include "rpc/grpc_status.h"
+#include "rpc/grpc_util.h"
 #include "server/parameter_service.h"
 #include "server/shard.h"
 #include "tests/testing/loopback.h"
-#include "worker/parameter_client.h"
+#include "worker/ps/parameter_client.h"
 
 namespace gradmesh {
 namespace {
@@ -124,10 +125,9 @@ class TwoShardTest : public TwoShardFixture {};
 
 // Odd sizes spanning both shards: 10, 1 (scalar-like), 12345 (13 chunks), 3x7.
 JobLayout OddLayout(const std::string& job, int32_t num_workers = 1) {
-  return MakeLayout(job,
-                    {Tensor("a", {10}), Tensor("b", {1}), Tensor("c", {12345}),
-                     Tensor("d", {3, 7})},
-                    /*chunk_elems=*/1000, /*lr=*/0.5, num_workers);
+  return MakeLayout(
+      job, {Tensor("a", {10}), Tensor("b", {1}), Tensor("c", {12345}), Tensor("d", {3, 7})},
+      /*chunk_elems=*/1000, /*lr=*/0.5, num_workers);
 }
 
 // 1. Full round trip through the real client.
@@ -276,7 +276,8 @@ TEST_F(TwoShardTest, BadRequestsFailWithExactCodesAndChangeNothing) {
   // one owned by shard 1.
   std::vector<ChunkInfo> mine;
   for (int64_t idx : p.shard_chunks(0)) {
-    if (p.chunks()[idx].tensor == 2 && p.chunks()[idx].numel == 1000) mine.push_back(p.chunks()[idx]);
+    if (p.chunks()[idx].tensor == 2 && p.chunks()[idx].numel == 1000)
+      mine.push_back(p.chunks()[idx]);
   }
   ASSERT_GE(mine.size(), 2u);
   const ChunkInfo a = mine[0], b = mine[1];
@@ -354,9 +355,9 @@ TEST_F(TwoShardTest, BadRequestsFailWithExactCodesAndChangeNothing) {
     PushRequest r = MakePush(layout.job, 0, 6);
     AddChunk(&r, a.tensor, a.chunk, ones);
     AddChunk(&r, b.tensor, b.chunk, ones)->set_dtype(FLOAT16);
-    EXPECT_TRUE(GrpcHas(RawPush(s0, r), absl::StatusCode::kInvalidArgument,
-                        {absl::StrCat("job bad tensor 2 (c) chunk ", b.chunk),
-                         "dtype FLOAT16 is not supported"}));
+    EXPECT_TRUE(GrpcHas(
+        RawPush(s0, r), absl::StatusCode::kInvalidArgument,
+        {absl::StrCat("job bad tensor 2 (c) chunk ", b.chunk), "dtype FLOAT16 is not supported"}));
     PushRequest r2 = MakePush(layout.job, 0, 7);
     AddChunk(&r2, a.tensor, a.chunk, ones)->set_codec("zstd");
     EXPECT_TRUE(GrpcHas(RawPush(s0, r2), absl::StatusCode::kInvalidArgument,
@@ -382,11 +383,11 @@ TEST_F(TwoShardTest, BadRequestsFailWithExactCodesAndChangeNothing) {
     PushRequest r = MakePush(layout.job, 0, 9);
     AddChunk(&r, a.tensor, a.chunk, ones);
     AddChunk(&r, theirs.tensor, theirs.chunk, std::vector<float>(theirs.numel, 1.0f));
-    EXPECT_TRUE(GrpcHas(
-        RawPush(s0, r), absl::StatusCode::kFailedPrecondition,
-        {absl::StrCat("job bad tensor ", theirs.tensor, " (", layout.tensors[theirs.tensor].name(),
-                      ") chunk ", theirs.chunk),
-         "belongs to shard 1, not shard 0"}));
+    EXPECT_TRUE(
+        GrpcHas(RawPush(s0, r), absl::StatusCode::kFailedPrecondition,
+                {absl::StrCat("job bad tensor ", theirs.tensor, " (",
+                              layout.tensors[theirs.tensor].name(), ") chunk ", theirs.chunk),
+                 "belongs to shard 1, not shard 0"}));
     PullRequest pr;
     pr.set_job(layout.job);
     pr.add_chunks()->set_tensor(theirs.tensor);
@@ -455,9 +456,9 @@ TEST_F(TwoShardTest, BadRequestsFailWithExactCodesAndChangeNothing) {
     const int64_t applied_before = RawInfo(so, layout.job).pushes_applied();
     Values g = Zeros(layout);
     g[2][12000] = std::numeric_limits<float>::quiet_NaN();
-    EXPECT_TRUE(AbslHas(client->Push(2, ConstSpans(g)), absl::StatusCode::kInvalidArgument,
-                        {"Push: job bad step 2 gradient of c element 12000 is not finite",
-                         "nothing was sent"}));
+    EXPECT_TRUE(AbslHas(
+        client->Push(2, ConstSpans(g)), absl::StatusCode::kInvalidArgument,
+        {"Push: job bad step 2 gradient of c element 12000 is not finite", "nothing was sent"}));
     EXPECT_TRUE(Snapshot(stubs_[0].get(), layout.job) == before0);
     EXPECT_TRUE(Snapshot(stubs_[1].get(), layout.job) == before1);
     EXPECT_EQ(RawInfo(so, layout.job).pushes_applied(), applied_before);
@@ -487,17 +488,17 @@ TEST_F(TwoShardTest, InitJobErrorsCrossTheWire) {
     std::vector<float> v = Floats(d->data());
     v.back() = std::numeric_limits<float>::infinity();
     d->set_data(Bytes(v));
-    EXPECT_TRUE(GrpcHas(init_status(r), absl::StatusCode::kInvalidArgument,
-                        {absl::StrCat("InitJob: job initbad tensor ", d->tensor()),
-                         absl::StrCat("chunk ", d->chunk(), ": element ", v.size() - 1,
-                                      " is not finite")}));
+    EXPECT_TRUE(GrpcHas(
+        init_status(r), absl::StatusCode::kInvalidArgument,
+        {absl::StrCat("InitJob: job initbad tensor ", d->tensor()),
+         absl::StrCat("chunk ", d->chunk(), ": element ", v.size() - 1, " is not finite")}));
   }
   {  // Initial values for a chunk of the other shard.
     InitJobRequest r = MakeInitRequest(layout, 2, 0, init);
     InitJobRequest other = MakeInitRequest(layout, 2, 1, init);
     *r.mutable_initial(0) = other.initial(0);
-    EXPECT_TRUE(GrpcHas(init_status(r), absl::StatusCode::kInvalidArgument,
-                        {"is not owned by shard 0"}));
+    EXPECT_TRUE(
+        GrpcHas(init_status(r), absl::StatusCode::kInvalidArgument, {"is not owned by shard 0"}));
   }
   {  // Unknown optimizer, bad shard index, duplicate tensor names, bad chunk size.
     InitJobRequest r = MakeInitRequest(layout, 2, 0, init);
@@ -515,8 +516,8 @@ TEST_F(TwoShardTest, InitJobErrorsCrossTheWire) {
     r = MakeInitRequest(layout, 2, 0, init);
     r.set_chunk_elems(0);
     // (The message does not name the job: see the report on server/shard.cc.)
-    EXPECT_TRUE(GrpcHas(init_status(r), absl::StatusCode::kInvalidArgument,
-                        {"chunk_elems must be > 0"}));
+    EXPECT_TRUE(
+        GrpcHas(init_status(r), absl::StatusCode::kInvalidArgument, {"chunk_elems must be > 0"}));
   }
   // None of these created the job.
   JobInfoRequest ir;
@@ -617,9 +618,9 @@ TEST(PsServiceTest, OversizedMessagesAreResourceExhaustedAndServerKeepsServing) 
   const grpc::Status server_side = RawPush(stub.get(), huge);
   std::printf("server-side oversized push: code %d, message \"%s\"\n",
               static_cast<int>(server_side.error_code()), server_side.error_message().c_str());
-  EXPECT_TRUE(GrpcHas(server_side, absl::StatusCode::kResourceExhausted,
-                      {"Received message larger than max",
-                       absl::StrCat(huge.ByteSizeLong(), " vs. ", kMiB)}));
+  EXPECT_TRUE(GrpcHas(
+      server_side, absl::StatusCode::kResourceExhausted,
+      {"Received message larger than max", absl::StrCat(huge.ByteSizeLong(), " vs. ", kMiB)}));
   EXPECT_TRUE(Snapshot(stub.get(), layout.job) == snap);
 
   // Client-side limit: the channel refuses to send it; the server never sees it.
@@ -627,9 +628,9 @@ TEST(PsServiceTest, OversizedMessagesAreResourceExhaustedAndServerKeepsServing) 
   const grpc::Status client_side = RawPush(small_stub.get(), huge);
   std::printf("client-side oversized push: code %d, message \"%s\"\n",
               static_cast<int>(client_side.error_code()), client_side.error_message().c_str());
-  EXPECT_TRUE(GrpcHas(client_side, absl::StatusCode::kResourceExhausted,
-                      {"Sent message larger than max",
-                       absl::StrCat(huge.ByteSizeLong(), " vs. ", kMiB)}));
+  EXPECT_TRUE(
+      GrpcHas(client_side, absl::StatusCode::kResourceExhausted,
+              {"Sent message larger than max", absl::StrCat(huge.ByteSizeLong(), " vs. ", kMiB)}));
   EXPECT_TRUE(Snapshot(stub.get(), layout.job) == snap);
 
   // The real client against the small server: an InitJob above the limit fails the same way,
@@ -730,8 +731,9 @@ TEST(PsServiceTest, ClientGivesUpAfterMaxAttempts) {
   ASSERT_OK_AND_ASSIGN(std::unique_ptr<ParameterClient> client, NewGrpcParameterClient(layout, o));
   Values v = Zeros(layout);
   const absl::Status st = client->InitJob(ConstSpans(v));
-  EXPECT_TRUE(AbslHas(st, absl::StatusCode::kUnavailable,
-                      {"gave up after 2 attempts", absl::StrCat("InitJob to shard 0 (", addr, ")")}))
+  EXPECT_TRUE(
+      AbslHas(st, absl::StatusCode::kUnavailable,
+              {"gave up after 2 attempts", absl::StrCat("InitJob to shard 0 (", addr, ")")}))
       << st;
   EXPECT_TRUE(AbslHas(client->Push(1, ConstSpans(v)), absl::StatusCode::kUnavailable,
                       {"gave up after 2 attempts", addr}));
@@ -743,9 +745,8 @@ TEST_F(TwoShardTest, ConcurrentPushesFromFourWorkersAreAllApplied) {
   constexpr int kWorkers = 4;
   constexpr int kPushes = 200;
   constexpr float kGrad = 0.25f;  // lr 0.5: each push subtracts exactly 1/8.
-  const JobLayout layout =
-      MakeLayout("conc", {Tensor("a", {2500}), Tensor("b", {7}), Tensor("c", {3, 3})}, 1000, 0.5,
-                 kWorkers);
+  const JobLayout layout = MakeLayout(
+      "conc", {Tensor("a", {2500}), Tensor("b", {7}), Tensor("c", {3, 3})}, 1000, 0.5, kWorkers);
   const Partition p = MakePartition(layout, 2);
   ASSERT_FALSE(p.shard_chunks(0).empty());
   ASSERT_FALSE(p.shard_chunks(1).empty());

@@ -1,15 +1,14 @@
 #include "worker/model.h"
-#include "worker/model_names.h"
 
 #include <sys/stat.h>
+#include <torch/script.h>
 
 #include <exception>
 #include <utility>
 
-#include <torch/script.h>
-
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "worker/model_names.h"
 
 namespace gradmesh {
 namespace {
@@ -65,8 +64,8 @@ TORCH_MODULE(Mlp);
 
 struct LeNetImpl : torch::nn::Module {
   LeNetImpl()
-      : conv1(register_module(
-            "conv1", torch::nn::Conv2d(torch::nn::Conv2dOptions(1, 6, 5).padding(2)))),
+      : conv1(register_module("conv1",
+                              torch::nn::Conv2d(torch::nn::Conv2dOptions(1, 6, 5).padding(2)))),
         conv2(register_module("conv2", torch::nn::Conv2d(torch::nn::Conv2dOptions(6, 16, 5)))),
         fc1(register_module("fc1", torch::nn::Linear(400, 120))),
         fc2(register_module("fc2", torch::nn::Linear(120, 84))),
@@ -141,8 +140,8 @@ class TorchScriptModel : public Model {
     // c10::Error, indistinguishable from a corrupt one.
     struct stat st;
     if (path.empty() || stat(path.c_str(), &st) != 0) {
-      return absl::NotFoundError(absl::StrCat("TorchScript model file \"", path,
-                                              "\" not found (set model.path)"));
+      return absl::NotFoundError(
+          absl::StrCat("TorchScript model file \"", path, "\" not found (set model.path)"));
     }
     auto model = std::unique_ptr<TorchScriptModel>(new TorchScriptModel(path));
     try {
@@ -154,8 +153,8 @@ class TorchScriptModel : public Model {
         // rather than failing later in the middle of training.
         if (p.scalar_type() != torch::kFloat32 || !p.device().is_cpu()) {
           return absl::InvalidArgumentError(absl::StrCat(
-              "TorchScript model ", path, ": parameter ", item.name, " is ", TypeString(p),
-              " on ", p.device().str(), "; only float32 CPU parameters are supported"));
+              "TorchScript model ", path, ": parameter ", item.name, " is ", TypeString(p), " on ",
+              p.device().str(), "; only float32 CPU parameters are supported"));
         }
         // Modules saved after freezing or from torch.no_grad code may have it off, and
         // then backward would not fill .grad().
@@ -180,23 +179,22 @@ class TorchScriptModel : public Model {
     try {
       torch::jit::IValue result = module_.forward({x});
       if (!result.isTensor()) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("TorchScript model ", path_, " returned a ", result.tagKind(),
-                         ", not a tensor"));
+        return absl::InvalidArgumentError(absl::StrCat("TorchScript model ", path_, " returned a ",
+                                                       result.tagKind(), ", not a tensor"));
       }
       out = result.toTensor();
     } catch (const std::exception& e) {
       return FromException(absl::StatusCode::kInvalidArgument,
-                           absl::StrCat("TorchScript model ", path_, ": forward on ",
-                                        TypeString(x), " ", ShapeString(x)),
+                           absl::StrCat("TorchScript model ", path_, ": forward on ", TypeString(x),
+                                        " ", ShapeString(x)),
                            e);
     }
     // Checked without calling size() on tensors that may lack dimension 0 (it throws).
     if (!out.defined() || out.dim() != 2 || !x.defined() || x.dim() == 0 ||
         out.size(0) != x.size(0)) {
       return absl::InvalidArgumentError(
-          absl::StrCat("TorchScript model ", path_, " returned ", ShapeString(out),
-                       " for input ", ShapeString(x), "; expected [N, num_classes]"));
+          absl::StrCat("TorchScript model ", path_, " returned ", ShapeString(out), " for input ",
+                       ShapeString(x), "; expected [N, num_classes]"));
     }
     return out;
   }
@@ -240,9 +238,8 @@ ModelRegistry ModelRegistry::WithBuiltins() {
   // Registration of fixed, distinct names cannot fail.
   registry.factories_.Set("mlp", [](const ModelSpec&) { return MakeBuiltin<Mlp>("mlp"); });
   registry.factories_.Set("lenet", [](const ModelSpec&) { return MakeBuiltin<LeNet>("lenet"); });
-  registry.factories_.Set("torchscript", [](const ModelSpec& spec) {
-    return TorchScriptModel::Load(spec.path());
-  });
+  registry.factories_.Set(
+      "torchscript", [](const ModelSpec& spec) { return TorchScriptModel::Load(spec.path()); });
   return registry;
 }
 
@@ -260,8 +257,8 @@ absl::StatusOr<std::unique_ptr<Model>> ModelRegistry::Create(const ModelSpec& sp
     torch::manual_seed(seed);
     return (**factory)(spec);
   } catch (const std::exception& e) {
-    return FromException(absl::StatusCode::kInternal,
-                         absl::StrCat("creating model ", spec.name()), e);
+    return FromException(absl::StatusCode::kInternal, absl::StrCat("creating model ", spec.name()),
+                         e);
   }
 }
 
@@ -277,9 +274,8 @@ absl::StatusOr<torch::Tensor> CrossEntropyLoss(Model* model, const torch::Tensor
   if (!logits.ok()) return logits.status();
   if (!y.defined() || y.scalar_type() != torch::kInt64 || y.dim() != 1 ||
       y.size(0) != logits->size(0)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("labels must be int64 [", logits->size(0), "], got ", TypeString(y), " ",
-                     ShapeString(y)));
+    return absl::InvalidArgumentError(absl::StrCat("labels must be int64 [", logits->size(0),
+                                                   "], got ", TypeString(y), " ", ShapeString(y)));
   }
   try {
     return torch::nn::functional::cross_entropy(*logits, y);
@@ -289,14 +285,13 @@ absl::StatusOr<torch::Tensor> CrossEntropyLoss(Model* model, const torch::Tensor
   }
 }
 
-absl::StatusOr<int64_t> CountCorrect(Model* model, const torch::Tensor& x,
-                                     const torch::Tensor& y) {
+absl::StatusOr<int64_t> CountCorrect(Model* model, const torch::Tensor& x, const torch::Tensor& y) {
   torch::NoGradGuard no_grad;
   absl::StatusOr<torch::Tensor> logits = model->Forward(x);
   if (!logits.ok()) return logits.status();
   if (!y.defined() || y.dim() != 1 || y.size(0) != logits->size(0)) {
-    return absl::InvalidArgumentError(absl::StrCat("labels must be [", logits->size(0),
-                                                   "], got ", ShapeString(y)));
+    return absl::InvalidArgumentError(
+        absl::StrCat("labels must be [", logits->size(0), "], got ", ShapeString(y)));
   }
   try {
     return logits->argmax(1).eq(y).sum().item<int64_t>();

@@ -16,14 +16,14 @@
 #ifndef GRADMESH_WORKER_MODEL_H_
 #define GRADMESH_WORKER_MODEL_H_
 
+#include <torch/torch.h>
+
 #include <cstdint>
 #include <functional>
 #include <map>
 #include <memory>
 #include <string>
 #include <vector>
-
-#include <torch/torch.h>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -61,8 +61,7 @@ class Model {
 };
 
 // Builds a model from its spec. Called after the registry has seeded LibTorch's RNG.
-using ModelFactory =
-    std::function<absl::StatusOr<std::unique_ptr<Model>>(const ModelSpec& spec)>;
+using ModelFactory = std::function<absl::StatusOr<std::unique_ptr<Model>>(const ModelSpec& spec)>;
 
 // Maps model names to factories. A plain value: build one with WithBuiltins() (or empty and
 // Register() your own) and pass it where needed; there is no process-wide registry.
@@ -113,8 +112,7 @@ absl::StatusOr<torch::Tensor> CrossEntropyLoss(Model* model, const torch::Tensor
                                                const torch::Tensor& y);
 
 // Number of samples in x whose arg-max logit equals y. Runs without autograd.
-absl::StatusOr<int64_t> CountCorrect(Model* model, const torch::Tensor& x,
-                                     const torch::Tensor& y);
+absl::StatusOr<int64_t> CountCorrect(Model* model, const torch::Tensor& x, const torch::Tensor& y);
 
 }  // namespace gradmesh
 

@@ -2,13 +2,12 @@
 
 #include <stdlib.h>
 #include <sys/stat.h>
+#include <torch/torch.h>
 
 #include <cstdio>
 #include <cstdlib>
 #include <string>
 #include <vector>
-
-#include <torch/torch.h>
 
 #include "absl/strings/str_cat.h"
 #include "common/status_testing.h"
@@ -62,7 +61,7 @@ TEST_F(ModelTest, MlpParameters) {
   EXPECT_EQ(model->ParameterNames(),
             (std::vector<std::string>{"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias",
                                       "fc3.weight", "fc3.bias"}));
-  const std::vector<std::vector<int64_t>> shapes = {{256, 784}, {256}, {256, 256},
+  const std::vector<std::vector<int64_t>> shapes = {{256, 784}, {256},     {256, 256},
                                                     {256},      {10, 256}, {10}};
   const std::vector<torch::Tensor> params = model->Parameters();
   ASSERT_EQ(params.size(), shapes.size());
@@ -81,9 +80,9 @@ TEST_F(ModelTest, LeNetParameters) {
   EXPECT_EQ(expected, 61706);
   EXPECT_EQ(NumParameters(model.get()), expected);
   EXPECT_EQ(model->ParameterNames(),
-            (std::vector<std::string>{"conv1.weight", "conv1.bias", "conv2.weight",
-                                      "conv2.bias", "fc1.weight", "fc1.bias", "fc2.weight",
-                                      "fc2.bias", "fc3.weight", "fc3.bias"}));
+            (std::vector<std::string>{"conv1.weight", "conv1.bias", "conv2.weight", "conv2.bias",
+                                      "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias",
+                                      "fc3.weight", "fc3.bias"}));
   EXPECT_EQ(model->Parameters()[0].sizes().vec(), (std::vector<int64_t>{6, 1, 5, 5}));
   EXPECT_EQ(model->Parameters()[2].sizes().vec(), (std::vector<int64_t>{16, 6, 5, 5}));
 }
@@ -272,8 +271,7 @@ TEST_F(ModelTest, TorchScriptTrainSaveReload) {
 
   const std::string saved = dir_ + "/m2.pt";
   ASSERT_OK(model->Save(saved));
-  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Model> reloaded,
-                       CreateModel(Spec("torchscript", saved), 1));
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Model> reloaded, CreateModel(Spec("torchscript", saved), 1));
   model->SetTraining(false);
   reloaded->SetTraining(false);
   torch::NoGradGuard no_grad;

@@ -9,8 +9,8 @@
 #ifndef GRADMESH_WORKER_MODES_H_
 #define GRADMESH_WORKER_MODES_H_
 
-#include "worker/ps/ps_mode.h"
 #include "worker/core/training_mode.h"
+#include "worker/ps/ps_mode.h"
 
 namespace gradmesh {
 

@@ -21,8 +21,8 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerOptions options,
   const JobSpec& spec = options.spec;
   ASSIGN_OR_RETURN(options.mode, ParseMode(spec.mode().empty() ? "async" : spec.mode()));
   if (options.rank < 0 || options.rank >= spec.num_workers()) {
-    return absl::InvalidArgumentError(absl::StrCat("trainer: rank ", options.rank,
-                                                   " not in [0, ", spec.num_workers(), ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("trainer: rank ", options.rank, " not in [0, ", spec.num_workers(), ")"));
   }
   if (options.intra_op_threads < 1) {
     return absl::InvalidArgumentError("trainer: intra_op_threads must be >= 1");
@@ -51,13 +51,13 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerOptions options,
     if (cs.momentum() != 0 && !feedback) {
       return absl::InvalidArgumentError(absl::StrCat(
           "job spec: compression.momentum needs error feedback on a biased push codec (topk, "
-          "topk_approx, fp16, bf16); \"", cs.push(), "\" with error_feedback=",
-          feedback ? "true" : "false", " would ignore it"));
+          "topk_approx, fp16, bf16); \"",
+          cs.push(), "\" with error_feedback=", feedback ? "true" : "false", " would ignore it"));
     }
     if (cs.warmup_steps() > 0 && (*codec)->density() >= 1.0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "job spec: compression.warmup_steps needs a sparsifying push codec, not \"",
-          cs.push(), "\""));
+      return absl::InvalidArgumentError(
+          absl::StrCat("job spec: compression.warmup_steps needs a sparsifying push codec, not \"",
+                       cs.push(), "\""));
     }
   } else if (cs.momentum() != 0 || cs.warmup_steps() != 0) {
     return absl::InvalidArgumentError(
@@ -65,9 +65,9 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerOptions options,
   }
   const std::vector<std::string> datasets = KnownDatasets();
   if (std::find(datasets.begin(), datasets.end(), spec.dataset().name()) == datasets.end()) {
-    return absl::InvalidArgumentError(absl::StrCat("unknown dataset \"", spec.dataset().name(),
-                                                   "\"; known datasets: ",
-                                                   absl::StrJoin(datasets, ", ")));
+    return absl::InvalidArgumentError(
+        absl::StrCat("unknown dataset \"", spec.dataset().name(),
+                     "\"; known datasets: ", absl::StrJoin(datasets, ", ")));
   }
   ASSIGN_OR_RETURN(const TrainingModeFactory* factory, modes.Find(ModeName(options.mode)));
   std::unique_ptr<Trainer> trainer(new Trainer(std::move(options)));

@@ -35,7 +35,6 @@ absl::StatusOr<double> EvaluateAccuracy(Model* model, const DatasetFiles& data) 
   return static_cast<double>(correct) / data.test.size;
 }
 
-
 class TrainingLoop {
  public:
   TrainingLoop(const TrainerOptions& options, TrainingMode* mode, const std::atomic<bool>& stop)
@@ -83,8 +82,8 @@ absl::Status TrainingLoop::MakeModelView() {
   view_.names = model_->ParameterNames();
   for (size_t i = 0; i < params_.size(); ++i) {
     if (params_[i].scalar_type() != torch::kFloat || !params_[i].is_contiguous()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "trainer: parameter ", view_.names[i], " must be a contiguous float32 tensor"));
+      return absl::InvalidArgumentError(absl::StrCat("trainer: parameter ", view_.names[i],
+                                                     " must be a contiguous float32 tensor"));
     }
     view_.shapes.emplace_back(params_[i].sizes().begin(), params_[i].sizes().end());
     view_.params.emplace_back(params_[i].data_ptr<float>(), params_[i].numel());
@@ -135,13 +134,17 @@ absl::Status TrainingLoop::Setup() {
 
 void TrainingLoop::LogStart() const {
   if (log_ == nullptr) return;
-  std::vector<LogField> f = {
-      Kv("job", spec_.name()),          Kv("rank", options_.rank),
-      Kv("mode", spec_.mode()),         Kv("model", spec_.model().name()),
-      Kv("dataset", spec_.dataset().name()), Kv("params", view_.numel()),
-      Kv("steps", total_),              Kv("steps_per_epoch", loader_->steps_per_epoch()),
-      Kv("epochs", epochs_),            Kv("batch", spec_.batch_size()),
-      Kv("workers", spec_.num_workers())};
+  std::vector<LogField> f = {Kv("job", spec_.name()),
+                             Kv("rank", options_.rank),
+                             Kv("mode", spec_.mode()),
+                             Kv("model", spec_.model().name()),
+                             Kv("dataset", spec_.dataset().name()),
+                             Kv("params", view_.numel()),
+                             Kv("steps", total_),
+                             Kv("steps_per_epoch", loader_->steps_per_epoch()),
+                             Kv("epochs", epochs_),
+                             Kv("batch", spec_.batch_size()),
+                             Kv("workers", spec_.num_workers())};
   for (LogField& e : mode_->StartFields()) f.push_back(std::move(e));
   log_->Info("train_start", f);
 }
@@ -161,8 +164,8 @@ absl::Status TrainingLoop::Step(Batch& batch, StepOutcome* outcome) {
     loss.backward();
   } catch (const c10::Error& e) {
     mode_->AbortStep();
-    return absl::InternalError(absl::StrCat("trainer: backward failed at step ", step_, ": ",
-                                            e.what_without_backtrace()));
+    return absl::InternalError(
+        absl::StrCat("trainer: backward failed at step ", step_, ": ", e.what_without_backtrace()));
   }
   for (size_t i = 0; i < params_.size(); ++i) {
     const torch::Tensor& g = params_[i].grad();
@@ -191,13 +194,19 @@ void TrainingLoop::Progress(const Batch& batch) {
   const double samples_per_s = dt > 0 ? window_steps_ * spec_.batch_size() / dt : 0;
   if (log_ != nullptr) {
     auto ms = [done](double s) { return absl::StrFormat("%.1f", 1e3 * s / done); };
-    std::vector<LogField> f = {
-        Kv("job", spec_.name()), Kv("rank", options_.rank), Kv("mode", spec_.mode()),
-        Kv("step", step_), Kv("total", total_), Kv("epoch", epoch_), Kv("epochs", epochs_),
-        Kv("loss", absl::StrFormat("%.4f", result_.final_loss)),
-        Kv("samples_per_s", absl::StrFormat("%.0f", samples_per_s)),
-        Kv("data_ms", ms(result_.data_s)), Kv("compute_ms", ms(result_.compute_s)),
-        Kv("comm_ms", ms(result_.comm_s)), Kv("bytes_per_step", mode_->bytes_sent() / done)};
+    std::vector<LogField> f = {Kv("job", spec_.name()),
+                               Kv("rank", options_.rank),
+                               Kv("mode", spec_.mode()),
+                               Kv("step", step_),
+                               Kv("total", total_),
+                               Kv("epoch", epoch_),
+                               Kv("epochs", epochs_),
+                               Kv("loss", absl::StrFormat("%.4f", result_.final_loss)),
+                               Kv("samples_per_s", absl::StrFormat("%.0f", samples_per_s)),
+                               Kv("data_ms", ms(result_.data_s)),
+                               Kv("compute_ms", ms(result_.compute_s)),
+                               Kv("comm_ms", ms(result_.comm_s)),
+                               Kv("bytes_per_step", mode_->bytes_sent() / done)};
     if (checkpoint_step_ >= 0) f.push_back(Kv("checkpoint_step", checkpoint_step_));
     for (LogField& e : mode_->ProgressFields(done, window_steps_)) f.push_back(std::move(e));
     log_->Info("progress", f);

@@ -27,7 +27,7 @@ class FakeMode : public TrainingMode {
   bool collective = false;
   int64_t stop_after_step = -1;  // Exchange of this step says stop (collective).
   bool evaluate = false;
-  bool zero_model = false;       // Start writes zeros through the view.
+  bool zero_model = false;  // Start writes zeros through the view.
   std::vector<std::string> calls;
   std::vector<double> losses;
   int64_t gradients_seen = 0;
@@ -57,8 +57,8 @@ class FakeMode : public TrainingMode {
     EXPECT_EQ(grad.size(), view->params[param].size());
   }
   absl::StatusOr<StepOutcome> Exchange(int64_t step,
-                                       absl::Span<const absl::Span<const float>> grads,
-                                       double loss, const StepTiming& timing) override {
+                                       absl::Span<const absl::Span<const float>> grads, double loss,
+                                       const StepTiming& timing) override {
     calls.push_back(absl::StrCat("exchange ", step));
     EXPECT_EQ(grads.size(), view->params.size());
     for (absl::Span<const float> g : grads) grad_elems_in_exchange += g.size();
@@ -123,10 +123,10 @@ TEST(TrainingLoopTest, CallsTheHooksInOrderAndReportsOneSchema) {
   std::atomic<bool> stop{false};
   ASSERT_OK_AND_ASSIGN(TrainResult r, RunTrainingLoop(o, &mode, stop));
 
-  const std::vector<std::string> want = {
-      "start total=3", "forward 0", "backward 0", "exchange 0", "checkpoint? 1",
-      "forward 1",     "backward 1", "exchange 1", "checkpoint? 2", "forward 2",
-      "backward 2",    "exchange 2", "checkpoint? 3", "finish 3"};
+  const std::vector<std::string> want = {"start total=3", "forward 0", "backward 0", "exchange 0",
+                                         "checkpoint? 1", "forward 1", "backward 1", "exchange 1",
+                                         "checkpoint? 2", "forward 2", "backward 2", "exchange 2",
+                                         "checkpoint? 3", "finish 3"};
   EXPECT_EQ(mode.calls, want);
   EXPECT_EQ(mode.gradients_seen, 0);
   EXPECT_EQ(mode.grad_elems_in_exchange, 3 * (784 * 256 + 256 + 256 * 256 + 256 + 256 * 10 + 10));
@@ -135,7 +135,7 @@ TEST(TrainingLoopTest, CallsTheHooksInOrderAndReportsOneSchema) {
   EXPECT_EQ(r.first_step, 0);
   EXPECT_FALSE(r.stopped_early);
   EXPECT_EQ(r.bytes_pushed, 7);
-  EXPECT_EQ(r.test_accuracy, -1);  // The mode did not ask for evaluation.
+  EXPECT_EQ(r.test_accuracy, -1);                  // The mode did not ask for evaluation.
   EXPECT_DOUBLE_EQ(r.final_loss, mode.losses[2]);  // The last window holds step 2 only.
 
   // Progress at step 2 (log_every) and at the last step, with the common keys in order.
@@ -144,9 +144,9 @@ TEST(TrainingLoopTest, CallsTheHooksInOrderAndReportsOneSchema) {
     if (line.find("event=progress") != std::string::npos) progress.push_back(line);
   }
   ASSERT_EQ(progress.size(), 2u);
-  for (const char* key : {" job=loop", " rank=0", " mode=async", " total=3", " epoch=1",
-                          " epochs=1", " loss=", " samples_per_s=", " data_ms=", " compute_ms=",
-                          " comm_ms=", " fake_done="}) {
+  for (const char* key :
+       {" job=loop", " rank=0", " mode=async", " total=3", " epoch=1", " epochs=1",
+        " loss=", " samples_per_s=", " data_ms=", " compute_ms=", " comm_ms=", " fake_done="}) {
     EXPECT_NE(progress[0].find(key), std::string::npos) << key << " in " << progress[0];
   }
   EXPECT_NE(progress[0].find(" step=2 "), std::string::npos);

@@ -99,10 +99,9 @@ void WorkerAgent::Execute(Run* run) {
 
   absl::StatusOr<TrainResult> result;
   auto trainer = Trainer::Create(
-      to,
-      BuiltinTrainingModes(
-          [co](JobLayout layout) { return NewGrpcParameterClient(std::move(layout), co); },
-          options_.peer_services));
+      to, BuiltinTrainingModes(
+              [co](JobLayout layout) { return NewGrpcParameterClient(std::move(layout), co); },
+              options_.peer_services));
   if (!trainer.ok()) {
     result = trainer.status();
   } else {
@@ -127,18 +126,18 @@ void WorkerAgent::Execute(Run* run) {
       if (result->test_accuracy >= 0) run->report.set_accuracy(result->test_accuracy);
       run->report.set_loss(result->final_loss);
       run->report.set_step(run->report.total_steps() > 0 ? run->report.total_steps()
-                                                          : result->first_step + result->steps);
+                                                         : result->first_step + result->steps);
     }
   }
   if (result.ok()) {
-    LogInfo(options_.logger, "task_end",
-            {Kv("job", task.job_id()), Kv("rank", task.index()),
-             Kv("state", result->stopped_early ? "stopped" : "succeeded"),
-             Kv("steps", result->steps), Kv("samples", result->samples),
-             Kv("wall_s", absl::StrFormat("%.2f", result->wall_s)),
-             Kv("samples_per_s", absl::StrFormat("%.1f", result->samples_per_s)),
-             Kv("first_step", result->first_step),
-             Kv("accuracy", absl::StrFormat("%.4f", result->test_accuracy))});
+    LogInfo(
+        options_.logger, "task_end",
+        {Kv("job", task.job_id()), Kv("rank", task.index()),
+         Kv("state", result->stopped_early ? "stopped" : "succeeded"), Kv("steps", result->steps),
+         Kv("samples", result->samples), Kv("wall_s", absl::StrFormat("%.2f", result->wall_s)),
+         Kv("samples_per_s", absl::StrFormat("%.1f", result->samples_per_s)),
+         Kv("first_step", result->first_step),
+         Kv("accuracy", absl::StrFormat("%.4f", result->test_accuracy))});
   } else {
     LogError(options_.logger, "task_end",
              {Kv("job", task.job_id()), Kv("rank", task.index()), Kv("state", "failed"),

@@ -7,9 +7,9 @@
 // listed is asked to stop after its current step (cancelled job, or its rank moved), and a
 // task whose generation changed is stopped and started again with the new placement (its
 // rank resumes where the shards or its checkpoint say), except when only a sync job's group
-// changed (active ranks, lr scale): then the running trainer takes it in place. Reports() returns one TaskReport per
-// task: live progress while running, then its final state ("succeeded", "failed" with the
-// error, or "stopped") until the coordinator stops listing it. Several tasks (of different
+// changed (active ranks, lr scale): then the running trainer takes it in place. Reports() returns
+// one TaskReport per task: live progress while running, then its final state ("succeeded", "failed"
+// with the error, or "stopped") until the coordinator stops listing it. Several tasks (of different
 // jobs, or several ranks of one ps job after a failure) can run at once.
 //
 // StopAll() (SIGTERM, preemption) asks every task to stop after its current step and waits:
@@ -30,7 +30,7 @@
 #include "common/logging.h"
 #include "proto/coordinator.pb.h"
 #include "worker/modes.h"
-#include "worker/parameter_client.h"
+#include "worker/ps/parameter_client.h"
 #include "worker/trainer.h"
 
 namespace gradmesh {

@@ -14,6 +14,7 @@
 // with the coordinator and runs the ranks it places here (worker/worker_agent.h); SIGTERM
 // stops them after their current step, reports them stopped (the coordinator moves them) and
 // exits 0.
+#include <grpcpp/grpcpp.h>
 #include <unistd.h>
 
 #include <cstdlib>
@@ -22,25 +23,23 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
-#include "absl/strings/str_cat.h"
-#include "common/auth.h"
 #include "common/daemon.h"
-#include "common/daemon_main.h"
-#include "common/grpc_util.h"
-#include "common/metrics_http.h"
-#include "common/node_agent.h"
 #include "common/job_spec.h"
 #include "common/logging.h"
 #include "common/status.h"
-#include <grpcpp/grpcpp.h>
-
+#include "rpc/auth.h"
+#include "rpc/grpc_util.h"
+#include "runtime/daemon_main.h"
+#include "runtime/metrics_http.h"
+#include "runtime/node_agent.h"
 #include "worker/allreduce/collective_service.h"
 #include "worker/gossip/gossip_service.h"
 #include "worker/modes.h"
 #include "worker/nccl/nccl_communicator.h"
-#include "worker/parameter_client.h"
+#include "worker/ps/parameter_client.h"
 #include "worker/trainer.h"
 #include "worker/worker_agent.h"
 #include "worker/worker_metrics.h"
@@ -138,7 +137,8 @@ absl::StatusOr<WorkerMainOptions> ParseOptions() {
     spec = *loaded;
   }
   if (!absl::GetFlag(FLAGS_name).empty()) spec.set_name(absl::GetFlag(FLAGS_name));
-  if (!absl::GetFlag(FLAGS_model).empty()) spec.mutable_model()->set_name(absl::GetFlag(FLAGS_model));
+  if (!absl::GetFlag(FLAGS_model).empty())
+    spec.mutable_model()->set_name(absl::GetFlag(FLAGS_model));
   if (!absl::GetFlag(FLAGS_model_path).empty()) {
     spec.mutable_model()->set_path(absl::GetFlag(FLAGS_model_path));
   }
@@ -204,9 +204,9 @@ absl::StatusOr<WorkerMainOptions> ParseOptions() {
   ApplyJobSpecDefaults(static_cast<int>(o.client.servers.size()), &spec);
   RETURN_IF_ERROR(ValidateJobSpec(spec));
   if (ps && spec.num_shards() != static_cast<int>(o.client.servers.size())) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "job spec asks for %d shards but --servers lists %d", spec.num_shards(),
-        o.client.servers.size()));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("job spec asks for %d shards but --servers lists %d", spec.num_shards(),
+                        o.client.servers.size()));
   }
   o.trainer.checkpoint_dir = absl::GetFlag(FLAGS_checkpoint_dir);
   o.trainer.spec = spec;
@@ -322,20 +322,21 @@ int Run() {
   if (!absl::GetFlag(FLAGS_coordinator).empty()) return RunService();
   auto parsed = ParseOptions();
   if (!parsed.ok()) {
-    Logger({Kv("role", "worker")}).Error("bad_arguments", {Kv("error", parsed.status().ToString())});
+    Logger({Kv("role", "worker")})
+        .Error("bad_arguments", {Kv("error", parsed.status().ToString())});
     return 2;
   }
   WorkerMainOptions o = std::move(parsed).value();
   // Shared with the detached signal thread below, which may outlive Run().
-  auto shared_logger = std::make_shared<Logger>(
-      std::vector<LogField>{Kv("node", o.node), Kv("role", "worker")});
+  auto shared_logger =
+      std::make_shared<Logger>(std::vector<LogField>{Kv("node", o.node), Kv("role", "worker")});
   Logger& logger = *shared_logger;
   o.trainer.logger = &logger;
   o.client.logger = &logger;
   // Metrics: the latest progress of this rank, as a service-mode daemon would report it.
   absl::Mutex progress_mu;
-  TaskReport latest = ReportFromProgress(o.trainer.spec.name(), o.trainer.rank, "running",
-                                         TrainProgress());
+  TaskReport latest =
+      ReportFromProgress(o.trainer.spec.name(), o.trainer.rank, "running", TrainProgress());
   o.trainer.on_progress = [&progress_mu, &latest, name = o.trainer.spec.name(),
                            rank = o.trainer.rank](const TrainProgress& p) {
     absl::MutexLock lock(&progress_mu);
@@ -354,16 +355,17 @@ int Run() {
     logger.Error("listen_failed", {Kv("error", metrics_server.status().ToString())});
     return 1;
   }
-  logger.Info("job_spec", {Kv("job", o.trainer.spec.name()), Kv("spec", JobSpecToJson(o.trainer.spec))});
+  logger.Info("job_spec",
+              {Kv("job", o.trainer.spec.name()), Kv("spec", JobSpecToJson(o.trainer.spec))});
   const GrpcParameterClientOptions client_options = o.client;
   CollectiveServiceImpl collective;
   GossipServiceImpl gossip;
-  auto trainer = Trainer::Create(
-      o.trainer, BuiltinTrainingModes(
-                     [&client_options](JobLayout layout) {
-                       return NewGrpcParameterClient(std::move(layout), client_options);
-                     },
-                     PeerServices{&collective, &gossip}));
+  auto trainer = Trainer::Create(o.trainer, BuiltinTrainingModes(
+                                                [&client_options](JobLayout layout) {
+                                                  return NewGrpcParameterClient(std::move(layout),
+                                                                                client_options);
+                                                },
+                                                PeerServices{&collective, &gossip}));
   if (!trainer.ok()) {
     logger.Error("bad_arguments", {Kv("error", trainer.status().ToString())});
     return 2;
@@ -393,26 +395,28 @@ int Run() {
     shared_trainer->RequestStop();
   });
   auto result = shared_trainer->Run();
-  if (peer_server != nullptr) peer_server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
+  if (peer_server != nullptr)
+    peer_server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
   if (!result.ok()) {
-    logger.Error("failed", {Kv("job", o.trainer.spec.name()), Kv("error", result.status().ToString())});
+    logger.Error("failed",
+                 {Kv("job", o.trainer.spec.name()), Kv("error", result.status().ToString())});
     return 1;
   }
   const TrainResult& r = *result;
-  logger.Info("done", {Kv("job", o.trainer.spec.name()), Kv("steps", r.steps), Kv("samples", r.samples),
-                       Kv("wall_s", absl::StrFormat("%.2f", r.wall_s)),
-                       Kv("samples_per_s", absl::StrFormat("%.1f", r.samples_per_s)),
-                       Kv("loss", absl::StrFormat("%.4f", r.final_loss)),
-                       Kv("accuracy", absl::StrFormat("%.4f", r.test_accuracy)),
-                       Kv("data_s", absl::StrFormat("%.2f", r.data_s)),
-                       Kv("compute_s", absl::StrFormat("%.2f", r.compute_s)),
-                       Kv("comm_s", absl::StrFormat("%.2f", r.comm_s)),
-                       Kv("bytes_pushed", r.bytes_pushed), Kv("bytes_pulled", r.bytes_pulled),
-                       Kv("raw_bytes_pushed", r.raw_bytes_pushed),
-                       Kv("raw_bytes_pulled", r.raw_bytes_pulled),
-                       Kv("codec_s", absl::StrFormat("%.2f", r.codec_s)),
-                       Kv("stopped_early", r.stopped_early ? "true" : "false"),
-                       Kv("first_step", r.first_step)});
+  logger.Info(
+      "done",
+      {Kv("job", o.trainer.spec.name()), Kv("steps", r.steps), Kv("samples", r.samples),
+       Kv("wall_s", absl::StrFormat("%.2f", r.wall_s)),
+       Kv("samples_per_s", absl::StrFormat("%.1f", r.samples_per_s)),
+       Kv("loss", absl::StrFormat("%.4f", r.final_loss)),
+       Kv("accuracy", absl::StrFormat("%.4f", r.test_accuracy)),
+       Kv("data_s", absl::StrFormat("%.2f", r.data_s)),
+       Kv("compute_s", absl::StrFormat("%.2f", r.compute_s)),
+       Kv("comm_s", absl::StrFormat("%.2f", r.comm_s)), Kv("bytes_pushed", r.bytes_pushed),
+       Kv("bytes_pulled", r.bytes_pulled), Kv("raw_bytes_pushed", r.raw_bytes_pushed),
+       Kv("raw_bytes_pulled", r.raw_bytes_pulled),
+       Kv("codec_s", absl::StrFormat("%.2f", r.codec_s)),
+       Kv("stopped_early", r.stopped_early ? "true" : "false"), Kv("first_step", r.first_step)});
   return 0;
 }
 

@@ -11,8 +11,8 @@ void CollectWorkerMetrics(const std::vector<TaskReport>& reports, MetricsWriter*
   std::map<std::string, int> by_state = {{"running", 0}};
   for (const TaskReport& r : reports) ++by_state[r.state()];
   for (const auto& [state, count] : by_state) {
-    w->Gauge("gradmesh_worker_ranks", "Ranks on this worker daemon, by state.",
-             {{"state", state}}, count);
+    w->Gauge("gradmesh_worker_ranks", "Ranks on this worker daemon, by state.", {{"state", state}},
+             count);
   }
   for (const TaskReport& r : reports) {
     const MetricLabels l = {{"job_id", r.job_id()}, {"rank", absl::StrCat(r.index())}};
@@ -20,8 +20,7 @@ void CollectWorkerMetrics(const std::vector<TaskReport>& reports, MetricsWriter*
              static_cast<double>(r.step()));
     w->Gauge("gradmesh_worker_total_steps", "Steps of the rank in the whole job.", l,
              static_cast<double>(r.total_steps()));
-    w->Gauge("gradmesh_worker_loss", "Mean training loss over the last log window.", l,
-             r.loss());
+    w->Gauge("gradmesh_worker_loss", "Mean training loss over the last log window.", l, r.loss());
     w->Gauge("gradmesh_worker_samples_per_second", "Samples per second, last log window.", l,
              r.samples_per_s());
     w->Gauge("gradmesh_worker_checkpoint_step", "Step of the latest checkpoint (-1: none).", l,

@@ -15,6 +15,12 @@ IMAGE="${IMAGE:-localhost/gradmesh:latest}"
 WORK="${WORK:-/var/tmp/gradmesh-image}"
 read -r -a PODMAN <<<"${PODMAN:-podman}"
 say() { echo "build.sh: $*" >&2; }
+# The image tools are not part of deploy/setup.sh (CI does not need them): install them here.
+for p in podman runc debootstrap; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" ||
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q "$p" >/dev/null ||
+    { say "apt-get install $p failed"; exit 1; }
+done
 command -v "${PODMAN[0]}" >/dev/null || { say "${PODMAN[0]} not found (apt-get install podman)"; exit 1; }
 mkdir -p "$WORK"
 

@@ -18,13 +18,12 @@
 //
 // algbw = bytes / time, busbw = algbw * 2 (n - 1) / n, as nccl-tests defines them
 // (GB = 1e9 bytes).
+#include <grpcpp/grpcpp.h>
+#include <netinet/in.h>
 #include <signal.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
-#include <netinet/in.h>
 #include <unistd.h>
-
-#include <grpcpp/grpcpp.h>
 
 #include <algorithm>
 #include <cstdio>
@@ -57,7 +56,8 @@ ABSL_FLAG(std::string, transports, "grpc,tcp",
 ABSL_FLAG(int64_t, socket_buffer_bytes, -1,
           "tcp transport: SO_SNDBUF/SO_RCVBUF (TcpRingOptions: -1 = by oversubscription, "
           "0 = kernel auto-tuning).");
-ABSL_FLAG(std::string, codec, "", "Ring wire format: empty (float32) or fp16 (RingOptions::codec).");
+ABSL_FLAG(std::string, codec, "",
+          "Ring wire format: empty (float32) or fp16 (RingOptions::codec).");
 ABSL_FLAG(int64_t, budget_bytes, 256 << 20, "Bytes per size: iters = budget / size, clamped.");
 ABSL_FLAG(int, min_iters, 5, "Fewest timed iterations per size.");
 ABSL_FLAG(int, max_iters, 200, "Most timed iterations per size.");
@@ -84,8 +84,8 @@ std::vector<int64_t> ParseList(const std::string& s) {
 
 int Iterations(int64_t bytes) {
   const int64_t it = absl::GetFlag(FLAGS_budget_bytes) / std::max<int64_t>(bytes, 1);
-  return static_cast<int>(std::clamp<int64_t>(it, absl::GetFlag(FLAGS_min_iters),
-                                              absl::GetFlag(FLAGS_max_iters)));
+  return static_cast<int>(
+      std::clamp<int64_t>(it, absl::GetFlag(FLAGS_min_iters), absl::GetFlag(FLAGS_max_iters)));
 }
 
 // `n` distinct TCP ports on 127.0.0.1 that were free a moment ago (all bound at once, so
@@ -184,9 +184,8 @@ int MeasureSizes(RingTransport* t, const RingOptions& ro, const std::string& imp
       }
     }
     const double mean = absl::ToDoubleSeconds(absl::Now() - start) / iters;
-    auto all = RingAllgather(t, absl::string_view(reinterpret_cast<const char*>(&mean),
-                                                  sizeof(mean)),
-                             ro);
+    auto all =
+        RingAllgather(t, absl::string_view(reinterpret_cast<const char*>(&mean), sizeof(mean)), ro);
     if (!all.ok()) return 1;
     double slowest = 0;
     for (const std::string& s : *all) {
@@ -239,8 +238,8 @@ int RunRank(int rank, const std::vector<std::string>& peers) {
     ro.segment_bytes = absl::GetFlag(FLAGS_segment_bytes);
     ro.timeout = absl::Seconds(60);
     if (absl::GetFlag(FLAGS_codec) == "fp16") ro.codec = RingCodec::kFp16;
-    for (absl::string_view name : absl::StrSplit(absl::GetFlag(FLAGS_transports), ',',
-                                                 absl::SkipEmpty())) {
+    for (absl::string_view name :
+         absl::StrSplit(absl::GetFlag(FLAGS_transports), ',', absl::SkipEmpty())) {
       std::unique_ptr<RingTransport> tcp;
       RingTransport* t = grpc_ring;
       if (name == "tcp") {
@@ -279,23 +278,22 @@ int RunParent(const char* argv0) {
     for (int r = 0; r < n; ++r) peers.push_back(absl::StrCat("127.0.0.1:", ports[r]));
     std::vector<pid_t> pids;
     for (int r = 0; r < n; ++r) {
-      pids.push_back(Spawn({exe, absl::StrCat("--rank=", r),
-                            absl::StrCat("--peers=", absl::StrJoin(peers, ",")),
-                            absl::StrCat("--sizes=", absl::GetFlag(FLAGS_sizes)),
-                            absl::StrCat("--segment_bytes=", absl::GetFlag(FLAGS_segment_bytes)),
-                            absl::StrCat("--budget_bytes=", absl::GetFlag(FLAGS_budget_bytes)),
-                            absl::StrCat("--min_iters=", absl::GetFlag(FLAGS_min_iters)),
-                            absl::StrCat("--max_iters=", absl::GetFlag(FLAGS_max_iters)),
-                            absl::StrCat("--warmup=", absl::GetFlag(FLAGS_warmup)),
-                            absl::StrCat("--transports=", absl::GetFlag(FLAGS_transports)),
-                            absl::StrCat("--socket_buffer_bytes=",
-                                         absl::GetFlag(FLAGS_socket_buffer_bytes)),
-                            absl::StrCat("--codec=", absl::GetFlag(FLAGS_codec))}));
+      pids.push_back(Spawn(
+          {exe, absl::StrCat("--rank=", r), absl::StrCat("--peers=", absl::StrJoin(peers, ",")),
+           absl::StrCat("--sizes=", absl::GetFlag(FLAGS_sizes)),
+           absl::StrCat("--segment_bytes=", absl::GetFlag(FLAGS_segment_bytes)),
+           absl::StrCat("--budget_bytes=", absl::GetFlag(FLAGS_budget_bytes)),
+           absl::StrCat("--min_iters=", absl::GetFlag(FLAGS_min_iters)),
+           absl::StrCat("--max_iters=", absl::GetFlag(FLAGS_max_iters)),
+           absl::StrCat("--warmup=", absl::GetFlag(FLAGS_warmup)),
+           absl::StrCat("--transports=", absl::GetFlag(FLAGS_transports)),
+           absl::StrCat("--socket_buffer_bytes=", absl::GetFlag(FLAGS_socket_buffer_bytes)),
+           absl::StrCat("--codec=", absl::GetFlag(FLAGS_codec))}));
     }
     worst = std::max(worst, WaitAll(pids));
     if (absl::GetFlag(FLAGS_gloo)) {
-      pid_t p = Spawn({absl::GetFlag(FLAGS_python), FindGlooScript(argv0),
-                       absl::StrCat("--np=", n), absl::StrCat("--port=", ports[n]),
+      pid_t p = Spawn({absl::GetFlag(FLAGS_python), FindGlooScript(argv0), absl::StrCat("--np=", n),
+                       absl::StrCat("--port=", ports[n]),
                        absl::StrCat("--sizes=", absl::GetFlag(FLAGS_sizes)),
                        absl::StrCat("--budget_bytes=", absl::GetFlag(FLAGS_budget_bytes)),
                        absl::StrCat("--min_iters=", absl::GetFlag(FLAGS_min_iters)),

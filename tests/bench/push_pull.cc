@@ -13,6 +13,8 @@
 // ops, gb_per_s (payload GB/s, 1e9 bytes, summed over clients), p50_us, p99_us (per op).
 //
 // Durability cost: --durability=none,periodic,every_update --ops=push
+#include <grpcpp/server.h>
+#include <grpcpp/server_builder.h>
 #include <stdlib.h>
 
 #include <algorithm>
@@ -23,20 +25,17 @@
 #include <thread>
 #include <vector>
 
-#include <grpcpp/server.h>
-#include <grpcpp/server_builder.h>
-
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "common/daemon.h"
-#include "common/grpc_util.h"
+#include "rpc/grpc_util.h"
 #include "server/parameter_service.h"
 #include "server/shard.h"
 #include "server/shard_store.h"
-#include "worker/parameter_client.h"
+#include "worker/ps/parameter_client.h"
 
 ABSL_FLAG(double, seconds, 2.0, "Measurement time per configuration.");
 ABSL_FLAG(int, inflight, 4, "Concurrent clients (operations in flight).");
@@ -91,95 +90,94 @@ int Run() {
   const int inflight = absl::GetFlag(FLAGS_inflight);
   int job_id = 0;
   for (absl::string_view durability_s : absl::StrSplit(absl::GetFlag(FLAGS_durability), ',')) {
-  const std::string durability(durability_s);
-  for (absl::string_view shards_s : absl::StrSplit(absl::GetFlag(FLAGS_shards), ',')) {
-    const int num_shards = std::stoi(std::string(shards_s));
-    std::vector<std::unique_ptr<ShardServer>> servers;
-    std::vector<std::string> addresses;
-    for (int s = 0; s < num_shards; ++s) {
-      std::string dir;
-      if (durability != "none") {
-        std::string tmpl = "/tmp/gradmesh-bench.XXXXXX";
-        dir = mkdtemp(tmpl.data());
-      }
-      servers.push_back(StartShard(rpc, dir));
-      addresses.push_back(servers.back()->address);
-    }
-    for (absl::string_view size_s : absl::StrSplit(absl::GetFlag(FLAGS_sizes), ',')) {
-      const int64_t bytes = std::stoll(std::string(size_s));
-      const int64_t n = bytes / 4;
-      JobLayout layout;
-      layout.job = absl::StrCat("bench", job_id++);
-      TensorSpec t;
-      t.set_name("w");
-      t.add_shape(n);
-      layout.tensors.push_back(t);
-      layout.chunk_elems = (n + num_shards - 1) / num_shards;
-      layout.optimizer.set_name("sgd");
-      layout.optimizer.set_lr(1e-6);
-      layout.num_workers = inflight;
-      layout.durability.set_mode(durability);
-      layout.durability.set_snapshot_every_updates(absl::GetFlag(FLAGS_snapshot_every_updates));
-      layout.durability.set_snapshot_every_seconds(30);
-      std::vector<std::unique_ptr<ParameterClient>> clients;
-      for (int w = 0; w < inflight; ++w) {
-        GrpcParameterClientOptions co;
-        co.servers = addresses;
-        co.worker = w;
-        co.rpc = rpc;
-        clients.push_back(std::move(NewGrpcParameterClient(layout, co).value()));
-      }
-      std::vector<float> init(n, 1.0f);
-      absl::Status st = clients[0]->InitJob({absl::Span<const float>(init)});
-      if (!st.ok()) {
-        std::fprintf(stderr, "InitJob failed: %s\n", st.ToString().c_str());
-        return 1;
-      }
-      for (absl::string_view op : absl::StrSplit(absl::GetFlag(FLAGS_ops), ',')) {
-        const bool do_push = op == "push" || op == "pushpull";
-        const bool do_pull = op == "pull" || op == "pushpull";
-        std::vector<std::vector<double>> lat(inflight);
-        std::atomic<bool> failed{false};
-        std::vector<std::thread> threads;
-        const absl::Time start = absl::Now();
-        const absl::Time end = start + absl::Seconds(seconds);
-        for (int w = 0; w < inflight; ++w) {
-          threads.emplace_back([&, w] {
-            std::vector<float> grad(n, 0.5f), params(n);
-            int64_t step = 0;
-            while (absl::Now() < end && !failed.load()) {
-              const absl::Time t0 = absl::Now();
-              if (do_push && !clients[w]->Push(step++, {absl::Span<const float>(grad)}).ok()) {
-                failed = true;
-              }
-              if (do_pull && !clients[w]->Pull({absl::Span<float>(params)}).ok()) failed = true;
-              lat[w].push_back(absl::ToDoubleMicroseconds(absl::Now() - t0));
-            }
-          });
+    const std::string durability(durability_s);
+    for (absl::string_view shards_s : absl::StrSplit(absl::GetFlag(FLAGS_shards), ',')) {
+      const int num_shards = std::stoi(std::string(shards_s));
+      std::vector<std::unique_ptr<ShardServer>> servers;
+      std::vector<std::string> addresses;
+      for (int s = 0; s < num_shards; ++s) {
+        std::string dir;
+        if (durability != "none") {
+          std::string tmpl = "/tmp/gradmesh-bench.XXXXXX";
+          dir = mkdtemp(tmpl.data());
         }
-        for (auto& th : threads) th.join();
-        const double wall = absl::ToDoubleSeconds(absl::Now() - start);
-        if (failed) {
-          std::fprintf(stderr, "operation %s failed\n", std::string(op).c_str());
+        servers.push_back(StartShard(rpc, dir));
+        addresses.push_back(servers.back()->address);
+      }
+      for (absl::string_view size_s : absl::StrSplit(absl::GetFlag(FLAGS_sizes), ',')) {
+        const int64_t bytes = std::stoll(std::string(size_s));
+        const int64_t n = bytes / 4;
+        JobLayout layout;
+        layout.job = absl::StrCat("bench", job_id++);
+        TensorSpec t;
+        t.set_name("w");
+        t.add_shape(n);
+        layout.tensors.push_back(t);
+        layout.chunk_elems = (n + num_shards - 1) / num_shards;
+        layout.optimizer.set_name("sgd");
+        layout.optimizer.set_lr(1e-6);
+        layout.num_workers = inflight;
+        layout.durability.set_mode(durability);
+        layout.durability.set_snapshot_every_updates(absl::GetFlag(FLAGS_snapshot_every_updates));
+        layout.durability.set_snapshot_every_seconds(30);
+        std::vector<std::unique_ptr<ParameterClient>> clients;
+        for (int w = 0; w < inflight; ++w) {
+          GrpcParameterClientOptions co;
+          co.servers = addresses;
+          co.worker = w;
+          co.rpc = rpc;
+          clients.push_back(std::move(NewGrpcParameterClient(layout, co).value()));
+        }
+        std::vector<float> init(n, 1.0f);
+        absl::Status st = clients[0]->InitJob({absl::Span<const float>(init)});
+        if (!st.ok()) {
+          std::fprintf(stderr, "InitJob failed: %s\n", st.ToString().c_str());
           return 1;
         }
-        std::vector<double> all;
-        for (auto& l : lat) all.insert(all.end(), l.begin(), l.end());
-        const int64_t ops = static_cast<int64_t>(all.size());
-        const double payload = static_cast<double>(ops) * bytes * (op == "pushpull" ? 2 : 1);
-        std::printf(
-            "{\"op\":\"%s\",\"bytes\":%lld,\"shards\":%d,\"durability\":\"%s\","
-            "\"inflight\":%d,\"ops\":%lld,"
-            "\"gb_per_s\":%.3f,\"p50_us\":%.1f,\"p99_us\":%.1f}\n",
-            std::string(op).c_str(), static_cast<long long>(bytes), num_shards,
-            durability.c_str(), inflight,
-            static_cast<long long>(ops), payload / wall / 1e9, Percentile(&all, 0.5),
-            Percentile(&all, 0.99));
-        std::fflush(stdout);
+        for (absl::string_view op : absl::StrSplit(absl::GetFlag(FLAGS_ops), ',')) {
+          const bool do_push = op == "push" || op == "pushpull";
+          const bool do_pull = op == "pull" || op == "pushpull";
+          std::vector<std::vector<double>> lat(inflight);
+          std::atomic<bool> failed{false};
+          std::vector<std::thread> threads;
+          const absl::Time start = absl::Now();
+          const absl::Time end = start + absl::Seconds(seconds);
+          for (int w = 0; w < inflight; ++w) {
+            threads.emplace_back([&, w] {
+              std::vector<float> grad(n, 0.5f), params(n);
+              int64_t step = 0;
+              while (absl::Now() < end && !failed.load()) {
+                const absl::Time t0 = absl::Now();
+                if (do_push && !clients[w]->Push(step++, {absl::Span<const float>(grad)}).ok()) {
+                  failed = true;
+                }
+                if (do_pull && !clients[w]->Pull({absl::Span<float>(params)}).ok()) failed = true;
+                lat[w].push_back(absl::ToDoubleMicroseconds(absl::Now() - t0));
+              }
+            });
+          }
+          for (auto& th : threads) th.join();
+          const double wall = absl::ToDoubleSeconds(absl::Now() - start);
+          if (failed) {
+            std::fprintf(stderr, "operation %s failed\n", std::string(op).c_str());
+            return 1;
+          }
+          std::vector<double> all;
+          for (auto& l : lat) all.insert(all.end(), l.begin(), l.end());
+          const int64_t ops = static_cast<int64_t>(all.size());
+          const double payload = static_cast<double>(ops) * bytes * (op == "pushpull" ? 2 : 1);
+          std::printf(
+              "{\"op\":\"%s\",\"bytes\":%lld,\"shards\":%d,\"durability\":\"%s\","
+              "\"inflight\":%d,\"ops\":%lld,"
+              "\"gb_per_s\":%.3f,\"p50_us\":%.1f,\"p99_us\":%.1f}\n",
+              std::string(op).c_str(), static_cast<long long>(bytes), num_shards,
+              durability.c_str(), inflight, static_cast<long long>(ops), payload / wall / 1e9,
+              Percentile(&all, 0.5), Percentile(&all, 0.99));
+          std::fflush(stdout);
+        }
       }
+      for (auto& s : servers) s->server->Shutdown();
     }
-    for (auto& s : servers) s->server->Shutdown();
-  }
   }
   return 0;
 }

@@ -8,7 +8,6 @@
 //   * checkpoints every 20 steps; a run stopped (SIGTERM) at step >= 40 resumes from the
 //     common checkpoint and ends equal to an uninterrupted run.
 #include <signal.h>
-
 #include <torch/torch.h>
 
 #include <fstream>
@@ -88,8 +87,7 @@ std::vector<torch::Tensor> LoadSaved(const std::string& path,
     const size_t dot = name.find('.');
     torch::serialize::InputArchive child;
     torch::Tensor t;
-    if (!archive.try_read(name.substr(0, dot), child) ||
-        !child.try_read(name.substr(dot + 1), t)) {
+    if (!archive.try_read(name.substr(0, dot), child) || !child.try_read(name.substr(dot + 1), t)) {
       ADD_FAILURE() << "no " << name << " in " << path;
       return {};
     }
@@ -140,8 +138,8 @@ TEST_F(AllreduceTest, TwoWorkersEqualOneProcessWithTwiceTheBatch) {
     outputs.push_back(output);
     auto workers = StartRanks(
         WriteJob(absl::StrCat("eq-", transport),
-                 absl::StrCat(kEquivalenceJob, "allreduce: {bucket_bytes: 262144, transport: ",
-                              transport, "}\n")),
+                 absl::StrCat(kEquivalenceJob,
+                              "allreduce: {bucket_bytes: 262144, transport: ", transport, "}\n")),
         Peers(2), 2, {"--output=" + output});
     std::vector<int> codes = WaitAll(Raw(workers), absl::Minutes(3));
     ASSERT_EQ(codes, (std::vector<int>{0, 0})) << transport;
@@ -200,7 +198,8 @@ TEST_F(AllreduceTest, TwoWorkersEqualOneProcessWithTwiceTheBatch) {
   for (const auto& p : ref->Parameters()) want.push_back(p.detach());
   for (const auto& p : dropped->Parameters()) want_dropped.push_back(p.detach());
   for (size_t i = 0; i < names.size(); ++i) {
-    const double moved = (want[i] - initial[i]).norm().item<double>() / want[i].norm().item<double>();
+    const double moved =
+        (want[i] - initial[i]).norm().item<double>() / want[i].norm().item<double>();
     EXPECT_GT(moved, 100 * kTolerance) << names[i] << ": training must move every tensor";
   }
   for (size_t t = 0; t < transports.size(); ++t) {
@@ -233,9 +232,9 @@ allreduce: {timeout_s: 5}
 TEST_F(AllreduceTest, KilledPeerFailsTheOtherFastNamingIt) {
   if (!HaveMnist()) GTEST_SKIP() << "MNIST files not found under " << DataDir() << "/mnist";
   auto workers = StartRanks(WriteJob("kill", kLongJob), Peers(2), 2);
-  ASSERT_TRUE(WaitForLog(workers[1].get(), [](const std::string& log) {
-    return LastProgressStep(log) >= 40;
-  }, absl::Minutes(2)));
+  ASSERT_TRUE(WaitForLog(
+      workers[1].get(), [](const std::string& log) { return LastProgressStep(log) >= 40; },
+      absl::Minutes(2)));
   ASSERT_OK(workers[0]->Signal(SIGKILL));
   const absl::Time killed = absl::Now();
   ASSERT_OK_AND_ASSIGN(int code, workers[1]->Wait(absl::Seconds(5 + 5)));
@@ -252,9 +251,9 @@ TEST_F(AllreduceTest, KilledPeerFailsTheOtherFastNamingIt) {
 TEST_F(AllreduceTest, SilentPeerTimesOutNamingIt) {
   if (!HaveMnist()) GTEST_SKIP() << "MNIST files not found under " << DataDir() << "/mnist";
   auto workers = StartRanks(WriteJob("stop", kLongJob), Peers(2), 2);
-  ASSERT_TRUE(WaitForLog(workers[0].get(), [](const std::string& log) {
-    return LastProgressStep(log) >= 40;
-  }, absl::Minutes(2)));
+  ASSERT_TRUE(WaitForLog(
+      workers[0].get(), [](const std::string& log) { return LastProgressStep(log) >= 40; },
+      absl::Minutes(2)));
   ASSERT_OK(workers[1]->Signal(SIGSTOP));  // Alive, connected, silent.
   const absl::Time stopped = absl::Now();
   ASSERT_OK_AND_ASSIGN(int code, workers[0]->Wait(absl::Seconds(5 + 5)));
@@ -309,7 +308,8 @@ TEST_F(AllreduceTest, NcclBackendWithoutCudaBuildFailsNamingTheFlag) {
     EXPECT_EQ(code, 1);
     const std::string l = ReadFile(w->log_path());
     EXPECT_NE(l.find("allreduce.backend nccl needs a worker built with --config=cuda"),
-              std::string::npos) << l;
+              std::string::npos)
+        << l;
     EXPECT_EQ(l.find("event=train_start"), std::string::npos) << l;
   }
 }
@@ -337,17 +337,16 @@ TEST_F(AllreduceTest, ResumesFromCheckpointsToTheSameResult) {
   const std::string straight = dir_ + "/straight.pt", resumed = dir_ + "/resumed.pt";
   {
     auto w = StartRanks(job, Peers(2), 2,
-                        {"--output=" + straight, "--checkpoint_dir=" + dir_ + "/ck-straight"},
-                        "s");
+                        {"--output=" + straight, "--checkpoint_dir=" + dir_ + "/ck-straight"}, "s");
     ASSERT_EQ(WaitAll(Raw(w), absl::Minutes(3)), (std::vector<int>{0, 0}));
   }
   const std::string peers = Peers(2);
   {
-    auto w = StartRanks(job, peers, 2, {"--step_delay_ms=20", "--checkpoint_dir=" + dir_ + "/ck"},
-                        "a");
-    ASSERT_TRUE(WaitForLog(w[0].get(), [](const std::string& log) {
-      return LastProgressStep(log) >= 50;
-    }, absl::Minutes(2)));
+    auto w =
+        StartRanks(job, peers, 2, {"--step_delay_ms=20", "--checkpoint_dir=" + dir_ + "/ck"}, "a");
+    ASSERT_TRUE(WaitForLog(
+        w[0].get(), [](const std::string& log) { return LastProgressStep(log) >= 50; },
+        absl::Minutes(2)));
     ASSERT_OK(w[1]->Signal(SIGTERM));  // One rank asks; both stop after the same step.
     ASSERT_EQ(WaitAll(Raw(w), absl::Seconds(30)), (std::vector<int>{0, 0}));
     for (int r = 0; r < 2; ++r) {
@@ -357,8 +356,8 @@ TEST_F(AllreduceTest, ResumesFromCheckpointsToTheSameResult) {
     EXPECT_EQ(ToInt(LogField(DoneLine(ReadFile(w[0]->log_path())), "steps")),
               ToInt(LogField(DoneLine(ReadFile(w[1]->log_path())), "steps")));
   }
-  auto w = StartRanks(job, peers, 2, {"--output=" + resumed, "--checkpoint_dir=" + dir_ + "/ck"},
-                      "b");
+  auto w =
+      StartRanks(job, peers, 2, {"--output=" + resumed, "--checkpoint_dir=" + dir_ + "/ck"}, "b");
   ASSERT_EQ(WaitAll(Raw(w), absl::Minutes(3)), (std::vector<int>{0, 0}));
   const std::string log0 = ReadFile(w[0]->log_path());
   const std::string done = DoneLine(log0);

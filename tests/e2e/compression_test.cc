@@ -81,17 +81,25 @@ class CompressionE2eTest : public E2eHarness {
     const absl::Time start = absl::Now();
     std::vector<std::unique_ptr<Subprocess>> workers;
     for (int r = 0; r < kWorkers; ++r) {
-      std::vector<std::string> args = {
-          ServersFlag(), absl::StrCat("--rank=", r), absl::StrCat("--num_workers=", kWorkers),
-          absl::StrCat("--epochs=", kEpochs), "--model=mlp", "--dataset=mnist", "--mode=async",
-          "--optimizer=adam", "--lr=0.001", "--lr_schedule=cosine", absl::StrCat("--seed=", seed),
-          "--name=" + job, "--data_dir=" + DataDir(), "--log_every=400"};
+      std::vector<std::string> args = {ServersFlag(),
+                                       absl::StrCat("--rank=", r),
+                                       absl::StrCat("--num_workers=", kWorkers),
+                                       absl::StrCat("--epochs=", kEpochs),
+                                       "--model=mlp",
+                                       "--dataset=mnist",
+                                       "--mode=async",
+                                       "--optimizer=adam",
+                                       "--lr=0.001",
+                                       "--lr_schedule=cosine",
+                                       absl::StrCat("--seed=", seed),
+                                       "--name=" + job,
+                                       "--data_dir=" + DataDir(),
+                                       "--log_every=400"};
       args.insert(args.end(), run->flags.begin(), run->flags.end());
       workers.push_back(StartWorker(absl::StrCat(job, "-worker", r), args));
       ASSERT_NE(workers.back(), nullptr);
     }
-    const std::vector<int> codes =
-        WaitAll({workers[0].get(), workers[1].get()}, absl::Minutes(4));
+    const std::vector<int> codes = WaitAll({workers[0].get(), workers[1].get()}, absl::Minutes(4));
     for (int r = 0; r < kWorkers; ++r) ASSERT_EQ(codes[r], 0) << run->label << " worker " << r;
 
     run->samples_per_s = 0;
@@ -172,17 +180,15 @@ TEST_F(CompressionE2eTest, MnistConvergenceAndPushBytesAgainstDense) {
                                "push_B/step", "accuracy", "delta_pt", "samples/s", "wall_s");
   for (const TrainingRun& run : runs) {
     const double ratio = dense.push_bytes_per_step() / run.push_bytes_per_step();
-    std::cout << absl::StrFormat("%-26s %9.1fx %12.0f %9.4f %+9.2f %8.0f %7.1f\n", run.label,
-                                 ratio, run.push_bytes_per_step(),
-                                 mean_accuracy[&run - &runs[0]],
+    std::cout << absl::StrFormat("%-26s %9.1fx %12.0f %9.4f %+9.2f %8.0f %7.1f\n", run.label, ratio,
+                                 run.push_bytes_per_step(), mean_accuracy[&run - &runs[0]],
                                  100 * (mean_accuracy[&run - &runs[0]] - mean_accuracy[0]),
                                  run.samples_per_s, run.wall_s);
     std::string key = run.label;
     for (char& c : key) {
       if (!std::isalnum(static_cast<unsigned char>(c))) c = '_';
     }
-    RecordProperty("mean_accuracy_" + key,
-                   absl::StrFormat("%.4f", mean_accuracy[&run - &runs[0]]));
+    RecordProperty("mean_accuracy_" + key, absl::StrFormat("%.4f", mean_accuracy[&run - &runs[0]]));
     RecordProperty("push_ratio_" + key, absl::StrFormat("%.1f", ratio));
     RecordProperty("samples_per_s_" + key, absl::StrFormat("%.0f", run.samples_per_s));
   }
@@ -214,13 +220,13 @@ TEST_F(CompressionE2eTest, MnistConvergenceAndPushBytesAgainstDense) {
     if (runs[i].tolerance_points < 0) continue;
     EXPECT_GE(bp(mean_accuracy[i]),
               bp(mean_accuracy[0]) - std::llround(runs[i].tolerance_points * 100))
-        << runs[i].label << ": mean " << mean_accuracy[i] << " vs dense mean "
-        << mean_accuracy[0] << ", allowed " << runs[i].tolerance_points << " points";
+        << runs[i].label << ": mean " << mean_accuracy[i] << " vs dense mean " << mean_accuracy[0]
+        << ", allowed " << runs[i].tolerance_points << " points";
   }
   // Push volume: topk:0.01+fp16 at least 100x below dense, per step.
   const double ratio_combined = dense.push_bytes_per_step() / runs[4].push_bytes_per_step();
-  EXPECT_GE(ratio_combined, 100.0) << runs[4].bytes_pushed << " bytes in " << runs[4].steps
-                                   << " steps";
+  EXPECT_GE(ratio_combined, 100.0)
+      << runs[4].bytes_pushed << " bytes in " << runs[4].steps << " steps";
   // The warmed-up sparse runs spend their first 400 steps at densities 25%, 6.3%, 1.6% and
   // 0.4%, which dominates their average push size (~20-35x below dense).
   EXPECT_GT(dense.push_bytes_per_step() / runs[2].push_bytes_per_step(), 15.0);

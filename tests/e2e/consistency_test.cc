@@ -28,7 +28,7 @@
 #include "tests/testing/subprocess.h"
 #include "worker/core/dataset.h"
 #include "worker/model.h"
-#include "worker/parameter_client.h"
+#include "worker/ps/parameter_client.h"
 
 namespace gradmesh {
 namespace e2e {
@@ -72,14 +72,14 @@ TEST_F(ConsistencyTest, SyncMatchesSingleProcessSgd) {
   ASSERT_NO_FATAL_FAILURE(StartServers(kShards));
   std::vector<std::unique_ptr<Subprocess>> workers;
   for (int r = 0; r < kWorkers; ++r) {
-    workers.push_back(StartWorker(
-        absl::StrCat("worker", r),
-        {ServersFlag(), absl::StrCat("--rank=", r), absl::StrCat("--num_workers=", kWorkers),
-         "--name=" + job, "--mode=sync", "--optimizer=sgd", absl::StrCat("--lr=", kLr),
-         "--lr_schedule=constant", absl::StrCat("--batch_size=", kBatch),
-         absl::StrCat("--steps=", kSteps), "--model=mlp", "--dataset=mnist",
-         absl::StrCat("--seed=", kSeed), "--evaluate=false", "--log_every=10",
-         "--data_dir=" + DataDir()}));
+    workers.push_back(
+        StartWorker(absl::StrCat("worker", r),
+                    {ServersFlag(), absl::StrCat("--rank=", r),
+                     absl::StrCat("--num_workers=", kWorkers), "--name=" + job, "--mode=sync",
+                     "--optimizer=sgd", absl::StrCat("--lr=", kLr), "--lr_schedule=constant",
+                     absl::StrCat("--batch_size=", kBatch), absl::StrCat("--steps=", kSteps),
+                     "--model=mlp", "--dataset=mnist", absl::StrCat("--seed=", kSeed),
+                     "--evaluate=false", "--log_every=10", "--data_dir=" + DataDir()}));
     ASSERT_NE(workers.back(), nullptr);
   }
   const std::vector<int> codes = WaitAll({workers[0].get(), workers[1].get()}, absl::Minutes(3));
@@ -182,9 +182,8 @@ TEST_F(ConsistencyTest, SyncMatchesSingleProcessSgd) {
     std::optional<Batch> batch = loader->Next();
     ASSERT_TRUE(batch.has_value()) << "step " << t;
     ASSERT_EQ(batch->size, kWorkers * kBatch);
-    torch::Tensor x = torch::from_blob(batch->x.data(),
-                                       {batch->size, 1, data.train.rows, data.train.cols},
-                                       torch::kFloat);
+    torch::Tensor x = torch::from_blob(
+        batch->x.data(), {batch->size, 1, data.train.rows, data.train.cols}, torch::kFloat);
     torch::Tensor y = torch::from_blob(batch->y.data(), {batch->size}, torch::kLong);
     sgd.zero_grad();
     ASSERT_OK_AND_ASSIGN(torch::Tensor loss, CrossEntropyLoss(model.get(), x, y));
@@ -204,8 +203,7 @@ TEST_F(ConsistencyTest, SyncMatchesSingleProcessSgd) {
     ASSERT_GT(ref_norm, 0);
     const double rel = (got - ref).norm().item<double>() / ref_norm;
     // Not vacuous: training moved every tensor far more than the tolerance.
-    const double moved =
-        (ref - initial[i].to(torch::kDouble)).norm().item<double>() / ref_norm;
+    const double moved = (ref - initial[i].to(torch::kDouble)).norm().item<double>() / ref_norm;
     EXPECT_GT(moved, 100 * kTolerance);
     EXPECT_LE(rel, kTolerance) << "||shards - reference|| / ||reference||";
     std::cout << absl::StrFormat("%-12s rel. error %.3e (moved %.3e)\n", names[i], rel, moved);
@@ -230,17 +228,22 @@ class SspTest : public ConsistencyTest {
   void RunSsp(const std::string& job, int bound, int64_t steps, int delay_ms, SspResult* out) {
     std::vector<std::unique_ptr<Subprocess>> workers;
     for (int r = 0; r < kWorkers; ++r) {
-      std::vector<std::string> args = {
-          ServersFlag(), absl::StrCat("--rank=", r), absl::StrCat("--num_workers=", kWorkers),
-          "--name=" + job, absl::StrCat("--mode=ssp:", bound), "--optimizer=adam",
-          "--lr=0.001", absl::StrCat("--steps=", steps), "--evaluate=false",
-          "--log_every=10", "--data_dir=" + DataDir()};
+      std::vector<std::string> args = {ServersFlag(),
+                                       absl::StrCat("--rank=", r),
+                                       absl::StrCat("--num_workers=", kWorkers),
+                                       "--name=" + job,
+                                       absl::StrCat("--mode=ssp:", bound),
+                                       "--optimizer=adam",
+                                       "--lr=0.001",
+                                       absl::StrCat("--steps=", steps),
+                                       "--evaluate=false",
+                                       "--log_every=10",
+                                       "--data_dir=" + DataDir()};
       if (r == 1) args.push_back(absl::StrCat("--step_delay_ms=", delay_ms));
       workers.push_back(StartWorker(absl::StrCat(job, "-worker", r), args));
       ASSERT_NE(workers.back(), nullptr);
     }
-    const std::vector<int> codes =
-        WaitAll({workers[0].get(), workers[1].get()}, absl::Minutes(3));
+    const std::vector<int> codes = WaitAll({workers[0].get(), workers[1].get()}, absl::Minutes(3));
     std::vector<double> wall(kWorkers);
     for (int r = 0; r < kWorkers; ++r) {
       ASSERT_EQ(codes[r], 0) << "worker " << r;
@@ -252,8 +255,8 @@ class SspTest : public ConsistencyTest {
     for (int s = 0; s < kShards; ++s) {
       ASSERT_OK_AND_ASSIGN(JobInfoResponse info, GetJobInfo(addresses_[s], job));
       std::cout << job << " shard " << s << ": max_clock_lead " << info.max_clock_lead()
-                << ", barrier_wait_s " << info.barrier_wait_s() << "; workers' wall_s "
-                << wall[0] << ", " << wall[1] << "\n";
+                << ", barrier_wait_s " << info.barrier_wait_s() << "; workers' wall_s " << wall[0]
+                << ", " << wall[1] << "\n";
       out->infos.push_back(std::move(info));
     }
   }

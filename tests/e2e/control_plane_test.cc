@@ -15,10 +15,9 @@
 //   checkpoint (the resumed step is the checkpoint's) and reaches the accuracy bar.
 // * Bad specs (unknown model, negative batch, unknown field, too many workers) are refused
 //   with messages that say what to fix, and nothing is created.
-#include <signal.h>
-
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <signal.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -82,13 +81,13 @@ class ControlPlaneTest : public E2eHarness {
     const std::string pf = absl::StrCat(dir_, "/coord.port", starts_++);
     ASSERT_OK_AND_ASSIGN(
         coord_proc_,
-        Subprocess::Start({coordinator_bin_, "--host=127.0.0.1",
-                           absl::StrCat("--port=", coordinator_port_), "--port_file=" + pf,
-                           "--data_dir=" + dir_ + "/coord", "--auth_token_file=" + token_file_,
-                           "--heartbeat_interval_ms=300", "--heartbeat_timeout_ms=2000",
-                           "--node=coordinator", "--metrics_port=0",
-                           "--metrics_port_file=" + dir_ + "/coordinator.metrics"},
-                          ChildEnv(), NewLog(absl::StrCat("coordinator", starts_))));
+        Subprocess::Start(
+            {coordinator_bin_, "--host=127.0.0.1", absl::StrCat("--port=", coordinator_port_),
+             "--port_file=" + pf, "--data_dir=" + dir_ + "/coord",
+             "--auth_token_file=" + token_file_, "--heartbeat_interval_ms=300",
+             "--heartbeat_timeout_ms=2000", "--node=coordinator", "--metrics_port=0",
+             "--metrics_port_file=" + dir_ + "/coordinator.metrics"},
+            ChildEnv(), NewLog(absl::StrCat("coordinator", starts_))));
     ASSERT_OK(WaitForPortFile(pf, absl::Seconds(60), coord_proc_.get()).status());
   }
 
@@ -111,8 +110,8 @@ class ControlPlaneTest : public E2eHarness {
   std::unique_ptr<Subprocess> StartServiceWorker(const std::string& name) {
     const std::string pf = absl::StrCat(dir_, "/", name, ".port", starts_++);
     auto p = Subprocess::Start(
-        {worker_bin_, "--host=127.0.0.1", "--peer_port=0", "--port_file=" + pf,
-         "--node=" + name, "--coordinator=" + coordinator_, "--auth_token_file=" + token_file_,
+        {worker_bin_, "--host=127.0.0.1", "--peer_port=0", "--port_file=" + pf, "--node=" + name,
+         "--coordinator=" + coordinator_, "--auth_token_file=" + token_file_,
          "--data_dir=" + DataDir(), "--checkpoint_dir=" + dir_ + "/ckpt", "--metrics_port=0",
          "--metrics_port_file=" + dir_ + "/" + name + ".metrics"},
         ChildEnv(), NewLog(absl::StrCat(name, "-", starts_)));
@@ -196,8 +195,7 @@ class ControlPlaneTest : public E2eHarness {
     while (absl::Now() < deadline) {
       CliResult r = Cli({"status", job, "--json"});
       JobStatus s;
-      if (r.code == 0 && google::protobuf::util::JsonStringToMessage(r.out, &s).ok() &&
-          pred(s)) {
+      if (r.code == 0 && google::protobuf::util::JsonStringToMessage(r.out, &s).ok() && pred(s)) {
         return true;
       }
       absl::SleepFor(absl::Milliseconds(500));
@@ -275,8 +273,7 @@ TEST_F(ControlPlaneTest, SubmitAndWatchThroughTheCliReachesAccuracy) {
 
   // While it trains, the worker daemons' /metrics show their rank's progress.
   ASSERT_TRUE(WaitForStatus(
-      "mlp-e2e", [](const JobStatus& s) { return s.progress().step() >= 100; },
-      absl::Minutes(3)));
+      "mlp-e2e", [](const JobStatus& s) { return s.progress().step() >= 100; }, absl::Minutes(3)));
   for (const char* w : {"w0", "w1"}) {
     const std::string m = Scrape(w);
     // Running, or (on a fast machine) already done.
@@ -287,7 +284,8 @@ TEST_F(ControlPlaneTest, SubmitAndWatchThroughTheCliReachesAccuracy) {
     EXPECT_EQ(ranks("running") + ranks("succeeded"), 1) << w << ":\n" << m;
     double step = std::nan("");
     for (int rank = 0; rank < 2 && std::isnan(step); ++rank) {
-      step = Sample(m, absl::StrCat("gradmesh_worker_step{job_id=\"mlp-e2e\",rank=\"", rank, "\"}"));
+      step =
+          Sample(m, absl::StrCat("gradmesh_worker_step{job_id=\"mlp-e2e\",rank=\"", rank, "\"}"));
     }
     EXPECT_GE(step, 50) << w << ":\n" << m;
   }
@@ -397,8 +395,8 @@ TEST_F(ControlPlaneTest, SyncJobReformsItsGroupWhenAWorkerDies) {
   StartCluster();
   auto w2 = StartServiceWorker("w2");
   const std::string spec = WriteSpec(
-      "sync", absl::StrReplaceAll(MlpSpec("elastic", 1),
-                                  {{"mode: async", "mode: sync"}, {"num_workers: 2", "num_workers: 3"}}));
+      "sync", absl::StrReplaceAll(MlpSpec("elastic", 1), {{"mode: async", "mode: sync"},
+                                                          {"num_workers: 2", "num_workers: 3"}}));
   const CliResult submit = SubmitWhenPlaced(spec);
   ASSERT_EQ(submit.code, 0) << submit.out;
   std::string victim_node;
@@ -410,8 +408,7 @@ TEST_F(ControlPlaneTest, SyncJobReformsItsGroupWhenAWorkerDies) {
         return true;
       },
       absl::Minutes(3)));
-  Subprocess* victim =
-      victim_node == "w0" ? w0_.get() : victim_node == "w1" ? w1_.get() : w2.get();
+  Subprocess* victim = victim_node == "w0" ? w0_.get() : victim_node == "w1" ? w1_.get() : w2.get();
   ASSERT_OK(victim->Signal(SIGKILL));
 
   // No worker has a free slot: the group re-forms with the two survivors, which finish the job.
@@ -557,22 +554,29 @@ TEST_F(ControlPlaneTest, BadSpecsAreRefusedAndChangeNothing) {
   const std::vector<Case> cases = {
       // The CLI checks a spec before sending it (exit 2, a usage error); the coordinator
       // checks again (coordinator_test).
-      {"unknown-model", absl::StrReplaceAll(MlpSpec("bad1", 1), {{"{name: mlp}", "{name: resnet}"}}),
-       2, {"resnet", "known: lenet, mlp, torchscript"}},
-      {"negative-batch", absl::StrReplaceAll(MlpSpec("bad2", 1), {{"batch_size: 64", "batch_size: -8"}}),
-       2, {"batch_size must be > 0", "-8"}},
-      {"unknown-field", MlpSpec("bad3", 1) + "optimiser: {name: sgd}\n", 2,
+      {"unknown-model",
+       absl::StrReplaceAll(MlpSpec("bad1", 1), {{"{name: mlp}", "{name: resnet}"}}),
+       2,
+       {"resnet", "known: lenet, mlp, torchscript"}},
+      {"negative-batch",
+       absl::StrReplaceAll(MlpSpec("bad2", 1), {{"batch_size: 64", "batch_size: -8"}}),
+       2,
+       {"batch_size must be > 0", "-8"}},
+      {"unknown-field",
+       MlpSpec("bad3", 1) + "optimiser: {name: sgd}\n",
+       2,
        {"unknown field \"optimiser\""}},
       {"too-many-workers",
-       absl::StrReplaceAll(MlpSpec("bad4", 1), {{"num_workers: 2", "num_workers: 5"}}), 1,
+       absl::StrReplaceAll(MlpSpec("bad4", 1), {{"num_workers: 2", "num_workers: 5"}}),
+       1,
        {"FAILED_PRECONDITION", "5 workers"}},
   };
   for (const Case& c : cases) {
     CliResult r = Cli({"submit", WriteSpec(c.name, c.yaml)});
     EXPECT_EQ(r.code, c.code) << c.name << ": " << r.out;
     for (const std::string& s : c.says) {
-      EXPECT_TRUE(absl::StrContains(r.out, s)) << c.name << " should mention " << s << ": "
-                                               << r.out;
+      EXPECT_TRUE(absl::StrContains(r.out, s))
+          << c.name << " should mention " << s << ": " << r.out;
     }
   }
   CliResult list = Cli({"list"});

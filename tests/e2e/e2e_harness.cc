@@ -2,6 +2,9 @@
 
 #include <arpa/inet.h>
 #include <errno.h>
+#include <grpcpp/client_context.h>
+#include <grpcpp/create_channel.h>
+#include <grpcpp/security/credentials.h>
 #include <netinet/in.h>
 #include <signal.h>
 #include <sys/socket.h>
@@ -12,10 +15,6 @@
 #include <cstring>
 #include <iostream>
 
-#include <grpcpp/client_context.h>
-#include <grpcpp/create_channel.h>
-#include <grpcpp/security/credentials.h>
-
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -23,6 +22,7 @@
 #include "common/status.h"
 #include "common/status_testing.h"
 #include "proto/gradmesh.grpc.pb.h"
+#include "rpc/grpc_status.h"
 
 namespace gradmesh {
 namespace e2e {
@@ -75,8 +75,8 @@ double ToDouble(const std::optional<std::string>& s) {
 }
 
 absl::StatusOr<JobInfoResponse> GetJobInfo(const std::string& address, const std::string& job) {
-  std::unique_ptr<ParameterService::Stub> stub = ParameterService::NewStub(
-      grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  std::unique_ptr<ParameterService::Stub> stub =
+      ParameterService::NewStub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
   grpc::ClientContext ctx;
   ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
   JobInfoRequest request;

@@ -57,8 +57,9 @@ class GossipE2eTest : public E2eHarness {
     }
     const std::string spec = dir_ + "/" + job + ".yaml";
     std::ofstream(spec) << "name: " << job << "\nmode: gossip\nmodel: {name: mlp}\n"
-                        << "dataset: {name: mnist}\nnum_workers: " << kWorkers
-                        << "\ngossip: {" << gossip_yaml << "}\n" << more_yaml;
+                        << "dataset: {name: mnist}\nnum_workers: " << kWorkers << "\ngossip: {"
+                        << gossip_yaml << "}\n"
+                        << more_yaml;
     for (int r = 0; r < kWorkers; ++r) {
       std::vector<std::string> args = {"--job=" + spec, "--peers=" + absl::StrJoin(peers, ","),
                                        absl::StrCat("--rank=", r), "--data_dir=" + DataDir(),
@@ -97,10 +98,10 @@ TEST_F(GossipE2eTest, ExponentialReachesAccuracyAndConsensusShrinks) {
   constexpr int kEpochs = 3;
   const absl::Time start = absl::Now();
   const std::string model_path = dir_ + "/gossip-model.pt";
-  ASSERT_NO_FATAL_FAILURE(StartGossipWorkers(
-      "gossip-exp", "topology: exponential, every_steps: 1, timeout_s: 2",
-      {absl::StrCat("--epochs=", kEpochs), "--lr=0.003", "--lr_schedule=cosine", "--log_every=20",
-       "--output=" + model_path}));
+  ASSERT_NO_FATAL_FAILURE(
+      StartGossipWorkers("gossip-exp", "topology: exponential, every_steps: 1, timeout_s: 2",
+                         {absl::StrCat("--epochs=", kEpochs), "--lr=0.003", "--lr_schedule=cosine",
+                          "--log_every=20", "--output=" + model_path}));
   const std::vector<int> codes = WaitAll(Procs(), absl::Minutes(6));
   const double wall_s = absl::ToDoubleSeconds(absl::Now() - start);
   for (int r = 0; r < kWorkers; ++r) ASSERT_EQ(codes[r], 0) << "rank " << r;
@@ -139,9 +140,9 @@ TEST_F(GossipE2eTest, ExponentialReachesAccuracyAndConsensusShrinks) {
     if (value > peak) peak = value, peak_step = step;
   }
   const double last = c.back().second;
-  std::cout << "gossip exponential: " << kEpochs << " epochs, accuracy " << accuracy
-            << ", wall " << wall_s << " s; consensus peak " << peak << " at step " << peak_step
-            << ", last " << last << " at step " << c.back().first << ", finals "
+  std::cout << "gossip exponential: " << kEpochs << " epochs, accuracy " << accuracy << ", wall "
+            << wall_s << " s; consensus peak " << peak << " at step " << peak_step << ", last "
+            << last << " at step " << c.back().first << ", finals "
             << LogField(avg[0], "consensus").value_or("?") << "\n";
   EXPECT_LT(peak_step, c.back().first);
   EXPECT_LT(last, peak / 4) << "consensus distance should shrink as the lr decays";
@@ -151,13 +152,13 @@ TEST_F(GossipE2eTest, ExponentialReachesAccuracyAndConsensusShrinks) {
 TEST_F(GossipE2eTest, KilledWorkerDoesNotStopTheOthers) {
   if (!HaveMnist()) GTEST_SKIP() << "MNIST files not found under " << DataDir() << "/mnist";
   constexpr int64_t kSteps = 300;
-  ASSERT_NO_FATAL_FAILURE(StartGossipWorkers(
-      "gossip-kill", "topology: random, every_steps: 2, timeout_s: 1",
-      {absl::StrCat("--steps=", kSteps), "--log_every=20"}));
+  ASSERT_NO_FATAL_FAILURE(StartGossipWorkers("gossip-kill",
+                                             "topology: random, every_steps: 2, timeout_s: 1",
+                                             {absl::StrCat("--steps=", kSteps), "--log_every=20"}));
   // Kill rank 3 once it is well into training.
-  ASSERT_TRUE(WaitForLog(workers_[3].get(),
-                         [](const std::string& log) { return LastProgressStep(log) >= 60; },
-                         absl::Minutes(3)));
+  ASSERT_TRUE(WaitForLog(
+      workers_[3].get(), [](const std::string& log) { return LastProgressStep(log) >= 60; },
+      absl::Minutes(3)));
   ASSERT_OK(workers_[3]->Signal(SIGKILL));
   ASSERT_OK_AND_ASSIGN(int killed, workers_[3]->Wait(absl::Seconds(10)));
   EXPECT_EQ(killed, -SIGKILL);
@@ -191,12 +192,12 @@ TEST_F(GossipE2eTest, KilledWorkerDoesNotStopTheOthers) {
 TEST_F(GossipE2eTest, StoppedWorkerResumesFromItsCheckpoint) {
   if (!HaveMnist()) GTEST_SKIP() << "MNIST files not found under " << DataDir() << "/mnist";
   constexpr int64_t kSteps = 300;
-  ASSERT_NO_FATAL_FAILURE(StartGossipWorkers(
-      "gossip-resume", "topology: exponential",
-      {absl::StrCat("--steps=", kSteps), "--log_every=20"}, "checkpoint: {every_steps: 50}\n"));
-  ASSERT_TRUE(WaitForLog(workers_[2].get(),
-                         [](const std::string& log) { return LastProgressStep(log) >= 100; },
-                         absl::Minutes(3)));
+  ASSERT_NO_FATAL_FAILURE(StartGossipWorkers("gossip-resume", "topology: exponential",
+                                             {absl::StrCat("--steps=", kSteps), "--log_every=20"},
+                                             "checkpoint: {every_steps: 50}\n"));
+  ASSERT_TRUE(WaitForLog(
+      workers_[2].get(), [](const std::string& log) { return LastProgressStep(log) >= 100; },
+      absl::Minutes(3)));
   ASSERT_OK(workers_[2]->Signal(SIGTERM));
   ASSERT_OK_AND_ASSIGN(int stopped, workers_[2]->Wait(absl::Seconds(30)));
   ASSERT_EQ(stopped, 0);

@@ -64,17 +64,25 @@ class LinkE2eTest : public E2eHarness {
     const absl::Time start = absl::Now();
     std::vector<std::unique_ptr<Subprocess>> workers;
     for (int r = 0; r < kWorkers; ++r) {
-      std::vector<std::string> args = {
-          ServersFlag(), absl::StrCat("--rank=", r), absl::StrCat("--num_workers=", kWorkers),
-          absl::StrCat("--steps=", kSteps), "--model=mlp", "--dataset=mnist", "--mode=async",
-          "--optimizer=sgd", "--lr=0.05", "--seed=1", "--name=" + job,
-          "--data_dir=" + DataDir(), "--log_every=0", "--link_mbit=100"};
+      std::vector<std::string> args = {ServersFlag(),
+                                       absl::StrCat("--rank=", r),
+                                       absl::StrCat("--num_workers=", kWorkers),
+                                       absl::StrCat("--steps=", kSteps),
+                                       "--model=mlp",
+                                       "--dataset=mnist",
+                                       "--mode=async",
+                                       "--optimizer=sgd",
+                                       "--lr=0.05",
+                                       "--seed=1",
+                                       "--name=" + job,
+                                       "--data_dir=" + DataDir(),
+                                       "--log_every=0",
+                                       "--link_mbit=100"};
       args.insert(args.end(), run->flags.begin(), run->flags.end());
       workers.push_back(StartWorker(absl::StrCat(job, "-worker", r), args));
       ASSERT_NE(workers.back(), nullptr);
     }
-    const std::vector<int> codes =
-        WaitAll({workers[0].get(), workers[1].get()}, absl::Seconds(75));
+    const std::vector<int> codes = WaitAll({workers[0].get(), workers[1].get()}, absl::Seconds(75));
     for (int r = 0; r < kWorkers; ++r) ASSERT_EQ(codes[r], 0) << run->label << " worker " << r;
     run->wall_s = absl::ToDoubleSeconds(absl::Now() - start);
     for (int r = 0; r < kWorkers; ++r) {

@@ -10,6 +10,9 @@
 // MNIST comes from $GRADMESH_DATA_DIR/mnist (set by .bazelrc); tests that need it are skipped
 // only when its files are absent. Every child runs with OPENBLAS_NUM_THREADS=1 and
 // OMP_NUM_THREADS=1 (four processes share the cores).
+#include <grpcpp/client_context.h>
+#include <grpcpp/create_channel.h>
+#include <grpcpp/security/credentials.h>
 #include <signal.h>
 
 #include <cstdint>
@@ -19,10 +22,6 @@
 #include <string>
 #include <utility>
 #include <vector>
-
-#include <grpcpp/client_context.h>
-#include <grpcpp/create_channel.h>
-#include <grpcpp/security/credentials.h>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -165,14 +164,13 @@ TEST_F(E2eTest, MlpAsyncTwoShardsTwoWorkers) {
 
   std::vector<std::unique_ptr<Subprocess>> workers;
   for (int r = 0; r < kWorkers; ++r) {
-    workers.push_back(StartWorker(
-        absl::StrCat("worker", r),
-        {"--servers=" + absl::StrJoin(addresses_, ","), absl::StrCat("--rank=", r),
-         absl::StrCat("--num_workers=", kWorkers), absl::StrCat("--epochs=", kEpochs),
-         "--model=mlp", "--dataset=mnist", "--mode=async", "--lr_schedule=cosine",
-         "--name=" + job,
-         "--data_dir=" + DataDir(), "--log_every=100", "--output=" + model_path,
-         absl::StrCat("--node=worker", r)}));
+    workers.push_back(
+        StartWorker(absl::StrCat("worker", r),
+                    {"--servers=" + absl::StrJoin(addresses_, ","), absl::StrCat("--rank=", r),
+                     absl::StrCat("--num_workers=", kWorkers), absl::StrCat("--epochs=", kEpochs),
+                     "--model=mlp", "--dataset=mnist", "--mode=async", "--lr_schedule=cosine",
+                     "--name=" + job, "--data_dir=" + DataDir(), "--log_every=100",
+                     "--output=" + model_path, absl::StrCat("--node=worker", r)}));
     ASSERT_NE(workers.back(), nullptr);
   }
 
@@ -200,8 +198,7 @@ TEST_F(E2eTest, MlpAsyncTwoShardsTwoWorkers) {
   std::vector<double> wall(kWorkers), rate(kWorkers);
   for (int r = 0; r < kWorkers; ++r) {
     SCOPED_TRACE(absl::StrCat("worker ", r));
-    const std::vector<std::string> done =
-        LinesWith(ReadFile(workers[r]->log_path()), "event=done");
+    const std::vector<std::string> done = LinesWith(ReadFile(workers[r]->log_path()), "event=done");
     ASSERT_EQ(done.size(), 1u);
     EXPECT_EQ(LogField(done[0], "job"), job);
     EXPECT_EQ(ToInt(LogField(done[0], "steps")), kStepsPerWorker);
@@ -309,8 +306,7 @@ TEST_F(E2eTest, BadFlagsAndSpecExitTwo) {
     EXPECT_NE(run.error.find("--servers is required"), std::string::npos) << run.log;
   }
   {
-    WorkerRun run =
-        RunWorker("negative_batch", {"--servers=127.0.0.1:1", "--batch_size=-1", data});
+    WorkerRun run = RunWorker("negative_batch", {"--servers=127.0.0.1:1", "--batch_size=-1", data});
     EXPECT_EQ(run.exit_code, 2);
     EXPECT_NE(run.error.find("batch_size must be > 0, got -1"), std::string::npos) << run.log;
   }
@@ -348,8 +344,8 @@ TEST_F(E2eTest, BadFlagsAndSpecExitTwo) {
         << run.log;
   }
   {
-    WorkerRun run = RunWorker("missing_spec", {"--servers=127.0.0.1:1",
-                                               "--job=" + dir_ + "/no_such.yaml", data});
+    WorkerRun run = RunWorker("missing_spec",
+                              {"--servers=127.0.0.1:1", "--job=" + dir_ + "/no_such.yaml", data});
     EXPECT_EQ(run.exit_code, 2);
     EXPECT_NE(run.error.find("no_such.yaml"), std::string::npos) << run.log;
   }
@@ -370,8 +366,7 @@ TEST_F(E2eTest, UnknownModelAndModeAgainstServer) {
     EXPECT_EQ(LinesWith(run.log, "event=bad_arguments").size(), 1u) << run.log;
     EXPECT_NE(run.error.find("INVALID_ARGUMENT"), std::string::npos) << run.log;
     EXPECT_NE(run.error.find("unknown model \"nosuchmodel\""), std::string::npos) << run.log;
-    EXPECT_NE(run.error.find("(known: lenet, mlp, torchscript)"), std::string::npos)
-        << run.log;
+    EXPECT_NE(run.error.find("(known: lenet, mlp, torchscript)"), std::string::npos) << run.log;
     // The worker failed before InitJob: the shard never heard of the job.
     EXPECT_STATUS(GetJobInfo(addresses_[0], "bad-model"), absl::StatusCode::kNotFound);
   }

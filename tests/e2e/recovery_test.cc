@@ -81,8 +81,8 @@ class RecoveryTest : public E2eHarness {
   }
 
   struct CrashRun {
-    int64_t kill_step = -1;        // Rank 0's last logged step when shard 1 was killed.
-    std::string restored_line;     // The restarted shard's event=job_restored line.
+    int64_t kill_step = -1;     // Rank 0's last logged step when shard 1 was killed.
+    std::string restored_line;  // The restarted shard's event=job_restored line.
     std::vector<std::string> worker_logs;
     std::vector<JobInfoResponse> infos;  // Final, per shard.
   };
@@ -96,11 +96,19 @@ class RecoveryTest : public E2eHarness {
     ASSERT_NO_FATAL_FAILURE(StartDurableServers());
     std::vector<std::unique_ptr<Subprocess>> workers;
     for (int r = 0; r < kWorkers; ++r) {
-      std::vector<std::string> args = {
-          ServersFlag(), absl::StrCat("--rank=", r), absl::StrCat("--num_workers=", kWorkers),
-          absl::StrCat("--epochs=", kEpochs), "--model=mlp", "--dataset=mnist", "--mode=async",
-          "--optimizer=adam", "--lr=0.001", "--lr_schedule=cosine", "--name=" + job,
-          "--log_every=50", "--data_dir=" + DataDir()};
+      std::vector<std::string> args = {ServersFlag(),
+                                       absl::StrCat("--rank=", r),
+                                       absl::StrCat("--num_workers=", kWorkers),
+                                       absl::StrCat("--epochs=", kEpochs),
+                                       "--model=mlp",
+                                       "--dataset=mnist",
+                                       "--mode=async",
+                                       "--optimizer=adam",
+                                       "--lr=0.001",
+                                       "--lr_schedule=cosine",
+                                       "--name=" + job,
+                                       "--log_every=50",
+                                       "--data_dir=" + DataDir()};
       args.insert(args.end(), durability.begin(), durability.end());
       workers.push_back(StartWorker(absl::StrCat("worker", r), args));
       ASSERT_NE(workers.back(), nullptr);
@@ -126,8 +134,7 @@ class RecoveryTest : public E2eHarness {
       out->restored_line = restored[0];
     }
 
-    const std::vector<int> codes =
-        WaitAll({workers[0].get(), workers[1].get()}, absl::Minutes(4));
+    const std::vector<int> codes = WaitAll({workers[0].get(), workers[1].get()}, absl::Minutes(4));
     for (int r = 0; r < kWorkers; ++r) ASSERT_EQ(codes[r], 0) << "worker " << r;
     std::cout << "training with the crash took " << absl::Now() - start << "\n";
     for (int r = 0; r < kWorkers; ++r) {
@@ -232,9 +239,8 @@ TEST_F(RecoveryTest, PeriodicShardCrashLosesAtMostOneInterval) {
   EXPECT_EQ(crashed.replayed_updates(), 0);
   EXPECT_EQ(crashed.updates_applied(), crashed.pushes_applied());
   const int64_t lost = kWorkers * kStepsPerWorker - crashed.pushes_applied();
-  std::cout << "periodic durability: restored snapshot at update " << restored_update
-            << ", lost " << lost << " acknowledged updates (snapshot interval " << kSnapshotEvery
-            << ")\n";
+  std::cout << "periodic durability: restored snapshot at update " << restored_update << ", lost "
+            << lost << " acknowledged updates (snapshot interval " << kSnapshotEvery << ")\n";
   RecordProperty("lost_updates", static_cast<int>(lost));
   EXPECT_GE(lost, 0);
   // A snapshot is taken by the push that reaches the interval, before that push is
@@ -264,12 +270,20 @@ TEST_F(RecoveryTest, SyncRestartResumesAtSnapshotStep) {
   // --step_delay_ms slows the steps (~6 ms each otherwise) so that the kill lands a few steps
   // after kKillAfterStep, far from the next snapshot boundary at 40.
   auto worker_args = [&](int r) {
-    return std::vector<std::string>{
-        ServersFlag(), absl::StrCat("--rank=", r), absl::StrCat("--num_workers=", kWorkers),
-        "--name=" + job, "--mode=sync", absl::StrCat("--steps=", kSteps),
-        "--durability=periodic", absl::StrCat("--snapshot_every_updates=", kSnapshotEvery),
-        "--optimizer=sgd", "--lr=0.05", "--log_every=5", "--evaluate=false",
-        "--step_delay_ms=20", "--data_dir=" + DataDir()};
+    return std::vector<std::string>{ServersFlag(),
+                                    absl::StrCat("--rank=", r),
+                                    absl::StrCat("--num_workers=", kWorkers),
+                                    "--name=" + job,
+                                    "--mode=sync",
+                                    absl::StrCat("--steps=", kSteps),
+                                    "--durability=periodic",
+                                    absl::StrCat("--snapshot_every_updates=", kSnapshotEvery),
+                                    "--optimizer=sgd",
+                                    "--lr=0.05",
+                                    "--log_every=5",
+                                    "--evaluate=false",
+                                    "--step_delay_ms=20",
+                                    "--data_dir=" + DataDir()};
   };
   {
     std::vector<std::unique_ptr<Subprocess>> workers;

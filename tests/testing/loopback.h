@@ -21,14 +21,14 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
-#include "common/grpc_util.h"
 #include "common/partitioner.h"
 #include "gtest/gtest.h"
 #include "proto/gradmesh.grpc.pb.h"
 #include "proto/gradmesh.pb.h"
+#include "rpc/grpc_util.h"
 #include "server/parameter_service.h"
 #include "server/shard.h"
-#include "worker/parameter_client.h"
+#include "worker/ps/parameter_client.h"
 
 namespace gradmesh {
 namespace loopback {
@@ -99,7 +99,7 @@ inline Values Zeros(const JobLayout& l) {
 
 // InitJob request for shard `shard` of `num_shards`, as the real client builds it.
 inline InitJobRequest MakeInitRequest(const JobLayout& l, int32_t num_shards, int32_t shard,
-                               const Values& init) {
+                                      const Values& init) {
   InitJobRequest r;
   r.set_job(l.job);
   for (const TensorSpec& t : l.tensors) *r.add_tensors() = t;
@@ -193,8 +193,8 @@ inline std::string Snapshot(Stub* stub, const std::string& job) {
   EXPECT_TRUE(st.ok()) << st.error_message();
   std::string out;
   for (const ChunkData& c : resp.chunks()) {
-    absl::StrAppend(&out, "[", c.tensor(), ",", c.chunk(), ",v", c.version(), ",d", c.dtype(),
-                    ",c", c.codec(), ",n", c.data().size(), "]", c.data());
+    absl::StrAppend(&out, "[", c.tensor(), ",", c.chunk(), ",v", c.version(), ",d", c.dtype(), ",c",
+                    c.codec(), ",n", c.data().size(), "]", c.data());
   }
   return out;
 }

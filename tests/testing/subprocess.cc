@@ -71,8 +71,8 @@ absl::StatusOr<std::unique_ptr<Subprocess>> Subprocess::Start(
   for (char** e = environ; e != nullptr && *e != nullptr; ++e) {
     absl::string_view entry(*e);
     const absl::string_view key = entry.substr(0, entry.find('='));
-    const bool overridden = std::any_of(env.begin(), env.end(),
-                                        [&](const auto& kv) { return kv.first == key; });
+    const bool overridden =
+        std::any_of(env.begin(), env.end(), [&](const auto& kv) { return kv.first == key; });
     if (!overridden) env_strings.emplace_back(entry);
   }
   for (const auto& kv : env) env_strings.push_back(absl::StrCat(kv.first, "=", kv.second));
@@ -84,17 +84,16 @@ absl::StatusOr<std::unique_ptr<Subprocess>> Subprocess::Start(
   if (!log_path.empty()) {
     log_fd = open(log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_APPEND | O_CLOEXEC, 0644);
     if (log_fd < 0) {
-      return absl::InternalError(
-          absl::StrCat("Subprocess::Start: cannot open log file ", log_path, ": ",
-                       ErrnoText(errno)));
+      return absl::InternalError(absl::StrCat("Subprocess::Start: cannot open log file ", log_path,
+                                              ": ", ErrnoText(errno)));
     }
   }
   const int null_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
   if (null_fd < 0) {
     const int err = errno;
     CloseIfOpen(log_fd);
-    return absl::InternalError(absl::StrCat("Subprocess::Start: cannot open /dev/null: ",
-                                            ErrnoText(err)));
+    return absl::InternalError(
+        absl::StrCat("Subprocess::Start: cannot open /dev/null: ", ErrnoText(err)));
   }
   // The child reports a failed exec through this pipe; a successful exec closes it (CLOEXEC).
   int report[2];
@@ -197,12 +196,12 @@ bool Subprocess::Running() { return !TryReap(); }
 
 absl::Status Subprocess::Signal(int sig) {
   if (TryReap()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "Subprocess::Signal: ", name_, " (pid ", pid_, ") has already ended with ", *result_));
+    return absl::FailedPreconditionError(absl::StrCat("Subprocess::Signal: ", name_, " (pid ", pid_,
+                                                      ") has already ended with ", *result_));
   }
   if (kill(pid_, sig) != 0) {
-    return absl::InternalError(absl::StrCat("Subprocess::Signal: kill(", pid_, ", ", sig,
-                                            "): ", ErrnoText(errno)));
+    return absl::InternalError(
+        absl::StrCat("Subprocess::Signal: kill(", pid_, ", ", sig, "): ", ErrnoText(errno)));
   }
   return absl::OkStatus();
 }
@@ -213,15 +212,15 @@ absl::StatusOr<int> Subprocess::Wait(absl::Duration timeout) {
   while (true) {
     if (TryReap()) {
       if (*result_ == -1000) {
-        return absl::InternalError(absl::StrCat("Subprocess::Wait: exit status of ", name_,
-                                                " (pid ", pid_, ") was lost"));
+        return absl::InternalError(
+            absl::StrCat("Subprocess::Wait: exit status of ", name_, " (pid ", pid_, ") was lost"));
       }
       return *result_;
     }
     const absl::Time now = absl::Now();
     if (now >= deadline) {
-      return absl::DeadlineExceededError(absl::StrCat("Subprocess::Wait: ", name_, " (pid ",
-                                                      pid_, ") still running after ",
+      return absl::DeadlineExceededError(absl::StrCat("Subprocess::Wait: ", name_, " (pid ", pid_,
+                                                      ") still running after ",
                                                       absl::FormatDuration(timeout)));
     }
     absl::SleepFor(std::min(backoff, deadline - now));
@@ -247,8 +246,8 @@ absl::StatusOr<int> WaitForPortFile(const std::string& path, absl::Duration time
           ") before writing port file ", path));
     }
     if (absl::Now() >= deadline) {
-      return absl::DeadlineExceededError(absl::StrCat("no port in ", path, " after ",
-                                                      absl::FormatDuration(timeout)));
+      return absl::DeadlineExceededError(
+          absl::StrCat("no port in ", path, " after ", absl::FormatDuration(timeout)));
     }
     absl::SleepFor(absl::Milliseconds(20));
   }
@@ -326,8 +325,8 @@ absl::StatusOr<std::string> RunfilePath(const std::string& workspace_relative_pa
                    "/", workspace_relative_path);
   struct stat st;
   if (stat(path.c_str(), &st) != 0) {
-    return absl::NotFoundError(absl::StrCat("RunfilePath: ", path,
-                                            " does not exist (is it in the test's data?)"));
+    return absl::NotFoundError(
+        absl::StrCat("RunfilePath: ", path, " does not exist (is it in the test's data?)"));
   }
   return path;
 }

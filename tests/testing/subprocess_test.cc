@@ -116,10 +116,10 @@ TEST(WaitForPortFileTest, ReadsPortTimesOutAndNoticesExit) {
                     absl::StatusCode::kFailedPrecondition, "(7)");
 
   // Written late by a child, atomically as the daemons do.
-  ASSERT_OK_AND_ASSIGN(
-      auto w, Subprocess::Start({"/bin/sh", "-c",
-                                 "sleep 0.2; echo 5555 > " + dir + "/late.tmp; mv " + dir +
-                                     "/late.tmp " + dir + "/late"}));
+  ASSERT_OK_AND_ASSIGN(auto w,
+                       Subprocess::Start({"/bin/sh", "-c",
+                                          "sleep 0.2; echo 5555 > " + dir + "/late.tmp; mv " + dir +
+                                              "/late.tmp " + dir + "/late"}));
   ASSERT_OK_AND_ASSIGN(int late, WaitForPortFile(dir + "/late", absl::Seconds(10), w.get()));
   EXPECT_EQ(late, 5555);
 }
@@ -133,8 +133,7 @@ TEST(LogFieldTest, ParsesPlainAndQuotedValues) {
   EXPECT_EQ(LogField(line, "role"), "worker");
   EXPECT_EQ(LogField(line, "steps"), "1404");
   EXPECT_EQ(LogField(line, "step"), "7");
-  EXPECT_EQ(LogField(line, "error"),
-            "INVALID_ARGUMENT: unknown field \"optimiser\" in job spec");
+  EXPECT_EQ(LogField(line, "error"), "INVALID_ARGUMENT: unknown field \"optimiser\" in job spec");
   EXPECT_EQ(LogField(line, "empty"), "");
   EXPECT_EQ(LogField(line, "path"), "a\\b");
   EXPECT_EQ(LogField(line, "multi"), "x\ny");

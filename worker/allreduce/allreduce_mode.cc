@@ -41,8 +41,8 @@ class AllreduceMode : public TrainingMode {
   }
   void AbortStep() override { (void)reducer_->FinishStep(); }
   absl::StatusOr<StepOutcome> Exchange(int64_t step,
-                                       absl::Span<const absl::Span<const float>> grads,
-                                       double loss, const StepTiming& timing) override;
+                                       absl::Span<const absl::Span<const float>> grads, double loss,
+                                       const StepTiming& timing) override;
   absl::StatusOr<bool> MaybeCheckpoint(int64_t steps_done) override;
   int64_t bytes_sent() const override { return collective_->bytes_sent(); }
   std::vector<LogField> ProgressFields(int64_t done, int64_t window) override;
@@ -108,9 +108,9 @@ absl::Status AllreduceMode::Restore(const RankCheckpoint& c) {
   size_t a = 0;
   for (size_t i = 0; i < numels_.size(); ++i, ++a) {
     if (static_cast<int64_t>(c.arrays[a].size()) != numels_[i]) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "allreduce: checkpoint ", checkpoint_path_, " holds ", c.arrays[a].size(),
-          " values for ", model_->names[i], ", the model has ", numels_[i]));
+      return absl::FailedPreconditionError(
+          absl::StrCat("allreduce: checkpoint ", checkpoint_path_, " holds ", c.arrays[a].size(),
+                       " values for ", model_->names[i], ", the model has ", numels_[i]));
     }
     std::memcpy(model_->params[i].data(), c.arrays[a].data(), numels_[i] * sizeof(float));
   }
@@ -183,8 +183,8 @@ absl::StatusOr<int64_t> AllreduceMode::Start(ModelView* model, const LoopInfo& i
       spec_.checkpoint().dir().empty() ? options_.checkpoint_dir : spec_.checkpoint().dir(),
       spec_.name(), options_.rank);
   ASSIGN_OR_RETURN(const int64_t first_step, Resume());
-  reducer_ = std::make_unique<BucketReducer>(collective_.get(), numels_,
-                                             spec_.allreduce().bucket_bytes());
+  reducer_ =
+      std::make_unique<BucketReducer>(collective_.get(), numels_, spec_.allreduce().bucket_bytes());
   return first_step;
 }
 
@@ -194,21 +194,21 @@ std::vector<LogField> AllreduceMode::StartFields() const {
           Kv("bucket_bytes", spec_.allreduce().bucket_bytes())};
 }
 
-absl::StatusOr<StepOutcome> AllreduceMode::Exchange(
-    int64_t step, absl::Span<const absl::Span<const float>> grads, double loss,
-    const StepTiming& timing) {
+absl::StatusOr<StepOutcome> AllreduceMode::Exchange(int64_t step,
+                                                    absl::Span<const absl::Span<const float>> grads,
+                                                    double loss, const StepTiming& timing) {
   // Same update on every rank, from bit-identical averaged gradients, applied piece by piece
   // as the all-reduce finishes them (the optimizers are elementwise).
   const float lr_factor = LrScheduleFactor(optimizer_spec_, step);
-  RETURN_IF_ERROR(Annotate(
-      reducer_->FinishStep([&](int p, int64_t begin, absl::Span<const float> grad) {
+  RETURN_IF_ERROR(
+      Annotate(reducer_->FinishStep([&](int p, int64_t begin, absl::Span<const float> grad) {
         const absl::Time o0 = absl::Now();
         for (int k = 0; k < num_slots_; ++k) slot_ptrs_[k] = slots_[p][k].data() + begin;
         optimizer_->Apply(step + 1, lr_factor, grad.data(), model_->params[p].data() + begin,
                           slot_ptrs_.data(), static_cast<int64_t>(grad.size()));
         opt_s_ += SecondsSince(o0);
       }),
-      "allreduce"));
+               "allreduce"));
   const std::array<float, BucketReducer::kExtras> extras = reducer_->extras();
   StepOutcome out;
   out.stop = extras[0] > 0;
@@ -225,8 +225,9 @@ absl::StatusOr<bool> AllreduceMode::MaybeCheckpoint(int64_t steps_done) {
     for (int k = 0; k < num_slots_; ++k) arrays.emplace_back(slots_[i][k]);
   }
   RETURN_IF_ERROR(WriteCheckpoint(checkpoint_path_, steps_done, arrays));
-  LogInfo(options_.logger, "checkpoint", {Kv("job", spec_.name()), Kv("rank", options_.rank),
-                                          Kv("step", steps_done), Kv("path", checkpoint_path_)});
+  LogInfo(options_.logger, "checkpoint",
+          {Kv("job", spec_.name()), Kv("rank", options_.rank), Kv("step", steps_done),
+           Kv("path", checkpoint_path_)});
   return true;
 }
 

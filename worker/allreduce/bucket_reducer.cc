@@ -182,24 +182,23 @@ void BucketReducer::CommLoop() {
     }
     const absl::Time start = absl::Now();
     std::vector<float>& buf = flat_[b];
-    absl::Status st = collective_->AllreduceSumStreaming(
-        absl::MakeSpan(buf), [this, b](int64_t begin, int64_t end) {
-          absl::MutexLock lock(&mu_);
-          final_.push_back({b, begin, end});
-        });
+    absl::Status st = collective_->AllreduceSumStreaming(absl::MakeSpan(buf),
+                                                         [this, b](int64_t begin, int64_t end) {
+                                                           absl::MutexLock lock(&mu_);
+                                                           final_.push_back({b, begin, end});
+                                                         });
     absl::MutexLock lock(&mu_);
     comm_s_ += absl::ToDoubleSeconds(absl::Now() - start);
     if (!st.ok() && error_.ok()) {
-      error_ = Annotate(st, absl::StrCat("all-reduce of gradient bucket ", b, " of ",
-                                         buckets_.size()));
+      error_ =
+          Annotate(st, absl::StrCat("all-reduce of gradient bucket ", b, " of ", buckets_.size()));
     }
     ++reduced_;
   }
 }
 
 absl::Span<const float> BucketReducer::grad(int param) const {
-  return absl::Span<const float>(flat_[bucket_of_[param]].data() + offset_[param],
-                                 numel_[param]);
+  return absl::Span<const float>(flat_[bucket_of_[param]].data() + offset_[param], numel_[param]);
 }
 
 std::array<float, BucketReducer::kExtras> BucketReducer::extras() const {

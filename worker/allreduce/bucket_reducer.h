@@ -56,8 +56,7 @@ class BucketReducer {
   static constexpr int kExtras = 2;
 
   // `collective` (not owned) must outlive the reducer. Starts the communication thread.
-  BucketReducer(Collective* collective, const std::vector<int64_t>& numels,
-                int64_t bucket_bytes);
+  BucketReducer(Collective* collective, const std::vector<int64_t>& numels, int64_t bucket_bytes);
   ~BucketReducer();  // Stop().
 
   // Stops the communication thread after the bucket in flight, if any; no collective is
@@ -120,7 +119,7 @@ class BucketReducer {
 
   // Training thread only.
   std::vector<bool> seen_;
-  std::vector<int> missing_;  // Per bucket: parameters still to come.
+  std::vector<int> missing_;    // Per bucket: parameters still to come.
   std::vector<float> scratch_;  // Averaged piece handed to a PieceFn.
 
   mutable absl::Mutex mu_;

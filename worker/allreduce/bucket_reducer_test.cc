@@ -76,8 +76,8 @@ TEST(BucketReducerTest, AveragesGradientsSumsExtrasZeroFillsMissing) {
         EXPECT_FLOAT_EQ(got[r][p][i], 6.0f * (p + 1) + i + 2) << r << " " << p << " " << i;
       }
     }
-    EXPECT_EQ(extras[r][0], 1.0f);               // Rank 1 voted to stop.
-    EXPECT_FLOAT_EQ(extras[r][1], 0.5f * 6);     // Losses summed, not averaged.
+    EXPECT_EQ(extras[r][0], 1.0f);            // Rank 1 voted to stop.
+    EXPECT_FLOAT_EQ(extras[r][1], 0.5f * 6);  // Losses summed, not averaged.
   }
 }
 

@@ -86,9 +86,9 @@ absl::StatusOr<int64_t> CheckHeader(const ckpt::CheckpointHeader& h) {
   }
   for (const ckpt::ArrayInfo& a : h.arrays) {
     if (a.dtype != ckpt::DType::kFloat32) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("checkpoint ", path, ": array '", a.name, "' is ",
-                       ckpt::DTypeName(a.dtype), "; allreduce checkpoints hold float32"));
+      return absl::FailedPreconditionError(absl::StrCat("checkpoint ", path, ": array '", a.name,
+                                                        "' is ", ckpt::DTypeName(a.dtype),
+                                                        "; allreduce checkpoints hold float32"));
     }
   }
   return *step;
@@ -171,13 +171,11 @@ absl::StatusOr<int64_t> ResumeStep(const std::vector<std::vector<int64_t>>& step
   if (common.empty()) {
     std::vector<std::string> parts;
     for (size_t r = 0; r < steps_per_rank.size(); ++r) {
-      parts.push_back(absl::StrCat("rank ", r, ": [",
-                                   absl::StrJoin(steps_per_rank[r], ","), "]"));
+      parts.push_back(absl::StrCat("rank ", r, ": [", absl::StrJoin(steps_per_rank[r], ","), "]"));
     }
     return absl::FailedPreconditionError(absl::StrCat(
         "allreduce checkpoints: the ranks have no checkpoint step in common (",
-        absl::StrJoin(parts, "; "),
-        "); remove the checkpoint directory to start over"));
+        absl::StrJoin(parts, "; "), "); remove the checkpoint directory to start over"));
   }
   return *common.rbegin();
 }

@@ -50,7 +50,7 @@ std::vector<RankCheckpoint> ReadAvailableCheckpoints(const std::string& path);
 // What ReadAvailableCheckpoints would return, without keeping the arrays in memory: each
 // file is verified (checksums streamed in constant memory), then only its header is kept.
 struct RankCheckpointInfo {
-  std::string path;                  // `path` or `path`.prev: pass it to ReadCheckpoint.
+  std::string path;  // `path` or `path`.prev: pass it to ReadCheckpoint.
   int64_t step = 0;
   std::vector<int64_t> array_sizes;  // Elements per array.
 };

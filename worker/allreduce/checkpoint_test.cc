@@ -150,13 +150,13 @@ TEST(CheckpointTest, RefusesGossipCheckpoints) {
                     path + " is a legacy gossip checkpoint (GMGOSCK1), expected kind 'allreduce'");
   // Non-float32 arrays are not this mode's.
   const std::vector<int64_t> n = {1};
-  ASSERT_OK(ckpt::WriteCheckpointFile(path, "allreduce", {},
-                                      {ckpt::ArrayRef::Of<int64_t>("a0", n)}));
+  ASSERT_OK(
+      ckpt::WriteCheckpointFile(path, "allreduce", {}, {ckpt::ArrayRef::Of<int64_t>("a0", n)}));
   EXPECT_STATUS(ReadCheckpoint(path).status(), absl::StatusCode::kDataLoss);  // No step.
   ckpt::Metadata m;
   m.SetInt("step", 4);
-  ASSERT_OK(ckpt::WriteCheckpointFile(path, "allreduce", m,
-                                      {ckpt::ArrayRef::Of<int64_t>("a0", n)}));
+  ASSERT_OK(
+      ckpt::WriteCheckpointFile(path, "allreduce", m, {ckpt::ArrayRef::Of<int64_t>("a0", n)}));
   EXPECT_STATUS_MSG(ReadCheckpoint(path).status(), absl::StatusCode::kFailedPrecondition,
                     "array 'a0' is int64; allreduce checkpoints hold float32");
 }
@@ -169,8 +169,7 @@ TEST(ResumeStepTest, NewestCommonStepOrAClearError) {
   // Rank 1 died between its step-300 and rank 0's: both still have 200.
   ASSERT_OK_AND_ASSIGN(int64_t older, ResumeStep({{300, 200}, {200, 100}}));
   EXPECT_EQ(older, 200);
-  EXPECT_STATUS_MSG(ResumeStep({{300, 200}, {}}).status(),
-                    absl::StatusCode::kFailedPrecondition,
+  EXPECT_STATUS_MSG(ResumeStep({{300, 200}, {}}).status(), absl::StatusCode::kFailedPrecondition,
                     "no checkpoint step in common (rank 0: [300,200]; rank 1: [])");
 }
 

@@ -30,8 +30,7 @@ class RingCollective final : public Collective {
     return RingAllreduce(transport_.get(), data, options_, &bytes_sent_, &on_final);
   }
   absl::StatusOr<std::vector<std::string>> Allgather(absl::string_view mine) override {
-    ASSIGN_OR_RETURN(std::vector<std::string> all,
-                     RingAllgather(transport_.get(), mine, options_));
+    ASSIGN_OR_RETURN(std::vector<std::string> all, RingAllgather(transport_.get(), mine, options_));
     for (int r = 0; r < size(); ++r) {
       if (r != rank()) bytes_sent_ += static_cast<int64_t>(all[r].size());
     }
@@ -139,8 +138,7 @@ absl::StatusOr<std::unique_ptr<Collective>> ConnectNccl(
     absl::StatusOr<std::string> id = NcclCommunicator::GetUniqueId();
     mine = id.ok() ? *id : absl::StrCat("!", id.status().ToString()).substr(0, 100);
   }
-  ASSIGN_OR_RETURN(std::vector<std::string> ids,
-                   RingAllgather(ring.get(), mine, RingOptionsOf(c)));
+  ASSIGN_OR_RETURN(std::vector<std::string> ids, RingAllgather(ring.get(), mine, RingOptionsOf(c)));
   if (ids[0].size() != kNcclUniqueIdBytes) {
     return absl::UnavailableError(absl::StrCat(
         "allreduce backend nccl: rank 0 could not create an NCCL id: ", ids[0].substr(1)));
@@ -182,13 +180,11 @@ class HierarchicalCollective final : public Collective {
       RETURN_IF_ERROR(Annotate(local_->AllreduceSum(data), "hierarchical all-reduce in the node"));
     }
     if (leader_ && cross_ != nullptr) {
-      RETURN_IF_ERROR(
-          Annotate(cross_->AllreduceSum(data), "hierarchical all-reduce across nodes"));
+      RETURN_IF_ERROR(Annotate(cross_->AllreduceSum(data), "hierarchical all-reduce across nodes"));
     }
     if (local_ != nullptr) {
       if (!leader_) std::fill(data.begin(), data.end(), 0.0f);
-      RETURN_IF_ERROR(
-          Annotate(local_->AllreduceSum(data), "hierarchical broadcast in the node"));
+      RETURN_IF_ERROR(Annotate(local_->AllreduceSum(data), "hierarchical broadcast in the node"));
     }
     return absl::OkStatus();
   }
@@ -252,17 +248,17 @@ absl::StatusOr<std::unique_ptr<Collective>> ConnectHierarchicalOver(
       const std::string& id = ids[group[0]];
       if (id.size() != kNcclUniqueIdBytes) {
         return absl::UnavailableError(absl::StrCat("allreduce backend hierarchical: rank ",
-                                                   group[0], " could not create an NCCL id: ",
-                                                   id.substr(1)));
+                                                   group[0],
+                                                   " could not create an NCCL id: ", id.substr(1)));
       }
       NcclOptions no;
       no.timeout = c.timeout;
       const int device = local_index % std::max(1, CudaDeviceCount());
-      absl::StatusOr<std::unique_ptr<NcclCommunicator>> comm = NcclCommunicator::Create(
-          local_index, static_cast<int>(group.size()), id, device, no);
+      absl::StatusOr<std::unique_ptr<NcclCommunicator>> comm =
+          NcclCommunicator::Create(local_index, static_cast<int>(group.size()), id, device, no);
       if (!comm.ok()) {
-        return Annotate(comm.status(), absl::StrCat("allreduce backend hierarchical: rank ",
-                                                    c.rank, " joining on device ", device));
+        return Annotate(comm.status(), absl::StrCat("allreduce backend hierarchical: rank ", c.rank,
+                                                    " joining on device ", device));
       }
       local.reset(new NcclCollective(nullptr, ro, *std::move(comm)));
     } else {
@@ -279,8 +275,7 @@ absl::StatusOr<std::unique_ptr<Collective>> ConnectHierarchicalOver(
   if (leader && leaders.size() > 1) {
     CollectiveContext xc = c;
     xc.job = absl::StrCat(c.job, "/leaders");
-    xc.rank = static_cast<int>(std::find(leaders.begin(), leaders.end(), c.rank) -
-                               leaders.begin());
+    xc.rank = static_cast<int>(std::find(leaders.begin(), leaders.end(), c.rank) - leaders.begin());
     xc.peers.clear();
     for (int r : leaders) xc.peers.push_back(c.peers[r]);
     ASSIGN_OR_RETURN(std::unique_ptr<RingTransport> t, ConnectRing(xc));
@@ -338,8 +333,8 @@ std::string NcclUnsuitable(const std::vector<RankPlacement>& ranks) {
     }
   }
   if (n > 0 && ranks[0].cuda_devices < n) {
-    return absl::StrCat(n, " ranks on host ", ranks[0].host, " but only ",
-                        ranks[0].cuda_devices, " CUDA device(s) (one GPU per rank)");
+    return absl::StrCat(n, " ranks on host ", ranks[0].host, " but only ", ranks[0].cuda_devices,
+                        " CUDA device(s) (one GPU per rank)");
   }
   return "";
 }
@@ -374,12 +369,11 @@ std::string ChooseAutoBackend(const std::vector<RankPlacement>& ranks) {
   return "ring";
 }
 
-absl::StatusOr<std::unique_ptr<Collective>> ConnectHierarchical(
-    const CollectiveContext& c, const std::string& local_backend) {
+absl::StatusOr<std::unique_ptr<Collective>> ConnectHierarchical(const CollectiveContext& c,
+                                                                const std::string& local_backend) {
   if (local_backend != "nccl" && local_backend != "ring") {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "hierarchical all-reduce: node-local backend \"", local_backend,
-        "\" is not one of nccl, ring"));
+    return absl::InvalidArgumentError(absl::StrCat("hierarchical all-reduce: node-local backend \"",
+                                                   local_backend, "\" is not one of nccl, ring"));
   }
   ASSIGN_OR_RETURN(std::unique_ptr<RingTransport> t, ConnectRing(c));
   ASSIGN_OR_RETURN(std::vector<RankPlacement> placements, GatherPlacements(t.get(), c));
@@ -404,13 +398,11 @@ NamedRegistry<RingTransportFactory> RingTransportsWithBuiltins() {
 
 CollectiveRegistry CollectiveRegistry::WithBuiltins() {
   CollectiveRegistry r;
-  r.Register("ring", [](const CollectiveContext& c)
-                         -> absl::StatusOr<std::unique_ptr<Collective>> {
+  r.Register("ring", [](const CollectiveContext& c) -> absl::StatusOr<std::unique_ptr<Collective>> {
     ASSIGN_OR_RETURN(std::unique_ptr<RingTransport> t, ConnectRing(c));
     return NewRingCollective(std::move(t), RingOptionsOf(c));
   });
-  r.Register("nccl", [](const CollectiveContext& c)
-                         -> absl::StatusOr<std::unique_ptr<Collective>> {
+  r.Register("nccl", [](const CollectiveContext& c) -> absl::StatusOr<std::unique_ptr<Collective>> {
     if (!NcclBuiltIn()) {
       return absl::UnimplementedError(
           "allreduce.backend nccl needs a worker built with --config=cuda (this one is "
@@ -420,30 +412,29 @@ CollectiveRegistry CollectiveRegistry::WithBuiltins() {
     ASSIGN_OR_RETURN(std::vector<RankPlacement> placements, GatherPlacements(t.get(), c));
     // Every rank sees the same placements, so all of them fail here together.
     if (std::string why = NcclUnsuitable(placements); !why.empty()) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("allreduce.backend nccl cannot be used: ", why,
-                       "; use backend ring or auto"));
+      return absl::FailedPreconditionError(absl::StrCat(
+          "allreduce.backend nccl cannot be used: ", why, "; use backend ring or auto"));
     }
     return ConnectNccl(std::move(t), c, placements);
   });
-  r.Register("hierarchical", [](const CollectiveContext& c)
-                                 -> absl::StatusOr<std::unique_ptr<Collective>> {
-    if (!NcclBuiltIn()) {
-      return absl::UnimplementedError(
-          "allreduce.backend hierarchical needs a worker built with --config=cuda (this one "
-          "is CPU-only); use backend ring or auto");
-    }
-    ASSIGN_OR_RETURN(std::unique_ptr<RingTransport> t, ConnectRing(c));
-    ASSIGN_OR_RETURN(std::vector<RankPlacement> placements, GatherPlacements(t.get(), c));
-    if (std::string why = HierarchicalUnsuitable(placements); !why.empty()) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("allreduce.backend hierarchical cannot be used: ", why,
-                       "; use backend ring or auto"));
-    }
-    return ConnectHierarchicalOver(std::move(t), c, placements, "nccl");
-  });
-  r.Register("auto", [](const CollectiveContext& c)
-                         -> absl::StatusOr<std::unique_ptr<Collective>> {
+  r.Register(
+      "hierarchical",
+      [](const CollectiveContext& c) -> absl::StatusOr<std::unique_ptr<Collective>> {
+        if (!NcclBuiltIn()) {
+          return absl::UnimplementedError(
+              "allreduce.backend hierarchical needs a worker built with --config=cuda (this one "
+              "is CPU-only); use backend ring or auto");
+        }
+        ASSIGN_OR_RETURN(std::unique_ptr<RingTransport> t, ConnectRing(c));
+        ASSIGN_OR_RETURN(std::vector<RankPlacement> placements, GatherPlacements(t.get(), c));
+        if (std::string why = HierarchicalUnsuitable(placements); !why.empty()) {
+          return absl::FailedPreconditionError(
+              absl::StrCat("allreduce.backend hierarchical cannot be used: ", why,
+                           "; use backend ring or auto"));
+        }
+        return ConnectHierarchicalOver(std::move(t), c, placements, "nccl");
+      });
+  r.Register("auto", [](const CollectiveContext& c) -> absl::StatusOr<std::unique_ptr<Collective>> {
     ASSIGN_OR_RETURN(std::unique_ptr<RingTransport> t, ConnectRing(c));
     ASSIGN_OR_RETURN(std::vector<RankPlacement> placements, GatherPlacements(t.get(), c));
     const std::string choice = ChooseAutoBackend(placements);

@@ -59,8 +59,7 @@ class Collective {
   // The same, telling `on_final` about ranges whose sums are final before it returns (see
   // FinalRangeFn in ring.h; every element is reported once if it returns OK). The default
   // reports the whole buffer after AllreduceSum.
-  virtual absl::Status AllreduceSumStreaming(absl::Span<float> data,
-                                             const FinalRangeFn& on_final) {
+  virtual absl::Status AllreduceSumStreaming(absl::Span<float> data, const FinalRangeFn& on_final) {
     absl::Status st = AllreduceSum(data);
     if (st.ok() && !data.empty()) on_final(0, static_cast<int64_t>(data.size()));
     return st;
@@ -79,14 +78,14 @@ class Collective {
 struct CollectiveContext {
   std::string job;
   int rank = 0;
-  std::vector<std::string> peers;           // Every rank's peer-service address.
-  CollectiveServiceImpl* local = nullptr;   // This process's CollectiveService; not owned.
+  std::vector<std::string> peers;              // Every rank's peer-service address.
+  CollectiveServiceImpl* local = nullptr;      // This process's CollectiveService; not owned.
   absl::Duration timeout = absl::Seconds(30);  // Longest wait for a peer.
   // Ring: what carries the ring's bytes, a name in RingTransportsWithBuiltins(). Empty:
   // "tcp".
   std::string transport = "tcp";
-  int64_t segment_bytes = 2 << 20;          // Ring: pipelining segment (see RingOptions).
-  RingCodec codec = RingCodec::kNone;       // Ring: wire format (see RingOptions).
+  int64_t segment_bytes = 2 << 20;     // Ring: pipelining segment (see RingOptions).
+  RingCodec codec = RingCodec::kNone;  // Ring: wire format (see RingOptions).
   // This rank's host, as compared between ranks by "auto"/"nccl". Empty: the machine's
   // host name (tests set it to place ranks on different "hosts").
   std::string host;
@@ -124,8 +123,8 @@ std::string ResolveBackend(const std::string& backend);
 
 // Where a rank runs, as "auto" and "nccl" compare it.
 struct RankPlacement {
-  std::string host;        // Host name.
-  int cuda_devices = 0;    // CudaDeviceCount() there.
+  std::string host;      // Host name.
+  int cuda_devices = 0;  // CudaDeviceCount() there.
   bool nccl_built_in = false;
 };
 std::string EncodePlacement(const RankPlacement& p);
@@ -149,8 +148,8 @@ std::string ChooseAutoBackend(const std::vector<RankPlacement>& ranks);
 // "hierarchical" backend uses) or "ring" (a gRPC ring per host; it lets CPU builds and tests
 // run the same composition). Connects the job's ring and gathers placements first; every
 // rank must call it at once. INVALID_ARGUMENT for another local backend.
-absl::StatusOr<std::unique_ptr<Collective>> ConnectHierarchical(
-    const CollectiveContext& c, const std::string& local_backend);
+absl::StatusOr<std::unique_ptr<Collective>> ConnectHierarchical(const CollectiveContext& c,
+                                                                const std::string& local_backend);
 
 // A Collective over any RingTransport (owned).
 std::unique_ptr<Collective> NewRingCollective(std::unique_ptr<RingTransport> transport,

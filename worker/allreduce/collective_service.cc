@@ -12,6 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
+#include "rpc/grpc_status.h"
 
 namespace gradmesh {
 namespace {
@@ -95,11 +96,20 @@ absl::Status ParseRingChunk(const grpc::ByteBuffer& buffer, RingChunk* header,
     if (wire == 0) {
       if (!in.ReadVarint(&v)) return absl::InvalidArgumentError("ring chunk: truncated varint");
       switch (field) {
-        case 2: header->set_from_rank(static_cast<int32_t>(v)); break;
-        case 3: header->set_to_rank(static_cast<int32_t>(v)); break;
-        case 4: header->set_world_size(static_cast<int32_t>(v)); break;
-        case 5: header->set_seq(v); break;
-        default: break;  // Unknown varint field: ignored.
+        case 2:
+          header->set_from_rank(static_cast<int32_t>(v));
+          break;
+        case 3:
+          header->set_to_rank(static_cast<int32_t>(v));
+          break;
+        case 4:
+          header->set_world_size(static_cast<int32_t>(v));
+          break;
+        case 5:
+          header->set_seq(v);
+          break;
+        default:
+          break;  // Unknown varint field: ignored.
       }
     } else if (wire == 2) {
       uint64_t len;
@@ -152,15 +162,15 @@ class CollectiveServiceImpl::Inbox {
   std::deque<RingMessage> queue;
   int64_t queued_bytes = 0;
   uint64_t next_seq = 0;
-  RingReader* stream = nullptr;   // The attached stream while it lives.
-  bool connected = false;         // A stream was ever attached.
+  RingReader* stream = nullptr;  // The attached stream while it lives.
+  bool connected = false;        // A stream was ever attached.
   bool stream_ended = false;
   std::string end_detail;
-  RingReader* paused = nullptr;   // The attached stream, when not read for lack of space.
-  absl::Status failure;           // FailInbox or a protocol error of the attached stream.
+  RingReader* paused = nullptr;  // The attached stream, when not read for lack of space.
+  absl::Status failure;          // FailInbox or a protocol error of the attached stream.
   bool closed = false;
-  std::string rejected;           // Why the last other stream was turned away.
-  absl::CondVar cv;               // Signalled on every change above.
+  std::string rejected;  // Why the last other stream was turned away.
+  absl::CondVar cv;      // Signalled on every change above.
 };
 
 class CollectiveServiceImpl::RingReader final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
@@ -229,10 +239,10 @@ class CollectiveServiceImpl::RingReader final : public grpc::ServerReadReactor<g
   bool finishing = false;
   grpc::Status finish_status;
   bool has_first = false;
-  RingChunk first;                 // Identity of the stream (no data).
-  std::shared_ptr<Inbox> inbox;    // Once attached.
+  RingChunk first;               // Identity of the stream (no data).
+  std::shared_ptr<Inbox> inbox;  // Once attached.
   bool held = false;
-  RingChunk held_header;           // The first chunk while held.
+  RingChunk held_header;  // The first chunk while held.
   RingMessage held_payload;
   uint64_t chunks = 0, bytes = 0;
   grpc::ByteBuffer buffer;
@@ -296,8 +306,8 @@ CollectiveServiceImpl::Next CollectiveServiceImpl::Deliver(RingReader* reader, R
     absl::Status st = absl::InvalidArgumentError(
         absl::StrCat("ring chunk: ", StreamName(header), " on the ", StreamName(f)));
     if (inbox != nullptr) {
-      inbox->failure = absl::UnavailableError(absl::StrCat(
-          "ring link from ", inbox->prev_name, " broke the protocol: ", st.message()));
+      inbox->failure = absl::UnavailableError(
+          absl::StrCat("ring link from ", inbox->prev_name, " broke the protocol: ", st.message()));
       inbox->cv.SignalAll();
     }
     return finish(st);
@@ -307,15 +317,15 @@ CollectiveServiceImpl::Next CollectiveServiceImpl::Deliver(RingReader* reader, R
     return finish(absl::InternalError("ring: chunk read on a held stream"));
   }
   if (inbox->closed) {
-    return finish(absl::FailedPreconditionError(absl::StrCat(
-        "ring: rank ", inbox->rank, " of job ", inbox->job, " has closed its inbox")));
+    return finish(absl::FailedPreconditionError(
+        absl::StrCat("ring: rank ", inbox->rank, " of job ", inbox->job, " has closed its inbox")));
   }
   if (header.seq() != inbox->next_seq) {
     absl::Status st = absl::InvalidArgumentError(
         absl::StrCat("ring chunk: seq ", header.seq(), " where ", inbox->next_seq,
                      " was expected on the ", StreamName(f)));
-    inbox->failure = absl::UnavailableError(absl::StrCat(
-        "ring link from ", inbox->prev_name, " broke the protocol: ", st.message()));
+    inbox->failure = absl::UnavailableError(
+        absl::StrCat("ring link from ", inbox->prev_name, " broke the protocol: ", st.message()));
     inbox->cv.SignalAll();
     return finish(st);
   }
@@ -323,9 +333,10 @@ CollectiveServiceImpl::Next CollectiveServiceImpl::Deliver(RingReader* reader, R
   return EnqueueLocked(reader, inbox, std::move(payload));
 }
 
-CollectiveServiceImpl::Next CollectiveServiceImpl::AttachLocked(
-    RingReader* reader, const std::shared_ptr<Inbox>& inbox, RingChunk header,
-    RingMessage payload) {
+CollectiveServiceImpl::Next CollectiveServiceImpl::AttachLocked(RingReader* reader,
+                                                                const std::shared_ptr<Inbox>& inbox,
+                                                                RingChunk header,
+                                                                RingMessage payload) {
   auto finish = [&](const absl::Status& st) {
     reader->finishing = true;
     reader->finish_status = ToGrpcStatus(st);
@@ -333,8 +344,8 @@ CollectiveServiceImpl::Next CollectiveServiceImpl::AttachLocked(
     return Next::kFinish;
   };
   if (inbox->closed) {
-    return finish(absl::FailedPreconditionError(absl::StrCat(
-        "ring: rank ", inbox->rank, " of job ", inbox->job, " has closed its inbox")));
+    return finish(absl::FailedPreconditionError(
+        absl::StrCat("ring: rank ", inbox->rank, " of job ", inbox->job, " has closed its inbox")));
   }
   if (inbox->connected) {
     return finish(absl::FailedPreconditionError(
@@ -367,8 +378,7 @@ CollectiveServiceImpl::Next CollectiveServiceImpl::AttachLocked(
   return EnqueueLocked(reader, inbox.get(), std::move(payload));
 }
 
-CollectiveServiceImpl::Next CollectiveServiceImpl::EnqueueLocked(RingReader* reader,
-                                                                 Inbox* inbox,
+CollectiveServiceImpl::Next CollectiveServiceImpl::EnqueueLocked(RingReader* reader, Inbox* inbox,
                                                                  RingMessage payload) {
   const size_t size = payload.size();
   ++reader->chunks;
@@ -402,8 +412,8 @@ void CollectiveServiceImpl::StreamEnded(RingReader* reader, bool read_done) {
     Inbox* inbox = reader->inbox.get();
     if (inbox != nullptr && inbox->stream == reader && !inbox->stream_ended) {
       inbox->stream_ended = true;
-      inbox->end_detail = reader->cancelled() ? "its stream was cancelled (process gone?)"
-                                              : "it closed its stream";
+      inbox->end_detail =
+          reader->cancelled() ? "its stream was cancelled (process gone?)" : "it closed its stream";
       if (inbox->paused == reader) inbox->paused = nullptr;
       inbox->cv.SignalAll();
     }
@@ -446,8 +456,8 @@ absl::StatusOr<std::shared_ptr<CollectiveServiceImpl::Inbox>> CollectiveServiceI
     absl::MutexLock lock(&mu_);
     const auto key = std::make_pair(job, rank);
     if (inboxes_.count(key) > 0) {
-      return absl::AlreadyExistsError(absl::StrCat("ring: rank ", rank, " of job ", job,
-                                                   " already has an open inbox here"));
+      return absl::AlreadyExistsError(
+          absl::StrCat("ring: rank ", rank, " of job ", job, " already has an open inbox here"));
     }
     inbox = std::make_shared<Inbox>(job, rank, world_size, prev_name);
     inboxes_[key] = inbox;
@@ -506,25 +516,24 @@ absl::StatusOr<RingMessage> CollectiveServiceImpl::Receive(const std::shared_ptr
   {
     absl::MutexLock lock(&mu_);
     const absl::Time start = absl::Now();
-    while (inbox->queue.empty() && inbox->failure.ok() && !inbox->closed &&
-           !inbox->stream_ended) {
+    while (inbox->queue.empty() && inbox->failure.ok() && !inbox->closed && !inbox->stream_ended) {
       if (inbox->cv.WaitWithDeadline(&mu_, deadline)) break;
     }
     if (!inbox->failure.ok()) return inbox->failure;
     if (inbox->closed) {
-      return absl::CancelledError(absl::StrCat("ring: inbox of rank ", inbox->rank, " of job ",
-                                               inbox->job, " is closed"));
+      return absl::CancelledError(
+          absl::StrCat("ring: inbox of rank ", inbox->rank, " of job ", inbox->job, " is closed"));
     }
     if (inbox->queue.empty()) {
       if (inbox->stream_ended) {
-        return absl::UnavailableError(absl::StrCat("ring link from ", inbox->prev_name,
-                                                   " ended: ", inbox->end_detail));
+        return absl::UnavailableError(
+            absl::StrCat("ring link from ", inbox->prev_name, " ended: ", inbox->end_detail));
       }
       return absl::DeadlineExceededError(absl::StrCat(
-          "nothing from ", inbox->prev_name, " within ",
-          absl::FormatDuration(absl::Now() - start),
+          "nothing from ", inbox->prev_name, " within ", absl::FormatDuration(absl::Now() - start),
           inbox->connected ? "" : " (it never connected)",
-          inbox->rejected.empty() ? "" : absl::StrCat("; a stream was refused: ", inbox->rejected)));
+          inbox->rejected.empty() ? ""
+                                  : absl::StrCat("; a stream was refused: ", inbox->rejected)));
     }
     msg = std::move(inbox->queue.front());
     inbox->queue.pop_front();

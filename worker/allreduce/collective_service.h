@@ -64,8 +64,7 @@ class CollectiveServiceImpl final
   // Opens the inbox of rank `rank` of `job` in a ring of `world_size`, fed by `prev_name`
   // (for error messages, e.g. "rank 0 (127.0.0.1:7101)"). A held stream for it is attached.
   // ALREADY_EXISTS if that inbox is open.
-  absl::StatusOr<std::shared_ptr<Inbox>> OpenInbox(const std::string& job, int rank,
-                                                   int world_size,
+  absl::StatusOr<std::shared_ptr<Inbox>> OpenInbox(const std::string& job, int rank, int world_size,
                                                    const std::string& prev_name);
 
   // Closes `inbox`: queued chunks are dropped, its stream (if any) is ended with
@@ -86,12 +85,11 @@ class CollectiveServiceImpl final
   // Held stream count and parse/deliver steps; see the .cc file.
   friend class RingReader;
   enum class Next { kRead, kWait, kFinish };
-  Next Deliver(RingReader* reader, RingChunk header, RingMessage payload)
-      ABSL_LOCKS_EXCLUDED(mu_);
+  Next Deliver(RingReader* reader, RingChunk header, RingMessage payload) ABSL_LOCKS_EXCLUDED(mu_);
   void StreamEnded(RingReader* reader, bool cancelled) ABSL_LOCKS_EXCLUDED(mu_);
   void StreamDone(RingReader* reader) ABSL_LOCKS_EXCLUDED(mu_);
-  Next AttachLocked(RingReader* reader, const std::shared_ptr<Inbox>& inbox,
-                    RingChunk header, RingMessage payload) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  Next AttachLocked(RingReader* reader, const std::shared_ptr<Inbox>& inbox, RingChunk header,
+                    RingMessage payload) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Queues an accepted chunk's payload in `inbox`: read on, or wait while it is full.
   Next EnqueueLocked(RingReader* reader, Inbox* inbox, RingMessage payload)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

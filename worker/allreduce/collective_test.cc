@@ -28,7 +28,8 @@ TEST(PlacementTest, EncodeDecodeRoundTripAndRejectsGarbage) {
   EXPECT_TRUE(q.nccl_built_in);
   for (const char* bad : {"", "1", "1 2", "x 2 h", "2 2 h", "1 -1 h", "1 y h"}) {
     EXPECT_STATUS_MSG(DecodePlacement(bad), absl::StatusCode::kInvalidArgument,
-                      "bad rank placement") << bad;
+                      "bad rank placement")
+        << bad;
   }
 }
 
@@ -92,9 +93,7 @@ void StartNodes(int n, std::vector<Node>* nodes, std::vector<std::string>* peers
 
 class CollectiveRegistryTest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    StartNodes(2, &nodes_, &peers_);
-  }
+  void SetUp() override { StartNodes(2, &nodes_, &peers_); }
   void TearDown() override {
     for (Node& n : nodes_) n.server->Shutdown(absl::ToChronoTime(absl::Now()));
   }
@@ -236,9 +235,7 @@ TEST_F(CollectiveRegistryTest, NcclAcrossHostsFailsOnEveryRank) {
 // tcp transport, then over grpc.
 class HierarchicalTest : public ::testing::TestWithParam<std::vector<std::string>> {
  protected:
-  void SetUp() override {
-    StartNodes(static_cast<int>(GetParam().size()), &nodes_, &peers_);
-  }
+  void SetUp() override { StartNodes(static_cast<int>(GetParam().size()), &nodes_, &peers_); }
   void TearDown() override {
     for (Node& n : nodes_) n.server->Shutdown(absl::ToChronoTime(absl::Now()));
   }
@@ -247,68 +244,68 @@ class HierarchicalTest : public ::testing::TestWithParam<std::vector<std::string
 };
 
 TEST_P(HierarchicalTest, SumsExactlyOnEveryRankAndGathersInRankOrder) {
- for (const std::string transport : {"tcp", "grpc"}) {
-  const std::vector<std::string>& hosts = GetParam();
-  const int n = static_cast<int>(hosts.size());
-  // Integer-valued floats: every order of summation gives the same, exact result. Odd length,
-  // not divisible by any group size.
-  const int len = 1001;
-  std::vector<float> want(len, 0);
-  for (int r = 0; r < n; ++r) {
-    for (int i = 0; i < len; ++i) want[i] += static_cast<float>((r + 1) * (i % 17) - r);
+  for (const std::string transport : {"tcp", "grpc"}) {
+    const std::vector<std::string>& hosts = GetParam();
+    const int n = static_cast<int>(hosts.size());
+    // Integer-valued floats: every order of summation gives the same, exact result. Odd length,
+    // not divisible by any group size.
+    const int len = 1001;
+    std::vector<float> want(len, 0);
+    for (int r = 0; r < n; ++r) {
+      for (int i = 0; i < len; ++i) want[i] += static_cast<float>((r + 1) * (i % 17) - r);
+    }
+    std::vector<absl::Status> st(n);
+    std::vector<std::vector<float>> got(n);
+    std::vector<std::string> backend(n);
+    std::vector<std::vector<std::string>> gathered(n);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < n; ++r) {
+      threads.emplace_back([&, r] {
+        CollectiveContext c;
+        c.job = "h";
+        c.rank = r;
+        c.peers = peers_;
+        c.local = nodes_[r].service.get();
+        c.timeout = absl::Seconds(10);
+        c.segment_bytes = 256;  // Several segments per ring step.
+        c.host = hosts[r];
+        c.transport = transport;
+        absl::StatusOr<std::unique_ptr<Collective>> coll = ConnectHierarchical(c, "ring");
+        if (!coll.ok()) {
+          st[r] = coll.status();
+          return;
+        }
+        backend[r] = absl::StrCat((*coll)->backend(), "/", (*coll)->transport());
+        for (int round = 0; round < 2 && st[r].ok(); ++round) {  // Reusable.
+          got[r].assign(len, 0);
+          for (int i = 0; i < len; ++i) got[r][i] = static_cast<float>((r + 1) * (i % 17) - r);
+          st[r] = (*coll)->AllreduceSum(absl::MakeSpan(got[r]));
+        }
+        if (!st[r].ok()) return;
+        absl::StatusOr<std::vector<std::string>> all = (*coll)->Allgather(absl::StrCat("r", r));
+        st[r] = all.status();
+        if (all.ok()) gathered[r] = *all;
+      });
+    }
+    for (auto& t : threads) t.join();
+    std::vector<std::string> names;
+    for (int r = 0; r < n; ++r) names.push_back(absl::StrCat("r", r));
+    for (int r = 0; r < n; ++r) {
+      ASSERT_OK(st[r]) << "rank " << r;
+      EXPECT_EQ(got[r], want) << "rank " << r;
+      EXPECT_EQ(backend[r], "hierarchical(ring+ring)/" + transport);
+      EXPECT_EQ(gathered[r], names) << "rank " << r;
+    }
   }
-  std::vector<absl::Status> st(n);
-  std::vector<std::vector<float>> got(n);
-  std::vector<std::string> backend(n);
-  std::vector<std::vector<std::string>> gathered(n);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < n; ++r) {
-    threads.emplace_back([&, r] {
-      CollectiveContext c;
-      c.job = "h";
-      c.rank = r;
-      c.peers = peers_;
-      c.local = nodes_[r].service.get();
-      c.timeout = absl::Seconds(10);
-      c.segment_bytes = 256;  // Several segments per ring step.
-      c.host = hosts[r];
-      c.transport = transport;
-      absl::StatusOr<std::unique_ptr<Collective>> coll = ConnectHierarchical(c, "ring");
-      if (!coll.ok()) {
-        st[r] = coll.status();
-        return;
-      }
-      backend[r] = absl::StrCat((*coll)->backend(), "/", (*coll)->transport());
-      for (int round = 0; round < 2 && st[r].ok(); ++round) {  // Reusable.
-        got[r].assign(len, 0);
-        for (int i = 0; i < len; ++i) got[r][i] = static_cast<float>((r + 1) * (i % 17) - r);
-        st[r] = (*coll)->AllreduceSum(absl::MakeSpan(got[r]));
-      }
-      if (!st[r].ok()) return;
-      absl::StatusOr<std::vector<std::string>> all = (*coll)->Allgather(absl::StrCat("r", r));
-      st[r] = all.status();
-      if (all.ok()) gathered[r] = *all;
-    });
-  }
-  for (auto& t : threads) t.join();
-  std::vector<std::string> names;
-  for (int r = 0; r < n; ++r) names.push_back(absl::StrCat("r", r));
-  for (int r = 0; r < n; ++r) {
-    ASSERT_OK(st[r]) << "rank " << r;
-    EXPECT_EQ(got[r], want) << "rank " << r;
-    EXPECT_EQ(backend[r], "hierarchical(ring+ring)/" + transport);
-    EXPECT_EQ(gathered[r], names) << "rank " << r;
-  }
- }
 }
 
 INSTANTIATE_TEST_SUITE_P(
     Hosts, HierarchicalTest,
-    ::testing::Values(std::vector<std::string>{"a", "a", "b", "b"},   // Two nodes of two.
-                      std::vector<std::string>{"a", "b", "b", "c"},   // Uneven, one-rank nodes.
-                      std::vector<std::string>{"b", "a", "b", "a"},   // Interleaved ranks.
-                      std::vector<std::string>{"a", "a", "a"},        // One node: no cross ring.
-                      std::vector<std::string>{"a", "b", "c"}));      // No node-local group.
+    ::testing::Values(std::vector<std::string>{"a", "a", "b", "b"},  // Two nodes of two.
+                      std::vector<std::string>{"a", "b", "b", "c"},  // Uneven, one-rank nodes.
+                      std::vector<std::string>{"b", "a", "b", "a"},  // Interleaved ranks.
+                      std::vector<std::string>{"a", "a", "a"},       // One node: no cross ring.
+                      std::vector<std::string>{"a", "b", "c"}));     // No node-local group.
 
 TEST(HierarchicalArgsTest, UnknownLocalBackendIsInvalidArgument) {
   CollectiveContext c;

@@ -14,6 +14,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "common/status.h"
+#include "rpc/grpc_status.h"
 
 namespace gradmesh {
 namespace {
@@ -59,7 +60,8 @@ class OutLink final : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc::Byt
     {
       absl::MutexLock lock(&mu_);
       if (!error_.ok()) return error_;
-      if (done_) return absl::UnavailableError(absl::StrCat("ring link to ", peer_name_, " is closed"));
+      if (done_)
+        return absl::UnavailableError(absl::StrCat("ring link to ", peer_name_, " is closed"));
       queue_.push_back(std::move(chunk));
       if (!writing_) {
         writing_ = true;
@@ -82,7 +84,8 @@ class OutLink final : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc::Byt
           absl::StrCat(peer_name_, " did not take the last ring messages in time"));
     }
     if (!error_.ok()) return error_;
-    if (writing_) return absl::UnavailableError(absl::StrCat("ring link to ", peer_name_, " ended"));
+    if (writing_)
+      return absl::UnavailableError(absl::StrCat("ring link to ", peer_name_, " ended"));
     return absl::OkStatus();
   }
 
@@ -143,7 +146,9 @@ class OutLink final : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc::Byt
 
   // Completion only once the bytes are written to the socket, not when gRPC has merely
   // framed them: in-place memory must not be read after Flush.
-  static grpc::WriteOptions WriteThrough() { return grpc::WriteOptions().set_write_through(); }  // The RingAck (or nothing); the status says the rest.
+  static grpc::WriteOptions WriteThrough() {
+    return grpc::WriteOptions().set_write_through();
+  }  // The RingAck (or nothing); the status says the rest.
 
   void OnDone(const grpc::Status& status) override {
     {
@@ -226,9 +231,7 @@ class GrpcRingTransport final : public RingTransport {
 
   absl::Status Send(absl::Span<const char> data) override { return SendChunk(data, true); }
 
-  absl::Status SendNoCopy(absl::Span<const char> data) override {
-    return SendChunk(data, false);
-  }
+  absl::Status SendNoCopy(absl::Span<const char> data) override { return SendChunk(data, false); }
 
   absl::Status Flush(absl::Time deadline) override {
     if (link_ == nullptr) return absl::OkStatus();
@@ -258,8 +261,8 @@ class GrpcRingTransport final : public RingTransport {
     }
     const uint64_t seq = seq_++;
     const size_t data_tag = (15 << 3) | 2;
-    const size_t header_size = header_prefix_.size() + 1 + VarintSize(seq) +
-                               VarintSize(data_tag) + VarintSize(data.size());
+    const size_t header_size = header_prefix_.size() + 1 + VarintSize(seq) + VarintSize(data_tag) +
+                               VarintSize(data.size());
     grpc_slice head = grpc_slice_malloc(header_size + (copy ? data.size() : 0));
     char* p = reinterpret_cast<char*>(GRPC_SLICE_START_PTR(head));
     std::memcpy(p, header_prefix_.data(), header_prefix_.size());
@@ -274,8 +277,8 @@ class GrpcRingTransport final : public RingTransport {
     grpc::Slice slices[2] = {grpc::Slice(head, grpc::Slice::STEAL_REF), grpc::Slice()};
     size_t count = 1;
     if (!copy && !data.empty()) {
-      grpc_slice body = grpc_slice_new_with_user_data(const_cast<char*>(data.data()),
-                                                      data.size(), &KeepNothing, nullptr);
+      grpc_slice body = grpc_slice_new_with_user_data(const_cast<char*>(data.data()), data.size(),
+                                                      &KeepNothing, nullptr);
       slices[1] = grpc::Slice(body, grpc::Slice::STEAL_REF);
       count = 2;
     }
@@ -308,10 +311,10 @@ absl::StatusOr<std::unique_ptr<RingTransport>> NewGrpcRingTransport(
     return absl::InvalidArgumentError("ring: no local CollectiveService");
   }
   const int prev = (options.rank + n - 1) % n;
-  ASSIGN_OR_RETURN(std::shared_ptr<CollectiveServiceImpl::Inbox> inbox,
-                   options.local->OpenInbox(
-                       options.job, options.rank, n,
-                       absl::StrCat("rank ", prev, " (", options.peers[prev], ")")));
+  ASSIGN_OR_RETURN(
+      std::shared_ptr<CollectiveServiceImpl::Inbox> inbox,
+      options.local->OpenInbox(options.job, options.rank, n,
+                               absl::StrCat("rank ", prev, " (", options.peers[prev], ")")));
   return std::unique_ptr<RingTransport>(new GrpcRingTransport(options, std::move(inbox)));
 }
 

@@ -34,18 +34,18 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "common/grpc_util.h"
+#include "rpc/grpc_util.h"
 #include "worker/allreduce/collective_service.h"
 #include "worker/allreduce/ring.h"
 
 namespace gradmesh {
 
 struct GrpcRingOptions {
-  std::string job;                  // Job name (non-empty).
-  int rank = 0;                     // In [0, peers.size()).
-  std::vector<std::string> peers;   // host:port of every rank's CollectiveService, rank order.
+  std::string job;                 // Job name (non-empty).
+  int rank = 0;                    // In [0, peers.size()).
+  std::vector<std::string> peers;  // host:port of every rank's CollectiveService, rank order.
   CollectiveServiceImpl* local = nullptr;  // This process's service (serving peers[rank]).
-  RpcOptions rpc;                   // Channel limits (message size must fit a segment).
+  RpcOptions rpc;                          // Channel limits (message size must fit a segment).
   // Bound on waiting for the next rank's acknowledgement when the transport is destroyed.
   // Default 30 s.
   absl::Duration close_timeout = absl::Seconds(30);
@@ -53,8 +53,7 @@ struct GrpcRingOptions {
 
 // INVALID_ARGUMENT for bad options; ALREADY_EXISTS if this rank of this job already has a
 // transport in this process. Does not wait for the peers.
-absl::StatusOr<std::unique_ptr<RingTransport>> NewGrpcRingTransport(
-    const GrpcRingOptions& options);
+absl::StatusOr<std::unique_ptr<RingTransport>> NewGrpcRingTransport(const GrpcRingOptions& options);
 
 }  // namespace gradmesh
 

@@ -11,6 +11,7 @@
 #include "common/status_testing.h"
 #include "gtest/gtest.h"
 #include "proto/collective.grpc.pb.h"
+#include "rpc/grpc_status.h"
 #include "worker/allreduce/ring.h"
 
 namespace gradmesh {
@@ -102,8 +103,8 @@ TEST_F(GrpcRingTest, TinyCopiedMessagesArriveIntact) {
   for (auto& t : threads) t.join();
   for (int r = 0; r < 2; ++r) {
     ASSERT_OK(st[r]) << "rank " << r;
-    EXPECT_EQ(got[r], (std::vector<std::string>{"", "", "a", "b", "r0", "r1",
-                                                std::string(20, 'x'), std::string(20, 'y')}))
+    EXPECT_EQ(got[r], (std::vector<std::string>{"", "", "a", "b", "r0", "r1", std::string(20, 'x'),
+                                                std::string(20, 'y')}))
         << "rank " << r;
     EXPECT_EQ(sums[r], (std::vector<float>{3.0f, 6.0f, -6.0f})) << "rank " << r;
   }
@@ -195,9 +196,8 @@ TEST_F(GrpcRingTest, DeadPeerFailsBothNeighboursFastNamingIt) {
     std::vector<std::vector<float>> bufs(3, std::vector<float>(100, 1));
     std::vector<std::thread> threads;
     for (int r = 0; r < 3; ++r) {
-      threads.emplace_back([&, r] {
-        EXPECT_OK(RingAllreduce(t[r].get(), absl::MakeSpan(bufs[r]), RingOptions()));
-      });
+      threads.emplace_back(
+          [&, r] { EXPECT_OK(RingAllreduce(t[r].get(), absl::MakeSpan(bufs[r]), RingOptions())); });
     }
     for (auto& th : threads) th.join();
     EXPECT_EQ(bufs[0][0], 3);

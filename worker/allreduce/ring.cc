@@ -78,9 +78,9 @@ absl::Status RingAllreduceFp16(RingTransport* transport, absl::Span<float> data,
     half.resize(e - b);
     const int64_t bad = FloatToHalf(data.data() + b, e - b, half.data());
     if (bad >= 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "fp16 ring all-reduce: element ", b + bad, " is ", data[b + bad],
-          " (the fp16 codec needs finite gradients)"));
+      return absl::InvalidArgumentError(absl::StrCat("fp16 ring all-reduce: element ", b + bad,
+                                                     " is ", data[b + bad],
+                                                     " (the fp16 codec needs finite gradients)"));
     }
     const size_t bytes = half.size() * sizeof(uint16_t);
     RETURN_IF_ERROR(Annotate(
@@ -104,13 +104,13 @@ absl::Status RingAllreduceFp16(RingTransport* transport, absl::Span<float> data,
       const size_t want = static_cast<size_t>(e - b) * sizeof(uint16_t);
       absl::StatusOr<RingMessage> msg = transport->Recv(absl::Now() + options.timeout);
       if (!msg.ok()) {
-        return Annotate(msg.status(), absl::StrCat("fp16 ring all-reduce step ", step, " of ",
-                                                   last_step + 1));
+        return Annotate(msg.status(),
+                        absl::StrCat("fp16 ring all-reduce step ", step, " of ", last_step + 1));
       }
       if (msg->size() != want) {
         return absl::InternalError(absl::StrCat(
-            "fp16 ring all-reduce step ", step, ": ", transport->PeerName(Mod(r - 1, n)),
-            " sent ", msg->size(), " bytes where ", want,
+            "fp16 ring all-reduce step ", step, ": ", transport->PeerName(Mod(r - 1, n)), " sent ",
+            msg->size(), " bytes where ", want,
             " were expected (do all ranks reduce buffers of the same length and codec?)"));
       }
       half.resize(e - b);
@@ -139,10 +139,9 @@ absl::Status RingAllreduceFp16(RingTransport* transport, absl::Span<float> data,
                                                   " sent a non-finite value"));
         }
         if (step < last_step) {
-          RETURN_IF_ERROR(Annotate(
-              transport->Send(absl::Span<const char>(reinterpret_cast<const char*>(half.data()),
-                                                     want)),
-              absl::StrCat("fp16 ring all-reduce step ", step + 1)));
+          RETURN_IF_ERROR(Annotate(transport->Send(absl::Span<const char>(
+                                       reinterpret_cast<const char*>(half.data()), want)),
+                                   absl::StrCat("fp16 ring all-reduce step ", step + 1)));
           sent += static_cast<int64_t>(want);
         }
       }
@@ -216,8 +215,8 @@ absl::Status RingAllreduce(RingTransport* transport, absl::Span<float> data,
       if (reduce) {
         absl::StatusOr<RingMessage> msg = transport->Recv(deadline);
         if (!msg.ok()) {
-          return Annotate(msg.status(), absl::StrCat("ring all-reduce step ", step, " of ",
-                                                     last_step + 1));
+          return Annotate(msg.status(),
+                          absl::StrCat("ring all-reduce step ", step, " of ", last_step + 1));
         }
         got = msg->size();
         if (got == want) AddInto(*msg, dst);
@@ -227,16 +226,16 @@ absl::Status RingAllreduce(RingTransport* transport, absl::Span<float> data,
         absl::StatusOr<size_t> size =
             transport->RecvInto(absl::Span<char>(reinterpret_cast<char*>(dst), want), deadline);
         if (!size.ok()) {
-          return Annotate(size.status(), absl::StrCat("ring all-reduce step ", step, " of ",
-                                                      last_step + 1));
+          return Annotate(size.status(),
+                          absl::StrCat("ring all-reduce step ", step, " of ", last_step + 1));
         }
         got = *size;
       }
       if (got != want) {
-        return absl::InternalError(absl::StrCat(
-            "ring all-reduce step ", step, ": ", transport->PeerName(Mod(r - 1, n)), " sent ",
-            got, " bytes where ", want,
-            " were expected (do all ranks reduce buffers of the same length?)"));
+        return absl::InternalError(
+            absl::StrCat("ring all-reduce step ", step, ": ", transport->PeerName(Mod(r - 1, n)),
+                         " sent ", got, " bytes where ", want,
+                         " were expected (do all ranks reduce buffers of the same length?)"));
       }
       if (step < last_step) {
         // Chunk c is sent at step + 1. It is overwritten again (all-gather) only after its
@@ -277,8 +276,8 @@ absl::StatusOr<std::vector<std::string>> RingAllgather(RingTransport* transport,
   }
   // A transport without background threads moves bytes only while it is called: hand the
   // last block to the next rank before returning.
-  RETURN_IF_ERROR(Annotate(transport->Flush(absl::Now() + options.timeout),
-                           "ring all-gather flush"));
+  RETURN_IF_ERROR(
+      Annotate(transport->Flush(absl::Now() + options.timeout), "ring all-gather flush"));
   return all;
 }
 

@@ -18,9 +18,9 @@
 //   overlap (pipelining): a rank receives segment k+1 while its segment k is on the wire.
 //   Every rank sends and receives 2(n-1)/n * L floats in all. Segments are sent in place
 //   (SendNoCopy): a segment is only overwritten after it has travelled round the ring, and
-//   the function flushes the transport before returning, so `data` is the caller's again. The sum of each element is
-//   accumulated in the same order on every rank's behalf and then copied, so all ranks end
-//   with bit-identical results. n = 1 returns at once.
+//   the function flushes the transport before returning, so `data` is the caller's again. The sum
+//   of each element is accumulated in the same order on every rank's behalf and then copied, so all
+//   ranks end with bit-identical results. n = 1 returns at once.
 //
 // Errors: a message of the wrong size (ranks disagree on the buffer) is INTERNAL naming the
 // previous rank; transport errors (UNAVAILABLE, DEADLINE_EXCEEDED, ...) are returned as the

@@ -153,9 +153,8 @@ TEST_P(RingAllreduceTest, FinalRangesCoverEveryElementOnceAfterItsSumIsFinal) {
         // fp16 sends 2 bytes per element where float32 sends 4.
         int64_t total = 0;
         for (int q = 0; q < n; ++q) total += sent[q];
-        EXPECT_EQ(total, n == 1 ? 0
-                                : int64_t{2} * (n - 1) * len *
-                                      (codec == RingCodec::kFp16 ? 2 : 4));
+        EXPECT_EQ(total,
+                  n == 1 ? 0 : int64_t{2} * (n - 1) * len * (codec == RingCodec::kFp16 ? 2 : 4));
       }
     }
   }
@@ -223,8 +222,7 @@ INSTANTIATE_TEST_SUITE_P(Ranks, RingAllreduceTest, ::testing::Values(1, 2, 3, 4,
 // network transport may.
 class FragmentingTransport final : public RingTransport {
  public:
-  explicit FragmentingTransport(std::unique_ptr<RingTransport> inner)
-      : inner_(std::move(inner)) {}
+  explicit FragmentingTransport(std::unique_ptr<RingTransport> inner) : inner_(std::move(inner)) {}
   int rank() const override { return inner_->rank(); }
   int size() const override { return inner_->size(); }
   absl::Status Send(absl::Span<const char> data) override { return inner_->Send(data); }

@@ -20,9 +20,9 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "common/auth.h"
 #include "common/fd.h"
 #include "common/status.h"
+#include "rpc/auth.h"
 
 namespace gradmesh {
 namespace {
@@ -44,7 +44,8 @@ void PutU64(uint64_t v, char* p) {
 }
 uint64_t GetU64(const char* p) {
   uint64_t v = 0;
-  for (int i = 0; i < 8; ++i) v |= static_cast<uint64_t>(static_cast<unsigned char>(p[i])) << (8 * i);
+  for (int i = 0; i < 8; ++i)
+    v |= static_cast<uint64_t>(static_cast<unsigned char>(p[i])) << (8 * i);
   return v;
 }
 void PutU32(uint32_t v, char* p) {
@@ -52,7 +53,8 @@ void PutU32(uint32_t v, char* p) {
 }
 uint32_t GetU32(const char* p) {
   uint32_t v = 0;
-  for (int i = 0; i < 4; ++i) v |= static_cast<uint32_t>(static_cast<unsigned char>(p[i])) << (8 * i);
+  for (int i = 0; i < 4; ++i)
+    v |= static_cast<uint32_t>(static_cast<unsigned char>(p[i])) << (8 * i);
   return v;
 }
 
@@ -108,9 +110,8 @@ absl::StatusOr<std::pair<Fd, int>> Listen() {
   if (getsockname(fd.get(), reinterpret_cast<sockaddr*>(&ss), &len) != 0) {
     return absl::UnavailableError(absl::StrCat("ring tcp: getsockname: ", ErrnoText(errno)));
   }
-  const int port = ss.ss_family == AF_INET6
-                       ? ntohs(reinterpret_cast<sockaddr_in6*>(&ss)->sin6_port)
-                       : ntohs(reinterpret_cast<sockaddr_in*>(&ss)->sin_port);
+  const int port = ss.ss_family == AF_INET6 ? ntohs(reinterpret_cast<sockaddr_in6*>(&ss)->sin6_port)
+                                            : ntohs(reinterpret_cast<sockaddr_in*>(&ss)->sin_port);
   return std::make_pair(std::move(fd), port);
 }
 
@@ -147,7 +148,8 @@ absl::Status ReadAll(int fd, char* data, size_t size, absl::Time deadline,
       size -= static_cast<size_t>(r);
       continue;
     }
-    if (r == 0) return absl::UnavailableError(absl::StrCat("ring tcp: ", what, ": connection closed"));
+    if (r == 0)
+      return absl::UnavailableError(absl::StrCat("ring tcp: ", what, ": connection closed"));
     if (errno == EINTR) continue;
     if (errno == EAGAIN || errno == EWOULDBLOCK) {
       pollfd p{fd, POLLIN, 0};
@@ -172,8 +174,8 @@ absl::StatusOr<Fd> Connect(const std::string& host, int port, absl::Time deadlin
   const std::string port_str = absl::StrCat(port);
   const int gai = getaddrinfo(host.c_str(), port_str.c_str(), &hints, &res);
   if (gai != 0) {
-    return absl::UnavailableError(absl::StrCat("ring tcp: cannot resolve ", name, ": ",
-                                               gai_strerror(gai)));
+    return absl::UnavailableError(
+        absl::StrCat("ring tcp: cannot resolve ", name, ": ", gai_strerror(gai)));
   }
   std::string last = "no address";
   absl::Duration backoff = absl::Milliseconds(10);
@@ -220,8 +222,8 @@ absl::StatusOr<Fd> Connect(const std::string& host, int port, absl::Time deadlin
 
 class TcpRingTransport final : public RingTransport {
  public:
-  TcpRingTransport(int rank, int size, Fd out, Fd in, std::string next_name,
-                   std::string prev_name, absl::Duration close_timeout)
+  TcpRingTransport(int rank, int size, Fd out, Fd in, std::string next_name, std::string prev_name,
+                   absl::Duration close_timeout)
       : rank_(rank),
         n_(size),
         out_(std::move(out)),
@@ -275,8 +277,7 @@ class TcpRingTransport final : public RingTransport {
     if (size != dst.size()) {
       // The ring is out of step; the caller fails it. Make later calls fail too.
       error_ = absl::UnavailableError(absl::StrCat("ring link from ", prev_name_, " sent ", size,
-                                                   " bytes where ", dst.size(),
-                                                   " were expected"));
+                                                   " bytes where ", dst.size(), " were expected"));
       return static_cast<size_t>(size);
     }
     RETURN_IF_ERROR(ReadBody(dst.data(), size, deadline));
@@ -401,8 +402,8 @@ class TcpRingTransport final : public RingTransport {
       }
     }
     if (r == 0) {
-      error_ = absl::UnavailableError(absl::StrCat(
-          "ring link from ", prev_name_, " ended: connection closed (process gone?)"));
+      error_ = absl::UnavailableError(
+          absl::StrCat("ring link from ", prev_name_, " ended: connection closed (process gone?)"));
     } else if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
       error_ = absl::UnavailableError(
           absl::StrCat("ring link from ", prev_name_, " broke: ", ErrnoText(errno)));
@@ -437,9 +438,9 @@ class TcpRingTransport final : public RingTransport {
     const uint64_t seq = GetU64(header);
     const uint64_t size = GetU64(header + 8);
     if (seq != recv_seq_ || size > kMaxMessageBytes) {
-      error_ = absl::UnavailableError(absl::StrCat(
-          "ring link from ", prev_name_, " broke the protocol: message ", seq, " of ", size,
-          " bytes where message ", recv_seq_, " was expected"));
+      error_ = absl::UnavailableError(
+          absl::StrCat("ring link from ", prev_name_, " broke the protocol: message ", seq, " of ",
+                       size, " bytes where message ", recv_seq_, " was expected"));
       return error_;
     }
     ++recv_seq_;
@@ -509,15 +510,15 @@ int64_t TcpRingSocketBuffer(const std::vector<std::string>& peers, int rank,
   return here > hardware_threads ? kOversubscribedSocketBuffer : 0;
 }
 
-absl::StatusOr<std::unique_ptr<RingTransport>> ConnectTcpRing(
-    RingTransport* bootstrap, const std::vector<std::string>& peers,
-    const TcpRingOptions& options) {
+absl::StatusOr<std::unique_ptr<RingTransport>> ConnectTcpRing(RingTransport* bootstrap,
+                                                              const std::vector<std::string>& peers,
+                                                              const TcpRingOptions& options) {
   const absl::Duration timeout = options.timeout;
   const int n = bootstrap->size();
   const int r = bootstrap->rank();
   if (static_cast<int>(peers.size()) != n) {
-    return absl::InvalidArgumentError(absl::StrCat("ring tcp: ", peers.size(),
-                                                   " peer addresses for a ring of ", n));
+    return absl::InvalidArgumentError(
+        absl::StrCat("ring tcp: ", peers.size(), " peer addresses for a ring of ", n));
   }
   if (n < 2) {
     return absl::InvalidArgumentError("ring tcp: a ring of one rank has no links");
@@ -554,16 +555,16 @@ absl::StatusOr<std::unique_ptr<RingTransport>> ConnectTcpRing(
   // Connect and say hello (the listener's backlog takes it before the peer accepts).
   ASSIGN_OR_RETURN(Fd out, Connect(next_host, port_of(next), deadline,
                                    absl::StrCat(next_name, " at data port ", port_of(next))));
-  const int64_t buffer_bytes = TcpRingSocketBuffer(
-      peers, r, options, static_cast<int>(std::thread::hardware_concurrency()));
+  const int64_t buffer_bytes =
+      TcpRingSocketBuffer(peers, r, options, static_cast<int>(std::thread::hardware_concurrency()));
   TuneSocket(out.get(), buffer_bytes);
   char hello[kHelloBytes];
   std::memcpy(hello, kHelloMagic, sizeof(kHelloMagic));
   PutU32(static_cast<uint32_t>(r), hello + 8);
   PutU32(static_cast<uint32_t>(n), hello + 12);
   std::memcpy(hello + 16, all[next].data() + 8, kSecretBytes);
-  RETURN_IF_ERROR(WriteAll(out.get(), hello, sizeof(hello), deadline,
-                           absl::StrCat("hello to ", next_name)));
+  RETURN_IF_ERROR(
+      WriteAll(out.get(), hello, sizeof(hello), deadline, absl::StrCat("hello to ", next_name)));
 
   // Accept until the previous rank shows up with this rank's secret.
   const std::string my_secret = mine.substr(8);
@@ -595,7 +596,8 @@ absl::StatusOr<std::unique_ptr<RingTransport>> ConnectTcpRing(
       continue;
     }
     if (std::memcmp(got, kHelloMagic, sizeof(kHelloMagic)) != 0 ||
-        GetU32(got + 8) != static_cast<uint32_t>(prev) || GetU32(got + 12) != static_cast<uint32_t>(n) ||
+        GetU32(got + 8) != static_cast<uint32_t>(prev) ||
+        GetU32(got + 12) != static_cast<uint32_t>(n) ||
         !ConstantTimeEquals(absl::string_view(got + 16, kSecretBytes), my_secret)) {
       rejected = "a connection without this ring's hello";
       continue;
@@ -603,8 +605,8 @@ absl::StatusOr<std::unique_ptr<RingTransport>> ConnectTcpRing(
     TuneSocket(c.get(), buffer_bytes);
     in = std::move(c);
   }
-  return std::unique_ptr<RingTransport>(new TcpRingTransport(
-      r, n, std::move(out), std::move(in), next_name, prev_name, timeout));
+  return std::unique_ptr<RingTransport>(
+      new TcpRingTransport(r, n, std::move(out), std::move(in), next_name, prev_name, timeout));
 }
 
 }  // namespace gradmesh

@@ -71,9 +71,9 @@ constexpr int64_t kOversubscribedSocketBuffer = 512 << 10;
 // Errors: INVALID_ARGUMENT when `peers` does not match the ring; the bootstrap ring's errors;
 // UNAVAILABLE when a socket cannot be opened or the next rank cannot be reached;
 // DEADLINE_EXCEEDED naming the previous rank when it does not connect within the timeout.
-absl::StatusOr<std::unique_ptr<RingTransport>> ConnectTcpRing(
-    RingTransport* bootstrap, const std::vector<std::string>& peers,
-    const TcpRingOptions& options);
+absl::StatusOr<std::unique_ptr<RingTransport>> ConnectTcpRing(RingTransport* bootstrap,
+                                                              const std::vector<std::string>& peers,
+                                                              const TcpRingOptions& options);
 
 // The socket buffer size ConnectTcpRing uses for rank `rank` (see
 // TcpRingOptions::socket_buffer_bytes); `hardware_threads` as std::thread reports it.

@@ -92,8 +92,8 @@ TEST(TcpRingTest, AllreduceSumsExactlyForEveryLengthAndRingSize) {
     RingOptions ro;
     ro.segment_bytes = (64 << 10) + 4;
     ro.timeout = absl::Seconds(20);
-    for (int64_t len : {int64_t{0}, int64_t{1}, int64_t{3}, int64_t{1001},
-                        int64_t{(3 << 20) / 4 + 7}}) {
+    for (int64_t len :
+         {int64_t{0}, int64_t{1}, int64_t{3}, int64_t{1001}, int64_t{(3 << 20) / 4 + 7}}) {
       OnEveryRank(ts, [&](int r, RingTransport* t) {
         std::vector<float> v(len);
         for (int64_t i = 0; i < len; ++i) v[i] = Input(r, i);
@@ -190,7 +190,8 @@ TEST(TcpRingTest, RecvIntoAWrongSizeReportsTheSizeAndFailsTheTransport) {
   ASSERT_OK(ts[1]->Send(absl::Span<const char>(eight.data(), eight.size())));
   ASSERT_OK(ts[1]->Flush(absl::Now() + absl::Seconds(10)));
   char dst[12];
-  ASSERT_OK_AND_ASSIGN(size_t got, ts[0]->RecvInto(absl::MakeSpan(dst), absl::Now() + absl::Seconds(10)));
+  ASSERT_OK_AND_ASSIGN(size_t got,
+                       ts[0]->RecvInto(absl::MakeSpan(dst), absl::Now() + absl::Seconds(10)));
   EXPECT_EQ(got, 8u);
   // The stream is out of step: every later call fails.
   EXPECT_STATUS_MSG(ts[0]->Recv(absl::Now() + absl::Seconds(1)).status(),
@@ -199,7 +200,8 @@ TEST(TcpRingTest, RecvIntoAWrongSizeReportsTheSizeAndFailsTheTransport) {
   std::vector<std::unique_ptr<RingTransport>> fresh = ConnectAll(2);
   ASSERT_OK(fresh[1]->Send(absl::Span<const char>(eight.data(), eight.size())));
   char exact[8];
-  ASSERT_OK_AND_ASSIGN(got, fresh[0]->RecvInto(absl::MakeSpan(exact), absl::Now() + absl::Seconds(10)));
+  ASSERT_OK_AND_ASSIGN(got,
+                       fresh[0]->RecvInto(absl::MakeSpan(exact), absl::Now() + absl::Seconds(10)));
   EXPECT_EQ(got, 8u);
   EXPECT_EQ(std::string(exact, 8), eight);
 }
@@ -262,8 +264,7 @@ TEST(TcpRingTest, BuffersOfDifferentLengthsAreInternalNamingThePeer) {
     st[r] = RingAllreduce(t, absl::MakeSpan(v), ro);
   });
   // Rank 0 receives rank 1's 7-float chunk where it expects 5 floats (and vice versa).
-  EXPECT_STATUS_MSG(st[0], absl::StatusCode::kInternal,
-                    "rank 1 (127.0.0.1:");
+  EXPECT_STATUS_MSG(st[0], absl::StatusCode::kInternal, "rank 1 (127.0.0.1:");
   EXPECT_STATUS_MSG(st[0], absl::StatusCode::kInternal, "sent 28 bytes where 20 were expected");
   EXPECT_STATUS_MSG(st[1], absl::StatusCode::kInternal, "sent 20 bytes where 28 were expected");
 }
@@ -276,7 +277,8 @@ TEST(TcpRingTest, StrangersWithoutTheRingsSecretAreRefused) {
   auto spy = [&](const std::string& msg) {
     ASSERT_EQ(msg.size(), 24u);  // port (u64) + 16 secret bytes.
     uint64_t port = 0;
-    for (int i = 0; i < 8; ++i) port |= static_cast<uint64_t>(static_cast<unsigned char>(msg[i])) << (8 * i);
+    for (int i = 0; i < 8; ++i)
+      port |= static_cast<uint64_t>(static_cast<unsigned char>(msg[i])) << (8 * i);
     // kind 0: no secret; 1: garbage; 2: rank 1's secret but claiming to be rank 1;
     // 3: the secret and rank 0, but a ring of 3.
     for (int kind = 0; kind < 4; ++kind) {
@@ -310,11 +312,13 @@ TEST(TcpRingTest, StrangersWithoutTheRingsSecretAreRefused) {
 
 TEST(TcpRingTest, BadArgumentsAreInvalidArgument) {
   std::vector<std::unique_ptr<RingTransport>> boot = NewLocalRing(2);
-  EXPECT_STATUS_MSG(ConnectTcpRing(boot[0].get(), Peers(3), TcpRingOptions{absl::Seconds(1)}).status(),
-                    absl::StatusCode::kInvalidArgument, "3 peer addresses for a ring of 2");
+  EXPECT_STATUS_MSG(
+      ConnectTcpRing(boot[0].get(), Peers(3), TcpRingOptions{absl::Seconds(1)}).status(),
+      absl::StatusCode::kInvalidArgument, "3 peer addresses for a ring of 2");
   std::vector<std::unique_ptr<RingTransport>> one = NewLocalRing(1);
-  EXPECT_STATUS_MSG(ConnectTcpRing(one[0].get(), Peers(1), TcpRingOptions{absl::Seconds(1)}).status(),
-                    absl::StatusCode::kInvalidArgument, "a ring of one rank");
+  EXPECT_STATUS_MSG(
+      ConnectTcpRing(one[0].get(), Peers(1), TcpRingOptions{absl::Seconds(1)}).status(),
+      absl::StatusCode::kInvalidArgument, "a ring of one rank");
 }
 
 TEST(TcpRingTest, SocketBuffersAreFixedOnlyWhenTheHostsRanksOversubscribeItsCores) {

@@ -62,7 +62,7 @@ class AutoCodec {
     return std::nullopt;
   }
 
-  double ratio() const { return ratio_; }           // comm/compute measured while probing.
+  double ratio() const { return ratio_; }  // comm/compute measured while probing.
   const std::string& codec() const { return codec_; }
   bool fell_back() const { return fell_back_; }
 

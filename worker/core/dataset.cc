@@ -80,9 +80,8 @@ class GzReader {
       const size_t want = static_cast<size_t>(std::min<uint64_t>(n - done, kReadChunk));
       // Grow geometrically ourselves (resize() alone need not), capped at the final size.
       if (out->capacity() < start + done + want) {
-        out->reserve(static_cast<size_t>(
-            std::min<uint64_t>(start + n, std::max<uint64_t>(2 * out->capacity(),
-                                                             start + done + want))));
+        out->reserve(static_cast<size_t>(std::min<uint64_t>(
+            start + n, std::max<uint64_t>(2 * out->capacity(), start + done + want))));
       }
       out->resize(start + done + want);
       const int got = gzread(file_, out->data() + start + done, static_cast<unsigned>(want));
@@ -104,8 +103,7 @@ class GzReader {
   absl::StatusOr<uint32_t> ReadBigEndian32(const char* what) {
     std::vector<uint8_t> b;
     RETURN_IF_ERROR(ReadAppend(4, what, &b));
-    return (uint32_t{b[0]} << 24) | (uint32_t{b[1]} << 16) | (uint32_t{b[2]} << 8) |
-           uint32_t{b[3]};
+    return (uint32_t{b[0]} << 24) | (uint32_t{b[1]} << 16) | (uint32_t{b[2]} << 8) | uint32_t{b[3]};
   }
 
   // The header's sizes must account for the whole file: extra bytes mean a wrong or
@@ -130,8 +128,8 @@ class GzReader {
   absl::Status CorruptError() {
     int errnum = Z_OK;
     const char* msg = gzerror(file_, &errnum);
-    return absl::InvalidArgumentError(absl::StrCat(path_, ": corrupt compressed data: ",
-                                                   msg != nullptr ? msg : "unknown zlib error"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        path_, ": corrupt compressed data: ", msg != nullptr ? msg : "unknown zlib error"));
   }
 
   gzFile file_;
@@ -198,8 +196,8 @@ absl::StatusOr<ImageSet> LoadIdxPair(const std::string& images_path,
     // the dimensions within int32.
     constexpr uint32_t kMaxSide = 1 << 16;
     if (rows == 0 || cols == 0 || rows > kMaxSide || cols > kMaxSide) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          images_path, ": image size ", rows, "x", cols, " out of range [1, ", kMaxSide, "]"));
+      return absl::InvalidArgumentError(absl::StrCat(images_path, ": image size ", rows, "x", cols,
+                                                     " out of range [1, ", kMaxSide, "]"));
     }
     set.size = count;
     set.rows = static_cast<int32_t>(rows);
@@ -214,8 +212,8 @@ absl::StatusOr<ImageSet> LoadIdxPair(const std::string& images_path,
     ASSIGN_OR_RETURN(const uint32_t count, in->ReadBigEndian32("header"));
     if (count != set.size) {
       return absl::InvalidArgumentError(absl::StrCat("count mismatch: ", images_path, " has ",
-                                                     set.size, " images but ", labels_path,
-                                                     " has ", count, " labels"));
+                                                     set.size, " images but ", labels_path, " has ",
+                                                     count, " labels"));
     }
     RETURN_IF_ERROR(in->ReadAppend(count, "label data", &set.labels));
     RETURN_IF_ERROR(in->ExpectEnd());
@@ -239,9 +237,8 @@ absl::StatusOr<DatasetFiles> LoadDataset(const std::string& name, const std::str
   }
   if (info == nullptr) {
     std::sort(known.begin(), known.end());
-    return absl::InvalidArgumentError(absl::StrCat("unknown dataset \"", name,
-                                                   "\"; known datasets: ",
-                                                   absl::StrJoin(known, ", ")));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "unknown dataset \"", name, "\"; known datasets: ", absl::StrJoin(known, ", ")));
   }
   const std::string context = absl::StrCat("dataset ", name, " in ", dir);
   auto load = [&](const char* images_base, const char* labels_base) -> absl::StatusOr<ImageSet> {
@@ -250,9 +247,9 @@ absl::StatusOr<DatasetFiles> LoadDataset(const std::string& name, const std::str
     ASSIGN_OR_RETURN(ImageSet set, LoadIdxPair(images_path, labels_path));
     for (int64_t i = 0; i < set.size; ++i) {
       if (set.labels[i] >= info->num_classes) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(labels_path, ": label ", int{set.labels[i]}, " of item ", i,
-                         " is not below the ", info->num_classes, " classes of ", name));
+        return absl::InvalidArgumentError(absl::StrCat(labels_path, ": label ", int{set.labels[i]},
+                                                       " of item ", i, " is not below the ",
+                                                       info->num_classes, " classes of ", name));
       }
     }
     return set;
@@ -269,9 +266,9 @@ absl::StatusOr<DatasetFiles> LoadDataset(const std::string& name, const std::str
   if (!test.ok()) return Annotate(test.status(), context);
   files.test = *std::move(test);
   if (files.train.rows != files.test.rows || files.train.cols != files.test.cols) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        context, ": training images are ", files.train.rows, "x", files.train.cols,
-        " but test images are ", files.test.rows, "x", files.test.cols));
+    return absl::InvalidArgumentError(
+        absl::StrCat(context, ": training images are ", files.train.rows, "x", files.train.cols,
+                     " but test images are ", files.test.rows, "x", files.test.cols));
   }
   return files;
 }
@@ -279,60 +276,55 @@ absl::StatusOr<DatasetFiles> LoadDataset(const std::string& name, const std::str
 // ---------------------------------------------------------------------------------------------
 // BatchLoader
 
-absl::StatusOr<std::unique_ptr<BatchLoader>> BatchLoader::Create(const ImageSet* images,
-                                                                 float mean, float stddev,
+absl::StatusOr<std::unique_ptr<BatchLoader>> BatchLoader::Create(const ImageSet* images, float mean,
+                                                                 float stddev,
                                                                  const Options& options) {
   if (images == nullptr) return absl::InvalidArgumentError("BatchLoader: null image set");
   if (images->size <= 0 || images->rows <= 0 || images->cols <= 0) {
-    return absl::InvalidArgumentError(absl::StrCat("BatchLoader: empty image set (",
-                                                   images->size, " images of ", images->rows,
-                                                   "x", images->cols, ")"));
+    return absl::InvalidArgumentError(absl::StrCat("BatchLoader: empty image set (", images->size,
+                                                   " images of ", images->rows, "x", images->cols,
+                                                   ")"));
   }
-  if (images->pixels.size() !=
-          static_cast<uint64_t>(images->size) * images->rows * images->cols ||
+  if (images->pixels.size() != static_cast<uint64_t>(images->size) * images->rows * images->cols ||
       images->labels.size() != static_cast<uint64_t>(images->size)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "BatchLoader: inconsistent image set: ", images->pixels.size(), " pixels and ",
-        images->labels.size(), " labels for ", images->size, " images of ", images->rows, "x",
-        images->cols));
+    return absl::InvalidArgumentError(
+        absl::StrCat("BatchLoader: inconsistent image set: ", images->pixels.size(), " pixels and ",
+                     images->labels.size(), " labels for ", images->size, " images of ",
+                     images->rows, "x", images->cols));
   }
   if (!std::isfinite(mean) || !std::isfinite(stddev) || !(stddev > 0)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("BatchLoader: need a finite mean and stddev > 0, got mean=", mean,
-                     " stddev=", stddev));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "BatchLoader: need a finite mean and stddev > 0, got mean=", mean, " stddev=", stddev));
   }
   const Options& o = options;
   if (o.world_size <= 0 || o.rank < 0 || o.rank >= o.world_size) {
-    return absl::InvalidArgumentError(absl::StrCat("BatchLoader: rank ", o.rank,
-                                                   " not in [0, world_size=", o.world_size,
-                                                   ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("BatchLoader: rank ", o.rank, " not in [0, world_size=", o.world_size, ")"));
   }
   if (o.batch_size <= 0 || o.epochs < 0 || o.max_steps < 0 || o.prefetch_depth <= 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "BatchLoader: need batch_size > 0, epochs >= 0, max_steps >= 0 and prefetch_depth > 0; "
-        "got batch_size=", o.batch_size, " epochs=", o.epochs, " max_steps=", o.max_steps,
+        "got batch_size=",
+        o.batch_size, " epochs=", o.epochs, " max_steps=", o.max_steps,
         " prefetch_depth=", o.prefetch_depth));
   }
   // Written to avoid overflowing batch_size * world_size.
   const int64_t steps_per_epoch =
-      o.batch_size > images->size / o.world_size ? 0
-                                                 : images->size / (o.batch_size * o.world_size);
+      o.batch_size > images->size / o.world_size ? 0 : images->size / (o.batch_size * o.world_size);
   if (o.first_step < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("BatchLoader: first_step must be >= 0, got ", o.first_step));
   }
   if ((o.epochs > 0 || o.max_steps > 0) && steps_per_epoch == 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "BatchLoader: batch_size ", o.batch_size, " x world_size ", o.world_size,
-        " exceeds the ", images->size, " images, so an epoch has no full batch"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("BatchLoader: batch_size ", o.batch_size, " x world_size ", o.world_size,
+                     " exceeds the ", images->size, " images, so an epoch has no full batch"));
   }
   if (o.max_steps == 0 && steps_per_epoch > 0 &&
       o.epochs > std::numeric_limits<int64_t>::max() / steps_per_epoch) {
-    return absl::InvalidArgumentError(absl::StrCat("BatchLoader: epochs ", o.epochs,
-                                                   " too large"));
+    return absl::InvalidArgumentError(absl::StrCat("BatchLoader: epochs ", o.epochs, " too large"));
   }
-  auto loader =
-      absl::WrapUnique(new BatchLoader(images, mean, stddev, options, steps_per_epoch));
+  auto loader = absl::WrapUnique(new BatchLoader(images, mean, stddev, options, steps_per_epoch));
   try {
     loader->thread_ = std::thread(&BatchLoader::Produce, loader.get());
   } catch (const std::system_error& e) {
@@ -342,13 +334,12 @@ absl::StatusOr<std::unique_ptr<BatchLoader>> BatchLoader::Create(const ImageSet*
   return loader;
 }
 
-BatchLoader::BatchLoader(const ImageSet* images, float mean, float stddev,
-                         const Options& options, int64_t steps_per_epoch)
+BatchLoader::BatchLoader(const ImageSet* images, float mean, float stddev, const Options& options,
+                         int64_t steps_per_epoch)
     : images_(images),
       options_(options),
       steps_per_epoch_(steps_per_epoch),
-      total_steps_(options.max_steps > 0 ? options.max_steps
-                                         : options.epochs * steps_per_epoch_) {
+      total_steps_(options.max_steps > 0 ? options.max_steps : options.epochs * steps_per_epoch_) {
   MakeLut(mean, stddev, lut_);
 }
 
@@ -394,12 +385,10 @@ Batch BatchLoader::MakeBatch(const std::vector<int64_t>& perm, int64_t epoch, in
 
 void BatchLoader::Produce() {
   // Resuming at first_step: skip whole epochs, then batches, without building them.
-  int64_t step = steps_per_epoch_ == 0
-                     ? 0
-                     : options_.first_step - options_.first_step % steps_per_epoch_;
+  int64_t step =
+      steps_per_epoch_ == 0 ? 0 : options_.first_step - options_.first_step % steps_per_epoch_;
   for (int64_t epoch = step / steps_per_epoch_; step < total_steps_; ++epoch) {
-    const std::vector<int64_t> perm =
-        EpochPermutation(images_->size, options_.seed, epoch);
+    const std::vector<int64_t> perm = EpochPermutation(images_->size, options_.seed, epoch);
     for (int64_t t = 0; t < steps_per_epoch_ && step < total_steps_; ++t, ++step) {
       if (step < options_.first_step) continue;
       // Built outside the lock so the consumer can keep taking batches meanwhile.

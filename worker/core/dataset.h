@@ -95,10 +95,10 @@ struct Batch {
 class BatchLoader {
  public:
   struct Options {
-    int32_t rank = 0;        // This worker, in [0, world_size).
-    int32_t world_size = 1;  // Number of workers sharing the data (> 0).
-    int64_t batch_size = 64; // Samples per batch per worker (> 0).
-    int64_t epochs = 1;      // Passes over the data (>= 0); ignored when max_steps > 0.
+    int32_t rank = 0;         // This worker, in [0, world_size).
+    int32_t world_size = 1;   // Number of workers sharing the data (> 0).
+    int64_t batch_size = 64;  // Samples per batch per worker (> 0).
+    int64_t epochs = 1;       // Passes over the data (>= 0); ignored when max_steps > 0.
     // 0: produce epochs * steps_per_epoch() batches. > 0: produce exactly max_steps batches,
     // cycling through as many epochs as needed (the last one possibly partial).
     int64_t max_steps = 0;
@@ -113,8 +113,7 @@ class BatchLoader {
   // or empty image set, a non-positive or non-finite stddev, or a non-empty run in which
   // batch_size * world_size exceeds the image count) and starts the prefetch thread.
   static absl::StatusOr<std::unique_ptr<BatchLoader>> Create(const ImageSet* images, float mean,
-                                                             float stddev,
-                                                             const Options& options);
+                                                             float stddev, const Options& options);
 
   // The permutation of [0, n) used in `epoch` for data-order `seed`. A std::mt19937_64 is
   // seeded through std::seed_seq with the 32-bit halves of seed and epoch (both fully
@@ -147,8 +146,7 @@ class BatchLoader {
   // Body of the prefetch thread.
   void Produce();
   // Builds batch `t` of `epoch` (overall step `step`) from that epoch's permutation.
-  Batch MakeBatch(const std::vector<int64_t>& perm, int64_t epoch, int64_t t,
-                  int64_t step) const;
+  Batch MakeBatch(const std::vector<int64_t>& perm, int64_t epoch, int64_t t, int64_t step) const;
 
   const ImageSet* const images_;
   const Options options_;

@@ -152,8 +152,8 @@ TEST_F(IdxTest, TruncatedPixelsAreInvalidArgument) {
   WriteFile(Path("lbl"), IdxLabels(kLabels));
   EXPECT_STATUS_MSG(LoadIdxPair(Path("img"), Path("lbl")), absl::StatusCode::kInvalidArgument,
                     Path("img") + ": truncated pixel data: expected 18 bytes, found 17");
-  EXPECT_STATUS_MSG(LoadIdxPair(Path("img.gz"), Path("lbl")),
-                    absl::StatusCode::kInvalidArgument, Path("img.gz") + ": truncated");
+  EXPECT_STATUS_MSG(LoadIdxPair(Path("img.gz"), Path("lbl")), absl::StatusCode::kInvalidArgument,
+                    Path("img.gz") + ": truncated");
 }
 
 TEST_F(IdxTest, TruncatedHeaderAndLabelsAreInvalidArgument) {
@@ -179,8 +179,8 @@ TEST_F(IdxTest, CorruptGzipStreamIsInvalidArgument) {
   gz.resize(gz.size() / 2);
   WriteFile(Path("img.gz"), gz);
   WriteFile(Path("lbl"), IdxLabels({1, 2, 3, 4, 5}));
-  EXPECT_STATUS_MSG(LoadIdxPair(Path("img.gz"), Path("lbl")),
-                    absl::StatusCode::kInvalidArgument, Path("img.gz"));
+  EXPECT_STATUS_MSG(LoadIdxPair(Path("img.gz"), Path("lbl")), absl::StatusCode::kInvalidArgument,
+                    Path("img.gz"));
 }
 
 TEST_F(IdxTest, BadMagicIsInvalidArgument) {
@@ -188,11 +188,9 @@ TEST_F(IdxTest, BadMagicIsInvalidArgument) {
   WriteFile(Path("lbl"), IdxLabels(kLabels));
   WriteFile(Path("bad_img"), IdxImages(3, 2, 3, kPixels, /*magic=*/0x00000801));
   WriteFile(Path("bad_lbl"), IdxLabels(kLabels, /*magic=*/0x00000803));
-  EXPECT_STATUS_MSG(LoadIdxPair(Path("bad_img"), Path("lbl")),
-                    absl::StatusCode::kInvalidArgument,
+  EXPECT_STATUS_MSG(LoadIdxPair(Path("bad_img"), Path("lbl")), absl::StatusCode::kInvalidArgument,
                     Path("bad_img") + ": bad magic number 0x00000801");
-  EXPECT_STATUS_MSG(LoadIdxPair(Path("img"), Path("bad_lbl")),
-                    absl::StatusCode::kInvalidArgument,
+  EXPECT_STATUS_MSG(LoadIdxPair(Path("img"), Path("bad_lbl")), absl::StatusCode::kInvalidArgument,
                     Path("bad_lbl") + ": bad magic number 0x00000803");
   // Swapped arguments are caught by the magic numbers too.
   EXPECT_STATUS(LoadIdxPair(Path("lbl"), Path("img")), absl::StatusCode::kInvalidArgument);
@@ -201,9 +199,9 @@ TEST_F(IdxTest, BadMagicIsInvalidArgument) {
 TEST_F(IdxTest, CountMismatchIsInvalidArgument) {
   WriteFile(Path("img"), IdxImages(3, 2, 3, kPixels));
   WriteFile(Path("lbl"), IdxLabels({1, 2}));
-  EXPECT_STATUS_MSG(LoadIdxPair(Path("img"), Path("lbl")), absl::StatusCode::kInvalidArgument,
-                    "count mismatch: " + Path("img") + " has 3 images but " + Path("lbl") +
-                        " has 2 labels");
+  EXPECT_STATUS_MSG(
+      LoadIdxPair(Path("img"), Path("lbl")), absl::StatusCode::kInvalidArgument,
+      "count mismatch: " + Path("img") + " has 3 images but " + Path("lbl") + " has 2 labels");
 }
 
 TEST_F(IdxTest, TrailingDataIsInvalidArgument) {
@@ -562,12 +560,10 @@ TEST(BatchLoaderTest, CreateValidates) {
   o.batch_size = 2;
   EXPECT_STATUS(BatchLoader::Create(&set, kMean, 0.0f, o), absl::StatusCode::kInvalidArgument);
   const ImageSet empty;
-  EXPECT_STATUS(BatchLoader::Create(&empty, kMean, kStd, o),
-                absl::StatusCode::kInvalidArgument);
+  EXPECT_STATUS(BatchLoader::Create(&empty, kMean, kStd, o), absl::StatusCode::kInvalidArgument);
   ImageSet broken = set;
   broken.labels.pop_back();
-  EXPECT_STATUS(BatchLoader::Create(&broken, kMean, kStd, o),
-                absl::StatusCode::kInvalidArgument);
+  EXPECT_STATUS(BatchLoader::Create(&broken, kMean, kStd, o), absl::StatusCode::kInvalidArgument);
 }
 
 TEST(MakeEvalBatchesTest, KeepsLastPartialBatch) {

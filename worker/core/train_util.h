@@ -26,12 +26,12 @@ namespace gradmesh {
 
 // Live figures of a running rank, for the coordinator's progress view.
 struct TrainProgress {
-  int64_t step = 0;           // Steps done (absolute, including resumed ones).
+  int64_t step = 0;  // Steps done (absolute, including resumed ones).
   int64_t total_steps = 0;
-  int32_t epoch = 0;          // 1-based.
-  double loss = 0;            // Mean over the last log window.
-  double samples_per_s = 0;   // Over the last log window.
-  double accuracy = -1;       // Set once evaluated.
+  int32_t epoch = 0;         // 1-based.
+  double loss = 0;           // Mean over the last log window.
+  double samples_per_s = 0;  // Over the last log window.
+  double accuracy = -1;      // Set once evaluated.
   int64_t checkpoint_step = -1;
 };
 
@@ -44,11 +44,11 @@ double SecondsSince(absl::Time since);
 std::optional<Batch> NextBatch(BatchLoader* loader, absl::Duration step_delay, double* data_s);
 
 struct TrainerOptions {
-  JobSpec spec;                // Defaults applied and validated by the caller.
-  Mode mode = Mode::kAsync;    // spec.mode(), parsed once by Trainer::Create.
-  int32_t rank = 0;            // In [0, spec.num_workers()).
-  std::string data_dir;        // Parent of <dataset name>/ when spec.dataset.path is empty.
-  bool evaluate = true;        // Wait for all workers, evaluate and save at the end.
+  JobSpec spec;                  // Defaults applied and validated by the caller.
+  Mode mode = Mode::kAsync;      // spec.mode(), parsed once by Trainer::Create.
+  int32_t rank = 0;              // In [0, spec.num_workers()).
+  std::string data_dir;          // Parent of <dataset name>/ when spec.dataset.path is empty.
+  bool evaluate = true;          // Wait for all workers, evaluate and save at the end.
   int32_t intra_op_threads = 1;  // torch::set_num_threads; 1 avoids oversubscription.
   absl::Duration wait_for_workers = absl::Minutes(30);  // Bound on the final wait (ps modes).
   // Fault injection for tests: sleep this long before every step (a slow worker).
@@ -67,18 +67,18 @@ struct TrainerOptions {
 };
 
 struct TrainResult {
-  int64_t steps = 0;            // Steps this worker ran.
-  int64_t samples = 0;          // Training samples this worker processed.
-  double wall_s = 0;            // Seconds from the first step to the last exchange.
-  double samples_per_s = 0;     // samples / wall_s.
-  double final_loss = 0;        // Mean training loss over the last log window.
-  double test_accuracy = -1;    // In [0, 1]; -1 if this worker did not evaluate.
-  double data_s = 0, compute_s = 0, comm_s = 0;  // Time split of the steps.
+  int64_t steps = 0;          // Steps this worker ran.
+  int64_t samples = 0;        // Training samples this worker processed.
+  double wall_s = 0;          // Seconds from the first step to the last exchange.
+  double samples_per_s = 0;   // samples / wall_s.
+  double final_loss = 0;      // Mean training loss over the last log window.
+  double test_accuracy = -1;  // In [0, 1]; -1 if this worker did not evaluate.
+  double data_s = 0, compute_s = 0, comm_s = 0;        // Time split of the steps.
   int64_t bytes_pushed = 0, bytes_pulled = 0;          // On the wire (compressed).
   int64_t raw_bytes_pushed = 0, raw_bytes_pulled = 0;  // As float32.
-  double codec_s = 0;                                   // Encoding pushes, decoding pulls.
-  bool stopped_early = false;   // RequestStop() ended the run before the last step.
-  int64_t first_step = 0;       // > 0 when the run resumed from a checkpoint or the shards.
+  double codec_s = 0;                                  // Encoding pushes, decoding pulls.
+  bool stopped_early = false;      // RequestStop() ended the run before the last step.
+  int64_t first_step = 0;          // > 0 when the run resumed from a checkpoint or the shards.
   double consensus_distance = -1;  // gossip: last measured (see worker/gossip/).
 };
 

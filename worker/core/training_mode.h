@@ -47,9 +47,9 @@ namespace gradmesh {
 // the model's own storage (writing through a span changes the model), in the model's fixed
 // parameter order.
 struct ModelView {
-  std::vector<std::string> names;             // "fc1.weight", ...
-  std::vector<std::vector<int64_t>> shapes;   // Tensor shapes.
-  std::vector<absl::Span<float>> params;      // Aliases of the parameters' storage.
+  std::vector<std::string> names;            // "fc1.weight", ...
+  std::vector<std::vector<int64_t>> shapes;  // Tensor shapes.
+  std::vector<absl::Span<float>> params;     // Aliases of the parameters' storage.
 
   int64_t numel() const {
     int64_t n = 0;

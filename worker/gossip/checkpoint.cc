@@ -1,7 +1,6 @@
 // Gossip checkpoint files (see checkpoint.h).
 #include "worker/gossip/checkpoint.h"
 
-
 #include <cstring>
 #include <limits>
 #include <utility>
@@ -51,8 +50,8 @@ absl::StatusOr<ckpt::Checkpoint> ParseLegacy(const std::string& path, const std:
   }
   const size_t floats = static_cast<size_t>(numel) * (1 + static_cast<size_t>(num_slots));
   if (end - pos != floats * sizeof(float)) {
-    return bad(absl::StrCat(end - pos, " bytes of values and slots, expected ",
-                            floats * sizeof(float)));
+    return bad(
+        absl::StrCat(end - pos, " bytes of values and slots, expected ", floats * sizeof(float)));
   }
   ckpt::Checkpoint c;
   c.header.kind = kKind;
@@ -82,8 +81,8 @@ absl::StatusOr<int32_t> GetInt32(const ckpt::Metadata& m, const char* key) {
   absl::StatusOr<int64_t> v = m.GetInt(key);
   if (!v.ok()) return v.status();
   if (*v < std::numeric_limits<int32_t>::min() || *v > std::numeric_limits<int32_t>::max()) {
-    return absl::InvalidArgumentError(absl::StrCat("metadata '", key, "' = ", *v,
-                                                   " is out of range"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("metadata '", key, "' = ", *v, " is out of range"));
   }
   return static_cast<int32_t>(*v);
 }
@@ -100,8 +99,8 @@ absl::StatusOr<GossipCheckpoint> FromCheckpoint(ckpt::Checkpoint c) {
                           num_slots = GetInt32(m, "num_slots");
   absl::StatusOr<int64_t> step = m.GetInt("step");
   absl::StatusOr<double> weight = m.GetDouble("weight");
-  for (const absl::Status& s : {rank.status(), num_workers.status(), num_slots.status(),
-                                step.status(), weight.status()}) {
+  for (const absl::Status& s :
+       {rank.status(), num_workers.status(), num_slots.status(), step.status(), weight.status()}) {
     if (!s.ok()) return bad(s);
   }
   g.rank = *rank;
@@ -118,9 +117,8 @@ absl::StatusOr<GossipCheckpoint> FromCheckpoint(ckpt::Checkpoint c) {
   if (g.num_slots < 0 || g.step < 0 || !(g.weight > 0) ||
       g.slots.size() != g.values.size() * static_cast<size_t>(g.num_slots)) {
     return absl::DataLossError(absl::StrCat(
-        "checkpoint ", path, ": invalid header values (step ", g.step, ", weight ", g.weight,
-        ", ", g.values.size(), " values, ", g.num_slots, " slots of ", g.slots.size(),
-        " floats)"));
+        "checkpoint ", path, ": invalid header values (step ", g.step, ", weight ", g.weight, ", ",
+        g.values.size(), " values, ", g.num_slots, " slots of ", g.slots.size(), " floats)"));
   }
   return g;
 }
@@ -133,9 +131,9 @@ std::string GossipCheckpointPath(const std::string& dir, const std::string& job,
 
 absl::Status WriteGossipCheckpoint(const std::string& path, const GossipCheckpoint& c) {
   if (c.num_slots < 0 || c.slots.size() != c.values.size() * static_cast<size_t>(c.num_slots)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "checkpoint ", path, ": ", c.slots.size(), " slot values for ", c.num_slots,
-        " slots of ", c.values.size(), " values"));
+    return absl::InvalidArgumentError(absl::StrCat("checkpoint ", path, ": ", c.slots.size(),
+                                                   " slot values for ", c.num_slots, " slots of ",
+                                                   c.values.size(), " values"));
   }
   ckpt::Metadata m;
   m.SetInt("rank", c.rank);

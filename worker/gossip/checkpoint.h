@@ -28,10 +28,10 @@ namespace gradmesh {
 struct GossipCheckpoint {
   int32_t rank = 0;
   int32_t num_workers = 1;
-  int64_t step = 0;                 // Local steps done.
-  double weight = 1;                // Push-sum weight.
-  std::vector<float> values;        // Flat parameters (de-biased).
-  std::vector<float> slots;         // num_slots * values.size() optimizer slots, slot-major.
+  int64_t step = 0;           // Local steps done.
+  double weight = 1;          // Push-sum weight.
+  std::vector<float> values;  // Flat parameters (de-biased).
+  std::vector<float> slots;   // num_slots * values.size() optimizer slots, slot-major.
   int32_t num_slots = 0;
 };
 

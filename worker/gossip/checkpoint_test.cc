@@ -80,9 +80,7 @@ TEST(CheckpointTest, MissingCorruptAndTruncatedFiles) {
 // The old writer's byte layout (before common/checkpoint), kept here to test legacy reads.
 std::string LegacyGossipBytes(const GossipCheckpoint& c) {
   std::string data = "GMGOSCK1";
-  auto put = [&data](const auto& v) {
-    data.append(reinterpret_cast<const char*>(&v), sizeof(v));
-  };
+  auto put = [&data](const auto& v) { data.append(reinterpret_cast<const char*>(&v), sizeof(v)); };
   put(c.rank);
   put(c.num_workers);
   put(static_cast<int64_t>(c.values.size()));
@@ -161,8 +159,8 @@ TEST(CheckpointTest, ReadsTheOldFormatAndRefusesOtherKinds) {
   EXPECT_STATUS_MSG(ReadGossipCheckpoint(other), absl::StatusCode::kFailedPrecondition,
                     other + " is a legacy allreduce checkpoint (GMARCKP1), expected kind 'gossip'");
   const std::vector<float> v = {1};
-  ASSERT_OK(ckpt::WriteCheckpointFile(other, "allreduce", {},
-                                      {ckpt::ArrayRef::Of<float>("a0", v)}));
+  ASSERT_OK(
+      ckpt::WriteCheckpointFile(other, "allreduce", {}, {ckpt::ArrayRef::Of<float>("a0", v)}));
   EXPECT_STATUS_MSG(ReadGossipCheckpoint(other), absl::StatusCode::kFailedPrecondition,
                     "is of kind 'allreduce', expected 'gossip'");
 }

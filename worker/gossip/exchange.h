@@ -25,24 +25,24 @@ const char* ExchangeKindName(ExchangeKind kind);
 // ExchangeRequest without its payload.
 struct ExchangeHeader {
   std::string job;
-  int32_t from = 0;       // Sender rank.
-  int32_t to = 0;         // Receiver rank.
+  int32_t from = 0;  // Sender rank.
+  int32_t to = 0;    // Receiver rank.
   ExchangeKind kind = ExchangeKind::kPushSum;
-  int64_t round = 0;      // Sender's gossip round (for logs).
-  int64_t step = 0;       // Sender's local steps done.
-  double weight = 0;      // kPushSum, kFinal: push-sum weight carried with the values.
-  std::string codec;      // ValueCodec name of the payload ("", fp16, bf16).
-  int64_t numel = 0;      // Elements of the flat parameter vector.
+  int64_t round = 0;         // Sender's gossip round (for logs).
+  int64_t step = 0;          // Sender's local steps done.
+  double weight = 0;         // kPushSum, kFinal: push-sum weight carried with the values.
+  std::string codec;         // ValueCodec name of the payload ("", fp16, bf16).
+  int64_t numel = 0;         // Elements of the flat parameter vector.
   uint64_t exchange_id = 0;  // kPushSum: the share's id (see proto/gossip.proto); 0 = none.
 };
 
 // ExchangeResponse.
 struct ExchangeReply {
-  int64_t step = 0;       // Receiver's local steps done.
-  std::string codec;      // kAverage: codec of `payload` (the request's).
-  int64_t numel = 0;      // kAverage: elements encoded in `payload`.
-  std::string payload;    // kAverage: the receiver's values before averaging.
-  bool duplicate = false; // kFinal: already had this sender's final; kPushSum: this share.
+  int64_t step = 0;        // Receiver's local steps done.
+  std::string codec;       // kAverage: codec of `payload` (the request's).
+  int64_t numel = 0;       // kAverage: elements encoded in `payload`.
+  std::string payload;     // kAverage: the receiver's values before averaging.
+  bool duplicate = false;  // kFinal: already had this sender's final; kPushSum: this share.
 };
 
 // GossipStateResponse.

@@ -10,9 +10,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
-#include "common/grpc_util.h"
 #include "common/optimizer.h"
 #include "common/status.h"
+#include "rpc/grpc_util.h"
 #include "worker/gossip/checkpoint.h"
 #include "worker/gossip/gossip_service.h"
 #include "worker/gossip/gossiper.h"
@@ -33,8 +33,8 @@ class GossipMode : public TrainingMode {
   std::vector<LogField> StartFields() const override;
   absl::Status BeforeForward(int64_t step) override;
   absl::StatusOr<StepOutcome> Exchange(int64_t step,
-                                       absl::Span<const absl::Span<const float>> grads,
-                                       double loss, const StepTiming& timing) override;
+                                       absl::Span<const absl::Span<const float>> grads, double loss,
+                                       const StepTiming& timing) override;
   absl::StatusOr<bool> MaybeCheckpoint(int64_t steps_done) override;
   int64_t bytes_sent() const override { return gossiper_->stats().bytes_sent; }
   std::vector<LogField> ProgressFields(int64_t done, int64_t window) override;
@@ -107,9 +107,8 @@ absl::StatusOr<int64_t> GossipMode::Restore(std::vector<float>* values, double* 
       c->rank != rank || c->num_workers != n) {
     return absl::FailedPreconditionError(absl::StrCat(
         "gossip: checkpoint ", checkpoint_path_, " holds rank ", c->rank, " of ", c->num_workers,
-        " with ", c->values.size(), " values and ", c->num_slots,
-        " optimizer slots; this is rank ", rank, " of ", n, " with ", numel_, " and ",
-        num_slots));
+        " with ", c->values.size(), " values and ", c->num_slots, " optimizer slots; this is rank ",
+        rank, " of ", n, " with ", numel_, " and ", num_slots));
   }
   *values = std::move(c->values);
   std::copy(c->slots.begin(), c->slots.end(), slots_.begin());
@@ -131,8 +130,8 @@ absl::Status GossipMode::StartGossiper() {
   go.dead_after = std::max(3 * go.timeout, absl::Seconds(5));
   go.max_wait = options_.wait_for_workers;
   go.logger = options_.logger;
-  ASSIGN_OR_RETURN(gossiper_, Gossiper::Create(go, replica_, std::move(topology),
-                                               transport_.get()));
+  ASSIGN_OR_RETURN(gossiper_,
+                   Gossiper::Create(go, replica_, std::move(topology), transport_.get()));
   gossiper_->Start();
   return absl::OkStatus();
 }
@@ -214,8 +213,9 @@ absl::Status GossipMode::WriteCheckpoint(ReplicaSnapshot snap, int64_t step) {
   c.num_slots = optimizer_->num_slots();
   c.slots = slots_;
   RETURN_IF_ERROR(WriteGossipCheckpoint(checkpoint_path_, c));
-  LogInfo(options_.logger, "checkpoint", {Kv("job", spec_.name()), Kv("rank", options_.rank),
-                                          Kv("step", step), Kv("path", checkpoint_path_)});
+  LogInfo(options_.logger, "checkpoint",
+          {Kv("job", spec_.name()), Kv("rank", options_.rank), Kv("step", step),
+           Kv("path", checkpoint_path_)});
   return absl::OkStatus();
 }
 

@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "common/status.h"
+#include "rpc/grpc_status.h"
 #include "worker/gossip/wire.h"
 
 namespace gradmesh {

@@ -5,11 +5,10 @@
 #include "worker/gossip/gossip_service.h"
 
 #include <arpa/inet.h>
+#include <grpcpp/grpcpp.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
-
-#include <grpcpp/grpcpp.h>
 
 #include <iostream>
 #include <memory>
@@ -19,10 +18,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "common/grpc_util.h"
 #include "common/status_testing.h"
 #include "gtest/gtest.h"
 #include "proto/gossip.grpc.pb.h"
+#include "rpc/grpc_util.h"
 #include "worker/gossip/gossiper.h"
 #include "worker/gossip/grpc_transport.h"
 #include "worker/gossip/replica.h"
@@ -105,8 +104,8 @@ TEST(GossipServiceTest, RoutesByJobAndRankAndMapsErrorsToGrpcCodes) {
   auto b = Replica("b", 1, 3, {10, 20});
   ASSERT_OK(service.Register(a));
   ASSERT_OK(service.Register(b));
-  EXPECT_STATUS_MSG(service.Register(Replica("a", 1, 3, {0, 0})),
-                    absl::StatusCode::kAlreadyExists, "gossip job a rank 1 is already served");
+  EXPECT_STATUS_MSG(service.Register(Replica("a", 1, 3, {0, 0})), absl::StatusCode::kAlreadyExists,
+                    "gossip job a rank 1 is already served");
   int port = 0;
   auto server = Serve(&service, "127.0.0.1:0", &port);
   ASSERT_NE(server, nullptr);
@@ -152,10 +151,10 @@ TEST(GossipServiceTest, RoutesByJobAndRankAndMapsErrorsToGrpcCodes) {
   EXPECT_STATUS_MSG(transport->GetState(1, "zzz", absl::Seconds(5)), absl::StatusCode::kNotFound,
                     absl::StrCat("gossip peer 1 (127.0.0.1:", port, "): gossip job zzz rank 1"));
   a->Finish();
-  EXPECT_STATUS(transport->Exchange(1, ExchangeHeader{"a", 0, 1, ExchangeKind::kPushSum, 0, 0,
-                                                      0.5, "", 2},
-                                    Raw({1, 1}), absl::Seconds(5)),
-                absl::StatusCode::kFailedPrecondition);
+  EXPECT_STATUS(
+      transport->Exchange(1, ExchangeHeader{"a", 0, 1, ExchangeKind::kPushSum, 0, 0, 0.5, "", 2},
+                          Raw({1, 1}), absl::Seconds(5)),
+      absl::StatusCode::kFailedPrecondition);
   service.Unregister("a", 1);
   EXPECT_STATUS(transport->GetState(1, "a", absl::Seconds(5)), absl::StatusCode::kNotFound);
   ASSERT_OK_AND_ASSIGN(s, transport->GetState(1, "b", absl::Seconds(5)));
@@ -193,8 +192,8 @@ TEST(GossipServiceTest, DeadAndHungPeersAreSkippedWithinTheTimeoutAndALateJoiner
     EXPECT_LT(took, o.timeout + absl::Milliseconds(700)) << "round " << round;
     EXPECT_NE(r.outcome, Outcome::kMixed);
     if (r.outcome == Outcome::kFailed) {
-      std::cerr << "round " << round << " peer " << r.peer << " after " << took << ": "
-                << r.error << "\n";
+      std::cerr << "round " << round << " peer " << r.peer << " after " << took << ": " << r.error
+                << "\n";
       failed.insert(r.peer);
       // gRPC reports a connection that never completes its handshake as UNAVAILABLE when
       // the call's deadline ends it.

@@ -27,9 +27,8 @@ absl::StatusOr<std::unique_ptr<Gossiper>> Gossiper::Create(GossiperOptions optio
   }
   auto codec = ValueCodec::Create(options.codec);
   if (!codec.ok()) return codec.status();
-  return std::unique_ptr<Gossiper>(new Gossiper(std::move(options), *std::move(codec),
-                                                std::move(replica), std::move(topology),
-                                                transport));
+  return std::unique_ptr<Gossiper>(new Gossiper(
+      std::move(options), *std::move(codec), std::move(replica), std::move(topology), transport));
 }
 
 Gossiper::Gossiper(GossiperOptions options, ValueCodec codec,
@@ -87,16 +86,14 @@ RoundResult Gossiper::RunRound(int64_t round, int64_t step) {
 namespace {
 
 // The request was never sent (the transport could not connect): not applied.
-bool NotSent(const absl::Status& st) {
-  return st.GetPayload(kGossipNotSentPayload).has_value();
-}
+bool NotSent(const absl::Status& st) { return st.GetPayload(kGossipNotSentPayload).has_value(); }
 
 // Errors after which the receiver may or may not have applied the request.
 bool OutcomeUnknown(const absl::Status& st) {
   if (NotSent(st)) return false;
   return st.code() == absl::StatusCode::kDeadlineExceeded ||
-         st.code() == absl::StatusCode::kUnavailable ||
-         st.code() == absl::StatusCode::kCancelled || st.code() == absl::StatusCode::kUnknown;
+         st.code() == absl::StatusCode::kUnavailable || st.code() == absl::StatusCode::kCancelled ||
+         st.code() == absl::StatusCode::kUnknown;
 }
 
 // An answer of the receiver itself refusing the share. Its duplicate check comes first, so a
@@ -150,8 +147,7 @@ RoundResult Gossiper::PushSum(int32_t peer, int64_t round, int64_t step) {
   ExchangeHeader h = Header(peer, ExchangeKind::kPushSum, round, step);
   h.weight = *weight;
   h.exchange_id = (static_cast<uint64_t>(incarnation_) << 32) | ++share_seq_;
-  absl::StatusOr<ExchangeReply> reply =
-      transport_->Exchange(peer, h, payload_, options_.timeout);
+  absl::StatusOr<ExchangeReply> reply = transport_->Exchange(peer, h, payload_, options_.timeout);
   {
     absl::MutexLock lock(&mu_);
     stats_.bytes_sent += static_cast<int64_t>(payload_.size());
@@ -160,8 +156,7 @@ RoundResult Gossiper::PushSum(int32_t peer, int64_t round, int64_t step) {
   if (!reply.ok() && OutcomeUnknown(reply.status())) {
     // The receiver may have absorbed the share and only the reply was lost: ask again with
     // the same id rather than take the weight back and count the share twice.
-    absl::StatusOr<ExchangeReply> again =
-        transport_->Exchange(peer, h, payload_, options_.timeout);
+    absl::StatusOr<ExchangeReply> again = transport_->Exchange(peer, h, payload_, options_.timeout);
     {
       absl::MutexLock lock(&mu_);
       ++stats_.resent;
@@ -226,10 +221,9 @@ RoundResult Gossiper::Average(int32_t peer, int64_t round, int64_t step) {
   // The peer has averaged already; a malformed reply only means we do not.
   absl::Status valid;
   if (reply->codec != codec_.name() || reply->numel != replica_->numel()) {
-    valid = absl::DataLossError(absl::StrCat("gossip: rank ", peer, " replied with ",
-                                             reply->numel, " values in codec \"", reply->codec,
-                                             "\"; expected ", replica_->numel(), " in \"",
-                                             codec_.name(), "\""));
+    valid = absl::DataLossError(absl::StrCat("gossip: rank ", peer, " replied with ", reply->numel,
+                                             " values in codec \"", reply->codec, "\"; expected ",
+                                             replica_->numel(), " in \"", codec_.name(), "\""));
   } else {
     peer_values_.resize(replica_->numel());
     valid = Annotate(codec_.Decode(reply->payload, absl::MakeSpan(peer_values_)),
@@ -327,8 +321,7 @@ absl::Status Gossiper::DeliverFinal(const ReplicaSnapshot& final) {
   absl::Duration backoff = absl::Milliseconds(100);
   absl::Time first_failure = absl::InfiniteFuture();
   while (true) {
-    absl::StatusOr<ExchangeReply> reply =
-        transport_->Exchange(root, h, payload, options_.timeout);
+    absl::StatusOr<ExchangeReply> reply = transport_->Exchange(root, h, payload, options_.timeout);
     if (reply.ok()) {
       LogInfo(options_.logger, "final_delivered",
               {Kv("job", h.job), Kv("rank", rank_), Kv("to", root), Kv("step", final.step),
@@ -344,10 +337,10 @@ absl::Status Gossiper::DeliverFinal(const ReplicaSnapshot& final) {
     const absl::Time now = absl::Now();
     if (first_failure == absl::InfiniteFuture()) first_failure = now;
     if (now - first_failure >= options_.dead_after) {
-      return absl::UnavailableError(absl::StrCat(
-          "gossip job ", h.job, " rank ", rank_, ": gave up delivering the final model to rank ",
-          root, " after ", absl::FormatDuration(now - first_failure), ": ",
-          reply.status().ToString()));
+      return absl::UnavailableError(
+          absl::StrCat("gossip job ", h.job, " rank ", rank_,
+                       ": gave up delivering the final model to rank ", root, " after ",
+                       absl::FormatDuration(now - first_failure), ": ", reply.status().ToString()));
     }
     absl::SleepFor(backoff);
     backoff = std::min(2 * backoff, absl::Seconds(1));

@@ -16,8 +16,8 @@
 //     A request the transport could not send at all (kGossipNotSentPayload: no connection)
 //     was not applied, so that share's weight is simply taken back, with no resend.
 //     If the resend's outcome is unknown too (or NOT_FOUND: the peer may have absorbed it and
-//     left), the share becomes pending: its weight stays out, nothing new goes to that peer, and the
-//     next round that picks the peer sends it again, until it is absorbed (done) or refused
+//     left), the share becomes pending: its weight stays out, nothing new goes to that peer, and
+//     the next round that picks the peer sends it again, until it is absorbed (done) or refused
 //     (FAILED_PRECONDITION, ABORTED, INVALID_ARGUMENT: weight taken back; a refusal proves
 //     it was never absorbed, since the receiver checks for a duplicate first). So a share is
 //     counted at most once; one still pending when the rank finishes (a peer dead for good)
@@ -93,31 +93,31 @@ struct RoundResult {
 };
 
 struct GossiperStats {
-  int64_t rounds = 0;       // Rounds run.
-  int64_t coalesced = 0;    // Requested rounds dropped because a later one superseded them.
-  int64_t mixed = 0;        // Exchanges that mixed.
-  int64_t failed = 0;       // Exchanges that failed.
-  int64_t no_peer = 0;      // Rounds without an available peer.
-  int64_t kept = 0;         // Push-sum rounds skipped by the weight floor.
-  int64_t resent = 0;       // Push-sum shares sent again after an unknown outcome ...
-  int64_t resent_duplicate = 0;  // ... of which the receiver had absorbed the first copy.
-  int64_t pending = 0;      // Shares whose fate is still unknown (their weight is out).
-  int64_t pending_delivered = 0;  // Pending shares later found absorbed ...
-  int64_t pending_returned = 0;   // ... or refused (weight taken back).
-  int64_t bytes_sent = 0;   // Payload bytes sent (requests) ...
-  int64_t bytes_received = 0;  // ... and received (pairwise replies).
-  int64_t raw_bytes_sent = 0;  // The same as float32 ...
+  int64_t rounds = 0;              // Rounds run.
+  int64_t coalesced = 0;           // Requested rounds dropped because a later one superseded them.
+  int64_t mixed = 0;               // Exchanges that mixed.
+  int64_t failed = 0;              // Exchanges that failed.
+  int64_t no_peer = 0;             // Rounds without an available peer.
+  int64_t kept = 0;                // Push-sum rounds skipped by the weight floor.
+  int64_t resent = 0;              // Push-sum shares sent again after an unknown outcome ...
+  int64_t resent_duplicate = 0;    // ... of which the receiver had absorbed the first copy.
+  int64_t pending = 0;             // Shares whose fate is still unknown (their weight is out).
+  int64_t pending_delivered = 0;   // Pending shares later found absorbed ...
+  int64_t pending_returned = 0;    // ... or refused (weight taken back).
+  int64_t bytes_sent = 0;          // Payload bytes sent (requests) ...
+  int64_t bytes_received = 0;      // ... and received (pairwise replies).
+  int64_t raw_bytes_sent = 0;      // The same as float32 ...
   int64_t raw_bytes_received = 0;  // ... both ways.
-  double busy_s = 0;        // Seconds spent in rounds.
+  double busy_s = 0;               // Seconds spent in rounds.
 };
 
 class Gossiper {
  public:
   // InvalidArgument for a bad codec. `transport` is not owned and must outlive the Gossiper.
   static absl::StatusOr<std::unique_ptr<Gossiper>> Create(GossiperOptions options,
-                                                           std::shared_ptr<GossipReplica> replica,
-                                                           std::unique_ptr<Topology> topology,
-                                                           GossipTransport* transport);
+                                                          std::shared_ptr<GossipReplica> replica,
+                                                          std::unique_ptr<Topology> topology,
+                                                          GossipTransport* transport);
   ~Gossiper();  // Stop()s.
 
   Gossiper(const Gossiper&) = delete;

@@ -380,8 +380,7 @@ TEST(GossiperTest, FinalRoundAveragesEveryRanksFinalAtTheRoot) {
   EXPECT_DOUBLE_EQ(avg.weight_sum, 3.5);
   const auto init = Initial();
   for (int i = 0; i < 3; ++i) {
-    const double expected =
-        (init[0][i] + 0.5 * init[1][i] + init[2][i] + init[3][i]) / 3.5;
+    const double expected = (init[0][i] + 0.5 * init[1][i] + init[2][i] + init[3][i]) / 3.5;
     EXPECT_NEAR(avg.values[i], expected, 1e-6) << i;
   }
 }

@@ -9,6 +9,7 @@
 #include "absl/time/clock.h"
 #include "common/status.h"
 #include "proto/gossip.grpc.pb.h"
+#include "rpc/grpc_status.h"
 #include "worker/gossip/wire.h"
 
 namespace gradmesh {
@@ -39,8 +40,8 @@ class GrpcGossipTransport final : public GossipTransport {
     if (state != GRPC_CHANNEL_READY &&
         (state == GRPC_CHANNEL_TRANSIENT_FAILURE || state == GRPC_CHANNEL_SHUTDOWN ||
          !channels_[peer]->WaitForConnected(absl::ToChronoTime(deadline)))) {
-      absl::Status st = absl::UnavailableError(
-          absl::StrCat(Where(peer), ": not connected (nothing was sent)"));
+      absl::Status st =
+          absl::UnavailableError(absl::StrCat(Where(peer), ": not connected (nothing was sent)"));
       st.SetPayload(kGossipNotSentPayload, absl::Cord("1"));
       return st;
     }

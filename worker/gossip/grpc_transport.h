@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "common/grpc_util.h"
+#include "rpc/grpc_util.h"
 #include "worker/gossip/exchange.h"
 
 namespace gradmesh {

@@ -41,8 +41,8 @@ class PeerHealth {
 
  private:
   struct Peer {
-    int32_t failures = 0;     // Consecutive failures.
-    int32_t doublings = 0;    // Growing failures among them, minus one.
+    int32_t failures = 0;   // Consecutive failures.
+    int32_t doublings = 0;  // Growing failures among them, minus one.
     absl::Time retry_at = absl::InfinitePast();
     bool finished = false;
   };

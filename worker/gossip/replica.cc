@@ -86,12 +86,11 @@ ReplicaState GossipReplica::State() const {
   return ReplicaState{step_, options_.total_steps, finished_, w_};
 }
 
-absl::StatusOr<double> GossipReplica::BeginPushSum(std::vector<float>* values,
-                                                   double min_weight) {
+absl::StatusOr<double> GossipReplica::BeginPushSum(std::vector<float>* values, double min_weight) {
   absl::MutexLock lock(&mu_);
   if (stopped_) {
-    return absl::FailedPreconditionError(absl::StrCat("gossip job ", options_.job, " rank ",
-                                                      options_.rank, " has stopped mixing"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("gossip job ", options_.job, " rank ", options_.rank, " has stopped mixing"));
   }
   if (w_ < min_weight) return 0.0;
   w_ /= 2;
@@ -128,8 +127,8 @@ void GossipReplica::RecordDistance(absl::Span<const float> a, absl::Span<const f
   ++consensus_.count;
 }
 
-absl::Status GossipReplica::AbsorbPushSum(int32_t from, absl::Span<const float> v,
-                                          double weight, uint64_t id, bool* duplicate) {
+absl::Status GossipReplica::AbsorbPushSum(int32_t from, absl::Span<const float> v, double weight,
+                                          uint64_t id, bool* duplicate) {
   absl::MutexLock lock(&mu_);
   // Before the refusal: a share absorbed before Finish/Stop was delivered, and its sender
   // must not take it back.
@@ -168,13 +167,12 @@ absl::Status GossipReplica::Refusal(int32_t from) const {
         absl::StrCat("gossip job ", options_.job, " rank ", options_.rank,
                      " has finished its steps and mixes no more (exchange from rank ", from, ")"));
   }
-  return absl::AbortedError(
-      absl::StrCat("gossip job ", options_.job, " rank ", options_.rank,
-                   " is stopping (it may resume later); exchange from rank ", from, " refused"));
+  return absl::AbortedError(absl::StrCat("gossip job ", options_.job, " rank ", options_.rank,
+                                         " is stopping (it may resume later); exchange from rank ",
+                                         from, " refused"));
 }
 
-bool GossipReplica::AcceptFinal(int32_t from, std::vector<float> v, double weight,
-                                int64_t step) {
+bool GossipReplica::AcceptFinal(int32_t from, std::vector<float> v, double weight, int64_t step) {
   absl::MutexLock lock(&mu_);
   return finals_.emplace(from, ReplicaSnapshot{std::move(v), weight, step}).second;
 }
@@ -182,22 +180,20 @@ bool GossipReplica::AcceptFinal(int32_t from, std::vector<float> v, double weigh
 absl::StatusOr<ExchangeReply> GossipReplica::Handle(const ExchangeHeader& h,
                                                     absl::string_view payload,
                                                     absl::Time deadline) {
-  const std::string where =
-      absl::StrCat("gossip job ", options_.job, " rank ", options_.rank, ", ",
-                   ExchangeKindName(h.kind), " from rank ", h.from);
+  const std::string where = absl::StrCat("gossip job ", options_.job, " rank ", options_.rank, ", ",
+                                         ExchangeKindName(h.kind), " from rank ", h.from);
   if (h.job != options_.job || h.to != options_.rank) {
-    return absl::InvalidArgumentError(absl::StrCat(where, ": request is for job ", h.job,
-                                                   " rank ", h.to));
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ": request is for job ", h.job, " rank ", h.to));
   }
   if (h.from < 0 || h.from >= options_.num_workers || h.from == options_.rank) {
-    return absl::InvalidArgumentError(absl::StrCat(where, ": sender rank must be in [0, ",
-                                                   options_.num_workers, ") and not ",
-                                                   options_.rank));
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, ": sender rank must be in [0, ", options_.num_workers, ") and not ", options_.rank));
   }
   if (h.numel != numel_) {
     return absl::InvalidArgumentError(absl::StrCat(where, ": ", h.numel,
-                                                   " parameters sent, this replica has ",
-                                                   numel_, " (a different model?)"));
+                                                   " parameters sent, this replica has ", numel_,
+                                                   " (a different model?)"));
   }
   if (h.kind != ExchangeKind::kAverage && !(std::isfinite(h.weight) && h.weight > 0)) {
     return absl::InvalidArgumentError(

@@ -88,9 +88,9 @@ double EstimateConsensus(const ConsensusSample& sample, int32_t num_workers);
 
 // The result of the final round at rank 0.
 struct FinalAverage {
-  std::vector<float> values;  // sum_r w_r x_r / sum_r w_r over `ranks`.
-  double weight_sum = 0;      // sum_r w_r.
-  std::vector<int32_t> ranks; // Ranks whose finals were averaged, ascending.
+  std::vector<float> values;   // sum_r w_r x_r / sum_r w_r over `ranks`.
+  double weight_sum = 0;       // sum_r w_r.
+  std::vector<int32_t> ranks;  // Ranks whose finals were averaged, ascending.
   // Exact consensus distance of the finals: sqrt(mean_r ||x_r - values||^2).
   double consensus = 0;
 };
@@ -102,15 +102,14 @@ class GossipReplica {
  public:
   struct Options {
     std::string job;
-    int32_t rank = 0;          // In [0, num_workers).
+    int32_t rank = 0;  // In [0, num_workers).
     int32_t num_workers = 1;
-    int64_t total_steps = 0;   // Reported by GetState.
-    int32_t root = 0;          // The rank that gathers finals.
+    int64_t total_steps = 0;  // Reported by GetState.
+    int32_t root = 0;         // The rank that gathers finals.
   };
 
   // `values`: initial x; `weight` > 0: initial push-sum weight; `step`: steps already done.
-  GossipReplica(Options options, std::vector<float> values, double weight = 1.0,
-                int64_t step = 0);
+  GossipReplica(Options options, std::vector<float> values, double weight = 1.0, int64_t step = 0);
 
   GossipReplica(const GossipReplica&) = delete;
   GossipReplica& operator=(const GossipReplica&) = delete;
@@ -166,8 +165,8 @@ class GossipReplica {
   // Receiver rules on decoded values `v` (the lock is taken inside).
   // Sets *duplicate (and changes nothing) when `id` is a share from `from` absorbed before:
   // same incarnation as the newest one absorbed and a sequence not above it.
-  absl::Status AbsorbPushSum(int32_t from, absl::Span<const float> v, double weight,
-                             uint64_t id, bool* duplicate);
+  absl::Status AbsorbPushSum(int32_t from, absl::Span<const float> v, double weight, uint64_t id,
+                             bool* duplicate);
   absl::Status AverageWith(int32_t from, absl::Span<const float> v, std::vector<float>* before);
   // FAILED_PRECONDITION (finished) or ABORTED (stopped) for an exchange from `from`.
   absl::Status Refusal(int32_t from) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

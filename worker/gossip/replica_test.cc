@@ -27,8 +27,8 @@ std::string Raw(const std::vector<float>& v) {
   return std::string(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(float));
 }
 
-ExchangeHeader Header(int32_t from, int32_t to, ExchangeKind kind, int64_t numel,
-                      double weight = 0, std::string codec = "") {
+ExchangeHeader Header(int32_t from, int32_t to, ExchangeKind kind, int64_t numel, double weight = 0,
+                      std::string codec = "") {
   ExchangeHeader h;
   h.job = "j";
   h.from = from;
@@ -44,9 +44,8 @@ std::vector<float> Values(const GossipReplica& r) { return r.Snapshot().values; 
 
 TEST(ReplicaTest, PushSumReceiveIsTheWeightedAverageAndAddsTheWeight) {
   GossipReplica r(Opts(1), {1, 2}, 1.0);
-  ASSERT_OK_AND_ASSIGN(ExchangeReply reply,
-                       r.Handle(Header(0, 1, ExchangeKind::kPushSum, 2, 0.5), Raw({4, 8}),
-                                absl::InfiniteFuture()));
+  ASSERT_OK_AND_ASSIGN(ExchangeReply reply, r.Handle(Header(0, 1, ExchangeKind::kPushSum, 2, 0.5),
+                                                     Raw({4, 8}), absl::InfiniteFuture()));
   // (1 * [1, 2] + 0.5 * [4, 8]) / 1.5 = [2, 4].
   EXPECT_EQ(Values(r), (std::vector<float>{2.0f, 4.0f}));
   EXPECT_DOUBLE_EQ(r.Snapshot().weight, 1.5);
@@ -129,9 +128,8 @@ TEST(ReplicaTest, PairwiseAverageBothSidesEndAtTheMeanAndKeepLocalProgress) {
   GossipReplica callee(Opts(2), {1, 3});
   std::vector<float> sent(2);
   caller.Read(absl::MakeSpan(sent));
-  ASSERT_OK_AND_ASSIGN(ExchangeReply reply,
-                       callee.Handle(Header(0, 2, ExchangeKind::kAverage, 2), Raw(sent),
-                                     absl::InfiniteFuture()));
+  ASSERT_OK_AND_ASSIGN(ExchangeReply reply, callee.Handle(Header(0, 2, ExchangeKind::kAverage, 2),
+                                                          Raw(sent), absl::InfiniteFuture()));
   EXPECT_EQ(Values(callee), (std::vector<float>{2.0f, 4.0f}));
   ASSERT_EQ(reply.numel, 2);
   ASSERT_EQ(reply.payload, Raw({1, 3}));  // The callee's values before averaging.
@@ -188,7 +186,8 @@ TEST(ReplicaTest, InvalidRequestsAreRejectedWithTheirCodeAndChangeNothing) {
     bad = h;
     bad.weight = w;
     EXPECT_STATUS_MSG(r.Handle(bad, ok, never), absl::StatusCode::kInvalidArgument,
-                      "push-sum weight") << w;
+                      "push-sum weight")
+        << w;
   }
   bad = h;
   bad.codec = "topk:0.1";
@@ -196,8 +195,8 @@ TEST(ReplicaTest, InvalidRequestsAreRejectedWithTheirCodeAndChangeNothing) {
                     "gossip codec \"topk:0.1\"");
   EXPECT_STATUS_MSG(r.Handle(h, ok.substr(0, 7), never), absl::StatusCode::kInvalidArgument,
                     "7 bytes of float32 data for 2 elements");
-  EXPECT_STATUS_MSG(r.Handle(h, Raw({1, std::nanf("")}), never),
-                    absl::StatusCode::kInvalidArgument, "element 1 is not finite");
+  EXPECT_STATUS_MSG(r.Handle(h, Raw({1, std::nanf("")}), never), absl::StatusCode::kInvalidArgument,
+                    "element 1 is not finite");
   bad = h;
   bad.codec = "fp16";
   EXPECT_STATUS(r.Handle(bad, ok, never), absl::StatusCode::kInvalidArgument);  // Not fp16.
@@ -246,9 +245,9 @@ TEST(ReplicaTest, AStoppedReplicaRefusesWithAbortedAndRecordsNoFinal) {
   EXPECT_EQ(s.weight, 0.5);
   EXPECT_EQ(s.step, 4);
   EXPECT_FALSE(r.State().finished);
-  EXPECT_STATUS_MSG(r.Handle(Header(1, 0, ExchangeKind::kPushSum, 2, 0.5), Raw({4, 8}),
-                             absl::InfiniteFuture()),
-                    absl::StatusCode::kAborted, "is stopping");
+  EXPECT_STATUS_MSG(
+      r.Handle(Header(1, 0, ExchangeKind::kPushSum, 2, 0.5), Raw({4, 8}), absl::InfiniteFuture()),
+      absl::StatusCode::kAborted, "is stopping");
   EXPECT_EQ(r.Snapshot().weight, 0.5);
   EXPECT_TRUE(r.Finals().empty());
 }

@@ -33,10 +33,9 @@ absl::Status ValueCodec::Encode(absl::Span<const float> in, std::string* out) co
 absl::Status ValueCodec::Decode(absl::string_view in, absl::Span<float> out) const {
   if (compressor_ != nullptr) return compressor_->Decode(in, out);
   if (in.size() != out.size() * sizeof(float)) {
-    return absl::InvalidArgumentError(absl::StrCat("gossip values: ", in.size(),
-                                                   " bytes of float32 data for ", out.size(),
-                                                   " elements (expected ",
-                                                   out.size() * sizeof(float), ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("gossip values: ", in.size(), " bytes of float32 data for ", out.size(),
+                     " elements (expected ", out.size() * sizeof(float), ")"));
   }
   std::memcpy(out.data(), in.data(), in.size());
   const int64_t bad = FirstNonFinite(out.data(), static_cast<int64_t>(out.size()));

@@ -8,7 +8,6 @@
 namespace gradmesh {
 namespace {
 
-
 GossipKind KindToProto(ExchangeKind kind) {
   switch (kind) {
     case ExchangeKind::kAverage:

@@ -43,13 +43,14 @@ void PrintJsonError(const std::string& what, const absl::Status& s) {
 int Run() {
   const int have = CudaDeviceCount();
   if (have == 0) {
-    std::printf("{\"bench\":\"nccl_allreduce\",\"skipped\":"
-                "\"no CUDA device (CudaDeviceCount() == 0%s)\"}\n",
-                NcclBuiltIn() ? "" : "; built without --config=cuda");
+    std::printf(
+        "{\"bench\":\"nccl_allreduce\",\"skipped\":"
+        "\"no CUDA device (CudaDeviceCount() == 0%s)\"}\n",
+        NcclBuiltIn() ? "" : "; built without --config=cuda");
     return 0;
   }
-  const int world = absl::GetFlag(FLAGS_gpus) > 0 ? std::min(absl::GetFlag(FLAGS_gpus), have)
-                                                   : have;
+  const int world =
+      absl::GetFlag(FLAGS_gpus) > 0 ? std::min(absl::GetFlag(FLAGS_gpus), have) : have;
   auto id = NcclCommunicator::GetUniqueId();
   if (!id.ok()) {
     PrintJsonError("GetUniqueId", id.status());

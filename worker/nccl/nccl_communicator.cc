@@ -62,17 +62,15 @@ absl::StatusCode CodeForCuda(cudaError_t e) {
 }
 
 absl::Status CudaError(const std::string& where, const char* call, cudaError_t e) {
-  return absl::Status(CodeForCuda(e), absl::StrCat(where, ": ", call, ": ",
-                                                   cudaGetErrorString(e), " (",
-                                                   cudaGetErrorName(e), ")"));
+  return absl::Status(CodeForCuda(e), absl::StrCat(where, ": ", call, ": ", cudaGetErrorString(e),
+                                                   " (", cudaGetErrorName(e), ")"));
 }
 
 // `comm` may be null (no communicator yet); then NCCL's last-error text is process-wide.
 absl::Status NcclError(const std::string& where, const char* call, ncclResult_t r,
                        ncclComm_t comm) {
-  std::string msg =
-      absl::StrCat(where, ": ", call, ": ", ncclGetErrorString(r), " (ncclResult ",
-                   static_cast<int>(r), ")");
+  std::string msg = absl::StrCat(where, ": ", call, ": ", ncclGetErrorString(r), " (ncclResult ",
+                                 static_cast<int>(r), ")");
   const char* last = ncclGetLastError(comm);
   if (last != nullptr && last[0] != '\0') absl::StrAppend(&msg, "; NCCL: ", last);
   return absl::Status(CodeForNccl(r), msg);
@@ -103,7 +101,10 @@ class Poller {
 class NcclCommunicatorImpl final : public NcclCommunicator {
  public:
   NcclCommunicatorImpl(int rank, int world, int device, const NcclOptions& options)
-      : rank_(rank), world_(world), device_(device), options_(options),
+      : rank_(rank),
+        world_(world),
+        device_(device),
+        options_(options),
         where_(Where(rank, world, device)) {}
 
   ~NcclCommunicatorImpl() override;
@@ -188,8 +189,8 @@ absl::Status NcclCommunicatorImpl::Wait(const std::string& what, absl::Time dead
       return AbortWith(NcclError(where_, "ncclCommGetAsyncError", r, comm_));
     }
     if (state != ncclSuccess && state != ncclInProgress) {
-      return AbortWith(NcclError(absl::StrCat(where_, ", ", what),
-                                 "asynchronous NCCL error", state, comm_));
+      return AbortWith(
+          NcclError(absl::StrCat(where_, ", ", what), "asynchronous NCCL error", state, comm_));
     }
     if (state == ncclSuccess) {
       if (!stream_too) return absl::OkStatus();
@@ -229,9 +230,8 @@ absl::Status NcclCommunicatorImpl::EnsureStaging(size_t bytes) {
 absl::Status NcclCommunicatorImpl::AllReduceSum(float* data, size_t count) {
   absl::MutexLock lock(&mu_);
   if (aborted_) {
-    return absl::FailedPreconditionError(
-        absl::StrCat(where_, ": communicator was aborted by an earlier failure: ",
-                     abort_reason_.message()));
+    return absl::FailedPreconditionError(absl::StrCat(
+        where_, ": communicator was aborted by an earlier failure: ", abort_reason_.message()));
   }
   if (count == 0) return absl::OkStatus();
   if (data == nullptr) {
@@ -255,12 +255,11 @@ absl::Status NcclCommunicatorImpl::AllReduceSum(float* data, size_t count) {
     cudaGetLastError();  // pre-CUDA-11 runtimes report plain host memory as an error
     attr.type = cudaMemoryTypeUnregistered;
   }
-  const bool on_device =
-      attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged;
+  const bool on_device = attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged;
   if (attr.type == cudaMemoryTypeDevice && attr.device != device_) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        where_, ": AllReduceSum got memory of CUDA device ", attr.device,
-        "; pass host memory or memory of device ", device_));
+    return absl::InvalidArgumentError(
+        absl::StrCat(where_, ": AllReduceSum got memory of CUDA device ", attr.device,
+                     "; pass host memory or memory of device ", device_));
   }
 
   float* buffer = data;
@@ -334,8 +333,7 @@ absl::StatusOr<std::string> NcclCommunicator::GetUniqueId() {
 }
 
 absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(
-    int rank, int world, absl::string_view unique_id, int device,
-    const NcclOptions& options) {
+    int rank, int world, absl::string_view unique_id, int device, const NcclOptions& options) {
   const std::string where = Where(rank, world, device);
   if (world < 1 || rank < 0 || rank >= world) {
     return absl::InvalidArgumentError(
@@ -361,9 +359,8 @@ absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(
         absl::StrCat(where, ": no CUDA device (no GPU, or no/too old NVIDIA driver)"));
   }
   if (device >= devices) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(where, ": device out of range, this process sees ", devices,
-                     " CUDA device(s)"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, ": device out of range, this process sees ", devices, " CUDA device(s)"));
   }
   ncclUniqueId id;
   std::memcpy(id.internal, unique_id.data(), kNcclUniqueIdBytes);

@@ -1,8 +1,7 @@
 // NcclCommunicator without --config=cuda: no CUDA device, and no communicator can be made.
 // Lets worker code depend on //worker/nccl:nccl_communicator in every build.
-#include "worker/nccl/nccl_communicator.h"
-
 #include "absl/strings/str_cat.h"
+#include "worker/nccl/nccl_communicator.h"
 
 namespace gradmesh {
 

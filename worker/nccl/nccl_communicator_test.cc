@@ -42,8 +42,8 @@ TEST(NcclCommunicatorTest, CreateRejectsBadArguments) {
                     "rank 0 of 0");
   EXPECT_STATUS(NcclCommunicator::Create(-1, 2, kDummyId, 0), absl::StatusCode::kInvalidArgument);
   EXPECT_STATUS(NcclCommunicator::Create(2, 2, kDummyId, 0), absl::StatusCode::kInvalidArgument);
-  EXPECT_STATUS_MSG(NcclCommunicator::Create(0, 1, "short", 0),
-                    absl::StatusCode::kInvalidArgument, "unique id has 5 bytes, want 128");
+  EXPECT_STATUS_MSG(NcclCommunicator::Create(0, 1, "short", 0), absl::StatusCode::kInvalidArgument,
+                    "unique id has 5 bytes, want 128");
   EXPECT_STATUS_MSG(NcclCommunicator::Create(0, 1, kDummyId, -1),
                     absl::StatusCode::kInvalidArgument, "negative CUDA device");
   NcclOptions bad;
@@ -61,8 +61,7 @@ TEST(NcclCommunicatorTest, NoGpuIsFailedPrecondition) {
 TEST(NcclCommunicatorTest, DeviceOutOfRange) {
   REQUIRE_GPUS(1);
   const int n = CudaDeviceCount();
-  EXPECT_STATUS_MSG(NcclCommunicator::Create(0, 1, kDummyId, n),
-                    absl::StatusCode::kInvalidArgument,
+  EXPECT_STATUS_MSG(NcclCommunicator::Create(0, 1, kDummyId, n), absl::StatusCode::kInvalidArgument,
                     absl::StrCat("this process sees ", n, " CUDA device(s)"));
 }
 

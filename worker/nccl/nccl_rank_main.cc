@@ -41,8 +41,9 @@ namespace {
 
 int Report(int rank, const absl::Status& status, const std::string& second_code = "") {
   std::printf("nccl_rank rank=%d code=%s%s%s message=\"%s\"\n", rank,
-              StatusCodeName(status.code()).c_str(), second_code.empty() ? "" : " second_code=",
-              second_code.c_str(), std::string(status.message()).c_str());
+              StatusCodeName(status.code()).c_str(),
+              second_code.empty() ? "" : " second_code=", second_code.c_str(),
+              std::string(status.message()).c_str());
   std::fflush(stdout);
   return status.ok() ? 0 : 3;
 }
@@ -89,8 +90,7 @@ int Run() {
   int64_t wrong = FirstWrong(data, world);
   if (wrong >= 0) {
     Report(rank, absl::DataLossError("host all-reduce: wrong value at index " +
-                                     std::to_string(wrong) + ": " +
-                                     std::to_string(data[wrong])));
+                                     std::to_string(wrong) + ": " + std::to_string(data[wrong])));
     return 2;
   }
 
@@ -98,8 +98,7 @@ int Run() {
   for (size_t i = 0; i < count; ++i) data[i] = Value(rank, i);
   float* dev = nullptr;
   if (cudaMalloc(reinterpret_cast<void**>(&dev), count * sizeof(float)) != cudaSuccess ||
-      cudaMemcpy(dev, data.data(), count * sizeof(float), cudaMemcpyHostToDevice) !=
-          cudaSuccess) {
+      cudaMemcpy(dev, data.data(), count * sizeof(float), cudaMemcpyHostToDevice) != cudaSuccess) {
     return Report(rank, absl::InternalError("cudaMalloc/cudaMemcpy for the device test"));
   }
   s = (*comm)->AllReduceSum(dev, count);
@@ -109,8 +108,8 @@ int Run() {
   cudaFree(dev);
   wrong = FirstWrong(back, world);
   if (wrong >= 0) {
-    Report(rank, absl::DataLossError("device all-reduce: wrong value at index " +
-                                     std::to_string(wrong)));
+    Report(rank,
+           absl::DataLossError("device all-reduce: wrong value at index " + std::to_string(wrong)));
     return 2;
   }
   return Report(rank, absl::OkStatus());

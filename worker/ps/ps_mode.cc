@@ -29,8 +29,8 @@ class PsMode : public TrainingMode {
   absl::StatusOr<int64_t> Start(ModelView* model, const LoopInfo& info) override;
   std::vector<LogField> StartFields() const override;
   absl::StatusOr<StepOutcome> Exchange(int64_t step,
-                                       absl::Span<const absl::Span<const float>> grads,
-                                       double loss, const StepTiming& timing) override;
+                                       absl::Span<const absl::Span<const float>> grads, double loss,
+                                       const StepTiming& timing) override;
   absl::StatusOr<bool> MaybeCheckpoint(int64_t steps_done) override;
   int64_t bytes_sent() const override { return client_->bytes_pushed(); }
   std::vector<LogField> ProgressFields(int64_t done, int64_t window) override;
@@ -107,15 +107,14 @@ absl::StatusOr<int64_t> PsMode::Start(ModelView* model, const LoopInfo& info) {
 }
 
 std::vector<LogField> PsMode::StartFields() const {
-  return {Kv("shards", spec_.num_shards()),
-          Kv("push_codec", spec_.compression().push().empty() ? "float32"
-                                                               : spec_.compression().push()),
-          Kv("pull_codec", spec_.compression().pull().empty() ? "float32"
-                                                               : spec_.compression().pull())};
+  return {
+      Kv("shards", spec_.num_shards()),
+      Kv("push_codec", spec_.compression().push().empty() ? "float32" : spec_.compression().push()),
+      Kv("pull_codec",
+         spec_.compression().pull().empty() ? "float32" : spec_.compression().pull())};
 }
 
-absl::Status PsMode::MaybeSwitchCodec(int64_t step, double loss, double compute_s,
-                                      double comm_s) {
+absl::Status PsMode::MaybeSwitchCodec(int64_t step, double loss, double compute_s, double comm_s) {
   std::optional<std::string> next = auto_codec_->Observe(loss, compute_s, comm_s);
   if (!next.has_value()) return absl::OkStatus();
   RETURN_IF_ERROR(client_->SetPushCodec(*next));
@@ -130,12 +129,12 @@ absl::StatusOr<StepOutcome> PsMode::Exchange(int64_t step,
                                              absl::Span<const absl::Span<const float>> grads,
                                              double loss, const StepTiming& timing) {
   const absl::Time start = absl::Now();
-  RETURN_IF_ERROR(client_->Push(step, std::vector<absl::Span<const float>>(grads.begin(),
-                                                                           grads.end())));
+  RETURN_IF_ERROR(
+      client_->Push(step, std::vector<absl::Span<const float>>(grads.begin(), grads.end())));
   RETURN_IF_ERROR(client_->Pull(model_->params));
   if (auto_codec_.has_value()) {
-    RETURN_IF_ERROR(MaybeSwitchCodec(step, loss, timing.compute_s,
-                                     absl::ToDoubleSeconds(absl::Now() - start)));
+    RETURN_IF_ERROR(
+        MaybeSwitchCodec(step, loss, timing.compute_s, absl::ToDoubleSeconds(absl::Now() - start)));
   }
   StepOutcome out;
   out.loss = loss;
@@ -152,9 +151,9 @@ std::vector<LogField> PsMode::ProgressFields(int64_t done, int64_t window) {
   const int64_t pushed = client_->bytes_pushed();
   return {Kv("codec_ms", absl::StrFormat("%.2f", 1e3 * client_->codec_seconds() / done)),
           Kv("push_ratio",
-             absl::StrFormat("%.1f", pushed > 0 ? static_cast<double>(
-                                                      client_->raw_bytes_pushed()) / pushed
-                                                : 1.0))};
+             absl::StrFormat("%.1f", pushed > 0
+                                         ? static_cast<double>(client_->raw_bytes_pushed()) / pushed
+                                         : 1.0))};
 }
 
 absl::Status PsMode::WaitForWorkers() {

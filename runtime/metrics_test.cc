@@ -11,9 +11,9 @@
 
 #include "absl/strings/match.h"
 #include "absl/time/clock.h"
-#include "common/metrics_http.h"
 #include "common/status_testing.h"
 #include "gtest/gtest.h"
+#include "runtime/metrics_http.h"
 
 namespace gradmesh {
 namespace {
@@ -74,14 +74,14 @@ TEST(MetricsHttpResponseTest, AnswersByMethodAndPath) {
   const std::string head = MetricsHttpResponse("HEAD /metrics HTTP/1.1\r\n\r\n", &r);
   EXPECT_TRUE(absl::StartsWith(head, "HTTP/1.1 200 OK"));
   EXPECT_TRUE(absl::EndsWith(head, "\r\n\r\n")) << head;  // No body.
-  EXPECT_TRUE(absl::StrContains(MetricsHttpResponse("GET /healthz HTTP/1.1\r\n\r\n", &r),
-                                "\r\n\r\nok\n"));
+  EXPECT_TRUE(
+      absl::StrContains(MetricsHttpResponse("GET /healthz HTTP/1.1\r\n\r\n", &r), "\r\n\r\nok\n"));
   EXPECT_TRUE(absl::StartsWith(MetricsHttpResponse("GET /x HTTP/1.1\r\n\r\n", &r),
                                "HTTP/1.1 404 Not Found"));
   EXPECT_TRUE(absl::StartsWith(MetricsHttpResponse("POST /metrics HTTP/1.1\r\n\r\n", &r),
                                "HTTP/1.1 405 Method Not Allowed"));
-  EXPECT_TRUE(absl::StartsWith(MetricsHttpResponse("hello\r\n\r\n", &r),
-                               "HTTP/1.1 400 Bad Request"));
+  EXPECT_TRUE(
+      absl::StartsWith(MetricsHttpResponse("hello\r\n\r\n", &r), "HTTP/1.1 400 Bad Request"));
 }
 
 // Sends `request` to 127.0.0.1:port and returns everything the server answers.

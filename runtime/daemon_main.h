@@ -28,8 +28,10 @@
 //
 // Thread safety: a Daemon is used from one thread (main's). InitDaemonProcess must run before
 // any thread is started, so that every thread inherits the blocked termination signals.
-#ifndef GRADMESH_COMMON_DAEMON_MAIN_H_
-#define GRADMESH_COMMON_DAEMON_MAIN_H_
+#ifndef GRADMESH_RUNTIME_DAEMON_MAIN_H_
+#define GRADMESH_RUNTIME_DAEMON_MAIN_H_
+
+#include <grpcpp/server.h>
 
 #include <functional>
 #include <memory>
@@ -38,12 +40,10 @@
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
-#include "common/grpc_util.h"
 #include "common/logging.h"
 #include "common/metrics.h"
-#include "common/metrics_http.h"
-
-#include <grpcpp/server.h>
+#include "rpc/grpc_util.h"
+#include "runtime/metrics_http.h"
 
 namespace gradmesh {
 
@@ -148,4 +148,4 @@ class Daemon {
 
 }  // namespace gradmesh
 
-#endif  // GRADMESH_COMMON_DAEMON_MAIN_H_
+#endif  // GRADMESH_RUNTIME_DAEMON_MAIN_H_

@@ -2,8 +2,12 @@
 // size limits on both ends (gRPC's 4 MiB receive default is too small for tensor chunks).
 //
 // Thread safety: pure functions.
-#ifndef GRADMESH_COMMON_GRPC_UTIL_H_
-#define GRADMESH_COMMON_GRPC_UTIL_H_
+#ifndef GRADMESH_RPC_GRPC_UTIL_H_
+#define GRADMESH_RPC_GRPC_UTIL_H_
+
+#include <grpcpp/channel.h>
+#include <grpcpp/server.h>
+#include <grpcpp/server_builder.h>
 
 #include <cstdint>
 #include <memory>
@@ -11,10 +15,6 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-
-#include <grpcpp/channel.h>
-#include <grpcpp/server.h>
-#include <grpcpp/server_builder.h>
 
 namespace gradmesh {
 
@@ -47,4 +47,4 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> StartGrpcServer(
 
 }  // namespace gradmesh
 
-#endif  // GRADMESH_COMMON_GRPC_UTIL_H_
+#endif  // GRADMESH_RPC_GRPC_UTIL_H_

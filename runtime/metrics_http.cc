@@ -1,5 +1,5 @@
 // The /metrics HTTP endpoint (see metrics_http.h).
-#include "common/metrics_http.h"
+#include "runtime/metrics_http.h"
 
 #include <arpa/inet.h>
 #include <errno.h>
@@ -61,8 +61,7 @@ std::string MetricsHttpResponse(const std::string& request_head, MetricsRegistry
   std::string path = parts[1];
   if (const size_t q = path.find('?'); q != std::string::npos) path.resize(q);
   if (method != "GET" && method != "HEAD") {
-    return Response(405, "Method Not Allowed", "text/plain; charset=utf-8",
-                    "only GET and HEAD\n");
+    return Response(405, "Method Not Allowed", "text/plain; charset=utf-8", "only GET and HEAD\n");
   }
   const bool head = method == "HEAD";
   if (path == "/metrics") {
@@ -93,8 +92,8 @@ absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
   for (addrinfo* ai = res; ai != nullptr && fd.get() < 0; ai = ai->ai_next) {
     // Non-blocking: a connection that vanishes between poll and accept must not block the
     // loop (the destructor could not wake it).
-    fd.reset(socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK,
-                    ai->ai_protocol));
+    fd.reset(
+        socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, ai->ai_protocol));
     if (fd.get() < 0) {
       last = std::strerror(errno);
       continue;
@@ -122,8 +121,7 @@ absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
       new MetricsHttpServer(std::move(fd), std::move(wake), bound, registry));
 }
 
-MetricsHttpServer::MetricsHttpServer(Fd listen_fd, Fd wake_fd, int port,
-                                     MetricsRegistry* registry)
+MetricsHttpServer::MetricsHttpServer(Fd listen_fd, Fd wake_fd, int port, MetricsRegistry* registry)
     : listen_fd_(std::move(listen_fd)),
       wake_fd_(std::move(wake_fd)),
       port_(port),
@@ -158,8 +156,7 @@ void MetricsHttpServer::Loop() {
     const absl::Time drain_until = absl::Now() + absl::Milliseconds(200);
     char sink[4096];
     pollfd drain{fd, POLLIN, 0};
-    while (poll(&drain, 1, PollTimeoutMs(drain_until)) > 0 &&
-           recv(fd, sink, sizeof(sink), 0) > 0) {
+    while (poll(&drain, 1, PollTimeoutMs(drain_until)) > 0 && recv(fd, sink, sizeof(sink), 0) > 0) {
     }
   }
 }
@@ -186,9 +183,9 @@ void MetricsHttpServer::Serve(int fd) {
     head.append(buf, static_cast<size_t>(r));
     complete = head.find("\r\n\r\n") != std::string::npos;
   }
-  const std::string out = complete ? MetricsHttpResponse(head, registry_)
-                                   : Response(400, "Bad Request", "text/plain; charset=utf-8",
-                                              "incomplete request\n");
+  const std::string out =
+      complete ? MetricsHttpResponse(head, registry_)
+               : Response(400, "Bad Request", "text/plain; charset=utf-8", "incomplete request\n");
   const absl::Time send_deadline = absl::Now() + kRequestTimeout;
   size_t sent = 0;
   while (sent < out.size()) {

@@ -19,17 +19,18 @@
 //
 // Thread safety: free functions are pure; a TokenChecker is immutable after construction and
 // may be used from any number of threads.
-#ifndef GRADMESH_COMMON_AUTH_H_
-#define GRADMESH_COMMON_AUTH_H_
+#ifndef GRADMESH_RPC_AUTH_H_
+#define GRADMESH_RPC_AUTH_H_
+
+#include <grpcpp/support/string_ref.h>
 
 #include <map>
 #include <string>
 
-#include <grpcpp/support/string_ref.h>
-
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "rpc/grpc_status.h"
 
 namespace grpc {
 class ClientContext;
@@ -82,4 +83,4 @@ class TokenChecker {
 
 }  // namespace gradmesh
 
-#endif  // GRADMESH_COMMON_AUTH_H_
+#endif  // GRADMESH_RPC_AUTH_H_

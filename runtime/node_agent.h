@@ -11,8 +11,8 @@
 //
 // Thread safety: Start() once; Stop() from any thread, once. The callbacks run on the agent's
 // thread, one at a time.
-#ifndef GRADMESH_COMMON_NODE_AGENT_H_
-#define GRADMESH_COMMON_NODE_AGENT_H_
+#ifndef GRADMESH_RUNTIME_NODE_AGENT_H_
+#define GRADMESH_RUNTIME_NODE_AGENT_H_
 
 #include <functional>
 #include <memory>
@@ -30,9 +30,9 @@
 namespace gradmesh {
 
 struct NodeAgentOptions {
-  std::string coordinator;   // host:port of gradmesh_coordinator.
-  std::string auth_token;    // Sent as "authorization: Bearer <token>" when non-empty.
-  NodeInfo node;             // name, role, address, cores, gpus, slots, host.
+  std::string coordinator;  // host:port of gradmesh_coordinator.
+  std::string auth_token;   // Sent as "authorization: Bearer <token>" when non-empty.
+  NodeInfo node;            // name, role, address, cores, gpus, slots, host.
   absl::Duration rpc_deadline = absl::Seconds(5);
   const Logger* logger = nullptr;  // Not owned; may be null.
 };
@@ -67,4 +67,4 @@ class NodeAgent {
 
 }  // namespace gradmesh
 
-#endif  // GRADMESH_COMMON_NODE_AGENT_H_
+#endif  // GRADMESH_RUNTIME_NODE_AGENT_H_

@@ -1,13 +1,13 @@
-#include "common/grpc_util.h"
+#include "rpc/grpc_util.h"
+
+#include <grpcpp/create_channel.h>
+#include <grpcpp/security/credentials.h>
+#include <grpcpp/support/channel_arguments.h>
 
 #include <climits>
 
 #include "absl/strings/str_cat.h"
 #include "common/daemon.h"
-
-#include <grpcpp/create_channel.h>
-#include <grpcpp/security/credentials.h>
-#include <grpcpp/support/channel_arguments.h>
 
 namespace gradmesh {
 namespace {

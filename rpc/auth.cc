@@ -1,12 +1,12 @@
 // API-token authentication helpers (see auth.h).
-#include "common/auth.h"
+#include "rpc/auth.h"
+
+#include <grpcpp/client_context.h>
+#include <grpcpp/server_context.h>
 
 #include <fstream>
 #include <iterator>
 #include <sstream>
-
-#include <grpcpp/client_context.h>
-#include <grpcpp/server_context.h>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"

@@ -12,15 +12,15 @@
 // The bytes of a "changes" chunk (compression/changes.h) are not framing and are not here.
 //
 // Thread safety: pure functions.
-#ifndef GRADMESH_COMMON_TENSOR_WIRE_H_
-#define GRADMESH_COMMON_TENSOR_WIRE_H_
+#ifndef GRADMESH_RPC_TENSOR_WIRE_H_
+#define GRADMESH_RPC_TENSOR_WIRE_H_
+
+#include <grpcpp/support/byte_buffer.h>
 
 #include <cstdint>
 #include <functional>
 #include <string>
 #include <vector>
-
-#include <grpcpp/support/byte_buffer.h>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -49,9 +49,9 @@ grpc::ByteBuffer EncodePushRequest(const std::string& job, int32_t worker, int64
 // Called for each chunk of a PullResponse once its header is known (tensor, chunk, version,
 // dtype, codec and the data size in bytes). Returns where to copy the data (exactly `bytes`
 // bytes), or an error to abort decoding.
-using PullChunkSink = std::function<absl::StatusOr<char*>(
-    int32_t tensor, int32_t chunk, int64_t version, int32_t dtype, absl::string_view codec,
-    int64_t bytes)>;
+using PullChunkSink =
+    std::function<absl::StatusOr<char*>(int32_t tensor, int32_t chunk, int64_t version,
+                                        int32_t dtype, absl::string_view codec, int64_t bytes)>;
 
 // Decodes a PullResponse. Chunks must serialise (tensor, chunk, version, dtype, codec) before
 // data, as protobuf's encoder does (fields in number order); otherwise, or on any malformed
@@ -70,4 +70,4 @@ inline bool EncodeChanges(const float* now, float* held, int64_t n, int64_t max_
 
 }  // namespace gradmesh
 
-#endif  // GRADMESH_COMMON_TENSOR_WIRE_H_
+#endif  // GRADMESH_RPC_TENSOR_WIRE_H_

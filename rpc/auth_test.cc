@@ -1,6 +1,6 @@
 // Tests of common/auth.h: token files, constant-time comparison and the bearer-header check
 // (the check over real gRPC is in coordinator/service_test.cc).
-#include "common/auth.h"
+#include "rpc/auth.h"
 
 #include <cstdio>
 #include <fstream>

@@ -1,11 +1,11 @@
 // ParameterClient: how a worker talks to the parameter-server shards of its job.
 //
 // The training modes see only the interface (worker/parameter_client_interface.h, no gRPC);
-// NewGrpcParameterClient() returns this gRPC implementation. A client is bound to one job and one worker rank. It cuts every tensor into
-// chunks with the shared partitioner (common/partitioner.h), sends each shard one message per
-// operation carrying all of that shard's chunks (small tensors fused), talks to all shards in
-// parallel, and remembers the version of every chunk it last pulled so that each push carries
-// the version its gradient was computed from.
+// NewGrpcParameterClient() returns this gRPC implementation. A client is bound to one job and one
+// worker rank. It cuts every tensor into chunks with the shared partitioner (common/partitioner.h),
+// sends each shard one message per operation carrying all of that shard's chunks (small tensors
+// fused), talks to all shards in parallel, and remembers the version of every chunk it last pulled
+// so that each push carries the version its gradient was computed from.
 //
 // Compression: with a push codec each chunk's gradient is encoded (through error feedback for
 // biased codecs, with optional DGC momentum correction and density warm-up) and sent as that
@@ -17,8 +17,8 @@
 //
 // Thread safety: all methods may be called concurrently; each call blocks until every shard
 // answered (or retries are exhausted).
-#ifndef GRADMESH_WORKER_PARAMETER_CLIENT_H_
-#define GRADMESH_WORKER_PARAMETER_CLIENT_H_
+#ifndef GRADMESH_WORKER_PS_PARAMETER_CLIENT_H_
+#define GRADMESH_WORKER_PS_PARAMETER_CLIENT_H_
 
 #include <cstdint>
 #include <memory>
@@ -28,9 +28,9 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
-#include "common/grpc_util.h"
 #include "common/logging.h"
 #include "proto/gradmesh.pb.h"
+#include "rpc/grpc_util.h"
 #include "worker/core/parameter_client_interface.h"
 
 namespace gradmesh {
@@ -40,7 +40,7 @@ struct GrpcParameterClientOptions {
   int32_t worker = 0;                // This worker's rank.
   RpcOptions rpc;
   absl::Duration rpc_deadline = absl::Seconds(60);  // Per attempt.
-  int32_t max_attempts = 8;                          // Per RPC, first try included.
+  int32_t max_attempts = 8;                         // Per RPC, first try included.
   absl::Duration initial_backoff = absl::Milliseconds(100);
   absl::Duration max_backoff = absl::Seconds(5);
   const Logger* logger = nullptr;  // Not owned; may be null.
@@ -50,10 +50,10 @@ struct GrpcParameterClientOptions {
   // updated in place), and must not run two Pulls at once.
   std::string push_codec;
   std::string pull_codec;
-  bool error_feedback = true;   // For biased push codecs; one residual per chunk.
-  float ef_momentum = 0;        // DGC momentum correction (0 = off).
-  int64_t warmup_steps = 0;     // DGC warm-up of the sparsity (0 = off).
-  uint64_t seed = 1;            // Stochastic codecs: mixed with worker, step and chunk.
+  bool error_feedback = true;  // For biased push codecs; one residual per chunk.
+  float ef_momentum = 0;       // DGC momentum correction (0 = off).
+  int64_t warmup_steps = 0;    // DGC warm-up of the sparsity (0 = off).
+  uint64_t seed = 1;           // Stochastic codecs: mixed with worker, step and chunk.
   // Per-job secret the shards check (metadata x-gradmesh-job-token; server/job_tokens.h).
   std::string job_token;
 };
@@ -68,4 +68,4 @@ absl::StatusOr<std::unique_ptr<ParameterClient>> NewGrpcParameterClient(
 
 }  // namespace gradmesh
 
-#endif  // GRADMESH_WORKER_PARAMETER_CLIENT_H_
+#endif  // GRADMESH_WORKER_PS_PARAMETER_CLIENT_H_

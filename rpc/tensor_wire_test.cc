@@ -1,4 +1,4 @@
-#include "common/tensor_wire.h"
+#include "rpc/tensor_wire.h"
 
 #include <cstring>
 #include <limits>
@@ -91,17 +91,17 @@ TEST(TensorWireTest, PullDecodingWritesIntoCallerMemory) {
   }
   std::vector<std::vector<float>> got = {std::vector<float>(3), std::vector<float>(50000)};
   std::vector<int64_t> versions;
-  ASSERT_OK(DecodePullResponse(
-      FromString(resp.SerializeAsString()),
-      [&](int32_t tensor, int32_t chunk, int64_t version, int32_t dtype, absl::string_view codec,
-          int64_t bytes) -> absl::StatusOr<char*> {
-        EXPECT_EQ(codec, tensor == 1 ? "fp16" : "");
-        EXPECT_EQ(chunk, tensor * 5);
-        EXPECT_EQ(dtype, FLOAT32);
-        EXPECT_EQ(bytes, static_cast<int64_t>(got[tensor].size() * 4));
-        versions.push_back(version);
-        return reinterpret_cast<char*>(got[tensor].data());
-      }));
+  ASSERT_OK(
+      DecodePullResponse(FromString(resp.SerializeAsString()),
+                         [&](int32_t tensor, int32_t chunk, int64_t version, int32_t dtype,
+                             absl::string_view codec, int64_t bytes) -> absl::StatusOr<char*> {
+                           EXPECT_EQ(codec, tensor == 1 ? "fp16" : "");
+                           EXPECT_EQ(chunk, tensor * 5);
+                           EXPECT_EQ(dtype, FLOAT32);
+                           EXPECT_EQ(bytes, static_cast<int64_t>(got[tensor].size() * 4));
+                           versions.push_back(version);
+                           return reinterpret_cast<char*>(got[tensor].data());
+                         }));
   EXPECT_EQ(got, want);
   EXPECT_EQ(versions, (std::vector<int64_t>{100, 101}));
 }
@@ -114,9 +114,7 @@ TEST(TensorWireTest, PullDecodingRejectsTruncatedAndSinkErrors) {
   const std::string full = resp.SerializeAsString();
   std::vector<char> dest(400);
   auto sink = [&](int32_t, int32_t, int64_t, int32_t, absl::string_view,
-                  int64_t) -> absl::StatusOr<char*> {
-    return dest.data();
-  };
+                  int64_t) -> absl::StatusOr<char*> { return dest.data(); };
   for (size_t cut : {size_t{1}, size_t{3}, full.size() / 2, full.size() - 1}) {
     EXPECT_STATUS(DecodePullResponse(FromString(full.substr(0, cut)), sink),
                   absl::StatusCode::kDataLoss)
@@ -156,7 +154,7 @@ TEST(TensorWireTest, ChangesRoundTripExactlyAndOnlyWhenSmaller) {
   now[999] = 42.0f;
   std::string payload;
   ASSERT_TRUE(EncodeChanges(now.data(), held.data(), 1000, 4000, &payload));
-  EXPECT_EQ(held, now);  // The sender now records what it sent.
+  EXPECT_EQ(held, now);                                // The sender now records what it sent.
   EXPECT_EQ(payload.size(), 1u + 1u + 2u + 2u + 12u);  // count, 3 gaps (3, 696, 298), values.
   ASSERT_OK(DecodeChanges(payload, absl::MakeSpan(receiver)));
   EXPECT_EQ(receiver, now);
@@ -179,8 +177,8 @@ TEST(TensorWireTest, MalformedChangesChangeNothing) {
                   absl::StatusCode::kDataLoss)
         << "cut " << cut;
   }
-  EXPECT_STATUS_MSG(DecodeChanges(good + "x", absl::MakeSpan(target)),
-                    absl::StatusCode::kDataLoss, "value bytes");
+  EXPECT_STATUS_MSG(DecodeChanges(good + "x", absl::MakeSpan(target)), absl::StatusCode::kDataLoss,
+                    "value bytes");
   std::vector<float> small(2, 9);
   EXPECT_STATUS(DecodeChanges(good, absl::MakeSpan(small)), absl::StatusCode::kDataLoss);
   std::string nan = good;

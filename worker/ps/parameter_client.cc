@@ -1,12 +1,12 @@
-#include "worker/parameter_client.h"
+#include "worker/ps/parameter_client.h"
+
+#include <grpcpp/client_context.h>
+#include <grpcpp/generic/generic_stub.h>
 
 #include <atomic>
 #include <cstring>
 #include <functional>
 #include <random>
-
-#include <grpcpp/client_context.h>
-#include <grpcpp/generic/generic_stub.h>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -17,10 +17,11 @@
 #include "common/partitioner.h"
 #include "common/rate_limiter.h"
 #include "common/status.h"
-#include "common/tensor_wire.h"
 #include "compression/compressor.h"
 #include "compression/error_feedback.h"
 #include "proto/gradmesh.grpc.pb.h"
+#include "rpc/grpc_status.h"
+#include "rpc/tensor_wire.h"
 
 namespace gradmesh {
 namespace {
@@ -86,7 +87,7 @@ class GrpcParameterClient final : public ParameterClient {
     return CallAll<InitJobRequest, InitJobResponse>(
         "InitJob", reqs, &resps,
         [this](int32_t shard, grpc::ClientContext* ctx, const InitJobRequest* req,
-           InitJobResponse* resp, std::function<void(grpc::Status)> done) {
+               InitJobResponse* resp, std::function<void(grpc::Status)> done) {
           stubs_[shard]->async()->InitJob(ctx, req, resp, std::move(done));
         });
   }
@@ -112,8 +113,8 @@ class GrpcParameterClient final : public ParameterClient {
       const int64_t bad = FirstNonFinite(grads[t].data(), static_cast<int64_t>(grads[t].size()));
       if (bad >= 0) {
         return absl::InvalidArgumentError(absl::StrCat(
-            "Push: job ", layout_.job, " step ", step, " gradient of ",
-            layout_.tensors[t].name(), " element ", bad, " is not finite; nothing was sent"));
+            "Push: job ", layout_.job, " step ", step, " gradient of ", layout_.tensors[t].name(),
+            " element ", bad, " is not finite; nothing was sent"));
       }
     }
     // Gradients (or their encodings) are referenced by the request buffers, not copied
@@ -126,8 +127,7 @@ class GrpcParameterClient final : public ParameterClient {
       const Compressor* codec = push_codec_.get();
       if (codec != nullptr) encoded.resize(partition_.chunks().size());
       if (codec != nullptr && options_.warmup_steps > 0) {
-        const double d =
-            WarmupDensity(push_codec_->density(), {options_.warmup_steps, 4}, step);
+        const double d = WarmupDensity(push_codec_->density(), {options_.warmup_steps, 4}, step);
         if (step_codec_ == nullptr || step_codec_->density() != d) {
           if (d == push_codec_->density()) {
             step_codec_.reset();
@@ -154,8 +154,9 @@ class GrpcParameterClient final : public ParameterClient {
             absl::Status st = feedback_.empty()
                                   ? codec->Encode(g, seed, &encoded[idx])
                                   : feedback_[idx]->Compress(*codec, g, seed, &encoded[idx]);
-            RETURN_IF_ERROR(Annotate(st, absl::StrCat("Push: encoding ", layout_.tensors[c.tensor].name(),
-                                                      " chunk ", c.chunk)));
+            RETURN_IF_ERROR(
+                Annotate(st, absl::StrCat("Push: encoding ", layout_.tensors[c.tensor].name(),
+                                          " chunk ", c.chunk)));
             // The receiver decodes any density with the target-density codec.
             ref.codec = push_codec_->name();
             ref.encoded = encoded[idx];
@@ -226,24 +227,24 @@ class GrpcParameterClient final : public ParameterClient {
         // Encoded chunks land here first, then are decoded into the tensors.
         std::vector<std::pair<const ChunkInfo*, std::string>> encoded;
         absl::Status st = DecodePullResponse(
-            resps[s], [&](int32_t tensor, int32_t chunk, int64_t version, int32_t dtype,
-                          absl::string_view codec, int64_t size) -> absl::StatusOr<char*> {
+            resps[s],
+            [&](int32_t tensor, int32_t chunk, int64_t version, int32_t dtype,
+                absl::string_view codec, int64_t size) -> absl::StatusOr<char*> {
               if (i >= owned.size()) {
-                return absl::InternalError(absl::StrCat("more chunks than the ", owned.size(),
-                                                        " this shard owns"));
+                return absl::InternalError(
+                    absl::StrCat("more chunks than the ", owned.size(), " this shard owns"));
               }
               const ChunkInfo& c = partition_.chunks()[owned[i]];
               const int64_t dense = c.numel * static_cast<int64_t>(sizeof(float));
               // "changes" pulls answer each chunk dense or as changes.
-              const bool codec_ok =
-                  codec == options_.pull_codec || (changes_ && codec.empty());
+              const bool codec_ok = codec == options_.pull_codec || (changes_ && codec.empty());
               if (tensor != c.tensor || chunk != c.chunk ||
                   (dtype != FLOAT32 && dtype != DTYPE_UNSPECIFIED) || !codec_ok ||
                   (codec.empty() && size != dense)) {
                 return absl::InternalError(absl::StrCat(
-                    "chunk ", i, " is (", tensor, ",", chunk, ") with ", size,
-                    " bytes of codec \"", codec, "\", expected (", c.tensor, ",", c.chunk,
-                    ") with ", dense, " bytes of codec \"", options_.pull_codec, "\""));
+                    "chunk ", i, " is (", tensor, ",", chunk, ") with ", size, " bytes of codec \"",
+                    codec, "\", expected (", c.tensor, ",", c.chunk, ") with ", dense,
+                    " bytes of codec \"", options_.pull_codec, "\""));
               }
               versions_[owned[i]] = version;
               if (changes_) held_[owned[i]] = version;
@@ -255,7 +256,8 @@ class GrpcParameterClient final : public ParameterClient {
               return encoded.back().second.data();
             });
         if (st.ok() && i != owned.size()) {
-          st = absl::InternalError(absl::StrCat("returned ", i, " chunks, expected ", owned.size()));
+          st =
+              absl::InternalError(absl::StrCat("returned ", i, " chunks, expected ", owned.size()));
         }
         if (st.ok() && !encoded.empty()) {
           const absl::Time t0 = absl::Now();
@@ -291,7 +293,7 @@ class GrpcParameterClient final : public ParameterClient {
     return CallAll<FinishRequest, FinishResponse>(
         "Finish", reqs, &resps,
         [this](int32_t shard, grpc::ClientContext* ctx, const FinishRequest* req,
-           FinishResponse* resp, std::function<void(grpc::Status)> done) {
+               FinishResponse* resp, std::function<void(grpc::Status)> done) {
           stubs_[shard]->async()->Finish(ctx, req, resp, std::move(done));
         });
   }
@@ -303,7 +305,7 @@ class GrpcParameterClient final : public ParameterClient {
     RETURN_IF_ERROR((CallAll<JobInfoRequest, JobInfoResponse>(
         "GetJobInfo", reqs, &resps,
         [this](int32_t shard, grpc::ClientContext* ctx, const JobInfoRequest* req,
-           JobInfoResponse* resp, std::function<void(grpc::Status)> done) {
+               JobInfoResponse* resp, std::function<void(grpc::Status)> done) {
           stubs_[shard]->async()->GetJobInfo(ctx, req, resp, std::move(done));
         })));
     return resps;
@@ -329,9 +331,9 @@ class GrpcParameterClient final : public ParameterClient {
     }
     for (size_t t = 0; t < spans.size(); ++t) {
       if (static_cast<int64_t>(spans[t].size()) != partition_.tensor_numel(t)) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            what, ": tensor ", layout_.tensors[t].name(), " has ", partition_.tensor_numel(t),
-            " elements, got ", spans[t].size()));
+        return absl::InvalidArgumentError(absl::StrCat(what, ": tensor ", layout_.tensors[t].name(),
+                                                       " has ", partition_.tensor_numel(t),
+                                                       " elements, got ", spans[t].size()));
       }
     }
     return absl::OkStatus();
@@ -344,7 +346,6 @@ class GrpcParameterClient final : public ParameterClient {
     d->set_data(reinterpret_cast<const char*>(tensor + c.offset),
                 static_cast<size_t>(c.numel) * sizeof(float));
   }
-
 
   // Sends reqs[s] to shard s for every shard, in parallel; retries retryable failures with
   // backoff. Fills resps. Returns the first non-retryable error, annotated with the shard.
@@ -373,11 +374,10 @@ class GrpcParameterClient final : public ParameterClient {
         }
         contexts[i]->set_deadline(absl::ToChronoTime(absl::Now() + deadline));
         (*resps)[s].Clear();
-        call(s, contexts[i].get(), &reqs[s], &(*resps)[s],
-             [&results, &done, i](grpc::Status st) {
-               results[i] = std::move(st);
-               done.DecrementCount();
-             });
+        call(s, contexts[i].get(), &reqs[s], &(*resps)[s], [&results, &done, i](grpc::Status st) {
+          results[i] = std::move(st);
+          done.DecrementCount();
+        });
       }
       done.Wait();
       std::vector<int32_t> retry;
@@ -385,9 +385,9 @@ class GrpcParameterClient final : public ParameterClient {
       for (size_t i = 0; i < pending.size(); ++i) {
         if (results[i].ok()) continue;
         const int32_t s = pending[i];
-        absl::Status st = Annotate(FromGrpcStatus(results[i]),
-                                   absl::StrCat(what, " to shard ", s, " (", options_.servers[s],
-                                                ")"));
+        absl::Status st =
+            Annotate(FromGrpcStatus(results[i]),
+                     absl::StrCat(what, " to shard ", s, " (", options_.servers[s], ")"));
         if (!Retryable(st.code())) return st;
         retry.push_back(s);
         last = st;
@@ -396,10 +396,10 @@ class GrpcParameterClient final : public ParameterClient {
       if (attempt >= options_.max_attempts) {
         return Annotate(last, absl::StrCat("gave up after ", attempt, " attempts"));
       }
-      LogWarning(options_.logger, "rpc_retry",
-                 {Kv("job", layout_.job), Kv("rpc", what), Kv("attempt", attempt),
-                  Kv("backoff_ms", absl::ToInt64Milliseconds(backoff)),
-                  Kv("error", last.ToString())});
+      LogWarning(
+          options_.logger, "rpc_retry",
+          {Kv("job", layout_.job), Kv("rpc", what), Kv("attempt", attempt),
+           Kv("backoff_ms", absl::ToInt64Milliseconds(backoff)), Kv("error", last.ToString())});
       absl::SleepFor(backoff);
       backoff = std::min(backoff * 2, options_.max_backoff);
       pending = std::move(retry);
@@ -426,12 +426,12 @@ class GrpcParameterClient final : public ParameterClient {
   }
 
   std::unique_ptr<Compressor> push_codec_ ABSL_GUARDED_BY(mu_);  // Null: dense pushes.
-  const std::unique_ptr<Compressor> pull_codec_;  // Null: dense pulls.
+  const std::unique_ptr<Compressor> pull_codec_;                 // Null: dense pulls.
   std::atomic<int64_t> bytes_pushed_{0};
   std::atomic<int64_t> bytes_pulled_{0};
   std::atomic<int64_t> raw_bytes_pushed_{0};
   std::atomic<int64_t> raw_bytes_pulled_{0};
-  RateLimiter send_link_;     // Unlimited unless options_.rpc.link_bits_per_s > 0.
+  RateLimiter send_link_;  // Unlimited unless options_.rpc.link_bits_per_s > 0.
   RateLimiter receive_link_;
 
   mutable absl::Mutex mu_;
@@ -477,8 +477,8 @@ absl::StatusOr<std::unique_ptr<ParameterClient>> NewGrpcParameterClient(
   }
   std::vector<int64_t> numels;
   for (const TensorSpec& t : layout.tensors) numels.push_back(Numel(t));
-  auto partition = Partition::Create(numels, layout.chunk_elems,
-                                     static_cast<int32_t>(options.servers.size()));
+  auto partition =
+      Partition::Create(numels, layout.chunk_elems, static_cast<int32_t>(options.servers.size()));
   if (!partition.ok()) return Annotate(partition.status(), "parameter client");
   const CompressorRegistry codecs = CompressorRegistry::WithBuiltins();
   std::unique_ptr<Compressor> push_codec, pull_codec;
@@ -489,9 +489,9 @@ absl::StatusOr<std::unique_ptr<ParameterClient>> NewGrpcParameterClient(
   }
   if (!options.pull_codec.empty() && options.pull_codec != "changes") {
     if (options.pull_codec != "fp16" && options.pull_codec != "bf16") {
-      return absl::InvalidArgumentError(
-          absl::StrCat("parameter client: pull codec \"", options.pull_codec,
-                       "\" is not one of \"\", fp16, bf16, changes"));
+      return absl::InvalidArgumentError(absl::StrCat("parameter client: pull codec \"",
+                                                     options.pull_codec,
+                                                     "\" is not one of \"\", fp16, bf16, changes"));
     }
     pull_codec = std::move(codecs.Create(options.pull_codec)).value();
   }
@@ -500,9 +500,9 @@ absl::StatusOr<std::unique_ptr<ParameterClient>> NewGrpcParameterClient(
     ef.momentum = options.ef_momentum;
     RETURN_IF_ERROR(Annotate(ValidateErrorFeedbackOptions(ef), "parameter client"));
   }
-  return std::unique_ptr<ParameterClient>(new GrpcParameterClient(
-      std::move(layout), std::move(options), std::move(partition).value(),
-      std::move(push_codec), std::move(pull_codec)));
+  return std::unique_ptr<ParameterClient>(
+      new GrpcParameterClient(std::move(layout), std::move(options), std::move(partition).value(),
+                              std::move(push_codec), std::move(pull_codec)));
 }
 
 }  // namespace gradmesh

@@ -1,10 +1,10 @@
-#include "common/tensor_wire.h"
-
-#include <cstring>
+#include "rpc/tensor_wire.h"
 
 #include <google/protobuf/io/coded_stream.h>
 #include <google/protobuf/wire_format_lite.h>
 #include <grpcpp/support/proto_buffer_reader.h>
+
+#include <cstring>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
@@ -124,7 +124,8 @@ absl::Status DecodePullResponse(const grpc::ByteBuffer& buffer, const PullChunkS
         (field == 1 ? tensor : field == 2 ? chunk : field == 3 ? version : dtype) = v;
       } else if (t == Tag(5, kLengthDelimited)) {
         uint32_t size;
-        if (!in.ReadVarint32(&size) || size > 256 || !in.ReadString(&codec, static_cast<int>(size))) {
+        if (!in.ReadVarint32(&size) || size > 256 ||
+            !in.ReadString(&codec, static_cast<int>(size))) {
           return absl::DataLossError("PullResponse: bad codec field");
         }
       } else if (t == Tag(6, kLengthDelimited)) {
@@ -135,8 +136,7 @@ absl::Status DecodePullResponse(const grpc::ByteBuffer& buffer, const PullChunkS
                                                   " bytes, more than the message holds"));
         }
         auto dest = sink(static_cast<int32_t>(tensor), static_cast<int32_t>(chunk),
-                         static_cast<int64_t>(version), static_cast<int32_t>(dtype), codec,
-                         bytes);
+                         static_cast<int64_t>(version), static_cast<int32_t>(dtype), codec, bytes);
         if (!dest.ok()) return dest.status();
         if (!in.ReadRaw(*dest, static_cast<int>(bytes))) {
           return absl::DataLossError(absl::StrCat("PullResponse: chunk ", index, " truncated"));

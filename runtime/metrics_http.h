@@ -10,8 +10,8 @@
 // gets 400 and is closed, so a stalled client delays the next scrape by at most that.
 //
 // Thread safety: the server runs on its own thread; Start and the destructor from one thread.
-#ifndef GRADMESH_COMMON_METRICS_HTTP_H_
-#define GRADMESH_COMMON_METRICS_HTTP_H_
+#ifndef GRADMESH_RUNTIME_METRICS_HTTP_H_
+#define GRADMESH_RUNTIME_METRICS_HTTP_H_
 
 #include <memory>
 #include <string>
@@ -28,8 +28,7 @@ class MetricsHttpServer {
  public:
   // Listens on host:port (port 0: a free one; see port()) and serves `registry` (not owned;
   // must outlive the server). UNAVAILABLE naming the address if it cannot listen.
-  static absl::StatusOr<std::unique_ptr<MetricsHttpServer>> Start(const std::string& host,
-                                                                  int port,
+  static absl::StatusOr<std::unique_ptr<MetricsHttpServer>> Start(const std::string& host, int port,
                                                                   MetricsRegistry* registry);
   // Stops accepting, finishes the request in progress (at most ~2 s) and joins the thread.
   ~MetricsHttpServer();
@@ -66,4 +65,4 @@ std::string MetricsHttpResponse(const std::string& request_head, MetricsRegistry
 
 }  // namespace gradmesh
 
-#endif  // GRADMESH_COMMON_METRICS_HTTP_H_
+#endif  // GRADMESH_RUNTIME_METRICS_HTTP_H_

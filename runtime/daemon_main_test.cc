@@ -1,4 +1,4 @@
-#include "common/daemon_main.h"
+#include "runtime/daemon_main.h"
 
 #include <cstdlib>
 #include <fstream>

@@ -2,7 +2,7 @@
 // heartbeats carrying the daemon's reports and hands every task list to Reconcile; registers
 // again when told to or after UNAUTHENTICATED/NOT_FOUND; keeps retrying while the coordinator
 // is away; Stop(leaving) sends a last heartbeat with leaving=true and no Reconcile.
-#include "common/node_agent.h"
+#include "runtime/node_agent.h"
 
 #include <grpcpp/grpcpp.h>
 
@@ -13,9 +13,10 @@
 
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
-#include "common/auth.h"
 #include "common/status.h"
 #include "gtest/gtest.h"
+#include "rpc/auth.h"
+#include "rpc/grpc_status.h"
 
 namespace gradmesh {
 namespace {
@@ -145,8 +146,8 @@ TEST(NodeAgentTest, RegistersHeartbeatsWithReportsAndReconciles) {
   auto server = StartServer();
   Recorder rec;
   NodeAgent agent(
-      Options(server->port, kToken),
-      [&rec](const std::vector<Task>& t) { rec.Reconcile(t); }, OneReport);
+      Options(server->port, kToken), [&rec](const std::vector<Task>& t) { rec.Reconcile(t); },
+      OneReport);
   agent.Start();
   ASSERT_TRUE(Eventually([&] { return rec.lists() >= 3; }));
   EXPECT_EQ(server->service.registrations(), 1);
@@ -178,8 +179,8 @@ TEST(NodeAgentTest, RegistersAgainWhenTheCoordinatorForgetsTheNode) {
   auto server = StartServer();
   Recorder rec;
   NodeAgent agent(
-      Options(server->port, kToken),
-      [&rec](const std::vector<Task>& t) { rec.Reconcile(t); }, OneReport);
+      Options(server->port, kToken), [&rec](const std::vector<Task>& t) { rec.Reconcile(t); },
+      OneReport);
   agent.Start();
   ASSERT_TRUE(Eventually([&] { return rec.lists() >= 1; }));
   server->service.ForgetNode();
@@ -191,8 +192,8 @@ TEST(NodeAgentTest, WrongTokenNeverReconcilesAndKeepsTrying) {
   auto server = StartServer();
   Recorder rec;
   NodeAgent agent(
-      Options(server->port, "wrong"),
-      [&rec](const std::vector<Task>& t) { rec.Reconcile(t); }, OneReport);
+      Options(server->port, "wrong"), [&rec](const std::vector<Task>& t) { rec.Reconcile(t); },
+      OneReport);
   agent.Start();
   absl::SleepFor(absl::Milliseconds(400));
   agent.Stop(false);

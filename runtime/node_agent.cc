@@ -1,12 +1,13 @@
-#include "common/node_agent.h"
+#include "runtime/node_agent.h"
 
 #include <grpcpp/grpcpp.h>
 
 #include <algorithm>
 
-#include "common/auth.h"
-#include "common/grpc_util.h"
 #include "common/status.h"
+#include "rpc/auth.h"
+#include "rpc/grpc_status.h"
+#include "rpc/grpc_util.h"
 
 namespace gradmesh {
 

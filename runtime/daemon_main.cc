@@ -1,4 +1,4 @@
-#include "common/daemon_main.h"
+#include "runtime/daemon_main.h"
 
 #include <chrono>
 #include <thread>
@@ -47,9 +47,7 @@ absl::Status Daemon::Serve(const std::vector<grpc::Service*>& services) {
   return absl::OkStatus();
 }
 
-std::string Daemon::host() const {
-  return options_.address.substr(0, options_.address.rfind(':'));
-}
+std::string Daemon::host() const { return options_.address.substr(0, options_.address.rfind(':')); }
 
 std::string Daemon::ListenAddress() const { return absl::StrCat(host(), ":", port_); }
 
