@@ -439,6 +439,19 @@ void Coordinator::RefreshLocked(JobEntry* job) {
   p->set_accuracy(accuracy >= 0 ? accuracy : -1);
   p->set_eta_s(eta);
   p->set_checkpoint_step(checkpoint == -2 ? -1 : checkpoint);
+  RecordHistoryLocked(job);
+}
+
+void Coordinator::RecordHistoryLocked(JobEntry* job) {
+  const JobProgress& p = job->record.status().progress();
+  if (p.step() <= 0) return;
+  coordinator_state::HistoryPoint point;
+  point.set_t_ms(Now());
+  point.set_step(p.step());
+  point.set_loss(p.loss());
+  point.set_accuracy(p.accuracy());
+  point.set_samples_per_s(p.samples_per_s());
+  AddHistoryPoint(std::move(point), options_.history_capacity, job->record.mutable_history());
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -920,6 +933,16 @@ absl::StatusOr<JobStatus> Coordinator::SubmitJob(const SubmitJobRequest& request
        Kv("shards", absl::StrJoin(placement.shard_nodes, ",")),
        Kv("workers", absl::StrJoin(placement.worker_nodes, ",")), Kv("generation", generation)});
   return entry.record.status();
+}
+
+absl::StatusOr<coordinator_state::JobHistory> Coordinator::GetJobHistory(
+    const std::string& job_id) {
+  absl::MutexLock lock(&mu_);
+  auto it = jobs_.find(job_id);
+  if (it == jobs_.end()) {
+    return absl::NotFoundError(absl::StrCat("job \"", job_id, "\" not found"));
+  }
+  return it->second.record.history();
 }
 
 absl::StatusOr<JobStatus> Coordinator::GetJob(const std::string& job_id) {

@@ -88,6 +88,14 @@
 // RocksDB at most once per progress_persist_interval_ms per job (the monitor thread writes the
 // last one); state and placement changes are written at once.
 //
+// # History
+//
+// Whenever a job's progress is recomputed and its step is > 0, the progress (step, loss,
+// accuracy, samples_per_s, time) is offered to the job's history (job_history.h): at most
+// history_capacity points spanning the job's life, downsampled when full. It is part of the
+// job's record, so it is written with the job's progress (same rate limit) and restored after a
+// restart. A resumed job starts a new history.
+//
 // # Failures
 //
 // * Dead worker node: each of its unfinished ranks of active jobs moves to the least-loaded
@@ -141,6 +149,7 @@
 #include "common/logging.h"
 #include "coordinator/clock.h"
 #include "coordinator/coordinator_store.h"
+#include "coordinator/job_history.h"
 #include "coordinator/placement.h"
 #include "coordinator/state.pb.h"
 #include "coordinator/task_state.h"
@@ -171,6 +180,8 @@ class Coordinator {
     PlacementRegistry placements = PlacementRegistry::WithBuiltins();
     // Source of job tokens. Default: 128 bits from std::random_device, as 32 hex digits.
     std::function<std::string()> token_source;
+    // Most progress points kept per job for the dashboard (job_history.h). Default 240.
+    int history_capacity = kDefaultHistoryCapacity;
   };
 
   // Validates options (INVALID_ARGUMENT naming the field), loads the tables and starts the
@@ -189,6 +200,8 @@ class Coordinator {
   std::vector<JobStatus> ListJobs();
   // NOT_FOUND for an unknown id; FAILED_PRECONDITION if the job already ended.
   absl::StatusOr<JobStatus> CancelJob(const std::string& job_id);
+  // The job's progress history (see "# History" above). NOT_FOUND for an unknown id.
+  absl::StatusOr<coordinator_state::JobHistory> GetJobHistory(const std::string& job_id);
   // Every registered node (info and liveness as last decided), by name.
   std::vector<coordinator_state::NodeRecord> ListNodes();
 
@@ -260,6 +273,8 @@ class Coordinator {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Recomputes progress and the derived state transitions (RUNNING, SUCCEEDED).
   void RefreshLocked(JobEntry* job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Offers the job's progress (once its step is > 0) to its history.
+  void RecordHistoryLocked(JobEntry* job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Publishes a change (version, updated_ms, watchers) and schedules the write: at once when
   // `persist_now`, else progress-rate-limited.
   void ChangedLocked(JobEntry* job, bool persist_now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -6,6 +6,8 @@
 //                        [--heartbeat_interval_ms=500] [--heartbeat_timeout_ms=3000]
 //                        [--node=NAME] [--metrics_port=-1]
 //
+// With --metrics_port the same HTTP port serves /metrics, /healthz and the web dashboard
+// (/, /job/NAME, /api/jobs; coordinator/dashboard.h).
 // Jobs and nodes live in RocksDB under --data_dir; a restart on the same directory knows every
 // job. With --auth_token_file every call must carry `authorization: Bearer <token>`; with
 // --node_token_file too, NodeService (daemons) takes that token and JobService (users) only
@@ -24,6 +26,7 @@
 #include "coordinator/coordinator.h"
 #include "coordinator/coordinator_metrics.h"
 #include "coordinator/coordinator_store.h"
+#include "coordinator/dashboard.h"
 #include "coordinator/service.h"
 #include "rpc/auth.h"
 #include "runtime/daemon_main.h"
@@ -32,9 +35,10 @@ ABSL_FLAG(std::string, host, "127.0.0.1", "Address to listen on.");
 ABSL_FLAG(int, port, 7000, "Port to listen on (0 = pick a free one; see --port_file).");
 ABSL_FLAG(std::string, port_file, "", "If set, the bound port is written to this file.");
 ABSL_FLAG(int, metrics_port, -1,
-          "Port of the Prometheus endpoint (HTTP GET /metrics, /healthz) on --host: 0 = pick a "
-          "free one (see --metrics_port_file), -1 = none. Unauthenticated: job names and "
-          "progress are readable by whoever reaches it.");
+          "Port of the Prometheus endpoint (HTTP GET /metrics, /healthz) and the web dashboard "
+          "(/, /job/NAME, /api/jobs) on --host: 0 = pick a free one (see --metrics_port_file), "
+          "-1 = none. Unauthenticated: job names, progress and placement are readable by "
+          "whoever reaches it.");
 ABSL_FLAG(std::string, metrics_port_file, "",
           "If set, the metrics endpoint's bound port is written to this file.");
 ABSL_FLAG(std::string, data_dir, "", "RocksDB directory of the job and node tables (required).");
@@ -122,6 +126,42 @@ absl::StatusOr<std::unique_ptr<Coordinator>> OpenCoordinator(const CoordinatorMa
   return coordinator;
 }
 
+// What the dashboard shows, read from the core now.
+DashboardData ReadDashboard(Coordinator* core, const Clock* clock) {
+  DashboardData data;
+  data.jobs = core->ListJobs();
+  for (const JobStatus& job : data.jobs) {
+    absl::StatusOr<coordinator_state::JobHistory> h = core->GetJobHistory(job.job_id());
+    if (h.ok()) data.history[job.job_id()] = *std::move(h);
+  }
+  data.nodes = core->ListNodes();
+  data.now_ms = clock->NowMs();
+  return data;
+}
+
+// The built-in dashboard on the metrics port (coordinator/dashboard.h).
+HttpHandlers DashboardHandlers(Coordinator* core, const Clock* clock) {
+  HttpHandlers h;
+  h["/"] = [core, clock](const std::string&) {
+    return HttpResponse{200, "text/html; charset=utf-8", DashboardPage(ReadDashboard(core, clock))};
+  };
+  h["/job/"] = [core, clock](const std::string& path) {
+    const std::string id = path.substr(std::string("/job/").size());
+    std::string page = JobPage(ReadDashboard(core, clock), id);
+    if (page.empty()) {
+      return HttpResponse{
+          404, "text/html; charset=utf-8",
+          absl::StrCat("<!DOCTYPE html><html><body>job &quot;", HtmlEscape(id),
+                       "&quot; not found. <a href=\"/\">all jobs</a></body></html>\n")};
+    }
+    return HttpResponse{200, "text/html; charset=utf-8", std::move(page)};
+  };
+  h["/api/jobs"] = [core, clock](const std::string&) {
+    return HttpResponse{200, "application/json", JobsJson(ReadDashboard(core, clock))};
+  };
+  return h;
+}
+
 int Run(const CoordinatorMainOptions& options) {
   Logger logger({Kv("node", options.node), Kv("role", "coordinator")});
   absl::StatusOr<Tokens> tokens = CheckArguments(options);
@@ -153,7 +193,7 @@ int Run(const CoordinatorMainOptions& options) {
                                        : options.node_token_file.empty() ? "token"
                                                                          : "api+node"),
                             Kv("data_dir", options.data_dir)});
-  if (!daemon.StartMetrics(&metrics).ok()) return kExitFailed;
+  if (!daemon.StartMetrics(&metrics, DashboardHandlers(core, &clock)).ok()) return kExitFailed;
   // The server's shutdown cancels open watches (their loops see IsCancelled within one poll
   // interval); then the endpoint, whose collector reads the coordinator, stops.
   ShutdownSteps steps;

@@ -37,6 +37,7 @@ class CoordinatorTest : public ::testing::Test {
     o.heartbeat_timeout_ms = kTimeoutMs;
     o.monitor_interval_ms = -1;  // The test drives time.
     o.token_source = [this] { return absl::StrCat("tok-", ++tokens_); };
+    o.history_capacity = history_capacity_;
     auto core = Coordinator::Create(std::move(o));
     ASSERT_OK(core);
     core_ = std::move(core).value();
@@ -133,6 +134,7 @@ class CoordinatorTest : public ::testing::Test {
   FakeClock clock_;
   std::string dir_;
   int tokens_ = 0;
+  int history_capacity_ = kDefaultHistoryCapacity;
   std::unique_ptr<Coordinator> core_;
 };
 
@@ -587,6 +589,53 @@ TEST_F(CoordinatorTest, ResumeReusesShardsAndToken) {
                     "resuming job \"j\" needs shard 1's node s1 (it holds the job's state), "
                     "which is not alive");
   EXPECT_EQ(Get("j").state(), CANCELLED);
+}
+
+// The job's progress history: one point per new job step, downsampled at the capacity, the
+// final accuracy folded into the last point, restored from the tables after a restart.
+TEST_F(CoordinatorTest, HistoryIsBoundedAndRestoredAfterRestart) {
+  history_capacity_ = 4;
+  ASSERT_NO_FATAL_FAILURE(Start());
+  Cluster();
+  ASSERT_OK(Submit(Spec("j", "async", 1, 1)));
+  const std::string node = WorkerNodes(Get("j"))[0];
+  const int64_t t0 = clock_.NowMs();
+  for (int i = 1; i <= 5; ++i) {
+    clock_.AdvanceMs(1000);
+    TaskReport r = Report("j", 0, "running", i * 10);
+    r.set_loss(1.0 / i);
+    r.set_samples_per_s(100 * i);
+    Beat(node, {r});
+  }
+  TaskReport done = Report("j", 0, "succeeded", 50);
+  done.set_loss(0.125);
+  done.set_accuracy(0.97);
+  Beat(node, {done});
+  ASSERT_EQ(Get("j").state(), SUCCEEDED);
+  ASSERT_OK_AND_ASSIGN(coordinator_state::JobHistory h, core_->GetJobHistory("j"));
+  EXPECT_EQ(h.stride(), 2);
+  EXPECT_EQ(h.offered(), 5);
+  ASSERT_EQ(h.points_size(), 3);  // Steps 10, 30 and 50 (indices 0, 2, 4).
+  const int64_t steps[] = {10, 30, 50};
+  const double losses[] = {1.0, 1.0 / 3, 0.125};
+  const double rates[] = {100, 300, 500};  // The final report has no rate: 500 stays.
+  const double accuracies[] = {-1, -1, 0.97};
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(h.points(i).step(), steps[i]) << i;
+    EXPECT_EQ(h.points(i).index(), 2 * i) << i;
+    EXPECT_DOUBLE_EQ(h.points(i).loss(), losses[i]) << i;
+    EXPECT_DOUBLE_EQ(h.points(i).samples_per_s(), rates[i]) << i;
+    EXPECT_DOUBLE_EQ(h.points(i).accuracy(), accuracies[i]) << i;
+  }
+  EXPECT_EQ(h.points(0).t_ms(), t0 + 1000);
+  EXPECT_EQ(h.points(1).t_ms(), t0 + 3000);
+  EXPECT_EQ(h.points(2).t_ms(), t0 + 5000);
+
+  ASSERT_NO_FATAL_FAILURE(Start());
+  ASSERT_OK_AND_ASSIGN(coordinator_state::JobHistory restored, core_->GetJobHistory("j"));
+  EXPECT_EQ(restored.SerializeAsString(), h.SerializeAsString());
+  EXPECT_STATUS_MSG(core_->GetJobHistory("nope"), absl::StatusCode::kNotFound,
+                    "job \"nope\" not found");
 }
 
 TEST_F(CoordinatorTest, RestartKeepsJobsNodesAndPlacements) {

@@ -51,12 +51,12 @@ std::string Daemon::host() const { return options_.address.substr(0, options_.ad
 
 std::string Daemon::ListenAddress() const { return absl::StrCat(host(), ":", port_); }
 
-absl::Status Daemon::StartMetrics(MetricsRegistry* registry) {
+absl::Status Daemon::StartMetrics(MetricsRegistry* registry, HttpHandlers handlers) {
   if (metrics_server_ != nullptr) {
     return absl::FailedPreconditionError("Daemon::StartMetrics called twice");
   }
   absl::StatusOr<std::unique_ptr<MetricsHttpServer>> started =
-      StartMetricsEndpoint(options_.metrics, registry, logger_);
+      StartMetricsEndpoint(options_.metrics, registry, logger_, std::move(handlers));
   if (!started.ok()) {
     LogError(logger_, "listen_failed", {Kv("error", started.status().ToString())});
     return started.status();

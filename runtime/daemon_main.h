@@ -123,9 +123,10 @@ class Daemon {
   std::string ListenAddress() const;
 
   // Starts the metrics endpoint (nothing when options.metrics.port < 0) serving `registry`
-  // (not owned; must outlive the Daemon or its Shutdown), which logs metrics_listening. On
+  // (not owned; must outlive the Daemon or its Shutdown) and `handlers` (extra paths, e.g. the
+  // coordinator's dashboard; runtime/metrics_http.h), which logs metrics_listening. On
   // error logs `listen_failed error=...` and returns the error. At most once.
-  absl::Status StartMetrics(MetricsRegistry* registry);
+  absl::Status StartMetrics(MetricsRegistry* registry, HttpHandlers handlers = {});
 
   // Runs the shutdown sequence now (steps 1-4 of the header comment), without logging.
   // Idempotent: a second call runs nothing.

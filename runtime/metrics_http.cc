@@ -33,13 +33,42 @@ std::string Response(int code, absl::string_view reason, absl::string_view conte
                       head_only ? "" : body);
 }
 
+// The handler for `path`: its exact key, else the longest key ending in '/' (not "/") that
+// is a prefix of it; null if none.
+const HttpHandler* FindHandler(const HttpHandlers& handlers, const std::string& path) {
+  if (auto it = handlers.find(path); it != handlers.end()) return &it->second;
+  const HttpHandler* best = nullptr;
+  size_t best_len = 0;
+  for (const auto& [key, handler] : handlers) {
+    if (key.size() > 1 && key.back() == '/' && absl::StartsWith(path, key) &&
+        key.size() > best_len) {
+      best = &handler;
+      best_len = key.size();
+    }
+  }
+  return best;
+}
+
+std::string HandlerResponse(const HttpHandler& handler, const std::string& path, bool head) {
+  const HttpResponse r = handler(path);
+  switch (r.code) {
+    case 200:
+      return Response(200, "OK", r.content_type, r.body, head);
+    case 404:
+      return Response(404, "Not Found", r.content_type, r.body, head);
+    default:
+      return Response(500, "Internal Server Error", r.content_type, r.body, head);
+  }
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<MetricsHttpServer>> StartMetricsEndpoint(
-    const MetricsEndpointOptions& options, MetricsRegistry* registry, const Logger* logger) {
+    const MetricsEndpointOptions& options, MetricsRegistry* registry, const Logger* logger,
+    HttpHandlers handlers) {
   if (options.port < 0) return std::unique_ptr<MetricsHttpServer>();
   absl::StatusOr<std::unique_ptr<MetricsHttpServer>> server =
-      MetricsHttpServer::Start(options.host, options.port, registry);
+      MetricsHttpServer::Start(options.host, options.port, registry, std::move(handlers));
   if (!server.ok()) return server;
   if (!options.port_file.empty()) {
     if (absl::Status st = WritePortFile(options.port_file, (*server)->port()); !st.ok()) {
@@ -50,7 +79,8 @@ absl::StatusOr<std::unique_ptr<MetricsHttpServer>> StartMetricsEndpoint(
   return server;
 }
 
-std::string MetricsHttpResponse(const std::string& request_head, MetricsRegistry* registry) {
+std::string MetricsHttpResponse(const std::string& request_head, MetricsRegistry* registry,
+                                const HttpHandlers& handlers) {
   const size_t eol = request_head.find("\r\n");
   const std::vector<std::string> parts =
       absl::StrSplit(request_head.substr(0, eol), ' ', absl::SkipEmpty());
@@ -69,12 +99,15 @@ std::string MetricsHttpResponse(const std::string& request_head, MetricsRegistry
                     head);
   }
   if (path == "/healthz") return Response(200, "OK", "text/plain; charset=utf-8", "ok\n", head);
+  if (const HttpHandler* handler = FindHandler(handlers, path); handler != nullptr) {
+    return HandlerResponse(*handler, path, head);
+  }
   return Response(404, "Not Found", "text/plain; charset=utf-8",
                   "not found (try /metrics or /healthz)\n", head);
 }
 
 absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
-    const std::string& host, int port, MetricsRegistry* registry) {
+    const std::string& host, int port, MetricsRegistry* registry, HttpHandlers handlers) {
   const std::string where = absl::StrCat("metrics endpoint ", host, ":", port);
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
@@ -118,14 +151,16 @@ absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
     return absl::UnavailableError(absl::StrCat(where, ": eventfd: ", std::strerror(errno)));
   }
   return std::unique_ptr<MetricsHttpServer>(
-      new MetricsHttpServer(std::move(fd), std::move(wake), bound, registry));
+      new MetricsHttpServer(std::move(fd), std::move(wake), bound, registry, std::move(handlers)));
 }
 
-MetricsHttpServer::MetricsHttpServer(Fd listen_fd, Fd wake_fd, int port, MetricsRegistry* registry)
+MetricsHttpServer::MetricsHttpServer(Fd listen_fd, Fd wake_fd, int port, MetricsRegistry* registry,
+                                     HttpHandlers handlers)
     : listen_fd_(std::move(listen_fd)),
       wake_fd_(std::move(wake_fd)),
       port_(port),
-      registry_(registry) {
+      registry_(registry),
+      handlers_(std::move(handlers)) {
   thread_ = std::thread([this] { Loop(); });
 }
 
@@ -184,7 +219,7 @@ void MetricsHttpServer::Serve(int fd) {
     complete = head.find("\r\n\r\n") != std::string::npos;
   }
   const std::string out =
-      complete ? MetricsHttpResponse(head, registry_)
+      complete ? MetricsHttpResponse(head, registry_, handlers_)
                : Response(400, "Bad Request", "text/plain; charset=utf-8", "incomplete request\n");
   const absl::Time send_deadline = absl::Now() + kRequestTimeout;
   size_t sent = 0;

@@ -84,6 +84,38 @@ TEST(MetricsHttpResponseTest, AnswersByMethodAndPath) {
       absl::StartsWith(MetricsHttpResponse("hello\r\n\r\n", &r), "HTTP/1.1 400 Bad Request"));
 }
 
+TEST(MetricsHttpResponseTest, ExtraHandlersByPathAndPrefix) {
+  MetricsRegistry r;
+  r.AddCollector([](MetricsWriter* w) { w->Gauge("g", "G.", {}, 5); });
+  HttpHandlers handlers;
+  handlers["/"] = [](const std::string& path) { return HttpResponse{200, "text/html", "home"}; };
+  handlers["/job/"] = [](const std::string& path) {
+    if (path == "/job/missing") return HttpResponse{404, "text/plain", "no such job"};
+    return HttpResponse{200, "text/html", "page of " + path};
+  };
+  handlers["/boom"] = [](const std::string&) { return HttpResponse{503, "text/plain", "x"}; };
+  // The built-in paths cannot be taken over.
+  handlers["/metrics"] = [](const std::string&) { return HttpResponse{200, "text/plain", "no"}; };
+  EXPECT_EQ(MetricsHttpResponse("GET /?refresh=1 HTTP/1.1\r\n\r\n", &r, handlers),
+            "HTTP/1.1 200 OK\r\nContent-Type: text/html\r\nContent-Length: 4\r\n"
+            "Connection: close\r\n\r\nhome");
+  EXPECT_EQ(MetricsHttpResponse("GET /job/a.b HTTP/1.1\r\n\r\n", &r, handlers),
+            "HTTP/1.1 200 OK\r\nContent-Type: text/html\r\nContent-Length: 16\r\n"
+            "Connection: close\r\n\r\npage of /job/a.b");
+  EXPECT_EQ(MetricsHttpResponse("HEAD /job/missing HTTP/1.1\r\n\r\n", &r, handlers),
+            "HTTP/1.1 404 Not Found\r\nContent-Type: text/plain\r\nContent-Length: 11\r\n"
+            "Connection: close\r\n\r\n");
+  EXPECT_TRUE(absl::StartsWith(MetricsHttpResponse("GET /boom HTTP/1.1\r\n\r\n", &r, handlers),
+                               "HTTP/1.1 500 Internal Server Error\r\n"));
+  // "/" serves only "/": other paths are still 404.
+  EXPECT_TRUE(absl::StartsWith(MetricsHttpResponse("GET /x HTTP/1.1\r\n\r\n", &r, handlers),
+                               "HTTP/1.1 404 Not Found"));
+  EXPECT_TRUE(absl::StrContains(MetricsHttpResponse("GET /metrics HTTP/1.1\r\n\r\n", &r, handlers),
+                                "\r\n\r\n# HELP g G.\n"));
+  EXPECT_TRUE(absl::StrContains(MetricsHttpResponse("GET /healthz HTTP/1.1\r\n\r\n", &r, handlers),
+                                "\r\n\r\nok\n"));
+}
+
 // Sends `request` to 127.0.0.1:port and returns everything the server answers.
 std::string Fetch(int port, const std::string& request) {
   const int fd = socket(AF_INET, SOCK_STREAM, 0);
