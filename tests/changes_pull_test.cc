@@ -43,34 +43,20 @@
 #include "server/parameter_service.h"
 #include "server/shard.h"
 #include "server/shard_store.h"
+#include "tests/testing/loopback.h"
+#include "tests/testing/subprocess.h"
 #include "worker/ps/parameter_client.h"
 
 namespace gradmesh {
 namespace {
 
-using Stub = ParameterService::Stub;
-using Values = std::vector<std::vector<float>>;  // One vector per tensor, layout order.
+// Shared loopback helpers (tests/testing/loopback.h).
+using namespace ::gradmesh::loopback;  // NOLINT(build/namespaces)
 
 constexpr int kShards = 2;
 
 // ---------------------------------------------------------------------------------------------
 // Helpers.
-
-std::string Bytes(const float* v, size_t n) {
-  return std::string(reinterpret_cast<const char*>(v), n * sizeof(float));
-}
-uint32_t BitsOf(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
-}
-
-TensorSpec Tensor(const std::string& name, std::initializer_list<int64_t> shape) {
-  TensorSpec t;
-  t.set_name(name);
-  for (int64_t d : shape) t.add_shape(d);
-  return t;
-}
 
 // a[10], b[1], c[12345] (13 chunks, the last of 345), d[3x7]; chunks of 1000; sgd lr 1.
 JobLayout Layout(const std::string& job, int32_t num_workers = 2) {
@@ -84,68 +70,12 @@ JobLayout Layout(const std::string& job, int32_t num_workers = 2) {
   return l;
 }
 
-std::vector<int64_t> Numels(const JobLayout& l) {
-  std::vector<int64_t> n;
-  for (const TensorSpec& t : l.tensors) {
-    int64_t k = 1;
-    for (int64_t d : t.shape()) k *= d;
-    n.push_back(k);
-  }
-  return n;
-}
-int64_t TotalElems(const JobLayout& l) {
-  int64_t n = 0;
-  for (int64_t x : Numels(l)) n += x;
-  return n;
-}
-Partition MakePartition(const JobLayout& l) {
-  auto p = Partition::Create(Numels(l), l.chunk_elems, kShards);
-  EXPECT_TRUE(p.ok()) << p.status();
-  return std::move(p).value();
-}
-Values Zeros(const JobLayout& l) {
-  Values v;
-  for (int64_t n : Numels(l)) v.emplace_back(n, 0.0f);
-  return v;
-}
-// Element i of tensor t: (1000 * t + i) / 4, exact in float32.
-Values Init(const JobLayout& l) {
-  Values v = Zeros(l);
-  for (size_t t = 0; t < v.size(); ++t) {
-    for (size_t i = 0; i < v[t].size(); ++i) v[t][i] = static_cast<float>(1000 * t + i) * 0.25f;
-  }
-  return v;
-}
-std::vector<absl::Span<const float>> ConstSpans(const Values& v) {
-  std::vector<absl::Span<const float>> out;
-  for (const auto& t : v) out.emplace_back(t);
-  return out;
-}
-std::vector<absl::Span<float>> Spans(Values& v) {
-  std::vector<absl::Span<float>> out;
-  for (auto& t : v) out.emplace_back(absl::MakeSpan(t));
-  return out;
-}
 // sgd lr 1: want -= grad.
 Values Apply(Values v, const Values& grad) {
   for (size_t t = 0; t < v.size(); ++t) {
     for (size_t i = 0; i < v[t].size(); ++i) v[t][i] -= grad[t][i];
   }
   return v;
-}
-
-::testing::AssertionResult SameBits(const Values& got, const Values& want) {
-  if (got.size() != want.size()) return ::testing::AssertionFailure() << "tensor counts";
-  for (size_t t = 0; t < got.size(); ++t) {
-    if (got[t].size() != want[t].size()) return ::testing::AssertionFailure() << "sizes " << t;
-    for (size_t i = 0; i < got[t].size(); ++i) {
-      if (BitsOf(got[t][i]) != BitsOf(want[t][i])) {
-        return ::testing::AssertionFailure() << "tensor " << t << " element " << i << ": got "
-                                             << got[t][i] << ", want " << want[t][i];
-      }
-    }
-  }
-  return ::testing::AssertionSuccess();
 }
 
 int64_t VarintSize(uint64_t v) {
@@ -182,96 +112,6 @@ int64_t PullBytes(const Partition& p, const Values& held, const Values& now) {
   return sum;
 }
 
-std::unique_ptr<grpc::ClientContext> Ctx() {
-  auto ctx = std::make_unique<grpc::ClientContext>();
-  ctx->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
-  return ctx;
-}
-
-// One in-process shard server (optionally durable).
-struct TestServer {
-  std::unique_ptr<Shard> shard;
-  std::unique_ptr<ParameterServiceImpl> service;
-  std::unique_ptr<grpc::Server> server;
-  int port = 0;
-  std::string addr;
-
-  void Stop() {
-    if (server != nullptr) {
-      server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
-      server->Wait();
-      server.reset();
-    }
-    service.reset();
-    shard.reset();
-  }
-  ~TestServer() { Stop(); }
-};
-
-std::unique_ptr<TestServer> StartServer(const std::string& store_dir = "") {
-  auto s = std::make_unique<TestServer>();
-  ShardOptions options;
-  if (!store_dir.empty()) {
-    auto store = ShardStore::Open(store_dir, {});
-    EXPECT_TRUE(store.ok()) << store.status();
-    if (!store.ok()) return nullptr;
-    options.store = std::move(store).value();
-  }
-  auto shard = Shard::Create(std::move(options));
-  EXPECT_TRUE(shard.ok()) << shard.status();
-  if (!shard.ok()) return nullptr;
-  s->shard = std::move(shard).value();
-  s->service = std::make_unique<ParameterServiceImpl>(s->shard.get());
-  grpc::ServerBuilder builder;
-  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &s->port);
-  ConfigureServerBuilder(RpcOptions(), &builder);
-  builder.RegisterService(s->service.get());
-  s->server = builder.BuildAndStart();
-  if (s->server == nullptr || s->port == 0) return nullptr;
-  s->addr = absl::StrCat("127.0.0.1:", s->port);
-  return s;
-}
-
-GrpcParameterClientOptions ClientOptions(std::vector<std::string> servers, int32_t worker,
-                                         const std::string& pull_codec) {
-  GrpcParameterClientOptions o;
-  o.servers = std::move(servers);
-  o.worker = worker;
-  o.rpc_deadline = absl::Seconds(10);
-  o.max_attempts = 3;
-  o.initial_backoff = absl::Milliseconds(10);
-  o.max_backoff = absl::Milliseconds(50);
-  o.pull_codec = pull_codec;
-  return o;
-}
-
-InitJobRequest MakeInitRequest(const JobLayout& l, int32_t shard, const Values& init,
-                               bool durable) {
-  InitJobRequest r;
-  r.set_job(l.job);
-  for (const TensorSpec& t : l.tensors) *r.add_tensors() = t;
-  r.set_chunk_elems(l.chunk_elems);
-  r.set_num_shards(kShards);
-  r.set_shard_index(shard);
-  *r.mutable_optimizer() = l.optimizer;
-  r.set_consistency("async");
-  r.set_num_workers(l.num_workers);
-  if (durable) {
-    r.mutable_durability()->set_mode("every_update");
-    r.mutable_durability()->set_snapshot_every_updates(1000000);
-  }
-  Partition p = MakePartition(l);
-  for (int64_t idx : p.shard_chunks(shard)) {
-    const ChunkInfo& c = p.chunks()[idx];
-    ChunkData* d = r.add_initial();
-    d->set_tensor(c.tensor);
-    d->set_chunk(c.chunk);
-    d->set_dtype(FLOAT32);
-    d->set_data(Bytes(init[c.tensor].data() + c.offset, c.numel));
-  }
-  return r;
-}
-
 // Held versions, keyed by partition chunk index.
 using Held = std::map<int64_t, int64_t>;
 
@@ -299,22 +139,9 @@ Values Sparse(const JobLayout& l, std::initializer_list<std::pair<std::pair<int,
   return g;
 }
 
-class ChangesPullTest : public ::testing::Test {
+// Fixture: kShards (two) memory-only shards and a raw stub to each.
+class ChangesPullTest : public TwoShardFixture {
  protected:
-  void SetUp() override {
-    for (int s = 0; s < kShards; ++s) {
-      servers_.push_back(StartServer());
-      ASSERT_NE(servers_.back(), nullptr);
-      stubs_.push_back(ParameterService::NewStub(MakeChannel(servers_.back()->addr, RpcOptions())));
-    }
-  }
-
-  std::vector<std::string> Addrs() const {
-    std::vector<std::string> a;
-    for (const auto& s : servers_) a.push_back(s->addr);
-    return a;
-  }
-
   std::unique_ptr<ParameterClient> Client(const JobLayout& l, int32_t worker,
                                           const std::string& pull_codec) {
     auto c = NewGrpcParameterClient(l, ClientOptions(Addrs(), worker, pull_codec));
@@ -324,7 +151,7 @@ class ChangesPullTest : public ::testing::Test {
 
   // Raw dense pull (codec "", no chunk list) of every shard as worker `worker`.
   Values RawDense(const JobLayout& l, int32_t worker) {
-    Partition p = MakePartition(l);
+    Partition p = MakePartition(l, kShards);
     Values v = Zeros(l);
     for (int32_t s = 0; s < kShards; ++s) {
       PullRequest r;
@@ -354,7 +181,7 @@ class ChangesPullTest : public ::testing::Test {
                                             int32_t worker, Held* held, Values* held_values,
                                             int64_t* bytes = nullptr,
                                             const Held* request_held = nullptr) {
-    Partition p = MakePartition(l);
+    Partition p = MakePartition(l, kShards);
     PullResponse resp;
     grpc::Status st = stub->Pull(
         Ctx().get(), ChangesRequest(l, p, s, worker, request_held ? *request_held : *held), &resp);
@@ -415,7 +242,7 @@ class ChangesPullTest : public ::testing::Test {
 
   void RawPush(Stub* stub, const JobLayout& l, int32_t s, int32_t worker, int64_t step,
                const Values& grad) {
-    Partition p = MakePartition(l);
+    Partition p = MakePartition(l, kShards);
     PushRequest r;
     r.set_job(l.job);
     r.set_worker(worker);
@@ -434,9 +261,6 @@ class ChangesPullTest : public ::testing::Test {
     ASSERT_TRUE(st.ok()) << st.error_message();
     ASSERT_FALSE(resp.duplicate());
   }
-
-  std::vector<std::unique_ptr<TestServer>> servers_;
-  std::vector<std::unique_ptr<Stub>> stubs_;
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -444,8 +268,8 @@ class ChangesPullTest : public ::testing::Test {
 
 TEST_F(ChangesPullTest, ClientFirstPullDenseThenExactChanges) {
   const JobLayout l = Layout("client");
-  const Partition p = MakePartition(l);
-  const Values init = Init(l);
+  const Partition p = MakePartition(l, kShards);
+  const Values init = OddInit(l);
   auto w0 = Client(l, 0, "changes");
   ASSERT_NE(w0, nullptr);
   ASSERT_OK(w0->InitJob(ConstSpans(init)));
@@ -497,8 +321,8 @@ TEST_F(ChangesPullTest, ClientFirstPullDenseThenExactChanges) {
 
 TEST_F(ChangesPullTest, TwoWorkersFullyChangedChunkComesDense) {
   const JobLayout l = Layout("two");
-  const Partition p = MakePartition(l);
-  const Values init = Init(l);
+  const Partition p = MakePartition(l, kShards);
+  const Values init = OddInit(l);
   auto w0 = Client(l, 0, "changes");
   auto w1 = Client(l, 1, "");
   ASSERT_NE(w0, nullptr);
@@ -565,11 +389,11 @@ TEST_F(ChangesPullTest, TwoWorkersFullyChangedChunkComesDense) {
 
 TEST_F(ChangesPullTest, HeldVersionMismatchIsDenseMatchIsOneByte) {
   const JobLayout l = Layout("raw");
-  const Partition p = MakePartition(l);
-  const Values init = Init(l);
+  const Partition p = MakePartition(l, kShards);
+  const Values init = OddInit(l);
   for (int s = 0; s < kShards; ++s) {
     InitJobResponse r;
-    grpc::Status st = stubs_[s]->InitJob(Ctx().get(), MakeInitRequest(l, s, init, false), &r);
+    grpc::Status st = stubs_[s]->InitJob(Ctx().get(), MakeInitRequest(l, kShards, s, init), &r);
     ASSERT_TRUE(st.ok()) << st.error_message();
   }
   // Version 2 on every chunk: two pushes by worker 1.
@@ -640,11 +464,11 @@ TEST_F(ChangesPullTest, HeldVersionMismatchIsDenseMatchIsOneByte) {
 
 TEST_F(ChangesPullTest, LostResponseGetsDenseAgain) {
   const JobLayout l = Layout("lost");
-  const Partition p = MakePartition(l);
-  const Values init = Init(l);
+  const Partition p = MakePartition(l, kShards);
+  const Values init = OddInit(l);
   for (int s = 0; s < kShards; ++s) {
     InitJobResponse r;
-    grpc::Status st = stubs_[s]->InitJob(Ctx().get(), MakeInitRequest(l, s, init, false), &r);
+    grpc::Status st = stubs_[s]->InitJob(Ctx().get(), MakeInitRequest(l, kShards, s, init), &r);
     ASSERT_TRUE(st.ok()) << st.error_message();
   }
   Held held;
@@ -693,30 +517,26 @@ TEST_F(ChangesPullTest, LostResponseGetsDenseAgain) {
 // ---------------------------------------------------------------------------------------------
 // 5. Restart of a durable shard: sent state is not persisted, so each chunk once dense.
 
-std::string MakeTempDir(const std::string& name) {
-  std::string tmpl = ::testing::TempDir() + "/" + name + ".XXXXXX";
-  char* d = mkdtemp(tmpl.data());
-  EXPECT_NE(d, nullptr);
-  return tmpl;
-}
-
 TEST_F(ChangesPullTest, RestartedDurableShardSendsDenseOnceThenChanges) {
   // Own durable shards (the fixture's are memory-only).
   std::vector<std::string> dirs;
   std::vector<std::unique_ptr<TestServer>> servers;
   std::vector<std::unique_ptr<Stub>> stubs;
   for (int s = 0; s < kShards; ++s) {
-    dirs.push_back(MakeTempDir(absl::StrCat("shard", s)));
-    servers.push_back(StartServer(dirs.back()));
+    ASSERT_OK_AND_ASSIGN(std::string dir, testutil::MakeUniqueTestDir(absl::StrCat("shard", s)));
+    dirs.push_back(dir);
+    servers.push_back(StartDurableServer(dirs.back()));
     ASSERT_NE(servers.back(), nullptr);
     stubs.push_back(ParameterService::NewStub(MakeChannel(servers.back()->addr, RpcOptions())));
   }
-  const JobLayout l = Layout("durable");
-  const Partition p = MakePartition(l);
-  const Values init = Init(l);
+  JobLayout l = Layout("durable");
+  l.durability.set_mode("every_update");  // InitJob asks for every update to be stored
+  l.durability.set_snapshot_every_updates(1000000);
+  const Partition p = MakePartition(l, kShards);
+  const Values init = OddInit(l);
   for (int s = 0; s < kShards; ++s) {
     InitJobResponse r;
-    grpc::Status st = stubs[s]->InitJob(Ctx().get(), MakeInitRequest(l, s, init, true), &r);
+    grpc::Status st = stubs[s]->InitJob(Ctx().get(), MakeInitRequest(l, kShards, s, init), &r);
     ASSERT_TRUE(st.ok()) << st.error_message();
   }
   Held held;
@@ -735,7 +555,7 @@ TEST_F(ChangesPullTest, RestartedDurableShardSendsDenseOnceThenChanges) {
   // Restart shard 0 from its RocksDB directory (shard 1 keeps running).
   stubs[0].reset();
   servers[0]->Stop();
-  servers[0] = StartServer(dirs[0]);
+  servers[0] = StartDurableServer(dirs[0]);
   ASSERT_NE(servers[0], nullptr);
   stubs[0] = ParameterService::NewStub(MakeChannel(servers[0]->addr, RpcOptions()));
 
@@ -784,11 +604,11 @@ TEST_F(ChangesPullTest, RestartedDurableShardSendsDenseOnceThenChanges) {
 
 TEST_F(ChangesPullTest, BadCodecRejected) {
   const JobLayout l = Layout("bad");
-  const Partition p = MakePartition(l);
-  const Values init = Init(l);
+  const Partition p = MakePartition(l, kShards);
+  const Values init = OddInit(l);
   for (int s = 0; s < kShards; ++s) {
     InitJobResponse r;
-    grpc::Status st = stubs_[s]->InitJob(Ctx().get(), MakeInitRequest(l, s, init, false), &r);
+    grpc::Status st = stubs_[s]->InitJob(Ctx().get(), MakeInitRequest(l, kShards, s, init), &r);
     ASSERT_TRUE(st.ok()) << st.error_message();
   }
   for (const std::string bad : {"changez", "Changes", "changes:1", "topk:0.01"}) {

@@ -37,7 +37,6 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_format.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "common/partitioner.h"
@@ -49,10 +48,10 @@
 #include "gtest/gtest.h"
 #include "proto/gradmesh.grpc.pb.h"
 #include "proto/gradmesh.pb.h"
-#include "rpc/grpc_status.h"
 #include "rpc/grpc_util.h"
 #include "server/parameter_service.h"
 #include "server/shard.h"
+#include "tests/testing/grpc_status_testing.h"
 #include "tests/testing/loopback.h"
 #include "worker/ps/parameter_client.h"
 
@@ -61,17 +60,14 @@ namespace {
 
 // Shared loopback helpers (tests/testing/loopback.h).
 using namespace ::gradmesh::loopback;  // NOLINT(build/namespaces)
+using testutil::AbslHas;
+using testutil::GrpcHas;
 
 constexpr absl::StatusCode kInvalid = absl::StatusCode::kInvalidArgument;
 
 // ---------------------------------------------------------------------------------------------
 // Helpers (as in ps_service_test).
 
-uint32_t BitsOf(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
-}
 float FromBits(uint32_t u) {
   float f;
   std::memcpy(&f, &u, 4);
@@ -141,51 +137,6 @@ std::unique_ptr<Compressor> MakeCodec(const std::string& spec) {
 uint64_t ClientSeed(uint64_t seed, int32_t worker, int64_t step, int64_t chunk_index) {
   return seed ^ (static_cast<uint64_t>(worker) << 48) ^
          (static_cast<uint64_t>(step) * 0x9E3779B97F4A7C15ull) ^ static_cast<uint64_t>(chunk_index);
-}
-
-// Element-wise equality of the bit patterns, reporting the first difference.
-::testing::AssertionResult SameBits(const Values& got, const Values& want) {
-  if (got.size() != want.size()) {
-    return ::testing::AssertionFailure() << got.size() << " tensors vs " << want.size();
-  }
-  for (size_t t = 0; t < got.size(); ++t) {
-    if (got[t].size() != want[t].size()) {
-      return ::testing::AssertionFailure()
-             << "tensor " << t << " sizes " << got[t].size() << " vs " << want[t].size();
-    }
-    for (size_t i = 0; i < got[t].size(); ++i) {
-      if (BitsOf(got[t][i]) != BitsOf(want[t][i])) {
-        return ::testing::AssertionFailure()
-               << "tensor " << t << " element " << i << ": got " << got[t][i] << " ("
-               << absl::StrFormat("0x%08x", BitsOf(got[t][i])) << "), want " << want[t][i] << " ("
-               << absl::StrFormat("0x%08x", BitsOf(want[t][i])) << ")";
-      }
-    }
-  }
-  return ::testing::AssertionSuccess();
-}
-
-// Checks code (numerically against the absl code) and that the message holds every substring.
-::testing::AssertionResult GrpcHas(const grpc::Status& s, absl::StatusCode code,
-                                   std::initializer_list<std::string> substrs) {
-  if (static_cast<int>(s.error_code()) != static_cast<int>(code)) {
-    return ::testing::AssertionFailure()
-           << "expected code " << StatusCodeName(code) << ", got "
-           << StatusCodeName(static_cast<absl::StatusCode>(s.error_code())) << ": "
-           << s.error_message();
-  }
-  for (const std::string& sub : substrs) {
-    if (s.error_message().find(sub) == std::string::npos) {
-      return ::testing::AssertionFailure()
-             << "message \"" << s.error_message() << "\" lacks \"" << sub << "\"";
-    }
-  }
-  return ::testing::AssertionSuccess();
-}
-
-::testing::AssertionResult AbslHas(const absl::Status& s, absl::StatusCode code,
-                                   std::initializer_list<std::string> substrs) {
-  return GrpcHas(ToGrpcStatus(s), code, substrs);
 }
 
 absl::Span<const float> Slice(const Values& v, const ChunkInfo& c) {

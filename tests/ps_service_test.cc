@@ -37,10 +37,10 @@
 #include "gtest/gtest.h"
 #include "proto/gradmesh.grpc.pb.h"
 #include "proto/gradmesh.pb.h"
-#include "rpc/grpc_status.h"
 #include "rpc/grpc_util.h"
 #include "server/parameter_service.h"
 #include "server/shard.h"
+#include "tests/testing/grpc_status_testing.h"
 #include "tests/testing/loopback.h"
 #include "worker/ps/parameter_client.h"
 
@@ -49,6 +49,8 @@ namespace {
 
 // Shared loopback helpers (tests/testing/loopback.h).
 using namespace ::gradmesh::loopback;  // NOLINT(build/namespaces)
+using testutil::AbslHas;
+using testutil::GrpcHas;
 
 constexpr int64_t kMiB = 1 << 20;
 
@@ -83,30 +85,6 @@ PushRequest MakePush(const std::string& job, int32_t worker, uint64_t request_id
   r.set_step(1);
   r.set_request_id(request_id);
   return r;
-}
-
-// Checks code (numerically against the absl code) and that the message holds every substring.
-::testing::AssertionResult GrpcHas(const grpc::Status& s, absl::StatusCode code,
-                                   std::initializer_list<std::string> substrs) {
-  if (static_cast<int>(s.error_code()) != static_cast<int>(code)) {
-    return ::testing::AssertionFailure()
-           << "expected code " << StatusCodeName(code) << " (" << static_cast<int>(code)
-           << "), got " << StatusCodeName(static_cast<absl::StatusCode>(s.error_code())) << " ("
-           << static_cast<int>(s.error_code()) << "): " << s.error_message();
-  }
-  for (const std::string& sub : substrs) {
-    if (s.error_message().find(sub) == std::string::npos) {
-      return ::testing::AssertionFailure()
-             << "message \"" << s.error_message() << "\" lacks \"" << sub << "\"";
-    }
-  }
-  return ::testing::AssertionSuccess();
-}
-
-// Same for an absl::Status coming out of the real client.
-::testing::AssertionResult AbslHas(const absl::Status& s, absl::StatusCode code,
-                                   std::initializer_list<std::string> substrs) {
-  return GrpcHas(ToGrpcStatus(s), code, substrs);
 }
 
 // A port that was free a moment ago (bound by a server on port 0, then released).

@@ -10,7 +10,6 @@
 #include <signal.h>
 #include <torch/torch.h>
 
-#include <fstream>
 #include <iostream>
 
 #include "absl/strings/str_cat.h"
@@ -29,6 +28,7 @@ namespace e2e {
 namespace {
 
 using testutil::LogField;
+using testutil::Ptrs;
 using testutil::ReadFile;
 
 class AllreduceTest : public E2eHarness {
@@ -47,12 +47,6 @@ class AllreduceTest : public E2eHarness {
     return absl::StrJoin(out, ",");
   }
 
-  std::string WriteJob(const std::string& name, const std::string& yaml) {
-    const std::string path = absl::StrCat(dir_, "/", name, ".yaml");
-    std::ofstream(path) << yaml;
-    return path;
-  }
-
   std::vector<std::unique_ptr<Subprocess>> StartRanks(const std::string& job_file,
                                                       const std::string& peers, int n,
                                                       std::vector<std::string> extra = {},
@@ -65,12 +59,6 @@ class AllreduceTest : public E2eHarness {
       args.insert(args.end(), extra.begin(), extra.end());
       out.push_back(StartWorker(absl::StrCat(tag, r), args));
     }
-    return out;
-  }
-
-  static std::vector<Subprocess*> Raw(const std::vector<std::unique_ptr<Subprocess>>& v) {
-    std::vector<Subprocess*> out;
-    for (const auto& p : v) out.push_back(p.get());
     return out;
   }
 
@@ -137,11 +125,11 @@ TEST_F(AllreduceTest, TwoWorkersEqualOneProcessWithTwiceTheBatch) {
     const std::string output = absl::StrCat(dir_, "/model-", transport, ".pt");
     outputs.push_back(output);
     auto workers = StartRanks(
-        WriteJob(absl::StrCat("eq-", transport),
-                 absl::StrCat(kEquivalenceJob,
-                              "allreduce: {bucket_bytes: 262144, transport: ", transport, "}\n")),
+        WriteYaml(absl::StrCat("eq-", transport),
+                  absl::StrCat(kEquivalenceJob,
+                               "allreduce: {bucket_bytes: 262144, transport: ", transport, "}\n")),
         Peers(2), 2, {"--output=" + output});
-    std::vector<int> codes = WaitAll(Raw(workers), absl::Minutes(3));
+    std::vector<int> codes = WaitAll(Ptrs(workers), absl::Minutes(3));
     ASSERT_EQ(codes, (std::vector<int>{0, 0})) << transport;
     for (int r = 0; r < 2; ++r) {
       const std::string log = ReadFile(workers[r]->log_path());
@@ -231,7 +219,7 @@ allreduce: {timeout_s: 5}
 
 TEST_F(AllreduceTest, KilledPeerFailsTheOtherFastNamingIt) {
   if (!HaveMnist()) GTEST_SKIP() << "MNIST files not found under " << DataDir() << "/mnist";
-  auto workers = StartRanks(WriteJob("kill", kLongJob), Peers(2), 2);
+  auto workers = StartRanks(WriteYaml("kill", kLongJob), Peers(2), 2);
   ASSERT_TRUE(WaitForLog(
       workers[1].get(), [](const std::string& log) { return LastProgressStep(log) >= 40; },
       absl::Minutes(2)));
@@ -250,7 +238,7 @@ TEST_F(AllreduceTest, KilledPeerFailsTheOtherFastNamingIt) {
 
 TEST_F(AllreduceTest, SilentPeerTimesOutNamingIt) {
   if (!HaveMnist()) GTEST_SKIP() << "MNIST files not found under " << DataDir() << "/mnist";
-  auto workers = StartRanks(WriteJob("stop", kLongJob), Peers(2), 2);
+  auto workers = StartRanks(WriteYaml("stop", kLongJob), Peers(2), 2);
   ASSERT_TRUE(WaitForLog(
       workers[0].get(), [](const std::string& log) { return LastProgressStep(log) >= 40; },
       absl::Minutes(2)));
@@ -281,8 +269,8 @@ log_every: 200
 
 TEST_F(AllreduceTest, MnistMlpOneEpochReaches97Percent) {
   if (!HaveMnist()) GTEST_SKIP() << "MNIST files not found under " << DataDir() << "/mnist";
-  auto workers = StartRanks(WriteJob("acc", kAccuracyJob), Peers(2), 2);
-  ASSERT_EQ(WaitAll(Raw(workers), absl::Minutes(5)), (std::vector<int>{0, 0}));
+  auto workers = StartRanks(WriteYaml("acc", kAccuracyJob), Peers(2), 2);
+  ASSERT_EQ(WaitAll(Ptrs(workers), absl::Minutes(5)), (std::vector<int>{0, 0}));
   const std::string done = DoneLine(ReadFile(workers[0]->log_path()));
   const double accuracy = ToDouble(LogField(done, "accuracy"));
   std::cout << "allreduce MNIST MLP 1 epoch: accuracy " << accuracy << ", "
@@ -302,7 +290,7 @@ TEST_F(AllreduceTest, NcclBackendWithoutCudaBuildFailsNamingTheFlag) {
   if (NcclBuiltIn()) GTEST_SKIP() << "built with --config=cuda";  // Same build as the worker.
   std::string yaml = kAccuracyJob;
   yaml += "allreduce: {backend: nccl}\n";
-  auto workers = StartRanks(WriteJob("nccl", yaml), Peers(2), 2);
+  auto workers = StartRanks(WriteYaml("nccl", yaml), Peers(2), 2);
   for (const auto& w : workers) {
     ASSERT_OK_AND_ASSIGN(int code, w->Wait(absl::Minutes(1)));
     EXPECT_EQ(code, 1);
@@ -333,12 +321,12 @@ checkpoint: {every_steps: 20}
 // uninterrupted run ends.
 TEST_F(AllreduceTest, ResumesFromCheckpointsToTheSameResult) {
   if (!HaveMnist()) GTEST_SKIP() << "MNIST files not found under " << DataDir() << "/mnist";
-  const std::string job = WriteJob("ckpt", kCheckpointJob);
+  const std::string job = WriteYaml("ckpt", kCheckpointJob);
   const std::string straight = dir_ + "/straight.pt", resumed = dir_ + "/resumed.pt";
   {
     auto w = StartRanks(job, Peers(2), 2,
                         {"--output=" + straight, "--checkpoint_dir=" + dir_ + "/ck-straight"}, "s");
-    ASSERT_EQ(WaitAll(Raw(w), absl::Minutes(3)), (std::vector<int>{0, 0}));
+    ASSERT_EQ(WaitAll(Ptrs(w), absl::Minutes(3)), (std::vector<int>{0, 0}));
   }
   const std::string peers = Peers(2);
   {
@@ -348,7 +336,7 @@ TEST_F(AllreduceTest, ResumesFromCheckpointsToTheSameResult) {
         w[0].get(), [](const std::string& log) { return LastProgressStep(log) >= 50; },
         absl::Minutes(2)));
     ASSERT_OK(w[1]->Signal(SIGTERM));  // One rank asks; both stop after the same step.
-    ASSERT_EQ(WaitAll(Raw(w), absl::Seconds(30)), (std::vector<int>{0, 0}));
+    ASSERT_EQ(WaitAll(Ptrs(w), absl::Seconds(30)), (std::vector<int>{0, 0}));
     for (int r = 0; r < 2; ++r) {
       const std::string done = DoneLine(ReadFile(w[r]->log_path()));
       EXPECT_EQ(LogField(done, "stopped_early"), "true") << done;
@@ -358,7 +346,7 @@ TEST_F(AllreduceTest, ResumesFromCheckpointsToTheSameResult) {
   }
   auto w =
       StartRanks(job, peers, 2, {"--output=" + resumed, "--checkpoint_dir=" + dir_ + "/ck"}, "b");
-  ASSERT_EQ(WaitAll(Raw(w), absl::Minutes(3)), (std::vector<int>{0, 0}));
+  ASSERT_EQ(WaitAll(Ptrs(w), absl::Minutes(3)), (std::vector<int>{0, 0}));
   const std::string log0 = ReadFile(w[0]->log_path());
   const std::string done = DoneLine(log0);
   const int64_t first = ToInt(LogField(done, "first_step"));

@@ -225,13 +225,6 @@ class ControlPlaneTest : public E2eHarness {
     w1_ = StartServiceWorker("w1");
   }
 
-  // Writes a job spec file and returns its path.
-  std::string WriteSpec(const std::string& name, const std::string& yaml) {
-    const std::string path = absl::StrCat(dir_, "/", name, ".yaml");
-    std::ofstream(path) << yaml;
-    return path;
-  }
-
   // The MNIST MLP job the tests run: 2 workers, 2 shards, async, Adam with a cosine schedule.
   static std::string MlpSpec(const std::string& name, int epochs, const std::string& extra = "") {
     return absl::StrCat("name: ", name, "\n", R"(model: {name: mlp}
@@ -266,7 +259,7 @@ TEST_F(ControlPlaneTest, SubmitAndWatchThroughTheCliReachesAccuracy) {
   EXPECT_TRUE(absl::StrContains(anon.out, "UNAUTHENTICATED")) << anon.out;
 
   // Daemons register within a few heartbeats; submit once both workers are there.
-  const std::string spec = WriteSpec("mlp", MlpSpec("mlp-e2e", 2));
+  const std::string spec = WriteYaml("mlp", MlpSpec("mlp-e2e", 2));
   const CliResult submit = SubmitWhenPlaced(spec);
   ASSERT_EQ(submit.code, 0) << submit.out;
   EXPECT_TRUE(absl::StrContains(submit.out, "mlp-e2e")) << submit.out;
@@ -339,7 +332,7 @@ TEST_F(ControlPlaneTest, SubmitAndWatchThroughTheCliReachesAccuracy) {
 // other daemon, resumes where the shards recorded it, and every rank trains to the end.
 void ControlPlaneTest::LoseWorkerMidJob(int sig, const std::string& job) {
   StartCluster();
-  const std::string spec = WriteSpec("mlp", MlpSpec(job, 2));
+  const std::string spec = WriteYaml("mlp", MlpSpec(job, 2));
   const CliResult submit = SubmitWhenPlaced(spec);
   ASSERT_EQ(submit.code, 0) << submit.out;
 
@@ -394,7 +387,7 @@ TEST_F(ControlPlaneTest, PreemptedWorkerLeavesCleanlyAndItsRankMoves) {
 TEST_F(ControlPlaneTest, SyncJobReformsItsGroupWhenAWorkerDies) {
   StartCluster();
   auto w2 = StartServiceWorker("w2");
-  const std::string spec = WriteSpec(
+  const std::string spec = WriteYaml(
       "sync", absl::StrReplaceAll(MlpSpec("elastic", 1), {{"mode: async", "mode: sync"},
                                                           {"num_workers: 2", "num_workers: 3"}}));
   const CliResult submit = SubmitWhenPlaced(spec);
@@ -433,7 +426,7 @@ TEST_F(ControlPlaneTest, SyncJobReformsItsGroupWhenAWorkerDies) {
 
 TEST_F(ControlPlaneTest, RestartedCoordinatorKnowsTheJobAndItCompletes) {
   StartCluster();
-  const std::string spec = WriteSpec("mlp", MlpSpec("restarted", 2));
+  const std::string spec = WriteYaml("mlp", MlpSpec("restarted", 2));
   const CliResult submit = SubmitWhenPlaced(spec);
   ASSERT_EQ(submit.code, 0) << submit.out;
   int64_t before = 0;
@@ -475,7 +468,7 @@ TEST_F(ControlPlaneTest, FullStopThenResumeFromCheckpoint) {
   auto w0 = StartServiceWorker("w0");
   auto w1 = StartServiceWorker("w1");
   const std::string spec =
-      WriteSpec("mlp", MlpSpec("resumed", 2, "checkpoint: {every_steps: 100}\n"));
+      WriteYaml("mlp", MlpSpec("resumed", 2, "checkpoint: {every_steps: 100}\n"));
   const CliResult submit = SubmitWhenPlaced(spec);
   ASSERT_EQ(submit.code, 0) << submit.out;
 
@@ -572,7 +565,7 @@ TEST_F(ControlPlaneTest, BadSpecsAreRefusedAndChangeNothing) {
        {"FAILED_PRECONDITION", "5 workers"}},
   };
   for (const Case& c : cases) {
-    CliResult r = Cli({"submit", WriteSpec(c.name, c.yaml)});
+    CliResult r = Cli({"submit", WriteYaml(c.name, c.yaml)});
     EXPECT_EQ(r.code, c.code) << c.name << ": " << r.out;
     for (const std::string& s : c.says) {
       EXPECT_TRUE(absl::StrContains(r.out, s))

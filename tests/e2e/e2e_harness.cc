@@ -34,6 +34,7 @@ using testutil::MakeTestDir;
 using testutil::ReadFile;
 using testutil::RunfilePath;
 using testutil::WaitForPortFile;
+using testutil::WriteFile;
 
 const std::vector<std::pair<std::string, std::string>>& ChildEnv() {
   static const auto* env = new std::vector<std::pair<std::string, std::string>>{
@@ -223,6 +224,12 @@ bool E2eHarness::WaitForLog(Subprocess* proc, const std::function<bool(const std
 
 std::string E2eHarness::ServersFlag() const {
   return "--servers=" + absl::StrJoin(addresses_, ",");
+}
+
+std::string E2eHarness::WriteYaml(const std::string& name, const std::string& yaml) {
+  const std::string path = absl::StrCat(dir_, "/", name, ".yaml");
+  EXPECT_OK(WriteFile(path, yaml));
+  return path;
 }
 
 }  // namespace e2e

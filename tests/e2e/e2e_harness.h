@@ -88,6 +88,9 @@ class E2eHarness : public ::testing::Test {
 
   std::string ServersFlag() const;
 
+  // Writes `yaml` to <dir>/<name>.yaml (a job spec) and returns the path.
+  std::string WriteYaml(const std::string& name, const std::string& yaml);
+
   std::string server_bin_, worker_bin_, dir_;
   std::vector<std::string> logs_;
   std::vector<std::unique_ptr<Subprocess>> servers_;

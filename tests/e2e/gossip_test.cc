@@ -39,6 +39,7 @@ namespace {
 
 using testutil::LinesWith;
 using testutil::LogField;
+using testutil::Ptrs;
 using testutil::ReadFile;
 
 constexpr int kWorkers = 4;
@@ -71,11 +72,7 @@ class GossipE2eTest : public E2eHarness {
     }
   }
 
-  std::vector<Subprocess*> Procs() {
-    std::vector<Subprocess*> p;
-    for (auto& w : workers_) p.push_back(w.get());
-    return p;
-  }
+  std::vector<Subprocess*> Procs() { return Ptrs(workers_); }
 
   std::string Log(int r) { return ReadFile(workers_[r]->log_path()); }
 

@@ -39,12 +39,9 @@
 namespace gradmesh {
 namespace {
 
-using testutil::LastLines;
 using testutil::LinesWith;
 using testutil::LogField;
-using testutil::MakeTestDir;
 using testutil::ReadFile;
-using testutil::RunfilePath;
 using testutil::Subprocess;
 using testutil::WaitForPortFile;
 
@@ -74,30 +71,11 @@ struct WorkerRun {
   std::string error;  // `error=` of the last ERROR line, if any.
 };
 
-class E2eTest : public ::testing::Test {
+// The shared harness (binaries, per-test directory, logs printed on failure), with this test's
+// own way of starting and stopping: all shards at once as shard<i>, a stop that also checks
+// event=shutting_down, and workers that get no --node flag unless a test passes one.
+class E2eTest : public e2e::E2eHarness {
  protected:
-  void SetUp() override {
-    ASSERT_OK_AND_ASSIGN(server_bin_, RunfilePath("server/gradmesh_server"));
-    ASSERT_OK_AND_ASSIGN(worker_bin_, RunfilePath("worker/gradmesh_worker"));
-    ASSERT_OK_AND_ASSIGN(
-        dir_, MakeTestDir(::testing::UnitTest::GetInstance()->current_test_info()->name()));
-  }
-
-  void TearDown() override {
-    if (HasFailure()) {
-      for (const std::string& log : logs_) {
-        std::cerr << "---- " << log << " (last 30 lines) ----\n"
-                  << LastLines(ReadFile(log), 30) << "\n";
-      }
-    }
-    // Subprocess destructors SIGKILL and reap whatever is still running.
-  }
-
-  std::string NewLog(const std::string& name) {
-    logs_.push_back(absl::StrCat(dir_, "/", name, ".log"));
-    return logs_.back();
-  }
-
   // Starts `n` shards on 127.0.0.1 with --port=0; fills servers_ and addresses_.
   void StartServers(int n) {
     for (int s = 0; s < n; ++s) {
@@ -148,11 +126,6 @@ class E2eTest : public ::testing::Test {
     if (!errors.empty()) run.error = LogField(errors.back(), "error").value_or("");
     return run;
   }
-
-  std::string server_bin_, worker_bin_, dir_;
-  std::vector<std::string> logs_;
-  std::vector<std::unique_ptr<Subprocess>> servers_;
-  std::vector<std::string> addresses_;
 };
 
 TEST_F(E2eTest, MlpAsyncTwoShardsTwoWorkers) {

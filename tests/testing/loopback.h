@@ -1,7 +1,7 @@
 // Helpers for tests that run parameter-server shards in process over real gRPC on 127.0.0.1:
 // layouts and values, InitJob requests as the real client builds them, raw RPC wrappers, and
-// an in-process shard server. Shared by tests/ps_service_test.cc and
-// tests/compression_wire_test.cc.
+// an in-process shard server (memory-only or durable). Shared by tests/ps_service_test.cc,
+// tests/compression_wire_test.cc and tests/changes_pull_test.cc.
 #ifndef GRADMESH_TESTS_TESTING_LOOPBACK_H_
 #define GRADMESH_TESTS_TESTING_LOOPBACK_H_
 
@@ -11,13 +11,16 @@
 #include <grpcpp/server_builder.h>
 
 #include <chrono>
+#include <cstdint>
 #include <cstring>
 #include <initializer_list>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
@@ -28,6 +31,7 @@
 #include "rpc/grpc_util.h"
 #include "server/parameter_service.h"
 #include "server/shard.h"
+#include "server/shard_store.h"
 #include "worker/ps/parameter_client.h"
 
 namespace gradmesh {
@@ -46,6 +50,34 @@ inline std::vector<float> Floats(const std::string& b) {
   std::vector<float> v(b.size() / sizeof(float));
   std::memcpy(v.data(), b.data(), v.size() * sizeof(float));
   return v;
+}
+
+inline uint32_t BitsOf(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+
+// Element-wise equality of the bit patterns, reporting the first difference.
+inline ::testing::AssertionResult SameBits(const Values& got, const Values& want) {
+  if (got.size() != want.size()) {
+    return ::testing::AssertionFailure() << got.size() << " tensors vs " << want.size();
+  }
+  for (size_t t = 0; t < got.size(); ++t) {
+    if (got[t].size() != want[t].size()) {
+      return ::testing::AssertionFailure()
+             << "tensor " << t << " sizes " << got[t].size() << " vs " << want[t].size();
+    }
+    for (size_t i = 0; i < got[t].size(); ++i) {
+      if (BitsOf(got[t][i]) != BitsOf(want[t][i])) {
+        return ::testing::AssertionFailure()
+               << "tensor " << t << " element " << i << ": got " << got[t][i] << " ("
+               << absl::StrFormat("0x%08x", BitsOf(got[t][i])) << "), want " << want[t][i] << " ("
+               << absl::StrFormat("0x%08x", BitsOf(want[t][i])) << ")";
+      }
+    }
+  }
+  return ::testing::AssertionSuccess();
 }
 
 inline int64_t Numel(const TensorSpec& t) {
@@ -97,7 +129,8 @@ inline Values Zeros(const JobLayout& l) {
   return v;
 }
 
-// InitJob request for shard `shard` of `num_shards`, as the real client builds it.
+// InitJob request for shard `shard` of `num_shards`, as the real client builds it (the
+// layout's consistency, durability, staleness damping and barrier timeout included).
 inline InitJobRequest MakeInitRequest(const JobLayout& l, int32_t num_shards, int32_t shard,
                                       const Values& init) {
   InitJobRequest r;
@@ -109,6 +142,9 @@ inline InitJobRequest MakeInitRequest(const JobLayout& l, int32_t num_shards, in
   *r.mutable_optimizer() = l.optimizer;
   r.set_consistency(l.consistency);
   r.set_num_workers(l.num_workers);
+  *r.mutable_durability() = l.durability;
+  r.set_staleness_damping(l.staleness_damping);
+  r.set_barrier_timeout_s(l.barrier_timeout_s);
   Partition p = MakePartition(l, num_shards);
   for (int64_t idx : p.shard_chunks(shard)) {
     const ChunkInfo& c = p.chunks()[idx];
@@ -149,11 +185,14 @@ inline Values OddInit(const JobLayout& l) {
   return v;
 }
 
+// Client options with short deadlines and backoff; `pull_codec` "" pulls dense float32.
 inline GrpcParameterClientOptions ClientOptions(std::vector<std::string> servers,
-                                                int32_t worker = 0) {
+                                                int32_t worker = 0,
+                                                const std::string& pull_codec = "") {
   GrpcParameterClientOptions o;
   o.servers = std::move(servers);
   o.worker = worker;
+  o.pull_codec = pull_codec;
   o.rpc_deadline = absl::Seconds(10);
   o.max_attempts = 3;
   o.initial_backoff = absl::Milliseconds(10);
@@ -169,12 +208,18 @@ struct TestServer {
   int port = 0;
   std::string addr;
 
-  ~TestServer() {
+  // Shuts the server down (1 s grace) and destroys service and shard, as a crash-free process
+  // exit would; a durable shard's store can then be reopened. Idempotent.
+  void Stop() {
     if (server != nullptr) {
       server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
       server->Wait();
+      server.reset();
     }
+    service.reset();
+    shard.reset();
   }
+  ~TestServer() { Stop(); }
 };
 
 // Sends a push on a raw stub; `resp` may be null.
@@ -199,10 +244,13 @@ inline std::string Snapshot(Stub* stub, const std::string& job) {
   return out;
 }
 
-// Starts a server on 127.0.0.1:`port` (0 = any free port). Returns null on failure.
-inline std::unique_ptr<TestServer> StartServer(RpcOptions rpc = RpcOptions(), int port = 0) {
+// Starts a server over a shard made with `options` on 127.0.0.1:`port` (0 = any free port).
+// Returns null on failure (a shard that cannot be made is also a test failure).
+inline std::unique_ptr<TestServer> StartShardServer(ShardOptions options,
+                                                    RpcOptions rpc = RpcOptions(), int port = 0) {
   auto s = std::make_unique<TestServer>();
-  auto shard = Shard::Create(ShardOptions());
+  auto shard = Shard::Create(std::move(options));
+  EXPECT_TRUE(shard.ok()) << shard.status();
   if (!shard.ok()) return nullptr;
   s->shard = std::move(shard).value();
   s->service = std::make_unique<ParameterServiceImpl>(s->shard.get());
@@ -215,6 +263,24 @@ inline std::unique_ptr<TestServer> StartServer(RpcOptions rpc = RpcOptions(), in
   if (s->server == nullptr || s->port == 0) return nullptr;
   s->addr = absl::StrCat("127.0.0.1:", s->port);
   return s;
+}
+
+// A memory-only shard server on 127.0.0.1:`port` (0 = any free port). Null on failure.
+inline std::unique_ptr<TestServer> StartServer(RpcOptions rpc = RpcOptions(), int port = 0) {
+  return StartShardServer(ShardOptions(), std::move(rpc), port);
+}
+
+// A durable shard server whose store is (re)opened in `store_dir`: after Stop(), a new one on
+// the same directory recovers the jobs. Null on failure (a store that cannot be opened is also
+// a test failure).
+inline std::unique_ptr<TestServer> StartDurableServer(const std::string& store_dir,
+                                                      RpcOptions rpc = RpcOptions(), int port = 0) {
+  ShardOptions options;
+  auto store = ShardStore::Open(store_dir, {});
+  EXPECT_TRUE(store.ok()) << store.status();
+  if (!store.ok()) return nullptr;
+  options.store = std::move(store).value();
+  return StartShardServer(std::move(options), std::move(rpc), port);
 }
 
 // Fixture: two in-process shards and a raw stub to each.

@@ -261,6 +261,21 @@ std::string ReadFile(const std::string& path) {
   return ss.str();
 }
 
+absl::Status WriteFile(const std::string& path, absl::string_view contents) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  if (out) out.write(contents.data(), static_cast<std::streamsize>(contents.size()));
+  out.close();
+  if (!out) return absl::InternalError(absl::StrCat("WriteFile: cannot write ", path));
+  return absl::OkStatus();
+}
+
+std::vector<Subprocess*> Ptrs(const std::vector<std::unique_ptr<Subprocess>>& procs) {
+  std::vector<Subprocess*> out;
+  out.reserve(procs.size());
+  for (const auto& p : procs) out.push_back(p.get());
+  return out;
+}
+
 std::optional<std::string> LogField(absl::string_view line, absl::string_view key) {
   size_t i = 0;
   const size_t n = line.size();
@@ -344,6 +359,15 @@ absl::StatusOr<std::string> MakeTestDir(const std::string& name) {
     return absl::InternalError(absl::StrCat("MakeTestDir: mkdir ", dir, ": ", ErrnoText(errno)));
   }
   return dir;
+}
+
+absl::StatusOr<std::string> MakeUniqueTestDir(const std::string& prefix) {
+  std::string tmpl = absl::StrCat(TestTmpDir(), "/", prefix, ".XXXXXX");
+  if (mkdtemp(tmpl.data()) == nullptr) {
+    return absl::InternalError(
+        absl::StrCat("MakeUniqueTestDir: mkdtemp ", tmpl, ": ", ErrnoText(errno)));
+  }
+  return tmpl;
 }
 
 }  // namespace testutil

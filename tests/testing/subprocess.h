@@ -91,6 +91,14 @@ absl::StatusOr<int> WaitForPortFile(const std::string& path, absl::Duration time
 // Whole contents of a file; "" if it cannot be read.
 std::string ReadFile(const std::string& path);
 
+// Creates or truncates `path` and writes `contents` to it. Internal (naming the path) if it
+// cannot be written.
+absl::Status WriteFile(const std::string& path, absl::string_view contents);
+
+// The raw pointers of `procs`, in order (null stays null); for functions that take a set of
+// processes without owning them.
+std::vector<Subprocess*> Ptrs(const std::vector<std::unique_ptr<Subprocess>>& procs);
+
 // The value of `key` in a structured log line (common/logging.h): `... key=value ...` or
 // `key="quoted value"` (with \" \\ \n unescaped). nullopt if the line has no such key. Only
 // whole keys match ("step" does not match "steps=1"). The first occurrence wins.
@@ -112,6 +120,10 @@ std::string TestTmpDir();
 
 // Creates (if needed) and returns TestTmpDir()/<name>; for per-test logs and port files.
 absl::StatusOr<std::string> MakeTestDir(const std::string& name);
+
+// Creates a new, empty directory TestTmpDir()/<prefix>.XXXXXX (mkdtemp) and returns it; each
+// call gets its own, so state from an earlier run or call (a durable store) is never reused.
+absl::StatusOr<std::string> MakeUniqueTestDir(const std::string& prefix);
 
 }  // namespace testutil
 }  // namespace gradmesh

@@ -1,6 +1,7 @@
 #include "tests/testing/subprocess.h"
 
 #include <signal.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -160,6 +161,43 @@ TEST(RunfilePathTest, FindsOwnDataAndRejectsMissing) {
   EXPECT_NE(ReadFile(self).find("RunfilePathTest"), std::string::npos);
   EXPECT_STATUS(RunfilePath("tests/testing/no_such_file"), absl::StatusCode::kNotFound);
   EXPECT_FALSE(TestTmpDir().empty());
+}
+
+TEST(WriteFileTest, WritesReplacesAndReportsFailure) {
+  const std::string path = Dir() + "/w.txt";
+  ASSERT_OK(WriteFile(path, std::string("a\0b\n", 4)));
+  EXPECT_EQ(ReadFile(path), std::string("a\0b\n", 4));
+  ASSERT_OK(WriteFile(path, "c"));  // truncates
+  EXPECT_EQ(ReadFile(path), "c");
+  EXPECT_STATUS_MSG(WriteFile(Dir() + "/no_such_dir/x", "y"), absl::StatusCode::kInternal,
+                    "no_such_dir/x");
+}
+
+TEST(PtrsTest, KeepsOrderAndNulls) {
+  std::vector<std::unique_ptr<Subprocess>> procs;
+  EXPECT_TRUE(Ptrs(procs).empty());
+  ASSERT_OK_AND_ASSIGN(auto a, Subprocess::Start({"true"}));
+  ASSERT_OK_AND_ASSIGN(auto b, Subprocess::Start({"true"}));
+  Subprocess* const pa = a.get();
+  Subprocess* const pb = b.get();
+  procs.push_back(std::move(a));
+  procs.push_back(nullptr);
+  procs.push_back(std::move(b));
+  EXPECT_EQ(Ptrs(procs), (std::vector<Subprocess*>{pa, nullptr, pb}));
+}
+
+TEST(MakeUniqueTestDirTest, EachCallMakesANewEmptyDirectory) {
+  ASSERT_OK_AND_ASSIGN(std::string a, MakeUniqueTestDir("store"));
+  ASSERT_OK_AND_ASSIGN(std::string b, MakeUniqueTestDir("store"));
+  EXPECT_NE(a, b);
+  EXPECT_EQ(a.rfind(TestTmpDir() + "/store.", 0), 0u) << a;
+  struct stat st;
+  ASSERT_EQ(stat(a.c_str(), &st), 0) << a;
+  EXPECT_TRUE(S_ISDIR(st.st_mode));
+  std::ofstream(a + "/f") << "x";
+  EXPECT_EQ(ReadFile(a + "/f"), "x");
+  EXPECT_EQ(ReadFile(b + "/f"), "");  // b is not a reuse of a
+  EXPECT_STATUS(MakeUniqueTestDir("no_such_dir/store"), absl::StatusCode::kInternal);
 }
 
 }  // namespace
