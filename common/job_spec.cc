@@ -208,7 +208,8 @@ void ApplyJobSpecDefaults(int num_servers, JobSpec* spec) {
   // In the ps modes a checkpoint is a durable snapshot of the shards: every_steps steps of
   // every worker are every_steps updates in sync mode and about every_steps * num_workers
   // pushes otherwise.
-  if (spec->checkpoint().every_steps() > 0 && IsPsMode(spec->mode())) {
+  const Mode mode = SpecMode(*spec);
+  if (spec->checkpoint().every_steps() > 0 && IsPsMode(mode)) {
     if (d->mode().empty() || d->mode() == "none") {
       d->set_mode("periodic");
       // Checkpoints at exactly those steps, not also every 30 s.
@@ -216,7 +217,7 @@ void ApplyJobSpecDefaults(int num_servers, JobSpec* spec) {
     }
     if (d->snapshot_every_updates() == 0) {
       d->set_snapshot_every_updates(spec->checkpoint().every_steps() *
-                                    (spec->mode() == "sync" ? 1 : spec->num_workers()));
+                                    (mode == Mode::kSync ? 1 : spec->num_workers()));
     }
   }
   if (d->mode().empty()) d->set_mode("none");
@@ -340,6 +341,11 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
         absl::StrCat("job spec: sync_lr_scaling \"", scaling, "\" is not one of linear, none"));
   }
   return absl::OkStatus();
+}
+
+Mode SpecMode(const JobSpec& spec) {
+  absl::StatusOr<Mode> m = ParseMode(spec.mode().empty() ? "async" : spec.mode());
+  return m.ok() ? *m : Mode::kAsync;
 }
 
 bool IsPsMode(const std::string& mode) {

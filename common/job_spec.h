@@ -12,6 +12,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "common/mode.h"
 #include "proto/gradmesh.pb.h"
 
 namespace gradmesh {
@@ -29,7 +30,12 @@ void ApplyJobSpecDefaults(int num_servers, JobSpec* spec);
 // Checks ranges and names. InvalidArgument naming the field and what is allowed.
 absl::Status ValidateJobSpec(const JobSpec& spec);
 
+// The spec's mode as an enum (common/mode.h), for a spec that ValidateJobSpec accepted (an unset
+// mode is async; an invalid one also reads as async, so validate first).
+Mode SpecMode(const JobSpec& spec);
+
 // True for the modes that train through parameter-server shards: async (or ps), ssp:<s>, sync.
+// For mode strings at the edges (flags); code with a spec uses IsPsMode(SpecMode(spec)).
 bool IsPsMode(const std::string& mode);
 
 // The spec as single-line JSON (for logs and for sending to other processes).

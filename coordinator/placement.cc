@@ -54,7 +54,7 @@ absl::Status NotEnoughWorkers(const PlacementInput& in, bool one_per_node) {
 
 // num_shards distinct least-loaded server nodes with a free slot (none for peer modes).
 absl::StatusOr<std::vector<std::string>> PlaceShards(const PlacementInput& in) {
-  if (!IsPsMode(in.spec.mode()) || in.skip_shards) return std::vector<std::string>{};
+  if (!IsPsMode(SpecMode(in.spec)) || in.skip_shards) return std::vector<std::string>{};
   std::vector<NodeLoad> candidates;
   for (const NodeLoad& n : in.servers) {
     if (n.free() > 0) candidates.push_back(n);
@@ -156,11 +156,12 @@ absl::StatusOr<std::unique_ptr<PlacementStrategy>> PlacementRegistry::Create(
 }
 
 std::string DefaultPlacementFor(const JobSpec& spec) {
-  return spec.mode() == "allreduce" ? "pack" : "spread";
+  return SpecMode(spec) == Mode::kAllreduce ? "pack" : "spread";
 }
 
 bool OneRankPerNode(const JobSpec& spec) {
-  return spec.mode() == "gossip" || spec.mode() == "allreduce";
+  const Mode mode = SpecMode(spec);
+  return mode == Mode::kGossip || mode == Mode::kAllreduce;
 }
 
 std::optional<std::string> PickReplacement(const std::vector<NodeLoad>& candidates) {

@@ -197,7 +197,7 @@ absl::StatusOr<WorkerMainOptions> ParseOptions() {
   for (absl::string_view s : absl::StrSplit(absl::GetFlag(FLAGS_peers), ',', absl::SkipEmpty())) {
     o.trainer.peers.emplace_back(s);
   }
-  const bool ps = spec.mode().empty() || IsPsMode(spec.mode());
+  const bool ps = IsPsMode(SpecMode(spec));
   if (ps && o.client.servers.empty()) {
     return absl::InvalidArgumentError("--servers is required (host:port of each shard)");
   }
@@ -373,7 +373,7 @@ int Run() {
   std::unique_ptr<grpc::Server> peer_server;
   // gossip/allreduce: serve this rank's peer service before training starts (after
   // Trainer::Create has checked the rank and that --peers names every worker).
-  if (!o.trainer.peers.empty() && !IsPsMode(o.trainer.spec.mode())) {
+  if (!o.trainer.peers.empty() && !IsPsMode(SpecMode(o.trainer.spec))) {
     const std::string& address = o.trainer.peers[o.trainer.rank];
     RpcOptions rpc;
     rpc.max_message_bytes = absl::GetFlag(FLAGS_max_message_mb) << 20;
