@@ -27,15 +27,6 @@ void PutVarint(uint64_t v, std::string* out) {
   out->push_back(static_cast<char>(v));
 }
 
-size_t VarintSize(uint64_t v) {
-  size_t n = 1;
-  while (v >= 0x80) {
-    v >>= 7;
-    ++n;
-  }
-  return n;
-}
-
 // Appends an int field (skipped when zero, as proto3 does).
 void PutIntField(uint32_t field, int64_t v, std::string* out) {
   if (v == 0) return;
