@@ -451,6 +451,11 @@ void Coordinator::RecordHistoryLocked(JobEntry* job) {
   point.set_loss(p.loss());
   point.set_accuracy(p.accuracy());
   point.set_samples_per_s(p.samples_per_s());
+  // Ranks that finished report no rate: a job whose ranks are all done keeps its last one.
+  const auto& points = job->record.history().points();
+  if (!(p.samples_per_s() > 0) && !points.empty()) {
+    point.set_samples_per_s(points[points.size() - 1].samples_per_s());
+  }
   AddHistoryPoint(std::move(point), options_.history_capacity, job->record.mutable_history());
 }
 

