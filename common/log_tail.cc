@@ -1,9 +1,13 @@
 // Bounded log tail (see log_tail.h).
 #include "common/log_tail.h"
 
+#include <algorithm>
+
 namespace gradmesh {
 
-int64_t LogTail::Append(std::string line) {
+int64_t LogTail::Append(std::string line) { return AppendAs(0, std::move(line)); }
+
+int64_t LogTail::AppendAs(int64_t sequence, std::string line) {
   if (line.size() > options_.max_line_bytes) {
     const size_t keep = options_.max_line_bytes > 3 ? options_.max_line_bytes - 3 : 0;
     line.resize(keep);
@@ -11,7 +15,8 @@ int64_t LogTail::Append(std::string line) {
   }
   absl::MutexLock lock(&mu_);
   bytes_ += line.size();
-  lines_.emplace_back(++last_, std::move(line));
+  last_ = std::max(sequence, last_ + 1);
+  lines_.emplace_back(last_, std::move(line));
   while (!lines_.empty() && (lines_.size() > options_.max_lines || bytes_ > options_.max_bytes)) {
     bytes_ -= lines_.front().second.size();
     lines_.pop_front();

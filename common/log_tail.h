@@ -36,6 +36,9 @@ class LogTail {
 
   // Appends `line` (cut to max_line_bytes) and returns its sequence number.
   int64_t Append(std::string line) ABSL_LOCKS_EXCLUDED(mu_);
+  // Appends `line` under a sequence number the caller chose (e.g. one counter over several
+  // tails); a number not above last_sequence() is raised to last_sequence() + 1. Returns it.
+  int64_t AppendAs(int64_t sequence, std::string line) ABSL_LOCKS_EXCLUDED(mu_);
   // The kept lines with sequence > `after`, oldest first; when there are more than
   // `max_lines` of them or they exceed `max_bytes`, the oldest of them (a gap in the sequence
   // numbers tells a reader that lines were skipped).

@@ -38,6 +38,15 @@ TEST(LogTailTest, SinceTakesTheOldestWithinItsLimits) {
   EXPECT_EQ(tail.Since(2, 10, /*max_bytes=*/2), Lines{});
 }
 
+TEST(LogTailTest, AppendAsTakesTheCallersSequenceIfItIncreases) {
+  LogTail tail({});
+  EXPECT_EQ(tail.AppendAs(10, "a"), 10);
+  EXPECT_EQ(tail.AppendAs(12, "b"), 12);
+  EXPECT_EQ(tail.AppendAs(5, "c"), 13);  // Not above 12: raised.
+  EXPECT_EQ(tail.Append("d"), 14);
+  EXPECT_EQ(tail.Since(11), (Lines{{12, "b"}, {13, "c"}, {14, "d"}}));
+}
+
 TEST(LogTailTest, CutsLongLines) {
   LogTail tail({/*max_lines=*/10, /*max_bytes=*/100, /*max_line_bytes=*/8});
   tail.Append("0123456789abc");

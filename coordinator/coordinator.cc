@@ -650,7 +650,28 @@ absl::StatusOr<RegisterResponse> Coordinator::Register(const RegisterRequest& re
   return response;
 }
 
+void Coordinator::AppendLogsLocked(const NodeEntry& node, const TaskReport& report) {
+  auto it = jobs_.find(report.job_id());
+  if (it == jobs_.end() || report.log_lines().empty()) return;
+  JobEntry* job = &it->second;
+  const JobStatus& st = job->record.status();
+  const int index = report.index();
+  if (node.record.info().role() != WORKER || index < 0 || index >= st.workers_size() ||
+      st.workers(index).node() != node.record.info().name()) {
+    return;
+  }
+  if (job->rank_logs.size() < static_cast<size_t>(st.workers_size())) {
+    job->rank_logs.resize(st.workers_size());
+  }
+  std::shared_ptr<LogTail>& tail = job->rank_logs[index];
+  if (tail == nullptr) tail = std::make_shared<LogTail>(LogTail::Options());
+  for (const std::string& line : report.log_lines()) {
+    job->log_sequence = tail->AppendAs(job->log_sequence + 1, line);
+  }
+}
+
 void Coordinator::ApplyReportLocked(const NodeEntry& node, const TaskReport& report) {
+  AppendLogsLocked(node, report);
   auto it = jobs_.find(report.job_id());
   if (it == jobs_.end()) return;
   JobEntry* job = &it->second;
@@ -938,6 +959,43 @@ absl::StatusOr<JobStatus> Coordinator::SubmitJob(const SubmitJobRequest& request
        Kv("shards", absl::StrJoin(placement.shard_nodes, ",")),
        Kv("workers", absl::StrJoin(placement.worker_nodes, ",")), Kv("generation", generation)});
   return entry.record.status();
+}
+
+absl::StatusOr<GetLogsResponse> Coordinator::GetLogs(const std::string& job_id, int rank,
+                                                     int64_t after_sequence) {
+  absl::MutexLock lock(&mu_);
+  auto it = jobs_.find(job_id);
+  if (it == jobs_.end()) {
+    return absl::NotFoundError(absl::StrCat("job \"", job_id, "\" not found"));
+  }
+  const JobEntry& job = it->second;
+  const int n = job.record.status().workers_size();
+  if (rank < -1 || rank >= n) {
+    return absl::InvalidArgumentError(absl::StrCat("rank ", rank, " is out of range: job \"",
+                                                   job_id, "\" has ranks 0..", n - 1,
+                                                   " (-1 or no rank: every rank)"));
+  }
+  std::vector<LogLine> lines;
+  for (int r = 0; r < static_cast<int>(job.rank_logs.size()); ++r) {
+    if ((rank >= 0 && r != rank) || job.rank_logs[r] == nullptr) continue;
+    for (auto& [seq, text] : job.rank_logs[r]->Since(after_sequence)) {
+      LogLine& l = lines.emplace_back();
+      l.set_rank(r);
+      l.set_sequence(seq);
+      l.set_text(std::move(text));
+    }
+  }
+  std::sort(lines.begin(), lines.end(),
+            [](const LogLine& a, const LogLine& b) { return a.sequence() < b.sequence(); });
+  GetLogsResponse out;
+  size_t bytes = 0;
+  for (LogLine& l : lines) {
+    if (out.lines_size() >= kMaxLogLinesPerCall || bytes + l.text().size() > (1 << 20)) break;
+    bytes += l.text().size();
+    *out.add_lines() = std::move(l);
+  }
+  out.set_state(job.record.status().state());
+  return out;
 }
 
 absl::StatusOr<coordinator_state::JobHistory> Coordinator::GetJobHistory(

@@ -97,6 +97,13 @@
 // job's record, so it is written with the job's progress (same rate limit) and restored after a
 // restart. A resumed job starts a new history.
 //
+// # Logs
+//
+// Worker reports carry their task's new log lines (TaskReport.log_lines). Those from the
+// rank's current node are kept in memory in a LogTail per (job, rank) (the last 200 lines /
+// 64 KiB; common/log_tail.h), also after the job ended, numbered by one counter per job;
+// GetLogs reads them. They are not persisted: a restarted coordinator starts empty tails.
+//
 // # Failures
 //
 // * Dead worker node: each of its unfinished ranks of active jobs moves to the least-loaded
@@ -147,6 +154,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/log_tail.h"
 #include "common/logging.h"
 #include "coordinator/clock.h"
 #include "coordinator/coordinator_store.h"
@@ -203,6 +211,13 @@ class Coordinator {
   absl::StatusOr<JobStatus> CancelJob(const std::string& job_id);
   // The job's progress history (see "# History" above). NOT_FOUND for an unknown id.
   absl::StatusOr<coordinator_state::JobHistory> GetJobHistory(const std::string& job_id);
+  // The job's log lines (see "# Logs" above) of rank `rank` (-1: every rank) with a sequence
+  // number above `after_sequence`, ascending, at most kMaxLogLinesPerCall lines / 1 MiB (the
+  // oldest; call again for the rest), and the job's state. NOT_FOUND for an unknown id;
+  // INVALID_ARGUMENT for a rank outside -1..num_workers-1.
+  absl::StatusOr<GetLogsResponse> GetLogs(const std::string& job_id, int rank,
+                                          int64_t after_sequence);
+  static constexpr int kMaxLogLinesPerCall = 2000;
   // Every registered node (info and liveness as last decided), by name.
   std::vector<coordinator_state::NodeRecord> ListNodes();
 
@@ -239,6 +254,10 @@ class Coordinator {
     int64_t last_persist_ms = 0;
     bool dirty = false;  // Progress changed since the last write.
     std::vector<std::pair<int64_t, int64_t>> step_samples;  // (ms, job step), for eta.
+    // Index = rank: the last log lines the rank's heartbeats brought (memory only), numbered
+    // by log_sequence across the job's ranks.
+    std::vector<std::shared_ptr<LogTail>> rank_logs;
+    int64_t log_sequence = 0;
     // Index = rank: each rank's state, parsed once when the record entered (submit, load).
     // record.status().workers(r).state() is its name, kept equal by SetRankState.
     std::vector<TaskState> rank_states;
@@ -269,6 +288,9 @@ class Coordinator {
   void BumpGenerationLocked(JobEntry* job, bool all_ranks, bool all_shards, int rank)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ApplyReportLocked(const NodeEntry& node, const TaskReport& report)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Appends a worker report's log lines to its rank's tail (from the rank's current node).
+  void AppendLogsLocked(const NodeEntry& node, const TaskReport& report)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void SetStateLocked(JobEntry* job, JobState state, const std::string& message)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -638,6 +638,61 @@ TEST_F(CoordinatorTest, HistoryIsBoundedAndRestoredAfterRestart) {
                     "job \"nope\" not found");
 }
 
+// Log lines from the rank's node are kept per rank (bounded), numbered across the job's
+// ranks, readable after the job ended; errors for unknown jobs and ranks out of range.
+TEST_F(CoordinatorTest, LogsArePerRankBoundedAndNumberedAcrossRanks) {
+  Cluster();
+  ASSERT_OK(Submit(Spec("j", "async", 2, 1)));
+  const std::vector<std::string> nodes = WorkerNodes(Get("j"));
+  TaskReport r0 = Report("j", 0, "running", 1);
+  r0.add_log_lines("r0 a");
+  r0.add_log_lines("r0 b");
+  Beat(nodes[0], {r0});
+  TaskReport r1 = Report("j", 1, "running", 1);
+  r1.add_log_lines("r1 a");
+  Beat(nodes[1], {r1});
+  // From a node that does not hold the rank: ignored.
+  TaskReport stray = Report("j", 1, "running", 1);
+  stray.add_log_lines("stray");
+  Beat(nodes[0], {stray});
+  ASSERT_OK_AND_ASSIGN(GetLogsResponse all, core_->GetLogs("j", -1, 0));
+  ASSERT_EQ(all.lines_size(), 3);
+  EXPECT_EQ(all.state(), RUNNING);
+  const int ranks[] = {0, 0, 1};
+  const char* texts[] = {"r0 a", "r0 b", "r1 a"};
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(all.lines(i).rank(), ranks[i]);
+    EXPECT_EQ(all.lines(i).sequence(), i + 1);
+    EXPECT_EQ(all.lines(i).text(), texts[i]);
+  }
+  ASSERT_OK_AND_ASSIGN(GetLogsResponse one, core_->GetLogs("j", 1, 0));
+  ASSERT_EQ(one.lines_size(), 1);
+  EXPECT_EQ(one.lines(0).sequence(), 3);
+  ASSERT_OK_AND_ASSIGN(GetLogsResponse after, core_->GetLogs("j", -1, 2));
+  ASSERT_EQ(after.lines_size(), 1);
+  EXPECT_EQ(after.lines(0).text(), "r1 a");
+  // Bounded: 250 more lines of rank 0 keep its last 200; the final report's lines count.
+  TaskReport more = Report("j", 0, "succeeded", 100);
+  for (int i = 0; i < 250; ++i) more.add_log_lines(absl::StrCat("line ", i));
+  Beat(nodes[0], {more});
+  ASSERT_OK_AND_ASSIGN(GetLogsResponse r0_logs, core_->GetLogs("j", 0, 0));
+  ASSERT_EQ(r0_logs.lines_size(), 200);
+  EXPECT_EQ(r0_logs.lines(0).text(), "line 50");
+  EXPECT_EQ(r0_logs.lines(0).sequence(), 54);
+  EXPECT_EQ(r0_logs.lines(199).text(), "line 249");
+  EXPECT_EQ(r0_logs.lines(199).sequence(), 253);
+  Beat(nodes[1], {Report("j", 1, "succeeded", 100)});
+  ASSERT_OK_AND_ASSIGN(GetLogsResponse done, core_->GetLogs("j", 1, 0));
+  EXPECT_EQ(done.state(), SUCCEEDED);
+  EXPECT_EQ(done.lines_size(), 1);
+  EXPECT_STATUS_MSG(core_->GetLogs("nope", -1, 0), absl::StatusCode::kNotFound,
+                    "job \"nope\" not found");
+  EXPECT_STATUS_MSG(core_->GetLogs("j", 2, 0), absl::StatusCode::kInvalidArgument,
+                    "rank 2 is out of range: job \"j\" has ranks 0..1 (-1 or no rank: every rank)");
+  EXPECT_STATUS_MSG(core_->GetLogs("j", -2, 0), absl::StatusCode::kInvalidArgument,
+                    "rank -2 is out of range");
+}
+
 TEST_F(CoordinatorTest, RestartKeepsJobsNodesAndPlacements) {
   Cluster();
   ASSERT_OK(Submit(Spec("j", "async", 2, 1)));

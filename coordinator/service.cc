@@ -45,6 +45,16 @@ grpc::Status JobServiceImpl::ListJobs(grpc::ServerContext* context,
   return grpc::Status::OK;
 }
 
+grpc::Status JobServiceImpl::GetLogs(grpc::ServerContext* context, const GetLogsRequest* request,
+                                     GetLogsResponse* response) {
+  GM_CHECK_AUTH(context);
+  absl::StatusOr<GetLogsResponse> logs =
+      coordinator_->GetLogs(request->job_id(), request->rank(), request->after_sequence());
+  if (!logs.ok()) return ToGrpcStatus(logs.status());
+  *response = std::move(logs).value();
+  return grpc::Status::OK;
+}
+
 grpc::Status JobServiceImpl::CancelJob(grpc::ServerContext* context,
                                        const CancelJobRequest* request, JobStatus* response) {
   GM_CHECK_AUTH(context);

@@ -28,6 +28,8 @@ class JobServiceImpl final : public JobService::Service {
 
   grpc::Status SubmitJob(grpc::ServerContext* context, const SubmitJobRequest* request,
                          SubmitJobResponse* response) override;
+  grpc::Status GetLogs(grpc::ServerContext* context, const GetLogsRequest* request,
+                       GetLogsResponse* response) override;
   grpc::Status GetJob(grpc::ServerContext* context, const GetJobRequest* request,
                       JobStatus* response) override;
   grpc::Status ListJobs(grpc::ServerContext* context, const ListJobsRequest* request,
