@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <memory>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
@@ -324,6 +325,41 @@ int RunCancel(Session& s) {
   return kExitOk;
 }
 
+// Prints lines as "[rank R] TEXT" (every rank) or "TEXT" (one rank); returns the last
+// sequence printed (`after` if none).
+int64_t PrintLogLines(Session& s, const GetLogsResponse& logs, bool all_ranks, int64_t after) {
+  for (const LogLine& l : logs.lines()) {
+    if (all_ranks) s.out() << "[rank " << l.rank() << "] ";
+    s.out() << l.text() << "\n";
+    after = l.sequence();
+  }
+  s.out().flush();
+  return after;
+}
+
+int RunLogs(Session& s) {
+  const std::string& job_id = s.arg(0);
+  int rank = -1;
+  if (const std::string r = s.args.Get("rank"); !r.empty()) {
+    if (!absl::SimpleAtoi(r, &rank) || rank < 0) {
+      return UsageError(s,
+                        absl::StrCat("--rank must be a rank number (0, 1, ...), not \"", r, "\""),
+                        "gradmesh logs");
+    }
+  }
+  const bool follow = s.args.Bool("follow");
+  int64_t after = 0;
+  while (true) {
+    absl::StatusOr<GetLogsResponse> logs = s.client->GetLogs(job_id, rank, after);
+    if (!logs.ok()) return CoordinatorError(s, logs.status());
+    after = PrintLogLines(s, *logs, rank < 0, after);
+    // A full answer may have more behind it: ask again at once.
+    if (logs->lines_size() >= 2000) continue;
+    if (!follow || IsFinalState(logs->state())) return kExitOk;
+    absl::SleepFor(s.options.logs_poll_interval);
+  }
+}
+
 int RunExport(Session& s) {
   const std::string& job_id = s.arg(0);
   const std::string out_path = s.args.Get("out");
@@ -455,6 +491,24 @@ std::vector<Command> Commands() {
        "  gradmesh cancel mnist-mlp\n",
        {},
        &RunCancel},
+      {"logs",
+       "JOB",
+       1,
+       1,
+       "Show the last log lines of a job's workers",
+       "Prints the last log lines (the Logger events: task_start, progress, evaluated,\n"
+       "task_end, ...) of the job's ranks, as the coordinator received them with the workers'\n"
+       "heartbeats: up to 200 lines / 64 KiB per rank, kept in the coordinator's memory (a\n"
+       "restarted coordinator has only the lines since). Lines of every rank are prefixed\n"
+       "with [rank R]; --rank shows one rank's lines only. --follow keeps printing new lines\n"
+       "(polling every second) until the job ends.\n"
+       "\n"
+       "Examples:\n"
+       "  gradmesh logs mnist-mlp\n"
+       "  gradmesh logs mnist-mlp --rank 1 --follow\n",
+       {{"rank", true, "R", "only rank R's lines"},
+        {"follow", false, "", "keep printing new lines until the job ends"}},
+       &RunLogs},
       {"export",
        "JOB",
        1,

@@ -57,6 +57,8 @@ struct CliOptions {
   // `watch` reconnecting after the stream broke: first wait, doubling up to the max.
   absl::Duration reconnect_initial_backoff = absl::Milliseconds(250);
   absl::Duration reconnect_max_backoff = absl::Seconds(5);
+  // `logs --follow`: time between two GetLogs calls.
+  absl::Duration logs_poll_interval = absl::Seconds(1);
 };
 
 // Runs one command line (`args` without the program name) and returns the exit code.

@@ -11,6 +11,7 @@
 #include <fstream>
 #include <sstream>
 #include <thread>
+#include <tuple>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -165,6 +166,7 @@ TEST_F(CliTest, UsageErrorsExit2WithoutAnyCall) {
       {{}, "error: no command given\n"},
       {{"frobnicate"},
        "error: unknown command \"frobnicate\" (commands: submit, list, status, watch, cancel, "
+       "logs, "
        "export)\nRun 'gradmesh --help' for usage.\n"},
       {{"--bogus", "list"}, "error: unknown flag --bogus\nRun 'gradmesh --help' for usage.\n"},
       {{"list", "--bogus=1"},
@@ -534,6 +536,66 @@ TEST_F(CliTest, WatchOnTerminalRedrawsOneLine) {
                          "\r\033[K"
                          "job mnist-mlp SUCCEEDED accuracy=0.9812 loss=0.3121 "
                          "steps=400/400 samples_per_s(all workers)=11.2k time=0:35\n"));
+}
+
+// --- logs ------------------------------------------------------------------------------------
+
+GetLogsResponse Logs(JobState state, std::vector<std::tuple<int, int64_t, std::string>> lines) {
+  GetLogsResponse r;
+  r.set_state(state);
+  for (auto& [rank, seq, text] : lines) {
+    LogLine* l = r.add_lines();
+    l->set_rank(rank);
+    l->set_sequence(seq);
+    l->set_text(text);
+  }
+  return r;
+}
+
+TEST_F(CliTest, LogsPrintsEveryRanksLinesWithTheirRank) {
+  fake().AddLogsAnswer(grpc::Status::OK, Logs(RUNNING, {{0, 1, "event=task_start rank=0"},
+                                                        {1, 2, "event=progress rank=1 step=10"}}));
+  Result r = Run({"logs", "mnist-mlp"});
+  EXPECT_EQ(r.code, kExitOk) << r.err;
+  EXPECT_EQ(r.out, "[rank 0] event=task_start rank=0\n[rank 1] event=progress rank=1 step=10\n");
+  ASSERT_EQ(fake().logs_requests().size(), 1u);
+  EXPECT_EQ(fake().logs_requests()[0].job_id(), "mnist-mlp");
+  EXPECT_EQ(fake().logs_requests()[0].rank(), -1);
+  EXPECT_EQ(fake().logs_requests()[0].after_sequence(), 0);
+}
+
+TEST_F(CliTest, LogsFollowPollsAfterTheLastLineUntilTheJobEnds) {
+  options_.logs_poll_interval = absl::Milliseconds(1);
+  fake().AddLogsAnswer(grpc::Status::OK, Logs(RUNNING, {{1, 4, "a"}, {1, 7, "b"}}));
+  fake().AddLogsAnswer(grpc::Status::OK, Logs(RUNNING, {}));
+  fake().AddLogsAnswer(grpc::Status::OK, Logs(SUCCEEDED, {{1, 9, "event=task_end"}}));
+  Result r = Run({"logs", "mnist-mlp", "--rank=1", "--follow"});
+  EXPECT_EQ(r.code, kExitOk) << r.err;
+  EXPECT_EQ(r.out, "a\nb\nevent=task_end\n");
+  const std::vector<GetLogsRequest> req = fake().logs_requests();
+  ASSERT_EQ(req.size(), 3u);
+  const int64_t after[] = {0, 7, 7};
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(req[i].rank(), 1);
+    EXPECT_EQ(req[i].after_sequence(), after[i]) << i;
+  }
+}
+
+TEST_F(CliTest, LogsErrors) {
+  fake().AddLogsAnswer(grpc::Status(grpc::StatusCode::NOT_FOUND, "job \"nope\" not found"));
+  Result r = Run({"logs", "nope"});
+  EXPECT_EQ(r.code, kExitFailed);
+  EXPECT_EQ(r.err, "error: NOT_FOUND: job \"nope\" not found\n");
+  fake().AddLogsAnswer(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                                    "rank 5 is out of range: job \"j\" has ranks 0..1"));
+  r = Run({"logs", "j", "--rank=5"});
+  EXPECT_EQ(r.code, kExitFailed);
+  EXPECT_EQ(r.err, "error: INVALID_ARGUMENT: rank 5 is out of range: job \"j\" has ranks 0..1\n");
+  r = Run({"logs", "j", "--rank=x"});
+  EXPECT_EQ(r.code, kExitUsage);
+  EXPECT_EQ(r.err,
+            "error: --rank must be a rank number (0, 1, ...), not \"x\"\n"
+            "Run 'gradmesh logs --help' for usage.\n");
 }
 
 TEST_F(CliTest, WatchUnknownJobExits1) {

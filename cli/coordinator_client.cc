@@ -50,6 +50,19 @@ class GrpcCoordinatorClient final : public CoordinatorClient {
     return std::vector<JobStatus>(resp.jobs().begin(), resp.jobs().end());
   }
 
+  absl::StatusOr<GetLogsResponse> GetLogs(const std::string& job_id, int rank,
+                                          int64_t after_sequence) override {
+    GetLogsRequest req;
+    req.set_job_id(job_id);
+    req.set_rank(rank);
+    req.set_after_sequence(after_sequence);
+    GetLogsResponse resp;
+    grpc::ClientContext ctx;
+    Prepare(&ctx, /*unary=*/true);
+    RETURN_IF_ERROR(FromGrpcStatus(stub_->GetLogs(&ctx, req, &resp)));
+    return resp;
+  }
+
   absl::StatusOr<JobStatus> CancelJob(const std::string& job_id) override {
     CancelJobRequest req;
     req.set_job_id(job_id);

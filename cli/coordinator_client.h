@@ -32,6 +32,9 @@ class CoordinatorClient {
   virtual absl::StatusOr<JobStatus> GetJob(const std::string& job_id) = 0;
   virtual absl::StatusOr<std::vector<JobStatus>> ListJobs() = 0;
   virtual absl::StatusOr<JobStatus> CancelJob(const std::string& job_id) = 0;
+  // JobService.GetLogs: rank -1 = every rank; lines with a sequence above after_sequence.
+  virtual absl::StatusOr<GetLogsResponse> GetLogs(const std::string& job_id, int rank,
+                                                  int64_t after_sequence) = 0;
 
   // Streams the job's status: calls `on_update` with every message, in order, on the calling
   // thread. Returns when the stream ends: OK if the coordinator ended it (the last message

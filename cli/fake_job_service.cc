@@ -178,6 +178,29 @@ grpc::ServerUnaryReactor* FakeJobService::ListJobs(grpc::CallbackServerContext* 
   return Reply(ctx, grpc::Status::OK);
 }
 
+void FakeJobService::AddLogsAnswer(grpc::Status status, GetLogsResponse response) {
+  absl::MutexLock lock(&mu_);
+  logs_answers_.emplace_back(std::move(status), std::move(response));
+}
+
+std::vector<GetLogsRequest> FakeJobService::logs_requests() const {
+  absl::MutexLock lock(&mu_);
+  return logs_requests_;
+}
+
+grpc::ServerUnaryReactor* FakeJobService::GetLogs(grpc::CallbackServerContext* ctx,
+                                                  const GetLogsRequest* request,
+                                                  GetLogsResponse* response) {
+  if (grpc::Status st = Admit(ctx); !st.ok()) return Reply(ctx, st);
+  absl::MutexLock lock(&mu_);
+  logs_requests_.push_back(*request);
+  if (logs_answers_.empty()) return Reply(ctx, NotFound(request->job_id()));
+  auto [status, answer] = std::move(logs_answers_.front());
+  logs_answers_.pop_front();
+  if (status.ok()) *response = std::move(answer);
+  return Reply(ctx, status);
+}
+
 grpc::ServerUnaryReactor* FakeJobService::CancelJob(grpc::CallbackServerContext* ctx,
                                                     const CancelJobRequest* request,
                                                     JobStatus* response) {

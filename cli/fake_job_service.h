@@ -39,6 +39,11 @@ class FakeJobService final : public JobService::CallbackService {
   // Queued answers of successive WatchJob calls; with none left, WatchJob is NOT_FOUND.
   void AddWatchScript(WatchScript script) ABSL_LOCKS_EXCLUDED(mu_);
 
+  // Queued answers of successive GetLogs calls (an error status, or OK and the response);
+  // with none left, GetLogs is NOT_FOUND.
+  void AddLogsAnswer(grpc::Status status, GetLogsResponse response = {}) ABSL_LOCKS_EXCLUDED(mu_);
+  std::vector<GetLogsRequest> logs_requests() const ABSL_LOCKS_EXCLUDED(mu_);
+
   // What was asked: every SubmitJob request, the authorization header of every call ("" when
   // absent), the number of calls, and WatchJob calls started.
   std::vector<SubmitJobRequest> submits() const ABSL_LOCKS_EXCLUDED(mu_);
@@ -59,6 +64,8 @@ class FakeJobService final : public JobService::CallbackService {
                                       JobStatus* response) override;
   grpc::ServerWriteReactor<JobStatus>* WatchJob(grpc::CallbackServerContext* ctx,
                                                 const WatchJobRequest* request) override;
+  grpc::ServerUnaryReactor* GetLogs(grpc::CallbackServerContext* ctx, const GetLogsRequest* request,
+                                    GetLogsResponse* response) override;
 
  private:
   // Records the call and checks its token.
@@ -71,6 +78,8 @@ class FakeJobService final : public JobService::CallbackService {
   std::deque<WatchScript> scripts_ ABSL_GUARDED_BY(mu_);
   std::vector<SubmitJobRequest> submits_ ABSL_GUARDED_BY(mu_);
   std::vector<std::string> authorizations_ ABSL_GUARDED_BY(mu_);
+  std::deque<std::pair<grpc::Status, GetLogsResponse>> logs_answers_ ABSL_GUARDED_BY(mu_);
+  std::vector<GetLogsRequest> logs_requests_ ABSL_GUARDED_BY(mu_);
   int calls_ ABSL_GUARDED_BY(mu_) = 0;
   int watches_ ABSL_GUARDED_BY(mu_) = 0;
 };

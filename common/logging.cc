@@ -46,8 +46,11 @@ void AppendField(std::string* line, const LogField& f) {
 
 }  // namespace
 
-Logger::Logger(std::vector<LogField> base, std::FILE* out, LogLevel min_level)
-    : base_(std::move(base)), out_(out), min_level_(min_level) {}
+Logger::Logger(std::vector<LogField> base, std::FILE* out, LogLevel min_level, LineSink tee)
+    : base_(std::move(base)), out_(out), min_level_(min_level), tee_(std::move(tee)) {}
+
+Logger::Logger(const Logger& parent, LineSink tee)
+    : base_(parent.base_), out_(parent.out_), min_level_(parent.min_level_), tee_(std::move(tee)) {}
 
 std::string Logger::Format(LogLevel level, const std::string& event,
                            absl::Span<const LogField> fields) const {
@@ -63,6 +66,8 @@ void Logger::Log(LogLevel level, const std::string& event,
                  absl::Span<const LogField> fields) const {
   if (level < min_level_) return;
   std::string line = Format(level, event, fields);
+  if (tee_) tee_(line);
+  if (out_ == nullptr) return;
   line.push_back('\n');
   absl::MutexLock lock(&mu_);
   std::fwrite(line.data(), 1, line.size(), out_);

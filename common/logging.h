@@ -11,6 +11,7 @@
 #define GRADMESH_COMMON_LOGGING_H_
 
 #include <cstdio>
+#include <functional>
 #include <initializer_list>
 #include <string>
 #include <utility>
@@ -38,8 +39,15 @@ class Logger {
  public:
   // `base` fields are printed on every line, after `event`. Lines go to `out` (not owned;
   // default stderr). Lines below `min_level` are dropped.
+  // Receives every line logged at or above the level (without the newline), on the thread
+  // that logs it; must be thread-safe.
+  using LineSink = std::function<void(const std::string& line)>;
+  // `tee`, if set, also receives every line; `out` may be null (lines go only to `tee`).
   explicit Logger(std::vector<LogField> base, std::FILE* out = stderr,
-                  LogLevel min_level = LogLevel::kInfo);
+                  LogLevel min_level = LogLevel::kInfo, LineSink tee = nullptr);
+  // A logger like `parent` (same fields, output and level) whose lines also go to `tee`
+  // (e.g. a worker daemon keeping each task's lines for `gradmesh logs`).
+  Logger(const Logger& parent, LineSink tee);
 
   void Log(LogLevel level, const std::string& event, absl::Span<const LogField> fields) const;
   void Info(const std::string& event, absl::Span<const LogField> fields = {}) const {
@@ -60,6 +68,7 @@ class Logger {
   const std::vector<LogField> base_;
   std::FILE* const out_;
   const LogLevel min_level_;
+  const LineSink tee_;
   mutable absl::Mutex mu_;  // Serialises writes to out_.
 };
 

@@ -45,3 +45,26 @@ TEST(LoggingTest, WritesWholeLinesAndFiltersLevel) {
 
 }  // namespace
 }  // namespace gradmesh
+
+namespace gradmesh {
+namespace {
+
+TEST(LoggingTest, TeeGetsEveryLineAndChildKeepsTheParentsFields) {
+  std::vector<std::string> got;
+  absl::Mutex mu;
+  Logger::LineSink sink = [&](const std::string& line) {
+    absl::MutexLock lock(&mu);
+    got.push_back(line);
+  };
+  Logger parent({Kv("node", "w0")}, /*out=*/nullptr, LogLevel::kInfo);
+  Logger child(parent, sink);
+  child.Info("progress", {Kv("step", 10)});
+  child.Log(LogLevel::kDebug, "hidden", {});  // Below the level: not teed either.
+  parent.Info("not_teed");
+  ASSERT_EQ(got.size(), 1u);
+  EXPECT_NE(got[0].find(" INFO event=progress node=w0 step=10"), std::string::npos) << got[0];
+  EXPECT_EQ(got[0].back(), '0');  // No newline.
+}
+
+}  // namespace
+}  // namespace gradmesh

@@ -8,6 +8,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "common/job_spec.h"
+#include "common/log_tail.h"
 
 namespace gradmesh {
 
@@ -16,9 +17,13 @@ struct WorkerAgent::Run {
   std::thread thread;
   std::atomic<bool> stop{false};
   std::atomic<bool> ended{false};
+  // The task's log lines (task_start, the trainer's lines, task_end) for `gradmesh logs`.
+  std::shared_ptr<LogTail> log_tail = std::make_shared<LogTail>(LogTail::Options());
+  std::unique_ptr<Logger> logger;  // The daemon's logger teeing into log_tail.
   absl::Mutex mu;
   Trainer* trainer ABSL_GUARDED_BY(mu) = nullptr;  // While Execute runs it.
   TaskReport report ABSL_GUARDED_BY(mu);
+  int64_t log_sent ABSL_GUARDED_BY(mu) = 0;  // Last log sequence put in a report.
 
   void RequestStop() {
     stop.store(true);
@@ -56,6 +61,11 @@ WorkerAgent::~WorkerAgent() { StopAll(); }
 std::shared_ptr<WorkerAgent::Run> WorkerAgent::Start(const Task& task) {
   auto run = std::make_shared<Run>();
   run->task = task;
+  Logger::LineSink tee = [tail = run->log_tail](const std::string& line) { tail->Append(line); };
+  const Logger* parent = options_.base.logger != nullptr ? options_.base.logger : options_.logger;
+  run->logger = parent != nullptr ? std::make_unique<Logger>(*parent, std::move(tee))
+                                  : std::make_unique<Logger>(std::vector<LogField>{}, nullptr,
+                                                             LogLevel::kInfo, std::move(tee));
   {
     absl::MutexLock lock(&run->mu);
     run->report.set_job_id(task.job_id());
@@ -65,7 +75,7 @@ std::shared_ptr<WorkerAgent::Run> WorkerAgent::Start(const Task& task) {
     run->report.set_accuracy(-1);
     run->report.set_checkpoint_step(-1);
   }
-  LogInfo(options_.logger, "task_start",
+  LogInfo(run->logger.get(), "task_start",
           {Kv("job", task.job_id()), Kv("rank", task.index()), Kv("mode", task.spec().mode()),
            Kv("generation", task.generation())});
   run->thread = std::thread([this, r = run.get()] { Execute(r); });
@@ -77,6 +87,7 @@ void WorkerAgent::Execute(Run* run) {
   TrainerOptions to = options_.base;
   to.spec = task.spec();
   to.rank = task.index();
+  to.logger = run->logger.get();
   to.evaluate = Evaluates(task);
   to.peers.assign(task.peers().begin(), task.peers().end());
   to.job_token = task.job_token();
@@ -114,6 +125,22 @@ void WorkerAgent::Execute(Run* run) {
     absl::MutexLock lock(&run->mu);
     run->trainer = nullptr;
   }
+  // task_end first: the report that carries the final state then carries this line too
+  // (the coordinator stops listing the task once it has the final state).
+  if (result.ok()) {
+    LogInfo(
+        run->logger.get(), "task_end",
+        {Kv("job", task.job_id()), Kv("rank", task.index()),
+         Kv("state", result->stopped_early ? "stopped" : "succeeded"), Kv("steps", result->steps),
+         Kv("samples", result->samples), Kv("wall_s", absl::StrFormat("%.2f", result->wall_s)),
+         Kv("samples_per_s", absl::StrFormat("%.1f", result->samples_per_s)),
+         Kv("first_step", result->first_step),
+         Kv("accuracy", absl::StrFormat("%.4f", result->test_accuracy))});
+  } else {
+    LogError(run->logger.get(), "task_end",
+             {Kv("job", task.job_id()), Kv("rank", task.index()), Kv("state", "failed"),
+              Kv("error", result.status().ToString())});
+  }
   {
     absl::MutexLock lock(&run->mu);
     if (!result.ok()) {
@@ -128,20 +155,6 @@ void WorkerAgent::Execute(Run* run) {
       run->report.set_step(run->report.total_steps() > 0 ? run->report.total_steps()
                                                          : result->first_step + result->steps);
     }
-  }
-  if (result.ok()) {
-    LogInfo(
-        options_.logger, "task_end",
-        {Kv("job", task.job_id()), Kv("rank", task.index()),
-         Kv("state", result->stopped_early ? "stopped" : "succeeded"), Kv("steps", result->steps),
-         Kv("samples", result->samples), Kv("wall_s", absl::StrFormat("%.2f", result->wall_s)),
-         Kv("samples_per_s", absl::StrFormat("%.1f", result->samples_per_s)),
-         Kv("first_step", result->first_step),
-         Kv("accuracy", absl::StrFormat("%.4f", result->test_accuracy))});
-  } else {
-    LogError(options_.logger, "task_end",
-             {Kv("job", task.job_id()), Kv("rank", task.index()), Kv("state", "failed"),
-              Kv("error", result.status().ToString())});
   }
   run->ended.store(true);
 }
@@ -218,6 +231,12 @@ std::vector<TaskReport> WorkerAgent::Reports() {
   for (auto& [key, run] : runs_) {
     absl::MutexLock run_lock(&run->mu);
     out.push_back(run->report);
+    // New log lines since the last report, bounded per heartbeat (the rest wait).
+    for (auto& [seq, line] :
+         run->log_tail->Since(run->log_sent, kMaxLogLinesPerReport, kMaxLogBytesPerReport)) {
+      out.back().add_log_lines(std::move(line));
+      run->log_sent = seq;
+    }
   }
   return out;
 }

@@ -12,6 +12,12 @@
 // with the error, or "stopped") until the coordinator stops listing it. Several tasks (of different
 // jobs, or several ranks of one ps job after a failure) can run at once.
 //
+// Logs: each task gets the daemon's logger teeing into a LogTail (the last 200 lines / 64 KiB
+// of its task_start, trainer and task_end lines); every report carries the lines written since
+// the previous report, at most kMaxLogLinesPerReport lines / kMaxLogBytesPerReport bytes (the
+// coordinator keeps them for `gradmesh logs`). A report that never reaches the coordinator
+// loses its lines.
+//
 // StopAll() (SIGTERM, preemption) asks every task to stop after its current step and waits:
 // ps ranks leave their position on the shards, gossip/allreduce ranks their checkpoints, and
 // the final reports say "stopped", so the coordinator moves them elsewhere.
@@ -47,6 +53,9 @@ struct WorkerAgentOptions {
 
 class WorkerAgent {
  public:
+  static constexpr int kMaxLogLinesPerReport = 50;
+  static constexpr int kMaxLogBytesPerReport = 16 << 10;
+
   explicit WorkerAgent(WorkerAgentOptions options);
   ~WorkerAgent();  // StopAll().
 

@@ -3,8 +3,9 @@
 # coordinator, shard and worker (127.0.0.1, free ports) run a short MNIST job submitted with the
 # CLI; the page is loaded during the job and after it. Checks: the rendered DOM draws the job's
 # loss and samples/s curves from exactly the history points /api/jobs reports (one polyline
-# point per history point, values equal), the job's state and node health, escaping of the
-# job's message; /job/NAME and an unknown job's 404. Saves a 1280x900 screenshot
+# point per history point, values equal), the job's state and node health;
+# /job/NAME and an unknown job's 404; and `gradmesh logs` of the same job (the
+# rank's progress and task_end lines, bounds, errors). Saves a 1280x900 screenshot
 # ($TEST_UNDECLARED_OUTPUTS_DIR/dashboard.png; docs/dashboard.png is one). A missing chromium
 # fails the test (deploy/setup.sh installs it), never skips it.
 set -euo pipefail
@@ -128,6 +129,22 @@ code="$(curl -s -o /dev/null -w '%{http_code}' "$WEB/job/nope")"
 curl -sf "$WEB/metrics" >"$tmp/metrics.txt" || fail "GET /metrics"
 grep -q '^gradmesh_coordinator_jobs{state="succeeded"} 1' "$tmp/metrics.txt" || fail "/metrics: no SUCCEEDED job counted"
 [ "$(curl -sf "$WEB/healthz")" = ok ] || fail "/healthz"
+
+# gradmesh logs: the rank's progress lines came with the heartbeats; errors are clear.
+cli/gradmesh logs dash-e2e >"$tmp/logs.txt" 2>&1 || fail "gradmesh logs: $(cat "$tmp/logs.txt")"
+grep -q '^\[rank 0\] .*event=progress .*job=dash-e2e rank=0 .*step=1500 ' "$tmp/logs.txt" ||
+  fail "gradmesh logs has no progress line of step 1500: $(tail -n 3 "$tmp/logs.txt")"
+grep -q '^\[rank 0\] .*event=task_end .*job=dash-e2e rank=0 state=succeeded' "$tmp/logs.txt" ||
+  fail "gradmesh logs has no task_end line: $(tail -n 3 "$tmp/logs.txt")"
+n="$(wc -l <"$tmp/logs.txt")"
+[ "$n" -le 200 ] || fail "gradmesh logs printed $n lines (tail bound 200)"
+cli/gradmesh logs dash-e2e --rank=0 --follow >"$tmp/logs0.txt" 2>&1 || fail "logs --rank=0 --follow"
+grep -q '^[0-9T:.-]*Z INFO event=task_end' "$tmp/logs0.txt" || fail "logs --rank=0: $(tail -n 2 "$tmp/logs0.txt")"
+if cli/gradmesh logs dash-e2e --rank=3 >"$tmp/logs3.txt" 2>&1; then fail "logs --rank=3 succeeded"; fi
+grep -q 'INVALID_ARGUMENT: rank 3 is out of range' "$tmp/logs3.txt" || fail "logs --rank=3: $(cat "$tmp/logs3.txt")"
+if cli/gradmesh logs nope >"$tmp/logsx.txt" 2>&1; then fail "logs of an unknown job succeeded"; fi
+grep -q 'NOT_FOUND: job "nope" not found' "$tmp/logsx.txt" || fail "logs nope: $(cat "$tmp/logsx.txt")"
+echo "gradmesh logs: $n lines of rank 0 ($(grep -c 'event=progress' "$tmp/logs.txt") progress lines)"
 
 shot="${TEST_UNDECLARED_OUTPUTS_DIR:-$tmp}/dashboard.png"
 browse "$WEB/" "$tmp/shot.log" --screenshot="$shot" --window-size=1280,900 --hide-scrollbars
