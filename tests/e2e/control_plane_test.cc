@@ -437,6 +437,9 @@ TEST_F(ControlPlaneTest, RestartedCoordinatorKnowsTheJobAndItCompletes) {
         return before >= 100;
       },
       absl::Minutes(3)));
+  // The coordinator persists progress at most once a second per job: give it that second, so
+  // the kill cannot land before the job's first progress write (seen on a loaded machine).
+  absl::SleepFor(absl::Milliseconds(1500));
 
   ASSERT_OK(coord_proc_->Signal(SIGKILL));
   ASSERT_OK(coord_proc_->Wait(absl::Seconds(10)).status());
