@@ -92,6 +92,15 @@ for _ in $(seq 240); do
 done
 [ -n "$step" ] && [ "${step%.*}" -gt 0 ] || fail "no gradmesh_job_step > 0 read back from Prometheus"
 echo "read back: gradmesh_job_step{job_id=\"prom-e2e\"} = $step"
+# The worker's series exist only while its task runs: read one back before the job ends (a
+# loaded machine may otherwise finish the job between two scrapes of the worker).
+wstep=""
+for _ in $(seq 240); do
+  wstep="$(query 'max(max_over_time(gradmesh_worker_step{job_id="prom-e2e"}[5m]))')"
+  [ -n "$wstep" ] && [ "${wstep%.*}" -gt 0 ] && break
+  sleep 0.25
+done
+[ -n "$wstep" ] && [ "${wstep%.*}" -gt 0 ] || fail "no gradmesh_worker_step > 0 read back while the job ran"
 cli/gradmesh watch prom-e2e >"$tmp/watch.log" 2>&1 || fail "job did not succeed: $(tail -n 3 "$tmp/watch.log")"
 sleep 3  # Last scrapes after the end.
 for q in 'max(gradmesh_shard_updates_applied{job_id="prom-e2e"})' \
