@@ -1,9 +1,10 @@
 // The `gradmesh` command-line client (see cli.h): argument handling, the commands, and the
 // mapping of errors to exit codes. Rendering lives in format.h, the RPCs in
-// coordinator_client.h and shard_export.h.
+// coordinator_client.h and shard_export.h, the files in state_dict.h and torchscript_export.h.
 #include "cli/cli.h"
 
 #include <algorithm>
+#include <cstring>
 #include <memory>
 
 #include "absl/strings/numbers.h"
@@ -15,10 +16,13 @@
 #include "cli/format.h"
 #include "cli/shard_export.h"
 #include "cli/state_dict.h"
+#include "cli/torchscript_export.h"
+#include "common/job_name.h"
 #include "common/job_spec.h"
 #include "common/status.h"
 #include "google/protobuf/util/json_util.h"
 #include "rpc/auth.h"
+#include "rpc/tls.h"
 
 namespace gradmesh {
 namespace cli {
@@ -37,6 +41,7 @@ struct Session {
   const Command* command = nullptr;
   ParsedArgs args;
   std::string coordinator;
+  RpcOptions rpc;  // Channels to the coordinator and the shards (TLS flags).
   std::unique_ptr<CoordinatorClient> client;
 
   std::ostream& out() { return *io.out; }
@@ -61,6 +66,11 @@ std::vector<FlagSpec> GlobalFlags() {
        "coordinator address (default $GRADMESH_COORDINATOR, else 127.0.0.1:7000)"},
       {"auth_token_file", true, "FILE",
        "file holding the coordinator's API token (default $GRADMESH_AUTH_TOKEN_FILE)"},
+      {"tls_ca_file", true, "FILE", "TLS: verify the coordinator and shards against this CA"},
+      {"tls_cert_file", true, "FILE", "TLS: client certificate (for --tls_client_auth servers)"},
+      {"tls_key_file", true, "FILE", "TLS: key of --tls_cert_file"},
+      {"tls_client_auth", false, "", "accepted for symmetry with the daemons (servers only)"},
+      {"allow_insecure", false, "", "allow the token over plaintext to a non-loopback address"},
       {"help", false, "", "show help"},
   };
 }
@@ -360,6 +370,79 @@ int RunLogs(Session& s) {
   }
 }
 
+constexpr char kTorchScriptModel[] = "torchscript";
+
+// What `export` writes and where the values came from.
+struct ExportSource {
+  std::vector<ExportedTensor> tensors;
+  std::string from;  // "from 2 shards", "published by rank 0 at step 120 (final)".
+};
+
+// A ps job's tensors from its shards (the job token authorises the pulls).
+absl::StatusOr<ExportSource> TensorsFromShards(Session& s, const JobStatus& job) {
+  const std::string& job_id = job.job_id();
+  std::vector<ShardPlacement> shards(job.shards().begin(), job.shards().end());
+  std::sort(shards.begin(), shards.end(),
+            [](const ShardPlacement& a, const ShardPlacement& b) { return a.shard() < b.shard(); });
+  ShardExportOptions options;
+  options.job = job_id;
+  options.job_token = job.job_token();
+  options.rpc = s.rpc;
+  options.deadline = s.options.rpc_deadline;
+  for (size_t i = 0; i < shards.size(); ++i) {
+    if (shards[i].shard() != static_cast<int32_t>(i) || shards[i].address().empty()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("job ", job_id, " (", StateName(job.state()), ") has no address for shard ",
+                       i, " of ", shards.size()));
+    }
+    options.shards.push_back(shards[i].address());
+  }
+  if (options.shards.empty()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("job ", job_id, " (", StateName(job.state()), ") has no shards placed yet"));
+  }
+  absl::StatusOr<std::vector<ExportedTensor>> tensors = FetchJobTensors(options);
+  if (!tensors.ok()) return Annotate(tensors.status(), absl::StrCat("export of job ", job_id));
+  ExportSource src;
+  src.tensors = *std::move(tensors);
+  src.from = absl::StrCat("from ", options.shards.size(),
+                          options.shards.size() == 1 ? " shard" : " shards");
+  return src;
+}
+
+// The tensors of a model rank 0 published (header + float32 little-endian payload).
+absl::StatusOr<ExportSource> TensorsFromPublished(const CoordinatorClient::PublishedModel& model) {
+  static_assert(sizeof(float) == 4, "float32 payload");
+  ExportSource src;
+  size_t offset = 0;
+  for (const ModelTensorInfo& info : model.header.tensors()) {
+    ExportedTensor t;
+    t.name = info.name();
+    t.shape.assign(info.shape().begin(), info.shape().end());
+    t.dtype = info.dtype() == DTYPE_UNSPECIFIED ? FLOAT32 : info.dtype();
+    t.buffer = info.buffer();
+    int64_t numel = 1;
+    for (int64_t d : t.shape) numel *= d;
+    const size_t bytes = static_cast<size_t>(numel) * sizeof(float);
+    if (numel < 0 || offset + bytes > model.payload.size()) {
+      return absl::DataLossError(absl::StrCat("the published model of job ", model.header.job_id(),
+                                              " is too short for tensor ", t.name));
+    }
+    t.values.resize(static_cast<size_t>(numel));
+    if (bytes > 0) std::memcpy(t.values.data(), model.payload.data() + offset, bytes);
+    offset += bytes;
+    src.tensors.push_back(std::move(t));
+  }
+  if (offset != model.payload.size()) {
+    return absl::DataLossError(absl::StrCat("the published model of job ", model.header.job_id(),
+                                            " has ", model.payload.size() - offset,
+                                            " bytes beyond its tensors"));
+  }
+  src.from = absl::StrCat("published by rank 0 at step ", model.header.step(),
+                          model.header.final() ? " (final)" : "");
+  return src;
+}
+
 int RunExport(Session& s) {
   const std::string& job_id = s.arg(0);
   const std::string out_path = s.args.Get("out");
@@ -367,53 +450,55 @@ int RunExport(Session& s) {
     return UsageError(s, "export needs --out=FILE (where to write the state_dict)",
                       "gradmesh export");
   }
+  const std::string format = s.args.Get("format", "state_dict");
+  if (format != "state_dict" && format != "torchscript") {
+    return UsageError(
+        s, absl::StrCat("--format must be state_dict or torchscript, got \"", format, "\""),
+        "gradmesh export");
+  }
   absl::StatusOr<JobStatus> job = s.client->GetJob(job_id);
   if (!job.ok()) return CoordinatorError(s, job.status());
   const JobSpec& spec = job->spec();
-  if (!IsPsMode(spec.mode())) {
-    std::string where = spec.output().empty()
-                            ? std::string("only when spec.output is set, and this job's is empty")
-                            : absl::StrCat("to ", spec.output(), " (spec.output)");
-    return Failure(s, absl::FailedPreconditionError(absl::StrCat(
-                          "job ", job_id, " runs in mode ", spec.mode(),
-                          ", which has no parameter-server shards to export from: its rank 0 "
-                          "saves the final model ",
-                          where)));
+  if (format == "torchscript" && spec.model().name() != kTorchScriptModel) {
+    return Failure(s, absl::InvalidArgumentError(absl::StrCat(
+                          "--format torchscript needs a job whose model is a TorchScript module "
+                          "(job ",
+                          job_id, "'s model is \"", spec.model().name(), "\")")));
   }
-  std::vector<ShardPlacement> shards(job->shards().begin(), job->shards().end());
-  std::sort(shards.begin(), shards.end(),
-            [](const ShardPlacement& a, const ShardPlacement& b) { return a.shard() < b.shard(); });
-  ShardExportOptions options;
-  options.job = job_id;
-  options.job_token = job->job_token();
-  options.deadline = s.options.rpc_deadline;
-  for (size_t i = 0; i < shards.size(); ++i) {
-    if (shards[i].shard() != static_cast<int32_t>(i) || shards[i].address().empty()) {
-      return Failure(s, absl::FailedPreconditionError(
-                            absl::StrCat("job ", job_id, " (", StateName(job->state()),
-                                         ") has no address for shard ", i, " of ", shards.size())));
-    }
-    options.shards.push_back(shards[i].address());
+  absl::StatusOr<ExportSource> src;
+  if (IsPsMode(spec.mode())) {
+    src = TensorsFromShards(s, *job);
+  } else {
+    absl::StatusOr<CoordinatorClient::PublishedModel> model =
+        s.client->GetModel(job_id, MODEL_STATE);
+    if (!model.ok()) return CoordinatorError(s, model.status());
+    src = TensorsFromPublished(*model);
   }
-  if (options.shards.empty()) {
-    return Failure(
-        s, absl::FailedPreconditionError(absl::StrCat("job ", job_id, " (", StateName(job->state()),
-                                                      ") has no shards placed yet")));
-  }
+  if (!src.ok()) return Failure(s, src.status());
   if (!IsFinalState(job->state())) {
     s.err() << "note: job " << job_id << " is " << StateName(job->state())
             << ": exporting its current parameters (export after it ends for the final model)\n";
   }
-  absl::StatusOr<std::vector<ExportedTensor>> tensors = FetchJobTensors(options);
-  if (!tensors.ok())
-    return Failure(s, Annotate(tensors.status(), absl::StrCat("export of job ", job_id)));
-  if (absl::Status st = SaveStateDict(out_path, *tensors); !st.ok()) return Failure(s, st);
+  if (format == "torchscript") {
+    absl::StatusOr<CoordinatorClient::PublishedModel> module =
+        s.client->GetModel(job_id, MODEL_MODULE);
+    if (!module.ok()) return CoordinatorError(s, module.status());
+    absl::StatusOr<TorchScriptExportResult> r =
+        SaveTorchScriptWithWeights(module->payload, src->tensors, out_path);
+    if (!r.ok()) return Failure(s, Annotate(r.status(), absl::StrCat("export of job ", job_id)));
+    if (!r->unused.empty()) {
+      s.err() << "note: the module has no parameter or buffer for " << r->unused.size()
+              << " exported tensors (not written): " << absl::StrJoin(r->unused, ", ") << "\n";
+    }
+  } else if (absl::Status st = SaveStateDict(out_path, src->tensors); !st.ok()) {
+    return Failure(s, st);
+  }
   int64_t params = 0;
-  for (const ExportedTensor& t : *tensors) params += static_cast<int64_t>(t.values.size());
-  s.out() << "exported job " << job_id << " (" << tensors->size() << " tensors, " << params
+  for (const ExportedTensor& t : src->tensors) params += static_cast<int64_t>(t.values.size());
+  s.out() << "exported job " << job_id << " (" << src->tensors.size() << " tensors, " << params
           << " parameters, step " << job->progress().step() << "/" << job->progress().total_steps()
-          << ") from " << options.shards.size()
-          << (options.shards.size() == 1 ? " shard" : " shards") << " to " << out_path << "\n";
+          << ") " << src->from << " to " << out_path
+          << (format == "torchscript" ? " as a TorchScript module" : "") << "\n";
   return kExitOk;
 }
 
@@ -513,16 +598,24 @@ std::vector<Command> Commands() {
        "JOB",
        1,
        1,
-       "Save a parameter-server job's model as a PyTorch state_dict",
-       "Reads the job's parameters from its shards and writes them to --out as a state_dict\n"
-       "(tensor name -> tensor) that Python loads with torch.load(FILE). Only for the\n"
-       "parameter-server modes (async, ssp, sync); in gossip and allreduce modes rank 0 saves\n"
-       "the model to the spec's output path itself. A running job exports its current values.\n"
+       "Save a job's model as a PyTorch state_dict or TorchScript module",
+       "Writes the job's model to --out. Parameter-server jobs (async, ssp, sync) are read from\n"
+       "their shards; gossip and allreduce jobs from the model their rank 0 last published to\n"
+       "the coordinator (at checkpoints, every 60 s and at the end). A running job exports its\n"
+       "current model.\n"
+       "\n"
+       "--format state_dict (default): a state_dict (tensor name -> tensor, parameters and\n"
+       "buffers in their dtypes) that Python loads with torch.load(FILE).\n"
+       "--format torchscript: for jobs whose model is a TorchScript module (model.name\n"
+       "\"torchscript\"): that module with the trained weights, for torch.jit.load(FILE).\n"
        "\n"
        "Examples:\n"
        "  gradmesh export mnist-mlp --out model.pt\n"
-       "  python3 -c 'import torch; print(torch.load(\"model.pt\").keys())'\n",
-       {{"out", true, "FILE", "where to write the state_dict (required)"}},
+       "  python3 -c 'import torch; print(torch.load(\"model.pt\").keys())'\n"
+       "  gradmesh export my-ts-job --out trained.pt --format torchscript\n",
+       {{"out", true, "FILE", "where to write the model (required)"},
+        {"format", true, "state_dict|torchscript",
+         "state_dict (default) or torchscript (TorchScript jobs: the module with the weights)"}},
        &RunExport},
   };
 }
@@ -548,6 +641,7 @@ std::string MainHelp(const std::vector<Command>& commands) {
                   "  gradmesh list\n"
                   "  gradmesh status mnist-mlp\n"
                   "  gradmesh export mnist-mlp --out model.pt\n"
+                  "  gradmesh export my-ts-job --out trained.pt --format torchscript\n"
                   "\n"
                   "Run 'gradmesh <command> --help' for a command's flags and examples.\n");
   return out;
@@ -623,6 +717,12 @@ int RunCli(const std::vector<std::string>& args, const CliOptions& options, cons
                                                  s.args.positional.end(), " ")),
                       help_for);
   }
+  // A job name follows the name rule (common/job_name.h) before any call is made.
+  if (cmd->usage_args == "JOB" && n >= 1) {
+    if (absl::Status st = CheckName("JOB", s.arg(0)); !st.ok()) {
+      return UsageError(s, std::string(st.message()), help_for);
+    }
+  }
 
   s.coordinator = s.args.Get("coordinator", EnvOr(options, kCoordinatorEnv, kDefaultCoordinator));
   if (s.coordinator.empty()) return UsageError(s, "--coordinator is empty", help_for);
@@ -638,6 +738,17 @@ int RunCli(const std::vector<std::string>& args, const CliOptions& options, cons
     }
     client.auth_token = *std::move(token);
   }
+  absl::StatusOr<TlsOptions> tls = MakeTlsOptions(
+      s.args.Get("tls_cert_file"), s.args.Get("tls_key_file"), s.args.Get("tls_ca_file"),
+      /*client_auth=*/false, s.args.Bool("allow_insecure"));
+  if (!tls.ok()) return UsageError(s, std::string(tls.status().message()), help_for);
+  if (absl::Status st = CheckTokenTransport(s.coordinator, *tls, client.auth_token, "API token");
+      !st.ok()) {
+    s.err() << "error: " << st.ToString() << "\n";
+    return kExitUsage;
+  }
+  client.rpc.tls = *tls;
+  s.rpc = client.rpc;
   s.client = NewGrpcCoordinatorClient(std::move(client));
   return cmd->run(s);
 }

@@ -9,6 +9,7 @@
 
 #include <cstdio>
 #include <fstream>
+#include <iterator>
 #include <sstream>
 #include <thread>
 #include <tuple>
@@ -185,6 +186,12 @@ TEST_F(CliTest, UsageErrorsExit2WithoutAnyCall) {
        "--help' for usage.\n"},
       {{"submit", "x.yaml", "--watch", "--dry-run"},
        "error: --watch cannot be used with --dry-run\nRun 'gradmesh submit --help' for usage.\n"},
+      // Job names follow the name rule (common/job_name.h) before any call.
+      {{"cancel", "../x"}, "error: JOB \"../x\" is not a valid name: 1-63 characters"},
+      {{"status", "Mnist"}, "error: JOB \"Mnist\" is not a valid name"},
+      {{"logs", "a/b"}, "error: JOB \"a/b\" is not a valid name"},
+      {{"watch", "my_job"}, "error: JOB \"my_job\" is not a valid name"},
+      {{"export", "j.x", "--out=m.pt"}, "error: JOB \"j.x\" is not a valid name"},
   };
   for (const Case& c : cases) {
     Result r = Run(c.args);
@@ -246,6 +253,10 @@ TEST_F(CliTest, SubmitRejectsBadSpecsBeforeAnyCall) {
   EXPECT_EQ(r.code, kExitUsage);
   EXPECT_EQ(r.err,
             absl::StrCat("error: ", dir_, "/neg.yaml: job spec: batch_size must be > 0, got -3\n"));
+  r = Run({"submit", WriteFile("dots.yaml", "name: ../../etc\n")});
+  EXPECT_EQ(r.code, kExitUsage);
+  EXPECT_TRUE(absl::StrContains(r.err, "job spec: name \"../../etc\" is not a valid name"))
+      << r.err;
   r = Run({"submit", dir_ + "/missing.yaml"});
   EXPECT_EQ(r.code, kExitUsage);
   EXPECT_EQ(r.err, absl::StrCat("error: cannot read job spec file ", dir_, "/missing.yaml\n"));
@@ -665,32 +676,210 @@ TEST_F(CliTest, SubmitWatchFollowsTheJob) {
       << r.out;
 }
 
-// --- export (shard-free refusals; the shard path is in export_test.cc) ------------------------
+// --- export (published models; the shard path is in export_test.cc) --------------------------
 
-TEST_F(CliTest, ExportOfGossipJobPointsToRankZerosOutput) {
-  JobStatus job = MakeJob("g", SUCCEEDED, 10, 10);
-  job.mutable_spec()->set_mode("gossip");
-  job.mutable_spec()->set_output("/models/g.pt");
+constexpr char kPython[] = "/usr/bin/python3";
+
+// Runs `script` with /usr/bin/python3 and `arg`; its stdout, or "" when python3 cannot import
+// torch (the caller skips).
+std::string PythonOutput(const std::string& script, const std::string& arg, int* exit_code) {
+  if (std::system(absl::StrCat(kPython, " -c 'import torch' >/dev/null 2>&1").c_str()) != 0) {
+    return "";
+  }
+  const std::string cmd = absl::StrCat(kPython, " -c '", script, "' ", arg, " 2>&1");
+  FILE* p = popen(cmd.c_str(), "r");
+  std::string out;
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof(buf), p)) > 0) out.append(buf, n);
+  *exit_code = pclose(p);
+  return out;
+}
+
+struct TestTensor {
+  std::string name;
+  std::vector<int64_t> shape;
+  std::vector<float> values;
+  DType dtype = DTYPE_UNSPECIFIED;
+  bool buffer = false;
+};
+
+// The published form: a header and the values as float32 little-endian.
+std::pair<ModelHeader, std::string> Published(const std::string& job,
+                                              const std::vector<TestTensor>& tensors, int64_t step,
+                                              bool final) {
+  ModelHeader h;
+  h.set_job_id(job);
+  h.set_kind(MODEL_STATE);
+  h.set_node("wrk-0");
+  h.set_step(step);
+  h.set_final(final);
+  std::string payload;
+  for (const TestTensor& t : tensors) {
+    ModelTensorInfo* info = h.add_tensors();
+    info->set_name(t.name);
+    for (int64_t d : t.shape) info->add_shape(d);
+    info->set_dtype(t.dtype);
+    info->set_buffer(t.buffer);
+    payload.append(reinterpret_cast<const char*>(t.values.data()), t.values.size() * 4);
+  }
+  h.set_total_bytes(static_cast<int64_t>(payload.size()));
+  return {h, payload};
+}
+
+// The tensors of cli/testdata/tiny_module.pt (Linear(3, 2), BatchNorm1d(2)) with exact values.
+std::vector<TestTensor> TinyModuleTensors() {
+  return {
+      {"fc.weight", {2, 3}, {0.5f, -1.0f, 1.5f, 2.0f, -2.5f, 3.0f}},
+      {"fc.bias", {2}, {0.25f, -0.75f}},
+      {"bn.weight", {2}, {1.0f, 2.0f}},
+      {"bn.bias", {2}, {-1.0f, 1.0f}},
+      {"bn.running_mean", {2}, {0.125f, -0.5f}, FLOAT32, true},
+      {"bn.running_var", {2}, {4.0f, 0.5f}, FLOAT32, true},
+      {"bn.num_batches_tracked", {}, {42.0f}, INT64, true},
+  };
+}
+
+constexpr char kTinyModuleOut[] =
+    "fc.weight torch.float32 [2, 3] [0.5, -1.0, 1.5, 2.0, -2.5, 3.0]\n"
+    "fc.bias torch.float32 [2] [0.25, -0.75]\n"
+    "bn.weight torch.float32 [2] [1.0, 2.0]\n"
+    "bn.bias torch.float32 [2] [-1.0, 1.0]\n"
+    "bn.running_mean torch.float32 [2] [0.125, -0.5]\n"
+    "bn.running_var torch.float32 [2] [4.0, 0.5]\n"
+    "bn.num_batches_tracked torch.int64 [] [42]\n";
+
+std::string ReadBytes(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+}
+
+JobStatus PeerJob(const std::string& id, const std::string& mode, JobState state) {
+  JobStatus job = MakeJob(id, state, 120, 200);
+  job.mutable_spec()->set_mode(mode);
+  job.mutable_spec()->set_num_shards(0);
   job.clear_shards();
-  fake().AddJob(job);
-  Result r = Run({"export", "g", "--out", dir_ + "/g.pt"});
+  return job;
+}
+
+TEST_F(CliTest, ExportOfAPeerJobWithoutAPublishedModelSaysWhen) {
+  fake().AddJob(PeerJob("a", "allreduce", RUNNING));
+  Result r = Run({"export", "a", "--out", dir_ + "/a.pt"});
   EXPECT_EQ(r.code, kExitFailed);
   EXPECT_EQ(r.err,
-            "error: FAILED_PRECONDITION: job g runs in mode gossip, which has no "
-            "parameter-server shards to export from: its rank 0 saves the final model to "
-            "/models/g.pt (spec.output)\n");
-  job.set_job_id("a");
-  job.mutable_spec()->set_mode("allreduce");
-  job.mutable_spec()->clear_output();
-  fake().AddJob(job);
-  r = Run({"export", "a", "--out=" + dir_ + "/a.pt"});
-  EXPECT_EQ(r.code, kExitFailed);
-  EXPECT_TRUE(absl::EndsWith(
-      r.err, "saves the final model only when spec.output is set, and this job's is empty\n"))
-      << r.err;
+            "error: FAILED_PRECONDITION: job a (allreduce) has not published a model yet; rank 0 "
+            "publishes at checkpoints, every 60 s and at the end\n");
+  EXPECT_FALSE(std::ifstream(dir_ + "/a.pt").good());
   r = Run({"export", "nope", "--out=" + dir_ + "/n.pt"});
   EXPECT_EQ(r.code, kExitFailed);
   EXPECT_EQ(r.err, "error: NOT_FOUND: job nope not found\n");
+}
+
+TEST_F(CliTest, ExportOfAGossipJobWritesThePublishedTensors) {
+  fake().AddJob(PeerJob("g", "gossip", RUNNING));
+  // A 1.2 MB tensor: the download spans several 1 MiB messages.
+  TestTensor big{"big.weight", {300, 1000}, {}};
+  for (int i = 0; i < 300 * 1000; ++i) big.values.push_back(static_cast<float>(i % 1024) / 8);
+  std::vector<TestTensor> tensors = TinyModuleTensors();
+  tensors.push_back(big);
+  auto [header, payload] = Published("g", tensors, 120, false);
+  fake().SetModel(header, payload);
+  const std::string path = dir_ + "/g.pt";
+  Result r = Run({"export", "g", "--out", path});
+  ASSERT_EQ(r.code, kExitOk) << r.err;
+  EXPECT_EQ(r.out, absl::StrCat("exported job g (8 tensors, 300017 parameters, step 120/200) "
+                                "published by rank 0 at step 120 to ",
+                                path, "\n"));
+  EXPECT_EQ(r.err,
+            "note: job g is RUNNING: exporting its current parameters (export after it ends for "
+            "the final model)\n");
+  ASSERT_EQ(fake().model_requests().size(), 1u);
+  EXPECT_EQ(fake().model_requests()[0].kind(), MODEL_STATE);
+  EXPECT_EQ(ReadBytes(path).substr(0, 2), "PK");  // torch.save's zip format.
+  int code = -1;
+  const std::string out = PythonOutput(
+      "import sys, torch\n"
+      "d = torch.load(sys.argv[1])\n"
+      "for k, v in d.items():\n"
+      "  if k == \"big.weight\":\n"
+      "    e = (torch.arange(300000) % 1024).float().div(8).reshape(300, 1000)\n"
+      "    print(k, v.dtype, list(v.shape), bool(torch.equal(v, e)))\n"
+      "  else:\n"
+      "    print(k, v.dtype, list(v.shape), v.flatten().tolist())\n",
+      path, &code);
+  if (out.empty()) GTEST_SKIP() << kPython << " cannot import torch";
+  EXPECT_EQ(code, 0) << out;
+  EXPECT_EQ(out, absl::StrCat(kTinyModuleOut, "big.weight torch.float32 [300, 1000] True\n"));
+}
+
+TEST_F(CliTest, ExportAsTorchScriptWritesTheModuleWithTheTrainedWeights) {
+  JobStatus job = PeerJob("t", "allreduce", SUCCEEDED);
+  job.mutable_spec()->mutable_model()->set_name("torchscript");
+  job.mutable_spec()->mutable_model()->set_path("/models/tiny.pt");
+  fake().AddJob(job);
+  auto [header, payload] = Published("t", TinyModuleTensors(), 200, true);
+  fake().SetModel(header, payload);
+  ModelHeader module;
+  module.set_job_id("t");
+  module.set_kind(MODEL_MODULE);
+  const std::string module_bytes = ReadBytes("cli/testdata/tiny_module.pt");
+  ASSERT_GT(module_bytes.size(), 1000u);
+  module.set_total_bytes(static_cast<int64_t>(module_bytes.size()));
+  fake().SetModel(module, module_bytes);
+
+  const std::string path = dir_ + "/t.pt";
+  Result r = Run({"export", "t", "--out", path, "--format", "torchscript"});
+  ASSERT_EQ(r.code, kExitOk) << r.err;
+  EXPECT_EQ(r.err, "");
+  EXPECT_EQ(r.out, absl::StrCat("exported job t (7 tensors, 17 parameters, step 120/200) "
+                                "published by rank 0 at step 200 (final) to ",
+                                path, " as a TorchScript module\n"));
+  EXPECT_FALSE(std::ifstream(path + ".tmp").good());
+  int code = -1;
+  const std::string out = PythonOutput(
+      "import sys, torch\n"
+      "m = torch.jit.load(sys.argv[1])\n"
+      "for k, v in m.state_dict().items():\n"
+      "  print(k, v.dtype, list(v.shape), v.flatten().tolist())\n"
+      "m.eval()\n"
+      "print(m(torch.ones(1, 3)).tolist())\n",
+      path, &code);
+  if (out.empty()) GTEST_SKIP() << kPython << " cannot import torch";
+  EXPECT_EQ(code, 0) << out;
+  // eval: (fc(1,1,1) - running_mean) / sqrt(running_var + 1e-5) * weight + bias:
+  // fc = [1.25, 1.75]; [(1.25 - 0.125) / 2.0000025 - 1, (1.75 + 0.5) / 0.70711 * 2 + 1].
+  EXPECT_TRUE(absl::StartsWith(out, kTinyModuleOut)) << out;
+  EXPECT_TRUE(absl::StrContains(out, "[[-0.43750")) << out;
+
+  // Every module tensor must be covered.
+  std::vector<TestTensor> partial = TinyModuleTensors();
+  partial.erase(partial.begin() + 5, partial.end());
+  auto [h2, p2] = Published("t", partial, 200, true);
+  fake().SetModel(h2, p2);
+  r = Run({"export", "t", "--out", dir_ + "/t2.pt", "--format=torchscript"});
+  EXPECT_EQ(r.code, kExitFailed);
+  EXPECT_EQ(r.err,
+            "error: FAILED_PRECONDITION: export of job t: the job's model does not cover 2 of the "
+            "module's 7 parameters and buffers: bn.running_var, bn.num_batches_tracked\n");
+  EXPECT_FALSE(std::ifstream(dir_ + "/t2.pt").good());
+}
+
+TEST_F(CliTest, ExportAsTorchScriptNeedsATorchScriptJob) {
+  fake().AddJob(PeerJob("g", "gossip", SUCCEEDED));
+  fake().AddJob(MakeJob("p", SUCCEEDED, 10, 10));  // ps (async): refused before any shard call.
+  for (const char* job : {"g", "p"}) {
+    Result r = Run({"export", job, "--out", dir_ + "/x.pt", "--format", "torchscript"});
+    EXPECT_EQ(r.code, kExitFailed);
+    EXPECT_EQ(r.err, absl::StrCat("error: INVALID_ARGUMENT: --format torchscript needs a job whose "
+                                  "model is a TorchScript module (job ",
+                                  job, "'s model is \"mlp\")\n"));
+  }
+  EXPECT_TRUE(fake().model_requests().empty());
+  Result r = Run({"export", "g", "--out", dir_ + "/x.pt", "--format", "onnx"});
+  EXPECT_EQ(r.code, kExitUsage);
+  EXPECT_EQ(r.err,
+            "error: --format must be state_dict or torchscript, got \"onnx\"\nRun 'gradmesh "
+            "export --help' for usage.\n");
 }
 
 }  // namespace

@@ -3,8 +3,10 @@
 
 #include <grpcpp/client_context.h>
 
+#include <algorithm>
 #include <chrono>
 
+#include "absl/strings/str_cat.h"
 #include "common/status.h"
 #include "proto/coordinator.grpc.pb.h"
 #include "rpc/auth.h"
@@ -71,6 +73,53 @@ class GrpcCoordinatorClient final : public CoordinatorClient {
     Prepare(&ctx, /*unary=*/true);
     RETURN_IF_ERROR(FromGrpcStatus(stub_->CancelJob(&ctx, req, &resp)));
     return resp;
+  }
+
+  absl::StatusOr<PublishedModel> GetModel(const std::string& job_id, ModelKind kind) override {
+    GetModelRequest req;
+    req.set_job_id(job_id);
+    req.set_kind(kind);
+    grpc::ClientContext ctx;
+    Prepare(&ctx, /*unary=*/false);
+    ctx.set_deadline(std::chrono::system_clock::now() +
+                     absl::ToChronoMilliseconds(options_.model_deadline));
+    std::unique_ptr<grpc::ClientReader<ModelChunk>> reader = stub_->GetModel(&ctx, req);
+    PublishedModel model;
+    ModelChunk msg;
+    bool have_header = false;
+    std::string bad;
+    while (bad.empty() && reader->Read(&msg)) {
+      if (!have_header) {
+        if (!msg.has_header() || msg.header().total_bytes() < 0) {
+          bad = "the first message has no header";
+          break;
+        }
+        have_header = true;
+        model.header = msg.header();
+        // Reserve at most 1 GiB up front: the header's claim is checked as the bytes arrive.
+        model.payload.reserve(
+            static_cast<size_t>(std::min<int64_t>(model.header.total_bytes(), int64_t{1} << 30)));
+      } else if (msg.has_header()) {
+        bad = "a second header";
+      }
+      if (static_cast<int64_t>(model.payload.size() + msg.data().size()) >
+          model.header.total_bytes()) {
+        bad = absl::StrCat("more than the header's ", model.header.total_bytes(), " bytes");
+      }
+      model.payload.append(msg.data());
+    }
+    if (!bad.empty()) {
+      ctx.TryCancel();
+      reader->Finish();
+      return absl::DataLossError(absl::StrCat("GetModel of job ", job_id, ": ", bad));
+    }
+    RETURN_IF_ERROR(FromGrpcStatus(reader->Finish()));
+    if (!have_header || static_cast<int64_t>(model.payload.size()) != model.header.total_bytes()) {
+      return absl::DataLossError(absl::StrCat(
+          "GetModel of job ", job_id, ": the stream ended after ", model.payload.size(), " of ",
+          model.header.total_bytes(), " bytes", have_header ? "" : " (no header)"));
+    }
+    return model;
   }
 
   absl::Status WatchJob(const std::string& job_id,

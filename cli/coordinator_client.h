@@ -36,6 +36,16 @@ class CoordinatorClient {
   virtual absl::StatusOr<GetLogsResponse> GetLogs(const std::string& job_id, int rank,
                                                   int64_t after_sequence) = 0;
 
+  // A model the job's rank 0 published (proto/coordinator.proto "Published models").
+  struct PublishedModel {
+    ModelHeader header;
+    std::string payload;  // header.total_bytes bytes.
+  };
+  // JobService.GetModel, collected whole: the coordinator's error (NOT_FOUND unknown job,
+  // FAILED_PRECONDITION nothing published yet), or DATA_LOSS when the stream does not hold a
+  // header followed by exactly header.total_bytes payload bytes. Deadline: model_deadline.
+  virtual absl::StatusOr<PublishedModel> GetModel(const std::string& job_id, ModelKind kind) = 0;
+
   // Streams the job's status: calls `on_update` with every message, in order, on the calling
   // thread. Returns when the stream ends: OK if the coordinator ended it (the last message
   // had a final state), else the stream's error (e.g. UNAVAILABLE when the coordinator went
@@ -49,6 +59,8 @@ struct CoordinatorClientOptions {
   std::string auth_token;  // API token; empty: no authorization header.
   RpcOptions rpc;
   absl::Duration deadline = absl::Seconds(30);  // Per unary call.
+  // Of a whole GetModel download (models can have GiBs).
+  absl::Duration model_deadline = absl::Minutes(30);
 };
 
 std::unique_ptr<CoordinatorClient> NewGrpcCoordinatorClient(CoordinatorClientOptions options);

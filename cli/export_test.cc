@@ -1,7 +1,8 @@
 // `gradmesh export` against two in-process parameter-server shards with per-job tokens, over
 // real gRPC on 127.0.0.1: FetchJobTensors returns the exact values, `export` writes a
 // state_dict that Python's torch.load reads back exactly (skipped without /usr/bin/python3
-// torch), and wrong tokens, swapped shards, unknown jobs and dead shards fail with their codes.
+// torch), buffers keep their dtypes (a BatchNorm file loads with load_state_dict(strict=True)),
+// and wrong tokens, swapped shards, unknown jobs and dead shards fail with their codes.
 #include <grpcpp/client_context.h>
 #include <grpcpp/security/server_credentials.h>
 #include <grpcpp/server_builder.h>
@@ -21,6 +22,7 @@
 #include "cli/cli.h"
 #include "cli/fake_job_service.h"
 #include "cli/shard_export.h"
+#include "cli/state_dict.h"
 #include "common/partitioner.h"
 #include "common/status_testing.h"
 #include "gtest/gtest.h"
@@ -287,6 +289,170 @@ TEST_F(ExportTest, UnknownJobAndDeadShardFail) {
   EXPECT_TRUE(
       absl::StrContains(err, "error: UNAVAILABLE: export of job mnist-mlp: GetJobInfo on shard 1"))
       << err;
+}
+
+// Runs `script` (Python, argv[1] = `arg`) with /usr/bin/python3 and returns its stdout;
+// false (the test is skipped) when that Python cannot import torch.
+bool RunPython(const std::string& dir, const std::string& script, const std::string& arg,
+               std::string* out) {
+  if (std::system(absl::StrCat(kPython, " -c 'import torch' >/dev/null 2>&1").c_str()) != 0) {
+    return false;
+  }
+  const std::string script_path = dir + "/check.py";
+  const std::string listing = dir + "/check.txt";
+  std::ofstream(script_path) << script;
+  const int rc = std::system(
+      absl::StrCat(kPython, " ", script_path, " ", arg, " > ", listing, " 2>&1").c_str());
+  std::stringstream got;
+  got << std::ifstream(listing).rdbuf();
+  *out = absl::StrCat("rc=", rc, "\n", got.str());
+  return true;
+}
+
+// A BatchNorm1d(3) job: its buffers live on the shards beside the parameters, take pushed
+// deltas as they are, and export writes them with their dtypes (num_batches_tracked an int64
+// 0-dim tensor), so PyTorch's load_state_dict(strict=True) accepts the file.
+TEST_F(ExportTest, BuffersKeepTheirDTypesAndLoadStrictlyIntoBatchNorm) {
+  constexpr char kBnJob[] = "bn-job";
+  JobLayout l;
+  l.job = kBnJob;
+  l.tensors = {loopback::Tensor("weight", {3}), loopback::Tensor("bias", {3}),
+               loopback::Tensor("running_mean", {3}), loopback::Tensor("running_var", {3}),
+               loopback::Tensor("num_batches_tracked", {})};
+  for (int t = 2; t < 5; ++t) l.tensors[t].set_buffer(true);
+  l.tensors[4].set_dtype(INT64);
+  l.chunk_elems = 4;
+  l.optimizer.set_name("sgd");
+  l.optimizer.set_lr(0.1);
+  l.consistency = "async";
+  l.num_workers = 1;
+  const loopback::Values init = {
+      {1.5f, 2.0f, -0.5f}, {0.25f, 0.0f, -1.0f}, {0.125f, 4.0f, -2.0f}, {1.0f, 0.5f, 2.25f}, {7}};
+  // Pushed: zero gradients (the parameters stay), buffer deltas.
+  const loopback::Values delta = {
+      {0, 0, 0}, {0, 0, 0}, {0.5f, -1.0f, 0.25f}, {-0.25f, 0.5f, 1.0f}, {1}};
+  const loopback::Values want = {
+      {1.5f, 2.0f, -0.5f}, {0.25f, 0.0f, -1.0f}, {0.625f, 3.0f, -1.75f}, {0.75f, 1.0f, 3.25f}, {8}};
+  const Partition p = loopback::MakePartition(l, 2);
+  for (int s = 0; s < 2; ++s) {
+    shards_[s]->tokens.Set(kBnJob, kToken);
+    auto stub = ParameterService::NewStub(MakeChannel(shards_[s]->addr, RpcOptions()));
+    InitJobResponse created;
+    grpc::Status st =
+        stub->InitJob(TokenCtx().get(), loopback::MakeInitRequest(l, 2, s, init), &created);
+    ASSERT_TRUE(st.ok()) << st.error_message();
+    PushRequest push;
+    push.set_job(kBnJob);
+    push.set_request_id(1);
+    for (int64_t idx : p.shard_chunks(s)) {
+      const ChunkInfo& c = p.chunks()[idx];
+      ChunkData* d = push.add_chunks();
+      d->set_tensor(c.tensor);
+      d->set_chunk(c.chunk);
+      d->set_dtype(FLOAT32);
+      d->set_data(loopback::Bytes(delta[c.tensor].data() + c.offset, c.numel));
+    }
+    PushResponse pushed;
+    st = stub->Push(TokenCtx().get(), push, &pushed);
+    ASSERT_TRUE(st.ok()) << st.error_message();
+  }
+
+  ShardExportOptions o;
+  o.job = kBnJob;
+  o.shards = Addrs();
+  o.job_token = kToken;
+  ASSERT_OK_AND_ASSIGN(std::vector<ExportedTensor> tensors, FetchJobTensors(o));
+  ASSERT_EQ(tensors.size(), 5u);
+  const std::vector<DType> dtypes = {FLOAT32, FLOAT32, FLOAT32, FLOAT32, INT64};
+  for (size_t t = 0; t < tensors.size(); ++t) {
+    EXPECT_EQ(tensors[t].name, l.tensors[t].name());
+    EXPECT_EQ(tensors[t].shape,
+              std::vector<int64_t>(l.tensors[t].shape().begin(), l.tensors[t].shape().end()));
+    EXPECT_EQ(tensors[t].values, want[t]) << tensors[t].name;
+    EXPECT_EQ(tensors[t].dtype, dtypes[t]) << tensors[t].name;
+    EXPECT_EQ(tensors[t].buffer, t >= 2) << tensors[t].name;
+  }
+  EXPECT_TRUE(tensors[4].shape.empty());
+
+  const std::string path = dir_ + "/bn.pt";
+  ASSERT_OK(SaveStateDict(path, tensors));
+  std::string got;
+  if (!RunPython(dir_,
+                 "import sys, torch\n"
+                 "d = torch.load(sys.argv[1])\n"
+                 "for k, v in d.items():\n"
+                 "    print(k, list(v.shape), v.dtype, v.flatten().tolist())\n"
+                 "m = torch.nn.BatchNorm1d(3)\n"
+                 "print(m.load_state_dict(d, strict=True))\n"
+                 "print(m.num_batches_tracked.dtype, m.num_batches_tracked.item(),\n"
+                 "      m.running_mean.tolist(), m.weight.tolist())\n",
+                 path, &got)) {
+    GTEST_SKIP() << kPython << " cannot import torch (install python3-torch)";
+  }
+  EXPECT_EQ(got,
+            "rc=0\n"
+            "weight [3] torch.float32 [1.5, 2.0, -0.5]\n"
+            "bias [3] torch.float32 [0.25, 0.0, -1.0]\n"
+            "running_mean [3] torch.float32 [0.625, 3.0, -1.75]\n"
+            "running_var [3] torch.float32 [0.75, 1.0, 3.25]\n"
+            "num_batches_tracked [] torch.int64 [8]\n"
+            "<All keys matched successfully>\n"
+            "torch.int64 8 [0.625, 3.0, -1.75] [1.5, 2.0, -0.5]\n");
+}
+
+// Every element type: float64 exact, float16/bfloat16 rounded to nearest even (3 + 2^-10 is
+// a tie that goes to 3; -1e9 in bfloat16 is -238 * 2^22; fp16 overflows to -inf), integers
+// rounded (halves away from zero) and clamped, bool != 0; an unknown dtype is refused.
+TEST(SaveStateDictTest, WritesEachDTypeAsTorchReadsIt) {
+  const std::string dir = ::testing::TempDir() + "/state_dict_test_" + std::to_string(getpid());
+  ASSERT_EQ(std::system(("mkdir -p " + dir).c_str()), 0);
+  const std::vector<float> v = {1.5f, -2.5f, 0.0f, 300.25f, -1e9f, 3.0009765625f};
+  std::vector<ExportedTensor> tensors;
+  for (DType d : {FLOAT32, FLOAT64, FLOAT16, BFLOAT16, INT64, INT32, INT16, INT8, UINT8, BOOL}) {
+    ExportedTensor t;
+    t.name = DType_Name(d);
+    t.shape = {2, 3};
+    t.values = v;
+    t.dtype = d;
+    t.buffer = true;
+    tensors.push_back(t);
+  }
+  ExportedTensor scalar;
+  scalar.name = "scalar";
+  scalar.values = {41.5f};
+  scalar.dtype = INT32;
+  tensors.push_back(scalar);
+  const std::string path = dir + "/all.pt";
+  ASSERT_OK(SaveStateDict(path, tensors));
+
+  std::vector<ExportedTensor> bad = {tensors[0]};
+  bad[0].dtype = static_cast<DType>(42);
+  EXPECT_EQ(SaveStateDict(dir + "/bad.pt", bad),
+            absl::InvalidArgumentError("tensor FLOAT32 has dtype 42, which export cannot write"));
+  EXPECT_FALSE(std::ifstream(dir + "/bad.pt").good());
+
+  std::string got;
+  if (!RunPython(dir,
+                 "import sys, torch\n"
+                 "for k, v in torch.load(sys.argv[1]).items():\n"
+                 "    print(k, list(v.shape), v.dtype, ' '.join('%.10g' % x for x in "
+                 "v.flatten().tolist()))\n",
+                 path, &got)) {
+    GTEST_SKIP() << kPython << " cannot import torch (install python3-torch)";
+  }
+  EXPECT_EQ(got,
+            "rc=0\n"
+            "FLOAT32 [2, 3] torch.float32 1.5 -2.5 0 300.25 -1000000000 3.000976562\n"
+            "FLOAT64 [2, 3] torch.float64 1.5 -2.5 0 300.25 -1000000000 3.000976562\n"
+            "FLOAT16 [2, 3] torch.float16 1.5 -2.5 0 300.25 -inf 3\n"
+            "BFLOAT16 [2, 3] torch.bfloat16 1.5 -2.5 0 300 -998244352 3\n"
+            "INT64 [2, 3] torch.int64 2 -3 0 300 -1000000000 3\n"
+            "INT32 [2, 3] torch.int32 2 -3 0 300 -1000000000 3\n"
+            "INT16 [2, 3] torch.int16 2 -3 0 300 -32768 3\n"
+            "INT8 [2, 3] torch.int8 2 -3 0 127 -128 3\n"
+            "UINT8 [2, 3] torch.uint8 2 0 0 255 0 3\n"
+            "BOOL [2, 3] torch.bool 1 1 0 1 1 1\n"
+            "scalar [] torch.int32 42\n");
 }
 
 }  // namespace

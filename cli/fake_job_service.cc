@@ -14,9 +14,11 @@ namespace {
 
 // Writes a script's messages one by one, then finishes (or, with hold, waits for the call to
 // be cancelled). gRPC may run OnCancel concurrently with the other reactions, hence the lock.
-class ScriptWriter final : public grpc::ServerWriteReactor<JobStatus> {
+template <typename Message>
+class ScriptWriter final : public grpc::ServerWriteReactor<Message> {
  public:
-  explicit ScriptWriter(FakeJobService::WatchScript script) : script_(std::move(script)) {
+  ScriptWriter(std::vector<Message> messages, grpc::Status end, bool hold)
+      : messages_(std::move(messages)), end_(std::move(end)), hold_(hold) {
     absl::MutexLock lock(&mu_);
     NextLocked();
   }
@@ -42,22 +44,24 @@ class ScriptWriter final : public grpc::ServerWriteReactor<JobStatus> {
 
  private:
   void NextLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    if (next_ < script_.messages.size()) {
+    if (next_ < messages_.size()) {
       writing_ = true;
-      StartWrite(&script_.messages[next_]);
-    } else if (!script_.hold) {
-      FinishLocked(script_.end);
+      this->StartWrite(&messages_[next_]);
+    } else if (!hold_) {
+      FinishLocked(end_);
     }
   }
 
   void FinishLocked(const grpc::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (finished_) return;
     finished_ = true;
-    Finish(status);
+    this->Finish(status);
   }
 
   absl::Mutex mu_;
-  FakeJobService::WatchScript script_;
+  std::vector<Message> messages_;
+  const grpc::Status end_;
+  const bool hold_;
   size_t next_ ABSL_GUARDED_BY(mu_) = 0;
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
@@ -236,7 +240,51 @@ grpc::ServerWriteReactor<JobStatus>* FakeJobService::WatchJob(grpc::CallbackServ
       scripts_.pop_front();
     }
   }
-  return new ScriptWriter(std::move(script));
+  return new ScriptWriter<JobStatus>(std::move(script.messages), script.end, script.hold);
+}
+
+void FakeJobService::SetModel(ModelHeader header, std::string payload) {
+  absl::MutexLock lock(&mu_);
+  std::pair<std::string, int> key(header.job_id(), header.kind());
+  models_[key] = {std::move(header), std::move(payload)};
+}
+
+std::vector<GetModelRequest> FakeJobService::model_requests() const {
+  absl::MutexLock lock(&mu_);
+  return model_requests_;
+}
+
+grpc::ServerWriteReactor<ModelChunk>* FakeJobService::GetModel(grpc::CallbackServerContext* ctx,
+                                                               const GetModelRequest* request) {
+  std::vector<ModelChunk> messages;
+  grpc::Status end = Admit(ctx);
+  if (end.ok()) {
+    absl::MutexLock lock(&mu_);
+    model_requests_.push_back(*request);
+    const JobStatus* job = nullptr;
+    for (const JobStatus& j : jobs_) {
+      if (j.job_id() == request->job_id()) job = &j;
+    }
+    auto it = models_.find({request->job_id(), request->kind()});
+    if (job == nullptr) {
+      end = NotFound(request->job_id());
+    } else if (it == models_.end()) {
+      // The coordinator's wording (coordinator/coordinator_models.cc).
+      end = grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                         absl::StrCat("job ", job->job_id(), " (", job->spec().mode(),
+                                      ") has not published a model yet; rank 0 publishes at "
+                                      "checkpoints, every 60 s and at the end"));
+    } else {
+      messages.emplace_back();
+      *messages.back().mutable_header() = it->second.first;
+      const std::string& payload = it->second.second;
+      for (size_t off = 0; off < payload.size(); off += kModelChunkBytes) {
+        messages.emplace_back();
+        messages.back().set_data(payload.substr(off, kModelChunkBytes));
+      }
+    }
+  }
+  return new ScriptWriter<ModelChunk>(std::move(messages), end, /*hold=*/false);
 }
 
 std::unique_ptr<FakeCoordinator> FakeCoordinator::Start(int port) {

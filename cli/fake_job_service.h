@@ -10,8 +10,10 @@
 #include <grpcpp/server.h>
 
 #include <deque>
+#include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/synchronization/mutex.h"
@@ -44,6 +46,12 @@ class FakeJobService final : public JobService::CallbackService {
   void AddLogsAnswer(grpc::Status status, GetLogsResponse response = {}) ABSL_LOCKS_EXCLUDED(mu_);
   std::vector<GetLogsRequest> logs_requests() const ABSL_LOCKS_EXCLUDED(mu_);
 
+  // GetModel answers: the header, then the payload in kModelChunkBytes pieces. A job added
+  // without a model of the asked kind is FAILED_PRECONDITION (the coordinator's message).
+  static constexpr size_t kModelChunkBytes = 1 << 20;
+  void SetModel(ModelHeader header, std::string payload) ABSL_LOCKS_EXCLUDED(mu_);
+  std::vector<GetModelRequest> model_requests() const ABSL_LOCKS_EXCLUDED(mu_);
+
   // What was asked: every SubmitJob request, the authorization header of every call ("" when
   // absent), the number of calls, and WatchJob calls started.
   std::vector<SubmitJobRequest> submits() const ABSL_LOCKS_EXCLUDED(mu_);
@@ -66,6 +74,8 @@ class FakeJobService final : public JobService::CallbackService {
                                                 const WatchJobRequest* request) override;
   grpc::ServerUnaryReactor* GetLogs(grpc::CallbackServerContext* ctx, const GetLogsRequest* request,
                                     GetLogsResponse* response) override;
+  grpc::ServerWriteReactor<ModelChunk>* GetModel(grpc::CallbackServerContext* ctx,
+                                                 const GetModelRequest* request) override;
 
  private:
   // Records the call and checks its token.
@@ -80,6 +90,9 @@ class FakeJobService final : public JobService::CallbackService {
   std::vector<std::string> authorizations_ ABSL_GUARDED_BY(mu_);
   std::deque<std::pair<grpc::Status, GetLogsResponse>> logs_answers_ ABSL_GUARDED_BY(mu_);
   std::vector<GetLogsRequest> logs_requests_ ABSL_GUARDED_BY(mu_);
+  std::map<std::pair<std::string, int>, std::pair<ModelHeader, std::string>> models_
+      ABSL_GUARDED_BY(mu_);
+  std::vector<GetModelRequest> model_requests_ ABSL_GUARDED_BY(mu_);
   int calls_ ABSL_GUARDED_BY(mu_) = 0;
   int watches_ ABSL_GUARDED_BY(mu_) = 0;
 };

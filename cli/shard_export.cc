@@ -1,4 +1,4 @@
-// Reading a job's parameters from its shards (see shard_export.h).
+// Reading a job's parameters and buffers from its shards (see shard_export.h).
 #include "cli/shard_export.h"
 
 #include <grpcpp/client_context.h>
@@ -13,6 +13,7 @@
 #include "google/protobuf/util/message_differencer.h"
 #include "proto/gradmesh.grpc.pb.h"
 #include "rpc/grpc_status.h"
+#include "rpc/token_transport.h"
 
 namespace gradmesh {
 namespace cli {
@@ -64,6 +65,9 @@ absl::StatusOr<std::vector<ExportedTensor>> FetchJobTensors(const ShardExportOpt
   if (o.shards.empty()) {
     return absl::InvalidArgumentError(absl::StrCat("job ", o.job, " has no shard addresses"));
   }
+  for (const std::string& shard : o.shards) {
+    RETURN_IF_ERROR(CheckTokenTransport(shard, o.rpc.tls, o.job_token, "job token"));
+  }
   std::vector<std::unique_ptr<ParameterService::Stub>> stubs;
   std::vector<JobInfoResponse> infos(o.shards.size());
   for (size_t s = 0; s < o.shards.size(); ++s) {
@@ -91,6 +95,9 @@ absl::StatusOr<std::vector<ExportedTensor>> FetchJobTensors(const ShardExportOpt
   for (int t = 0; t < layout.tensors_size(); ++t) {
     ExportedTensor& out = tensors[t];
     out.name = layout.tensors(t).name();
+    out.dtype =
+        layout.tensors(t).dtype() == DTYPE_UNSPECIFIED ? FLOAT32 : layout.tensors(t).dtype();
+    out.buffer = layout.tensors(t).buffer();
     int64_t n = 1;
     for (int64_t d : layout.tensors(t).shape()) {
       out.shape.push_back(d);

@@ -4,6 +4,9 @@
 #include <google/protobuf/util/json_util.h>
 #include <yaml-cpp/yaml.h>
 
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
 #include <fstream>
 #include <sstream>
 #include <vector>
@@ -11,9 +14,11 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "common/job_name.h"
 #include "common/mode.h"
+#include "common/optimizer.h"
 #include "common/status.h"
 
 namespace gradmesh {
@@ -134,6 +139,137 @@ absl::Status ScalarToJson(const YAML::Node& node, const pb::FieldDescriptor* fie
   }
 }
 
+// "job spec: <field>: <value> <what>", INVALID_ARGUMENT.
+absl::Status Bad(absl::string_view field, absl::string_view value, absl::string_view what) {
+  return absl::InvalidArgumentError(absl::StrCat("job spec: ", field, ": ", value, " ", what));
+}
+
+std::string Num(double v) { return absl::StrFormat("%g", v); }
+
+// A float32 hyper-parameter: finite as a float32 and in [lo, hi] (hi_open: [lo, hi)).
+absl::Status CheckFloat(absl::string_view field, double v, double lo, double hi,
+                        bool hi_open = false) {
+  if (!std::isfinite(v) || std::fabs(v) > FLT_MAX) {
+    return Bad(field, Num(v), "is not a finite float32");
+  }
+  if (v < lo || v > hi || (hi_open && v == hi)) {
+    return Bad(field, Num(v),
+               absl::StrCat("is out of range [", Num(lo), ", ", Num(hi), hi_open ? ")" : "]"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckInt(absl::string_view field, int64_t v, int64_t lo, int64_t hi) {
+  if (v < lo || v > hi) {
+    return Bad(field, absl::StrCat(v), absl::StrCat("is out of range [", lo, ", ", hi, "]"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckLength(absl::string_view field, const std::string& v) {
+  if (v.size() > kMaxSpecStringBytes) {
+    return Bad(field, absl::StrCat(v.size(), " bytes"),
+               absl::StrCat("is too long (at most ", kMaxSpecStringBytes, ")"));
+  }
+  return absl::OkStatus();
+}
+
+// Fields the sender knew and this binary does not (a spec that came as protobuf bytes).
+absl::Status CheckNoUnknownFields(const pb::Message& m, const std::string& path) {
+  const pb::Reflection* r = m.GetReflection();
+  const pb::UnknownFieldSet& unknown = r->GetUnknownFields(m);
+  if (!unknown.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("job spec: unknown field number ", unknown.field(0).number(), " in ",
+                     path.empty() ? "the spec" : path,
+                     " (sent by a newer client? this coordinator does not "
+                     "know it)"));
+  }
+  std::vector<const pb::FieldDescriptor*> fields;
+  r->ListFields(m, &fields);
+  for (const pb::FieldDescriptor* f : fields) {
+    if (f->cpp_type() != pb::FieldDescriptor::CPPTYPE_MESSAGE || f->is_repeated()) continue;
+    const std::string child = path.empty() ? f->name() : absl::StrCat(path, ".", f->name());
+    RETURN_IF_ERROR(CheckNoUnknownFields(r->GetMessage(m, f), child));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateOptimizerSpec(const OptimizerSpec& o) {
+  const std::vector<std::string> known = OptimizerRegistry::WithBuiltins().names();
+  if (!o.name().empty() && std::find(known.begin(), known.end(), o.name()) == known.end()) {
+    return Bad("optimizer.name", absl::StrCat("\"", o.name(), "\""),
+               absl::StrCat("is not one of ", absl::StrJoin(known, ", ")));
+  }
+  // lr: > 0 and still > 0 as the shards' float32.
+  if (!std::isfinite(o.lr()) || std::fabs(o.lr()) > FLT_MAX) {
+    return Bad("optimizer.lr", Num(o.lr()), "is not a finite float32");
+  }
+  if (!(o.lr() > 0) || !(static_cast<float>(o.lr()) > 0)) {
+    return Bad("optimizer.lr", Num(o.lr()), "must be > 0 (and > 0 as a float32)");
+  }
+  RETURN_IF_ERROR(CheckFloat("optimizer.momentum", o.momentum(), 0, 1, true));
+  RETURN_IF_ERROR(CheckFloat("optimizer.dampening", o.dampening(), 0, 1, true));
+  RETURN_IF_ERROR(CheckFloat("optimizer.weight_decay", o.weight_decay(), 0, 1e9));
+  RETURN_IF_ERROR(CheckFloat("optimizer.beta1", o.beta1(), 0, 1, true));
+  RETURN_IF_ERROR(CheckFloat("optimizer.beta2", o.beta2(), 0, 1, true));
+  RETURN_IF_ERROR(CheckFloat("optimizer.eps", o.eps(), 0, 1));
+  RETURN_IF_ERROR(CheckFloat("optimizer.min_lr_fraction", o.min_lr_fraction(), 0, 1));
+  RETURN_IF_ERROR(CheckInt("optimizer.decay_updates", o.decay_updates(), 0, kMaxSpecSteps));
+  RETURN_IF_ERROR(CheckInt("optimizer.warmup_updates", o.warmup_updates(), 0, kMaxSpecSteps));
+  const std::string& sched = o.lr_schedule();
+  if (!sched.empty() && sched != "constant" && sched != "cosine") {
+    return Bad("optimizer.lr_schedule", absl::StrCat("\"", sched, "\""),
+               "is not one of constant, cosine");
+  }
+  if (o.nesterov() && (o.momentum() <= 0 || o.dampening() != 0)) {
+    return Bad("optimizer.nesterov", "true", "needs momentum > 0 and dampening 0");
+  }
+  return absl::OkStatus();
+}
+
+// Counts, sizes, times and strings the checks in ValidateJobSpec do not bound.
+absl::Status ValidateLimits(const JobSpec& spec) {
+  RETURN_IF_ERROR(CheckInt("num_workers", spec.num_workers(), 1, kMaxSpecWorkers));
+  RETURN_IF_ERROR(CheckInt("num_shards", spec.num_shards(), 1, kMaxSpecShards));
+  RETURN_IF_ERROR(CheckInt("batch_size", spec.batch_size(), 1, kMaxSpecBatchSize));
+  RETURN_IF_ERROR(CheckInt("steps", spec.steps(), 0, kMaxSpecSteps));
+  RETURN_IF_ERROR(CheckInt("epochs", spec.epochs(), 0, kMaxSpecEpochs));
+  RETURN_IF_ERROR(CheckInt("chunk_bytes", spec.chunk_bytes(), 4, kMaxSpecChunkBytes));
+  RETURN_IF_ERROR(
+      CheckInt("allreduce.bucket_bytes", spec.allreduce().bucket_bytes(), 0, kMaxSpecChunkBytes));
+  RETURN_IF_ERROR(
+      CheckInt("checkpoint.every_steps", spec.checkpoint().every_steps(), 0, kMaxSpecSteps));
+  // Derived from checkpoint.every_steps x num_workers when unset.
+  RETURN_IF_ERROR(CheckInt("durability.snapshot_every_updates",
+                           spec.durability().snapshot_every_updates(), 0,
+                           kMaxSpecSteps * kMaxSpecWorkers));
+  RETURN_IF_ERROR(
+      CheckInt("compression.warmup_steps", spec.compression().warmup_steps(), 0, kMaxSpecSteps));
+  RETURN_IF_ERROR(CheckInt("gossip.every_steps", spec.gossip().every_steps(), 0, kMaxSpecSteps));
+  RETURN_IF_ERROR(CheckFloat("barrier_timeout_s", spec.barrier_timeout_s(), 0, kMaxSpecSeconds));
+  RETURN_IF_ERROR(CheckFloat("durability.snapshot_every_seconds",
+                             spec.durability().snapshot_every_seconds(), 0, kMaxSpecSeconds));
+  RETURN_IF_ERROR(CheckFloat("gossip.timeout_s", spec.gossip().timeout_s(), 0, kMaxSpecSeconds));
+  RETURN_IF_ERROR(
+      CheckFloat("allreduce.timeout_s", spec.allreduce().timeout_s(), 0, kMaxSpecSeconds));
+  RETURN_IF_ERROR(CheckFloat("compression.momentum", spec.compression().momentum(), 0, 1, true));
+  for (const auto& [field, value] : std::vector<std::pair<const char*, const std::string*>>{
+           {"name", &spec.name()},
+           {"model.name", &spec.model().name()},
+           {"model.path", &spec.model().path()},
+           {"dataset.name", &spec.dataset().name()},
+           {"dataset.path", &spec.dataset().path()},
+           {"loss", &spec.loss()},
+           {"output", &spec.output()},
+           {"mode", &spec.mode()},
+           {"checkpoint.dir", &spec.checkpoint().dir()},
+           {"compression.push", &spec.compression().push()}}) {
+    RETURN_IF_ERROR(CheckLength(field, *value));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<JobSpec> ParseJobSpec(const std::string& text) {
@@ -216,8 +352,10 @@ void ApplyJobSpecDefaults(int num_servers, JobSpec* spec) {
       if (!d->has_snapshot_every_seconds()) d->set_snapshot_every_seconds(0);
     }
     if (d->snapshot_every_updates() == 0) {
-      d->set_snapshot_every_updates(spec->checkpoint().every_steps() *
-                                    (mode == Mode::kSync ? 1 : spec->num_workers()));
+      // Clamped so the product cannot overflow; ValidateJobSpec refuses the inputs anyway.
+      const int64_t every = std::min(spec->checkpoint().every_steps(), kMaxSpecSteps + 1);
+      const int64_t workers = std::clamp<int64_t>(spec->num_workers(), 1, kMaxSpecWorkers + 1);
+      d->set_snapshot_every_updates(every * (mode == Mode::kSync ? 1 : workers));
     }
   }
   if (d->mode().empty()) d->set_mode("none");
@@ -226,10 +364,8 @@ void ApplyJobSpecDefaults(int num_servers, JobSpec* spec) {
 }
 
 absl::Status ValidateJobSpec(const JobSpec& spec) {
-  if (!spec.name().empty() && !IsValidJobName(spec.name())) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "job spec: name \"", spec.name(), "\" may only use letters, digits, '_', '.', '-'"));
-  }
+  if (!spec.name().empty()) RETURN_IF_ERROR(CheckName("job spec: name", spec.name()));
+  RETURN_IF_ERROR(CheckNoUnknownFields(spec, ""));
   // Names only: the models and datasets themselves live in worker/ (LibTorch), which the
   // coordinator must not link, so these lists mirror ModelRegistry and the dataset loader.
   const std::string& model = spec.model().name();
@@ -242,9 +378,20 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
         "job spec: model \"torchscript\" needs model.path (a module saved with torch.jit.save)");
   }
   const std::string& dataset = spec.dataset().name();
-  if (!dataset.empty() && dataset != "mnist" && dataset != "fashion-mnist") {
+  if (!dataset.empty() && dataset != "mnist" && dataset != "fashion-mnist" &&
+      dataset != "tensors") {
+    return absl::InvalidArgumentError(absl::StrCat("job spec: unknown dataset \"", dataset,
+                                                   "\" (known: fashion-mnist, mnist, tensors)"));
+  }
+  const std::string& loss = spec.loss();
+  if (!loss.empty() && loss != "cross_entropy" && loss != "mse" && loss != "module") {
     return absl::InvalidArgumentError(
-        absl::StrCat("job spec: unknown dataset \"", dataset, "\" (known: fashion-mnist, mnist)"));
+        absl::StrCat("job spec: unknown loss \"", loss, "\" (known: cross_entropy, module, mse)"));
+  }
+  if (loss == "module" && model != "torchscript") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "job spec: loss \"module\" needs a TorchScript model with a loss(x, y) method; model \"",
+        model.empty() ? "mlp" : model, "\" has none"));
   }
   if (spec.batch_size() <= 0) {
     return absl::InvalidArgumentError(
@@ -340,7 +487,8 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
     return absl::InvalidArgumentError(
         absl::StrCat("job spec: sync_lr_scaling \"", scaling, "\" is not one of linear, none"));
   }
-  return absl::OkStatus();
+  RETURN_IF_ERROR(ValidateOptimizerSpec(spec.optimizer()));
+  return ValidateLimits(spec);
 }
 
 Mode SpecMode(const JobSpec& spec) {

@@ -9,6 +9,8 @@
 #ifndef GRADMESH_COMMON_JOB_SPEC_H_
 #define GRADMESH_COMMON_JOB_SPEC_H_
 
+#include <cstddef>
+#include <cstdint>
 #include <string>
 
 #include "absl/status/statusor.h"
@@ -27,7 +29,23 @@ absl::StatusOr<JobSpec> LoadJobSpecFile(const std::string& path);
 // `num_servers` is used for num_shards when that is unset.
 void ApplyJobSpecDefaults(int num_servers, JobSpec* spec);
 
-// Checks ranges and names. InvalidArgument naming the field and what is allowed.
+// Limits of a spec (ValidateJobSpec refuses more; the coordinator checks them at submit).
+inline constexpr int64_t kMaxSpecWorkers = 1024;            // num_workers: 1..1024.
+inline constexpr int64_t kMaxSpecShards = 256;              // num_shards: 1..256.
+inline constexpr int64_t kMaxSpecBatchSize = 1 << 20;       // batch_size: 1..2^20.
+inline constexpr int64_t kMaxSpecSteps = int64_t{1} << 40;  // steps, every_steps, ...: 0..2^40.
+inline constexpr int64_t kMaxSpecEpochs = 1'000'000;        // epochs: 0..10^6.
+inline constexpr int64_t kMaxSpecChunkBytes = int64_t{1} << 30;  // chunk/bucket bytes: <= 1 GiB.
+inline constexpr double kMaxSpecSeconds = 7 * 86400.0;           // timeouts, intervals: 0..7 days.
+inline constexpr size_t kMaxSpecStringBytes = 4096;              // names, paths, codec specs.
+
+// Checks the whole spec: every name a strategy is made from (model, dataset, mode, optimizer,
+// lr_schedule, durability mode, codecs of pulls and gossip, topology, backend, transport,
+// sync_lr_scaling), every number finite and in range (float32 hyper-parameters finite as
+// float32, lr > 0 also as a float32), the limits above, and no unknown fields (a spec that
+// arrived as protobuf bytes from a newer client). InvalidArgument naming the field, the value
+// and what is allowed, e.g. "job spec: optimizer.lr: 1e+39 is not a finite float32".
+// compression.push is checked by the caller that links the codec registry (the coordinator).
 absl::Status ValidateJobSpec(const JobSpec& spec);
 
 // The spec's mode as an enum (common/mode.h), for a spec that ValidateJobSpec accepted (an unset

@@ -1,5 +1,8 @@
 #include "common/job_spec.h"
 
+#include <string>
+#include <vector>
+
 #include "common/status_testing.h"
 #include "gtest/gtest.h"
 
@@ -31,6 +34,23 @@ seed: 42
   EXPECT_EQ(spec.epochs(), 3);
   EXPECT_EQ(spec.num_workers(), 2);
   EXPECT_EQ(spec.seed(), 42u);
+}
+
+TEST(JobSpecTest, AnyModelAndTensorsDatasetAreValid) {
+  ASSERT_OK_AND_ASSIGN(JobSpec spec, ParseJobSpec(R"(
+name: kjv
+model: {name: torchscript, path: /models/lm.pt}
+dataset: {name: tensors, path: /data/kjv}
+loss: module
+)"));
+  ApplyJobSpecDefaults(1, &spec);
+  EXPECT_EQ(spec.dataset().name(), "tensors");
+  EXPECT_EQ(spec.loss(), "module");
+  EXPECT_OK(ValidateJobSpec(spec));
+  spec.set_loss("mse");
+  EXPECT_OK(ValidateJobSpec(spec));
+  spec.set_loss("cross_entropy");
+  EXPECT_OK(ValidateJobSpec(spec));
 }
 
 TEST(JobSpecTest, ParsesJsonWithCamelCase) {
@@ -129,6 +149,114 @@ TEST(JobSpecTest, AllreduceDefaultsAndValidation) {
   bad.mutable_allreduce()->set_backend("mpi");
   EXPECT_STATUS_MSG(ValidateJobSpec(bad), absl::StatusCode::kInvalidArgument,
                     "allreduce.backend \"mpi\" is not one of auto, hierarchical, nccl, ring");
+}
+
+// Every field a strategy is made from or a number the shards or workers act on, as a user
+// writes it (YAML or JSON): INVALID_ARGUMENT naming the field and the value, from parsing
+// (unknown fields, wrong types) or from ValidateJobSpec after the defaults.
+TEST(JobSpecTest, ValidationTable) {
+  struct Case {
+    std::string text;  // Lines added to a valid spec (YAML), or a whole JSON spec.
+    std::string says;
+  };
+  const std::vector<Case> cases = {
+      // Unknown fields, nested, in YAML and in JSON.
+      {"gossip: {topolgy: random}", "unknown field \"topolgy\" in job spec at \"gossip\""},
+      {R"({"name": "t", "optimizer": {"name": "sgd", "lrr": 1}})", "unknown field \"lrr\""},
+      // Optimizer: names and float32 hyper-parameters.
+      {"optimizer: {name: lion}",
+       "job spec: optimizer.name: \"lion\" is not one of adam, adamw, sgd"},
+      {"optimizer: {lr: 1e39}", "job spec: optimizer.lr: 1e+39 is not a finite float32"},
+      {R"({"name": "t", "optimizer": {"lr": "Infinity"}})",
+       "job spec: optimizer.lr: inf is not a finite float32"},
+      {R"({"name": "t", "optimizer": {"lr": "NaN"}})", "optimizer.lr must be > 0, got nan"},
+      {"optimizer: {lr: -0.1}", "optimizer.lr must be > 0, got -0.1"},
+      {"optimizer: {lr: 1e-50}",
+       "job spec: optimizer.lr: 1e-50 must be > 0 (and > 0 as a float32)"},
+      {"optimizer: {name: sgd, momentum: 1}",
+       "job spec: optimizer.momentum: 1 is out of range [0, 1)"},
+      {"optimizer: {name: sgd, dampening: -0.5}", "optimizer.dampening: -0.5 is out of range"},
+      {R"({"name": "t", "optimizer": {"beta2": "NaN"}})",
+       "job spec: optimizer.beta2: nan is not a finite float32"},
+      {"optimizer: {beta1: 1.5}", "optimizer.beta1: 1.5 is out of range [0, 1)"},
+      {"optimizer: {eps: 1e39}", "optimizer.eps: 1e+39 is not a finite float32"},
+      {"optimizer: {weight_decay: -1}", "optimizer.weight_decay: -1 is out of range [0, 1e+09]"},
+      {"optimizer: {min_lr_fraction: 2}", "optimizer.min_lr_fraction: 2 is out of range [0, 1]"},
+      {"optimizer: {warmup_updates: -3}", "optimizer.warmup_updates: -3 is out of range"},
+      {"optimizer: {lr_schedule: step}",
+       "optimizer.lr_schedule: \"step\" is not one of constant, cosine"},
+      {"optimizer: {name: sgd, nesterov: true}",
+       "optimizer.nesterov: true needs momentum > 0 and dampening 0"},
+      // Counts within limits.
+      {"num_workers: 2000", "job spec: num_workers: 2000 is out of range [1, 1024]"},
+      {"num_workers: 2147483647", "num_workers: 2147483647 is out of range [1, 1024]"},
+      {"num_shards: 10000000", "job spec: num_shards: 10000000 is out of range [1, 256]"},
+      {"batch_size: 2097152", "batch_size: 2097152 is out of range [1, 1048576]"},
+      {"steps: 2199023255553", "steps: 2199023255553 is out of range [0, 1099511627776]"},
+      {"epochs: 2000000", "epochs: 2000000 is out of range [0, 1000000]"},
+      {"chunk_bytes: 2147483648", "chunk_bytes: 2147483648 is out of range [4, 1073741824]"},
+      {"checkpoint: {every_steps: 2199023255553}", "checkpoint.every_steps: 2199023255553"},
+      {"allreduce: {bucket_bytes: 2147483648}",
+       "allreduce.bucket_bytes: 2147483648 is out of range"},
+      // Times: finite and at most 7 days.
+      {R"({"name": "t", "barrier_timeout_s": "Infinity"})",
+       "job spec: barrier_timeout_s: inf is not a finite float32"},
+      {"mode: gossip\ngossip: {timeout_s: 1e7}",
+       "gossip.timeout_s: 1e+07 is out of range [0, 604800]"},
+      {R"({"name": "t", "mode": "allreduce", "allreduce": {"timeout_s": "NaN"}})",
+       "allreduce.timeout_s: nan is not a finite float32"},
+      {"durability: {mode: periodic, snapshot_every_seconds: 1e9}",
+       "durability.snapshot_every_seconds: 1e+09 is out of range"},
+      // Strategy names.
+      {"mode: hogwild", "mode \"hogwild\""},
+      {"mode: ssp:-1", "mode \"ssp:-1\""},
+      {"durability: {mode: sometimes}", "durability.mode \"sometimes\" is not one of"},
+      {"sync_lr_scaling: sqrt", "sync_lr_scaling \"sqrt\" is not one of linear, none"},
+      {"mode: gossip\ngossip: {topology: ring}", "gossip.topology \"ring\" is not one of"},
+      {"mode: gossip\ngossip: {codec: zstd}", "gossip.codec \"zstd\""},
+      {"compression: {pull: topk}", "compression.pull \"topk\" is not one of"},
+      {"dataset: {name: cifar10}", "unknown dataset \"cifar10\""},
+      {"model: {name: resnet}", "unknown model \"resnet\""},
+      {"loss: hinge", "unknown loss \"hinge\" (known: cross_entropy, module, mse)"},
+      {"loss: module",
+       "loss \"module\" needs a TorchScript model with a loss(x, y) method; "
+       "model \"mlp\" has none"},
+      // Strings bounded.
+      {"model: {name: torchscript, path: " + std::string(5000, 'p') + "}",
+       "job spec: model.path: 5000 bytes is too long (at most 4096)"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.text.substr(0, 80));
+    const std::string text = c.text[0] == '{' ? c.text : "name: t\n" + c.text + "\n";
+    absl::StatusOr<JobSpec> spec = ParseJobSpec(text);
+    absl::Status st = spec.status();
+    if (spec.ok()) {
+      ApplyJobSpecDefaults(1, &*spec);
+      st = ValidateJobSpec(*spec);
+    }
+    EXPECT_STATUS_MSG(st, absl::StatusCode::kInvalidArgument, c.says);
+  }
+  // The limits themselves are accepted.
+  ASSERT_OK_AND_ASSIGN(JobSpec max, ParseJobSpec("name: t\nnum_workers: 1024\nnum_shards: 256\n"
+                                                 "optimizer: {lr: 3e38, beta2: 0.999999}\n"));
+  ApplyJobSpecDefaults(1, &max);
+  EXPECT_OK(ValidateJobSpec(max));
+}
+
+// A spec that arrives as protobuf bytes may carry fields this binary does not know.
+TEST(JobSpecTest, UnknownProtoFieldsAreRefused) {
+  JobSpec spec;
+  ApplyJobSpecDefaults(1, &spec);
+  ASSERT_OK(ValidateJobSpec(spec));
+  JobSpec top = spec;
+  top.GetReflection()->MutableUnknownFields(&top)->AddVarint(1000, 7);
+  EXPECT_STATUS_MSG(ValidateJobSpec(top), absl::StatusCode::kInvalidArgument,
+                    "job spec: unknown field number 1000 in the spec");
+  JobSpec nested = spec;
+  DurabilitySpec* d = nested.mutable_durability();
+  d->GetReflection()->MutableUnknownFields(d)->AddVarint(77, 1);
+  EXPECT_STATUS_MSG(ValidateJobSpec(nested), absl::StatusCode::kInvalidArgument,
+                    "unknown field number 77 in durability");
 }
 
 TEST(JobSpecTest, JsonRoundTrip) {

@@ -448,7 +448,9 @@ inline uint32_t Hash32(uint32_t x) {
   return x;
 }
 
-#if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__) && !defined(__clang__)
+// (Not under ThreadSanitizer: see GM_MULTIVERSION in float16.cc.)
+#if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__) && !defined(__clang__) && \
+    !defined(__SANITIZE_THREAD__)
 #define GM_QSGD_MULTIVERSION __attribute__((target_clones("avx2", "default")))
 #else
 #define GM_QSGD_MULTIVERSION

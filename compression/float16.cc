@@ -3,6 +3,7 @@
 #include <cstring>
 
 #if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
 #include <immintrin.h>
 #define GM_HAVE_X86 1
 #else
@@ -59,8 +60,10 @@ inline uint16_t BFloat16FromBits(uint32_t f) {
 }
 
 // The portable loops are compiled twice, for AVX2 and for baseline x86-64 (SSE2), and the
-// loader picks one (GCC function multiversioning); same source, same results.
-#if GM_HAVE_X86 && defined(__GNUC__) && !defined(__clang__)
+// loader picks one (GCC function multiversioning); same source, same results. Not under
+// ThreadSanitizer: the loader runs the ifunc resolvers before TSan's runtime is up, and their
+// instrumented entry crashes the process (tests/sanitizers.sh).
+#if GM_HAVE_X86 && defined(__GNUC__) && !defined(__clang__) && !defined(__SANITIZE_THREAD__)
 #define GM_MULTIVERSION __attribute__((target_clones("avx2", "default")))
 #else
 #define GM_MULTIVERSION
@@ -102,10 +105,13 @@ GM_MULTIVERSION int64_t HalfToFloatPortable(const uint16_t* in, int64_t n, float
 
 #if GM_HAVE_X86
 
-// Reads libgcc's CPU model (filled in once at start-up); cheap enough to ask per call.
+// Reads libgcc's CPU model (filled in once at start-up) and CPUID leaf 1 for F16C (clang
+// does not know "f16c" as a __builtin_cpu_supports feature); cheap enough to ask per call.
 bool CpuHasF16c() {
   __builtin_cpu_init();
-  return __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
+  unsigned eax, ebx, ecx, edx;
+  return __builtin_cpu_supports("avx") && __get_cpuid(1, &eax, &ebx, &ecx, &edx) &&
+         (ecx & bit_F16C) != 0;
 }
 
 __attribute__((target("avx,f16c"))) int64_t FloatToHalfF16c(const float* in, int64_t n,

@@ -7,8 +7,11 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "common/job_name.h"
 #include "common/job_spec.h"
 #include "common/status.h"
+#include "compression/compressor.h"
+#include "coordinator/token_hash.h"
 
 namespace gradmesh {
 namespace {
@@ -17,6 +20,7 @@ namespace {
 constexpr int64_t kEtaWindowMs = 30'000;
 
 bool IsActive(JobState s) { return s == PENDING || s == RUNNING || s == PAUSED; }
+bool IsFinished(JobState s) { return s == SUCCEEDED || s == FAILED || s == CANCELLED; }
 
 std::string RandomHex(int bytes) {
   std::random_device rd;
@@ -28,6 +32,19 @@ std::string RandomHex(int bytes) {
 }
 
 std::string RoleName(NodeRole role) { return NodeRole_Name(role); }
+
+// compression.push names a codec of the registry (ValidateJobSpec, in common/, cannot link
+// it); "" and "auto" (the worker's choice) are not codecs.
+absl::Status ValidatePushCodec(const JobSpec& spec) {
+  const std::string& push = spec.compression().push();
+  if (push.empty() || push == "auto") return absl::OkStatus();
+  absl::StatusOr<std::unique_ptr<Compressor>> c = CompressorRegistry::WithBuiltins().Create(push);
+  if (!c.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("job spec: compression.push: \"", push, "\" ", c.status().message()));
+  }
+  return absl::OkStatus();
+}
 
 }  // namespace
 
@@ -51,6 +68,15 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Create(Options options
   }
   if (options.progress_persist_interval_ms < 0) {
     return absl::InvalidArgumentError("progress_persist_interval_ms must be >= 0");
+  }
+  if (options.finished_job_retention_ms < 0 || options.max_finished_jobs < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "finished_job_retention_ms and max_finished_jobs must be >= 0 (0: no limit), got ",
+        options.finished_job_retention_ms, " and ", options.max_finished_jobs));
+  }
+  if (options.max_model_bytes <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_model_bytes must be > 0, got ", options.max_model_bytes));
   }
   if (options.monitor_interval_ms == 0) options.monitor_interval_ms = options.heartbeat_interval_ms;
   std::unique_ptr<Coordinator> c(new Coordinator(std::move(options)));
@@ -108,6 +134,7 @@ absl::Status Coordinator::Load() {
     entry.published = published.SerializeAsString();
     entry.last_persist_ms = now;
     next_sequence_ = std::max(next_sequence_, entry.record.sequence() + 1);
+    by_sequence_[entry.record.sequence()] = &entry;
   }
   LogInfo(options_.logger, "tables_loaded",
           {Kv("dir", store_->dir()), Kv("jobs", jobs_.size()), Kv("nodes", nodes_.size()),
@@ -129,7 +156,55 @@ void Coordinator::MonitorLoop() {
       }
     }
     (void)PersistLocked();
+    CompactJobsLocked();
   }
+}
+
+int Coordinator::CompactJobs() {
+  absl::MutexLock lock(&mu_);
+  return CompactJobsLocked();
+}
+
+int Coordinator::CompactJobsLocked() {
+  const int64_t now = Now();
+  // Finished jobs, oldest ended first (records from before finished_ms: their last update).
+  std::vector<std::pair<std::pair<int64_t, int64_t>, std::string>> finished;
+  for (const auto& [id, job] : jobs_) {
+    const JobStatus& st = job.record.status();
+    if (!IsFinished(st.state())) continue;
+    const int64_t ended = job.record.finished_ms() > 0 ? job.record.finished_ms() : st.updated_ms();
+    finished.push_back({{ended, job.record.sequence()}, id});
+  }
+  std::sort(finished.begin(), finished.end());
+  const int64_t retention = options_.finished_job_retention_ms;
+  const int64_t max_kept = options_.max_finished_jobs;
+  std::vector<std::string> remove;
+  for (size_t i = 0; i < finished.size(); ++i) {
+    const bool expired = retention > 0 && now - finished[i].first.first > retention;
+    const bool over_count = max_kept > 0 && static_cast<int64_t>(finished.size() - i) > max_kept;
+    if (expired || over_count) remove.push_back(finished[i].second);
+  }
+  if (remove.empty()) return 0;
+  if (absl::Status s = store_->Write({}, {}, remove); !s.ok()) {
+    LogError(options_.logger, "compaction_failed", {Kv("error", s.ToString())});
+    return 0;
+  }
+  for (const std::string& id : remove) {
+    LogInfo(options_.logger, "job_compacted",
+            {Kv("job", id), Kv("state", JobState_Name(jobs_.at(id).record.status().state()))});
+    EraseJobLocked(id);
+  }
+  changed_.SignalAll();  // Watchers of a removed job end (NOT_FOUND).
+  return static_cast<int>(remove.size());
+}
+
+void Coordinator::EraseJobLocked(const std::string& id) {
+  auto it = jobs_.find(id);
+  if (it == jobs_.end()) return;
+  auto seq = by_sequence_.find(it->second.record.sequence());
+  if (seq != by_sequence_.end() && seq->second == &it->second) by_sequence_.erase(seq);
+  persist_jobs_.erase(id);
+  jobs_.erase(it);
 }
 
 void Coordinator::CheckNodes() {
@@ -213,6 +288,7 @@ void Coordinator::SetStateLocked(JobEntry* job, JobState state, const std::strin
   st->set_state(state);
   st->set_message(message);
   if (state == RUNNING) job->record.set_reached_running(true);
+  job->record.set_finished_ms(IsFinished(state) ? Now() : 0);
   persist_jobs_.insert(st->job_id());
 }
 
@@ -481,10 +557,8 @@ void Coordinator::CheckNodesLocked() {
 
 std::vector<Coordinator::JobEntry*> Coordinator::JobsInOrderLocked() {
   std::vector<JobEntry*> out;
-  for (auto& kv : jobs_) out.push_back(&kv.second);
-  std::sort(out.begin(), out.end(), [](const JobEntry* a, const JobEntry* b) {
-    return a->record.sequence() < b->record.sequence();
-  });
+  out.reserve(by_sequence_.size());
+  for (auto& [sequence, job] : by_sequence_) out.push_back(job);
   return out;
 }
 
@@ -593,11 +667,24 @@ void Coordinator::NodeUpLocked(NodeEntry* node, bool address_changed) {
   }
 }
 
-absl::StatusOr<RegisterResponse> Coordinator::Register(const RegisterRequest& request) {
-  const NodeInfo& info = request.node();
+namespace {
+
+// INVALID_ARGUMENT naming the field if `info` is incomplete or outside the limits.
+absl::Status ValidateNodeInfo(const NodeInfo& info) {
   if (info.name().empty()) {
     return absl::InvalidArgumentError(
         "node.name is required (a stable name per daemon, e.g. its --node flag)");
+  }
+  RETURN_IF_ERROR(CheckName("node.name", info.name()));  // common/job_name.h: the name rule.
+  constexpr size_t kMaxBytes = Coordinator::kMaxNodeFieldBytes;
+  for (const auto& [field, value] :
+       {std::pair<const char*, const std::string*>{"name", &info.name()},
+        {"address", &info.address()},
+        {"host", &info.host()}}) {
+    if (value->size() > kMaxBytes) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("node.", field, " is ", value->size(), " bytes; at most ", kMaxBytes));
+    }
   }
   if (info.role() != SERVER && info.role() != WORKER) {
     return absl::InvalidArgumentError(
@@ -608,13 +695,63 @@ absl::StatusOr<RegisterResponse> Coordinator::Register(const RegisterRequest& re
         "node ", info.name(),
         ": node.address is required (host:port of its ParameterService or peer service)"));
   }
-  if (info.slots() <= 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("node ", info.name(), ": node.slots must be > 0, got ", info.slots()));
+  constexpr int kMaxSlots = Coordinator::kMaxNodeSlots;
+  if (info.slots() <= 0 || info.slots() > kMaxSlots) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "node ", info.name(), ": node.slots must be in 1..", kMaxSlots, ", got ", info.slots()));
   }
+  if (info.cores() < 0 || info.cores() > kMaxSlots || info.gpus() < 0 || info.gpus() > kMaxSlots) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("node ", info.name(), ": node.cores and node.gpus must be in 0..", kMaxSlots,
+                     ", got ", info.cores(), " and ", info.gpus()));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status Coordinator::CheckIdentityLocked(const std::string& name, const NodeEntry* node,
+                                              const NodeCredentials& credentials,
+                                              absl::string_view what) const {
+  if (!credentials.proved_name.empty()) {
+    if (credentials.proved_name == name) return absl::OkStatus();
+    return absl::PermissionDeniedError(absl::StrCat(
+        what, " as node \"", name, "\" refused: the caller's certificate is for node \"",
+        credentials.proved_name, "\""));
+  }
+  if (node != nullptr && TokenMatchesHash(credentials.token, node->record.token_sha256())) {
+    return absl::OkStatus();
+  }
+  return absl::PermissionDeniedError(absl::StrCat(
+      what, " as node \"", name,
+      "\" refused: ", credentials.token.empty() ? "no node token" : "wrong node token",
+      " (metadata x-gradmesh-node-token: the token the coordinator issued when the node "
+      "registered)"));
+}
+
+absl::StatusOr<RegisterResponse> Coordinator::Register(const RegisterRequest& request,
+                                                       const NodeCredentials& credentials) {
+  const NodeInfo& info = request.node();
+  RETURN_IF_ERROR(ValidateNodeInfo(info));
   absl::MutexLock lock(&mu_);
   CheckNodesLocked();
   auto it = nodes_.find(info.name());
+  const bool known = it != nodes_.end();
+  const bool was_alive = known && it->second.record.alive();
+  const bool address_changed = known && it->second.record.info().address() != info.address();
+  // A live node's name is taken only as that node; an unknown or dead one by any caller the
+  // service admitted (which then gets a new token). A legacy record (no hash) is open too.
+  const absl::Status as_node =
+      CheckIdentityLocked(info.name(), known ? &it->second : nullptr, credentials, "registering");
+  if (!credentials.proved_name.empty() && !as_node.ok()) return as_node;
+  if (was_alive && !it->second.record.token_sha256().empty() && !as_node.ok()) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        as_node.message(), "; node \"", info.name(), "\" is alive (",
+        it->second.record.info().address(),
+        "): its own daemon keeps its token, and a restarted daemon without it is admitted once "
+        "the old registration is declared dead (no heartbeat for ",
+        options_.heartbeat_timeout_ms, " ms)"));
+  }
   if (it != nodes_.end() && it->second.record.info().role() != info.role()) {
     for (const auto& [id, job] : jobs_) {
       const JobStatus& st = job.record.status();
@@ -630,10 +767,14 @@ absl::StatusOr<RegisterResponse> Coordinator::Register(const RegisterRequest& re
       }
     }
   }
-  const bool known = it != nodes_.end();
-  const bool was_alive = known && it->second.record.alive();
-  const bool address_changed = known && it->second.record.info().address() != info.address();
+  RegisterResponse response;
+  const bool keep_token =
+      known && TokenMatchesHash(credentials.token, it->second.record.token_sha256());
   NodeEntry& node = nodes_[info.name()];
+  if (!keep_token) {
+    response.set_node_token(RandomHex(16));
+    node.record.set_token_sha256(Sha256(response.node_token()));
+  }
   *node.record.mutable_info() = info;
   node.record.set_alive(true);
   node.record.set_registered_ms(Now());
@@ -645,7 +786,6 @@ absl::StatusOr<RegisterResponse> Coordinator::Register(const RegisterRequest& re
            Kv("known", known ? "true" : "false")});
   NodeUpLocked(&node, address_changed);
   RETURN_IF_ERROR(PersistLocked());
-  RegisterResponse response;
   response.set_heartbeat_interval_ms(static_cast<int32_t>(options_.heartbeat_interval_ms));
   return response;
 }
@@ -737,19 +877,24 @@ void Coordinator::ApplyReportLocked(const NodeEntry& node, const TaskReport& rep
   ChangedLocked(job, persist_now);
 }
 
-absl::StatusOr<HeartbeatResponse> Coordinator::Heartbeat(const HeartbeatRequest& request) {
+absl::StatusOr<HeartbeatResponse> Coordinator::Heartbeat(const HeartbeatRequest& request,
+                                                         const NodeCredentials& credentials) {
   if (request.node().empty()) {
     return absl::InvalidArgumentError("heartbeat without a node name (HeartbeatRequest.node)");
   }
   absl::MutexLock lock(&mu_);
   HeartbeatResponse response;
   auto it = nodes_.find(request.node());
-  if (it == nodes_.end()) {
+  // Unknown, or stored before node tokens (no hash): the daemon registers and gets a token.
+  const bool legacy = it != nodes_.end() && it->second.record.token_sha256().empty() &&
+                      credentials.proved_name.empty();
+  if (it == nodes_.end() || legacy) {
     CheckNodesLocked();
     (void)PersistLocked();
     response.set_register_again(true);
     return response;
   }
+  RETURN_IF_ERROR(CheckIdentityLocked(request.node(), &it->second, credentials, "heartbeat"));
   NodeEntry* node = &it->second;
   node->last_seen_ms = Now();
   if (!node->record.alive()) {
@@ -773,15 +918,10 @@ absl::StatusOr<HeartbeatResponse> Coordinator::Heartbeat(const HeartbeatRequest&
 }
 
 std::vector<Task> Coordinator::TasksForLocked(const NodeEntry& node) const {
-  std::vector<const JobEntry*> ordered;
-  for (const auto& kv : jobs_) ordered.push_back(&kv.second);
-  std::sort(ordered.begin(), ordered.end(), [](const JobEntry* a, const JobEntry* b) {
-    return a->record.sequence() < b->record.sequence();
-  });
   const std::string& name = node.record.info().name();
   const bool worker = node.record.info().role() == WORKER;
   std::vector<Task> tasks;
-  for (const JobEntry* job : ordered) {
+  for (const auto& [sequence, job] : by_sequence_) {
     const coordinator_state::JobRecord& r = job->record;
     const JobStatus& st = r.status();
     if (!IsActive(st.state()) && !(st.state() == SUCCEEDED && !worker)) continue;
@@ -916,6 +1056,7 @@ absl::StatusOr<JobStatus> Coordinator::SubmitJob(const SubmitJobRequest& request
   }
   ApplyJobSpecDefaults(alive_servers, &spec);
   RETURN_IF_ERROR(ValidateJobSpec(spec));
+  RETURN_IF_ERROR(ValidatePushCodec(spec));
   const std::string id = spec.name();
   auto existing_it = jobs_.find(id);
   const JobEntry* existing = existing_it == jobs_.end() ? nullptr : &existing_it->second;
@@ -942,6 +1083,7 @@ absl::StatusOr<JobStatus> Coordinator::SubmitJob(const SubmitJobRequest& request
   JobEntry& entry = jobs_[id];
   entry = JobEntry();
   entry.record = std::move(record);
+  by_sequence_[entry.record.sequence()] = &entry;
   entry.rank_states.assign(placement.worker_nodes.size(), TaskState::kPending);
   entry.version = version;
   JobStatus published = entry.record.status();
@@ -963,7 +1105,7 @@ absl::StatusOr<JobStatus> Coordinator::SubmitJob(const SubmitJobRequest& request
 
 absl::StatusOr<GetLogsResponse> Coordinator::GetLogs(const std::string& job_id, int rank,
                                                      int64_t after_sequence) {
-  absl::MutexLock lock(&mu_);
+  absl::ReaderMutexLock lock(&mu_);
   auto it = jobs_.find(job_id);
   if (it == jobs_.end()) {
     return absl::NotFoundError(absl::StrCat("job \"", job_id, "\" not found"));
@@ -1000,7 +1142,7 @@ absl::StatusOr<GetLogsResponse> Coordinator::GetLogs(const std::string& job_id, 
 
 absl::StatusOr<coordinator_state::JobHistory> Coordinator::GetJobHistory(
     const std::string& job_id) {
-  absl::MutexLock lock(&mu_);
+  absl::ReaderMutexLock lock(&mu_);
   auto it = jobs_.find(job_id);
   if (it == jobs_.end()) {
     return absl::NotFoundError(absl::StrCat("job \"", job_id, "\" not found"));
@@ -1009,9 +1151,7 @@ absl::StatusOr<coordinator_state::JobHistory> Coordinator::GetJobHistory(
 }
 
 absl::StatusOr<JobStatus> Coordinator::GetJob(const std::string& job_id) {
-  absl::MutexLock lock(&mu_);
-  CheckNodesLocked();
-  (void)PersistLocked();
+  absl::ReaderMutexLock lock(&mu_);
   auto it = jobs_.find(job_id);
   if (it == jobs_.end()) {
     return absl::NotFoundError(absl::StrCat("job \"", job_id, "\" not found"));
@@ -1020,18 +1160,14 @@ absl::StatusOr<JobStatus> Coordinator::GetJob(const std::string& job_id) {
 }
 
 std::vector<coordinator_state::NodeRecord> Coordinator::ListNodes() {
-  absl::MutexLock lock(&mu_);
-  CheckNodesLocked();
-  (void)PersistLocked();
+  absl::ReaderMutexLock lock(&mu_);
   std::vector<coordinator_state::NodeRecord> out;
   for (const auto& kv : nodes_) out.push_back(kv.second.record);
   return out;
 }
 
 std::vector<JobStatus> Coordinator::ListJobs() {
-  absl::MutexLock lock(&mu_);
-  CheckNodesLocked();
-  (void)PersistLocked();
+  absl::ReaderMutexLock lock(&mu_);
   std::vector<const coordinator_state::JobRecord*> records;
   for (const auto& kv : jobs_) records.push_back(&kv.second.record);
   std::sort(records.begin(), records.end(),

@@ -13,16 +13,42 @@
 //
 // * Register upserts by name (alive, last seen now). A node keeps its name across restarts
 //   and with it its placements. Changing role is refused (FAILED_PRECONDITION) while jobs
-//   that are active or SUCCEEDED reference the node.
+//   that are active or SUCCEEDED reference the node. Limits (INVALID_ARGUMENT): slots in
+//   1..kMaxNodeSlots, cores and gpus in 0..kMaxNodeSlots, name/address/host at most
+//   kMaxNodeFieldBytes bytes.
 // * Heartbeat: unknown name -> register_again=true (nothing else happens). A known node that
 //   had been declared dead is revived as if it had registered again with its stored NodeInfo.
 //   Otherwise last seen = now, its TaskReports are applied, and the answer lists its tasks.
 // * A node is dead after heartbeat_timeout_ms without a heartbeat (checked by a monitor thread
-//   every heartbeat_interval_ms and at the start of every call), or at once when a heartbeat
-//   says `leaving` (the reports of that heartbeat are applied first).
+//   every heartbeat_interval_ms and at the start of every call that writes), or at once when a
+//   heartbeat says `leaving` (the reports of that heartbeat are applied first).
 // * Restart: nodes and jobs are in RocksDB (coordinator_store.h). Nodes stored as alive count
 //   as alive for one heartbeat timeout after start (grace), so running jobs go on; jobs keep
 //   their placements, so restarting every daemon with its old name resumes every job.
+//
+// # Node identity
+//
+// Every NodeService call comes with NodeCredentials: the per-node token the caller presents
+// (metadata `x-gradmesh-node-token`) and, when the transport proved a name (an mTLS client
+// certificate, service.h NodeIdentityFn), that name. A call is "as node N" only if
+// (a) the proved name is N (with a proved name, a request for another name is
+// PERMISSION_DENIED whatever token it holds), or (b) no name was proved and the token's
+// SHA-256 equals N's stored hash (token_hash.h; only hashes are kept, in RocksDB too, so a
+// coordinator restart keeps every node's token valid).
+// * Register of an unknown name, or of a known name whose node is dead, is accepted (the
+//   service has already checked the shared node token) and issues a new random 128-bit token
+//   (RegisterResponse.node_token); the previous one stops working. Register as node N of a
+//   live node N keeps its token (node_token empty in the answer). Register of a live node's
+//   name not as that node is PERMISSION_DENIED and changes nothing: its address, slots and
+//   tasks cannot be taken over. So a daemon that restarts without its token (NodeAgent keeps
+//   it in memory only) registers again once its previous registration is declared dead (no
+//   heartbeat for heartbeat_timeout_ms; at once after a clean `leaving` heartbeat), and the
+//   NodeAgent retries until then.
+// * Heartbeat not as the named node: PERMISSION_DENIED, nothing happens (no liveness, no
+//   reports, no tasks, no job tokens). A known node without a stored hash (a record from
+//   before node tokens) is answered register_again; an unknown name too.
+// * Reports count only from the node a rank or shard is placed on (see "# Reports"), so with
+//   identities bound a node can finish, fail or move only its own tasks.
 //
 // # Jobs
 //
@@ -128,6 +154,31 @@
 //   (addr) is down; workers wait for it to come back"); shards never move (their state is on
 //   that node). When the node registers again under the same name the jobs resume.
 //
+// # Reads and compaction
+//
+// GetJob, ListJobs, ListNodes, GetJobHistory and GetLogs only read (a shared lock; no failure
+// checks, no RocksDB writes): liveness is decided on the write paths (Register, Heartbeat,
+// SubmitJob, CancelJob) and by the monitor thread (CheckNodes). The job table keeps an index
+// in submission order, so heartbeats do not sort it.
+// A finished job (SUCCEEDED, FAILED, CANCELLED) stays readable (GetJob, ListJobs, GetLogs;
+// its shards keep serving a SUCCEEDED job's model for export) until it is compacted:
+// removed from memory and RocksDB once it ended more than finished_job_retention_ms ago, or
+// when more than max_finished_jobs finished jobs exist (the oldest ended first). The monitor
+// thread compacts (CompactJobs). A compacted job's id is free again; it cannot be resumed.
+//
+// # Published models
+//
+// gossip/allreduce jobs have no shards, so worker rank 0 publishes its model (MODEL_STATE) and,
+// for TorchScript jobs of any mode, the module file (MODEL_MODULE) with NodeService.PublishModel;
+// `gradmesh export` reads them with GetModel (proto/coordinator.proto "Published models").
+// A publish is accepted only as the node rank 0 of the job is placed on now (identity as in
+// "# Node identity"), for a job that exists (any state), with a consistent header (names,
+// shapes, dtypes, total_bytes = 4 x values) and at most max_model_bytes of header and payload;
+// everything is checked before anything is written, so a refused publish leaves the stored
+// model as it was. The latest model per job and kind is kept in RocksDB (replaced atomically,
+// written outside the mutex: a large model does not stall heartbeats) and deleted with the job
+// when it is compacted. A model written while its job was compacted is deleted again.
+//
 // # Watching
 //
 // Every change of a job's status (state, placement or progress) increments its version and
@@ -136,8 +187,8 @@
 //
 // Thread safety: every public method may be called concurrently; one mutex guards all state
 // (RocksDB writes happen under it: the control plane's rate is a few calls per node per
-// second). WaitForJobChange blocks up to its deadline. The destructor stops the monitor
-// thread and writes pending progress.
+// second; reads take it shared). WaitForJobChange blocks up to its deadline. The destructor stops
+// the monitor thread and writes pending progress.
 #ifndef GRADMESH_COORDINATOR_COORDINATOR_H_
 #define GRADMESH_COORDINATOR_COORDINATOR_H_
 
@@ -152,6 +203,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/log_tail.h"
@@ -191,7 +243,25 @@ class Coordinator {
     std::function<std::string()> token_source;
     // Most progress points kept per job for the dashboard (job_history.h). Default 240.
     int history_capacity = kDefaultHistoryCapacity;
+    // A finished job is compacted this long after it ended, ms. Default 86400000 (1 day);
+    // 0 = no time limit.
+    int64_t finished_job_retention_ms = 86'400'000;
+    // At most this many finished jobs are kept (the oldest ended are compacted first).
+    // Default 1000; 0 = no count limit.
+    int64_t max_finished_jobs = 1000;
+    // Most bytes (header and payload) of one published model. Default 2 GiB.
+    int64_t max_model_bytes = int64_t{2} << 30;
   };
+
+  // Who is calling NodeService (see "# Node identity").
+  struct NodeCredentials {
+    std::string token;        // Presented per-node token ("" if none).
+    std::string proved_name;  // Node name proved by the transport (mTLS); "" if none.
+  };
+
+  // Bounds of NodeInfo (Register refuses more with INVALID_ARGUMENT).
+  static constexpr int kMaxNodeSlots = 1024;
+  static constexpr size_t kMaxNodeFieldBytes = 256;
 
   // Validates options (INVALID_ARGUMENT naming the field), loads the tables and starts the
   // monitor thread.
@@ -232,13 +302,42 @@ class Coordinator {
                                            absl::Time deadline);
 
   // ---- NodeService.
-  // INVALID_ARGUMENT for a missing name/address, role or slots <= 0.
-  absl::StatusOr<RegisterResponse> Register(const RegisterRequest& request);
-  // INVALID_ARGUMENT for an empty node name.
-  absl::StatusOr<HeartbeatResponse> Heartbeat(const HeartbeatRequest& request);
+  // INVALID_ARGUMENT for a missing name/address, a role other than SERVER/WORKER, or NodeInfo
+  // outside the limits above; PERMISSION_DENIED for a live node's name not as that node.
+  absl::StatusOr<RegisterResponse> Register(const RegisterRequest& request,
+                                            const NodeCredentials& credentials);
+  // INVALID_ARGUMENT for an empty node name; PERMISSION_DENIED when not as that node.
+  absl::StatusOr<HeartbeatResponse> Heartbeat(const HeartbeatRequest& request,
+                                              const NodeCredentials& credentials);
+
+  // ---- Published models (see "# Published models").
+  // Longest tensor name and largest header of a published model (INVALID_ARGUMENT /
+  // RESOURCE_EXHAUSTED beyond them).
+  static constexpr size_t kMaxModelTensorNameBytes = 1024;
+  static constexpr int64_t kMaxModelHeaderBytes = 8 << 20;
+  // Every check of PublishModel that does not need the payload, so the service can refuse a
+  // publish before receiving it: INVALID_ARGUMENT for a malformed header, RESOURCE_EXHAUSTED
+  // above max_model_bytes, NOT_FOUND for an unknown job, PERMISSION_DENIED unless the call is
+  // as header.node and rank 0 of the job is placed there.
+  absl::Status CheckModelHeader(const ModelHeader& header, const NodeCredentials& credentials);
+  // CheckModelHeader, then INVALID_ARGUMENT unless the payload has header.total_bytes bytes;
+  // then stores the model (published_ms = now), replacing the previous one of that kind.
+  absl::Status PublishModel(ModelHeader header, absl::string_view payload,
+                            const NodeCredentials& credentials);
+  // Streams the job's latest model of `kind` to the callbacks (CoordinatorStore::ReadModel; a
+  // callback returning false ends it with CANCELLED). NOT_FOUND for an unknown job;
+  // INVALID_ARGUMENT for an unspecified kind; FAILED_PRECONDITION when none was published
+  // yet, or for MODEL_MODULE when the job's model is not "torchscript".
+  absl::Status GetModel(const std::string& job_id, ModelKind kind,
+                        const std::function<bool(const ModelHeader&)>& on_header,
+                        const std::function<bool(absl::string_view)>& on_data);
 
   // Declares nodes dead whose last heartbeat is older than the timeout, and acts on it.
   void CheckNodes();
+  // Compacts finished jobs past the retention period or count (see "# Reads and compaction").
+  // Returns how many were removed; on a RocksDB error nothing is removed (logged, retried by
+  // the next call).
+  int CompactJobs();
   // Writes progress held back by progress_persist_interval_ms that is due.
   void FlushProgress();
 
@@ -268,6 +367,18 @@ class Coordinator {
   explicit Coordinator(Options options);
   absl::Status Load();
   void MonitorLoop();
+  int CompactJobsLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // OK if `credentials` act as node `name` (see "# Node identity"); PERMISSION_DENIED naming
+  // `what` (the call) otherwise. `node` is the stored entry (null: unknown name).
+  absl::Status CheckIdentityLocked(const std::string& name, const NodeEntry* node,
+                                   const NodeCredentials& credentials, absl::string_view what) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // CheckModelHeader under mu_; returns the job's record.sequence() (which tells a job
+  // compacted and submitted again under the same id from the one that was checked).
+  absl::StatusOr<int64_t> CheckModelHeaderLocked(const ModelHeader& header,
+                                                 const NodeCredentials& credentials)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // All *Locked methods need mu_.
   int64_t Now() const { return options_.clock->NowMs(); }
@@ -322,6 +433,8 @@ class Coordinator {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Jobs in submission order (deterministic handling of several jobs at once).
   std::vector<JobEntry*> JobsInOrderLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Removes a job from jobs_ and the index (memory only).
+  void EraseJobLocked(const std::string& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Ranks/shards of active jobs per node name.
   std::map<std::string, int> UsedSlotsLocked(const std::string& exclude_job) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -337,6 +450,9 @@ class Coordinator {
   absl::CondVar changed_;  // Signalled on every job version bump and on shutdown.
   std::map<std::string, NodeEntry> nodes_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, JobEntry> jobs_ ABSL_GUARDED_BY(mu_);
+  // jobs_ by record.sequence() (submission order); entries point into jobs_ (std::map nodes
+  // are stable).
+  std::map<int64_t, JobEntry*> by_sequence_ ABSL_GUARDED_BY(mu_);
   std::set<std::string> persist_jobs_ ABSL_GUARDED_BY(mu_);
   std::set<std::string> persist_nodes_ ABSL_GUARDED_BY(mu_);
   int64_t next_sequence_ ABSL_GUARDED_BY(mu_) = 1;

@@ -4,6 +4,8 @@
 //   gradmesh_coordinator --data_dir=DIR [--host=127.0.0.1] [--port=7000] [--port_file=F]
 //                        [--auth_token_file=F [--node_token_file=G]]
 //                        [--heartbeat_interval_ms=500] [--heartbeat_timeout_ms=3000]
+//                        [--finished_job_retention_s=86400] [--max_finished_jobs=1000]
+//                        [--node_identity_from_certificate]
 //                        [--node=NAME] [--metrics_port=-1]
 //
 // With --metrics_port the same HTTP port serves /metrics, /healthz and the web dashboard
@@ -29,6 +31,7 @@
 #include "coordinator/dashboard.h"
 #include "coordinator/service.h"
 #include "rpc/auth.h"
+#include "rpc/tls.h"
 #include "runtime/daemon_main.h"
 
 ABSL_FLAG(std::string, host, "127.0.0.1", "Address to listen on.");
@@ -54,6 +57,29 @@ ABSL_FLAG(int64_t, heartbeat_timeout_ms, 3000,
           "A node without heartbeats for this long is dead and its ranks are moved, ms.");
 ABSL_FLAG(std::string, node, "", "Node name in logs (default: host name).");
 ABSL_FLAG(int, shutdown_grace_s, 2, "Seconds to let calls in flight finish on shutdown.");
+ABSL_FLAG(int64_t, finished_job_retention_s, 86400,
+          "A finished job (succeeded, failed, cancelled) is removed from memory and the tables "
+          "this many seconds after it ended (GetJob and export work until then). 0 = no limit.");
+ABSL_FLAG(int64_t, max_finished_jobs, 1000,
+          "At most this many finished jobs are kept; the oldest ended are removed first. "
+          "0 = no limit.");
+ABSL_FLAG(int64_t, max_model_bytes, int64_t{2} << 30,
+          "Most bytes of one model a gossip/allreduce job's rank 0 publishes (header and float32 "
+          "values, or a TorchScript module file); larger publishes are refused with "
+          "RESOURCE_EXHAUSTED.");
+ABSL_FLAG(bool, node_identity_from_certificate, false,
+          "Mutual TLS: a daemon's verified client certificate names its node (CN = its --node "
+          "name), so it can act only as that node without a per-node token (needs "
+          "--tls_client_auth). Default: per-node tokens issued at registration.");
+
+ABSL_FLAG(std::string, tls_cert_file, "",
+          "PEM certificate chain this daemon presents (TLS on with it or --tls_ca_file).");
+ABSL_FLAG(std::string, tls_key_file, "", "PEM private key of --tls_cert_file.");
+ABSL_FLAG(std::string, tls_ca_file, "", "PEM CA bundle peers' certificates are verified against.");
+ABSL_FLAG(bool, tls_client_auth, false,
+          "Require and verify client certificates (mutual TLS; needs --tls_ca_file).");
+ABSL_FLAG(bool, allow_insecure, false,
+          "Allow tokens over plaintext to non-loopback addresses (no TLS).");
 
 namespace gradmesh {
 namespace {
@@ -66,6 +92,10 @@ struct CoordinatorMainOptions {
   std::string node;
   int64_t heartbeat_interval_ms = 500;
   int64_t heartbeat_timeout_ms = 3000;
+  int64_t finished_job_retention_s = 86400;     // 0 = no limit.
+  int64_t max_finished_jobs = 1000;             // 0 = no limit.
+  int64_t max_model_bytes = int64_t{2} << 30;   // Per published model.
+  bool node_identity_from_certificate = false;  // Needs daemon.rpc.tls.client_auth.
 };
 
 struct Tokens {
@@ -80,6 +110,19 @@ absl::StatusOr<Tokens> CheckArguments(const CoordinatorMainOptions& options) {
   if (options.heartbeat_interval_ms <= 0 ||
       options.heartbeat_timeout_ms <= options.heartbeat_interval_ms) {
     return absl::InvalidArgumentError("need 0 < --heartbeat_interval_ms < --heartbeat_timeout_ms");
+  }
+  if (options.finished_job_retention_s < 0 ||
+      options.finished_job_retention_s > 100LL * 365 * 86400 || options.max_finished_jobs < 0) {
+    return absl::InvalidArgumentError(
+        "--finished_job_retention_s (at most 100 years) and --max_finished_jobs must be >= 0 "
+        "(0: no limit)");
+  }
+  if (options.max_model_bytes <= 0) {
+    return absl::InvalidArgumentError("--max_model_bytes must be > 0");
+  }
+  if (options.node_identity_from_certificate && !options.daemon.rpc.tls.client_auth) {
+    return absl::InvalidArgumentError(
+        "--node_identity_from_certificate needs --tls_client_auth (verified client certificates)");
   }
   Tokens tokens;
   if (!options.auth_token_file.empty()) {
@@ -119,6 +162,9 @@ absl::StatusOr<std::unique_ptr<Coordinator>> OpenCoordinator(const CoordinatorMa
   co.logger = logger;
   co.heartbeat_interval_ms = options.heartbeat_interval_ms;
   co.heartbeat_timeout_ms = options.heartbeat_timeout_ms;
+  co.finished_job_retention_ms = options.finished_job_retention_s * 1000;
+  co.max_finished_jobs = options.max_finished_jobs;
+  co.max_model_bytes = options.max_model_bytes;
   auto coordinator = Coordinator::Create(std::move(co));
   if (!coordinator.ok()) {
     logger->Error("start_failed", {Kv("error", coordinator.status().ToString())});
@@ -176,7 +222,9 @@ int Run(const CoordinatorMainOptions& options) {
   TokenChecker node_auth(tokens->node,
                          options.node_token_file.empty() ? "API token" : "node token");
   JobServiceImpl job_service(coordinator->get(), &auth);
-  NodeServiceImpl node_service(coordinator->get(), &node_auth);
+  NodeServiceImpl node_service(
+      coordinator->get(), &node_auth,
+      options.node_identity_from_certificate ? NodeIdentityFn(CertificateNodeName) : nullptr);
   MetricsRegistry metrics;
   Coordinator* const core = coordinator->get();
   metrics.AddCollector([core](MetricsWriter* w) {
@@ -193,6 +241,7 @@ int Run(const CoordinatorMainOptions& options) {
                                        : options.node_token_file.empty() ? "token"
                                                                          : "api+node"),
                             Kv("data_dir", options.data_dir)});
+  LogListenSecurity(daemon.ListenAddress(), options.daemon.rpc.tls, &logger);
   if (!daemon.StartMetrics(&metrics, DashboardHandlers(core, &clock)).ok()) return kExitFailed;
   // The server's shutdown cancels open watches (their loops see IsCancelled within one poll
   // interval); then the endpoint, whose collector reads the coordinator, stops.
@@ -221,5 +270,19 @@ int main(int argc, char** argv) {
   options.node = gradmesh::NodeNameOrHostName(absl::GetFlag(FLAGS_node));
   options.heartbeat_interval_ms = absl::GetFlag(FLAGS_heartbeat_interval_ms);
   options.heartbeat_timeout_ms = absl::GetFlag(FLAGS_heartbeat_timeout_ms);
+  options.finished_job_retention_s = absl::GetFlag(FLAGS_finished_job_retention_s);
+  options.max_finished_jobs = absl::GetFlag(FLAGS_max_finished_jobs);
+  options.max_model_bytes = absl::GetFlag(FLAGS_max_model_bytes);
+  options.node_identity_from_certificate = absl::GetFlag(FLAGS_node_identity_from_certificate);
+  absl::StatusOr<gradmesh::TlsOptions> tls = gradmesh::MakeTlsOptions(
+      absl::GetFlag(FLAGS_tls_cert_file), absl::GetFlag(FLAGS_tls_key_file),
+      absl::GetFlag(FLAGS_tls_ca_file), absl::GetFlag(FLAGS_tls_client_auth),
+      absl::GetFlag(FLAGS_allow_insecure));
+  if (!tls.ok()) {
+    gradmesh::Logger({gradmesh::Kv("node", options.node), gradmesh::Kv("role", "coordinator")})
+        .Error("bad_arguments", {gradmesh::Kv("error", tls.status().message())});
+    return gradmesh::kExitBadArguments;
+  }
+  options.daemon.rpc.tls = *tls;
   return gradmesh::Run(options);
 }

@@ -79,6 +79,9 @@ TEST_F(CoordinatorMainTest, BadFlagsExitTwo) {
   const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
       {{"--node_token_file=" + tok}, "--node_token_file needs --auth_token_file"},
       {{"--auth_token_file=" + tok, "--node_token_file=" + tok}, "holds the API token"},
+      {{"--max_finished_jobs=-1"}, "--max_finished_jobs must be >= 0"},
+      {{"--finished_job_retention_s=-5"}, "--finished_job_retention_s (at most 100 years)"},
+      {{"--node_identity_from_certificate"}, "--node_identity_from_certificate needs"},
   };
   for (size_t i = 0; i < cases.size(); ++i) {
     std::vector<std::string> argv = {binary_, "--port=0",
@@ -113,6 +116,8 @@ TEST_F(CoordinatorMainTest, ServesWithTokenAndRestartsWithItsTables) {
             grpc::StatusCode::UNAUTHENTICATED);
   ASSERT_TRUE(nodes->Register(Ctx("tok-e2e").get(), reg, &reg_resp).ok());
   EXPECT_EQ(reg_resp.heartbeat_interval_ms(), 500);
+  const std::string node_token = reg_resp.node_token();
+  ASSERT_EQ(node_token.size(), 32u);
 
   SubmitJobRequest submit;
   submit.mutable_spec()->set_name("e2e");
@@ -144,11 +149,16 @@ TEST_F(CoordinatorMainTest, ServesWithTokenAndRestartsWithItsTables) {
   ASSERT_TRUE(jobs->GetJob(Ctx("tok-e2e").get(), get, &st).ok());
   EXPECT_EQ(st.state(), PENDING);
   EXPECT_EQ(st.job_token(), submitted.job().job_token());
-  // w0 is known from the table: its heartbeat gets its task without registering again.
+  // w0 is known from the table: its heartbeat gets its task without registering again, with
+  // the node token it got before the restart (only its hash was stored) and not without it.
   HeartbeatRequest hb;
   hb.set_node("w0");
   HeartbeatResponse hb_resp;
-  ASSERT_TRUE(nodes->Heartbeat(Ctx("tok-e2e").get(), hb, &hb_resp).ok());
+  EXPECT_EQ(nodes->Heartbeat(Ctx("tok-e2e").get(), hb, &hb_resp).error_code(),
+            grpc::StatusCode::PERMISSION_DENIED);
+  auto hb_ctx = Ctx("tok-e2e");
+  hb_ctx->AddMetadata(kNodeIdentityMetadataKey, node_token);
+  ASSERT_TRUE(nodes->Heartbeat(hb_ctx.get(), hb, &hb_resp).ok());
   EXPECT_FALSE(hb_resp.register_again());
   ASSERT_EQ(hb_resp.tasks_size(), 1);
   EXPECT_EQ(hb_resp.tasks(0).job_id(), "e2e");

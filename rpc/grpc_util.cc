@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/daemon.h"
+#include "rpc/tls.h"
 
 namespace gradmesh {
 namespace {
@@ -24,7 +25,7 @@ std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address, const Rpc
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, ClampToInt(options.min_reconnect_backoff_ms));
   args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, ClampToInt(options.min_reconnect_backoff_ms));
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, ClampToInt(options.max_reconnect_backoff_ms));
-  return grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+  return grpc::CreateCustomChannel(address, ChannelCredentialsFor(options.tls), args);
 }
 
 void ConfigureServerBuilder(const RpcOptions& options, grpc::ServerBuilder* builder) {
@@ -39,9 +40,12 @@ namespace gradmesh {
 absl::StatusOr<std::unique_ptr<grpc::Server>> StartGrpcServer(
     const std::string& address, const std::vector<grpc::Service*>& services,
     const RpcOptions& options, const std::string& port_file, int* port) {
-  grpc::ServerBuilder builder;
   *port = 0;
-  builder.AddListeningPort(address, grpc::InsecureServerCredentials(), port);
+  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials =
+      ServerCredentialsFor(options.tls);
+  if (!credentials.ok()) return credentials.status();
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(address, *credentials, port);
   ConfigureServerBuilder(options, &builder);
   for (grpc::Service* s : services) builder.RegisterService(s);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();

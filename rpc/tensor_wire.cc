@@ -89,6 +89,7 @@ absl::Status DecodePullResponse(const grpc::ByteBuffer& buffer, const PullChunkS
   grpc::ProtoBufferReader reader(&copy);
   CodedInputStream in(&reader);
   in.SetTotalBytesLimit(INT32_MAX);
+  const size_t total = buffer.Length();
   int index = 0;
   while (true) {
     const uint32_t tag = in.ReadTag();
@@ -101,6 +102,12 @@ absl::Status DecodePullResponse(const grpc::ByteBuffer& buffer, const PullChunkS
     }
     uint32_t len;
     if (!in.ReadVarint32(&len)) return absl::DataLossError("PullResponse: truncated chunk");
+    if (len > total - static_cast<size_t>(in.CurrentPosition())) {
+      // Checked here so that the data length, checked against this limit below, can never
+      // exceed the message either: the sink is asked only for memory the message fills.
+      return absl::DataLossError(absl::StrCat("PullResponse: chunk ", index, " claims ", len,
+                                              " bytes, more than the message holds"));
+    }
     const auto limit = in.PushLimit(static_cast<int>(len));
     uint64_t tensor = 0, chunk = 0, version = 0, dtype = 0;
     std::string codec;
@@ -109,6 +116,12 @@ absl::Status DecodePullResponse(const grpc::ByteBuffer& buffer, const PullChunkS
       const uint32_t t = in.ReadTag();
       if (t == 0) break;
       const uint32_t field = t >> 3;
+      if (got_data && field >= 1 && field <= 6) {
+        // The sink has been called with the header read so far: a later header field (or a
+        // second data field, which protobuf would take instead) would make it wrong.
+        return absl::DataLossError(
+            absl::StrCat("PullResponse: chunk ", index, " has field ", field, " after its data"));
+      }
       if ((t & 7) == kVarint && field >= 1 && field <= 4) {
         uint64_t v;
         if (!in.ReadVarint64(&v)) return absl::DataLossError("PullResponse: bad varint");

@@ -146,6 +146,68 @@ TEST(TensorWireTest, PullDecodingRejectsTruncatedAndSinkErrors) {
   EXPECT_FALSE(sink_called);
 }
 
+// Found by //tests/fuzz:tensor_wire_fuzz (corpus/tensor_wire_fuzz/crash-header-after-data):
+// a chunk whose header fields follow its data was decoded with the header read so far
+// (tensor 0 instead of 1), while protobuf takes the later values. Now DATA_LOSS.
+TEST(TensorWireTest, PullDecodingRefusesHeaderFieldsOrSecondDataAfterData) {
+  std::vector<char> dest(8);
+  std::vector<int32_t> tensors;
+  auto sink = [&](int32_t t, int32_t, int64_t, int32_t, absl::string_view,
+                  int64_t) -> absl::StatusOr<char*> {
+    tensors.push_back(t);
+    return dest.data();
+  };
+  // ChunkData {data: "abcd", tensor: 1}: [0x0a 8] [0x32 4 a b c d] [0x08 1].
+  const std::string after_data(
+      "\x0a\x08\x32\x04"
+      "abcd"
+      "\x08\x01",
+      10);
+  PullResponse parsed;
+  ASSERT_TRUE(parsed.ParseFromString(after_data));
+  ASSERT_EQ(parsed.chunks(0).tensor(), 1);  // What protobuf makes of it.
+  EXPECT_STATUS_MSG(DecodePullResponse(FromString(after_data), sink), absl::StatusCode::kDataLoss,
+                    "chunk 0 has field 1 after its data");
+  // ChunkData {data: "ab", data: "cd"}: protobuf keeps "cd".
+  const std::string two_data(
+      "\x0a\x08\x32\x02"
+      "ab"
+      "\x32\x02"
+      "cd",
+      10);
+  EXPECT_STATUS_MSG(DecodePullResponse(FromString(two_data), sink), absl::StatusCode::kDataLoss,
+                    "chunk 0 has field 6 after its data");
+  // Unknown fields after the data are still skipped, as protobuf does.
+  tensors.clear();
+  const std::string unknown_after(
+      "\x0a\x0a\x08\x02\x32\x04"
+      "abcd"
+      "\x78\x05",
+      12);
+  ASSERT_OK(DecodePullResponse(FromString(unknown_after), sink));
+  EXPECT_EQ(tensors, (std::vector<int32_t>{2}));
+}
+
+// Found by //tests/fuzz:tensor_wire_fuzz (corpus/tensor_wire_fuzz/crash-chunk-longer-than-
+// message): a chunk claiming more bytes than the message holds let its data field claim more
+// too (up to ~2 GiB), and the sink was asked for that memory before the read failed.
+TEST(TensorWireTest, PullDecodingRefusesAChunkLongerThanTheMessage) {
+  bool sink_called = false;
+  auto sink = [&](int32_t, int32_t, int64_t, int32_t, absl::string_view,
+                  int64_t) -> absl::StatusOr<char*> {
+    sink_called = true;
+    return absl::InternalError("must not be asked");
+  };
+  // [0x0a len=0x3fff] [0x32 len=0x3f00] "abcd": both lengths lie.
+  const std::string lying(
+      "\x0a\xff\x7f\x32\x80\x7e"
+      "abcd",
+      10);
+  EXPECT_STATUS_MSG(DecodePullResponse(FromString(lying), sink), absl::StatusCode::kDataLoss,
+                    "chunk 0 claims 16383 bytes, more than the message holds");
+  EXPECT_FALSE(sink_called);
+}
+
 TEST(TensorWireTest, ChangesRoundTripExactlyAndOnlyWhenSmaller) {
   std::vector<float> now(1000), held(1000), receiver(1000);
   for (int i = 0; i < 1000; ++i) now[i] = held[i] = receiver[i] = 0.5f * i;

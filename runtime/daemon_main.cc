@@ -7,6 +7,7 @@
 #include "absl/flags/parse.h"
 #include "absl/strings/str_cat.h"
 #include "common/daemon.h"
+#include "common/job_name.h"
 
 namespace gradmesh {
 
@@ -17,7 +18,7 @@ void InitDaemonProcess(int argc, char** argv, const ProcessOptions& options) {
 }
 
 std::string NodeNameOrHostName(const std::string& node_flag) {
-  return node_flag.empty() ? HostName() : node_flag;
+  return node_flag.empty() ? NameFromHost(HostName()) : node_flag;
 }
 
 std::string AdvertisedHost(const std::string& listen_host) {

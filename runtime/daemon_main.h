@@ -63,7 +63,8 @@ struct ProcessOptions {
 // the process with absl's usage message on an unknown flag, as absl::ParseCommandLine does.
 void InitDaemonProcess(int argc, char** argv, const ProcessOptions& options = {});
 
-// `node_flag`, or this host's name when it is empty: the node name in log lines.
+// `node_flag`, or a valid name made from this host's name when it is empty
+// (common/job_name.h NameFromHost): the node's name in log lines and at the coordinator.
 std::string NodeNameOrHostName(const std::string& node_flag);
 
 // The host name others should dial for a daemon listening on `listen_host`: `listen_host`

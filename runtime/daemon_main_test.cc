@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "common/daemon.h"
+#include "common/job_name.h"
 #include "common/status_testing.h"
 #include "gtest/gtest.h"
 #include "proto/coordinator.grpc.pb.h"
@@ -28,7 +29,8 @@ std::string ReadAll(const std::string& path) {
 
 TEST(DaemonMainTest, NodeNameAndAdvertisedHost) {
   EXPECT_EQ(NodeNameOrHostName("n1"), "n1");
-  EXPECT_EQ(NodeNameOrHostName(""), HostName());
+  EXPECT_EQ(NodeNameOrHostName(""), NameFromHost(HostName()));
+  EXPECT_TRUE(IsValidName(NodeNameOrHostName("")));
   EXPECT_EQ(AdvertisedHost("10.0.0.7"), "10.0.0.7");
   EXPECT_EQ(AdvertisedHost("0.0.0.0"), HostName());
 }

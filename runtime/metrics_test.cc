@@ -8,7 +8,11 @@
 
 #include <cmath>
 #include <limits>
+#include <string>
+#include <utility>
+#include <vector>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/time/clock.h"
 #include "common/status_testing.h"
@@ -139,22 +143,27 @@ std::string Fetch(int port, const std::string& request) {
 TEST(MetricsHttpServerTest, ServesScrapesOverTcpAndSurvivesBadClients) {
   MetricsRegistry r;
   r.AddCollector([](MetricsWriter* w) { w->Counter("hits_total", "H.", {{"a", "b"}}, 42); });
+  MetricsHttpOptions options;
+  options.request_timeout = absl::Seconds(2);
   ASSERT_OK_AND_ASSIGN(std::unique_ptr<MetricsHttpServer> server,
-                       MetricsHttpServer::Start("127.0.0.1", 0, &r));
+                       MetricsHttpServer::Start("127.0.0.1", 0, &r, {}, options));
   ASSERT_GT(server->port(), 0);
   const std::string got = Fetch(server->port(), "GET /metrics HTTP/1.1\r\nHost: t\r\n\r\n");
   EXPECT_TRUE(absl::StartsWith(got, "HTTP/1.1 200 OK\r\n")) << got;
   EXPECT_TRUE(absl::StrContains(got, "hits_total{a=\"b\"} 42\n")) << got;
-  // A client that sends half a request and goes quiet gets 400 after ~2 s; the next scrape
-  // is served after it.
+  // A client that sends half a request and goes quiet gets 408 after the deadline (2 s here);
+  // the next scrape is served after it.
   const absl::Time start = absl::Now();
-  EXPECT_TRUE(absl::StartsWith(Fetch(server->port(), "GET /metr"), "HTTP/1.1 400")) << "stall";
+  EXPECT_TRUE(absl::StartsWith(Fetch(server->port(), "GET /metr"), "HTTP/1.1 408")) << "stall";
   EXPECT_LT(absl::Now() - start, absl::Seconds(4));
   EXPECT_TRUE(absl::StrContains(Fetch(server->port(), "GET /healthz HTTP/1.1\r\n\r\n"), "ok\n"));
-  // A request head over 8 KiB is refused.
+  // A request head over 8 KiB is refused with 431, with or without its blank line.
   EXPECT_TRUE(absl::StartsWith(
       Fetch(server->port(), "GET /metrics HTTP/1.1\r\nX: " + std::string(9000, 'x')),
-      "HTTP/1.1 400"));
+      "HTTP/1.1 431 Request Header Fields Too Large\r\n"));
+  EXPECT_TRUE(absl::StartsWith(
+      Fetch(server->port(), "GET /metrics HTTP/1.1\r\nX: " + std::string(9000, 'x') + "\r\n\r\n"),
+      "HTTP/1.1 431 "));
   // The port is taken while it runs.
   EXPECT_STATUS_MSG(MetricsHttpServer::Start("127.0.0.1", server->port(), &r).status(),
                     absl::StatusCode::kUnavailable, "metrics endpoint 127.0.0.1:");
@@ -163,6 +172,165 @@ TEST(MetricsHttpServerTest, ServesScrapesOverTcpAndSurvivesBadClients) {
   server.reset();
   EXPECT_LT(absl::Now() - stop, absl::Seconds(1));  // Stops promptly when idle.
   EXPECT_EQ(Fetch(port, "GET /metrics HTTP/1.1\r\n\r\n"), "connect failed");
+}
+
+TEST(ParseHttpRequestHeadTest, AcceptsWellFormedHeadsAndNamesWhatIsWrong) {
+  ASSERT_OK_AND_ASSIGN(
+      HttpRequest get,
+      ParseHttpRequestHead("GET /job/a?x=1 HTTP/1.0\r\nHost: h\r\nA:\tb\r\n\r\nbody"));
+  EXPECT_EQ(get.method, "GET");
+  EXPECT_EQ(get.path, "/job/a");
+  EXPECT_EQ(get.minor_version, 0);
+  ASSERT_OK_AND_ASSIGN(HttpRequest head, ParseHttpRequestHead("HEAD / HTTP/1.1"));
+  EXPECT_EQ(head.method, "HEAD");
+  EXPECT_EQ(head.path, "/");
+  EXPECT_EQ(head.minor_version, 1);
+  const std::pair<std::string, std::string> bad[] = {
+      {"", "no request line"},
+      {"\r\n\r\n", "no request line"},
+      {"GET /x\r\n\r\n", "not METHOD TARGET HTTP/1.x"},
+      {"GET  /x HTTP/1.1\r\n\r\n", "not METHOD TARGET HTTP/1.x"},
+      {"GET /x HTTP/1.1 \r\n\r\n", "not METHOD TARGET HTTP/1.x"},
+      {"get /x HTTP/1.1\r\n\r\n", "method is not 1-16 upper-case letters"},
+      {"ABCDEFGHIJKLMNOPQ /x HTTP/1.1\r\n\r\n", "method is not 1-16 upper-case letters"},
+      {"GET x HTTP/1.1\r\n\r\n", "target does not start with '/'"},
+      {std::string("GET /a\x01 HTTP/1.1\r\n\r\n"), "control character"},
+      {"GET /x HTTP/2.0\r\n\r\n", "version is not HTTP/1.0 or HTTP/1.1"},
+      {"GET /x HTTP/1.1\r\nno colon\r\n\r\n", "header line 1 has no name: field"},
+      {"GET /x HTTP/1.1\r\nA: b\r\n: v\r\n\r\n", "header line 2 has no name: field"},
+      {"GET /x HTTP/1.1\r\nA b: c\r\n\r\n", "header line 1: bad character in the field name"},
+      {"GET /x HTTP/1.1\r\nA: b\nc\r\n\r\n", "header line 1: control character in the value"},
+      {std::string("GET /x HTTP/1.1\r\nA: b\0c\r\n\r\n", 26),
+       "header line 1: control character in the value"},
+  };
+  for (const auto& [text, message] : bad) {
+    EXPECT_STATUS_MSG(ParseHttpRequestHead(text).status(), absl::StatusCode::kInvalidArgument,
+                      message)
+        << absl::CEscape(text);
+  }
+  std::string many = "GET /x HTTP/1.1\r\n";
+  for (int i = 0; i < 101; ++i) many += "A: b\r\n";
+  EXPECT_STATUS_MSG(ParseHttpRequestHead(many + "\r\n").status(),
+                    absl::StatusCode::kInvalidArgument, "more than 100 header lines");
+  // The response names the reason.
+  MetricsRegistry r;
+  EXPECT_TRUE(absl::StartsWith(MetricsHttpResponse("GET x HTTP/1.1\r\n\r\n", &r),
+                               "HTTP/1.1 400 Bad Request\r\n"));
+  EXPECT_TRUE(absl::StrContains(MetricsHttpResponse("GET x HTTP/1.1\r\n\r\n", &r),
+                                "bad request: target does not start with '/'"));
+}
+
+// Opens a TCP connection to 127.0.0.1:port that sends nothing; -1 on failure.
+int ConnectIdle(int port) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  if (connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0) {
+    close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+TEST(MetricsHttpServerTest, IdleConnectionsDoNotDelayHealthz) {
+  MetricsRegistry r;
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<MetricsHttpServer> server,
+                       MetricsHttpServer::Start("127.0.0.1", 0, &r));  // Default: 5 s deadline.
+  std::vector<int> idle;
+  for (int i = 0; i < 50; ++i) {
+    const int fd = ConnectIdle(server->port());
+    ASSERT_GE(fd, 0);
+    idle.push_back(fd);
+  }
+  // Every idle connection is being served (waiting for its head) before the probe.
+  const absl::Time wait_until = absl::Now() + absl::Seconds(3);
+  while (server->active_connections() < 50 && absl::Now() < wait_until) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  ASSERT_EQ(server->active_connections(), 50);
+  for (int i = 0; i < 5; ++i) {
+    const absl::Time start = absl::Now();
+    const std::string got = Fetch(server->port(), "GET /healthz HTTP/1.1\r\n\r\n");
+    const absl::Duration took = absl::Now() - start;
+    EXPECT_TRUE(absl::StartsWith(got, "HTTP/1.1 200 OK\r\n")) << got;
+    EXPECT_LT(took, absl::Milliseconds(200)) << "probe " << i;
+  }
+  EXPECT_TRUE(absl::StrContains(Fetch(server->port(), "GET /metrics HTTP/1.1\r\n\r\n"),
+                                "gradmesh_scrapes_total 1\n"));
+  for (int fd : idle) close(fd);
+  const absl::Time stop = absl::Now();
+  server.reset();  // Wakes the connections' threads, which are still waiting.
+  EXPECT_LT(absl::Now() - stop, absl::Seconds(1));
+}
+
+TEST(MetricsHttpServerTest, SlowLorisIsCutOffAtTheDeadlineAndExtraConnectionsGet503) {
+  MetricsRegistry r;
+  MetricsHttpOptions options;
+  options.request_timeout = absl::Milliseconds(600);
+  options.max_connections = 2;
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<MetricsHttpServer> server,
+                       MetricsHttpServer::Start("127.0.0.1", 0, &r, {}, options));
+  // One byte every 100 ms: the deadline is for the whole head, so trickling does not extend it.
+  const int loris = ConnectIdle(server->port());
+  ASSERT_GE(loris, 0);
+  const absl::Time start = absl::Now();
+  const std::string request = "GET /metrics HTTP/1.1\r\nX-Slow: ";
+  std::string got;
+  char buf[4096];
+  for (size_t i = 0; got.empty() && absl::Now() - start < absl::Seconds(5); ++i) {
+    (void)!send(loris, request.data() + (i % request.size()), 1, MSG_NOSIGNAL);
+    absl::SleepFor(absl::Milliseconds(100));
+    const ssize_t n = recv(loris, buf, sizeof(buf), MSG_DONTWAIT);
+    if (n > 0) got.assign(buf, static_cast<size_t>(n));
+  }
+  const absl::Duration took = absl::Now() - start;
+  EXPECT_TRUE(absl::StartsWith(got, "HTTP/1.1 408 Request Timeout\r\n")) << got;
+  EXPECT_GE(took, absl::Milliseconds(550));
+  EXPECT_LT(took, absl::Milliseconds(1500));
+  // Then the server closes it: reads reach end of stream.
+  ssize_t n;
+  const absl::Time closing = absl::Now();
+  while ((n = read(loris, buf, sizeof(buf))) > 0) {
+  }
+  EXPECT_EQ(n, 0);
+  EXPECT_LT(absl::Now() - closing, absl::Seconds(1));
+  close(loris);
+  // At the cap (2 idle connections held), a third is answered 503 at once.
+  while (server->active_connections() > 0) absl::SleepFor(absl::Milliseconds(5));
+  const int a = ConnectIdle(server->port());
+  const int b = ConnectIdle(server->port());
+  while (server->active_connections() < 2) absl::SleepFor(absl::Milliseconds(5));
+  // Refused at once: 503, or a reset when the request was still in flight as it was closed.
+  const absl::Time refused = absl::Now();
+  const std::string busy = Fetch(server->port(), "GET /healthz HTTP/1.1\r\n\r\n");
+  EXPECT_TRUE(busy.empty() || absl::StartsWith(busy, "HTTP/1.1 503 Service Unavailable\r\n"))
+      << busy;
+  EXPECT_LT(absl::Now() - refused, absl::Milliseconds(500));
+  EXPECT_EQ(server->active_connections(), 2);
+  close(a);
+  close(b);
+  // Once they are closed (the server sees end of stream), probes are answered again.
+  while (server->active_connections() > 0) absl::SleepFor(absl::Milliseconds(5));
+  EXPECT_TRUE(absl::StartsWith(Fetch(server->port(), "GET /healthz HTTP/1.1\r\n\r\n"),
+                               "HTTP/1.1 200 OK\r\n"));
+}
+
+TEST(MetricsHttpServerTest, RefusesOptionsOutOfRange) {
+  MetricsRegistry r;
+  MetricsHttpOptions none;
+  none.max_connections = 0;
+  EXPECT_STATUS_MSG(MetricsHttpServer::Start("127.0.0.1", 0, &r, {}, none).status(),
+                    absl::StatusCode::kInvalidArgument, "max_connections must be >= 1");
+  MetricsHttpOptions zero;
+  zero.request_timeout = absl::ZeroDuration();
+  EXPECT_EQ(MetricsHttpServer::Start("127.0.0.1", 0, &r, {}, zero).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  MetricsHttpOptions tiny;
+  tiny.max_request_bytes = 10;
+  EXPECT_EQ(MetricsHttpServer::Start("127.0.0.1", 0, &r, {}, tiny).status().code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace

@@ -15,10 +15,17 @@ NodeAgent::NodeAgent(NodeAgentOptions options, Reconcile reconcile, Reports repo
     : options_(std::move(options)),
       reconcile_(std::move(reconcile)),
       reports_(std::move(reports)),
-      stub_(NodeService::NewStub(MakeChannel(options_.coordinator, RpcOptions()))) {}
+      stub_(NodeService::NewStub(MakeChannel(options_.coordinator, options_.rpc))),
+      node_token_(options_.node_token != nullptr ? options_.node_token
+                                                 : std::make_shared<NodeTokenHolder>()) {}
 
 NodeAgent::~NodeAgent() {
   if (started_ && !stopped_) Stop(/*leaving=*/false);
+}
+
+void NodeAgent::AddNodeToken(grpc::ClientContext* context) const {
+  const std::string token = node_token_->Get();
+  if (!token.empty()) context->AddMetadata(kNodeIdentityMetadataKey, token);
 }
 
 void NodeAgent::Start() {
@@ -41,6 +48,7 @@ absl::Status NodeAgent::Register() {
   grpc::ClientContext ctx;
   ctx.set_deadline(absl::ToChronoTime(absl::Now() + options_.rpc_deadline));
   AddBearerToken(options_.auth_token, &ctx);
+  AddNodeToken(&ctx);
   RegisterRequest req;
   *req.mutable_node() = options_.node;
   RegisterResponse resp;
@@ -51,6 +59,8 @@ absl::Status NodeAgent::Register() {
   if (resp.heartbeat_interval_ms() > 0) {
     interval_ = absl::Milliseconds(resp.heartbeat_interval_ms());
   }
+  // A new token replaces ours; none means the one we presented stays valid.
+  if (!resp.node_token().empty()) node_token_->Set(resp.node_token());
   LogInfo(options_.logger, "registered",
           {Kv("coordinator", options_.coordinator), Kv("address", options_.node.address()),
            Kv("heartbeat_ms", absl::ToInt64Milliseconds(interval_))});
@@ -65,6 +75,7 @@ absl::Status NodeAgent::Heartbeat(bool leaving) {
   grpc::ClientContext ctx;
   ctx.set_deadline(absl::ToChronoTime(absl::Now() + options_.rpc_deadline));
   AddBearerToken(options_.auth_token, &ctx);
+  AddNodeToken(&ctx);
   HeartbeatResponse resp;
   grpc::Status st = stub_->Heartbeat(&ctx, req, &resp);
   if (!st.ok()) {
@@ -95,7 +106,11 @@ void NodeAgent::Loop() {
       failures = 0;
       backoff = interval_;
     } else {
-      if (absl::IsNotFound(st) || absl::IsUnauthenticated(st)) registered = false;
+      // PERMISSION_DENIED: the coordinator no longer takes our node token (e.g. we were
+      // declared dead and the name registered again); registering again sorts it out.
+      if (absl::IsNotFound(st) || absl::IsUnauthenticated(st) || absl::IsPermissionDenied(st)) {
+        registered = false;
+      }
       if (failures == 0 || failures % 20 == 0) {
         LogWarning(options_.logger, "coordinator_unreachable",
                    {Kv("coordinator", options_.coordinator), Kv("error", st.ToString()),

@@ -9,6 +9,12 @@
 // and the daemon's work goes on; when the coordinator answers register_again (it lost its
 // tables) the agent registers again.
 //
+// Node identity: the coordinator answers the first registration with this node's own token
+// (RegisterResponse.node_token); the agent sends it as `x-gradmesh-node-token` on every later
+// call (besides the shared node token in `authorization`). A heartbeat answered
+// PERMISSION_DENIED (the token no longer counts) makes the agent register again, which the
+// coordinator grants once the name's previous registration is dead.
+//
 // Thread safety: Start() once; Stop() from any thread, once. The callbacks run on the agent's
 // thread, one at a time.
 #ifndef GRADMESH_RUNTIME_NODE_AGENT_H_
@@ -26,15 +32,42 @@
 #include "absl/time/time.h"
 #include "common/logging.h"
 #include "proto/coordinator.grpc.pb.h"
+#include "rpc/rpc_options.h"
 
 namespace gradmesh {
+
+// The node's own token (RegisterResponse.node_token; "" until the coordinator issued one),
+// shared by the NodeAgent that obtains it with the daemon's other NodeService callers on the
+// node's behalf (e.g. worker/model_publisher.h), which send it as x-gradmesh-node-token.
+// Thread-safe.
+class NodeTokenHolder {
+ public:
+  void Set(std::string token) ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    token_ = std::move(token);
+  }
+  std::string Get() const ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    return token_;
+  }
+
+ private:
+  mutable absl::Mutex mu_;
+  std::string token_ ABSL_GUARDED_BY(mu_);
+};
 
 struct NodeAgentOptions {
   std::string coordinator;  // host:port of gradmesh_coordinator.
   std::string auth_token;   // Sent as "authorization: Bearer <token>" when non-empty.
-  NodeInfo node;            // name, role, address, cores, gpus, slots, host.
+  // The daemon's channel options (limits, TLS): the coordinator channel uses them. A token
+  // over plaintext to a non-loopback coordinator is refused (rpc/tls.h CheckTokenTransport:
+  // the daemon's main checks it before starting the agent).
+  RpcOptions rpc;
+  NodeInfo node;  // name, role, address, cores, gpus, slots, host.
   absl::Duration rpc_deadline = absl::Seconds(5);
   const Logger* logger = nullptr;  // Not owned; may be null.
+  // Where the agent keeps the node's own token; null: a holder of its own.
+  std::shared_ptr<NodeTokenHolder> node_token;
 };
 
 class NodeAgent {
@@ -53,12 +86,18 @@ class NodeAgent {
   absl::Status Register();
   absl::Status Heartbeat(bool leaving);
   void Loop();
+  // Adds the node's own token (x-gradmesh-node-token), once the coordinator issued one.
+  void AddNodeToken(grpc::ClientContext* context) const;
 
   const NodeAgentOptions options_;
   const Reconcile reconcile_;
   const Reports reports_;
   std::unique_ptr<NodeService::Stub> stub_;
   absl::Duration interval_ = absl::Milliseconds(500);  // Agent thread only.
+  // The per-node token from the last registration that issued one (options.node_token, or
+  // the agent's own holder). In memory only: a restarted daemon registers again once the
+  // coordinator has declared its previous registration dead.
+  const std::shared_ptr<NodeTokenHolder> node_token_;
   absl::Notification stop_;
   std::thread thread_;
   bool started_ = false;

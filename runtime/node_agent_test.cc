@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "common/status.h"
@@ -30,7 +31,10 @@ class ScriptedNodeService final : public NodeService::Service {
     if (absl::Status st = TokenChecker(kToken).Check(*ctx); !st.ok()) return ToGrpcStatus(st);
     absl::MutexLock lock(&mu_);
     registrations_.push_back(req->node());
+    registration_tokens_.push_back(NodeTokenOf(*ctx));
     resp->set_heartbeat_interval_ms(50);
+    // Issues a new per-node token each time, as the coordinator does for a caller without one.
+    resp->set_node_token(absl::StrCat("node-tok-", registrations_.size()));
     return grpc::Status::OK;
   }
 
@@ -39,6 +43,11 @@ class ScriptedNodeService final : public NodeService::Service {
     if (absl::Status st = TokenChecker(kToken).Check(*ctx); !st.ok()) return ToGrpcStatus(st);
     absl::MutexLock lock(&mu_);
     heartbeats_.push_back(*req);
+    heartbeat_tokens_.push_back(NodeTokenOf(*ctx));
+    if (deny_next_) {
+      deny_next_ = false;
+      return grpc::Status(grpc::StatusCode::PERMISSION_DENIED, "wrong node token");
+    }
     if (forget_next_) {
       forget_next_ = false;
       resp->set_register_again(true);
@@ -53,6 +62,19 @@ class ScriptedNodeService final : public NodeService::Service {
   void ForgetNode() {
     absl::MutexLock lock(&mu_);
     forget_next_ = true;
+  }
+  void DenyNextHeartbeat() {
+    absl::MutexLock lock(&mu_);
+    deny_next_ = true;
+  }
+  // The x-gradmesh-node-token each Register / Heartbeat carried ("" if none).
+  std::vector<std::string> registration_tokens() {
+    absl::MutexLock lock(&mu_);
+    return registration_tokens_;
+  }
+  std::vector<std::string> heartbeat_tokens() {
+    absl::MutexLock lock(&mu_);
+    return heartbeat_tokens_;
   }
   int registrations() {
     absl::MutexLock lock(&mu_);
@@ -72,6 +94,15 @@ class ScriptedNodeService final : public NodeService::Service {
   std::vector<NodeInfo> registrations_ ABSL_GUARDED_BY(mu_);
   std::vector<HeartbeatRequest> heartbeats_ ABSL_GUARDED_BY(mu_);
   bool forget_next_ ABSL_GUARDED_BY(mu_) = false;
+  bool deny_next_ ABSL_GUARDED_BY(mu_) = false;
+  std::vector<std::string> registration_tokens_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::string> heartbeat_tokens_ ABSL_GUARDED_BY(mu_);
+
+  static std::string NodeTokenOf(const grpc::ServerContext& ctx) {
+    auto it = ctx.client_metadata().find(kNodeIdentityMetadataKey);
+    return it == ctx.client_metadata().end() ? ""
+                                             : std::string(it->second.data(), it->second.size());
+  }
 };
 
 struct Server {
@@ -186,6 +217,33 @@ TEST(NodeAgentTest, RegistersAgainWhenTheCoordinatorForgetsTheNode) {
   server->service.ForgetNode();
   ASSERT_TRUE(Eventually([&] { return server->service.registrations() == 2; }));
   agent.Stop(false);
+}
+
+// The per-node token: none on the first registration, the issued one on every heartbeat; a
+// PERMISSION_DENIED heartbeat makes the agent register again presenting it, and it takes the
+// token that registration issues.
+TEST(NodeAgentTest, SendsItsNodeTokenAndRegistersAgainWhenRefused) {
+  auto server = StartServer();
+  Recorder rec;
+  NodeAgent agent(
+      Options(server->port, kToken), [&rec](const std::vector<Task>& t) { rec.Reconcile(t); },
+      OneReport);
+  agent.Start();
+  ASSERT_TRUE(Eventually([&] { return rec.lists() >= 2; }));
+  server->service.DenyNextHeartbeat();
+  ASSERT_TRUE(Eventually([&] { return server->service.registrations() == 2; }));
+  const int lists = rec.lists();
+  ASSERT_TRUE(Eventually([&] { return rec.lists() >= lists + 2; }));
+  agent.Stop(/*leaving=*/true);
+
+  EXPECT_EQ(server->service.registration_tokens(), (std::vector<std::string>{"", "node-tok-1"}));
+  const std::vector<std::string> beats = server->service.heartbeat_tokens();
+  ASSERT_GE(beats.size(), 4u);
+  // node-tok-1 until the refused heartbeat (included), node-tok-2 after, also when leaving.
+  size_t i = 0;
+  while (i < beats.size() && beats[i] == "node-tok-1") ++i;
+  EXPECT_GE(i, 3u);  // At least two answered, then the refused one.
+  for (; i < beats.size(); ++i) EXPECT_EQ(beats[i], "node-tok-2") << i;
 }
 
 TEST(NodeAgentTest, WrongTokenNeverReconcilesAndKeepsTrying) {

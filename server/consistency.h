@@ -36,9 +36,22 @@
 // fails with FAILED_PRECONDITION naming the workers that did not arrive, and nothing of it is
 // applied (sync).
 //
+// Waiting without a thread: StartPush and StartPull return at once; a call that must wait is
+// parked with its completion (WaitDone), which runs later on the thread that releases it (the
+// push that completes the step or advances the clock, SetGroup's hand-off, the timer at the
+// deadline, or a canceller). A caller that gives up (its RPC was cancelled) uses WaitCancel: a
+// waiting push is then withdrawn as on a timeout (nothing of it is applied) and completes with
+// CANCELLED. OnPush and BeforePull are the blocking forms (they wait on the calling thread).
+//
+// Locks and disk: a sync step is decided under the policy's lock (the push that finds its
+// group complete seals it: no timeout, cancellation or group change touches it any more), then
+// averaged and applied (for durable jobs this writes the log record) with no policy lock
+// held, then published (its waiters released) under the lock again. So pushes of other steps
+// and workers, SetGroup, stats() and pulls proceed while a step is written.
+//
 // Thread safety: a policy instance belongs to one job of one shard; its methods are called
-// concurrently from many RPC threads and are internally synchronised. OnPush and BeforePull
-// may block up to the barrier timeout.
+// concurrently from many threads and are internally synchronised. Completions never run under
+// a policy lock. Only the blocking forms block.
 #ifndef GRADMESH_SERVER_CONSISTENCY_H_
 #define GRADMESH_SERVER_CONSISTENCY_H_
 
@@ -49,9 +62,13 @@
 #include <string>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/registry.h"
+#include "server/shard_limits.h"
+#include "server/wait_timer.h"
 
 namespace gradmesh {
 
@@ -90,17 +107,63 @@ struct ConsistencyStats {
   double barrier_wait_s = 0;   // Total time pushes/pulls waited for other workers.
 };
 
+// The completion of a call that may wait: called exactly once with its outcome, on the
+// calling thread if the call did not wait, otherwise on the thread that released it. Never
+// called under a policy lock.
+using WaitDone = std::function<void(absl::Status)>;
+
+// Lets the caller of a call that may wait give up (e.g. its RPC was cancelled).
+// Thread safety: all methods may be called concurrently. The caller owns it and keeps it alive
+// until the call's completion has run and no Cancel is in progress.
+class WaitCancel {
+ public:
+  // Gives up: runs the handler a policy registered (once), or makes a later Watch refuse.
+  void Cancel() ABSL_LOCKS_EXCLUDED(mu_);
+  bool cancelled() const ABSL_LOCKS_EXCLUDED(mu_);
+
+  // For policies: `on_cancel` runs (outside this object's lock) when Cancel is called. False
+  // if Cancel was already called (nothing is registered). A leaf lock: may be called under a
+  // policy's lock.
+  bool Watch(std::function<void()> on_cancel) ABSL_LOCKS_EXCLUDED(mu_);
+  // For policies: the wait ended; Cancel no longer runs the handler.
+  void Unwatch() ABSL_LOCKS_EXCLUDED(mu_);
+
+ private:
+  mutable absl::Mutex mu_;
+  bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
+  std::function<void()> on_cancel_ ABSL_GUARDED_BY(mu_);
+};
+
 class ConsistencyPolicy {
  public:
   virtual ~ConsistencyPolicy() = default;
   virtual std::string mode() const = 0;
 
-  // A validated push (exactly one request). The policy calls `apply` (now, or once all
-  // workers' pushes of the step have arrived) and returns the push's outcome.
-  virtual absl::Status OnPush(const ChunkUpdate& push, const ApplyFn& apply) = 0;
+  // Before the policy is shared: run deadlines and hand-offs on `timer` (not owned; it must
+  // outlive the policy) rather than on a timer thread of the policy's own (the default, which
+  // starts when first needed).
+  void UseTimer(WaitTimer* timer) { shared_timer_ = timer; }
 
-  // Before serving a pull of `worker`. May block; an error fails the pull.
-  virtual absl::Status BeforePull(int32_t worker) = 0;
+  // Before the policy is shared: count the calls parked here in `counter` (not owned; it must
+  // outlive the policy, and is shared by a shard's jobs). A call that would park beyond the
+  // counter's limit completes at once with its RESOURCE_EXHAUSTED and changes nothing (a sync
+  // push that completes its step never parks). Default: no limit.
+  void UseWaitCounter(WaitCounter* counter) { wait_counter_ = counter; }
+
+  // A validated push (exactly one request). The policy calls `apply` (now, or once all
+  // workers' pushes of the step have arrived, perhaps on another thread) and then `done` with
+  // the push's outcome. The push's buffers need only stay valid until StartPush returns.
+  // `cancel` may be null.
+  virtual void StartPush(const ChunkUpdate& push, ApplyFn apply, WaitDone done,
+                         WaitCancel* cancel) = 0;
+
+  // Before serving a pull of `worker`: `done` runs when it may proceed (OK), or with the
+  // error that fails the pull. `cancel` may be null.
+  virtual void StartPull(int32_t worker, WaitDone done, WaitCancel* cancel) = 0;
+
+  // Blocking forms of StartPush and StartPull: wait on the calling thread for the outcome.
+  absl::Status OnPush(const ChunkUpdate& push, const ApplyFn& apply);
+  absl::Status BeforePull(int32_t worker);
 
   // `worker` will push no more.
   virtual void OnFinish(int32_t worker) = 0;
@@ -112,11 +175,40 @@ class ConsistencyPolicy {
   // Sets the barrier group: the ranks whose pushes complete a step (non-empty, each in
   // [0, num_workers), no repeats, any order) and the factor on the learning rate of the
   // updates of its steps, in (0, 1]. INVALID_ARGUMENT for bad arguments (nothing changes).
-  // Idempotent. See "Sync barrier groups" above for steps in progress. Never blocks on a
-  // barrier. Default (async, ssp): FAILED_PRECONDITION, as they have no barrier group.
+  // Idempotent. See "Sync barrier groups" above for steps in progress; a step it completes is
+  // applied on the timer's thread. Never blocks on a barrier, applies nothing itself.
+  // Default (async, ssp): FAILED_PRECONDITION, as they have no barrier group.
   virtual absl::Status SetGroup(const std::vector<int32_t>& active, float lr_scale);
 
+  // Completes every call still waiting with `why` (shutdown); a sync step already sealed is
+  // left to complete. Default: nothing waits.
+  virtual void AbortWaits(const absl::Status& why);
+
+  // Calls parked now (waiting for other workers).
+  virtual int64_t waiting() const { return 0; }
+
   virtual ConsistencyStats stats() const = 0;
+
+ protected:
+  // The timer for deadlines and hand-offs: the shared one, or the policy's own.
+  WaitTimer* timer();
+  // Derived destructors call it first: runs what the policy's own timer still holds (see
+  // ~WaitTimer) while the derived object is whole, and stops it. No-op with a shared timer.
+  void StopOwnTimer();
+  // One more parked call: OK, or the counter's RESOURCE_EXHAUSTED naming `what`. Pair an OK
+  // one with ExitWait.
+  absl::Status EnterWait(const std::string& what) {
+    return wait_counter_ == nullptr ? absl::OkStatus() : wait_counter_->Enter(what);
+  }
+  void ExitWait() {
+    if (wait_counter_ != nullptr) wait_counter_->Exit();
+  }
+
+ private:
+  WaitTimer* shared_timer_ = nullptr;
+  WaitCounter* wait_counter_ = nullptr;
+  absl::Mutex own_timer_mu_;
+  std::unique_ptr<WaitTimer> own_timer_ ABSL_GUARDED_BY(own_timer_mu_);
 };
 
 class ConsistencyRegistry {

@@ -104,11 +104,14 @@ class PushThread {
       done_.Notify();
     });
   }
-  ~PushThread() { thread_.join(); }
+  ~PushThread() {
+    if (thread_.joinable()) thread_.join();
+  }
   bool done() const { return done_.HasBeenNotified(); }
   bool WaitFor(absl::Duration d) { return done_.WaitForNotificationWithTimeout(d); }
+  // Joins the thread before reading what it wrote (a hand-off ThreadSanitizer runs can see).
   absl::Status status() {
-    done_.WaitForNotification();
+    if (thread_.joinable()) thread_.join();
     return status_;
   }
 
@@ -128,11 +131,13 @@ class PullThread {
       done_.Notify();
     });
   }
-  ~PullThread() { thread_.join(); }
+  ~PullThread() {
+    if (thread_.joinable()) thread_.join();
+  }
   bool done() const { return done_.HasBeenNotified(); }
   bool WaitFor(absl::Duration d) { return done_.WaitForNotificationWithTimeout(d); }
   absl::Status status() {
-    done_.WaitForNotification();
+    if (thread_.joinable()) thread_.join();
     return status_;
   }
 
@@ -892,6 +897,286 @@ TEST(SspPolicyTest, ZeroBoundIsLockStep) {
   EXPECT_EQ(violations.load(), 0);
   EXPECT_EQ(apply.calls(), 2 + 2 * kSteps);
   EXPECT_EQ(policy->stats().max_clock_lead, 0);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Waiting without a thread (StartPush / StartPull), cancellation, the apply outside the lock
+
+// Records the outcome of one StartPush/StartPull completion.
+class Outcome {
+ public:
+  WaitDone fn() {
+    return [this](absl::Status st) {
+      absl::MutexLock lock(&mu_);
+      ++calls_;
+      status_ = std::move(st);
+      cv_.SignalAll();
+    };
+  }
+  int calls() const {
+    absl::MutexLock lock(&mu_);
+    return calls_;
+  }
+  absl::Status status() const {
+    absl::MutexLock lock(&mu_);
+    return status_;
+  }
+  // A CondVar rather than a Condition: ThreadSanitizer runs see the hand-off.
+  bool WaitFor(absl::Duration d) const {
+    const absl::Time deadline = absl::Now() + d;
+    absl::MutexLock lock(&mu_);
+    while (calls_ == 0) {
+      if (cv_.WaitWithDeadline(&mu_, deadline)) return calls_ > 0;
+    }
+    return true;
+  }
+
+ private:
+  mutable absl::Mutex mu_;
+  mutable absl::CondVar cv_;
+  int calls_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::Status status_ ABSL_GUARDED_BY(mu_);
+};
+
+// 1,000 pushes wait at one barrier, all parked by the test's own thread: StartPush returns at
+// once for each, and the 1,001st releases them all with the rank-order average.
+TEST(WaitWithoutThreadTest, ThousandSyncPushesWaitOnNoThreads) {
+  constexpr int32_t kWaiting = 1000;
+  auto policy = MakePolicy("sync", kWaiting + 1);
+  FakeApply apply;
+  std::vector<Outcome> outcomes(kWaiting + 1);
+  for (int32_t w = 0; w < kWaiting; ++w) {
+    auto push = MakePush(w, 0, {0}, {{static_cast<float>(w), 1.0f}});
+    policy->StartPush(push->update, apply.fn(), outcomes[w].fn(), nullptr);
+  }
+  EXPECT_EQ(policy->waiting(), kWaiting);
+  for (int32_t w = 0; w < kWaiting; ++w) ASSERT_EQ(outcomes[w].calls(), 0) << w;
+  EXPECT_EQ(apply.calls(), 0);
+  auto last = MakePush(kWaiting, 0, {0}, {{static_cast<float>(kWaiting), 1.0f}});
+  policy->StartPush(last->update, apply.fn(), outcomes[kWaiting].fn(), nullptr);
+  // Completed on this thread: every completion has run when StartPush returns.
+  for (int32_t w = 0; w <= kWaiting; ++w) {
+    ASSERT_EQ(outcomes[w].calls(), 1) << w;
+    ASSERT_OK(outcomes[w].status());
+  }
+  EXPECT_EQ(policy->waiting(), 0);
+  ASSERT_EQ(apply.calls(), 1);
+  const AppliedUpdate a = apply.records()[0];
+  ASSERT_EQ(a.requests.size(), static_cast<size_t>(kWaiting + 1));
+  // Rank order: 0 + 1 + ... + 1000 summed in float (exact below 2^24), times 1/1001.
+  float sum = 0;
+  for (int32_t w = 0; w <= kWaiting; ++w) sum += static_cast<float>(w);
+  EXPECT_EQ(a.grads[0][0], sum * (1.0f / static_cast<float>(kWaiting + 1)));
+  EXPECT_EQ(a.grads[0][1], static_cast<float>(kWaiting + 1) * (1.0f / (kWaiting + 1)));
+}
+
+// The step's apply (the log write of a durable job) runs without the policy's lock: while it
+// is blocked, stats(), SetGroup and other workers' pushes of the next step go on.
+TEST(WaitWithoutThreadTest, ApplyRunsWithoutThePolicyLock) {
+  auto policy = MakePolicy("sync", 2);
+  absl::Notification in_apply, release;
+  std::atomic<int> applied{0};
+  ApplyFn blocking = [&](const ChunkUpdate&) {
+    in_apply.Notify();
+    release.WaitForNotification();
+    ++applied;
+    return absl::OkStatus();
+  };
+  Outcome first, second;
+  auto p0 = SimplePush(0, 0);
+  policy->StartPush(p0->update, blocking, first.fn(), nullptr);
+  std::thread completer([&] {
+    auto p1 = SimplePush(1, 0);
+    policy->StartPush(p1->update, blocking, second.fn(), nullptr);
+  });
+  ASSERT_TRUE(in_apply.WaitForNotificationWithTimeout(kPromptly));
+  // Each of these would wait for `release` if the apply held the policy's lock.
+  absl::Notification others_done;
+  Outcome next;
+  FakeApply unused;
+  std::thread others([&] {
+    (void)policy->stats();
+    EXPECT_OK(policy->SetGroup({0, 1}, 1.0f));
+    auto n0 = SimplePush(0, 1);
+    policy->StartPush(n0->update, unused.fn(), next.fn(), nullptr);  // Parks.
+    others_done.Notify();
+  });
+  EXPECT_TRUE(others_done.WaitForNotificationWithTimeout(kPromptly));
+  EXPECT_EQ(policy->waiting(), 2);  // Worker 0's step-1 push, and step 0's first push.
+  // The sealed step is not timed out, cancelled or shrunk meanwhile.
+  EXPECT_EQ(first.calls(), 0);
+  release.Notify();
+  completer.join();
+  others.join();
+  EXPECT_TRUE(first.WaitFor(kPromptly));
+  EXPECT_OK(first.status());
+  EXPECT_OK(second.status());
+  EXPECT_EQ(applied.load(), 1);
+  EXPECT_EQ(next.calls(), 0);  // Step 1 still waits for worker 1.
+  policy->AbortWaits(absl::UnavailableError("test over"));
+  EXPECT_STATUS_MSG(next.status(), absl::StatusCode::kUnavailable, "test over");
+}
+
+// A cancelled waiting push is withdrawn: nothing of it is applied, the step waits for the
+// worker again, and its retry completes the step.
+TEST(WaitWithoutThreadTest, CancelledSyncPushIsWithdrawn) {
+  auto policy = MakePolicy("sync", 2);
+  FakeApply apply;
+  WaitCancel cancel;
+  Outcome cancelled;
+  auto p0 = MakePush(0, 0, {0}, {{100.0f, 100.0f}});
+  policy->StartPush(p0->update, apply.fn(), cancelled.fn(), &cancel);
+  EXPECT_EQ(policy->waiting(), 1);
+  cancel.Cancel();
+  ASSERT_EQ(cancelled.calls(), 1);
+  EXPECT_STATUS_MSG(cancelled.status(), absl::StatusCode::kCancelled,
+                    "push of worker 0 for sync step 0 of job j was cancelled by the caller");
+  EXPECT_EQ(policy->waiting(), 0);
+  cancel.Cancel();  // Again: nothing happens.
+  EXPECT_EQ(cancelled.calls(), 1);
+  Outcome w1, retry;
+  auto p1 = MakePush(1, 0, {0}, {{2.0f, 4.0f}});
+  policy->StartPush(p1->update, apply.fn(), w1.fn(), nullptr);
+  EXPECT_EQ(w1.calls(), 0);  // Worker 0's withdrawn push does not count.
+  auto again = MakePush(0, 0, {0}, {{6.0f, 8.0f}});
+  policy->StartPush(again->update, apply.fn(), retry.fn(), nullptr);
+  EXPECT_OK(w1.status());
+  EXPECT_OK(retry.status());
+  ASSERT_EQ(apply.calls(), 1);
+  EXPECT_EQ(apply.records()[0].grads, (std::vector<std::vector<float>>{{4.0f, 6.0f}}));
+}
+
+TEST(WaitWithoutThreadTest, PushCancelledBeforeItParksFailsAtOnce) {
+  auto policy = MakePolicy("sync", 2);
+  FakeApply apply;
+  WaitCancel cancel;
+  cancel.Cancel();
+  Outcome o;
+  policy->StartPush(SimplePush(0, 0)->update, apply.fn(), o.fn(), &cancel);
+  ASSERT_EQ(o.calls(), 1);
+  EXPECT_STATUS(o.status(), absl::StatusCode::kCancelled);
+  EXPECT_EQ(policy->waiting(), 0);
+}
+
+// Timeouts come from the timer: the waiting push is released with the barrier's message.
+TEST(WaitWithoutThreadTest, ParkedPushTimesOutOnTheTimer) {
+  auto policy = MakePolicy("sync", 3, absl::Milliseconds(100));
+  FakeApply apply;
+  Outcome o;
+  policy->StartPush(SimplePush(1, 5)->update, apply.fn(), o.fn(), nullptr);
+  EXPECT_EQ(o.calls(), 0);
+  ASSERT_TRUE(o.WaitFor(kPromptly));
+  EXPECT_STATUS_MSG(o.status(), absl::StatusCode::kFailedPrecondition,
+                    "sync barrier for step 5 timed out after 100ms: workers [0, 2] did not push; "
+                    "nothing was applied");
+  EXPECT_EQ(policy->waiting(), 0);
+  EXPECT_EQ(apply.calls(), 0);
+}
+
+TEST(WaitWithoutThreadTest, SspPullParksAndIsReleasedByThePush) {
+  auto policy = MakePolicy("ssp:0", 2);
+  FakeApply apply;
+  policy->StartPush(
+      SimplePush(0, 0)->update, apply.fn(), [](absl::Status) {}, nullptr);
+  Outcome pull;
+  policy->StartPull(0, pull.fn(), nullptr);  // Worker 0 leads by 1 > 0: parks.
+  EXPECT_EQ(pull.calls(), 0);
+  EXPECT_EQ(policy->waiting(), 1);
+  Outcome push1;
+  policy->StartPush(SimplePush(1, 0)->update, apply.fn(), push1.fn(), nullptr);
+  EXPECT_OK(push1.status());
+  ASSERT_EQ(pull.calls(), 1);  // Released on the pushing thread.
+  EXPECT_OK(pull.status());
+  EXPECT_EQ(policy->waiting(), 0);
+
+  // A cancelled pull completes with CANCELLED and leaves nothing behind.
+  policy->StartPush(
+      SimplePush(0, 1)->update, apply.fn(), [](absl::Status) {}, nullptr);
+  WaitCancel cancel;
+  Outcome cancelled;
+  policy->StartPull(0, cancelled.fn(), &cancel);
+  EXPECT_EQ(policy->waiting(), 1);
+  cancel.Cancel();
+  EXPECT_STATUS_MSG(cancelled.status(), absl::StatusCode::kCancelled,
+                    "ssp:0 pull of worker 0 was cancelled by the caller");
+  EXPECT_EQ(policy->waiting(), 0);
+}
+
+TEST(WaitWithoutThreadTest, AbortWaitsReleasesEveryWaiter) {
+  auto sync = MakePolicy("sync", 3);
+  auto ssp = MakePolicy("ssp:0", 2);
+  FakeApply apply;
+  Outcome push, pull;
+  sync->StartPush(SimplePush(0, 0)->update, apply.fn(), push.fn(), nullptr);
+  ssp->StartPush(
+      SimplePush(0, 0)->update, apply.fn(), [](absl::Status) {}, nullptr);
+  ssp->StartPull(0, pull.fn(), nullptr);
+  sync->AbortWaits(absl::UnavailableError("shutting down"));
+  ssp->AbortWaits(absl::UnavailableError("shutting down"));
+  EXPECT_STATUS_MSG(push.status(), absl::StatusCode::kUnavailable, "shutting down");
+  EXPECT_STATUS_MSG(pull.status(), absl::StatusCode::kUnavailable, "shutting down");
+  EXPECT_EQ(sync->waiting() + ssp->waiting(), 0);
+  EXPECT_EQ(apply.calls(), 1);  // The ssp push only.
+}
+
+// Policies of many jobs share the shard's timer.
+TEST(WaitWithoutThreadTest, PoliciesShareOneTimer) {
+  WaitTimer timer;
+  auto a = MakePolicy("sync", 2, absl::Milliseconds(50));
+  auto b = MakePolicy("ssp:0", 2, absl::Milliseconds(50));
+  a->UseTimer(&timer);
+  b->UseTimer(&timer);
+  FakeApply apply;
+  Outcome push, pull;
+  a->StartPush(SimplePush(0, 0)->update, apply.fn(), push.fn(), nullptr);
+  b->StartPush(
+      SimplePush(0, 0)->update, apply.fn(), [](absl::Status) {}, nullptr);
+  b->StartPull(0, pull.fn(), nullptr);
+  EXPECT_EQ(timer.pending(), 2u);
+  ASSERT_TRUE(push.WaitFor(kPromptly));
+  ASSERT_TRUE(pull.WaitFor(kPromptly));
+  EXPECT_STATUS(push.status(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_STATUS_MSG(pull.status(), absl::StatusCode::kFailedPrecondition,
+                    "ssp:0 pull of worker 0 at clock 1 waited 50ms for workers [1] to catch up");
+}
+
+// The shard's wait counter bounds parked calls over all its jobs; a push that completes its
+// step needs no room.
+TEST(WaitWithoutThreadTest, WaitCounterBoundsParkedCalls) {
+  WaitCounter counter(1);
+  auto sync = MakePolicy("sync", 2);
+  auto ssp = MakePolicy("ssp:0", 2);
+  sync->UseWaitCounter(&counter);
+  ssp->UseWaitCounter(&counter);
+  FakeApply apply;
+  Outcome w0, pull, w1;
+  sync->StartPush(SimplePush(0, 0)->update, apply.fn(), w0.fn(), nullptr);
+  EXPECT_EQ(counter.waiting(), 1);
+  ssp->StartPush(
+      SimplePush(0, 0)->update, apply.fn(), [](absl::Status) {}, nullptr);
+  ssp->StartPull(0, pull.fn(), nullptr);
+  ASSERT_EQ(pull.calls(), 1);
+  EXPECT_STATUS_MSG(pull.status(), absl::StatusCode::kResourceExhausted,
+                    "Pull: ssp:0 worker 0: 1 requests already wait at barriers on this shard");
+  EXPECT_EQ(ssp->waiting(), 0);
+  sync->StartPush(SimplePush(1, 0)->update, apply.fn(), w1.fn(), nullptr);  // Completes.
+  EXPECT_OK(w0.status());
+  EXPECT_OK(w1.status());
+  EXPECT_EQ(counter.waiting(), 0);
+  // A refused sync push changes nothing: the step still needs it.
+  Outcome a, refused, b;
+  sync->StartPush(SimplePush(0, 1)->update, apply.fn(), a.fn(), nullptr);
+  auto other = MakePolicy("sync", 2);
+  other->UseWaitCounter(&counter);
+  other->StartPush(SimplePush(0, 0)->update, apply.fn(), refused.fn(), nullptr);
+  EXPECT_STATUS_MSG(refused.status(), absl::StatusCode::kResourceExhausted,
+                    "Push: job j worker 0 step 0: 1 requests already wait");
+  EXPECT_EQ(other->waiting(), 0);
+  sync->StartPush(SimplePush(1, 1)->update, apply.fn(), b.fn(), nullptr);
+  EXPECT_OK(a.status());
+  EXPECT_OK(b.status());
+  EXPECT_EQ(apply.calls(), 3);  // Two sync steps and the ssp push.
+  EXPECT_EQ(counter.waiting(), 0);
 }
 
 }  // namespace

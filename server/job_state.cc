@@ -56,10 +56,7 @@ absl::StatusOr<Durability> ParseDurability(const DurabilitySpec& d) {
 
 absl::Status ValidateLayout(const InitJobRequest& r) {
   if (r.job().empty()) return absl::InvalidArgumentError("InitJob: job name is empty");
-  if (!IsValidJobName(r.job())) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "InitJob: job name \"", r.job(), "\" may only use letters, digits, '_', '.', '-'"));
-  }
+  RETURN_IF_ERROR(CheckName("InitJob: job", r.job()));
   if (r.tensors_size() == 0) {
     return absl::InvalidArgumentError(absl::StrCat("InitJob: job ", r.job(), " has no tensors"));
   }
@@ -90,6 +87,11 @@ InitJobRequest NormalizedLayout(const InitJobRequest& request) {
   layout.clear_initial();
   if (layout.consistency().empty()) layout.set_consistency("async");
   if (layout.barrier_timeout_s() == 0) layout.set_barrier_timeout_s(120);
+  // FLOAT32 and unset mean the same element type: one spelling, so that a layout from a worker
+  // that names it and one stored before TensorSpec.dtype existed compare equal.
+  for (TensorSpec& t : *layout.mutable_tensors()) {
+    if (t.dtype() == FLOAT32) t.clear_dtype();
+  }
   DurabilitySpec* d = layout.mutable_durability();
   if (d->mode().empty()) d->set_mode("none");
   if (d->snapshot_every_updates() == 0) d->set_snapshot_every_updates(1000);
@@ -108,6 +110,7 @@ absl::StatusOr<std::unique_ptr<JobState>> JobState::Create(const InitJobRequest&
     return Annotate(partition.status(), absl::StrCat("InitJob: job ", layout.job()));
   }
   job->partition_ = std::make_unique<Partition>(std::move(partition).value());
+  for (const TensorSpec& t : layout.tensors()) job->buffer_tensors_.push_back(t.buffer());
   RETURN_IF_ERROR(job->BuildStrategies(optimizers, consistency));
   ASSIGN_OR_RETURN(job->durability_, ParseDurability(layout.durability()));
   if (job->durability_ != Durability::kNone && !have_store) {
@@ -149,11 +152,12 @@ absl::Status JobState::BuildStrategies(const OptimizerRegistry& optimizers,
 
 void JobState::BuildChunks() {
   const Partition& p = *partition_;
-  const int num_slots = optimizer_->num_slots();
   for (int64_t idx : p.shard_chunks(layout_.shard_index())) {
     auto chunk = std::make_unique<Chunk>(p.chunks()[idx]);
     {
       absl::MutexLock lock(&chunk->mu);
+      // Buffers take plain deltas (no optimizer), so they have no slots.
+      const int num_slots = is_buffer(chunk->info.tensor) ? 0 : optimizer_->num_slots();
       chunk->slots.assign(static_cast<size_t>(num_slots) * chunk->info.numel, 0.0f);
     }
     chunks_.emplace(idx, std::move(chunk));
@@ -199,8 +203,18 @@ std::vector<int64_t> JobState::ApplyToChunks(const ChunkUpdate& u) const {
     Chunk& chunk = *chunks_.at(u.chunks[i]);
     absl::MutexLock lock(&chunk.mu);
     const int64_t n = chunk.info.numel;
-    for (int s = 0; s < opt.num_slots(); ++s) slot_ptrs[s] = chunk.slots.data() + s * n;
     staleness[i] = u.base_versions[i] < chunk.version ? chunk.version - u.base_versions[i] : 0;
+    if (is_buffer(chunk.info.tensor)) {
+      // A buffer's "gradient" is how far the workers' forward passes moved it (sync: the mean
+      // over the step's workers): added as is, with no learning rate, schedule, damping or
+      // group factor (TensorSpec.buffer).
+      const float* delta = u.grads[i];
+      float* values = chunk.values.data();
+      for (int64_t e = 0; e < n; ++e) values[e] += delta[e];
+      ++chunk.version;
+      continue;
+    }
+    for (int s = 0; s < opt.num_slots(); ++s) slot_ptrs[s] = chunk.slots.data() + s * n;
     float scale = LrScheduleFactor(spec, chunk.version);
     if (damping) scale /= static_cast<float>(1 + staleness[i]);
     scale *= u.lr_scale;

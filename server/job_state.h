@@ -51,7 +51,7 @@ absl::StatusOr<Durability> ParseDurability(const DurabilitySpec& d);
 absl::Status ValidateLayout(const InitJobRequest& r);
 
 // The request without initial values and with the defaults the shard relies on filled in, so
-// that equal layouts compare equal.
+// that equal layouts compare equal (TensorSpec.dtype FLOAT32 becomes unset, its equal).
 InitJobRequest NormalizedLayout(const InitJobRequest& request);
 
 // Thread safety: accessors of the immutable parts need no lock; chunk contents need their
@@ -100,9 +100,13 @@ class JobState {
   absl::StatusOr<std::pair<int64_t, Chunk*>> OwnedChunk(const char* rpc, int32_t tensor,
                                                         int32_t chunk) const;
 
+  // Whether tensor `t` of the layout is a model buffer (TensorSpec.buffer).
+  bool is_buffer(int32_t t) const { return buffer_tensors_[t]; }
+
   // Runs the optimizer on each chunk of `u` (locking one chunk at a time), bumping its version;
   // returns each chunk's staleness (its version before the update minus the base version,
-  // at least 0).
+  // at least 0). Chunks of buffer tensors get their gradient added as a plain delta instead
+  // (values += grad; no optimizer, schedule, damping or lr_scale) and have no slots.
   std::vector<int64_t> ApplyToChunks(const ChunkUpdate& u) const;
 
   // See Shard::SetSyncGroup; errors are prefixed "SetSyncGroup: job J".
@@ -125,6 +129,7 @@ class JobState {
   std::unique_ptr<Optimizer> optimizer_;
   std::unique_ptr<ConsistencyPolicy> policy_;
   ChunkMap chunks_;
+  std::vector<bool> buffer_tensors_;  // Per layout tensor: TensorSpec.buffer.
   int64_t owned_elements_ = 0;
   Durability durability_ = Durability::kNone;
   bool sync_mode_ = false;

@@ -48,7 +48,9 @@ TEST(JobStateLayoutTest, ValidateLayoutNamesTheProblem) {
   bad.set_job("a/b");
   EXPECT_EQ(ValidateLayout(bad),
             absl::InvalidArgumentError(
-                "InitJob: job name \"a/b\" may only use letters, digits, '_', '.', '-'"));
+                "InitJob: job \"a/b\" is not a valid name: 1-63 characters: lowercase letters a-z, "
+                "digits 0-9 and '-', starting and ending with a letter or digit (no dots, '_', "
+                "'/', uppercase or non-ASCII)"));
   bad = r;
   bad.mutable_tensors(1)->set_name("a");
   EXPECT_EQ(
@@ -71,6 +73,25 @@ TEST(JobStateLayoutTest, ValidateLayoutNamesTheProblem) {
   EXPECT_EQ(ValidateLayout(bad),
             absl::InvalidArgumentError(
                 "unknown durability mode \"sometimes\" (known: every_update, none, periodic)"));
+}
+
+// InitJob's job name follows the name rule (common/job_name.h): the name becomes RocksDB key
+// parts and log values.
+TEST(JobStateLayoutTest, JobNamesFollowTheNameRule) {
+  for (const std::string& name :
+       std::vector<std::string>{"..", ".", "/", "a/../../b", std::string(64, 'j'),
+                                std::string(300, 'j'), "Job", "my_job", "my.job", "-job", "job-",
+                                "j\xc3\xb6"
+                                "b",
+                                "\xef\xbd\x8a\xef\xbd\x8f", std::string("j\0b", 3)}) {
+    InitJobRequest r = Layout();
+    r.set_job(name);
+    EXPECT_STATUS_MSG(ValidateLayout(r), absl::StatusCode::kInvalidArgument, "is not a valid name")
+        << name;
+  }
+  InitJobRequest r = Layout();
+  r.set_job(std::string(63, 'j'));
+  EXPECT_OK(ValidateLayout(r));
 }
 
 TEST(JobStateLayoutTest, NormalizedLayoutFillsDefaultsAndDropsInitialValues) {
@@ -230,6 +251,71 @@ TEST(JobStateTest, SyncGroup) {
   EXPECT_EQ(job->CountedWorkers(), (std::vector<bool>{true, false, true}));
   ASSERT_OK(job->SetSyncGroup({}, 1.0, nullptr));  // Empty: every rank.
   EXPECT_EQ(job->SyncGroup().first, (std::vector<int32_t>{0, 1, 2}));
+}
+
+TEST(JobStateLayoutTest, NormalizedLayoutSpellsFloat32AsUnsetAndKeepsBufferFlags) {
+  InitJobRequest r = Layout();
+  r.mutable_tensors(0)->set_dtype(FLOAT32);
+  r.mutable_tensors(1)->set_buffer(true);
+  r.mutable_tensors(1)->set_dtype(INT64);
+  const InitJobRequest n = NormalizedLayout(r);
+  EXPECT_EQ(n.tensors(0).dtype(), DTYPE_UNSPECIFIED);
+  EXPECT_FALSE(n.tensors(0).buffer());
+  EXPECT_EQ(n.tensors(1).dtype(), INT64);
+  EXPECT_TRUE(n.tensors(1).buffer());
+  r.mutable_tensors(1)->set_dtype(FLOAT32);
+  EXPECT_EQ(NormalizedLayout(r).tensors(1).dtype(), DTYPE_UNSPECIFIED);
+}
+
+TEST(JobStateTest, BufferChunksTakePlainDeltasAndHaveNoSlots) {
+  // Tensor b is a buffer; adam with a warmup schedule, lr_scale and damping would all change
+  // a parameter's step, none of them a buffer's delta.
+  InitJobRequest l = Layout(0);
+  l.mutable_tensors(1)->set_buffer(true);
+  l.mutable_optimizer()->set_name("adam");
+  l.mutable_optimizer()->set_lr_schedule("cosine");
+  l.mutable_optimizer()->set_warmup_updates(10);
+  l.mutable_optimizer()->set_decay_updates(100);
+  l.set_staleness_damping(true);
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<JobState> job, Make(l));
+  EXPECT_FALSE(job->is_buffer(0));
+  EXPECT_TRUE(job->is_buffer(1));
+  int64_t param_idx = -1, buffer_idx = -1;
+  for (int64_t idx : job->owned_indices()) {
+    Chunk* c = job->chunk(idx);
+    absl::MutexLock lock(&c->mu);
+    c->values.assign(c->info.numel, 10.0f);
+    c->version = 3;
+    if (c->info.tensor == 1) {
+      EXPECT_TRUE(c->slots.empty()) << "chunk " << idx;
+      buffer_idx = idx;
+    } else {
+      EXPECT_EQ(c->slots.size(), static_cast<size_t>(2 * c->info.numel)) << "chunk " << idx;
+      param_idx = idx;
+    }
+  }
+  ASSERT_GE(param_idx, 0);
+  ASSERT_GE(buffer_idx, 0);
+  const int64_t np = job->chunk(param_idx)->info.numel;
+  const int64_t nb = job->chunk(buffer_idx)->info.numel;
+  std::vector<float> gp(np, 1.0f), gb(nb);
+  for (int64_t e = 0; e < nb; ++e) gb[e] = 0.375f * static_cast<float>(e) - 1.0f;
+  ChunkUpdate u;
+  u.chunks = {param_idx, buffer_idx};
+  u.numels = {np, nb};
+  u.grads = {gp.data(), gb.data()};
+  u.base_versions = {1, 0};
+  u.lr_scale = 0.25f;
+  EXPECT_EQ(job->ApplyToChunks(u), (std::vector<int64_t>{2, 3}));
+  Chunk* cb = job->chunk(buffer_idx);
+  Chunk* cp = job->chunk(param_idx);
+  absl::MutexLock lb(&cb->mu);
+  absl::MutexLock lp(&cp->mu);
+  EXPECT_EQ(cb->version, 4);
+  EXPECT_EQ(cp->version, 4);
+  for (int64_t e = 0; e < nb; ++e) EXPECT_EQ(cb->values[e], 10.0f + gb[e]) << "element " << e;
+  EXPECT_NE(cp->values[0], 10.0f);  // The parameter did take an optimizer step.
+  EXPECT_NE(cp->values[0], 9.0f);   // ... not a plain subtraction.
 }
 
 }  // namespace

@@ -1,5 +1,7 @@
 #include "server/parameter_service.h"
 
+#include <utility>
+
 #include "common/status.h"
 #include "rpc/grpc_status.h"
 
@@ -13,9 +15,25 @@ grpc::Status Reply(absl::StatusOr<T> result, T* response) {
   return grpc::Status::OK;
 }
 
+// One Push or Pull in the callback API. It finishes when the shard completes the call; if
+// gRPC cancels the call first (client cancellation, deadline, server shutdown), the shard
+// withdraws its wait and completes it then. Deletes itself when gRPC is done with it.
+class WaitingReactor final : public grpc::ServerUnaryReactor {
+ public:
+  WaitCancel* cancel() { return &cancel_; }
+  // Finishes the call; the reactor (and the call's response) may be gone when this returns.
+  void Complete(const absl::Status& status) { Finish(ToGrpcStatus(status)); }
+
+  void OnCancel() override { cancel_.Cancel(); }
+  void OnDone() override { delete this; }
+
+ private:
+  WaitCancel cancel_;
+};
+
 }  // namespace
 
-absl::Status ParameterServiceImpl::CheckToken(grpc::ServerContext* ctx,
+absl::Status ParameterServiceImpl::CheckToken(grpc::ServerContextBase* ctx,
                                               const std::string& job) const {
   if (tokens_ == nullptr) return absl::OkStatus();
   absl::string_view presented;
@@ -31,16 +49,36 @@ grpc::Status ParameterServiceImpl::InitJob(grpc::ServerContext* ctx, const InitJ
   return Reply(shard_->InitJob(*request), response);
 }
 
-grpc::Status ParameterServiceImpl::Push(grpc::ServerContext* ctx, const PushRequest* request,
-                                        PushResponse* response) {
-  if (absl::Status st = CheckToken(ctx, request->job()); !st.ok()) return ToGrpcStatus(st);
-  return Reply(shard_->Push(*request), response);
+grpc::ServerUnaryReactor* ParameterServiceImpl::Push(grpc::CallbackServerContext* ctx,
+                                                     const PushRequest* request,
+                                                     PushResponse* response) {
+  auto* reactor = new WaitingReactor();
+  if (absl::Status st = CheckToken(ctx, request->job()); !st.ok()) {
+    reactor->Complete(st);
+    return reactor;
+  }
+  shard_->PushAsync(
+      *request,
+      [reactor, response](absl::StatusOr<PushResponse> result) {
+        if (result.ok()) *response = std::move(result).value();
+        reactor->Complete(result.status());
+      },
+      reactor->cancel());
+  return reactor;
 }
 
-grpc::Status ParameterServiceImpl::Pull(grpc::ServerContext* ctx, const PullRequest* request,
-                                        PullResponse* response) {
-  if (absl::Status st = CheckToken(ctx, request->job()); !st.ok()) return ToGrpcStatus(st);
-  return ToGrpcStatus(shard_->Pull(*request, response));
+grpc::ServerUnaryReactor* ParameterServiceImpl::Pull(grpc::CallbackServerContext* ctx,
+                                                     const PullRequest* request,
+                                                     PullResponse* response) {
+  auto* reactor = new WaitingReactor();
+  if (absl::Status st = CheckToken(ctx, request->job()); !st.ok()) {
+    reactor->Complete(st);
+    return reactor;
+  }
+  // `request` and `response` live until the reactor finishes.
+  shard_->PullAsync(
+      *request, response, [reactor](absl::Status st) { reactor->Complete(st); }, reactor->cancel());
+  return reactor;
 }
 
 grpc::Status ParameterServiceImpl::Finish(grpc::ServerContext* ctx, const FinishRequest* request,

@@ -1,7 +1,15 @@
 // gRPC adapter of ParameterService over a Shard: checks the per-job token (server/job_tokens.h)
 // and converts status codes, nothing else.
 //
-// Thread safety: as Shard; gRPC calls the methods from its thread pool.
+// Push and Pull use gRPC's callback API: a push waiting at a sync barrier (or a pull held by
+// an ssp bound) is parked in the shard with its reactor's completion and takes no thread; its
+// reactor finishes when the shard completes it (step applied, barrier timeout, ...). A call
+// the client cancels (or whose deadline passes, or that a server shutdown cancels) withdraws
+// its wait: nothing of a cancelled push is applied. The unary contract seen by clients (codes,
+// messages, responses) is that of Shard::Push and Shard::Pull. InitJob, Finish and GetJobInfo
+// never wait for other workers and stay on gRPC's synchronous thread pool.
+//
+// Thread safety: as Shard; gRPC calls the methods from its threads.
 #ifndef GRADMESH_SERVER_PARAMETER_SERVICE_H_
 #define GRADMESH_SERVER_PARAMETER_SERVICE_H_
 
@@ -11,7 +19,9 @@
 
 namespace gradmesh {
 
-class ParameterServiceImpl final : public ParameterService::Service {
+class ParameterServiceImpl final
+    : public ParameterService::WithCallbackMethod_Push<
+          ParameterService::WithCallbackMethod_Pull<ParameterService::Service>> {
  public:
   // `shard` and `tokens` are not owned and must outlive the service; null `tokens` means no
   // per-job access check (every call's job is checked against it otherwise).
@@ -20,17 +30,17 @@ class ParameterServiceImpl final : public ParameterService::Service {
 
   grpc::Status InitJob(grpc::ServerContext*, const InitJobRequest* request,
                        InitJobResponse* response) override;
-  grpc::Status Push(grpc::ServerContext*, const PushRequest* request,
-                    PushResponse* response) override;
-  grpc::Status Pull(grpc::ServerContext*, const PullRequest* request,
-                    PullResponse* response) override;
+  grpc::ServerUnaryReactor* Push(grpc::CallbackServerContext* context, const PushRequest* request,
+                                 PushResponse* response) override;
+  grpc::ServerUnaryReactor* Pull(grpc::CallbackServerContext* context, const PullRequest* request,
+                                 PullResponse* response) override;
   grpc::Status Finish(grpc::ServerContext*, const FinishRequest* request,
                       FinishResponse* response) override;
   grpc::Status GetJobInfo(grpc::ServerContext*, const JobInfoRequest* request,
                           JobInfoResponse* response) override;
 
  private:
-  absl::Status CheckToken(grpc::ServerContext* ctx, const std::string& job) const;
+  absl::Status CheckToken(grpc::ServerContextBase* ctx, const std::string& job) const;
 
   Shard* const shard_;
   const JobTokens* const tokens_;

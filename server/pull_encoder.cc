@@ -13,9 +13,14 @@ void SetDense(absl::Span<const float> values, std::string* data) {
 
 }  // namespace
 
-PullEncoder::PullEncoder(int32_t num_workers, absl::Span<const int64_t> chunks)
-    : num_workers_(num_workers) {
+PullEncoder::PullEncoder(int32_t num_workers, absl::Span<const int64_t> chunks,
+                         MemoryBudget* budget)
+    : num_workers_(num_workers), budget_(budget) {
   for (int64_t idx : chunks) sent_.emplace(idx, std::make_unique<Sent>());
+}
+
+PullEncoder::~PullEncoder() {
+  if (budget_ != nullptr) budget_->Release(reserved_.load());
 }
 
 absl::StatusOr<PullFormat> PullEncoder::ParseFormat(const std::string& job,
@@ -70,8 +75,15 @@ void PullEncoder::EncodeChanges(Sent* sent, int32_t worker, int64_t held_version
   if (known && gradmesh::EncodeChanges(values, absl::MakeSpan(held), dense, out->mutable_data())) {
     out->set_codec("changes");
   } else {
-    held.assign(values.begin(), values.end());
     SetDense(values, out->mutable_data());
+    if (held.empty() && budget_ != nullptr) {
+      if (!budget_->TryReserve(dense)) {
+        sent->version[worker] = -1;  // Not remembered: the next pull is dense again.
+        return;
+      }
+      reserved_ += dense;
+    }
+    held.assign(values.begin(), values.end());
   }
   sent->version[worker] = version;
 }

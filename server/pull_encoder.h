@@ -5,6 +5,11 @@
 // response, a shard restart, or when changes are not smaller) the chunk goes dense and becomes
 // what the worker holds.
 //
+// Memory: the copies remembered for "changes" are reserved from the shard's MemoryBudget as
+// they are first made (one chunk for one worker at a time) and released with the encoder. When
+// the budget has no room, the chunk is sent dense and not remembered, so that worker keeps
+// getting it dense: correct, only larger.
+//
 // Thread safety: Encode may be called concurrently for any chunks and workers; each chunk's
 // record of what was sent has its own mutex. Callers hold the chunk's lock (Chunk::mu) while
 // encoding it, so the values and version cannot change meanwhile: lock order Chunk::mu, then
@@ -12,6 +17,7 @@
 #ifndef GRADMESH_SERVER_PULL_ENCODER_H_
 #define GRADMESH_SERVER_PULL_ENCODER_H_
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -25,6 +31,7 @@
 #include "compression/compressor.h"
 #include "proto/gradmesh.pb.h"
 #include "server/push_decoding.h"
+#include "server/shard_limits.h"
 
 namespace gradmesh {
 
@@ -40,8 +47,11 @@ struct PullFormat {
 // Encode then takes that chunk's record lock (a leaf). One job's pull encodings.
 class PullEncoder {
  public:
-  // Chunks are the partition indices of the chunks the job owns on this shard.
-  PullEncoder(int32_t num_workers, absl::Span<const int64_t> chunks);
+  // Chunks are the partition indices of the chunks the job owns on this shard. `budget` (not
+  // owned, may be null: no limit) must outlive the encoder.
+  PullEncoder(int32_t num_workers, absl::Span<const int64_t> chunks,
+              MemoryBudget* budget = nullptr);
+  ~PullEncoder();
 
   PullEncoder(const PullEncoder&) = delete;
   PullEncoder& operator=(const PullEncoder&) = delete;
@@ -69,6 +79,8 @@ class PullEncoder {
                      absl::Span<const float> values, int64_t version, ChunkData* out);
 
   const int32_t num_workers_;
+  MemoryBudget* const budget_;
+  std::atomic<int64_t> reserved_{0};  // Bytes of remembered copies reserved from budget_.
   // Keyed by partition index; the map is immutable after construction.
   absl::flat_hash_map<int64_t, std::unique_ptr<Sent>> sent_;
 };

@@ -149,3 +149,43 @@ TEST_F(PullEncoderTest, FullyChangedChunkGoesDenseAndIsThenHeld) {
 
 }  // namespace
 }  // namespace gradmesh
+
+namespace gradmesh {
+namespace {
+
+// The "changes" copies reserve from the budget as they are made; without room the chunk goes
+// dense and is not remembered (so it stays dense), and the encoder releases what it reserved.
+TEST(PullEncoderBudgetTest, RemembersOnlyWhatTheBudgetHolds) {
+  CompressorRegistry registry = CompressorRegistry::WithBuiltins();
+  CodecCache codecs{&registry};
+  auto changes = PullEncoder::ParseFormat("j", "changes", codecs);
+  ASSERT_OK(changes);
+  MemoryBudget budget(20);  // Room for one copy of a 4-float chunk (16 bytes).
+  std::vector<float> v = {1, 2, 3, 4};
+  {
+    PullEncoder encoder(2, std::vector<int64_t>{0}, &budget);
+    ChunkData out;
+    ASSERT_OK(encoder.Encode(*changes, 0, 0, -1, v, 1, &out));  // Worker 0: remembered.
+    EXPECT_EQ(out.codec(), "");
+    EXPECT_EQ(budget.used(), 16);
+    ASSERT_OK(encoder.Encode(*changes, 0, 1, -1, v, 1, &out));  // Worker 1: no room.
+    EXPECT_EQ(out.codec(), "");
+    EXPECT_EQ(out.data(), Dense(v));
+    EXPECT_EQ(budget.used(), 16);
+    v[2] = 30;
+    // Worker 0 holds version 1: only the change is sent.
+    ChunkData w0;
+    ASSERT_OK(encoder.Encode(*changes, 0, 0, 1, v, 2, &w0));
+    EXPECT_EQ(w0.codec(), "changes");
+    // Worker 1 names version 1 too, but it was not remembered: dense, exact.
+    ChunkData w1;
+    ASSERT_OK(encoder.Encode(*changes, 0, 1, 1, v, 2, &w1));
+    EXPECT_EQ(w1.codec(), "");
+    EXPECT_EQ(w1.data(), Dense(v));
+    EXPECT_EQ(budget.used(), 16);
+  }
+  EXPECT_EQ(budget.used(), 0);
+}
+
+}  // namespace
+}  // namespace gradmesh

@@ -68,8 +68,9 @@ TEST(PushDecodingTest, DecodesCompressedPushes) {
   EXPECT_EQ(std::vector<float>(g, g + 3), (std::vector<float>{0.5f, -1.0f, 2.0f}));
 
   std::vector<float> raw_scratch;
-  ASSERT_OK_AND_ASSIGN(const float* r,
-                       DecodePushedChunk(codecs, Raw({4, 5}), 2, "w", &raw_scratch));
+  // A raw chunk is read in place: it must outlive the pointer (ASan saw a temporary here).
+  const ChunkData raw = Raw({4, 5});
+  ASSERT_OK_AND_ASSIGN(const float* r, DecodePushedChunk(codecs, raw, 2, "w", &raw_scratch));
   EXPECT_EQ(std::vector<float>(r, r + 2), (std::vector<float>{4, 5}));
 }
 

@@ -20,10 +20,12 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "common/daemon.h"
+#include "common/job_name.h"
 #include "common/job_spec.h"
 #include "common/logging.h"
 #include "common/metrics.h"
 #include "rpc/auth.h"
+#include "rpc/tls.h"
 #include "runtime/daemon_main.h"
 #include "runtime/node_agent.h"
 #include "server/parameter_service.h"
@@ -58,9 +60,32 @@ ABSL_FLAG(std::string, advertise, "",
           "host:port the coordinator hands to workers (default: --host, or this host's name "
           "when --host is 0.0.0.0, with the bound port).");
 ABSL_FLAG(int, slots, 16, "Service mode: shards (of distinct jobs) this server accepts.");
+ABSL_FLAG(int64_t, max_memory_bytes, 0,
+          "Budget for job state on this shard (values, optimizer slots, sync barrier copies, "
+          "snapshot buffers, request ledgers, bookkeeping, 'changes' pull caches); an InitJob "
+          "beyond it is RESOURCE_EXHAUSTED. 0 = 80% of physical memory.");
+ABSL_FLAG(int32_t, max_tensors_per_job, 65536, "Most tensors in one job's layout.");
+ABSL_FLAG(int64_t, max_elements_per_tensor, int64_t{1} << 34,
+          "Most elements in one tensor (default 2^34).");
+ABSL_FLAG(int64_t, max_chunks_per_job, int64_t{1} << 18,
+          "Most chunks in one job's layout, over all its shards (default 2^18).");
+ABSL_FLAG(int32_t, max_num_shards, 1024, "Largest num_shards of a job.");
+ABSL_FLAG(int32_t, max_num_workers, 4096, "Largest num_workers of a job.");
+ABSL_FLAG(int32_t, max_jobs, 1024, "Most jobs this shard holds at once.");
+ABSL_FLAG(int32_t, max_waiting_pushes, 4096,
+          "Most pushes (sync barrier) and pulls (ssp) waiting on this shard at once.");
 ABSL_FLAG(bool, fsync, false,
           "Sync RocksDB's WAL on every write (survive machine crashes, not just process "
           "crashes); costs an fsync per update.");
+
+ABSL_FLAG(std::string, tls_cert_file, "",
+          "PEM certificate chain this daemon presents (TLS on with it or --tls_ca_file).");
+ABSL_FLAG(std::string, tls_key_file, "", "PEM private key of --tls_cert_file.");
+ABSL_FLAG(std::string, tls_ca_file, "", "PEM CA bundle peers' certificates are verified against.");
+ABSL_FLAG(bool, tls_client_auth, false,
+          "Require and verify client certificates (mutual TLS; needs --tls_ca_file).");
+ABSL_FLAG(bool, allow_insecure, false,
+          "Allow tokens over plaintext to non-loopback addresses (no TLS).");
 
 namespace gradmesh {
 namespace {
@@ -185,6 +210,7 @@ NodeAgentOptions AgentOptions(const ServerMainOptions& options, const Daemon& da
   NodeAgentOptions ao;
   ao.coordinator = options.coordinator;
   ao.auth_token = options.auth_token;
+  ao.rpc = options.daemon.rpc;
   ao.logger = logger;
   // The node name is the daemon's identity in the coordinator: by default the advertised
   // address (a host name alone would collide with a worker daemon on the same host).
@@ -204,6 +230,16 @@ int Run(ServerMainOptions options) {
   int exit_code = kExitOk;
   std::unique_ptr<Shard> shard = OpenShard(options, logger, &exit_code);
   if (shard == nullptr) return exit_code;
+  const ShardLimits& limits = options.shard.limits;
+  logger.Info(
+      "shard_limits",
+      {Kv("max_memory_bytes", limits.max_memory_bytes),
+       Kv("memory_reserved", shard->memory_reserved()), Kv("max_jobs", limits.max_jobs),
+       Kv("max_num_workers", limits.max_num_workers), Kv("max_num_shards", limits.max_num_shards),
+       Kv("max_tensors_per_job", limits.max_tensors_per_job),
+       Kv("max_elements_per_tensor", limits.max_elements_per_tensor),
+       Kv("max_chunks_per_job", limits.max_chunks_per_job),
+       Kv("max_waiting_pushes", limits.max_waiting_pushes)});
   // Service mode: the coordinator's tasks say which jobs (and tokens) this server serves.
   JobTokens tokens(/*required=*/true);
   ParameterServiceImpl service(shard.get(), options.coordinator.empty() ? nullptr : &tokens);
@@ -219,6 +255,7 @@ int Run(ServerMainOptions options) {
     return kExitFailed;
   }
   logger.Info("listening", {Kv("address", daemon.ListenAddress()), Kv("port", daemon.port())});
+  LogListenSecurity(daemon.ListenAddress(), options.daemon.rpc.tls, &logger);
   if (!daemon.StartMetrics(&metrics).ok()) return kExitFailed;
   if (!options.coordinator.empty()) {
     agent = std::make_unique<NodeAgent>(
@@ -252,6 +289,17 @@ int main(int argc, char** argv) {
   options.node = gradmesh::NodeNameOrHostName(absl::GetFlag(FLAGS_node));
   options.node_flag = absl::GetFlag(FLAGS_node);
   options.shard.dedupe_window = absl::GetFlag(FLAGS_dedupe_window);
+  gradmesh::ShardLimits& limits = options.shard.limits;
+  limits.max_memory_bytes = absl::GetFlag(FLAGS_max_memory_bytes) == 0
+                                ? gradmesh::DefaultMaxMemoryBytes()
+                                : absl::GetFlag(FLAGS_max_memory_bytes);
+  limits.max_tensors_per_job = absl::GetFlag(FLAGS_max_tensors_per_job);
+  limits.max_elements_per_tensor = absl::GetFlag(FLAGS_max_elements_per_tensor);
+  limits.max_chunks_per_job = absl::GetFlag(FLAGS_max_chunks_per_job);
+  limits.max_num_shards = absl::GetFlag(FLAGS_max_num_shards);
+  limits.max_num_workers = absl::GetFlag(FLAGS_max_num_workers);
+  limits.max_jobs = absl::GetFlag(FLAGS_max_jobs);
+  limits.max_waiting_pushes = absl::GetFlag(FLAGS_max_waiting_pushes);
   options.data_dir = absl::GetFlag(FLAGS_data_dir);
   options.fsync = absl::GetFlag(FLAGS_fsync);
   options.coordinator = absl::GetFlag(FLAGS_coordinator);
@@ -266,5 +314,20 @@ int main(int argc, char** argv) {
     }
     options.auth_token = *token;
   }
+  absl::StatusOr<gradmesh::TlsOptions> tls = gradmesh::MakeTlsOptions(
+      absl::GetFlag(FLAGS_tls_cert_file), absl::GetFlag(FLAGS_tls_key_file),
+      absl::GetFlag(FLAGS_tls_ca_file), absl::GetFlag(FLAGS_tls_client_auth),
+      absl::GetFlag(FLAGS_allow_insecure));
+  absl::Status transport = tls.ok()
+                               ? gradmesh::CheckTokenTransport(options.coordinator, *tls,
+                                                               options.auth_token, "node token")
+                               : tls.status();
+  if (transport.ok()) transport = gradmesh::CheckName("--node", options.node);
+  if (!transport.ok()) {
+    std::fprintf(stderr, "event=bad_arguments role=server error=\"%s\"\n",
+                 transport.ToString().c_str());
+    return gradmesh::kExitBadArguments;
+  }
+  options.daemon.rpc.tls = *tls;
   return gradmesh::Run(std::move(options));
 }

@@ -13,6 +13,7 @@
 #include "absl/strings/str_join.h"
 #include "common/status.h"
 #include "google/protobuf/util/message_differencer.h"
+#include "server/init_job_validation.h"
 #include "server/job_state.h"
 #include "server/pull_encoder.h"
 #include "server/request_ledger.h"
@@ -24,13 +25,17 @@ namespace gradmesh {
 // headers give the contracts and lock orders). One job's parts (see shard.h). `state` is built
 // first and outlives the others, which refer to it; ledger before durability, which refers to it.
 struct Shard::Job {
-  Job(std::unique_ptr<JobState> s, const ShardOptions& options)
-      : state(std::move(s)),
+  Job(MemoryReservation m, std::unique_ptr<JobState> s, const ShardOptions& options,
+      MemoryBudget* budget)
+      : memory(std::move(m)),
+        state(std::move(s)),
         ledger(state->name(), state->num_workers(), options.dedupe_window,
                options.staleness_buckets),
-        pulls(state->num_workers(), state->owned_indices()),
+        pulls(state->num_workers(), state->owned_indices(), budget),
         durability(state.get(), &ledger, options.store.get(), options.logger) {}
 
+  // Declared first, so it is released last, after everything it accounts for is freed.
+  const MemoryReservation memory;
   const std::unique_ptr<JobState> state;
   RequestLedger ledger;
   PullEncoder pulls;
@@ -39,39 +44,35 @@ struct Shard::Job {
 
 namespace {
 
-// Copies InitJob's initial values into the job's chunks: exactly the owned chunks, each once,
-// each exactly numel finite float32 values.
-absl::Status LoadInitialValues(const InitJobRequest& request, const JobState& job) {
-  const int32_t me = job.shard_index();
-  if (request.initial_size() != static_cast<int>(job.chunks().size())) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "InitJob: job ", request.job(), " shard ", me, " owns ", job.chunks().size(),
-        " chunks but the request carries initial values for ", request.initial_size()));
-  }
+// Copies InitJob's initial values, which CheckInitialValues accepted (exactly the owned
+// chunks, each once, each exactly numel finite float32 values), into the job's chunks.
+void LoadInitialValues(const InitJobRequest& request, const JobState& job) {
   for (const ChunkData& c : request.initial()) {
-    const std::string where = job.ChunkName(c.tensor(), c.chunk());
-    const int64_t idx = job.partition().Find(c.tensor(), c.chunk());
-    auto it = job.chunks().find(idx);
-    if (idx < 0 || it == job.chunks().end()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("InitJob: ", where, " is not owned by shard ", me));
-    }
-    Chunk& chunk = *it->second;
-    RETURN_IF_ERROR(CheckDenseFloats(c, chunk.info.numel, absl::StrCat("InitJob: ", where)));
+    Chunk& chunk = *job.chunk(job.partition().Find(c.tensor(), c.chunk()));
     absl::MutexLock lock(&chunk.mu);
-    if (!chunk.values.empty()) {
-      return absl::InvalidArgumentError(absl::StrCat("InitJob: ", where, " appears twice"));
-    }
     chunk.values.resize(chunk.info.numel);
     std::memcpy(chunk.values.data(), c.data().data(), c.data().size());
   }
-  return absl::OkStatus();
 }
 
 }  // namespace
 
 Shard::Shard(ShardOptions options) : options_(std::move(options)) {}
-Shard::~Shard() = default;
+Shard::~Shard() {
+  // No call is in progress any more (a daemon stops its gRPC server first). Complete whatever
+  // still waits, then stop the timer (which runs what it still holds, such as a sync step
+  // completed by SetSyncGroup), all before the jobs and their policies go.
+  std::vector<std::shared_ptr<Job>> jobs;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& kv : jobs_) jobs.push_back(kv.second);
+  }
+  for (const auto& job : jobs) {
+    job->state->policy().AbortWaits(absl::UnavailableError(
+        absl::StrCat("job ", job->state->name(), ": the shard is shutting down; retry")));
+  }
+  timer_.reset();
+}
 
 absl::StatusOr<std::unique_ptr<Shard>> Shard::Create(ShardOptions options) {
   if (options.dedupe_window <= 0) {
@@ -80,6 +81,7 @@ absl::StatusOr<std::unique_ptr<Shard>> Shard::Create(ShardOptions options) {
   if (options.staleness_buckets < 2) {
     return absl::InvalidArgumentError("ShardOptions.staleness_buckets must be >= 2");
   }
+  RETURN_IF_ERROR(ValidateShardLimits(options.limits));
   std::unique_ptr<Shard> shard(new Shard(std::move(options)));
   RETURN_IF_ERROR(shard->Restore());
   return shard;
@@ -100,11 +102,39 @@ absl::StatusOr<std::shared_ptr<Shard::Job>> Shard::FindJob(const std::string& na
   return it->second;
 }
 
-absl::StatusOr<std::shared_ptr<Shard::Job>> Shard::BuildJob(const InitJobRequest& layout) const {
+absl::StatusOr<MemoryReservation> Shard::ReserveMemory(const InitJobRequest& layout,
+                                                       const Partition& partition, bool restore) {
+  const std::string context = absl::StrCat("InitJob: job ", layout.job());
+  auto optimizer = options_.optimizers.Create(layout.optimizer());
+  if (!optimizer.ok()) return Annotate(optimizer.status(), context);
+  const JobMemory need =
+      EstimateJobMemory(layout, partition, (*optimizer)->num_slots(), options_.dedupe_window);
+  if (restore) {
+    budget_.ForceReserve(need.total());
+  } else {
+    RETURN_IF_ERROR(
+        budget_.Reserve(need.total(), context, need.Describe(layout.optimizer().name())));
+  }
+  return MemoryReservation(&budget_, need.total());
+}
+
+absl::StatusOr<std::shared_ptr<Shard::Job>> Shard::BuildJob(const InitJobRequest& layout,
+                                                            MemoryReservation memory) {
   ASSIGN_OR_RETURN(std::unique_ptr<JobState> state,
                    JobState::Create(layout, options_.optimizers, options_.consistency,
                                     options_.store != nullptr));
-  return std::make_shared<Job>(std::move(state), options_);
+  // Waiting pushes and pulls of every job share the shard's timer and wait limit.
+  state->policy().UseTimer(timer_.get());
+  state->policy().UseWaitCounter(&waiting_);
+  return std::make_shared<Job>(std::move(memory), std::move(state), options_, &budget_);
+}
+
+absl::Status Shard::CheckJobCount(const std::string& name) const {
+  absl::MutexLock lock(&mu_);
+  if (static_cast<int64_t>(jobs_.size()) < options_.limits.max_jobs) return absl::OkStatus();
+  return absl::ResourceExhaustedError(absl::StrCat("InitJob: job ", name,
+                                                   ": this shard already holds ", jobs_.size(),
+                                                   " jobs, the most it allows (--max_jobs)"));
 }
 
 absl::StatusOr<bool> Shard::JobExists(const InitJobRequest& layout) {
@@ -125,7 +155,8 @@ absl::StatusOr<bool> Shard::AddJob(const std::string& name, std::shared_ptr<Job>
   // can be acknowledged for a job whose layout and initial values are not in the store.
   absl::MutexLock init_lock(&init_mu_);
   ASSIGN_OR_RETURN(const bool found, JobExists(job->state->layout()));
-  if (found) return false;  // Created meanwhile by another call.
+  if (found) return false;               // Created meanwhile by another call.
+  RETURN_IF_ERROR(CheckJobCount(name));  // Creation is serialised: the count holds.
   if (job->state->durability() != Durability::kNone) {
     RETURN_IF_ERROR(
         Annotate(job->durability.MaybeSnapshot(/*force=*/true),
@@ -137,7 +168,10 @@ absl::StatusOr<bool> Shard::AddJob(const std::string& name, std::shared_ptr<Job>
 }
 
 absl::StatusOr<InitJobResponse> Shard::InitJob(const InitJobRequest& request) {
-  RETURN_IF_ERROR(ValidateLayout(request));
+  // Everything is checked before anything of the job is allocated: the request's fields and
+  // limits, then its partition (bounded by them), initial values and memory.
+  RETURN_IF_ERROR(
+      ValidateInitJob(request, options_.limits, options_.optimizers, options_.consistency));
   const InitJobRequest layout = NormalizedLayout(request);
   InitJobResponse response;
   // Fast path, before copying the initial values into a new job.
@@ -146,9 +180,14 @@ absl::StatusOr<InitJobResponse> Shard::InitJob(const InitJobRequest& request) {
     response.set_created(false);
     return response;
   }
+  RETURN_IF_ERROR(CheckJobCount(request.job()));
+  ASSIGN_OR_RETURN(const Partition partition, LayoutPartition(layout));
+  // Memory before the initial values: a job that cannot fit is told so whatever it carries.
+  ASSIGN_OR_RETURN(MemoryReservation memory, ReserveMemory(layout, partition, /*restore=*/false));
+  RETURN_IF_ERROR(CheckInitialValues(request, partition));
   // Build the job outside the locks: copying initial values can take a while.
-  ASSIGN_OR_RETURN(std::shared_ptr<Job> job, BuildJob(layout));
-  RETURN_IF_ERROR(LoadInitialValues(request, *job->state));
+  ASSIGN_OR_RETURN(std::shared_ptr<Job> job, BuildJob(layout, std::move(memory)));
+  LoadInitialValues(request, *job->state);
   ASSIGN_OR_RETURN(const bool created, AddJob(request.job(), job));
   response.set_created(created);
   if (created) {
@@ -157,7 +196,8 @@ absl::StatusOr<InitJobResponse> Shard::InitJob(const InitJobRequest& request) {
         {Kv("job", request.job()), Kv("shard", layout.shard_index()),
          Kv("chunks", job->state->chunks().size()), Kv("elements", job->state->owned_elements()),
          Kv("optimizer", layout.optimizer().name()), Kv("mode", layout.consistency()),
-         Kv("workers", layout.num_workers()), Kv("durability", layout.durability().mode())});
+         Kv("workers", layout.num_workers()), Kv("durability", layout.durability().mode()),
+         Kv("memory_bytes", job->memory.bytes()), Kv("memory_reserved", budget_.used())});
   }
   return response;
 }
@@ -178,7 +218,10 @@ absl::Status Shard::Restore() {
 
 absl::Status Shard::RestoreJob(const ShardStore::StoredJob& s) {
   const std::string& name = s.layout.job();
-  ASSIGN_OR_RETURN(std::shared_ptr<Job> job, BuildJob(s.layout));
+  ASSIGN_OR_RETURN(const Partition partition, LayoutPartition(s.layout));
+  // A job the shard already held is restored even beyond the budget (logged below).
+  ASSIGN_OR_RETURN(MemoryReservation memory, ReserveMemory(s.layout, partition, /*restore=*/true));
+  ASSIGN_OR_RETURN(std::shared_ptr<Job> job, BuildJob(s.layout, std::move(memory)));
   // Replay goes through the same code that applied the updates.
   RETURN_IF_ERROR(job->durability.Restore(s, [this, &job](const ChunkUpdate& u) {
     return ApplyUpdate(job.get(), u, /*replay=*/true);
@@ -190,7 +233,8 @@ absl::Status Shard::RestoreJob(const ShardStore::StoredJob& s) {
   LogInfo(options_.logger, "job_restored",
           {Kv("job", name), Kv("snapshot_update", s.snapshot.seq()),
            Kv("replayed_updates", job->durability.stats().replayed),
-           Kv("dir", options_.store->dir()), Kv("durability", s.layout.durability().mode())});
+           Kv("dir", options_.store->dir()), Kv("durability", s.layout.durability().mode()),
+           Kv("memory_reserved", budget_.used()), Kv("memory_limit", budget_.limit())});
   absl::MutexLock lock(&mu_);
   jobs_.emplace(name, std::move(job));
   return absl::OkStatus();
@@ -227,7 +271,7 @@ absl::Status Shard::PushUpdate(const Job& job, const PushRequest& request, Chunk
   return absl::OkStatus();
 }
 
-absl::StatusOr<PushResponse> Shard::Push(const PushRequest& request) {
+absl::Status Shard::StartPush(const PushRequest& request, PushDone* done, WaitCancel* cancel) {
   ASSIGN_OR_RETURN(std::shared_ptr<Job> job, FindJob(request.job()));
   RETURN_IF_ERROR(job->state->CheckWorker("Push", request.worker()));
   if (request.step() < 0 || request.step() >= (int64_t{1} << 62)) {
@@ -240,29 +284,80 @@ absl::StatusOr<PushResponse> Shard::Push(const PushRequest& request) {
   std::vector<std::vector<float>> scratch;
   RETURN_IF_ERROR(PushUpdate(*job, request, &update, &targets, &scratch));
 
-  PushResponse response;
+  const int32_t worker = request.worker();
+  const int64_t step = request.step();
+  const uint64_t id = request.request_id();
   ASSIGN_OR_RETURN(const RequestLedger::Admission admission,
-                   job->ledger.BeginPush(request.worker(), request.step(), request.request_id()));
+                   job->ledger.BeginPush(worker, step, id));
   if (admission == RequestLedger::Admission::kDuplicate) {
+    PushResponse response;
     response.set_duplicate(true);
-    return response;
+    (*done)(std::move(response));
+    return absl::OkStatus();
   }
-  const absl::Status st = job->state->policy().OnPush(update, [this, &job](const ChunkUpdate& u) {
+  // The policy copies what it keeps of `update` (whose buffers die with this call).
+  ApplyFn apply = [this, job](const ChunkUpdate& u) {
     return ApplyUpdate(job.get(), u, /*replay=*/false);
-  });
-  job->ledger.EndPush(request.worker(), request.step(), request.request_id(), st.ok());
-  RETURN_IF_ERROR(st);
-  for (Chunk* chunk : targets) {
-    absl::MutexLock lock(&chunk->mu);
-    response.add_new_versions(chunk->version);
-  }
-  // A failed periodic snapshot is logged; the push itself was applied (and, for
-  // every_update, logged), so it still succeeds.
-  (void)job->durability.MaybeSnapshot(/*force=*/false);
-  return response;
+  };
+  WaitDone finish = [job, worker, step, id, targets = std::move(targets),
+                     done = std::move(*done)](absl::Status st) {
+    job->ledger.EndPush(worker, step, id, st.ok());
+    if (!st.ok()) {
+      done(std::move(st));
+      return;
+    }
+    PushResponse response;
+    for (Chunk* chunk : targets) {
+      absl::MutexLock lock(&chunk->mu);
+      response.add_new_versions(chunk->version);
+    }
+    // A failed periodic snapshot is logged; the push itself was applied (and, for
+    // every_update, logged), so it still succeeds.
+    (void)job->durability.MaybeSnapshot(/*force=*/false);
+    done(std::move(response));
+  };
+  job->state->policy().StartPush(update, std::move(apply), std::move(finish), cancel);
+  return absl::OkStatus();
 }
 
-absl::Status Shard::Pull(const PullRequest& request, PullResponse* response) {
+void Shard::PushAsync(const PushRequest& request, PushDone done, WaitCancel* cancel) {
+  if (absl::Status st = StartPush(request, &done, cancel); !st.ok()) done(std::move(st));
+}
+
+namespace {
+
+// The outcome of a call made blocking, shared with its completion (which may still be
+// running after Set when the caller returns). A mutex and condition variable rather than a
+// Notification, so that ThreadSanitizer runs see the hand-off.
+template <typename T>
+struct Outcome {
+  void Set(T r) {
+    absl::MutexLock lock(&mu);
+    result = std::move(r);
+    done = true;
+    cv.Signal();
+  }
+  T Wait() {
+    absl::MutexLock lock(&mu);
+    while (!done) cv.Wait(&mu);
+    return std::move(result);
+  }
+  absl::Mutex mu;
+  absl::CondVar cv;
+  bool done ABSL_GUARDED_BY(mu) = false;
+  T result ABSL_GUARDED_BY(mu);
+};
+
+}  // namespace
+
+absl::StatusOr<PushResponse> Shard::Push(const PushRequest& request) {
+  auto outcome = std::make_shared<Outcome<absl::StatusOr<PushResponse>>>();
+  PushAsync(request, [outcome](absl::StatusOr<PushResponse> r) { outcome->Set(std::move(r)); });
+  return outcome->Wait();
+}
+
+absl::Status Shard::StartPull(const PullRequest& request, PullResponse* response, PullDone* done,
+                              WaitCancel* cancel) {
   ASSIGN_OR_RETURN(std::shared_ptr<Job> job, FindJob(request.job()));
   const JobState& state = *job->state;
   RETURN_IF_ERROR(state.CheckWorker("Pull", request.worker()));
@@ -282,22 +377,50 @@ absl::Status Shard::Pull(const PullRequest& request, PullResponse* response) {
   }
   ASSIGN_OR_RETURN(const PullFormat format,
                    PullEncoder::ParseFormat(request.job(), request.codec(), codecs_));
-  RETURN_IF_ERROR(state.policy().BeforePull(request.worker()));
-  response->mutable_chunks()->Reserve(static_cast<int>(targets.size()));
-  for (size_t t = 0; t < targets.size(); ++t) {
-    const auto [idx, chunk] = targets[t];
-    ChunkData* out = response->add_chunks();
-    out->set_tensor(chunk->info.tensor);
-    out->set_chunk(chunk->info.chunk);
-    out->set_dtype(FLOAT32);
-    absl::MutexLock lock(&chunk->mu);
-    out->set_version(chunk->version);
-    RETURN_IF_ERROR(Annotate(job->pulls.Encode(format, idx, request.worker(), held[t],
-                                               chunk->values, chunk->version, out),
-                             absl::StrCat("Pull: job ", request.job(), " chunk (",
-                                          chunk->info.tensor, ",", chunk->info.chunk, ")")));
-  }
+  // Runs when the policy lets the pull proceed (at once unless an ssp bound holds it).
+  WaitDone encode = [job, targets = std::move(targets), held = std::move(held), format,
+                     dense = PullFormat(), worker = request.worker(), response,
+                     done = std::move(*done)](absl::Status st) {
+    if (!st.ok()) {
+      done(std::move(st));
+      return;
+    }
+    response->mutable_chunks()->Reserve(static_cast<int>(targets.size()));
+    for (size_t t = 0; t < targets.size() && st.ok(); ++t) {
+      const auto [idx, chunk] = targets[t];
+      ChunkData* out = response->add_chunks();
+      out->set_tensor(chunk->info.tensor);
+      out->set_chunk(chunk->info.chunk);
+      out->set_dtype(FLOAT32);
+      absl::MutexLock lock(&chunk->mu);
+      out->set_version(chunk->version);
+      // Buffers are never narrowed: fp16/bf16 would round counts such as num_batches_tracked
+      // (bf16 is exact only up to 256); "changes" is lossless and stays.
+      const PullFormat& f =
+          format.kind == PullFormat::Kind::kNarrow && job->state->is_buffer(chunk->info.tensor)
+              ? dense
+              : format;
+      st = Annotate(job->pulls.Encode(f, idx, worker, held[t], chunk->values, chunk->version, out),
+                    absl::StrCat("Pull: job ", job->state->name(), " chunk (", chunk->info.tensor,
+                                 ",", chunk->info.chunk, ")"));
+    }
+    done(std::move(st));
+  };
+  job->state->policy().StartPull(request.worker(), std::move(encode), cancel);
   return absl::OkStatus();
+}
+
+void Shard::PullAsync(const PullRequest& request, PullResponse* response, PullDone done,
+                      WaitCancel* cancel) {
+  if (absl::Status st = StartPull(request, response, &done, cancel); !st.ok()) {
+    done(std::move(st));
+  }
+}
+
+absl::Status Shard::Pull(const PullRequest& request, PullResponse* response) {
+  auto outcome = std::make_shared<Outcome<absl::Status>>();
+  PullAsync(request, response, [outcome](absl::Status st) { outcome->Set(std::move(st)); });
+  return outcome->Wait();
 }
 
 absl::Status Shard::Finish(const FinishRequest& request) {

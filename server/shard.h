@@ -38,13 +38,20 @@
 // snapshots, restore) and PullEncoder (server/pull_encoder.h: dense, fp16/bf16 and "changes"
 // pulls); push decoding is server/push_decoding.h.
 //
-// Thread safety: all methods may be called concurrently. Calls block on chunk and job locks,
-// on the store (durable jobs) and on the consistency policy (sync pushes, ssp pulls, bounded
-// by the job's barrier timeout).
+// Waiting (sync pushes, ssp pulls) takes no thread in PushAsync/PullAsync: the call is parked
+// in the job's consistency policy with its completion and released by another worker's push,
+// the shard's WaitTimer (barrier timeout) or the caller's WaitCancel; at most
+// limits.max_waiting_pushes calls wait at once. No policy lock is held while a sync step is
+// applied and logged (server/consistency.h).
+//
+// Thread safety: all methods may be called concurrently. Calls block on chunk and job locks
+// and on the store (durable jobs); Push and Pull (the blocking forms) also wait for the
+// consistency policy, bounded by the job's barrier timeout.
 #ifndef GRADMESH_SERVER_SHARD_H_
 #define GRADMESH_SERVER_SHARD_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -55,11 +62,14 @@
 #include "absl/synchronization/mutex.h"
 #include "common/logging.h"
 #include "common/optimizer.h"
+#include "common/partitioner.h"
 #include "compression/compressor.h"
 #include "proto/gradmesh.pb.h"
 #include "server/consistency.h"
 #include "server/push_decoding.h"
+#include "server/shard_limits.h"
 #include "server/shard_store.h"
+#include "server/wait_timer.h"
 
 namespace gradmesh {
 
@@ -80,6 +90,9 @@ struct ShardOptions {
   std::shared_ptr<ShardStore> store;
   // Not owned; may be null.
   const Logger* logger = nullptr;
+  // What one InitJob may ask for, jobs held, waiting pushes and the memory budget
+  // (server/shard_limits.h). Default: ShardLimits's defaults (no memory budget).
+  ShardLimits limits;
 };
 
 // Thread safety: every method may be called concurrently (see the file comment; lock order
@@ -94,14 +107,43 @@ class Shard {
   Shard(const Shard&) = delete;
   Shard& operator=(const Shard&) = delete;
 
+  // Validates every field before anything is allocated (server/init_job_validation.h):
+  // INVALID_ARGUMENT naming the field; RESOURCE_EXHAUSTED when the shard holds
+  // options.limits.max_jobs jobs or the job's memory does not fit the budget (naming what it
+  // needs and what is left). Nothing changes on error. The job's memory stays reserved while
+  // the shard holds it.
   absl::StatusOr<InitJobResponse> InitJob(const InitJobRequest& request);
+  // Completions of PushAsync and PullAsync: called exactly once, on the calling thread if the
+  // call did not wait, otherwise on the thread that released it (another worker's push, the
+  // shard's timer at the barrier timeout, a canceller); never under a shard lock.
+  using PushDone = std::function<void(absl::StatusOr<PushResponse>)>;
+  using PullDone = std::function<void(absl::Status)>;
+
+  // A push, without taking a thread while it waits: a sync push that must wait for the other
+  // workers of its step is parked in the job's policy, with `done`, and PushAsync returns.
+  // `request` need only stay valid until PushAsync returns. RESOURCE_EXHAUSTED (nothing
+  // changes) when options.limits.max_waiting_pushes calls already wait on this shard. With
+  // `cancel` (may be null; see WaitCancel), a waiting push can be withdrawn: nothing of it is
+  // applied, its request id is forgotten, and `done` gets CANCELLED.
+  void PushAsync(const PushRequest& request, PushDone done, WaitCancel* cancel = nullptr);
+  // A pull the same way (an ssp pull waits for the slowest worker). Fills `response` (passed in
+  // so large payloads are written once, in place); `request` and `response` must stay valid
+  // until `done` has run.
+  void PullAsync(const PullRequest& request, PullResponse* response, PullDone done,
+                 WaitCancel* cancel = nullptr);
+  // Blocking forms of PushAsync and PullAsync (they wait on the calling thread).
   absl::StatusOr<PushResponse> Push(const PushRequest& request);
-  // Fills `response` (passed in so large payloads are written once, in place).
   absl::Status Pull(const PullRequest& request, PullResponse* response);
+  // Pushes and pulls parked in this shard's policies now.
+  int64_t waiting() const { return waiting_.waiting(); }
   absl::Status Finish(const FinishRequest& request);
   absl::StatusOr<JobInfoResponse> GetJobInfo(const JobInfoRequest& request);
   // Names of the jobs this shard holds, sorted.
   std::vector<std::string> JobNames() const;
+  // Bytes reserved by the jobs held (InitJob estimates plus grown pull caches) and the
+  // budget's limit.
+  int64_t memory_reserved() const { return budget_.used(); }
+  int64_t memory_limit() const { return budget_.limit(); }
 
   // Sets the barrier group of sync job `job`: the ranks whose pushes complete a step (empty:
   // all ranks) and the factor on the learning rate of its updates (in (0, 1]). NOT_FOUND for
@@ -122,8 +164,17 @@ class Shard {
   absl::StatusOr<std::shared_ptr<Job>> FindJob(const std::string& name);
   // True if the job exists with this layout; FAILED_PRECONDITION if it exists with another.
   absl::StatusOr<bool> JobExists(const InitJobRequest& layout) ABSL_LOCKS_EXCLUDED(mu_);
-  // Builds an empty job (partition, optimizer, policy, chunks) from a validated layout.
-  absl::StatusOr<std::shared_ptr<Job>> BuildJob(const InitJobRequest& layout) const;
+  // Reserves the memory of the job of validated layout `layout` with `partition`
+  // (`restore`: beyond the budget if need be). RESOURCE_EXHAUSTED, naming what it needs and
+  // what is left, when it does not fit.
+  absl::StatusOr<MemoryReservation> ReserveMemory(const InitJobRequest& layout,
+                                                  const Partition& partition, bool restore);
+  // Builds an empty job (partition, optimizer, policy, chunks) from a validated layout whose
+  // memory is reserved.
+  absl::StatusOr<std::shared_ptr<Job>> BuildJob(const InitJobRequest& layout,
+                                                MemoryReservation memory);
+  // RESOURCE_EXHAUSTED if the shard holds max_jobs jobs.
+  absl::Status CheckJobCount(const std::string& name) const ABSL_LOCKS_EXCLUDED(mu_);
   // Makes `job` durable (if it asks to be) and visible, unless one of its name exists by now.
   absl::StatusOr<bool> AddJob(const std::string& name, std::shared_ptr<Job> job)
       ABSL_LOCKS_EXCLUDED(init_mu_, mu_);
@@ -137,12 +188,24 @@ class Shard {
                           std::vector<Chunk*>* targets, std::vector<std::vector<float>>* scratch);
   // After a worker's first Finish: logs the job's statistics if every worker has finished.
   void MaybeLogJobStats(const Job& job);
+  // PushAsync and PullAsync up to the policy: an error before the call reaches it is returned
+  // (the caller completes with it); otherwise `*done` has been handed on.
+  absl::Status StartPush(const PushRequest& request, PushDone* done, WaitCancel* cancel);
+  absl::Status StartPull(const PullRequest& request, PullResponse* response, PullDone* done,
+                         WaitCancel* cancel);
 
   const ShardOptions options_;
-  CodecCache codecs_{&options_.compressors};  // Codecs of pushes and fp16/bf16 pulls.
-  absl::Mutex init_mu_;                       // Serialises job creation (taken before mu_).
+  CodecCache codecs_{&options_.compressors};               // Codecs of pushes and fp16/bf16 pulls.
+  MemoryBudget budget_{options_.limits.max_memory_bytes};  // Thread-safe; a leaf lock.
+  // Pushes and pulls waiting in consistency policies (limits.max_waiting_pushes): a waiting
+  // path calls waiting_.Enter() before it waits and Exit() after. Thread-safe; a leaf lock.
+  WaitCounter waiting_{options_.limits.max_waiting_pushes};
+  absl::Mutex init_mu_;  // Serialises job creation (taken before mu_).
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, std::shared_ptr<Job>> jobs_ ABSL_GUARDED_BY(mu_);
+  // Deadlines of waiting pushes and pulls, and hand-offs, for every job's policy. Reset by the
+  // destructor after every job's waits are aborted (and so before the jobs are destroyed).
+  std::unique_ptr<WaitTimer> timer_ = std::make_unique<WaitTimer>();
 };
 
 }  // namespace gradmesh

@@ -144,8 +144,13 @@ absl::Status ShardDurability::RestoreChunks(const ShardStore::StoredJob& s) cons
     }
     chunk->version = it->second.version();
     chunk->values.resize(chunk->info.numel);
-    std::memcpy(chunk->values.data(), it->second.values().data(), want_values);
-    std::memcpy(chunk->slots.data(), it->second.slots().data(), it->second.slots().size());
+    // (No memcpy for an empty array: its data() may be null, which memcpy must not get.)
+    if (want_values > 0) {
+      std::memcpy(chunk->values.data(), it->second.values().data(), want_values);
+    }
+    if (!it->second.slots().empty()) {
+      std::memcpy(chunk->slots.data(), it->second.slots().data(), it->second.slots().size());
+    }
   }
   return absl::OkStatus();
 }

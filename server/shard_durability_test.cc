@@ -628,7 +628,7 @@ TEST_F(DurabilityTest, FailedInitJobPersistsNothing) {
   o = JobOptions();
   o.job = "a/b";
   EXPECT_STATUS_MSG(shard_->InitJob(MakeInit(o)), absl::StatusCode::kInvalidArgument,
-                    "InitJob: job name \"a/b\" may only use letters, digits, '_', '.', '-'");
+                    "InitJob: job \"a/b\" is not a valid name: 1-63 characters");
   o.job = "";
   EXPECT_STATUS_MSG(shard_->InitJob(MakeInit(o)), absl::StatusCode::kInvalidArgument,
                     "job name is empty");
@@ -678,7 +678,7 @@ TEST_F(DurabilityTest, DurableJobsAreIndependent) {
   JobOptions a;
   a.job = "j";
   JobOptions b;
-  b.job = "j.x";
+  b.job = "j-x";
   b.durability = "periodic";
   b.snapshot_every_updates = 2;
   JobOptions c;
@@ -688,7 +688,7 @@ TEST_F(DurabilityTest, DurableJobsAreIndependent) {
   std::vector<int64_t> va(6, 0), vb(6, 0), vc(6, 0);
   for (int i = 0; i < 5; ++i) {
     ASSERT_OK(shard_->Push(GenPush(i, &va, "j")));
-    ASSERT_OK(shard_->Push(GenPush(i + 10, &vb, "j.x")));
+    ASSERT_OK(shard_->Push(GenPush(i + 10, &vb, "j-x")));
     ASSERT_OK(shard_->Push(GenPush(i + 20, &vc, "mem")));
   }
   const auto ja = PullAll(shard_.get(), "j");
@@ -697,7 +697,7 @@ TEST_F(DurabilityTest, DurableJobsAreIndependent) {
   ASSERT_OK_AND_ASSIGN(const JobInfoResponse ia, Info(shard_.get(), "j"));
   EXPECT_EQ(ia.updates_applied(), 5);
   EXPECT_EQ(ia.replayed_updates(), 5);
-  ASSERT_OK_AND_ASSIGN(const JobInfoResponse ib, Info(shard_.get(), "j.x"));
+  ASSERT_OK_AND_ASSIGN(const JobInfoResponse ib, Info(shard_.get(), "j-x"));
   EXPECT_EQ(ib.updates_applied(), 4);
   EXPECT_EQ(ib.replayed_updates(), 0);
   EXPECT_STATUS(Info(shard_.get(), "mem"), absl::StatusCode::kNotFound);
@@ -904,6 +904,80 @@ TEST_F(DurabilityTest, SyncGroupLrScaleReplaysExactly) {
   const auto after = PullAll(shard_.get());
   EXPECT_EQ(after, PullAll(twin.get()));
   EXPECT_NE(after, before);
+}
+
+// A buffer tensor (b as an int64 buffer beside parameter a, adam): its values are the initial
+// ones plus every pushed delta exactly, it has no slots in the snapshot, and a restart restores
+// it from the snapshot and the log.
+TEST_F(DurabilityTest, BufferValuesSurviveRestartFromSnapshotAndLog) {
+  JobOptions o;
+  o.optimizer = "adam";
+  o.snapshot_every_updates = 4;
+  const auto with_buffer = [](InitJobRequest r) {
+    r.mutable_tensors(1)->set_buffer(true);
+    r.mutable_tensors(1)->set_dtype(INT64);
+    return r;
+  };
+  ASSERT_OK(shard_->InitJob(with_buffer(MakeInit(o))));
+  std::unique_ptr<Shard> twin = MemoryShard();
+  JobOptions twin_opts = o;
+  twin_opts.durability = "none";
+  ASSERT_OK(twin->InitJob(with_buffer(MakeInit(twin_opts))));
+  // The same job with b a parameter, on the same durable shard: its snapshots carry b's slots.
+  JobOptions plain_opts = o;
+  plain_opts.job = "plain";
+  ASSERT_OK(shard_->InitJob(MakeInit(plain_opts)));
+  // b's expected values: initial (100 + i + 0.25) plus the deltas, added in push order.
+  std::vector<float> b(12);
+  for (int i = 0; i < 12; ++i) b[i] = static_cast<float>(100 + i) + 0.25f;
+  const Partition& part = TestPartition();
+  std::vector<int64_t> versions(part.shard_chunks(0).size(), 0);
+  for (int i = 0; i < 10; ++i) {
+    const PushRequest p = GenPush(i, &versions);
+    for (const ChunkData& c : p.chunks()) {
+      if (c.tensor() != 1) continue;
+      const std::vector<float> g = Floats(c.data());
+      for (size_t e = 0; e < g.size(); ++e) b[4 * c.chunk() + e] += g[e];
+    }
+    ASSERT_OK(shard_->Push(p));
+    ASSERT_OK(twin->Push(p));
+    std::vector<int64_t> scratch = versions;
+    ASSERT_OK(shard_->Push(GenPush(i, &scratch, "plain")));
+  }
+  const auto before = PullAll(shard_.get());
+  ASSERT_EQ(before, PullAll(twin.get()));
+  std::vector<float> got_b(12);
+  for (const PulledChunk& c : before) {
+    if (c.tensor != 1) continue;
+    const std::vector<float> v = Floats(c.data);
+    std::copy(v.begin(), v.end(), got_b.begin() + 4 * c.chunk);
+  }
+  EXPECT_EQ(got_b, b);
+  ASSERT_NE(b[0], 100.25f);
+  ASSERT_OK_AND_ASSIGN(const JobInfoResponse info_before, Info(shard_.get()));
+  EXPECT_EQ(info_before.snapshot_update(), 8);
+  // Snapshot: a (10 values, 20 adam slots) and b (12 values, no slots): at least b's 24
+  // slot floats smaller than the plain job's at the same update.
+  ASSERT_OK_AND_ASSIGN(const JobInfoResponse plain_info, Info(shard_.get(), "plain"));
+  EXPECT_EQ(plain_info.snapshot_update(), 8);
+  EXPECT_GT(info_before.last_snapshot_bytes(), (10 + 20 + 12) * 4);
+  EXPECT_GE(plain_info.last_snapshot_bytes() - info_before.last_snapshot_bytes(), 24 * 4);
+
+  Restart();
+  EXPECT_EQ(PullAll(shard_.get()), before);
+  ASSERT_OK_AND_ASSIGN(const JobInfoResponse info, Info(shard_.get()));
+  EXPECT_TRUE(info.restored());
+  EXPECT_EQ(info.replayed_updates(), 2);
+  ASSERT_EQ(info.tensors_size(), 2);
+  EXPECT_TRUE(info.tensors(1).buffer());
+  EXPECT_EQ(info.tensors(1).dtype(), INT64);
+  // The resumed worker's InitJob (same layout) finds the job; and the next push agrees.
+  ASSERT_OK_AND_ASSIGN(InitJobResponse again, shard_->InitJob(with_buffer(MakeInit(o))));
+  EXPECT_FALSE(again.created());
+  const PushRequest next = GenPush(10, &versions);
+  ASSERT_OK(shard_->Push(next));
+  ASSERT_OK(twin->Push(next));
+  EXPECT_EQ(PullAll(shard_.get()), PullAll(twin.get()));
 }
 
 }  // namespace

@@ -354,14 +354,15 @@ TEST(ShardInProgressTest, SecondPushOfAStepInProgressIsAborted) {
          public:
           Gate(absl::Notification* e, absl::Notification* r) : entered_(e), release_(r) {}
           std::string mode() const override { return "gate"; }
-          absl::Status OnPush(const ChunkUpdate& push, const ApplyFn& apply) override {
+          void StartPush(const ChunkUpdate& push, ApplyFn apply, WaitDone done,
+                         WaitCancel*) override {
             if (!entered_->HasBeenNotified()) {
               entered_->Notify();
               release_->WaitForNotification();
             }
-            return apply(push);
+            done(apply(push));
           }
-          absl::Status BeforePull(int32_t) override { return absl::OkStatus(); }
+          void StartPull(int32_t, WaitDone done, WaitCancel*) override { done(absl::OkStatus()); }
           void OnFinish(int32_t) override {}
           void Restore(const std::vector<int64_t>&, const std::vector<bool>&) override {}
           ConsistencyStats stats() const override { return {}; }
@@ -591,6 +592,198 @@ TEST_F(SyncGroupShardTest, BadArgumentsAreRejectedWithExactCodesAndChangeNothing
   ASSERT_OK_AND_ASSIGN(JobInfoResponse async_info, shard_->GetJobInfo(q));
   EXPECT_EQ(async_info.active_workers_size(), 0);
   EXPECT_EQ(async_info.lr_scale(), 1.0);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Model buffers (TensorSpec.buffer): pushed deltas are added as they are, no optimizer.
+
+// Job `job`: parameter w[6] (chunks 0-3, 4-5), buffers rm[4] (float32, one chunk) and nbt[]
+// (an int64 scalar, one element), chunks of 4 elements, one shard, adam lr 0.5.
+// Initial values: w[i] = i, rm[i] = 10 + i, nbt = 3.
+InitJobRequest BufferInit(const std::string& job, const std::string& mode, int32_t workers) {
+  InitJobRequest r;
+  r.set_job(job);
+  TensorSpec* w = r.add_tensors();
+  w->set_name("w");
+  w->add_shape(6);
+  TensorSpec* rm = r.add_tensors();
+  rm->set_name("rm");
+  rm->add_shape(4);
+  rm->set_buffer(true);
+  rm->set_dtype(FLOAT32);
+  TensorSpec* nbt = r.add_tensors();
+  nbt->set_name("nbt");
+  nbt->set_buffer(true);
+  nbt->set_dtype(INT64);
+  r.set_chunk_elems(4);
+  r.set_num_shards(1);
+  r.set_shard_index(0);
+  r.mutable_optimizer()->set_name("adam");
+  r.mutable_optimizer()->set_lr(0.5);
+  r.set_num_workers(workers);
+  r.set_consistency(mode);
+  r.set_barrier_timeout_s(10);
+  const std::vector<std::vector<float>> init = {{0, 1, 2, 3}, {4, 5}, {10, 11, 12, 13}, {3}};
+  const std::vector<std::pair<int, int>> ids = {{0, 0}, {0, 1}, {1, 0}, {2, 0}};
+  for (size_t i = 0; i < init.size(); ++i) {
+    ChunkData* d = r.add_initial();
+    d->set_tensor(ids[i].first);
+    d->set_chunk(ids[i].second);
+    d->set_dtype(FLOAT32);
+    d->set_data(Bytes(init[i]));
+  }
+  return r;
+}
+
+// One push of `job`: w chunk 0 gets gradient `g`, rm gets `rm_delta`, nbt gets 1.
+PushRequest BufferPush(const std::string& job, int32_t worker, int64_t step,
+                       const std::vector<float>& g, const std::vector<float>& rm_delta) {
+  PushRequest p;
+  p.set_job(job);
+  p.set_worker(worker);
+  p.set_step(step);
+  p.set_request_id(static_cast<uint64_t>(1000 * worker + step + 1));
+  const std::vector<std::pair<int, std::vector<float>>> chunks = {
+      {0, g}, {1, rm_delta}, {2, {1.0f}}};
+  for (const auto& [tensor, data] : chunks) {
+    ChunkData* d = p.add_chunks();
+    d->set_tensor(tensor);
+    d->set_chunk(0);
+    d->set_dtype(FLOAT32);
+    d->set_data(Bytes(data));
+  }
+  return p;
+}
+
+// Every chunk of `job` (w0, w1, rm, nbt) with its version; `codec` as PullRequest.codec.
+std::vector<std::pair<std::vector<float>, int64_t>> PullBuffersJob(Shard* shard,
+                                                                   const std::string& job,
+                                                                   const std::string& codec = "") {
+  PullRequest req;
+  req.set_job(job);
+  req.set_codec(codec);
+  PullResponse resp;
+  EXPECT_OK(shard->Pull(req, &resp));
+  std::vector<std::pair<std::vector<float>, int64_t>> out;
+  for (const ChunkData& c : resp.chunks()) {
+    EXPECT_EQ(c.codec(), codec.empty() || c.tensor() > 0 ? "" : codec)
+        << "tensor " << c.tensor() << " chunk " << c.chunk();
+    out.emplace_back(c.codec().empty() ? Floats(c.data()) : std::vector<float>(), c.version());
+  }
+  return out;
+}
+
+// What adam (lr 0.5) makes of w chunk 0 = {0, 1, 2, 3} with the given gradients, in order,
+// computed by the same optimizer code the shard runs.
+std::vector<float> AdamReference(const std::vector<std::vector<float>>& grads) {
+  OptimizerSpec spec;
+  spec.set_name("adam");
+  spec.set_lr(0.5);
+  std::unique_ptr<Optimizer> adam = OptimizerRegistry::WithBuiltins().Create(spec).value();
+  std::vector<float> p = {0, 1, 2, 3}, m(4, 0.0f), v(4, 0.0f);
+  float* slots[] = {m.data(), v.data()};
+  for (size_t i = 0; i < grads.size(); ++i) {
+    adam->Apply(static_cast<int64_t>(i) + 1, LrScheduleFactor(spec, static_cast<int64_t>(i)),
+                grads[i].data(), p.data(), slots, 4);
+  }
+  return p;
+}
+
+TEST_F(ShardTest, AsyncPushAddsBufferDeltasExactlyBesideAdamParameters) {
+  ASSERT_OK(shard_->InitJob(BufferInit("bn", "async", 2)));
+  const std::vector<float> g1 = {0.5f, -1.0f, 2.0f, 0.25f}, g2 = {-3.0f, 1.0f, 0.0f, 8.0f};
+  ASSERT_OK_AND_ASSIGN(PushResponse r1,
+                       shard_->Push(BufferPush("bn", 0, 0, g1, {0.5f, -0.25f, 1.0f, 0.125f})));
+  EXPECT_EQ(std::vector<int64_t>(r1.new_versions().begin(), r1.new_versions().end()),
+            (std::vector<int64_t>{1, 1, 1}));
+  ASSERT_OK(shard_->Push(BufferPush("bn", 1, 0, g2, {-2.0f, 0.75f, 0.0f, 4.0f})));
+  const auto got = PullBuffersJob(shard_.get(), "bn");
+  ASSERT_EQ(got.size(), 4u);
+  const std::vector<float> w = AdamReference({g1, g2});
+  ASSERT_NE(w, (std::vector<float>{0, 1, 2, 3}));
+  EXPECT_EQ(got[0].first, w);
+  EXPECT_EQ(got[0].second, 2);
+  EXPECT_EQ(got[1].first, (std::vector<float>{4, 5}));  // Not pushed: untouched.
+  EXPECT_EQ(got[1].second, 0);
+  // Each push applied alone: value += delta, exactly.
+  EXPECT_EQ(got[2].first, (std::vector<float>{8.5f, 11.5f, 13.0f, 17.125f}));
+  EXPECT_EQ(got[2].second, 2);
+  EXPECT_EQ(got[3].first, (std::vector<float>{5.0f}));  // 3 + 1 + 1.
+  EXPECT_EQ(got[3].second, 2);
+
+  // A narrowed pull still sends the buffers dense (and exact); the parameters narrowed.
+  const auto narrow = PullBuffersJob(shard_.get(), "bn", "bf16");
+  ASSERT_EQ(narrow.size(), 4u);
+  EXPECT_EQ(narrow[2].first, (std::vector<float>{8.5f, 11.5f, 13.0f, 17.125f}));
+  EXPECT_EQ(narrow[3].first, (std::vector<float>{5.0f}));
+
+  // The layout keeps the buffer flags and dtypes (FLOAT32 normalised to unset).
+  JobInfoRequest q;
+  q.set_job("bn");
+  ASSERT_OK_AND_ASSIGN(JobInfoResponse info, shard_->GetJobInfo(q));
+  ASSERT_EQ(info.tensors_size(), 3);
+  EXPECT_FALSE(info.tensors(0).buffer());
+  EXPECT_TRUE(info.tensors(1).buffer());
+  EXPECT_EQ(info.tensors(1).dtype(), DTYPE_UNSPECIFIED);
+  EXPECT_TRUE(info.tensors(2).buffer());
+  EXPECT_EQ(info.tensors(2).dtype(), INT64);
+  EXPECT_EQ(info.tensors(2).shape_size(), 0);
+  // Same layout with the dtype spelled FLOAT32 or not: the job is found, not a conflict.
+  InitJobRequest again = BufferInit("bn", "async", 2);
+  again.mutable_tensors(1)->clear_dtype();
+  ASSERT_OK_AND_ASSIGN(InitJobResponse found, shard_->InitJob(again));
+  EXPECT_FALSE(found.created());
+  // A different buffer flag is another layout.
+  again.mutable_tensors(1)->set_buffer(false);
+  EXPECT_STATUS_MSG(shard_->InitJob(again), absl::StatusCode::kFailedPrecondition,
+                    "already exists on this shard with a different layout");
+}
+
+TEST_F(ShardTest, SyncBufferGetsTheMeanDeltaOfTheStepWithoutTheGroupFactor) {
+  ASSERT_OK(shard_->InitJob(BufferInit("sbn", "sync", 2)));
+  // The group factor scales the parameters' learning rate, never a buffer's delta.
+  ASSERT_OK(shard_->SetSyncGroup("sbn", {0, 1}, 0.5));
+  const std::vector<float> g0 = {1.0f, 2.0f, -4.0f, 0.5f}, g1 = {3.0f, -2.0f, 0.0f, 1.5f};
+  absl::StatusOr<PushResponse> r0;
+  std::thread t0([&] {
+    r0 = shard_->Push(BufferPush("sbn", 0, 0, g0, {0.5f, 1.0f, -3.0f, 0.25f}));
+  });
+  ASSERT_OK(shard_->Push(BufferPush("sbn", 1, 0, g1, {1.5f, -1.0f, 2.0f, 0.75f})));
+  t0.join();
+  ASSERT_OK(r0);
+  const auto got = PullBuffersJob(shard_.get(), "sbn");
+  ASSERT_EQ(got.size(), 4u);
+  // One update from the mean gradient {2, 0, -2, 1} at half the rate.
+  OptimizerSpec spec;
+  spec.set_name("adam");
+  spec.set_lr(0.5);
+  std::unique_ptr<Optimizer> adam = OptimizerRegistry::WithBuiltins().Create(spec).value();
+  std::vector<float> w = {0, 1, 2, 3}, m(4, 0.0f), v(4, 0.0f);
+  float* slots[] = {m.data(), v.data()};
+  const std::vector<float> mean = {2.0f, 0.0f, -2.0f, 1.0f};
+  adam->Apply(1, 0.5f * LrScheduleFactor(spec, 0), mean.data(), w.data(), slots, 4);
+  EXPECT_EQ(got[0].first, w);
+  EXPECT_EQ(got[0].second, 1);
+  // rm = {10, 11, 12, 13} + mean delta {1, 0, -0.5, 0.5}; nbt = 3 + mean(1, 1).
+  EXPECT_EQ(got[2].first, (std::vector<float>{11.0f, 11.0f, 11.5f, 13.5f}));
+  EXPECT_EQ(got[2].second, 1);
+  EXPECT_EQ(got[3].first, (std::vector<float>{4.0f}));
+  EXPECT_EQ(got[3].second, 1);
+}
+
+TEST_F(ShardTest, InitJobChecksTensorDTypes) {
+  InitJobRequest r = BufferInit("dt", "async", 1);
+  r.mutable_tensors(0)->set_dtype(INT64);
+  EXPECT_STATUS_MSG(shard_->InitJob(r), absl::StatusCode::kInvalidArgument,
+                    "InitJob: job dt tensors[0] (w) is a parameter of dtype INT64; parameters "
+                    "must be FLOAT32");
+  r = BufferInit("dt", "async", 1);
+  r.mutable_tensors(2)->set_dtype(static_cast<DType>(77));
+  EXPECT_STATUS_MSG(shard_->InitJob(r), absl::StatusCode::kInvalidArgument,
+                    "InitJob: job dt tensors[2] (nbt) has unknown dtype 77");
+  JobInfoRequest q;
+  q.set_job("dt");
+  EXPECT_EQ(shard_->GetJobInfo(q).status().code(), absl::StatusCode::kNotFound);
 }
 
 }  // namespace

@@ -1,26 +1,35 @@
 #include "worker/model.h"
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <sys/stat.h>
 #include <torch/script.h>
 
+#include <cmath>
 #include <exception>
+#include <mutex>
+#include <optional>
+#include <unordered_set>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/status.h"
 #include "worker/model_names.h"
 
 namespace gradmesh {
 namespace {
 
-// "[64, 1, 28, 28]" for messages.
-std::string ShapeString(const torch::Tensor& t) {
-  if (!t.defined()) return "undefined";
-  return absl::StrCat("[", absl::StrJoin(t.sizes(), ", "), "]");
+// "float32", "int64", ...: PyTorch's Python names (ElemTypeName), which users know from their
+// own code (c10::toString says "Float", "Long"); c10's name for the types gradmesh cannot carry.
+std::string DTypeName(torch::ScalarType type) {
+  absl::StatusOr<ElemType> t = ToElemType(type, "");
+  return t.ok() ? ElemTypeName(*t) : c10::toString(type);
 }
 
-std::string TypeString(const torch::Tensor& t) {
-  return t.defined() ? std::string(c10::toString(t.scalar_type())) : "undefined";
+// "float32[64, 1, 28, 28]" for messages.
+std::string TensorString(const torch::Tensor& t) {
+  if (!t.defined()) return "undefined tensor";
+  return absl::StrCat(DTypeName(t.scalar_type()), "[", absl::StrJoin(t.sizes(), ", "), "]");
 }
 
 // LibTorch reports errors by throwing; everything below converts them at the boundary. The
@@ -33,13 +42,24 @@ absl::Status FromException(absl::StatusCode code, const std::string& context,
   return absl::Status(code, absl::StrCat(context, ": ", what));
 }
 
+// The models built here say what they are in messages ("model mlp", "TorchScript model
+// /p/m.pt"); CheckModelFitsData names the model with it.
+class NamedModel : public Model {
+ public:
+  virtual std::string Describe() const = 0;
+};
+
+std::string Describe(Model* model) {
+  const auto* named = dynamic_cast<const NamedModel*>(model);
+  return named != nullptr ? named->Describe() : std::string("model");
+}
+
 // Checks the contract of Model::Forward for the built-in MNIST models.
 absl::Status CheckMnistInput(const std::string& model, const torch::Tensor& x) {
   if (!x.defined() || x.scalar_type() != torch::kFloat32 || x.dim() != 4 || x.size(1) != 1 ||
       x.size(2) != 28 || x.size(3) != 28) {
-    return absl::InvalidArgumentError(absl::StrCat("model ", model,
-                                                   ": input must be float32 [N, 1, 28, 28], got ",
-                                                   TypeString(x), " ", ShapeString(x)));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "model ", model, ": input must be float32 [N, 1, 28, 28], got ", TensorString(x)));
   }
   return absl::OkStatus();
 }
@@ -89,7 +109,7 @@ TORCH_MODULE(LeNet);
 
 // A Model over a torch::nn module holder (Mlp, LeNet) built in C++.
 template <typename Holder>
-class BuiltinModel : public Model {
+class BuiltinModel : public NamedModel {
  public:
   BuiltinModel(std::string name, Holder module) : name_(std::move(name)), module_(module) {
     // Cached once: named_parameters() walks the module tree and builds an OrderedDict on
@@ -101,18 +121,30 @@ class BuiltinModel : public Model {
     module_->train(true);
   }
 
+  std::string Describe() const override { return absl::StrCat("model ", name_); }
+
   absl::StatusOr<torch::Tensor> Forward(const torch::Tensor& x) override {
     if (absl::Status s = CheckMnistInput(name_, x); !s.ok()) return s;
     try {
       return module_->forward(x);
     } catch (const std::exception& e) {
       return FromException(absl::StatusCode::kInvalidArgument,
-                           absl::StrCat("model ", name_, ": forward on ", ShapeString(x)), e);
+                           absl::StrCat("model ", name_, ": forward on ", TensorString(x)), e);
     }
   }
 
+  absl::StatusOr<torch::Tensor> ModuleLoss(const torch::Tensor&, const torch::Tensor&) override {
+    return absl::FailedPreconditionError(
+        absl::StrCat("model ", name_,
+                     " has no method loss(x, y) (built-in models have none); use loss: "
+                     "cross_entropy"));
+  }
+  bool HasModuleLoss() override { return false; }
+
   std::vector<torch::Tensor> Parameters() override { return params_; }
   std::vector<std::string> ParameterNames() override { return names_; }
+  std::vector<torch::Tensor> Buffers() override { return {}; }
+  std::vector<std::string> BufferNames() override { return {}; }
   void SetTraining(bool training) override { module_->train(training); }
 
   absl::Status Save(const std::string& path) override {
@@ -133,7 +165,7 @@ class BuiltinModel : public Model {
 };
 
 // A Model over a TorchScript module loaded from disk.
-class TorchScriptModel : public Model {
+class TorchScriptModel : public NamedModel {
  public:
   static absl::StatusOr<std::unique_ptr<Model>> Load(const std::string& path) {
     // Checked up front because torch::jit::load reports a missing file as a generic
@@ -147,21 +179,8 @@ class TorchScriptModel : public Model {
     try {
       model->module_ = torch::jit::load(path);
       model->module_.train(true);
-      for (const auto& item : model->module_.named_parameters(/*recurse=*/true)) {
-        torch::Tensor p = item.value;
-        // Gradients travel as float32 and live on the host; reject anything else here
-        // rather than failing later in the middle of training.
-        if (p.scalar_type() != torch::kFloat32 || !p.device().is_cpu()) {
-          return absl::InvalidArgumentError(absl::StrCat(
-              "TorchScript model ", path, ": parameter ", item.name, " is ", TypeString(p), " on ",
-              p.device().str(), "; only float32 CPU parameters are supported"));
-        }
-        // Modules saved after freezing or from torch.no_grad code may have it off, and
-        // then backward would not fill .grad().
-        p.requires_grad_(true);
-        model->names_.push_back(item.name);
-        model->params_.push_back(p);
-      }
+      if (absl::Status s = model->CollectTensors(); !s.ok()) return s;
+      model->has_loss_ = model->module_.find_method("loss").has_value();
     } catch (const std::exception& e) {
       return FromException(absl::StatusCode::kInvalidArgument,
                            absl::StrCat("loading TorchScript model ", path), e);
@@ -173,37 +192,68 @@ class TorchScriptModel : public Model {
     return std::unique_ptr<Model>(std::move(model));
   }
 
+  std::string Describe() const override { return absl::StrCat("TorchScript model ", path_); }
+
   absl::StatusOr<torch::Tensor> Forward(const torch::Tensor& x) override {
-    // The module decides which inputs it accepts; only the output contract is checked.
-    torch::Tensor out;
+    // The module decides which inputs it accepts and what it returns; the losses check the
+    // output against the targets.
+    if (!x.defined()) {
+      return absl::InvalidArgumentError(absl::StrCat(Describe(), ": forward on undefined tensor"));
+    }
     try {
       torch::jit::IValue result = module_.forward({x});
       if (!result.isTensor()) {
-        return absl::InvalidArgumentError(absl::StrCat("TorchScript model ", path_, " returned a ",
-                                                       result.tagKind(), ", not a tensor"));
+        return absl::InvalidArgumentError(absl::StrCat(Describe(), ": forward on ", TensorString(x),
+                                                       " returned a ", result.tagKind(),
+                                                       ", not a tensor"));
       }
-      out = result.toTensor();
+      return result.toTensor();
     } catch (const std::exception& e) {
       return FromException(absl::StatusCode::kInvalidArgument,
-                           absl::StrCat("TorchScript model ", path_, ": forward on ", TypeString(x),
-                                        " ", ShapeString(x)),
-                           e);
+                           absl::StrCat(Describe(), ": forward on ", TensorString(x)), e);
     }
-    // Checked without calling size() on tensors that may lack dimension 0 (it throws).
-    if (!out.defined() || out.dim() != 2 || !x.defined() || x.dim() == 0 ||
-        out.size(0) != x.size(0)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("TorchScript model ", path_, " returned ", ShapeString(out), " for input ",
-                       ShapeString(x), "; expected [N, num_classes]"));
-    }
-    return out;
   }
+
+  absl::StatusOr<torch::Tensor> ModuleLoss(const torch::Tensor& x,
+                                           const torch::Tensor& y) override {
+    if (!has_loss_) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(Describe(),
+                       " has no method loss(x, y); add @torch.jit.export def loss(self, x, y) "
+                       "or use loss: cross_entropy"));
+    }
+    const std::string call =
+        absl::StrCat(Describe(), ": loss(x, y) on x ", TensorString(x), ", y ", TensorString(y));
+    if (!x.defined() || !y.defined()) {
+      return absl::InvalidArgumentError(absl::StrCat(call, ": undefined tensor"));
+    }
+    torch::jit::IValue result;
+    try {
+      result = module_.run_method("loss", x, y);
+    } catch (const std::exception& e) {
+      return FromException(absl::StatusCode::kInvalidArgument, call, e);
+    }
+    if (!result.isTensor()) {
+      return absl::InvalidArgumentError(absl::StrCat(call, " returned a ", result.tagKind(),
+                                                     "; expected a scalar floating tensor"));
+    }
+    torch::Tensor loss = result.toTensor();
+    if (!loss.defined() || loss.dim() != 0 || !loss.is_floating_point()) {
+      return absl::InvalidArgumentError(absl::StrCat(call, " returned ", TensorString(loss),
+                                                     "; expected a scalar floating tensor"));
+    }
+    return loss;
+  }
+  bool HasModuleLoss() override { return has_loss_; }
 
   std::vector<torch::Tensor> Parameters() override { return params_; }
   std::vector<std::string> ParameterNames() override { return names_; }
+  std::vector<torch::Tensor> Buffers() override { return buffers_; }
+  std::vector<std::string> BufferNames() override { return buffer_names_; }
   void SetTraining(bool training) override { module_.train(training); }
 
   absl::Status Save(const std::string& path) override {
+    // Parameters() and Buffers() alias the module's slots, so this writes their current values.
     try {
       module_.save(path);
     } catch (const std::exception& e) {
@@ -216,10 +266,50 @@ class TorchScriptModel : public Model {
  private:
   explicit TorchScriptModel(std::string path) : path_(std::move(path)) {}
 
+  // Caches parameters and buffers once, in named_parameters() / named_buffers() order (the
+  // tensors are the module's own, so in-place updates reach forward). A tensor registered
+  // under two names (tied weights) is listed once, under its first name: listing it twice
+  // would apply its (already summed) gradient twice.
+  absl::Status CollectTensors() {
+    std::unordered_set<const c10::TensorImpl*> seen;
+    for (const auto& item : module_.named_parameters(/*recurse=*/true)) {
+      torch::Tensor p = item.value;
+      if (!seen.insert(p.unsafeGetTensorImpl()).second) continue;
+      // Gradients travel as contiguous float32 spans over host memory (ModelView); reject
+      // anything else here rather than failing later in the middle of training.
+      if (p.scalar_type() != torch::kFloat32 || !p.device().is_cpu() || !p.is_contiguous()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "TorchScript model ", path_, ": parameter ", item.name, " is ", TensorString(p),
+            p.is_contiguous() ? "" : " (not contiguous)", " on ", p.device().str(),
+            "; only contiguous float32 CPU parameters are supported"));
+      }
+      // Modules saved after freezing or from torch.no_grad code may have it off, and then
+      // backward would not fill .grad().
+      p.requires_grad_(true);
+      names_.push_back(item.name);
+      params_.push_back(p);
+    }
+    for (const auto& item : module_.named_buffers(/*recurse=*/true)) {
+      torch::Tensor b = item.value;
+      if (!b.defined() || !seen.insert(b.unsafeGetTensorImpl()).second) continue;
+      if (!b.device().is_cpu()) {
+        return absl::InvalidArgumentError(absl::StrCat("TorchScript model ", path_, ": buffer ",
+                                                       item.name, " is on ", b.device().str(),
+                                                       "; only CPU buffers are supported"));
+      }
+      buffer_names_.push_back(item.name);
+      buffers_.push_back(b);
+    }
+    return absl::OkStatus();
+  }
+
   const std::string path_;
   torch::jit::Module module_;
+  bool has_loss_ = false;
   std::vector<std::string> names_;
   std::vector<torch::Tensor> params_;
+  std::vector<std::string> buffer_names_;
+  std::vector<torch::Tensor> buffers_;
 };
 
 template <typename Holder>
@@ -231,7 +321,175 @@ absl::StatusOr<std::unique_ptr<Model>> MakeBuiltin(const std::string& name) {
   }
 }
 
+// Checks that a model output fits cross-entropy targets: logits [N, C] with int64 [N], or
+// [N, T, C] with int64 [N, T], every index in [0, C). y.min()/y.max() keep the range check
+// to two reductions; LibTorch's own message for a bad index is a bare assertion.
+absl::Status CheckCrossEntropyFits(const torch::Tensor& out, const torch::Tensor& y) {
+  auto mismatch = [&](const std::string& why) {
+    return absl::InvalidArgumentError(absl::StrCat("loss cross_entropy: model output ",
+                                                   TensorString(out), " does not fit targets ",
+                                                   TensorString(y), "; ", why));
+  };
+  if (!out.defined() || !y.defined()) return mismatch("undefined tensor");
+  if (!out.is_floating_point()) return mismatch("the output must be floating-point logits");
+  if (y.scalar_type() != torch::kInt64) {
+    return mismatch("targets must be int64 class indices (float targets: use loss mse)");
+  }
+  const bool flat = out.dim() == 2 && y.dim() == 1 && y.size(0) == out.size(0);
+  const bool sequence =
+      out.dim() == 3 && y.dim() == 2 && y.size(0) == out.size(0) && y.size(1) == out.size(1);
+  if (!flat && !sequence) {
+    return mismatch("expected logits [N, C] with targets [N], or [N, T, C] with targets [N, T]");
+  }
+  if (y.numel() == 0 || out.size(-1) == 0) return mismatch("empty batch or no classes");
+  const int64_t classes = out.size(-1);
+  const int64_t lowest = y.min().item<int64_t>();
+  const int64_t highest = y.max().item<int64_t>();
+  if (lowest < 0 || highest >= classes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("loss cross_entropy: target class index ", lowest < 0 ? lowest : highest,
+                     " is out of range for model output ", TensorString(out), " (", classes,
+                     " classes: indices 0..", classes - 1, ")"));
+  }
+  return absl::OkStatus();
+}
+
+// The mse target for `out`: y converted to the output's dtype, of the output's shape. y may
+// also be [N] for an output [N, 1] (a single regression value per sample); nothing else is
+// broadcast, since a silently broadcast mse is a classic wrong-shape bug.
+absl::StatusOr<torch::Tensor> MseTarget(const torch::Tensor& out, const torch::Tensor& y) {
+  auto mismatch = [&](const std::string& why) {
+    return absl::InvalidArgumentError(absl::StrCat("loss mse: model output ", TensorString(out),
+                                                   " does not fit targets ", TensorString(y), "; ",
+                                                   why));
+  };
+  if (!out.defined() || !y.defined()) return mismatch("undefined tensor");
+  if (!out.is_floating_point()) return mismatch("the output must be floating-point");
+  if (!y.is_floating_point()) {
+    return mismatch("targets must be floating-point (class indices: use loss cross_entropy)");
+  }
+  if (out.dim() == 0 || out.numel() == 0) return mismatch("expected a non-empty batch [N, ...]");
+  if (y.sizes() == out.sizes()) return y.to(out.scalar_type());
+  if (out.dim() == 2 && out.size(1) == 1 && y.dim() == 1 && y.size(0) == out.size(0)) {
+    return y.unsqueeze(1).to(out.scalar_type());
+  }
+  return mismatch("targets must have the output's shape (or [N] for an output [N, 1])");
+}
+
+// The mean loss of `kind` (cross-entropy or mse) of a model output against y.
+absl::StatusOr<torch::Tensor> LossOfOutput(LossKind kind, const torch::Tensor& out,
+                                           const torch::Tensor& y) {
+  try {
+    if (kind == LossKind::kCrossEntropy) {
+      RETURN_IF_ERROR(CheckCrossEntropyFits(out, y));
+      // [N, T, C] flattens to N*T predictions: the mean is over every token.
+      return torch::nn::functional::cross_entropy(out.reshape({-1, out.size(-1)}), y.reshape({-1}));
+    }
+    if (kind == LossKind::kMse) {
+      ASSIGN_OR_RETURN(torch::Tensor target, MseTarget(out, y));
+      return torch::mse_loss(out, target);
+    }
+  } catch (const std::exception& e) {
+    return FromException(absl::StatusCode::kInvalidArgument,
+                         absl::StrCat("loss ", LossName(kind), " of model output ",
+                                      TensorString(out), " and targets ", TensorString(y)),
+                         e);
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("loss ", LossName(kind), " is not computed from the model's output"));
+}
+
+// Samples in a batch: the targets' first dimension (the input's if the targets are scalars).
+int64_t BatchSamples(const torch::Tensor& x, const torch::Tensor& y) {
+  if (y.defined() && y.dim() > 0) return y.size(0);
+  if (x.defined() && x.dim() > 0) return x.size(0);
+  return 1;
+}
+
+// CheckModelFitsData without the buffer and RNG bookkeeping or the `where` prefix.
+absl::Status CheckFits(Model* model, LossKind kind, const torch::Tensor& x,
+                       const torch::Tensor& y) {
+  if (kind == LossKind::kModule) return model->ModuleLoss(x, y).status();
+  ASSIGN_OR_RETURN(torch::Tensor out, model->Forward(x));
+  absl::Status s = LossOfOutput(kind, out, y).status();
+  return s.ok() ? s : Annotate(s, Describe(model));
+}
+
 }  // namespace
+
+torch::ScalarType ToScalarType(ElemType type) {
+  switch (type) {
+    case ElemType::kFloat32:
+      return torch::kFloat32;
+    case ElemType::kFloat64:
+      return torch::kFloat64;
+    case ElemType::kFloat16:
+      return torch::kFloat16;
+    case ElemType::kBFloat16:
+      return torch::kBFloat16;
+    case ElemType::kInt64:
+      return torch::kInt64;
+    case ElemType::kInt32:
+      return torch::kInt32;
+    case ElemType::kInt16:
+      return torch::kInt16;
+    case ElemType::kInt8:
+      return torch::kInt8;
+    case ElemType::kUInt8:
+      return torch::kUInt8;
+    case ElemType::kBool:
+      return torch::kBool;
+  }
+  return torch::kFloat32;
+}
+
+absl::StatusOr<ElemType> ToElemType(torch::ScalarType type, const std::string& what) {
+  switch (type) {
+    case torch::kFloat32:
+      return ElemType::kFloat32;
+    case torch::kFloat64:
+      return ElemType::kFloat64;
+    case torch::kFloat16:
+      return ElemType::kFloat16;
+    case torch::kBFloat16:
+      return ElemType::kBFloat16;
+    case torch::kInt64:
+      return ElemType::kInt64;
+    case torch::kInt32:
+      return ElemType::kInt32;
+    case torch::kInt16:
+      return ElemType::kInt16;
+    case torch::kInt8:
+      return ElemType::kInt8;
+    case torch::kUInt8:
+      return ElemType::kUInt8;
+    case torch::kBool:
+      return ElemType::kBool;
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, " has dtype ", c10::toString(type), ", which gradmesh cannot carry"));
+  }
+}
+
+absl::StatusOr<LossKind> ParseLoss(const std::string& name) {
+  if (name.empty() || name == "cross_entropy") return LossKind::kCrossEntropy;
+  if (name == "mse") return LossKind::kMse;
+  if (name == "module") return LossKind::kModule;
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown loss \"", name, "\" (known: cross_entropy, mse, module)"));
+}
+
+const char* LossName(LossKind kind) {
+  switch (kind) {
+    case LossKind::kCrossEntropy:
+      return "cross_entropy";
+    case LossKind::kMse:
+      return "mse";
+    case LossKind::kModule:
+      return "module";
+  }
+  return "unknown";
+}
 
 ModelRegistry ModelRegistry::WithBuiltins() {
   ModelRegistry registry;
@@ -268,36 +526,99 @@ absl::StatusOr<std::unique_ptr<Model>> CreateModel(const ModelSpec& spec, uint64
   return ModelRegistry::WithBuiltins().Create(spec, seed);
 }
 
+absl::StatusOr<torch::Tensor> ComputeLoss(Model* model, LossKind kind, const torch::Tensor& x,
+                                          const torch::Tensor& y) {
+  if (kind == LossKind::kModule) return model->ModuleLoss(x, y);
+  ASSIGN_OR_RETURN(torch::Tensor out, model->Forward(x));
+  return LossOfOutput(kind, out, y);
+}
+
 absl::StatusOr<torch::Tensor> CrossEntropyLoss(Model* model, const torch::Tensor& x,
                                                const torch::Tensor& y) {
-  absl::StatusOr<torch::Tensor> logits = model->Forward(x);
-  if (!logits.ok()) return logits.status();
-  if (!y.defined() || y.scalar_type() != torch::kInt64 || y.dim() != 1 ||
-      y.size(0) != logits->size(0)) {
-    return absl::InvalidArgumentError(absl::StrCat("labels must be int64 [", logits->size(0),
-                                                   "], got ", TypeString(y), " ", ShapeString(y)));
-  }
-  try {
-    return torch::nn::functional::cross_entropy(*logits, y);
-  } catch (const std::exception& e) {
-    // E.g. a label outside [0, num_classes).
-    return FromException(absl::StatusCode::kInvalidArgument, "cross-entropy loss", e);
-  }
+  return ComputeLoss(model, LossKind::kCrossEntropy, x, y);
 }
 
 absl::StatusOr<int64_t> CountCorrect(Model* model, const torch::Tensor& x, const torch::Tensor& y) {
   torch::NoGradGuard no_grad;
-  absl::StatusOr<torch::Tensor> logits = model->Forward(x);
-  if (!logits.ok()) return logits.status();
-  if (!y.defined() || y.dim() != 1 || y.size(0) != logits->size(0)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("labels must be [", logits->size(0), "], got ", ShapeString(y)));
-  }
+  ASSIGN_OR_RETURN(torch::Tensor logits, model->Forward(x));
   try {
-    return logits->argmax(1).eq(y).sum().item<int64_t>();
+    RETURN_IF_ERROR(CheckCrossEntropyFits(logits, y));
+    return logits.argmax(-1).eq(y).sum().item<int64_t>();
   } catch (const std::exception& e) {
     return FromException(absl::StatusCode::kInvalidArgument, "counting correct predictions", e);
   }
+}
+
+absl::Status EvaluateBatch(Model* model, LossKind kind, const torch::Tensor& x,
+                           const torch::Tensor& y, EvalTotals* totals) {
+  torch::NoGradGuard no_grad;
+  const int64_t samples = BatchSamples(x, y);
+  try {
+    if (kind == LossKind::kModule) {
+      ASSIGN_OR_RETURN(torch::Tensor loss, model->ModuleLoss(x, y));
+      totals->loss_sum += loss.item<double>() * static_cast<double>(samples);
+      totals->samples += samples;
+      totals->predictions += samples;
+      return absl::OkStatus();
+    }
+    ASSIGN_OR_RETURN(torch::Tensor out, model->Forward(x));
+    ASSIGN_OR_RETURN(torch::Tensor loss, LossOfOutput(kind, out, y));
+    // Weighted by predictions so that Metrics() gives the mean over the whole test set
+    // whatever the batch sizes.
+    const int64_t predictions = kind == LossKind::kCrossEntropy ? y.numel() : samples;
+    totals->loss_sum += loss.item<double>() * static_cast<double>(predictions);
+    totals->samples += samples;
+    totals->predictions += predictions;
+    if (kind == LossKind::kCrossEntropy) {
+      totals->correct += out.argmax(-1).eq(y).sum().item<int64_t>();
+      totals->classification = true;
+      if (y.dim() == 2) totals->sequence = true;
+    }
+  } catch (const std::exception& e) {
+    return FromException(absl::StatusCode::kInvalidArgument,
+                         absl::StrCat("evaluating ", Describe(model), " on x ", TensorString(x),
+                                      ", y ", TensorString(y)),
+                         e);
+  }
+  return absl::OkStatus();
+}
+
+EvalMetrics Metrics(const EvalTotals& totals) {
+  EvalMetrics m;
+  if (totals.predictions <= 0) return m;
+  m.test_loss = totals.loss_sum / static_cast<double>(totals.predictions);
+  if (totals.classification) {
+    m.accuracy = static_cast<double>(totals.correct) / static_cast<double>(totals.predictions);
+  }
+  if (totals.sequence) m.perplexity = std::exp(m.test_loss);
+  return m;
+}
+
+absl::Status CheckModelFitsData(Model* model, LossKind kind, const torch::Tensor& x,
+                                const torch::Tensor& y, const std::string& where) {
+  torch::NoGradGuard no_grad;
+  absl::Status status;
+  try {
+    // A forward in training mode moves BatchNorm statistics and draws dropout masks; the
+    // check must leave both as they were so that it does not perturb the run.
+    std::vector<torch::Tensor> buffers = model->Buffers();
+    std::vector<torch::Tensor> saved;
+    saved.reserve(buffers.size());
+    for (const torch::Tensor& b : buffers) saved.push_back(b.clone());
+    at::Generator rng = at::detail::getDefaultCPUGenerator();
+    torch::Tensor rng_state;
+    {
+      std::lock_guard<std::mutex> lock(rng.mutex());
+      rng_state = rng.get_state();
+    }
+    status = CheckFits(model, kind, x, y);
+    for (size_t i = 0; i < buffers.size(); ++i) buffers[i].copy_(saved[i]);
+    std::lock_guard<std::mutex> lock(rng.mutex());
+    rng.set_state(rng_state);
+  } catch (const std::exception& e) {
+    status = FromException(absl::StatusCode::kInternal, Describe(model), e);
+  }
+  return status.ok() ? status : Annotate(status, where);
 }
 
 absl::Status CheckModelName(const std::string& name) {

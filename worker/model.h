@@ -4,7 +4,11 @@
 // Built-in models ("mlp", "lenet") take inputs [N, 1, 28, 28] float32 and return logits
 // [N, 10]. Their initial weights depend only on the seed given to CreateModel, so every
 // worker of a job constructs identical parameters. A "torchscript" model is whatever module
-// the user saved with torch.jit.save; its parameters are trained in place.
+// the user saved with torch.jit.save (scripted or traced): inputs of any shape and dtype,
+// outputs of any shape; its parameters and buffers are trained in place.
+//
+// Losses (JobSpec.loss, see LossKind) and evaluation metrics live here too, so the training
+// loop never looks inside a model's output.
 //
 // Errors never escape as exceptions: LibTorch's c10::Error and std::exception are caught at
 // this boundary and returned as absl::Status with a message saying what failed.
@@ -29,18 +33,44 @@
 #include "absl/status/statusor.h"
 #include "common/registry.h"
 #include "proto/gradmesh.pb.h"
+#include "worker/core/examples.h"
 
 namespace gradmesh {
 
-// A trainable classifier.
+// LibTorch's scalar type of an element type, and back (INVALID_ARGUMENT naming `what` for a
+// scalar type gradmesh cannot carry, e.g. complex).
+torch::ScalarType ToScalarType(ElemType type);
+absl::StatusOr<ElemType> ToElemType(torch::ScalarType type, const std::string& what);
+
+// How a job's loss is computed (JobSpec.loss).
+enum class LossKind {
+  kCrossEntropy,  // "cross_entropy": logits [N, C] + int64 [N], or [N, T, C] + int64 [N, T].
+  kMse,           // "mse": float targets of the output's shape.
+  kModule,        // "module": the module's own method loss(x, y) -> scalar Tensor.
+};
+
+// "" and "cross_entropy", "mse", "module"; INVALID_ARGUMENT listing them otherwise.
+absl::StatusOr<LossKind> ParseLoss(const std::string& name);
+const char* LossName(LossKind kind);
+
+// A trainable model.
 class Model {
  public:
   virtual ~Model() = default;
 
-  // Computes logits [N, num_classes] for a batch x [N, 1, 28, 28] of float32. Records the
-  // autograd graph unless the caller holds a torch::NoGradGuard. INVALID_ARGUMENT if x has
-  // the wrong shape or type or the module fails on it.
+  // Runs the model's forward on a batch x ([N, ...]): built-ins take float32 [N, 1, 28, 28]
+  // and return logits [N, 10]; TorchScript modules take what they take. Records the autograd
+  // graph unless the caller holds a torch::NoGradGuard. INVALID_ARGUMENT if x has the wrong
+  // shape or type or the module fails on it.
   virtual absl::StatusOr<torch::Tensor> Forward(const torch::Tensor& x) = 0;
+
+  // The module's own loss, loss(x, y) -> scalar (JobSpec.loss "module"), with the autograd
+  // graph. FAILED_PRECONDITION if the module has no such method (built-ins never do);
+  // INVALID_ARGUMENT if it fails or does not return a scalar floating tensor.
+  virtual absl::StatusOr<torch::Tensor> ModuleLoss(const torch::Tensor& x,
+                                                   const torch::Tensor& y) = 0;
+  // True if ModuleLoss can work (the module has a `loss` method).
+  virtual bool HasModuleLoss() = 0;
 
   // The trainable leaf tensors, in a fixed order that is the same for every instance of the
   // same architecture; backward() fills their .grad(). They alias the model's storage, so
@@ -49,6 +79,15 @@ class Model {
 
   // Dotted names ("fc1.weight", ...) of Parameters(), in the same order.
   virtual std::vector<std::string> ParameterNames() = 0;
+
+  // The module's buffers (BatchNorm running_mean / running_var / num_batches_tracked, any
+  // registered buffer; float or integer), in Module::named_buffers() order, the same for
+  // every instance of the same architecture. They alias the model's storage: forward in
+  // training mode updates them in place, and copying into them (under NoGradGuard) changes
+  // the model. Built-in models have none.
+  virtual std::vector<torch::Tensor> Buffers() = 0;
+  // Dotted names ("bn1.running_mean", ...) of Buffers(), in the same order.
+  virtual std::vector<std::string> BufferNames() = 0;
 
   // Switches between training and evaluation behaviour (matters for modules with dropout or
   // batch norm).
@@ -106,13 +145,51 @@ class ModelRegistry {
 // Not thread-safe: see the note on the RNG above.
 absl::StatusOr<std::unique_ptr<Model>> CreateModel(const ModelSpec& spec, uint64_t seed);
 
-// Mean cross-entropy loss of model->Forward(x) against class indices y ([N], int64), with
-// the autograd graph attached (call .backward() on it). INVALID_ARGUMENT on bad shapes.
+// The mean loss of `kind` for batch (x, y), with the autograd graph attached (call
+// .backward() on it): cross-entropy of model->Forward(x) ([N, C] logits against int64 [N],
+// or [N, T, C] against [N, T], averaged over every token), mse of Forward(x) against y (same
+// shape, float), or model->ModuleLoss(x, y). INVALID_ARGUMENT naming the shapes and dtypes
+// when the output does not fit the loss.
+absl::StatusOr<torch::Tensor> ComputeLoss(Model* model, LossKind kind, const torch::Tensor& x,
+                                          const torch::Tensor& y);
+
+// Mean cross-entropy of model->Forward(x) against class indices y ([N], int64), as
+// ComputeLoss(model, kCrossEntropy, x, y).
 absl::StatusOr<torch::Tensor> CrossEntropyLoss(Model* model, const torch::Tensor& x,
                                                const torch::Tensor& y);
 
 // Number of samples in x whose arg-max logit equals y. Runs without autograd.
 absl::StatusOr<int64_t> CountCorrect(Model* model, const torch::Tensor& x, const torch::Tensor& y);
+
+// Sums over a test set, batch by batch (EvaluateBatch), turned into metrics by Metrics().
+struct EvalTotals {
+  double loss_sum = 0;          // Sum over batches of (mean batch loss * predictions).
+  int64_t samples = 0;          // Samples seen.
+  int64_t predictions = 0;      // Classification: samples, or tokens for [N, T] targets.
+  int64_t correct = 0;          // Predictions whose arg-max equals the target.
+  bool classification = false;  // Cross-entropy: accuracy is meaningful.
+  bool sequence = false;        // Cross-entropy over [N, T] targets: perplexity reported.
+};
+
+// Adds batch (x, y) to *totals: forward without autograd (the caller sets evaluation mode),
+// the loss of `kind` and, for cross-entropy, the correct predictions.
+absl::Status EvaluateBatch(Model* model, LossKind kind, const torch::Tensor& x,
+                           const torch::Tensor& y, EvalTotals* totals);
+
+struct EvalMetrics {
+  double test_loss = 0;    // Mean loss per prediction (per sample for mse and module).
+  double accuracy = -1;    // Classification (token accuracy for sequences); -1 otherwise.
+  double perplexity = -1;  // exp(test_loss) for sequence models; -1 otherwise.
+};
+EvalMetrics Metrics(const EvalTotals& totals);
+
+// Checks at job start, on one real batch, that the model takes x and that its output fits
+// the loss (shapes, dtypes, class indices within the number of classes, a `loss` method for
+// kModule), without changing the model (no autograd, buffers restored). INVALID_ARGUMENT
+// (FAILED_PRECONDITION for a missing `loss` method) whose message names `where` (the data
+// files), the model, the shapes and dtypes.
+absl::Status CheckModelFitsData(Model* model, LossKind kind, const torch::Tensor& x,
+                                const torch::Tensor& y, const std::string& where);
 
 }  // namespace gradmesh
 

@@ -4,8 +4,12 @@
 #include <sys/stat.h>
 #include <torch/torch.h>
 
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
+#include <map>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -111,17 +115,22 @@ TEST_F(ModelTest, ForwardShapeAndGradients) {
 TEST_F(ModelTest, ForwardRejectsBadInput) {
   ASSERT_OK_AND_ASSIGN(std::unique_ptr<Model> model, CreateModel(Spec("lenet"), 1));
   EXPECT_STATUS_MSG(model->Forward(torch::randn({5, 784})), absl::StatusCode::kInvalidArgument,
-                    "model lenet: input must be float32 [N, 1, 28, 28], got Float [5, 784]");
+                    "model lenet: input must be float32 [N, 1, 28, 28], got float32[5, 784]");
   EXPECT_STATUS(model->Forward(torch::zeros({2, 1, 28, 28}, torch::kFloat64)),
                 absl::StatusCode::kInvalidArgument);
   EXPECT_STATUS(model->Forward(torch::Tensor()), absl::StatusCode::kInvalidArgument);
 
   const torch::Tensor x = torch::randn({2, 1, 28, 28});
   EXPECT_STATUS_MSG(CrossEntropyLoss(model.get(), x, torch::tensor({1, 2, 3}, torch::kInt64)),
-                    absl::StatusCode::kInvalidArgument, "labels must be int64 [2]");
-  // Out-of-range class: LibTorch throws, and the error comes back as a status.
+                    absl::StatusCode::kInvalidArgument,
+                    "loss cross_entropy: model output float32[2, 10] does not fit targets "
+                    "int64[3]; expected logits [N, C] with targets [N], or [N, T, C] with "
+                    "targets [N, T]");
+  // Out-of-range class: caught before LibTorch's bare assertion, naming index and classes.
   EXPECT_STATUS_MSG(CrossEntropyLoss(model.get(), x, torch::tensor({1, 10}, torch::kInt64)),
-                    absl::StatusCode::kInvalidArgument, "cross-entropy loss");
+                    absl::StatusCode::kInvalidArgument,
+                    "loss cross_entropy: target class index 10 is out of range for model output "
+                    "float32[2, 10] (10 classes: indices 0..9)");
   EXPECT_STATUS(CountCorrect(model.get(), x, torch::tensor({1}, torch::kInt64)),
                 absl::StatusCode::kInvalidArgument);
 }
@@ -280,9 +289,518 @@ TEST_F(ModelTest, TorchScriptTrainSaveReload) {
   EXPECT_TRUE(torch::equal(out, reloaded_out));
   EXPECT_FALSE(torch::equal(out, initial_out));  // Training changed the saved module.
 
-  // A module's outputs must be [N, C]; a rank-2 input reaches the module, which fails on it.
+  // Any input reaches the module; this one fails on a rank-2 input, and says so.
   EXPECT_STATUS_MSG(model->Forward(torch::randn({3, 5})), absl::StatusCode::kInvalidArgument,
-                    "TorchScript model " + path + ": forward on Float [3, 5]");
+                    "TorchScript model " + path + ": forward on float32[3, 5]");
+}
+
+// ---- Any model, any data: the TorchScript modules of testdata/models (made by gen.py). ----
+
+std::string ModelPath(const std::string& name) {
+  return DataPath("worker/testdata/models/" + name + ".pt");
+}
+
+// expected.txt: "key value..." lines that gen.py computed with PyTorch.
+std::map<std::string, std::vector<double>> ReadExpected() {
+  std::map<std::string, std::vector<double>> values;
+  std::ifstream in(DataPath("worker/testdata/models/expected.txt"));
+  EXPECT_TRUE(in.good()) << "worker/testdata/models/expected.txt";
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.empty() || line[0] == '#') continue;
+    std::istringstream fields(line);
+    std::string key;
+    fields >> key;
+    double v;
+    while (fields >> v) values[key].push_back(v);
+  }
+  return values;
+}
+
+// The batches of gen.py, rebuilt from the same integer formulas.
+torch::Tensor CnnX() {
+  return ((torch::arange(4 * 36).reshape({4, 1, 6, 6}) % 11) - 5).to(torch::kFloat32) * 0.3;
+}
+torch::Tensor CnnY() { return torch::tensor({0, 1, 2, 3}, torch::kInt64); }
+torch::Tensor SeqX() { return (torch::arange(15).reshape({3, 5}) * 3) % 7; }
+torch::Tensor SeqY() { return (SeqX() + 1) % 7; }
+torch::Tensor RegressX() {
+  return ((torch::arange(12).reshape({4, 3}) % 5) - 2).to(torch::kFloat32) * 0.5;
+}
+torch::Tensor RegressY() { return (torch::arange(4).to(torch::kFloat32) * 0.25).reshape({4, 1}); }
+torch::Tensor OwnLossX() {
+  return ((torch::arange(12).reshape({3, 4}) % 7) - 3).to(torch::kFloat32) * 0.5;
+}
+torch::Tensor OwnLossY() { return torch::tensor({0, 2, 1}, torch::kInt64); }
+
+std::vector<double> Values(const torch::Tensor& t) {
+  torch::Tensor flat = t.detach().to(torch::kFloat64).contiguous().flatten();
+  return std::vector<double>(flat.data_ptr<double>(), flat.data_ptr<double>() + flat.numel());
+}
+
+void ExpectNear(const std::vector<double>& actual, const std::vector<double>& expected) {
+  ASSERT_EQ(actual.size(), expected.size());
+  for (size_t i = 0; i < actual.size(); ++i) EXPECT_NEAR(actual[i], expected[i], 1e-5) << i;
+}
+
+// A model whose forward returns a fixed tensor: for output shapes no module here produces.
+class FixedOutputModel : public Model {
+ public:
+  explicit FixedOutputModel(torch::Tensor out) : out_(std::move(out)) {}
+  absl::StatusOr<torch::Tensor> Forward(const torch::Tensor&) override { return out_; }
+  absl::StatusOr<torch::Tensor> ModuleLoss(const torch::Tensor&, const torch::Tensor&) override {
+    return absl::FailedPreconditionError("none");
+  }
+  bool HasModuleLoss() override { return false; }
+  std::vector<torch::Tensor> Parameters() override { return {}; }
+  std::vector<std::string> ParameterNames() override { return {}; }
+  std::vector<torch::Tensor> Buffers() override { return {}; }
+  std::vector<std::string> BufferNames() override { return {}; }
+  void SetTraining(bool) override {}
+  absl::Status Save(const std::string&) override { return absl::OkStatus(); }
+
+ private:
+  torch::Tensor out_;
+};
+
+class AnyModelTest : public ModelTest {
+ protected:
+  void SetUp() override {
+    ModelTest::SetUp();
+    expected_ = ReadExpected();
+  }
+  double Expected(const std::string& key) {
+    EXPECT_EQ(expected_[key].size(), 1u) << key;
+    return expected_[key].empty() ? -1 : expected_[key][0];
+  }
+  absl::StatusOr<std::unique_ptr<Model>> Load(const std::string& name) {
+    return CreateModel(Spec("torchscript", ModelPath(name)), 1);
+  }
+  std::map<std::string, std::vector<double>> expected_;
+};
+
+TEST(LossTest, ParseAndName) {
+  ASSERT_OK_AND_ASSIGN(LossKind kind, ParseLoss(""));
+  EXPECT_EQ(kind, LossKind::kCrossEntropy);
+  for (LossKind k : {LossKind::kCrossEntropy, LossKind::kMse, LossKind::kModule}) {
+    ASSERT_OK_AND_ASSIGN(LossKind parsed, ParseLoss(LossName(k)));
+    EXPECT_EQ(parsed, k) << LossName(k);
+  }
+  EXPECT_STREQ(LossName(LossKind::kMse), "mse");
+  EXPECT_STATUS_MSG(ParseLoss("hinge"), absl::StatusCode::kInvalidArgument,
+                    "unknown loss \"hinge\" (known: cross_entropy, mse, module)");
+  EXPECT_STATUS(ParseLoss("MSE"), absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(ModelTest, BuiltinHasNoBuffersOrModuleLoss) {
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Model> model, CreateModel(Spec("mlp"), 1));
+  EXPECT_TRUE(model->Buffers().empty());
+  EXPECT_TRUE(model->BufferNames().empty());
+  EXPECT_FALSE(model->HasModuleLoss());
+  const torch::Tensor x = torch::randn({2, 1, 28, 28});
+  const torch::Tensor y = torch::tensor({1, 2}, torch::kInt64);
+  EXPECT_STATUS_MSG(model->ModuleLoss(x, y), absl::StatusCode::kFailedPrecondition,
+                    "model mlp has no method loss(x, y)");
+  EXPECT_STATUS_MSG(ComputeLoss(model.get(), LossKind::kModule, x, y),
+                    absl::StatusCode::kFailedPrecondition, "model mlp has no method loss(x, y)");
+  // The MNIST input check stays.
+  EXPECT_STATUS_MSG(model->Forward(torch::zeros({2, 1, 28, 28}, torch::kInt64)),
+                    absl::StatusCode::kInvalidArgument, "got int64[2, 1, 28, 28]");
+}
+
+TEST_F(AnyModelTest, BatchNormBuffersAliasTheModule) {
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Model> model, Load("bn_cnn"));
+  EXPECT_EQ(model->ParameterNames(),
+            (std::vector<std::string>{"conv1.weight", "conv1.bias", "bn1.weight", "bn1.bias",
+                                      "fc.weight", "fc.bias"}));
+  EXPECT_EQ(model->BufferNames(), (std::vector<std::string>{"bn1.running_mean", "bn1.running_var",
+                                                            "bn1.num_batches_tracked"}));
+  const std::vector<torch::Tensor> buffers = model->Buffers();
+  ASSERT_EQ(buffers.size(), 3u);
+  EXPECT_EQ(buffers[0].scalar_type(), torch::kFloat32);
+  EXPECT_EQ(buffers[0].sizes().vec(), std::vector<int64_t>{3});
+  EXPECT_EQ(buffers[1].scalar_type(), torch::kFloat32);
+  EXPECT_EQ(buffers[2].scalar_type(), torch::kInt64);
+  EXPECT_EQ(buffers[2].dim(), 0);
+  EXPECT_TRUE(torch::equal(buffers[0], torch::zeros({3})));
+  EXPECT_TRUE(torch::equal(buffers[1], torch::ones({3})));
+  EXPECT_EQ(buffers[2].item<int64_t>(), 0);
+  for (const torch::Tensor& b : buffers) EXPECT_FALSE(b.requires_grad());
+
+  // A training-mode forward updates the running statistics in the very tensors returned.
+  ASSERT_OK_AND_ASSIGN(torch::Tensor loss,
+                       ComputeLoss(model.get(), LossKind::kCrossEntropy, CnnX(), CnnY()));
+  EXPECT_NEAR(loss.item<double>(), Expected("bn_cnn.ce_train"), 1e-5);
+  ExpectNear(Values(buffers[0]), expected_["bn_cnn.running_mean_after"]);
+  ExpectNear(Values(buffers[1]), expected_["bn_cnn.running_var_after"]);
+  EXPECT_EQ(buffers[2].item<int64_t>(), 1);
+  loss.backward();
+  for (const torch::Tensor& p : model->Parameters()) EXPECT_TRUE(p.grad().defined());
+
+  // Save writes the current buffers.
+  const std::string saved = dir_ + "/bn.pt";
+  ASSERT_OK(model->Save(saved));
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Model> reloaded, CreateModel(Spec("torchscript", saved), 1));
+  const std::vector<torch::Tensor> reloaded_buffers = reloaded->Buffers();
+  ASSERT_EQ(reloaded_buffers.size(), 3u);
+  for (size_t i = 0; i < 3; ++i) EXPECT_TRUE(torch::equal(reloaded_buffers[i], buffers[i])) << i;
+
+  // Writes into them reach forward: back to the initial statistics, the evaluation-mode loss
+  // is the one gen.py computed with the initial module.
+  {
+    torch::NoGradGuard no_grad;
+    buffers[0].zero_();
+    buffers[1].fill_(1);
+  }
+  model->SetTraining(false);
+  torch::NoGradGuard no_grad;
+  ASSERT_OK_AND_ASSIGN(torch::Tensor eval_loss, CrossEntropyLoss(model.get(), CnnX(), CnnY()));
+  EXPECT_NEAR(eval_loss.item<double>(), Expected("bn_cnn.ce_eval"), 1e-5);
+  EXPECT_EQ(buffers[2].item<int64_t>(), 1);  // Evaluation mode leaves them alone.
+  ASSERT_OK_AND_ASSIGN(int64_t correct, CountCorrect(model.get(), CnnX(), CnnY()));
+  EXPECT_EQ(correct, static_cast<int64_t>(Expected("bn_cnn.correct_eval")));
+
+  EvalTotals totals;
+  ASSERT_OK(EvaluateBatch(model.get(), LossKind::kCrossEntropy, CnnX(), CnnY(), &totals));
+  EXPECT_EQ(totals.samples, 4);
+  EXPECT_EQ(totals.predictions, 4);
+  EXPECT_TRUE(totals.classification);
+  EXPECT_FALSE(totals.sequence);
+  const EvalMetrics m = Metrics(totals);
+  EXPECT_NEAR(m.test_loss, Expected("bn_cnn.ce_eval"), 1e-5);
+  EXPECT_DOUBLE_EQ(m.accuracy, Expected("bn_cnn.correct_eval") / 4);
+  EXPECT_EQ(m.perplexity, -1);
+}
+
+TEST_F(AnyModelTest, IntBufferOnly) {
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Model> model, Load("int_buffer"));
+  EXPECT_EQ(model->BufferNames(), std::vector<std::string>{"calls"});
+  const std::vector<torch::Tensor> buffers = model->Buffers();
+  ASSERT_EQ(buffers.size(), 1u);
+  EXPECT_EQ(buffers[0].scalar_type(), torch::kInt64);
+  EXPECT_EQ(buffers[0].item<int64_t>(), 0);
+  const torch::Tensor x = torch::ones({2, 2});
+  ASSERT_OK(model->Forward(x).status());
+  EXPECT_EQ(buffers[0].item<int64_t>(), 1);
+  {
+    torch::NoGradGuard no_grad;
+    buffers[0].fill_(41);
+  }
+  ASSERT_OK(model->Forward(x).status());
+  EXPECT_EQ(buffers[0].item<int64_t>(), 42);  // The module counted on from the written value.
+  model->SetTraining(false);
+  ASSERT_OK(model->Forward(x).status());
+  EXPECT_EQ(buffers[0].item<int64_t>(), 42);
+  EXPECT_EQ(model->Buffers()[0].item<int64_t>(), 42);
+}
+
+TEST_F(AnyModelTest, SequenceModelTokenLossAccuracyPerplexity) {
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Model> model, Load("tiny_seq"));
+  EXPECT_TRUE(model->Buffers().empty());
+  ASSERT_OK_AND_ASSIGN(torch::Tensor out, model->Forward(SeqX()));  // int64 input.
+  EXPECT_EQ(out.sizes().vec(), (std::vector<int64_t>{3, 5, 7}));
+  ASSERT_OK_AND_ASSIGN(torch::Tensor loss,
+                       ComputeLoss(model.get(), LossKind::kCrossEntropy, SeqX(), SeqY()));
+  EXPECT_NEAR(loss.item<double>(), Expected("tiny_seq.ce"), 1e-5);
+  loss.backward();
+  for (const torch::Tensor& p : model->Parameters()) EXPECT_TRUE(p.grad().defined());
+  ASSERT_OK_AND_ASSIGN(int64_t correct, CountCorrect(model.get(), SeqX(), SeqY()));
+  EXPECT_EQ(correct, static_cast<int64_t>(Expected("tiny_seq.correct")));
+
+  // Two batches of different sizes: the totals weight by tokens, so the mean over the test
+  // set equals the mean over the whole batch.
+  model->SetTraining(false);
+  EvalTotals totals;
+  using torch::indexing::Slice;
+  ASSERT_OK(EvaluateBatch(model.get(), LossKind::kCrossEntropy, SeqX().index({Slice(0, 2)}),
+                          SeqY().index({Slice(0, 2)}), &totals));
+  ASSERT_OK(EvaluateBatch(model.get(), LossKind::kCrossEntropy, SeqX().index({Slice(2, 3)}),
+                          SeqY().index({Slice(2, 3)}), &totals));
+  EXPECT_EQ(totals.samples, 3);
+  EXPECT_EQ(totals.predictions, 15);
+  EXPECT_EQ(totals.correct, static_cast<int64_t>(Expected("tiny_seq.correct")));
+  EXPECT_TRUE(totals.classification);
+  EXPECT_TRUE(totals.sequence);
+  const EvalMetrics m = Metrics(totals);
+  EXPECT_NEAR(m.test_loss, Expected("tiny_seq.ce"), 1e-5);
+  EXPECT_DOUBLE_EQ(m.accuracy, Expected("tiny_seq.correct") / 15);
+  EXPECT_NEAR(m.perplexity, Expected("tiny_seq.perplexity"), 1e-4);
+  EXPECT_NEAR(m.perplexity, std::exp(m.test_loss), 1e-12);
+
+  // Targets of the wrong length and out-of-vocabulary tokens.
+  EXPECT_STATUS_MSG(ComputeLoss(model.get(), LossKind::kCrossEntropy, SeqX(),
+                                torch::zeros({3, 6}, torch::kInt64)),
+                    absl::StatusCode::kInvalidArgument,
+                    "loss cross_entropy: model output float32[3, 5, 7] does not fit targets "
+                    "int64[3, 6]");
+  EXPECT_STATUS_MSG(ComputeLoss(model.get(), LossKind::kCrossEntropy, SeqX(), SeqY() + 1),
+                    absl::StatusCode::kInvalidArgument,
+                    "target class index 7 is out of range for model output float32[3, 5, 7] "
+                    "(7 classes: indices 0..6)");
+  // The module rejects token ids beyond its embedding; the message is the module's.
+  EXPECT_STATUS_MSG(model->Forward(SeqX() + 7), absl::StatusCode::kInvalidArgument,
+                    "TorchScript model " + ModelPath("tiny_seq") + ": forward on int64[3, 5]: ");
+  EXPECT_STATUS_MSG(model->Forward(torch::Tensor()), absl::StatusCode::kInvalidArgument,
+                    "forward on undefined tensor");
+}
+
+TEST_F(AnyModelTest, ForwardErrorsCarryTheModulesMessageWithoutBacktrace) {
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Model> model, Load("bn_cnn"));
+  absl::StatusOr<torch::Tensor> out = model->Forward(CnnX().to(torch::kInt64));
+  EXPECT_STATUS_MSG(
+      out, absl::StatusCode::kInvalidArgument,
+      "TorchScript model " + ModelPath("bn_cnn") + ": forward on int64[4, 1, 6, 6]: ");
+  EXPECT_EQ(std::string(out.status().message()).find("Exception raised from"), std::string::npos)
+      << out.status();
+}
+
+TEST_F(AnyModelTest, MseLoss) {
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Model> model, Load("regress"));
+  const double expected = Expected("regress.mse");
+  ASSERT_OK_AND_ASSIGN(torch::Tensor loss,
+                       ComputeLoss(model.get(), LossKind::kMse, RegressX(), RegressY()));
+  EXPECT_NEAR(loss.item<double>(), expected, 1e-5);
+  EXPECT_EQ(loss.dim(), 0);
+  loss.backward();
+  for (const torch::Tensor& p : model->Parameters()) EXPECT_TRUE(p.grad().defined());
+  // y [N] for an output [N, 1], and float64 targets (converted to the output's dtype).
+  ASSERT_OK_AND_ASSIGN(torch::Tensor flat,
+                       ComputeLoss(model.get(), LossKind::kMse, RegressX(), RegressY().flatten()));
+  EXPECT_NEAR(flat.item<double>(), expected, 1e-5);
+  ASSERT_OK_AND_ASSIGN(torch::Tensor f64, ComputeLoss(model.get(), LossKind::kMse, RegressX(),
+                                                      RegressY().to(torch::kFloat64)));
+  EXPECT_EQ(f64.scalar_type(), torch::kFloat32);
+  EXPECT_NEAR(f64.item<double>(), expected, 1e-5);
+
+  EXPECT_STATUS_MSG(
+      ComputeLoss(model.get(), LossKind::kMse, RegressX(), torch::zeros({4, 1}, torch::kInt64)),
+      absl::StatusCode::kInvalidArgument,
+      "loss mse: model output float32[4, 1] does not fit targets int64[4, 1]; "
+      "targets must be floating-point");
+  EXPECT_STATUS_MSG(ComputeLoss(model.get(), LossKind::kMse, RegressX(), torch::zeros({4, 2})),
+                    absl::StatusCode::kInvalidArgument,
+                    "loss mse: model output float32[4, 1] does not fit targets float32[4, 2]; "
+                    "targets must have the output's shape (or [N] for an output [N, 1])");
+  EXPECT_STATUS_MSG(ComputeLoss(model.get(), LossKind::kMse, RegressX(), torch::zeros({3})),
+                    absl::StatusCode::kInvalidArgument, "does not fit targets float32[3]");
+  // No broadcasting: [1, 1] would silently broadcast in PyTorch.
+  EXPECT_STATUS(ComputeLoss(model.get(), LossKind::kMse, RegressX(), torch::zeros({1, 1})),
+                absl::StatusCode::kInvalidArgument);
+
+  model->SetTraining(false);
+  EvalTotals totals;
+  ASSERT_OK(EvaluateBatch(model.get(), LossKind::kMse, RegressX(), RegressY(), &totals));
+  ASSERT_OK(EvaluateBatch(model.get(), LossKind::kMse, RegressX(), RegressY(), &totals));
+  EXPECT_EQ(totals.samples, 8);
+  EXPECT_EQ(totals.predictions, 8);
+  EXPECT_FALSE(totals.classification);
+  const EvalMetrics m = Metrics(totals);
+  EXPECT_NEAR(m.test_loss, expected, 1e-5);
+  EXPECT_EQ(m.accuracy, -1);
+  EXPECT_EQ(m.perplexity, -1);
+}
+
+TEST_F(AnyModelTest, ModuleLoss) {
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Model> model, Load("own_loss"));
+  EXPECT_TRUE(model->HasModuleLoss());
+  ASSERT_OK_AND_ASSIGN(torch::Tensor loss,
+                       ComputeLoss(model.get(), LossKind::kModule, OwnLossX(), OwnLossY()));
+  EXPECT_NEAR(loss.item<double>(), Expected("own_loss.loss"), 1e-5);
+  loss.backward();
+  for (const torch::Tensor& p : model->Parameters()) EXPECT_TRUE(p.grad().defined());
+  // The same module trained with the built-in loss.
+  ASSERT_OK_AND_ASSIGN(torch::Tensor ce, CrossEntropyLoss(model.get(), OwnLossX(), OwnLossY()));
+  EXPECT_NEAR(ce.item<double>(), Expected("own_loss.ce"), 1e-5);
+
+  EvalTotals totals;
+  ASSERT_OK(EvaluateBatch(model.get(), LossKind::kModule, OwnLossX(), OwnLossY(), &totals));
+  EXPECT_EQ(totals.samples, 3);
+  const EvalMetrics m = Metrics(totals);
+  EXPECT_NEAR(m.test_loss, Expected("own_loss.loss"), 1e-5);
+  EXPECT_EQ(m.accuracy, -1);
+  EXPECT_EQ(m.perplexity, -1);
+
+  // The module's loss fails on float targets: its message comes back.
+  EXPECT_STATUS_MSG(model->ModuleLoss(OwnLossX(), torch::zeros({3})),
+                    absl::StatusCode::kInvalidArgument,
+                    "TorchScript model " + ModelPath("own_loss") +
+                        ": loss(x, y) on x float32[3, 4], y float32[3]: ");
+
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Model> bad, Load("bad_loss"));
+  EXPECT_TRUE(bad->HasModuleLoss());
+  EXPECT_STATUS_MSG(ComputeLoss(bad.get(), LossKind::kModule, OwnLossX(), OwnLossY()),
+                    absl::StatusCode::kInvalidArgument,
+                    "loss(x, y) on x float32[3, 4], y int64[3] returned float32[3]; expected a "
+                    "scalar floating tensor");
+
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Model> none, Load("regress"));
+  EXPECT_FALSE(none->HasModuleLoss());
+  EXPECT_STATUS_MSG(ComputeLoss(none.get(), LossKind::kModule, RegressX(), RegressY()),
+                    absl::StatusCode::kFailedPrecondition,
+                    "TorchScript model " + ModelPath("regress") +
+                        " has no method loss(x, y); add @torch.jit.export def loss(self, x, y) "
+                        "or use loss: cross_entropy");
+}
+
+TEST(LossShapeTest, CrossEntropyRejectsWhatDoesNotFit) {
+  auto ce = [](torch::Tensor out, torch::Tensor y) {
+    FixedOutputModel model(std::move(out));
+    return ComputeLoss(&model, LossKind::kCrossEntropy, torch::zeros({1}), y).status();
+  };
+  const torch::Tensor logits = torch::zeros({64, 10});
+  EXPECT_OK(ce(logits, torch::zeros({64}, torch::kInt64)));
+  EXPECT_STATUS_MSG(ce(logits, torch::zeros({64, 5}, torch::kInt64)),
+                    absl::StatusCode::kInvalidArgument,
+                    "loss cross_entropy: model output float32[64, 10] does not fit targets "
+                    "int64[64, 5]");
+  EXPECT_STATUS_MSG(ce(logits, torch::zeros({64})), absl::StatusCode::kInvalidArgument,
+                    "does not fit targets float32[64]; targets must be int64 class indices");
+  EXPECT_STATUS_MSG(ce(logits, torch::zeros({64}, torch::kInt32)),
+                    absl::StatusCode::kInvalidArgument, "targets must be int64 class indices");
+  EXPECT_STATUS_MSG(ce(logits, torch::zeros({63}, torch::kInt64)),
+                    absl::StatusCode::kInvalidArgument,
+                    "model output float32[64, 10] does not fit targets int64[63]");
+  EXPECT_STATUS_MSG(ce(torch::zeros({64}), torch::zeros({64}, torch::kInt64)),
+                    absl::StatusCode::kInvalidArgument,
+                    "model output float32[64] does not fit targets int64[64]; expected logits "
+                    "[N, C] with targets [N], or [N, T, C] with targets [N, T]");
+  EXPECT_STATUS_MSG(ce(torch::zeros({2, 3, 4, 5}), torch::zeros({2, 3}, torch::kInt64)),
+                    absl::StatusCode::kInvalidArgument, "float32[2, 3, 4, 5]");
+  EXPECT_STATUS_MSG(ce(torch::zeros({4, 10}, torch::kInt64), torch::zeros({4}, torch::kInt64)),
+                    absl::StatusCode::kInvalidArgument, "the output must be floating-point logits");
+  EXPECT_STATUS_MSG(ce(torch::zeros({0, 10}), torch::zeros({0}, torch::kInt64)),
+                    absl::StatusCode::kInvalidArgument, "empty batch");
+  EXPECT_STATUS_MSG(ce(logits, torch::full({64}, -1, torch::kInt64)),
+                    absl::StatusCode::kInvalidArgument,
+                    "target class index -1 is out of range for model output float32[64, 10] (10 "
+                    "classes: indices 0..9)");
+  torch::Tensor y = torch::zeros({64}, torch::kInt64);
+  y[7] = 12;
+  EXPECT_STATUS_MSG(ce(logits, y), absl::StatusCode::kInvalidArgument, "target class index 12");
+  // float64 logits work (the loss is then float64).
+  EXPECT_OK(ce(torch::zeros({2, 3}, torch::kFloat64), torch::zeros({2}, torch::kInt64)));
+
+  // Exact values: uniform logits give log(C) per prediction, tokens included.
+  FixedOutputModel uniform(torch::zeros({2, 3, 4}));
+  ASSERT_OK_AND_ASSIGN(torch::Tensor loss,
+                       ComputeLoss(&uniform, LossKind::kCrossEntropy, torch::zeros({2}),
+                                   torch::zeros({2, 3}, torch::kInt64)));
+  EXPECT_NEAR(loss.item<double>(), std::log(4.0), 1e-6);
+}
+
+TEST(LossShapeTest, MetricsOfNothing) {
+  const EvalMetrics m = Metrics(EvalTotals());
+  EXPECT_EQ(m.test_loss, 0);
+  EXPECT_EQ(m.accuracy, -1);
+  EXPECT_EQ(m.perplexity, -1);
+  EvalTotals totals;
+  totals.loss_sum = 6;
+  totals.samples = 2;
+  totals.predictions = 4;
+  totals.correct = 3;
+  totals.classification = true;
+  totals.sequence = true;
+  const EvalMetrics s = Metrics(totals);
+  EXPECT_DOUBLE_EQ(s.test_loss, 1.5);
+  EXPECT_DOUBLE_EQ(s.accuracy, 0.75);
+  EXPECT_DOUBLE_EQ(s.perplexity, std::exp(1.5));
+}
+
+TEST_F(AnyModelTest, CheckModelFitsDataLeavesTheModelAlone) {
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Model> model, Load("bn_cnn"));
+  const std::vector<torch::Tensor> buffers = model->Buffers();
+  ASSERT_EQ(buffers.size(), 3u);
+  {
+    torch::NoGradGuard no_grad;
+    buffers[0].fill_(0.5);
+  }
+  std::vector<torch::Tensor> before;
+  for (const torch::Tensor& b : buffers) before.push_back(b.clone());
+  auto unchanged = [&] {
+    for (size_t i = 0; i < buffers.size(); ++i) {
+      EXPECT_TRUE(torch::equal(buffers[i], before[i])) << model->BufferNames()[i];
+    }
+    for (const torch::Tensor& p : model->Parameters()) EXPECT_FALSE(p.grad().defined());
+  };
+  const std::string where = "data /d/train.pt";
+  const std::string name = "TorchScript model " + ModelPath("bn_cnn");
+
+  // In training mode, where the forward would move the running statistics.
+  ASSERT_OK(CheckModelFitsData(model.get(), LossKind::kCrossEntropy, CnnX(), CnnY(), where));
+  unchanged();
+  EXPECT_STATUS_MSG(CheckModelFitsData(model.get(), LossKind::kCrossEntropy, CnnX(),
+                                       torch::zeros({4, 5}, torch::kInt64), where),
+                    absl::StatusCode::kInvalidArgument,
+                    where + ": " + name +
+                        ": loss cross_entropy: model output float32[4, 4] does not fit targets "
+                        "int64[4, 5]");
+  unchanged();
+  EXPECT_STATUS_MSG(CheckModelFitsData(model.get(), LossKind::kCrossEntropy, CnnX(),
+                                       torch::tensor({0, 1, 2, 4}, torch::kInt64), where),
+                    absl::StatusCode::kInvalidArgument,
+                    where + ": " + name +
+                        ": loss cross_entropy: target class index 4 is out of "
+                        "range for model output float32[4, 4] (4 classes");
+  EXPECT_STATUS_MSG(CheckModelFitsData(model.get(), LossKind::kMse, CnnX(), CnnY(), where),
+                    absl::StatusCode::kInvalidArgument,
+                    where + ": " + name +
+                        ": loss mse: model output float32[4, 4] does not fit "
+                        "targets int64[4]");
+  EXPECT_STATUS_MSG(CheckModelFitsData(model.get(), LossKind::kCrossEntropy,
+                                       CnnX().to(torch::kInt64), CnnY(), where),
+                    absl::StatusCode::kInvalidArgument,
+                    where + ": " + name + ": forward on int64[4, 1, 6, 6]: ");
+  EXPECT_STATUS_MSG(CheckModelFitsData(model.get(), LossKind::kModule, CnnX(), CnnY(), where),
+                    absl::StatusCode::kFailedPrecondition,
+                    where + ": " + name +
+                        " has no method loss(x, y); add @torch.jit.export def loss(self, x, y) "
+                        "or use loss: cross_entropy");
+  unchanged();
+  model->SetTraining(false);
+  ASSERT_OK(CheckModelFitsData(model.get(), LossKind::kCrossEntropy, CnnX(), CnnY(), where));
+  unchanged();
+
+  // Built-in models and module losses.
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Model> mlp, CreateModel(Spec("mlp"), 1));
+  const torch::Tensor images = torch::zeros({2, 1, 28, 28});
+  EXPECT_OK(CheckModelFitsData(mlp.get(), LossKind::kCrossEntropy, images,
+                               torch::tensor({3, 9}, torch::kInt64), where));
+  EXPECT_STATUS_MSG(CheckModelFitsData(mlp.get(), LossKind::kCrossEntropy, images,
+                                       torch::tensor({3, 10}, torch::kInt64), where),
+                    absl::StatusCode::kInvalidArgument,
+                    where + ": model mlp: loss cross_entropy: target class index 10");
+  EXPECT_STATUS_MSG(CheckModelFitsData(mlp.get(), LossKind::kCrossEntropy, torch::zeros({2, 3}),
+                                       torch::tensor({3, 9}, torch::kInt64), where),
+                    absl::StatusCode::kInvalidArgument,
+                    where + ": model mlp: input must be float32 [N, 1, 28, 28], got float32[2, 3]");
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Model> own, Load("own_loss"));
+  EXPECT_OK(CheckModelFitsData(own.get(), LossKind::kModule, OwnLossX(), OwnLossY(), where));
+  for (const torch::Tensor& p : own->Parameters()) EXPECT_FALSE(p.grad().defined());
+
+  // Dropout in training mode draws from LibTorch's global RNG; the check puts it back.
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Model> dropout, Load("dropout"));
+  torch::manual_seed(7);
+  const torch::Tensor expected_draw = torch::rand({8});
+  torch::manual_seed(7);
+  EXPECT_OK(CheckModelFitsData(dropout.get(), LossKind::kCrossEntropy, torch::ones({3, 4}),
+                               OwnLossY(), where));
+  EXPECT_TRUE(torch::equal(torch::rand({8}), expected_draw));
+  torch::manual_seed(7);
+  ASSERT_OK(dropout->Forward(torch::ones({3, 4})).status());  // A training forward does draw.
+  EXPECT_FALSE(torch::equal(torch::rand({8}), expected_draw));
+
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Model> bad, Load("bad_loss"));
+  EXPECT_STATUS_MSG(CheckModelFitsData(bad.get(), LossKind::kModule, OwnLossX(), OwnLossY(), where),
+                    absl::StatusCode::kInvalidArgument, where + ": TorchScript model ");
+}
+
+TEST_F(AnyModelTest, TestModulesStaySmall) {
+  for (const char* name :
+       {"bn_cnn", "tiny_seq", "regress", "own_loss", "bad_loss", "int_buffer", "dropout"}) {
+    struct stat st;
+    ASSERT_EQ(stat(ModelPath(name).c_str(), &st), 0) << name;
+    EXPECT_LT(st.st_size, 200 * 1024) << name;
+  }
 }
 
 }  // namespace

@@ -8,6 +8,7 @@
 #include "absl/strings/str_join.h"
 #include "common/status.h"
 #include "compression/compressor.h"
+#include "rpc/token_transport.h"
 #include "worker/core/dataset.h"
 #include "worker/model_names.h"
 #include "worker/training_loop.h"
@@ -31,6 +32,23 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerOptions options,
     return absl::InvalidArgumentError(absl::StrCat(
         "mode ", spec.mode(), " needs the peer address of every worker (--peers): got ",
         options.peers.size(), " for ", spec.num_workers(), " workers"));
+  }
+  // The job token rides every peer call: never in plaintext to another machine.
+  for (const std::string& peer : options.peers) {
+    RETURN_IF_ERROR(
+        CheckTokenTransport(peer, options.peer_rpc.tls, options.job_token, "job token"));
+  }
+  // The plain TCP ring links: authenticated when they connect (each rank proves it holds
+  // bytes its successor sent over the TLS-protected gRPC ring), but not encrypted or
+  // integrity-protected afterwards. Said once per task; transport "grpc" keeps TLS throughout.
+  if (options.mode == Mode::kAllreduce && options.peer_rpc.tls.enabled() &&
+      spec.allreduce().transport() != "grpc") {
+    LogWarning(options.logger, "tcp_ring_plaintext",
+               {Kv("job", spec.name()), Kv("rank", options.rank),
+                Kv("warning",
+                   "allreduce.transport tcp carries gradients unencrypted (links are "
+                   "authenticated at connect over the TLS rendezvous); use allreduce.transport: "
+                   "grpc on untrusted networks")});
   }
   // Names are checked here, before any work, so a bad spec fails as bad arguments.
   if (absl::Status st = CheckModelName(spec.model().name()); !st.ok()) {

@@ -13,26 +13,39 @@
 #include "absl/time/clock.h"
 #include "common/status.h"
 #include "worker/core/dataset.h"
+#include "worker/core/examples.h"
 #include "worker/model.h"
 
 namespace gradmesh {
 namespace {
 
-// Test-set accuracy of `model` (evaluation mode, no autograd), in [0, 1]. Leaves the model in
-// evaluation mode.
-absl::StatusOr<double> EvaluateAccuracy(Model* model, const DatasetFiles& data) {
+// A field of `batch` as a tensor over the batch's bytes ([size, dims...]; no copy).
+torch::Tensor FieldTensor(std::vector<uint8_t>& bytes, int64_t size, const FieldMeta& meta) {
+  std::vector<int64_t> shape = {size};
+  shape.insert(shape.end(), meta.dims.begin(), meta.dims.end());
+  return torch::from_blob(bytes.data(), shape, ToScalarType(meta.type));
+}
+
+// Samples per evaluation batch: 1000, fewer for large samples (at most ~64 MiB of x).
+int64_t EvalBatchSize(const ExampleSource& s) {
+  const int64_t bytes = std::max<int64_t>(1, s.x().sample_bytes() + s.y().sample_bytes());
+  return std::clamp<int64_t>((int64_t{64} << 20) / bytes, 1, 1000);
+}
+
+// Test-set metrics of `model` (evaluation mode, no autograd). Leaves the model in evaluation
+// mode.
+absl::StatusOr<EvalMetrics> Evaluate(Model* model, LossKind loss, const ExampleSource& test) {
+  if (test.size() == 0) return absl::FailedPreconditionError("evaluate: empty test set");
   model->SetTraining(false);
-  int64_t correct = 0;
-  std::vector<Batch> eval = MakeEvalBatches(data.test, data.mean, data.stddev, 1000);
-  for (Batch& b : eval) {
-    torch::Tensor x =
-        torch::from_blob(b.x.data(), {b.size, 1, data.test.rows, data.test.cols}, torch::kFloat);
-    torch::Tensor y = torch::from_blob(b.y.data(), {b.size}, torch::kLong);
-    ASSIGN_OR_RETURN(int64_t c, CountCorrect(model, x, y));
-    correct += c;
+  torch::NoGradGuard no_grad;
+  EvalTotals totals;
+  const int64_t chunk = EvalBatchSize(test);
+  for (int64_t begin = 0; begin < test.size(); begin += chunk) {
+    ASSIGN_OR_RETURN(Batch b, ReadBatch(test, begin, std::min(chunk, test.size() - begin)));
+    RETURN_IF_ERROR(EvaluateBatch(model, loss, FieldTensor(b.x, b.size, test.x()),
+                                  FieldTensor(b.y, b.size, test.y()), &totals));
   }
-  if (data.test.size == 0) return absl::FailedPreconditionError("evaluate: empty test set");
-  return static_cast<double>(correct) / data.test.size;
+  return Metrics(totals);
 }
 
 class TrainingLoop {
@@ -45,6 +58,14 @@ class TrainingLoop {
  private:
   absl::Status Setup();
   absl::Status MakeModelView();
+  // Checks the model against one real batch before anything is started.
+  absl::Status CheckFit();
+  // Buffers: mirrors -> model before forward (remembering the values), model -> mirrors and
+  // deltas after backward, mirrors -> model at the end.
+  void BuffersIn(bool remember);
+  void BuffersOut();
+  // gossip/allreduce rank 0: hands the model to options.on_model.
+  void PublishModel(bool final);
   void LogStart() const;
   // One step on `batch`: forward, backward, exchange. Fills *outcome.
   absl::Status Step(Batch& batch, StepOutcome* outcome);
@@ -58,9 +79,15 @@ class TrainingLoop {
   TrainingMode* const mode_;
   const std::atomic<bool>& stop_;
 
-  DatasetFiles data_;
+  JobData data_;
+  LossKind loss_kind_ = LossKind::kCrossEntropy;
   std::unique_ptr<Model> model_;
   std::vector<torch::Tensor> params_;
+  std::vector<torch::Tensor> buffers_;
+  std::vector<std::vector<float>> mirrors_;  // Float32 copies of buffers_ (the view's).
+  std::vector<std::vector<float>> before_;   // Mirrors before the step's forward.
+  std::vector<std::vector<float>> deltas_;   // The step's buffer deltas.
+  absl::Time last_publish_ = absl::InfinitePast();
   ModelView view_;
   std::unique_ptr<BatchLoader> loader_;
   BatchLoader::Options loader_options_;
@@ -87,19 +114,95 @@ absl::Status TrainingLoop::MakeModelView() {
     }
     view_.shapes.emplace_back(params_[i].sizes().begin(), params_[i].sizes().end());
     view_.params.emplace_back(params_[i].data_ptr<float>(), params_[i].numel());
+    view_.dtypes.push_back(ElemType::kFloat32);
   }
-  grads_.resize(params_.size());
+  view_.num_params = static_cast<int>(params_.size());
+  buffers_ = model_->Buffers();
+  const std::vector<std::string> buffer_names = model_->BufferNames();
+  mirrors_.resize(buffers_.size());
+  before_.resize(buffers_.size());
+  deltas_.resize(buffers_.size());
+  for (size_t i = 0; i < buffers_.size(); ++i) {
+    ASSIGN_OR_RETURN(const ElemType type,
+                     ToElemType(buffers_[i].scalar_type(), "buffer " + buffer_names[i]));
+    const torch::Tensor values = buffers_[i].detach().to(torch::kFloat32).contiguous();
+    mirrors_[i].assign(values.data_ptr<float>(), values.data_ptr<float>() + values.numel());
+    before_[i] = mirrors_[i];
+    deltas_[i].assign(mirrors_[i].size(), 0.0f);
+    view_.names.push_back(buffer_names[i]);
+    view_.shapes.emplace_back(buffers_[i].sizes().begin(), buffers_[i].sizes().end());
+    view_.params.emplace_back(mirrors_[i].data(), mirrors_[i].size());
+    view_.dtypes.push_back(type);
+  }
+  grads_.resize(view_.params.size());
   return absl::OkStatus();
+}
+
+void TrainingLoop::BuffersIn(bool remember) {
+  torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < buffers_.size(); ++i) {
+    torch::Tensor m = torch::from_blob(mirrors_[i].data(), buffers_[i].sizes(), torch::kFloat32);
+    if (!torch::isFloatingType(buffers_[i].scalar_type())) m = m.round();
+    buffers_[i].copy_(m);
+    if (remember) before_[i] = mirrors_[i];
+  }
+}
+
+void TrainingLoop::BuffersOut() {
+  for (size_t i = 0; i < buffers_.size(); ++i) {
+    const torch::Tensor values = buffers_[i].detach().to(torch::kFloat32).contiguous();
+    const float* v = values.data_ptr<float>();
+    for (size_t j = 0; j < mirrors_[i].size(); ++j) {
+      mirrors_[i][j] = v[j];
+      deltas_[i][j] = v[j] - before_[i][j];
+    }
+    grads_[view_.num_params + i] = absl::Span<const float>(deltas_[i]);
+  }
+}
+
+absl::Status TrainingLoop::CheckFit() {
+  const ExampleSource& train = *data_.train;
+  const int64_t n = std::min<int64_t>(train.size(), std::max(1, spec_.batch_size()));
+  if (n == 0) return absl::InvalidArgumentError(absl::StrCat(train.Describe(), ": no samples"));
+  ASSIGN_OR_RETURN(Batch b, ReadBatch(train, 0, n));
+  RETURN_IF_ERROR(CheckModelFitsData(model_.get(), loss_kind_, FieldTensor(b.x, b.size, train.x()),
+                                     FieldTensor(b.y, b.size, train.y()), train.Describe()));
+  if (data_.test != nullptr && data_.test->size() > 0 &&
+      (data_.test->x() != train.x() || data_.test->y() != train.y())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(data_.test->Describe(), ": samples x ", data_.test->x().Describe(), ", y ",
+                     data_.test->y().Describe(), " differ from the training set's x ",
+                     train.x().Describe(), ", y ", train.y().Describe()));
+  }
+  return absl::OkStatus();
+}
+
+void TrainingLoop::PublishModel(bool final) {
+  if (!options_.on_model || options_.rank != 0) return;
+  if (options_.mode != Mode::kGossip && options_.mode != Mode::kAllreduce) return;
+  ModelSnapshot snap;
+  snap.step = step_;
+  snap.final = final;
+  snap.names = view_.names;
+  snap.shapes = view_.shapes;
+  snap.dtypes = view_.dtypes;
+  for (int i = 0; i < view_.size(); ++i) {
+    snap.buffer.push_back(view_.is_buffer(i));
+    snap.values.emplace_back(view_.params[i].begin(), view_.params[i].end());
+  }
+  options_.on_model(snap);
+  last_publish_ = absl::Now();
 }
 
 absl::Status TrainingLoop::Setup() {
   torch::set_num_threads(options_.intra_op_threads);
+  ASSIGN_OR_RETURN(loss_kind_, ParseLoss(spec_.loss()));
   ASSIGN_OR_RETURN(data_, LoadJobData(spec_, options_.data_dir));
   ASSIGN_OR_RETURN(model_, CreateModel(spec_.model(), spec_.seed()));
   RETURN_IF_ERROR(MakeModelView());
+  RETURN_IF_ERROR(CheckFit());
   loader_options_ = LoaderOptions(spec_, options_.rank);
-  ASSIGN_OR_RETURN(loader_,
-                   BatchLoader::Create(&data_.train, data_.mean, data_.stddev, loader_options_));
+  ASSIGN_OR_RETURN(loader_, BatchLoader::Create(data_.train.get(), loader_options_));
   total_ = loader_->total_steps();
   const int64_t per_epoch = std::max<int64_t>(1, loader_->steps_per_epoch());
   epochs_ = spec_.steps() > 0 ? (total_ + per_epoch - 1) / per_epoch : spec_.epochs();
@@ -111,12 +214,12 @@ absl::Status TrainingLoop::Setup() {
   if (first_step > 0) {
     loader_options_.first_step = std::min(first_step, total_);
     loader_.reset();  // Its prefetch thread first.
-    ASSIGN_OR_RETURN(loader_,
-                     BatchLoader::Create(&data_.train, data_.mean, data_.stddev, loader_options_));
+    ASSIGN_OR_RETURN(loader_, BatchLoader::Create(data_.train.get(), loader_options_));
   }
   step_ = loader_options_.first_step;
   result_.first_step = step_;
 
+  BuffersIn(/*remember=*/true);  // The mode may have set them (shards, checkpoint, rank 0).
   if (mode_->wants_gradient_hook()) {
     for (size_t i = 0; i < params_.size(); ++i) {
       const int index = static_cast<int>(i);
@@ -139,7 +242,12 @@ void TrainingLoop::LogStart() const {
                              Kv("mode", spec_.mode()),
                              Kv("model", spec_.model().name()),
                              Kv("dataset", spec_.dataset().name()),
+                             Kv("loss", LossName(loss_kind_)),
+                             Kv("train_samples", data_.train->size()),
+                             Kv("x", data_.train->x().Describe()),
+                             Kv("y", data_.train->y().Describe()),
                              Kv("params", view_.numel()),
+                             Kv("buffers", view_.size() - view_.num_params),
                              Kv("steps", total_),
                              Kv("steps_per_epoch", loader_->steps_per_epoch()),
                              Kv("epochs", epochs_),
@@ -151,13 +259,12 @@ void TrainingLoop::LogStart() const {
 
 absl::Status TrainingLoop::Step(Batch& batch, StepOutcome* outcome) {
   RETURN_IF_ERROR(mode_->BeforeForward(step_));
+  BuffersIn(/*remember=*/true);
   const absl::Time compute_start = absl::Now();
-  const ImageSet& img = data_.train;
-  torch::Tensor x =
-      torch::from_blob(batch.x.data(), {batch.size, 1, img.rows, img.cols}, torch::kFloat);
-  torch::Tensor y = torch::from_blob(batch.y.data(), {batch.size}, torch::kLong);
+  torch::Tensor x = FieldTensor(batch.x, batch.size, data_.train->x());
+  torch::Tensor y = FieldTensor(batch.y, batch.size, data_.train->y());
   for (torch::Tensor& p : params_) p.mutable_grad() = torch::Tensor();
-  ASSIGN_OR_RETURN(torch::Tensor loss, CrossEntropyLoss(model_.get(), x, y));
+  ASSIGN_OR_RETURN(torch::Tensor loss, ComputeLoss(model_.get(), loss_kind_, x, y));
   const double loss_value = loss.item<double>();
   mode_->BeforeBackward(step_, loss_value, stop_.load());
   try {
@@ -168,12 +275,20 @@ absl::Status TrainingLoop::Step(Batch& batch, StepOutcome* outcome) {
         absl::StrCat("trainer: backward failed at step ", step_, ": ", e.what_without_backtrace()));
   }
   for (size_t i = 0; i < params_.size(); ++i) {
-    const torch::Tensor& g = params_[i].grad();
+    torch::Tensor& g = params_[i].mutable_grad();
+    // A parameter the forward did not use has no gradient: it counts as zero (and is still
+    // exchanged, so every rank's exchange has the same shape).
     if (!g.defined()) {
-      return absl::InternalError(absl::StrCat("trainer: no gradient for ", view_.names[i]));
+      g = torch::zeros_like(params_[i]);
+      if (mode_->wants_gradient_hook()) {
+        mode_->OnGradient(static_cast<int>(i),
+                          absl::Span<const float>(g.data_ptr<float>(), g.numel()));
+      }
     }
+    if (!g.is_contiguous()) g = g.contiguous();
     grads_[i] = absl::Span<const float>(g.data_ptr<float>(), g.numel());
   }
+  BuffersOut();
   StepTiming timing;
   timing.compute_s = SecondsSince(compute_start);
   result_.compute_s += timing.compute_s;
@@ -231,11 +346,16 @@ void TrainingLoop::Report(double samples_per_s, double accuracy) const {
 }
 
 absl::Status TrainingLoop::EvaluateAndSave() {
-  ASSIGN_OR_RETURN(result_.test_accuracy, EvaluateAccuracy(model_.get(), data_));
+  ASSIGN_OR_RETURN(const EvalMetrics m, Evaluate(model_.get(), loss_kind_, *data_.test));
+  result_.test_accuracy = m.accuracy;
+  result_.test_loss = m.test_loss;
+  result_.perplexity = m.perplexity;
   if (log_ != nullptr) {
     std::vector<LogField> f = {Kv("job", spec_.name()), Kv("rank", options_.rank),
-                               Kv("accuracy", absl::StrFormat("%.4f", result_.test_accuracy)),
-                               Kv("test_samples", data_.test.size)};
+                               Kv("test_loss", absl::StrFormat("%.4f", m.test_loss))};
+    if (m.accuracy >= 0) f.push_back(Kv("accuracy", absl::StrFormat("%.4f", m.accuracy)));
+    if (m.perplexity >= 0) f.push_back(Kv("perplexity", absl::StrFormat("%.3f", m.perplexity)));
+    f.push_back(Kv("test_samples", data_.test->size()));
     for (LogField& e : mode_->EvaluatedFields()) f.push_back(std::move(e));
     log_->Info("evaluated", f);
   }
@@ -253,6 +373,7 @@ absl::StatusOr<TrainResult> TrainingLoop::Run() {
   model_->SetTraining(true);
   const absl::Time start = absl::Now();
   window_start_ = start;
+  last_publish_ = start;
   while (true) {
     if (!mode_->collective_stop() && stop_.load()) {
       result_.stopped_early = true;
@@ -261,7 +382,10 @@ absl::StatusOr<TrainResult> TrainingLoop::Run() {
       break;
     }
     std::optional<Batch> batch = NextBatch(loader_.get(), options_.step_delay, &result_.data_s);
-    if (!batch.has_value()) break;
+    if (!batch.has_value()) {
+      RETURN_IF_ERROR(Annotate(loader_->status(), absl::StrCat("reading batch ", step_)));
+      break;
+    }
     StepOutcome outcome;
     RETURN_IF_ERROR(Step(*batch, &outcome));
     ++step_;
@@ -271,6 +395,9 @@ absl::StatusOr<TrainResult> TrainingLoop::Run() {
     ++window_steps_;
     ASSIGN_OR_RETURN(const bool checkpointed, mode_->MaybeCheckpoint(step_));
     if (checkpointed) checkpoint_step_ = step_;
+    if (checkpointed || absl::Now() - last_publish_ >= options_.model_publish_interval) {
+      PublishModel(/*final=*/false);
+    }
     const bool last = step_ == total_ || outcome.stop;
     if ((spec_.log_every() > 0 && step_ % spec_.log_every() == 0) || last) Progress(*batch);
     if (outcome.stop) {
@@ -291,7 +418,11 @@ absl::StatusOr<TrainResult> TrainingLoop::Run() {
     evaluate = mode_->Finish(step_, &result_);
   }
   if (!evaluate.ok()) return evaluate.status();
-  if (*evaluate) RETURN_IF_ERROR(EvaluateAndSave());
+  BuffersIn(/*remember=*/false);  // The final model's buffers, as the mode left them.
+  if (*evaluate) {
+    PublishModel(/*final=*/true);
+    RETURN_IF_ERROR(EvaluateAndSave());
+  }
   return result_;
 }
 

@@ -13,9 +13,22 @@
 // exchange and update (push/pull; all-reduce wait and optimizer; local update); all per step,
 // averaged over this run. bytes_per_step: bytes this rank sent per step.
 //
+// Any model and any data: the batch's x and y become tensors of the dataset's element types
+// and shapes (worker/core/examples.h); the loss is JobSpec.loss (worker/model.h: LossKind).
+// Before anything is started (no shard or peer contacted) the loop checks the model against
+// one real batch (CheckModelFitsData): a model whose output does not fit the loss fails the
+// job at start with a message naming the files, shapes and dtypes. A parameter the forward
+// does not use gets a zero gradient.
+//
+// Buffers (BatchNorm running statistics, ...) are part of the ModelView as float32 mirrors:
+// see worker/core/training_mode.h for how they move between the model and the modes.
+//
 // After the last step (or a stop request) the mode finishes; if it says this rank evaluates,
-// the loop evaluates the final model on the test set, logs `evaluated`, reports the accuracy
-// and saves the model to spec.output() when set.
+// the loop evaluates the final model on the test set (test_loss always; accuracy for
+// classification, token accuracy and perplexity for sequence models), logs `evaluated`,
+// reports the figures and saves the model to spec.output() when set. In gossip and
+// allreduce jobs rank 0 also hands the model to options.on_model after checkpoints, every
+// options.model_publish_interval and at the end (for `gradmesh export`).
 //
 // Thread safety: call from one thread; `stop` may be set from any thread.
 #ifndef GRADMESH_WORKER_TRAINING_LOOP_H_

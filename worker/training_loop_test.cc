@@ -220,5 +220,81 @@ TEST(TrainingLoopTest, TheModelViewIsTheModelAndEvaluationUsesIt) {
   EXPECT_NEAR(reports.back().accuracy, 0.098, 1e-12);
 }
 
+// A mode that follows the BatchNorm buffers of worker/testdata/bn_mnist.pt through the steps:
+// what the loop hands over (deltas), and that what the mode writes into a buffer mirror is
+// what the model's next forward starts from.
+class BufferMode : public FakeMode {
+ public:
+  std::vector<std::vector<float>> deltas;   // Per step: running_mean's delta.
+  std::vector<float> counted;               // Per step: num_batches_tracked's delta.
+  std::vector<float> mirror_after_forward;  // Per step: running_mean[0]'s mirror at Exchange.
+  ModelView seen;                           // The view at Start (without the spans).
+
+  absl::StatusOr<int64_t> Start(ModelView* model, const LoopInfo& info) override {
+    seen = *model;
+    seen.params.clear();  // They die with the loop.
+    return FakeMode::Start(model, info);
+  }
+
+  absl::StatusOr<StepOutcome> Exchange(int64_t step,
+                                       absl::Span<const absl::Span<const float>> grads, double loss,
+                                       const StepTiming& timing) override {
+    const int mean = view->num_params;  // bn.running_mean, bn.running_var, num_batches_tracked.
+    deltas.emplace_back(grads[mean].begin(), grads[mean].end());
+    counted.push_back(grads[mean + 2][0]);
+    mirror_after_forward.push_back(view->params[mean][0]);
+    // The mode's verdict on the buffer (as a ps pull would): the next forward starts here.
+    std::fill(view->params[mean].begin(), view->params[mean].end(), 7.0f);
+    return FakeMode::Exchange(step, grads, loss, timing);
+  }
+};
+
+TEST(TrainingLoopTest, BuffersAreMirroredWithTheirDeltasAndTheModesValuesReachTheModel) {
+  TrainerOptions o = Options(2);
+  o.spec.mutable_model()->set_name("torchscript");
+  o.spec.mutable_model()->set_path("worker/testdata/bn_mnist.pt");
+  BufferMode mode;
+  std::atomic<bool> stop{false};
+  ASSERT_OK_AND_ASSIGN(TrainResult r, RunTrainingLoop(o, &mode, stop));
+  const ModelView& v = mode.seen;
+  ASSERT_EQ(v.num_params, 6);  // conv, bn, fc: weight and bias each.
+  ASSERT_EQ(v.names.size(), 9u);
+  EXPECT_EQ(v.names[6], "bn.running_mean");
+  EXPECT_EQ(v.names[7], "bn.running_var");
+  EXPECT_EQ(v.names[8], "bn.num_batches_tracked");
+  EXPECT_EQ(v.dtypes[6], ElemType::kFloat32);
+  EXPECT_EQ(v.dtypes[8], ElemType::kInt64);
+  EXPECT_TRUE(v.shapes[8].empty());
+  EXPECT_TRUE(v.is_buffer(6));
+  EXPECT_FALSE(v.is_buffer(5));
+  ASSERT_EQ(mode.deltas.size(), 2u);
+  // Every forward in training mode counts one batch.
+  EXPECT_EQ(mode.counted, (std::vector<float>{1.0f, 1.0f}));
+  // Step 0 starts from running_mean 0: the delta is 0.1 * the batch mean, and the mirror
+  // holds the new value when Exchange runs.
+  EXPECT_NE(mode.deltas[0][0], 0.0f);
+  EXPECT_FLOAT_EQ(mode.mirror_after_forward[0], mode.deltas[0][0]);
+  // Step 1 starts from the 7.0 the mode wrote: the momentum pulls it back by 0.1 * (7 - batch
+  // mean), i.e. the model saw 7.0 (the batch means are within +-2 here).
+  for (float d : mode.deltas[1]) {
+    EXPECT_LT(d, -0.5f);
+    EXPECT_GT(d, -0.9f);
+  }
+  EXPECT_FLOAT_EQ(mode.mirror_after_forward[1], 7.0f + mode.deltas[1][0]);
+  EXPECT_EQ(r.steps, 2);
+}
+
+TEST(TrainingLoopTest, AModelWhoseOutputDoesNotFitTheLossFailsBeforeTheModeStarts) {
+  TrainerOptions o = Options(2);
+  o.spec.set_loss("mse");  // Logits [N, 10] against int64 labels [N].
+  FakeMode mode;
+  std::atomic<bool> stop{false};
+  absl::StatusOr<TrainResult> r = RunTrainingLoop(o, &mode, stop);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("mse"), std::string::npos) << r.status();
+  EXPECT_NE(r.status().message().find("int64"), std::string::npos) << r.status();
+  EXPECT_TRUE(mode.calls.empty());  // Nothing started.
+}
+
 }  // namespace
 }  // namespace gradmesh

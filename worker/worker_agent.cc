@@ -82,6 +82,39 @@ std::shared_ptr<WorkerAgent::Run> WorkerAgent::Start(const Task& task) {
   return run;
 }
 
+void WorkerAgent::WirePublishing(const Task& task, const Logger* logger, TrainerOptions* to) {
+  const ModelPublisher* publisher = options_.publisher;
+  if (publisher == nullptr || task.index() != 0) return;
+  const std::string job = task.job_id();
+  to->on_model = [publisher, job, logger](const ModelSnapshot& m) {
+    absl::Status st = publisher->PublishState(job, m);
+    if (st.ok()) {
+      LogInfo(logger, "model_published",
+              {Kv("job", job), Kv("step", m.step), Kv("final", m.final ? "true" : "false"),
+               Kv("tensors", static_cast<int64_t>(m.names.size()))});
+    } else {
+      LogWarning(logger, "model_publish_failed",
+                 {Kv("job", job), Kv("step", m.step), Kv("error", st.ToString())});
+    }
+  };
+  if (task.spec().model().name() != "torchscript") return;
+  const std::string key = absl::StrCat(job, "/", task.job_token());
+  {
+    absl::MutexLock lock(&mu_);
+    if (modules_published_.count(key) > 0) return;
+  }
+  const std::string& path = task.spec().model().path();
+  absl::Status st = publisher->PublishModule(job, path);
+  if (!st.ok()) {
+    LogWarning(logger, "model_publish_failed",
+               {Kv("job", job), Kv("module", path), Kv("error", st.ToString())});
+    return;  // The next start of this rank tries again.
+  }
+  LogInfo(logger, "module_published", {Kv("job", job), Kv("module", path)});
+  absl::MutexLock lock(&mu_);
+  modules_published_.insert(key);
+}
+
 void WorkerAgent::Execute(Run* run) {
   const Task& task = run->task;
   TrainerOptions to = options_.base;
@@ -102,6 +135,7 @@ void WorkerAgent::Execute(Run* run) {
     if (p.accuracy >= 0) run->report.set_accuracy(p.accuracy);
     if (p.checkpoint_step >= 0) run->report.set_checkpoint_step(p.checkpoint_step);
   };
+  WirePublishing(task, run->logger.get(), &to);
   GrpcParameterClientOptions co = options_.client;
   co.servers.assign(task.servers().begin(), task.servers().end());
   co.worker = task.index();
@@ -135,7 +169,9 @@ void WorkerAgent::Execute(Run* run) {
          Kv("samples", result->samples), Kv("wall_s", absl::StrFormat("%.2f", result->wall_s)),
          Kv("samples_per_s", absl::StrFormat("%.1f", result->samples_per_s)),
          Kv("first_step", result->first_step),
-         Kv("accuracy", absl::StrFormat("%.4f", result->test_accuracy))});
+         Kv("accuracy", absl::StrFormat("%.4f", result->test_accuracy)),
+         Kv("test_loss", absl::StrFormat("%.4f", result->test_loss)),
+         Kv("perplexity", absl::StrFormat("%.3f", result->perplexity))});
   } else {
     LogError(run->logger.get(), "task_end",
              {Kv("job", task.job_id()), Kv("rank", task.index()), Kv("state", "failed"),

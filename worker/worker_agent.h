@@ -22,12 +22,19 @@
 // ps ranks leave their position on the shards, gossip/allreduce ranks their checkpoints, and
 // the final reports say "stopped", so the coordinator moves them elsewhere.
 //
+// Published models: with a ModelPublisher, rank 0 of every job uploads its model to the
+// coordinator whenever the training loop calls TrainerOptions::on_model (gossip/allreduce:
+// after checkpoints, every model_publish_interval, at the end), and a TorchScript job's rank 0
+// uploads the module file (spec.model.path) once, before training; `gradmesh export` reads both.
+// A failed upload is logged (model_publish_failed) and never fails the task.
+//
 // Thread safety: all methods may be called concurrently.
 #ifndef GRADMESH_WORKER_WORKER_AGENT_H_
 #define GRADMESH_WORKER_WORKER_AGENT_H_
 
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -35,6 +42,7 @@
 #include "absl/synchronization/mutex.h"
 #include "common/logging.h"
 #include "proto/coordinator.pb.h"
+#include "worker/model_publisher.h"
 #include "worker/modes.h"
 #include "worker/ps/parameter_client.h"
 #include "worker/trainer.h"
@@ -49,6 +57,9 @@ struct WorkerAgentOptions {
   GrpcParameterClientOptions client;
   PeerServices peer_services;  // This process's peer services; not owned.
   const Logger* logger = nullptr;
+  // Rank 0's uploads to the coordinator (not owned; null: none): the model through
+  // TrainerOptions::on_model, and a TorchScript job's module once per job before it starts.
+  const ModelPublisher* publisher = nullptr;
 };
 
 class WorkerAgent {
@@ -69,12 +80,19 @@ class WorkerAgent {
 
   std::shared_ptr<Run> Start(const Task& task);
   void Execute(Run* run);
+  // Rank 0 with a publisher: sets `to->on_model` and uploads a TorchScript job's module (once
+  // per job and job token; failures are logged, training goes on).
+  void WirePublishing(const Task& task, const Logger* logger, TrainerOptions* to)
+      ABSL_LOCKS_EXCLUDED(mu_);
 
   const WorkerAgentOptions options_;
   absl::Mutex mu_;
   std::map<Key, std::shared_ptr<Run>> runs_ ABSL_GUARDED_BY(mu_);
   // Set by StopAll: Reconcile no longer starts, stops or joins anything.
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  // "<job>/<job token>" of the modules uploaded (a job submitted again under the same id has
+  // a new token; a resumed one keeps it and the coordinator keeps its module).
+  std::set<std::string> modules_published_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace gradmesh

@@ -18,6 +18,7 @@
 #include <unistd.h>
 
 #include <cstdlib>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
@@ -27,16 +28,19 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "common/daemon.h"
+#include "common/job_name.h"
 #include "common/job_spec.h"
 #include "common/logging.h"
 #include "common/status.h"
 #include "rpc/auth.h"
 #include "rpc/grpc_util.h"
+#include "rpc/tls.h"
 #include "runtime/daemon_main.h"
 #include "runtime/metrics_http.h"
 #include "runtime/node_agent.h"
 #include "worker/allreduce/collective_service.h"
 #include "worker/gossip/gossip_service.h"
+#include "worker/model_publisher.h"
 #include "worker/modes.h"
 #include "worker/nccl/nccl_communicator.h"
 #include "worker/ps/parameter_client.h"
@@ -57,6 +61,10 @@ ABSL_FLAG(std::string, coordinator, "",
 ABSL_FLAG(std::string, auth_token_file, "",
           "Service mode: file holding the token the coordinator takes from daemons (its "
           "--node_token_file, or its API token when it has none).");
+ABSL_FLAG(std::string, job_token_file, "",
+          "Standalone: file holding the job's token, sent to the shards and the peers and required "
+          "by this worker's peer service (gossip, allreduce). Empty: no token (peer service open; "
+          "for loopback tests).");
 ABSL_FLAG(int, peer_port, 0, "Service mode: peer-service port (0 = any free one).");
 ABSL_FLAG(std::string, host, "0.0.0.0", "Service mode: address the peer service listens on.");
 ABSL_FLAG(std::string, advertise_host, "",
@@ -84,7 +92,11 @@ ABSL_FLAG(int64_t, max_message_mb, 256, "Largest gRPC message sent or received, 
 ABSL_FLAG(std::string, name, "", "Job name.");
 ABSL_FLAG(std::string, model, "", "Model: mlp, lenet or torchscript.");
 ABSL_FLAG(std::string, model_path, "", "TorchScript file for --model=torchscript.");
-ABSL_FLAG(std::string, dataset, "", "Dataset: mnist or fashion-mnist.");
+ABSL_FLAG(std::string, dataset, "", "Dataset: mnist, fashion-mnist or tensors.");
+ABSL_FLAG(std::string, dataset_path, "",
+          "Directory of the dataset's files (default: --data_dir/<dataset>); for tensors: "
+          "train*.pt and test*.pt written by torch.save({'x': X, 'y': Y}, f).");
+ABSL_FLAG(std::string, loss, "", "Loss: cross_entropy (default), mse or module.");
 ABSL_FLAG(std::string, mode, "",
           "Training mode: async (or ps), ssp:<s>, sync, gossip or allreduce.");
 ABSL_FLAG(std::string, optimizer, "", "Optimizer: sgd, adam or adamw.");
@@ -117,9 +129,24 @@ ABSL_FLAG(double, link_mbit, 0,
           "(measurements on loopback; 0 = unlimited).");
 ABSL_FLAG(int64_t, step_delay_ms, 0,
           "Fault injection for tests: sleep this long before every step (a slow worker).");
+ABSL_FLAG(std::string, tls_cert_file, "",
+          "PEM certificate chain this daemon presents (TLS on with it or --tls_ca_file).");
+ABSL_FLAG(std::string, tls_key_file, "", "PEM private key of --tls_cert_file.");
+ABSL_FLAG(std::string, tls_ca_file, "", "PEM CA bundle peers' certificates are verified against.");
+ABSL_FLAG(bool, tls_client_auth, false,
+          "Require and verify client certificates (mutual TLS; needs --tls_ca_file).");
+ABSL_FLAG(bool, allow_insecure, false,
+          "Allow tokens over plaintext to non-loopback addresses (no TLS).");
 
 namespace gradmesh {
 namespace {
+
+// The TLS flags, checked (rpc/tls.h).
+absl::StatusOr<TlsOptions> TlsFlags() {
+  return MakeTlsOptions(absl::GetFlag(FLAGS_tls_cert_file), absl::GetFlag(FLAGS_tls_key_file),
+                        absl::GetFlag(FLAGS_tls_ca_file), absl::GetFlag(FLAGS_tls_client_auth),
+                        absl::GetFlag(FLAGS_allow_insecure));
+}
 
 struct WorkerMainOptions {
   TrainerOptions trainer;
@@ -145,6 +172,10 @@ absl::StatusOr<WorkerMainOptions> ParseOptions() {
   if (!absl::GetFlag(FLAGS_dataset).empty()) {
     spec.mutable_dataset()->set_name(absl::GetFlag(FLAGS_dataset));
   }
+  if (!absl::GetFlag(FLAGS_dataset_path).empty()) {
+    spec.mutable_dataset()->set_path(absl::GetFlag(FLAGS_dataset_path));
+  }
+  if (!absl::GetFlag(FLAGS_loss).empty()) spec.set_loss(absl::GetFlag(FLAGS_loss));
   if (!absl::GetFlag(FLAGS_mode).empty()) spec.set_mode(absl::GetFlag(FLAGS_mode));
   if (!absl::GetFlag(FLAGS_optimizer).empty()) {
     spec.mutable_optimizer()->set_name(absl::GetFlag(FLAGS_optimizer));
@@ -208,6 +239,10 @@ absl::StatusOr<WorkerMainOptions> ParseOptions() {
         absl::StrFormat("job spec asks for %d shards but --servers lists %d", spec.num_shards(),
                         o.client.servers.size()));
   }
+  if (!absl::GetFlag(FLAGS_job_token_file).empty()) {
+    ASSIGN_OR_RETURN(o.trainer.job_token, ReadTokenFile(absl::GetFlag(FLAGS_job_token_file)));
+    o.client.job_token = o.trainer.job_token;
+  }
   o.trainer.checkpoint_dir = absl::GetFlag(FLAGS_checkpoint_dir);
   o.trainer.spec = spec;
   o.trainer.rank = absl::GetFlag(FLAGS_rank);
@@ -219,7 +254,11 @@ absl::StatusOr<WorkerMainOptions> ParseOptions() {
   SetClientOptionsFromSpec(spec, &o.client);
   o.client.rpc.max_message_bytes = absl::GetFlag(FLAGS_max_message_mb) << 20;
   o.client.rpc.link_bits_per_s = absl::GetFlag(FLAGS_link_mbit) * 1e6;
-  o.node = absl::GetFlag(FLAGS_node).empty() ? HostName() : absl::GetFlag(FLAGS_node);
+  ASSIGN_OR_RETURN(o.client.rpc.tls, TlsFlags());
+  o.trainer.peer_rpc = o.client.rpc;
+  o.trainer.peer_rpc.link_bits_per_s = 0;
+  o.node = NodeNameOrHostName(absl::GetFlag(FLAGS_node));
+  RETURN_IF_ERROR(CheckName("--node", o.node));
   return o;
 }
 
@@ -250,6 +289,16 @@ int RunService() {
   RpcOptions rpc;
   rpc.max_message_bytes = absl::GetFlag(FLAGS_max_message_mb) << 20;
   rpc.link_bits_per_s = absl::GetFlag(FLAGS_link_mbit) * 1e6;
+  absl::StatusOr<TlsOptions> tls = TlsFlags();
+  absl::Status transport =
+      tls.ok() ? CheckTokenTransport(absl::GetFlag(FLAGS_coordinator), *tls, token, "node token")
+               : tls.status();
+  if (transport.ok() && !node.empty()) transport = CheckName("--node", node);
+  if (!transport.ok()) {
+    log->Error("bad_arguments", {Kv("error", transport.ToString())});
+    return 2;
+  }
+  rpc.tls = *tls;
   CollectiveServiceImpl collective;
   GossipServiceImpl gossip;
   const std::string host = absl::GetFlag(FLAGS_host);
@@ -272,6 +321,7 @@ int RunService() {
   Logger logger({Kv("node", node), Kv("role", "worker")});
   daemon.set_logger(&logger);
   logger.Info("peer_service", {Kv("address", address)});
+  LogListenSecurity(daemon.ListenAddress(), rpc.tls, &logger);
 
   WorkerAgentOptions wo;
   wo.base.data_dir = absl::GetFlag(FLAGS_data_dir);
@@ -279,6 +329,8 @@ int RunService() {
   wo.base.checkpoint_dir = absl::GetFlag(FLAGS_checkpoint_dir);
   wo.base.step_delay = absl::Milliseconds(absl::GetFlag(FLAGS_step_delay_ms));
   wo.base.logger = &logger;
+  wo.base.peer_rpc = rpc;
+  wo.base.peer_rpc.link_bits_per_s = 0;
   wo.client.rpc = rpc;
   wo.client.logger = &logger;
   // A shard that is down pauses the job (the coordinator says PAUSED) until it is back: keep
@@ -286,6 +338,18 @@ int RunService() {
   wo.client.max_attempts = 400;
   wo.peer_services = PeerServices{&collective, &gossip};
   wo.logger = &logger;
+  // The node's own token, obtained by the NodeAgent below, authenticates rank 0's model
+  // uploads as this node (the coordinator takes them only from rank 0's node).
+  auto node_token = std::make_shared<NodeTokenHolder>();
+  ModelPublisherOptions po;
+  po.coordinator = absl::GetFlag(FLAGS_coordinator);
+  po.auth_token = token;
+  po.rpc = rpc;
+  po.rpc.link_bits_per_s = 0;
+  po.node = node;
+  po.node_token = node_token;
+  ModelPublisher publisher(std::move(po));
+  wo.publisher = &publisher;
   WorkerAgent worker_agent(wo);
   MetricsRegistry metrics;
   metrics.AddCollector(
@@ -295,7 +359,10 @@ int RunService() {
   NodeAgentOptions ao;
   ao.coordinator = absl::GetFlag(FLAGS_coordinator);
   ao.auth_token = token;
+  ao.rpc = rpc;
+  ao.rpc.link_bits_per_s = 0;
   ao.logger = &logger;
+  ao.node_token = node_token;
   ao.node.set_name(node);
   ao.node.set_role(WORKER);
   ao.node.set_address(address);
@@ -375,16 +442,17 @@ int Run() {
   // Trainer::Create has checked the rank and that --peers names every worker).
   if (!o.trainer.peers.empty() && !IsPsMode(SpecMode(o.trainer.spec))) {
     const std::string& address = o.trainer.peers[o.trainer.rank];
-    RpcOptions rpc;
-    rpc.max_message_bytes = absl::GetFlag(FLAGS_max_message_mb) << 20;
+    RpcOptions rpc = o.trainer.peer_rpc;
     int port = 0;
     auto started = StartGrpcServer(address, {&collective, &gossip}, rpc, "", &port);
     if (!started.ok()) {
-      logger.Error("bad_arguments", {Kv("error", "cannot serve the peer service on " + address)});
+      logger.Error("bad_arguments", {Kv("error", "cannot serve the peer service on " + address),
+                                     Kv("cause", started.status().ToString())});
       return 2;
     }
     peer_server = std::move(started).value();
     logger.Info("peer_service", {Kv("address", address), Kv("rank", o.trainer.rank)});
+    LogListenSecurity(address, rpc.tls, &logger);
   }
   // Stop after the current step on SIGTERM/SIGINT. The detached thread shares ownership of
   // what it touches, so a signal that arrives after Run() has returned (while the process
@@ -410,6 +478,8 @@ int Run() {
        Kv("samples_per_s", absl::StrFormat("%.1f", r.samples_per_s)),
        Kv("loss", absl::StrFormat("%.4f", r.final_loss)),
        Kv("accuracy", absl::StrFormat("%.4f", r.test_accuracy)),
+       Kv("test_loss", absl::StrFormat("%.4f", r.test_loss)),
+       Kv("perplexity", absl::StrFormat("%.3f", r.perplexity)),
        Kv("data_s", absl::StrFormat("%.2f", r.data_s)),
        Kv("compute_s", absl::StrFormat("%.2f", r.compute_s)),
        Kv("comm_s", absl::StrFormat("%.2f", r.comm_s)), Kv("bytes_pushed", r.bytes_pushed),

@@ -13,11 +13,25 @@
 #   GRADMESH_BIN=/path bash tests/bench/modes.sh
 #     runs prebuilt binaries (<path>/server/gradmesh_server, <path>/worker/gradmesh_worker),
 #     e.g. another commit's, for a before/after comparison in one session.
+#
+#   WORKLOAD=resnet bash tests/bench/modes.sh       # or WORKLOAD=transformer
+#     the shipped TorchScript workloads (examples/: ResNet-style CNN with BatchNorm on
+#     Fashion-MNIST, character-level transformer on KJV; made once into WORKLOAD_DIR, default
+#     ~/.cache/gradmesh/workloads) for STEPS steps (resnet 300, transformer 40) at BATCH (64 /
+#     32) with Adam (LR 0.002 / 0.001), and instead of DDP the plain single-process PyTorch
+#     reference with one thread (tests/bench/torch_reference.py: mode "torch_1thread") on the
+#     same model file, data, batch, optimizer and steps. The JSON lines then also carry
+#     test_loss and perplexity (sequence models).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 EPOCHS="${EPOCHS:-3}"
 WORKERS="${WORKERS:-2}"
-MODES="${MODES:-ps gossip allreduce ddp_gloo}"
+WORKLOAD="${WORKLOAD:-mlp}"
+if [ "$WORKLOAD" = mlp ]; then
+  MODES="${MODES:-ps gossip allreduce ddp_gloo}"
+else
+  MODES="${MODES:-ps gossip allreduce torch_1thread}"
+fi
 want() { [[ " $MODES " == *" $1 "* ]]; }
 DATA_DIR="${GRADMESH_DATA_DIR:-/var/lib/gradmesh/data}"
 RUN_DIR="$(mktemp -d /tmp/gradmesh-modes.XXXXXX)"
@@ -29,6 +43,38 @@ else
   BIN="$(bazel info -c opt bazel-bin 2>/dev/null)"
 fi
 export OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1
+
+# What the workers train: the MLP on MNIST, or a shipped TorchScript workload.
+case "$WORKLOAD" in
+  mlp)
+    TRAIN=(--model=mlp --dataset=mnist --epochs="$EPOCHS" --batch_size=64 --optimizer=adam
+      --lr=0.001 --lr_schedule=cosine --log_every=100)
+    BATCH=64
+    ;;
+  resnet | transformer)
+    WORKLOAD_DIR="${WORKLOAD_DIR:-$HOME/.cache/gradmesh/workloads}"
+    WL="$WORKLOAD_DIR/$WORKLOAD"
+    if [ ! -s "$WL/model.pt" ]; then
+      rm -rf "$WL.tmp"
+      if [ "$WORKLOAD" = resnet ]; then
+        /usr/bin/python3 examples/fashion_resnet/make.py --data "$DATA_DIR/fashion-mnist" \
+          --out "$WL.tmp" >&2
+      else
+        /usr/bin/python3 examples/kjv_transformer/make.py --out "$WL.tmp" >&2
+      fi
+      mv "$WL.tmp" "$WL"
+    fi
+    if [ "$WORKLOAD" = resnet ]; then
+      STEPS="${STEPS:-300}" BATCH="${BATCH:-64}" LR="${LR:-0.002}"
+    else
+      STEPS="${STEPS:-40}" BATCH="${BATCH:-32}" LR="${LR:-0.001}"
+    fi
+    TRAIN=(--model=torchscript --model_path="$WL/model.pt" --dataset=tensors
+      --dataset_path="$WL/data" --steps="$STEPS" --batch_size="$BATCH" --optimizer=adam
+      --lr="$LR" --log_every=10)
+    ;;
+  *) echo "WORKLOAD must be mlp, resnet or transformer" >&2; exit 2 ;;
+esac
 PIDS=()
 cleanup() { for p in "${PIDS[@]:-}"; do [ -n "$p" ] && kill "$p" 2>/dev/null || true; done; }
 trap cleanup EXIT
@@ -45,21 +91,23 @@ run_workers() {
   fi
   for ((r = 0; r < WORKERS; r++)); do
     "$BIN/worker/gradmesh_worker" --rank=$r --num_workers="$WORKERS" --name="bench-$mode" \
-      --model=mlp --dataset=mnist --epochs="$EPOCHS" --batch_size=64 --optimizer=adam \
-      --lr=0.001 --lr_schedule=cosine --data_dir="$DATA_DIR" --log_every=100 \
-      ${peers:+--peers=$peers} "$@" --node="w$r" 2>"$RUN_DIR/$mode-w$r.log" &
+      "${TRAIN[@]}" --data_dir="$DATA_DIR" ${peers:+--peers=$peers} "$@" --node="w$r" \
+      2>"$RUN_DIR/$mode-w$r.log" &
     wpids+=($!)
   done
   for p in "${wpids[@]}"; do wait "$p" || { tail -5 "$RUN_DIR/$mode-w"*.log >&2; return 1; }; done
-  local samples=0 wall=0 acc="" line s w
+  local samples=0 wall=0 acc="" tl="" ppl="" line s w
   for ((r = 0; r < WORKERS; r++)); do
     line="$(grep 'event=done' "$RUN_DIR/$mode-w$r.log" | tail -1)"
     s="$(field samples "$line")"; w="$(field wall_s "$line")"
     samples=$((samples + s))
     wall="$(/usr/bin/python3 -c "print(max($wall, $w))")"
-    [ "$r" = 0 ] && acc="$(field accuracy "$line")"
+    if [ "$r" = 0 ]; then
+      acc="$(field accuracy "$line")" tl="$(field test_loss "$line")"
+      ppl="$(field perplexity "$line")"
+    fi
   done
-  /usr/bin/python3 -c "import json; print(json.dumps({'bench':'modes','mode':'$mode','workers':$WORKERS,'samples_per_s':round($samples/$wall,1),'accuracy':$acc,'wall_s':$wall,'epochs':$EPOCHS,'batch':64}))"
+  /usr/bin/python3 -c "import json; print(json.dumps({'bench':'modes','workload':'$WORKLOAD','mode':'$mode','workers':$WORKERS,'samples_per_s':round($samples/$wall,1),'accuracy':$acc,'test_loss':$tl,'perplexity':$ppl,'wall_s':$wall,'steps_or_epochs':'${STEPS:-$EPOCHS}','batch':$BATCH}))"
 }
 
 # ps (async) through 2 shards.
@@ -79,6 +127,17 @@ cleanup; PIDS=()
 fi
 want gossip && run_workers gossip --mode=gossip ${GOSSIP_FLAGS:-}
 want allreduce && run_workers allreduce --mode=allreduce ${ALLREDUCE_FLAGS:-}
+if want torch_1thread; then
+  /usr/bin/python3 tests/bench/torch_reference.py --model "$WL/model.pt" --data "$WL/data" \
+    --batch "$BATCH" --steps "$STEPS" --optimizer adam --lr "$LR" --threads 1 \
+    2>"$RUN_DIR/torch_1thread.log" | sed -n 's/^RESULT //p' | /usr/bin/python3 -c "
+import json, sys
+r = json.loads(sys.stdin.read())
+print(json.dumps({'bench': 'modes', 'workload': '$WORKLOAD', 'mode': 'torch_1thread', 'workers': 1,
+                  'samples_per_s': r['samples_per_s'], 'accuracy': r.get('accuracy'),
+                  'test_loss': r.get('test_loss'), 'perplexity': r.get('perplexity'),
+                  'steps_or_epochs': '$STEPS', 'batch': $BATCH}))"
+fi
 want ddp_gloo && /usr/bin/python3 tests/bench/ddp_baseline.py --workers "$WORKERS" --epochs "$EPOCHS" \
   --data_dir "$DATA_DIR/mnist"
 echo "logs: $RUN_DIR" >&2

@@ -52,6 +52,19 @@ grep -q 'terminationGracePeriodSeconds: 120' "$tmp/cpu.yaml" || fail "workers: g
 grep -q 'kill -TERM 1' "$tmp/cpu.yaml" || fail "workers: no preStop SIGTERM"
 grep -q -- '--node=$(POD_NAME)' "$tmp/cpu.yaml" || fail "pods are not named after themselves"
 grep -q 'kind: PodMonitor' "$tmp/cpu.yaml" || fail "no PodMonitor"
+# Every daemon runs with mutual TLS, and the certificate in the Secret names the Services.
+[ "$(grep -c -- '--tls_client_auth' "$tmp/cpu.yaml")" = 3 ] || fail "not every daemon has mTLS"
+[ "$(grep -c 'secretName: gradmesh-tls' "$tmp/cpu.yaml")" = 3 ] || fail "tls Secret not mounted"
+/usr/bin/python3 - "$tmp/secrets.yaml" >"$tmp/node.pem" <<'PY' || fail "no node.pem in gradmesh-tls"
+import base64, re, sys
+doc = open(sys.argv[1]).read().split("---")
+tls = [d for d in doc if "name: gradmesh-tls" in d][0]
+print(base64.b64decode(re.search(r"node.pem: (\S+)", tls).group(1)).decode())
+PY
+sans=$(openssl x509 -in "$tmp/node.pem" -noout -ext subjectAltName)
+for san in gradmesh-coordinator '*.gradmesh-server.gradmesh.svc' '*.gradmesh-worker.gradmesh.svc'; do
+  grep -qF "DNS:$san" <<<"$sans" || fail "node certificate lacks SAN $san"
+done
 
 # It must catch mistakes: each broken copy fails with the expected complaint.
 expect_invalid() {  # name sed-expression expected-text

@@ -4,12 +4,13 @@
 //     measurably not the run in which rank 1's gradient is dropped;
 //   * SIGKILL of one worker: the other exits non-zero within timeout_s + a few seconds naming
 //     the dead peer; SIGSTOP (a silent peer): DEADLINE_EXCEEDED after timeout_s;
-//   * MNIST MLP, 2 workers, 1 epoch: test accuracy >= 0.97;
+//   * MNIST MLP, 2 workers, 1 epoch, with a job token (--job_token_file): accuracy >= 0.97;
 //   * checkpoints every 20 steps; a run stopped (SIGTERM) at step >= 40 resumes from the
 //     common checkpoint and ends equal to an uninterrupted run.
 #include <signal.h>
 #include <torch/torch.h>
 
+#include <fstream>
 #include <iostream>
 
 #include "absl/strings/str_cat.h"
@@ -154,14 +155,14 @@ TEST_F(AllreduceTest, TwoWorkersEqualOneProcessWithTwiceTheBatch) {
   const std::vector<std::string> names = ref->ParameterNames();
   std::vector<torch::Tensor> initial;
   for (const auto& p : ref->Parameters()) initial.push_back(p.detach().clone());
-  ASSERT_OK_AND_ASSIGN(DatasetFiles data, LoadDataset("mnist", DataDir() + "/mnist"));
+  ASSERT_OK_AND_ASSIGN(JobData data, LoadDataset("mnist", DataDir() + "/mnist"));
   BatchLoader::Options lo;
   lo.world_size = 1;
   lo.batch_size = 64;
   lo.max_steps = kSteps;
   lo.seed = 7;
   ASSERT_OK_AND_ASSIGN(std::unique_ptr<BatchLoader> loader,
-                       BatchLoader::Create(&data.train, data.mean, data.stddev, lo));
+                       BatchLoader::Create(data.train.get(), lo));
   torch::optim::SGD sgd(ref->Parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
   torch::optim::SGD sgd_dropped(dropped->Parameters(),
                                 torch::optim::SGDOptions(0.05).momentum(0.9));
@@ -267,9 +268,13 @@ seed: 1
 log_every: 200
 )";
 
+// With --job_token_file (standalone): every ring stream carries the job token, so the run
+// only succeeds if both ranks' peer services accept each other's streams.
 TEST_F(AllreduceTest, MnistMlpOneEpochReaches97Percent) {
   if (!HaveMnist()) GTEST_SKIP() << "MNIST files not found under " << DataDir() << "/mnist";
-  auto workers = StartRanks(WriteYaml("acc", kAccuracyJob), Peers(2), 2);
+  std::ofstream(dir_ + "/job.token") << "e2e-allreduce-token-81c2\n";
+  auto workers = StartRanks(WriteYaml("acc", kAccuracyJob), Peers(2), 2,
+                            {"--job_token_file=" + dir_ + "/job.token"});
   ASSERT_EQ(WaitAll(Ptrs(workers), absl::Minutes(5)), (std::vector<int>{0, 0}));
   const std::string done = DoneLine(ReadFile(workers[0]->log_path()));
   const double accuracy = ToDouble(LogField(done, "accuracy"));

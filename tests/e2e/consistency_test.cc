@@ -168,7 +168,7 @@ TEST_F(ConsistencyTest, SyncMatchesSingleProcessSgd) {
   }
   ASSERT_OK(client->Pull(spans));
 
-  ASSERT_OK_AND_ASSIGN(DatasetFiles data, LoadDataset("mnist", DataDir() + "/mnist"));
+  ASSERT_OK_AND_ASSIGN(JobData data, LoadDataset("mnist", DataDir() + "/mnist"));
   BatchLoader::Options lo;
   lo.rank = 0;
   lo.world_size = 1;
@@ -176,14 +176,13 @@ TEST_F(ConsistencyTest, SyncMatchesSingleProcessSgd) {
   lo.max_steps = kSteps;
   lo.seed = kSeed;
   ASSERT_OK_AND_ASSIGN(std::unique_ptr<BatchLoader> loader,
-                       BatchLoader::Create(&data.train, data.mean, data.stddev, lo));
+                       BatchLoader::Create(data.train.get(), lo));
   torch::optim::SGD sgd(params, torch::optim::SGDOptions(kLr));
   for (int64_t t = 0; t < kSteps; ++t) {
     std::optional<Batch> batch = loader->Next();
     ASSERT_TRUE(batch.has_value()) << "step " << t;
     ASSERT_EQ(batch->size, kWorkers * kBatch);
-    torch::Tensor x = torch::from_blob(
-        batch->x.data(), {batch->size, 1, data.train.rows, data.train.cols}, torch::kFloat);
+    torch::Tensor x = torch::from_blob(batch->x.data(), {batch->size, 1, 28, 28}, torch::kFloat);
     torch::Tensor y = torch::from_blob(batch->y.data(), {batch->size}, torch::kLong);
     sgd.zero_grad();
     ASSERT_OK_AND_ASSIGN(torch::Tensor loss, CrossEntropyLoss(model.get(), x, y));

@@ -15,7 +15,11 @@
 //   checkpoint (the resumed step is the checkpoint's) and reaches the accuracy bar.
 // * Bad specs (unknown model, negative batch, unknown field, too many workers) are refused
 //   with messages that say what to fix, and nothing is created.
+// * A gossip job placed by the coordinator: its ranks' peer services take only the job's
+//   token (from the coordinator's task): a caller without it is UNAUTHENTICATED, one with
+//   another token PERMISSION_DENIED, while the ranks mix with each other and the job succeeds.
 #include <arpa/inet.h>
+#include <grpcpp/grpcpp.h>
 #include <netinet/in.h>
 #include <signal.h>
 #include <sys/socket.h>
@@ -42,6 +46,7 @@
 #include "google/protobuf/util/json_util.h"
 #include "gtest/gtest.h"
 #include "proto/coordinator.pb.h"
+#include "proto/gossip.grpc.pb.h"
 #include "tests/e2e/e2e_harness.h"
 #include "tests/testing/subprocess.h"
 
@@ -376,6 +381,58 @@ void ControlPlaneTest::LoseWorkerMidJob(int sig, const std::string& job) {
   }
 }
 
+TEST_F(ControlPlaneTest, GossipPeerServicesTakeOnlyTheJobsToken) {
+  StartCluster();
+  const std::string spec = WriteYaml("gossip", R"(name: gossip-svc
+model: {name: mlp}
+dataset: {name: mnist}
+optimizer: {name: adam, lr: 0.001}
+batch_size: 64
+mode: gossip
+num_workers: 2
+steps: 3000
+seed: 1
+log_every: 25
+gossip: {topology: exponential, every_steps: 1, timeout_s: 2}
+)");
+  const CliResult submit = SubmitWhenPlaced(spec);
+  ASSERT_EQ(submit.code, 0) << submit.out;
+  ASSERT_TRUE(WaitForStatus(
+      "gossip-svc", [](const JobStatus& s) { return s.progress().step() >= 25; },
+      absl::Minutes(3)));
+  const JobStatus running = Status("gossip-svc");
+  ASSERT_EQ(running.workers_size(), 2);
+  int probed = 0;
+  for (int rank = 0; rank < 2; ++rank) {
+    auto stub = GossipService::NewStub(
+        grpc::CreateChannel(running.workers(rank).address(), grpc::InsecureChannelCredentials()));
+    auto get_state = [&](const char* token) {
+      GossipStateRequest req;
+      req.set_job("gossip-svc");
+      req.set_rank(rank);
+      GossipStateResponse resp;
+      grpc::ClientContext ctx;
+      ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+      if (token != nullptr) ctx.AddMetadata("x-gradmesh-job-token", token);
+      return stub->GetState(&ctx, req, &resp).error_code();
+    };
+    const grpc::StatusCode none = get_state(nullptr);
+    // NOT_FOUND only if the rank already finished (a very fast machine).
+    if (none != grpc::StatusCode::NOT_FOUND) {
+      ++probed;
+      EXPECT_EQ(none, grpc::StatusCode::UNAUTHENTICATED) << "rank " << rank;
+      EXPECT_EQ(get_state("not-the-job-token"), grpc::StatusCode::PERMISSION_DENIED)
+          << "rank " << rank;
+    }
+  }
+  EXPECT_GE(probed, 1) << "both ranks had finished before the probe";
+  CliResult watch = Cli({"watch", "gossip-svc"}, absl::Minutes(5));
+  EXPECT_EQ(watch.code, 0) << watch.out;
+  const JobStatus st = Status("gossip-svc");
+  EXPECT_EQ(st.state(), SUCCEEDED) << st.DebugString();
+  EXPECT_EQ(st.progress().step(), 3000);
+}
+
 TEST_F(ControlPlaneTest, KilledWorkerRankMovesAndNoDataIsDropped) {
   LoseWorkerMidJob(SIGKILL, "killed");
 }
@@ -388,7 +445,9 @@ TEST_F(ControlPlaneTest, SyncJobReformsItsGroupWhenAWorkerDies) {
   StartCluster();
   auto w2 = StartServiceWorker("w2");
   const std::string spec = WriteYaml(
-      "sync", absl::StrReplaceAll(MlpSpec("elastic", 1), {{"mode: async", "mode: sync"},
+      // 3 epochs (936 steps): long enough that the kill at step 50 lands well before the end
+      // on a quiet machine too (1 epoch once finished before the coordinator saw step 50).
+      "sync", absl::StrReplaceAll(MlpSpec("elastic", 3), {{"mode: async", "mode: sync"},
                                                           {"num_workers: 2", "num_workers: 3"}}));
   const CliResult submit = SubmitWhenPlaced(spec);
   ASSERT_EQ(submit.code, 0) << submit.out;

@@ -8,7 +8,9 @@
 //   runs all its steps and exits 0, rank 0 averages all four finals and reaches >= 0.97 test
 //   accuracy, and the consensus distance in the progress lines
 //   falls by a clear factor from its peak (the models drift apart while the learning rate is
-//   high and are pulled together as it decays).
+//   high and are pulled together as it decays). The workers run with --job_token_file, so
+//   every exchange carries the job token; a caller of rank 1's peer service without it is
+//   UNAUTHENTICATED and one with another token PERMISSION_DENIED while the job runs.
 // * KilledWorkerDoesNotStopTheOthers: pairwise averaging ("random"); rank 3 is SIGKILLed
 //   mid-run. The other three notice (event=gossip_peer_down), keep training, finish, exit 0,
 //   and rank 0 evaluates the average of the three live finals.
@@ -16,6 +18,7 @@
 //   stops mixing, writes its checkpoint and exits 0; restarted, it resumes at that step
 //   (event=resuming), finishes the remaining steps, and rank 0 averages all four finals, whose
 //   push-sum weights still sum to 4 (no share was lost in the stop and restart).
+#include <grpcpp/grpcpp.h>
 #include <signal.h>
 
 #include <algorithm>
@@ -30,6 +33,7 @@
 #include "absl/strings/str_join.h"
 #include "common/status_testing.h"
 #include "gtest/gtest.h"
+#include "proto/gossip.grpc.pb.h"
 #include "tests/e2e/e2e_harness.h"
 #include "tests/testing/subprocess.h"
 
@@ -51,7 +55,7 @@ class GossipE2eTest : public E2eHarness {
   void StartGossipWorkers(const std::string& job, const std::string& gossip_yaml,
                           const std::vector<std::string>& extra,
                           const std::string& more_yaml = "") {
-    std::vector<std::string> peers;
+    std::vector<std::string>& peers = peers_;
     for (int r = 0; r < kWorkers; ++r) {
       ASSERT_OK_AND_ASSIGN(int port, PickFreePort());
       peers.push_back(absl::StrCat("127.0.0.1:", port));
@@ -78,6 +82,7 @@ class GossipE2eTest : public E2eHarness {
 
   std::vector<std::unique_ptr<Subprocess>> workers_;
   std::vector<std::vector<std::string>> args_;  // Each rank's flags, for restarts.
+  std::vector<std::string> peers_;              // Each rank's peer-service address.
 };
 
 // (step, consensus) of a worker's progress lines that measured one.
@@ -95,10 +100,31 @@ TEST_F(GossipE2eTest, ExponentialReachesAccuracyAndConsensusShrinks) {
   constexpr int kEpochs = 3;
   const absl::Time start = absl::Now();
   const std::string model_path = dir_ + "/gossip-model.pt";
-  ASSERT_NO_FATAL_FAILURE(
-      StartGossipWorkers("gossip-exp", "topology: exponential, every_steps: 1, timeout_s: 2",
-                         {absl::StrCat("--epochs=", kEpochs), "--lr=0.003", "--lr_schedule=cosine",
-                          "--log_every=20", "--output=" + model_path}));
+  const std::string token = "e2e-gossip-job-token-5f3a9c";
+  std::ofstream(dir_ + "/job.token") << token << "\n";
+  ASSERT_NO_FATAL_FAILURE(StartGossipWorkers(
+      "gossip-exp", "topology: exponential, every_steps: 1, timeout_s: 2",
+      {absl::StrCat("--epochs=", kEpochs), "--lr=0.003", "--lr_schedule=cosine", "--log_every=20",
+       "--output=" + model_path, "--job_token_file=" + dir_ + "/job.token"}));
+  // While rank 1 trains, its peer service answers only holders of the job's token.
+  ASSERT_TRUE(WaitForLog(
+      workers_[1].get(), [](const std::string& log) { return LastProgressStep(log) >= 20; },
+      absl::Minutes(3)));
+  auto stub =
+      GossipService::NewStub(grpc::CreateChannel(peers_[1], grpc::InsecureChannelCredentials()));
+  auto get_state = [&](const std::string& presented) {
+    GossipStateRequest req;
+    req.set_job("gossip-exp");
+    req.set_rank(1);
+    GossipStateResponse resp;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+    if (!presented.empty()) ctx.AddMetadata("x-gradmesh-job-token", presented);
+    return stub->GetState(&ctx, req, &resp).error_code();
+  };
+  EXPECT_EQ(get_state(""), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_EQ(get_state("another-jobs-token"), grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_EQ(get_state(token), grpc::StatusCode::OK);
   const std::vector<int> codes = WaitAll(Procs(), absl::Minutes(6));
   const double wall_s = absl::ToDoubleSeconds(absl::Now() - start);
   for (int r = 0; r < kWorkers; ++r) ASSERT_EQ(codes[r], 0) << "rank " << r;

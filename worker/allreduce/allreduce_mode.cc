@@ -18,6 +18,7 @@
 #include "worker/allreduce/checkpoint.h"
 #include "worker/allreduce/collective.h"
 #include "worker/allreduce/collective_service.h"
+#include "worker/allreduce/model_updater.h"
 
 namespace gradmesh {
 namespace {
@@ -54,23 +55,16 @@ class AllreduceMode : public TrainingMode {
   absl::Status Handshake();
   // The newest checkpoint step every rank has (0: none), restored into the model and slots.
   absl::StatusOr<int64_t> Resume();
-  absl::Status Restore(const RankCheckpoint& c);
 
   const TrainerOptions& options_;
   const JobSpec& spec_;
   CollectiveServiceImpl* const local_;
-  ModelView* model_ = nullptr;
   int64_t total_ = 0;
-  std::vector<int64_t> numels_;
-  OptimizerSpec optimizer_spec_;
-  std::unique_ptr<Optimizer> optimizer_;
-  int num_slots_ = 0;
-  std::vector<std::vector<std::vector<float>>> slots_;  // [param][slot][element].
-  std::vector<float*> slot_ptrs_;
+  // Optimizer, slots and buffer averaging; its numels() are the entries' sizes.
+  std::unique_ptr<ModelUpdater> updater_;
   std::string checkpoint_path_;
   std::unique_ptr<Collective> collective_;
   std::unique_ptr<BucketReducer> reducer_;
-  double opt_s_ = 0;  // Inside the optimizer (part of comm: it overlaps the all-reduce).
   double comm_busy_at_window_ = 0;
 };
 
@@ -83,10 +77,13 @@ AllreduceMode::~AllreduceMode() {
 }
 
 std::string AllreduceMode::Fingerprint() const {
-  return absl::StrCat("model=", spec_.model().name(), " params=", absl::StrJoin(numels_, ","),
-                      " steps=", total_, " batch=", spec_.batch_size(), " seed=", spec_.seed(),
-                      " bucket_bytes=", spec_.allreduce().bucket_bytes(),
-                      " optimizer=", spec_.optimizer().name());
+  const std::vector<int64_t>& numels = updater_->numels();
+  const auto buffers_begin = numels.begin() + updater_->num_params();
+  return absl::StrCat(
+      "model=", spec_.model().name(), " params=", absl::StrJoin(numels.begin(), buffers_begin, ","),
+      " buffers=", absl::StrJoin(buffers_begin, numels.end(), ","), " steps=", total_,
+      " batch=", spec_.batch_size(), " seed=", spec_.seed(),
+      " bucket_bytes=", spec_.allreduce().bucket_bytes(), " optimizer=", spec_.optimizer().name());
 }
 
 absl::Status AllreduceMode::Handshake() {
@@ -104,34 +101,12 @@ absl::Status AllreduceMode::Handshake() {
   return absl::OkStatus();
 }
 
-absl::Status AllreduceMode::Restore(const RankCheckpoint& c) {
-  size_t a = 0;
-  for (size_t i = 0; i < numels_.size(); ++i, ++a) {
-    if (static_cast<int64_t>(c.arrays[a].size()) != numels_[i]) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("allreduce: checkpoint ", checkpoint_path_, " holds ", c.arrays[a].size(),
-                       " values for ", model_->names[i], ", the model has ", numels_[i]));
-    }
-    std::memcpy(model_->params[i].data(), c.arrays[a].data(), numels_[i] * sizeof(float));
-  }
-  for (size_t i = 0; i < numels_.size(); ++i) {
-    for (int k = 0; k < num_slots_; ++k, ++a) {
-      if (static_cast<int64_t>(c.arrays[a].size()) != numels_[i]) {
-        return absl::FailedPreconditionError(
-            absl::StrCat("allreduce: checkpoint ", checkpoint_path_, " has bad optimizer slots"));
-      }
-      slots_[i][k] = c.arrays[a];
-    }
-  }
-  return absl::OkStatus();
-}
-
 absl::StatusOr<int64_t> AllreduceMode::Resume() {
   if (spec_.checkpoint().every_steps() <= 0) return 0;
   std::vector<RankCheckpoint> available = ReadAvailableCheckpoints(checkpoint_path_);
   std::string mine;
   for (const RankCheckpoint& c : available) {
-    if (c.arrays.size() != numels_.size() * (1 + num_slots_)) continue;  // Another model.
+    if (!updater_->Fits(c)) continue;  // Another model.
     absl::StrAppend(&mine, mine.empty() ? "" : ",", c.step);
   }
   absl::StatusOr<std::vector<std::string>> gathered = collective_->Allgather(mine);
@@ -150,7 +125,7 @@ absl::StatusOr<int64_t> AllreduceMode::Resume() {
     if (c.step == first_step) use = &c;
   }
   if (use == nullptr) return absl::InternalError("allreduce: chosen checkpoint vanished");
-  RETURN_IF_ERROR(Restore(*use));
+  RETURN_IF_ERROR(updater_->Restore(*use, checkpoint_path_));
   LogInfo(options_.logger, "resuming",
           {Kv("job", spec_.name()), Kv("rank", options_.rank), Kv("step", first_step),
            Kv("checkpoint", checkpoint_path_)});
@@ -158,33 +133,32 @@ absl::StatusOr<int64_t> AllreduceMode::Resume() {
 }
 
 absl::StatusOr<int64_t> AllreduceMode::Start(ModelView* model, const LoopInfo& info) {
-  model_ = model;
   total_ = info.total_steps;
-  for (absl::Span<float> p : model->params) numels_.push_back(static_cast<int64_t>(p.size()));
   // The optimizer runs here, on every rank, on the averaged gradient: one update per step.
-  optimizer_spec_ = WithDecayUpdates(spec_.optimizer(), total_);
-  ASSIGN_OR_RETURN(optimizer_, OptimizerRegistry::WithBuiltins().Create(optimizer_spec_));
-  num_slots_ = optimizer_->num_slots();
-  slot_ptrs_.resize(num_slots_);
-  for (int64_t n : numels_) slots_.emplace_back(num_slots_, std::vector<float>(n, 0.0f));
+  ASSIGN_OR_RETURN(updater_, ModelUpdater::Create(model->params, model->names, model->num_params,
+                                                  WithDecayUpdates(spec_.optimizer(), total_)));
 
   CollectiveContext ctx;
   ctx.job = spec_.name();
   ctx.rank = options_.rank;
   ctx.peers = options_.peers;
+  ctx.rpc = options_.peer_rpc;
   ctx.local = local_;
+  ctx.job_token = options_.job_token;
   ctx.timeout =
       absl::Seconds(spec_.allreduce().timeout_s() > 0 ? spec_.allreduce().timeout_s() : 30);
   ctx.transport = spec_.allreduce().transport().empty() ? "tcp" : spec_.allreduce().transport();
   ASSIGN_OR_RETURN(collective_, CollectiveRegistry::WithBuiltins().Create(
                                     ResolveBackend(spec_.allreduce().backend()), ctx));
   RETURN_IF_ERROR(Handshake());
-  checkpoint_path_ = CheckpointPath(
-      spec_.checkpoint().dir().empty() ? options_.checkpoint_dir : spec_.checkpoint().dir(),
-      spec_.name(), options_.rank);
+  ASSIGN_OR_RETURN(checkpoint_path_,
+                   CheckpointPath(spec_.checkpoint().dir().empty() ? options_.checkpoint_dir
+                                                                   : spec_.checkpoint().dir(),
+                                  spec_.name(), options_.rank));
   ASSIGN_OR_RETURN(const int64_t first_step, Resume());
   reducer_ =
-      std::make_unique<BucketReducer>(collective_.get(), numels_, spec_.allreduce().bucket_bytes());
+      std::make_unique<BucketReducer>(collective_.get(), updater_->numels(),
+                                      spec_.allreduce().bucket_bytes(), updater_->num_params());
   return first_step;
 }
 
@@ -197,18 +171,9 @@ std::vector<LogField> AllreduceMode::StartFields() const {
 absl::StatusOr<StepOutcome> AllreduceMode::Exchange(int64_t step,
                                                     absl::Span<const absl::Span<const float>> grads,
                                                     double loss, const StepTiming& timing) {
-  // Same update on every rank, from bit-identical averaged gradients, applied piece by piece
-  // as the all-reduce finishes them (the optimizers are elementwise).
-  const float lr_factor = LrScheduleFactor(optimizer_spec_, step);
-  RETURN_IF_ERROR(
-      Annotate(reducer_->FinishStep([&](int p, int64_t begin, absl::Span<const float> grad) {
-        const absl::Time o0 = absl::Now();
-        for (int k = 0; k < num_slots_; ++k) slot_ptrs_[k] = slots_[p][k].data() + begin;
-        optimizer_->Apply(step + 1, lr_factor, grad.data(), model_->params[p].data() + begin,
-                          slot_ptrs_.data(), static_cast<int64_t>(grad.size()));
-        opt_s_ += SecondsSince(o0);
-      }),
-               "allreduce"));
+  // Parameters: the optimizer on the mean gradient; buffers: before + mean delta
+  // (model_updater.h).
+  RETURN_IF_ERROR(Annotate(updater_->FinishStep(reducer_.get(), step, grads), "allreduce"));
   const std::array<float, BucketReducer::kExtras> extras = reducer_->extras();
   StepOutcome out;
   out.stop = extras[0] > 0;
@@ -219,12 +184,7 @@ absl::StatusOr<StepOutcome> AllreduceMode::Exchange(int64_t step,
 absl::StatusOr<bool> AllreduceMode::MaybeCheckpoint(int64_t steps_done) {
   const int64_t every = spec_.checkpoint().every_steps();
   if (every <= 0 || steps_done % every != 0) return false;
-  std::vector<absl::Span<const float>> arrays;
-  for (absl::Span<float> p : model_->params) arrays.emplace_back(p);
-  for (size_t i = 0; i < numels_.size(); ++i) {
-    for (int k = 0; k < num_slots_; ++k) arrays.emplace_back(slots_[i][k]);
-  }
-  RETURN_IF_ERROR(WriteCheckpoint(checkpoint_path_, steps_done, arrays));
+  RETURN_IF_ERROR(WriteCheckpoint(checkpoint_path_, steps_done, updater_->CheckpointArrays()));
   LogInfo(options_.logger, "checkpoint",
           {Kv("job", spec_.name()), Kv("rank", options_.rank), Kv("step", steps_done),
            Kv("path", checkpoint_path_)});
@@ -234,7 +194,7 @@ absl::StatusOr<bool> AllreduceMode::MaybeCheckpoint(int64_t steps_done) {
 std::vector<LogField> AllreduceMode::ProgressFields(int64_t done, int64_t window) {
   const double comm_busy = reducer_->comm_seconds();
   std::vector<LogField> f = {
-      Kv("opt_ms", absl::StrFormat("%.1f", 1e3 * opt_s_ / done)),
+      Kv("opt_ms", absl::StrFormat("%.1f", 1e3 * updater_->optimizer_seconds() / done)),
       Kv("allreduce_ms",
          absl::StrFormat("%.1f", 1e3 * (comm_busy - comm_busy_at_window_) / window))};
   comm_busy_at_window_ = comm_busy;

@@ -10,25 +10,35 @@
 
 namespace gradmesh {
 
-std::vector<GradBucket> AssignBuckets(const std::vector<int64_t>& numels, int64_t bucket_bytes) {
+std::vector<GradBucket> AssignBuckets(const std::vector<int64_t>& numels, int64_t bucket_bytes,
+                                      int num_params) {
+  const int n = static_cast<int>(numels.size());
+  if (num_params < 0 || num_params > n) num_params = n;
   std::vector<GradBucket> out;
   GradBucket cur;
-  for (int i = static_cast<int>(numels.size()) - 1; i >= 0; --i) {
+  auto add = [&](int i) {
     cur.params.push_back(i);
     cur.elements += numels[i];
     if (bucket_bytes > 0 && cur.elements * static_cast<int64_t>(sizeof(float)) >= bucket_bytes) {
       out.push_back(std::move(cur));
       cur = GradBucket();
     }
+  };
+  for (int i = num_params - 1; i >= 0; --i) add(i);
+  // Buffers never share a bucket with parameters: their deltas arrive only after backward.
+  if (!cur.params.empty()) {
+    out.push_back(std::move(cur));
+    cur = GradBucket();
   }
+  for (int i = num_params; i < n; ++i) add(i);
   if (!cur.params.empty() || out.empty()) out.push_back(std::move(cur));
   return out;
 }
 
 BucketReducer::BucketReducer(Collective* collective, const std::vector<int64_t>& numels,
-                             int64_t bucket_bytes)
+                             int64_t bucket_bytes, int num_params)
     : collective_(collective),
-      buckets_(AssignBuckets(numels, bucket_bytes)),
+      buckets_(AssignBuckets(numels, bucket_bytes, num_params)),
       bucket_of_(numels.size()),
       offset_(numels.size()),
       numel_(numels),

@@ -14,6 +14,12 @@
 // with it the last bucket's all-reduce (the first layer's gradient, which backward produces
 // last) is no longer followed by a full optimizer pass.
 //
+// Buffers (BatchNorm running statistics, ...; see ModelView) ride along: entries
+// [num_params, size) of `numels` are the buffers' per-step deltas, which the trainer hands to
+// ParamReady after backward (in Exchange). They get bucket(s) of their own AFTER every
+// parameter bucket, so a buffer never holds back a parameter bucket: the parameters' buckets
+// still overlap backward, and the buffers' all-reduce follows the last of them.
+//
 // Per step the last bucket also carries `extras` (two floats the trainer sets before
 // backward: a stop vote and the loss), summed but not scaled, so every rank learns whether
 // any rank wants to stop and the mean loss, without an extra round trip.
@@ -42,21 +48,28 @@
 namespace gradmesh {
 
 struct GradBucket {
-  std::vector<int> params;  // Parameter indices, in the order they sit in the bucket.
+  std::vector<int> params;  // Entry indices, in the order they sit in the bucket.
   int64_t elements = 0;     // Sum of their sizes.
 };
 
-// Buckets of consecutive parameters taken from the last to the first; a bucket is closed
-// once it holds >= bucket_bytes (so one large parameter makes a bucket of its own).
-// bucket_bytes <= 0 puts everything in one bucket. Every parameter is in exactly one bucket.
-std::vector<GradBucket> AssignBuckets(const std::vector<int64_t>& numels, int64_t bucket_bytes);
+// Buckets of consecutive parameters [0, num_params) taken from the last to the first; a
+// bucket is closed once it holds >= bucket_bytes (so one large parameter makes a bucket of its
+// own). Then the buffers [num_params, numels.size()), first to last, in buckets of their own
+// formed by the same rule. bucket_bytes <= 0 puts all parameters in one bucket (and all
+// buffers in one more). num_params < 0 or > numels.size(): every entry is a parameter.
+// Every entry is in exactly one bucket.
+std::vector<GradBucket> AssignBuckets(const std::vector<int64_t>& numels, int64_t bucket_bytes,
+                                      int num_params = -1);
 
 class BucketReducer {
  public:
   static constexpr int kExtras = 2;
 
-  // `collective` (not owned) must outlive the reducer. Starts the communication thread.
-  BucketReducer(Collective* collective, const std::vector<int64_t>& numels, int64_t bucket_bytes);
+  // `collective` (not owned) must outlive the reducer. `numels`: every entry's size, the
+  // parameters [0, num_params) then the buffers (num_params < 0: no buffers). Starts the
+  // communication thread.
+  BucketReducer(Collective* collective, const std::vector<int64_t>& numels, int64_t bucket_bytes,
+                int num_params = -1);
   ~BucketReducer();  // Stop().
 
   // Stops the communication thread after the bucket in flight, if any; no collective is
@@ -69,9 +82,9 @@ class BucketReducer {
   // Begins a step: every parameter becomes pending; `extras` ride on the last bucket.
   void StartStep(std::array<float, kExtras> extras);
 
-  // Copies parameter `param`'s gradient (`n` floats, its numel) into its bucket; launches the
-  // bucket when complete. A second call for the same parameter in one step adds to the
-  // first (a parameter used twice).
+  // Copies entry `param`'s gradient (`n` floats, its numel; for a buffer: its delta) into its
+  // bucket; launches the bucket when complete. A second call for the same entry in one step
+  // adds to the first (a parameter used twice).
   void ParamReady(int param, const float* grad, int64_t n);
 
   // Launches the rest (zeros for parameters without a gradient), waits for every bucket.

@@ -31,6 +31,33 @@ TEST(AssignBucketsTest, ReverseOrderClosedAtBucketBytes) {
   EXPECT_EQ(b[0].params, (std::vector<int>{2, 1, 0}));
 }
 
+TEST(AssignBucketsTest, BuffersGetBucketsOfTheirOwnAfterTheParameters) {
+  // Parameters 0..2 from the last: 300 elements close a bucket, then 50 + 100. The buffers
+  // 3 and 4 (never mixed with parameters: their deltas come after backward) follow, first
+  // to last, in a bucket of their own although 30 elements are below bucket_bytes.
+  std::vector<GradBucket> b = AssignBuckets({100, 50, 300, 10, 20}, 400, 3);
+  ASSERT_EQ(b.size(), 3u);
+  EXPECT_EQ(b[0].params, (std::vector<int>{2}));
+  EXPECT_EQ(b[1].params, (std::vector<int>{1, 0}));
+  EXPECT_EQ(b[2].params, (std::vector<int>{3, 4}));
+  EXPECT_EQ(b[2].elements, 30);
+  // Buffers are bucketed by the same rule.
+  b = AssignBuckets({10, 200, 300}, 400, 1);
+  ASSERT_EQ(b.size(), 3u);
+  EXPECT_EQ(b[0].params, (std::vector<int>{0}));
+  EXPECT_EQ(b[1].params, (std::vector<int>{1}));
+  EXPECT_EQ(b[2].params, (std::vector<int>{2}));
+  // bucket_bytes 0: one bucket of parameters, one of buffers.
+  b = AssignBuckets({10, 1000, 5}, 0, 2);
+  ASSERT_EQ(b.size(), 2u);
+  EXPECT_EQ(b[0].params, (std::vector<int>{1, 0}));
+  EXPECT_EQ(b[1].params, (std::vector<int>{2}));
+  // No parameters (num_params 0) or no buffers (num_params = size or -1).
+  EXPECT_EQ(AssignBuckets({4, 4}, 0, 0).size(), 1u);
+  EXPECT_EQ(AssignBuckets({4, 4}, 0, 2)[0].params, (std::vector<int>{1, 0}));
+  EXPECT_EQ(AssignBuckets({4, 4}, 0, -1)[0].params, (std::vector<int>{1, 0}));
+}
+
 TEST(BucketReducerTest, AveragesGradientsSumsExtrasZeroFillsMissing) {
   constexpr int n = 3;
   const std::vector<int64_t> numels = {5, 7, 3};

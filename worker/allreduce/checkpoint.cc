@@ -10,6 +10,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/checkpoint.h"
+#include "common/job_name.h"
+#include "common/safe_path.h"
+#include "common/status.h"
 
 namespace gradmesh {
 namespace {
@@ -38,7 +41,7 @@ absl::StatusOr<ckpt::Checkpoint> ParseLegacy(const std::string& path, const std:
   size_t at = sizeof(kLegacyMagic);
   auto get = [&](void* out, size_t len) {
     if (len > data.size() - 4 - at) return false;
-    std::memcpy(out, data.data() + at, len);
+    if (len > 0) std::memcpy(out, data.data() + at, len);  // a 0-length array has no buffer
     at += len;
     return true;
   };
@@ -96,8 +99,14 @@ absl::StatusOr<int64_t> CheckHeader(const ckpt::CheckpointHeader& h) {
 
 }  // namespace
 
-std::string CheckpointPath(const std::string& dir, const std::string& job, int rank) {
-  return absl::StrCat(dir, "/", job, "/rank-", rank, ".ckpt");
+absl::StatusOr<std::string> CheckpointPath(const std::string& dir, const std::string& job,
+                                           int rank) {
+  RETURN_IF_ERROR(CheckName("checkpoint: job", job));
+  if (rank < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("checkpoint: rank ", rank, " is negative"));
+  }
+  ASSIGN_OR_RETURN(const std::string job_dir, JoinUnder(dir, job));
+  return JoinUnder(job_dir, absl::StrCat("rank-", rank, ".ckpt"));
 }
 
 absl::Status WriteCheckpoint(const std::string& path, int64_t step,

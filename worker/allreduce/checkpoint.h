@@ -1,5 +1,6 @@
 // Per-rank checkpoints of mode "allreduce": <dir>/<job>/rank-<r>.ckpt holds the step, the
-// parameters and the optimizer slots of one rank, as float32 arrays.
+// parameters, the buffers and the parameters' optimizer slots of one rank, as float32 arrays
+// (the layout is ModelUpdater's, model_updater.h).
 //
 // File format: common/checkpoint.h, kind "allreduce"; metadata "step" (int64); float32 arrays
 // "a0", "a1", ... in the caller's order. Written atomically: a temporary file in the same
@@ -27,11 +28,13 @@ namespace gradmesh {
 
 struct RankCheckpoint {
   int64_t step = 0;
-  std::vector<std::vector<float>> arrays;  // Parameters, then optimizer slots.
+  std::vector<std::vector<float>> arrays;  // Parameters, buffers, then optimizer slots.
 };
 
-// <dir>/<job>/rank-<rank>.ckpt
-std::string CheckpointPath(const std::string& dir, const std::string& job, int rank);
+// <dir>/<job>/rank-<rank>.ckpt. INVALID_ARGUMENT when `job` breaks the name rule
+// (common/job_name.h) or the path would leave `dir` (common/safe_path.h), or rank < 0.
+absl::StatusOr<std::string> CheckpointPath(const std::string& dir, const std::string& job,
+                                           int rank);
 
 // Creates the directory if needed. INTERNAL (naming the path and errno) on I/O errors.
 absl::Status WriteCheckpoint(const std::string& path, int64_t step,

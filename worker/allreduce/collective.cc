@@ -94,7 +94,9 @@ absl::StatusOr<std::unique_ptr<RingTransport>> ConnectGrpcRing(const CollectiveC
   o.job = c.job;
   o.rank = c.rank;
   o.peers = c.peers;
+  o.rpc = c.rpc;
   o.local = c.local;
+  o.job_token = c.job_token;
   o.close_timeout = c.timeout;
   return NewGrpcRingTransport(o);
 }

@@ -43,6 +43,7 @@
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "common/registry.h"
+#include "rpc/rpc_options.h"
 #include "worker/allreduce/ring.h"
 
 namespace gradmesh {
@@ -78,8 +79,12 @@ class Collective {
 struct CollectiveContext {
   std::string job;
   int rank = 0;
-  std::vector<std::string> peers;              // Every rank's peer-service address.
-  CollectiveServiceImpl* local = nullptr;      // This process's CollectiveService; not owned.
+  std::vector<std::string> peers;          // Every rank's peer-service address.
+  RpcOptions rpc;                          // Channels to the peers (limits, TLS).
+  CollectiveServiceImpl* local = nullptr;  // This process's CollectiveService; not owned.
+  // The job's token, carried by every ring stream and required from the previous rank's
+  // (grpc_ring.h; the TCP ring's rendezvous runs over that ring). Empty: none (open).
+  std::string job_token;
   absl::Duration timeout = absl::Seconds(30);  // Longest wait for a peer.
   // Ring: what carries the ring's bytes, a name in RingTransportsWithBuiltins(). Empty:
   // "tcp".

@@ -8,11 +8,14 @@
 #include "worker/allreduce/collective_service.h"
 
 #include <deque>
+#include <optional>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/job_name.h"
 #include "common/status.h"
 #include "rpc/grpc_status.h"
+#include "worker/core/peer_token.h"
 
 namespace gradmesh {
 namespace {
@@ -141,6 +144,13 @@ absl::Status ParseRingChunk(const grpc::ByteBuffer& buffer, RingChunk* header,
   return absl::OkStatus();
 }
 
+// The ring's job: a job name (common/job_name.h), optionally followed by "/<sub-ring>" (the
+// hierarchical backend's "/host:<host>" and "/leaders").
+absl::Status CheckRingJob(const std::string& job) {
+  const absl::string_view name = absl::string_view(job).substr(0, job.find('/'));
+  return CheckName("ring chunk: job", name);
+}
+
 std::string StreamName(const RingChunk& h) {
   return absl::StrCat("stream from rank ", h.from_rank(), " to rank ", h.to_rank(), " of job ",
                       h.job(), " (world size ", h.world_size(), ")");
@@ -151,13 +161,18 @@ std::string StreamName(const RingChunk& h) {
 // Fields other than the constants are guarded by the service's mu_.
 class CollectiveServiceImpl::Inbox {
  public:
-  Inbox(std::string job, int rank, int world_size, std::string prev_name)
-      : job(std::move(job)), rank(rank), world_size(world_size), prev_name(std::move(prev_name)) {}
+  Inbox(std::string job, int rank, int world_size, std::string prev_name, std::string token)
+      : job(std::move(job)),
+        rank(rank),
+        world_size(world_size),
+        prev_name(std::move(prev_name)),
+        token(std::move(token)) {}
 
   const std::string job;
   const int rank;
   const int world_size;
   const std::string prev_name;
+  const std::string token;  // The job token a stream must present; empty: any.
 
   std::deque<RingMessage> queue;
   int64_t queued_bytes = 0;
@@ -178,6 +193,10 @@ class CollectiveServiceImpl::RingReader final : public grpc::ServerReadReactor<g
   RingReader(CollectiveServiceImpl* service, grpc::CallbackServerContext* context,
              grpc::ByteBuffer* response)
       : service_(service), context_(context), response_(response) {
+    const auto& md = context->client_metadata();
+    if (auto it = md.find(kJobTokenMetadata); it != md.end()) {
+      token = std::string(it->second.data(), it->second.size());
+    }
     reading = true;  // No other thread knows this reader yet.
     StartRead(&buffer);
   }
@@ -246,6 +265,7 @@ class CollectiveServiceImpl::RingReader final : public grpc::ServerReadReactor<g
   RingMessage held_payload;
   uint64_t chunks = 0, bytes = 0;
   grpc::ByteBuffer buffer;
+  std::optional<std::string> token;  // The call's job token metadata; constant after creation.
 
  private:
   CollectiveServiceImpl* const service_;
@@ -274,12 +294,19 @@ CollectiveServiceImpl::Next CollectiveServiceImpl::Deliver(RingReader* reader, R
   if (reader->finishing) return Next::kWait;  // Cancelled meanwhile: OnCancel finished it.
   if (!reader->has_first) {
     const int ws = header.world_size();
+    if (absl::Status st = CheckRingJob(header.job()); !st.ok()) return finish(st);
     if (header.job().empty() || ws <= 0 || header.from_rank() < 0 || header.from_rank() >= ws ||
-        header.to_rank() != (header.from_rank() + 1) % ws) {
+        header.to_rank() < 0 || header.to_rank() >= ws) {
       return finish(absl::InvalidArgumentError(
           absl::StrCat("ring chunk: bad identity: ", StreamName(header),
-                       " (needs a job name, world_size > 0, from_rank in [0, world_size) "
-                       "and to_rank = (from_rank + 1) mod world_size)")));
+                       " (needs a job name, world_size > 0, from_rank and to_rank in "
+                       "[0, world_size))")));
+    }
+    if (header.to_rank() != (header.from_rank() + 1) % ws) {
+      // A rank claiming to feed a rank it does not precede in the ring.
+      return finish(absl::PermissionDeniedError(absl::StrCat(
+          "ring: ", StreamName(header), " refused: only rank ", (header.to_rank() + ws - 1) % ws,
+          " (its predecessor in the ring) feeds rank ", header.to_rank())));
     }
     reader->has_first = true;
     reader->first = header;
@@ -346,6 +373,14 @@ CollectiveServiceImpl::Next CollectiveServiceImpl::AttachLocked(RingReader* read
   if (inbox->closed) {
     return finish(absl::FailedPreconditionError(
         absl::StrCat("ring: rank ", inbox->rank, " of job ", inbox->job, " has closed its inbox")));
+  }
+  std::optional<absl::string_view> presented;
+  if (reader->token.has_value()) presented = *reader->token;
+  if (absl::Status st = CheckPeerToken(
+          inbox->token, presented,
+          absl::StrCat("ring: ", StreamName(header), " refused by rank ", inbox->rank));
+      !st.ok()) {
+    return finish(st);
   }
   if (inbox->connected) {
     return finish(absl::FailedPreconditionError(
@@ -449,7 +484,8 @@ void CollectiveServiceImpl::StreamDone(RingReader* reader) {
 }
 
 absl::StatusOr<std::shared_ptr<CollectiveServiceImpl::Inbox>> CollectiveServiceImpl::OpenInbox(
-    const std::string& job, int rank, int world_size, const std::string& prev_name) {
+    const std::string& job, int rank, int world_size, const std::string& prev_name,
+    const std::string& job_token) {
   std::vector<std::pair<RingReader*, Next>> actions;
   std::shared_ptr<Inbox> inbox;
   {
@@ -459,7 +495,7 @@ absl::StatusOr<std::shared_ptr<CollectiveServiceImpl::Inbox>> CollectiveServiceI
       return absl::AlreadyExistsError(
           absl::StrCat("ring: rank ", rank, " of job ", job, " already has an open inbox here"));
     }
-    inbox = std::make_shared<Inbox>(job, rank, world_size, prev_name);
+    inbox = std::make_shared<Inbox>(job, rank, world_size, prev_name, job_token);
     inboxes_[key] = inbox;
     auto range = held_.equal_range(key);
     std::vector<RingReader*> waiting;

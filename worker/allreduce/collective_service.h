@@ -16,6 +16,19 @@
 // second stream for an inbox that already has one ends with FAILED_PRECONDITION (the inbox's
 // timeout errors then mention it); too many held streams, RESOURCE_EXHAUSTED.
 //
+// Authentication (worker/core/peer_token.h): an inbox opened with the job's token accepts only
+// a stream whose call carries it (metadata `x-gradmesh-job-token`), compared in constant time
+// when the stream would be attached (at once, or when the inbox opens for a held stream):
+// none is UNAUTHENTICATED, another token (a stranger, a rank of another job) PERMISSION_DENIED.
+// A refused stream is never attached: the inbox stays unconnected, its queue and sequence
+// untouched, so the real previous rank still gets it (only the inbox's "a stream was refused"
+// note, shown in its timeout error, records the refusal). An inbox opened without a token is
+// open. The ring chunk's job must start with a valid job name (common/job_name.h; sub-rings
+// add "/..."), else INVALID_ARGUMENT. A stream from a rank to a rank it does not precede in
+// the ring (to_rank != from_rank + 1 mod world_size) is PERMISSION_DENIED. Ranks of one job
+// share its token, so a rank of the same job that lies about its own from_rank is not told
+// apart by the token (the shared-token trust boundary is the job).
+//
 // Thread safety: all methods may be called from any thread; one mutex guards every inbox
 // and stream. Receive() blocks (up to its deadline); nothing else does.
 #ifndef GRADMESH_WORKER_ALLREDUCE_COLLECTIVE_SERVICE_H_
@@ -64,8 +77,10 @@ class CollectiveServiceImpl final
   // Opens the inbox of rank `rank` of `job` in a ring of `world_size`, fed by `prev_name`
   // (for error messages, e.g. "rank 0 (127.0.0.1:7101)"). A held stream for it is attached.
   // ALREADY_EXISTS if that inbox is open.
+  // Only streams carrying `job_token` are attached (empty: any).
   absl::StatusOr<std::shared_ptr<Inbox>> OpenInbox(const std::string& job, int rank, int world_size,
-                                                   const std::string& prev_name);
+                                                   const std::string& prev_name,
+                                                   const std::string& job_token = "");
 
   // Closes `inbox`: queued chunks are dropped, its stream (if any) is ended with
   // FAILED_PRECONDITION when it sends more, and Receive on it fails with CANCELLED.

@@ -15,6 +15,7 @@
 #include "absl/synchronization/notification.h"
 #include "common/status.h"
 #include "rpc/grpc_status.h"
+#include "worker/core/peer_token.h"
 
 namespace gradmesh {
 namespace {
@@ -43,12 +44,13 @@ void KeepNothing(void*) {}
 class OutLink final : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
  public:
   OutLink(std::shared_ptr<grpc::Channel> channel, std::string peer_name,
-          std::function<void(const absl::Status&)> on_failure)
+          const std::string& job_token, std::function<void(const absl::Status&)> on_failure)
       : channel_(std::move(channel)),
         stub_(channel_),
         peer_name_(std::move(peer_name)),
         on_failure_(std::move(on_failure)) {
     context_.set_wait_for_ready(true);
+    if (!job_token.empty()) context_.AddMetadata(kJobTokenMetadata, job_token);
     stub_.PrepareBidiStreamingCall(&context_, RingMethod(), grpc::StubOptions(), this);
     StartRead(&ack_);
     StartCall();
@@ -170,9 +172,12 @@ class OutLink final : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc::Byt
   // Records the first failure and reports it (the callback only takes the service lock).
   void Fail(absl::Status st) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (!error_.ok()) return;
-    // A link error means the peer is unreachable or gone: UNAVAILABLE unless it timed out.
+    // A link error means the peer is unreachable or gone: UNAVAILABLE unless it timed out
+    // or refused this rank's job token (a configuration error, kept as such).
     if (st.code() != absl::StatusCode::kDeadlineExceeded &&
-        st.code() != absl::StatusCode::kUnavailable) {
+        st.code() != absl::StatusCode::kUnavailable &&
+        st.code() != absl::StatusCode::kUnauthenticated &&
+        st.code() != absl::StatusCode::kPermissionDenied) {
       st = absl::UnavailableError(st.message());
     }
     error_ = st;
@@ -213,7 +218,7 @@ class GrpcRingTransport final : public RingTransport {
       CollectiveServiceImpl* local = options_.local;
       std::shared_ptr<CollectiveServiceImpl::Inbox> in = inbox_;
       link_ = std::make_unique<OutLink>(
-          MakeChannel(options_.peers[next], options_.rpc), PeerName(next),
+          MakeChannel(options_.peers[next], options_.rpc), PeerName(next), options_.job_token,
           [local, in](const absl::Status& st) { local->FailInbox(in, st); });
     }
   }
@@ -314,7 +319,8 @@ absl::StatusOr<std::unique_ptr<RingTransport>> NewGrpcRingTransport(
   ASSIGN_OR_RETURN(
       std::shared_ptr<CollectiveServiceImpl::Inbox> inbox,
       options.local->OpenInbox(options.job, options.rank, n,
-                               absl::StrCat("rank ", prev, " (", options.peers[prev], ")")));
+                               absl::StrCat("rank ", prev, " (", options.peers[prev], ")"),
+                               options.job_token));
   return std::unique_ptr<RingTransport>(new GrpcRingTransport(options, std::move(inbox)));
 }
 

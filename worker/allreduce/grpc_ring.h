@@ -46,6 +46,9 @@ struct GrpcRingOptions {
   std::vector<std::string> peers;  // host:port of every rank's CollectiveService, rank order.
   CollectiveServiceImpl* local = nullptr;  // This process's service (serving peers[rank]).
   RpcOptions rpc;                          // Channel limits (message size must fit a segment).
+  // The job's token: sent on the stream to the next rank (metadata x-gradmesh-job-token) and
+  // required from the previous rank's stream (collective_service.h). Empty: none.
+  std::string job_token;
   // Bound on waiting for the next rank's acknowledgement when the transport is destroyed.
   // Default 30 s.
   absl::Duration close_timeout = absl::Seconds(30);

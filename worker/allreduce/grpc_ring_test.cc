@@ -282,6 +282,9 @@ TEST_F(GrpcRingTest, BadStreamsAreRefusedAndTheJobCarriesOn) {
   bad.set_from_rank(0);
   bad.set_to_rank(0);  // Not (0 + 1) mod 2.
   bad.set_world_size(2);
+  EXPECT_STATUS_MSG(send({bad}), absl::StatusCode::kPermissionDenied,
+                    "only rank 1 (its predecessor in the ring) feeds rank 0");
+  bad.set_to_rank(2);  // Outside the ring.
   EXPECT_STATUS_MSG(send({bad}), absl::StatusCode::kInvalidArgument, "bad identity");
 
   // The real job: rank 1's inbox gets its stream from the real rank 0 first.

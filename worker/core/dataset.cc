@@ -18,6 +18,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "common/status.h"
+#include "worker/core/tensor_files.h"
 
 namespace gradmesh {
 namespace {
@@ -40,6 +41,8 @@ constexpr DatasetInfo kDatasets[] = {
     {"mnist", 0.1307f, 0.3081f, 10},
     {"fashion-mnist", 0.2860f, 0.3530f, 10},
 };
+// train*.pt / test*.pt files (worker/core/tensor_files.h).
+constexpr char kTensorsDataset[] = "tensors";
 
 // Closes the gzFile on every return path.
 class GzReader {
@@ -150,16 +153,6 @@ void MakeLut(float mean, float stddev, float lut[256]) {
   }
 }
 
-// Appends sample `index` of `images` to `batch`.
-void AppendSample(const ImageSet& images, const float lut[256], int64_t index, Batch* batch) {
-  const int64_t pixels = int64_t{images.rows} * images.cols;
-  const uint8_t* src = images.pixels.data() + index * pixels;
-  for (int64_t k = 0; k < pixels; ++k) batch->x.push_back(lut[src[k]]);
-  batch->y.push_back(images.labels[index]);
-  batch->indices.push_back(index);
-  ++batch->size;
-}
-
 std::string JoinPath(const std::string& dir, const std::string& name) {
   if (dir.empty()) return name;
   if (dir.back() == '/') return dir + name;
@@ -179,6 +172,48 @@ absl::StatusOr<std::string> FindIdxFile(const std::string& dir, const std::strin
   if (Exists(gz)) return gz;
   return absl::NotFoundError(absl::StrCat("neither ", plain, " nor ", gz, " exists"));
 }
+
+// An ImageSet as samples: x float32 [1, rows, cols] normalised through a table, y int64 [].
+class ImageSource : public ExampleSource {
+ public:
+  ImageSource(ImageSet images, float mean, float stddev, std::string description)
+      : images_(std::move(images)), description_(std::move(description)) {
+    MakeLut(mean, stddev, lut_);
+    x_.type = ElemType::kFloat32;
+    x_.dims = {1, images_.rows, images_.cols};
+    y_.type = ElemType::kInt64;
+  }
+
+  int64_t size() const override { return images_.size; }
+  const FieldMeta& x() const override { return x_; }
+  const FieldMeta& y() const override { return y_; }
+
+  absl::Status Read(int64_t i, uint8_t* x_out, uint8_t* y_out) const override {
+    if (i < 0 || i >= images_.size) {
+      return absl::OutOfRangeError(
+          absl::StrCat(description_, ": sample ", i, " out of range [0, ", images_.size, ")"));
+    }
+    const int64_t pixels = int64_t{images_.rows} * images_.cols;
+    const uint8_t* src = images_.pixels.data() + i * pixels;
+    for (int64_t k = 0; k < pixels; ++k) {
+      std::memcpy(x_out + k * sizeof(float), &lut_[src[k]], sizeof(float));
+    }
+    const int64_t label = images_.labels[i];
+    std::memcpy(y_out, &label, sizeof(label));
+    return absl::OkStatus();
+  }
+
+  std::string Describe() const override {
+    return absl::StrCat(description_, " (", images_.size, " images of ", images_.rows, "x",
+                        images_.cols, ")");
+  }
+
+ private:
+  const ImageSet images_;
+  const std::string description_;
+  float lut_[256];  // Normalised value of each pixel byte; written only in the constructor.
+  FieldMeta x_, y_;
+};
 
 }  // namespace
 
@@ -222,13 +257,13 @@ absl::StatusOr<ImageSet> LoadIdxPair(const std::string& images_path,
 }
 
 std::vector<std::string> KnownDatasets() {
-  std::vector<std::string> known;
+  std::vector<std::string> known = {kTensorsDataset};
   for (const DatasetInfo& d : kDatasets) known.push_back(d.name);
   std::sort(known.begin(), known.end());
   return known;
 }
 
-absl::StatusOr<DatasetFiles> LoadDataset(const std::string& name, const std::string& dir) {
+absl::StatusOr<DatasetFiles> LoadIdxDataset(const std::string& name, const std::string& dir) {
   const DatasetInfo* info = nullptr;
   std::vector<std::string> known;
   for (const DatasetInfo& d : kDatasets) {
@@ -238,7 +273,7 @@ absl::StatusOr<DatasetFiles> LoadDataset(const std::string& name, const std::str
   if (info == nullptr) {
     std::sort(known.begin(), known.end());
     return absl::InvalidArgumentError(absl::StrCat(
-        "unknown dataset \"", name, "\"; known datasets: ", absl::StrJoin(known, ", ")));
+        "unknown IDX dataset \"", name, "\"; known IDX datasets: ", absl::StrJoin(known, ", ")));
   }
   const std::string context = absl::StrCat("dataset ", name, " in ", dir);
   auto load = [&](const char* images_base, const char* labels_base) -> absl::StatusOr<ImageSet> {
@@ -273,28 +308,67 @@ absl::StatusOr<DatasetFiles> LoadDataset(const std::string& name, const std::str
   return files;
 }
 
-// ---------------------------------------------------------------------------------------------
-// BatchLoader
-
-absl::StatusOr<std::unique_ptr<BatchLoader>> BatchLoader::Create(const ImageSet* images, float mean,
-                                                                 float stddev,
-                                                                 const Options& options) {
-  if (images == nullptr) return absl::InvalidArgumentError("BatchLoader: null image set");
-  if (images->size <= 0 || images->rows <= 0 || images->cols <= 0) {
-    return absl::InvalidArgumentError(absl::StrCat("BatchLoader: empty image set (", images->size,
-                                                   " images of ", images->rows, "x", images->cols,
-                                                   ")"));
-  }
-  if (images->pixels.size() != static_cast<uint64_t>(images->size) * images->rows * images->cols ||
-      images->labels.size() != static_cast<uint64_t>(images->size)) {
+absl::StatusOr<std::unique_ptr<ExampleSource>> MakeImageSource(ImageSet images, float mean,
+                                                               float stddev,
+                                                               std::string description) {
+  if (images.size < 0 || (images.size > 0 && (images.rows <= 0 || images.cols <= 0)) ||
+      images.rows < 0 || images.cols < 0 ||
+      images.pixels.size() != static_cast<uint64_t>(images.size) * images.rows * images.cols ||
+      images.labels.size() != static_cast<uint64_t>(images.size)) {
     return absl::InvalidArgumentError(
-        absl::StrCat("BatchLoader: inconsistent image set: ", images->pixels.size(), " pixels and ",
-                     images->labels.size(), " labels for ", images->size, " images of ",
-                     images->rows, "x", images->cols));
+        absl::StrCat(description, ": inconsistent image set: ", images.pixels.size(),
+                     " pixels and ", images.labels.size(), " labels for ", images.size,
+                     " images of ", images.rows, "x", images.cols));
   }
   if (!std::isfinite(mean) || !std::isfinite(stddev) || !(stddev > 0)) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "BatchLoader: need a finite mean and stddev > 0, got mean=", mean, " stddev=", stddev));
+        description, ": need a finite mean and stddev > 0, got mean=", mean, " stddev=", stddev));
+  }
+  return std::make_unique<ImageSource>(std::move(images), mean, stddev, std::move(description));
+}
+
+absl::StatusOr<JobData> LoadDataset(const std::string& name, const std::string& dir) {
+  JobData data;
+  if (name == kTensorsDataset) {
+    const std::string context = absl::StrCat("dataset ", name, " in ", dir);
+    auto train = OpenTensorFiles(dir, "train");
+    if (!train.ok()) return Annotate(train.status(), context);
+    auto test = OpenTensorFiles(dir, "test");
+    if (!test.ok()) return Annotate(test.status(), context);
+    if ((*train)->x() != (*test)->x() || (*train)->y() != (*test)->y()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(context, ": training samples are x ", (*train)->x().Describe(), ", y ",
+                       (*train)->y().Describe(), " but test samples are x ",
+                       (*test)->x().Describe(), ", y ", (*test)->y().Describe()));
+    }
+    data.train = *std::move(train);
+    data.test = *std::move(test);
+    return data;
+  }
+  if (std::none_of(std::begin(kDatasets), std::end(kDatasets),
+                   [&](const DatasetInfo& d) { return name == d.name; })) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "unknown dataset \"", name, "\"; known datasets: ", absl::StrJoin(KnownDatasets(), ", ")));
+  }
+  ASSIGN_OR_RETURN(DatasetFiles files, LoadIdxDataset(name, dir));
+  ASSIGN_OR_RETURN(data.train, MakeImageSource(std::move(files.train), files.mean, files.stddev,
+                                               absl::StrCat(name, " ", dir, " train")));
+  ASSIGN_OR_RETURN(data.test, MakeImageSource(std::move(files.test), files.mean, files.stddev,
+                                              absl::StrCat(name, " ", dir, " test")));
+  data.num_classes = files.num_classes;
+  return data;
+}
+
+// ---------------------------------------------------------------------------------------------
+// BatchLoader
+
+absl::StatusOr<std::unique_ptr<BatchLoader>> BatchLoader::Create(const ExampleSource* source,
+                                                                 const Options& options) {
+  if (source == nullptr) return absl::InvalidArgumentError("BatchLoader: null source");
+  const int64_t size = source->size();
+  if (size <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("BatchLoader: empty source ", source->Describe()));
   }
   const Options& o = options;
   if (o.world_size <= 0 || o.rank < 0 || o.rank >= o.world_size) {
@@ -310,21 +384,29 @@ absl::StatusOr<std::unique_ptr<BatchLoader>> BatchLoader::Create(const ImageSet*
   }
   // Written to avoid overflowing batch_size * world_size.
   const int64_t steps_per_epoch =
-      o.batch_size > images->size / o.world_size ? 0 : images->size / (o.batch_size * o.world_size);
+      o.batch_size > size / o.world_size ? 0 : size / (o.batch_size * o.world_size);
   if (o.first_step < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("BatchLoader: first_step must be >= 0, got ", o.first_step));
   }
   if ((o.epochs > 0 || o.max_steps > 0) && steps_per_epoch == 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("BatchLoader: batch_size ", o.batch_size, " x world_size ", o.world_size,
-                     " exceeds the ", images->size, " images, so an epoch has no full batch"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "BatchLoader: batch_size ", o.batch_size, " x world_size ", o.world_size, " exceeds the ",
+        size, " samples of ", source->Describe(), ", so an epoch has no full batch"));
   }
   if (o.max_steps == 0 && steps_per_epoch > 0 &&
       o.epochs > std::numeric_limits<int64_t>::max() / steps_per_epoch) {
     return absl::InvalidArgumentError(absl::StrCat("BatchLoader: epochs ", o.epochs, " too large"));
   }
-  auto loader = absl::WrapUnique(new BatchLoader(images, mean, stddev, options, steps_per_epoch));
+  // A batch is at most all samples (batch_size * world_size <= size when any is produced);
+  // check its bytes fit anyway, as a source's sizes are only bounded by its files.
+  const int64_t sample_bytes = source->x().sample_bytes() + source->y().sample_bytes();
+  if ((o.epochs > 0 || o.max_steps > 0) && sample_bytes > 0 &&
+      o.batch_size > std::numeric_limits<int64_t>::max() / 2 / sample_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat("BatchLoader: batch_size ", o.batch_size, " of ",
+                                                   sample_bytes, "-byte samples"));
+  }
+  auto loader = absl::WrapUnique(new BatchLoader(source, options, steps_per_epoch));
   try {
     loader->thread_ = std::thread(&BatchLoader::Produce, loader.get());
   } catch (const std::system_error& e) {
@@ -334,14 +416,12 @@ absl::StatusOr<std::unique_ptr<BatchLoader>> BatchLoader::Create(const ImageSet*
   return loader;
 }
 
-BatchLoader::BatchLoader(const ImageSet* images, float mean, float stddev, const Options& options,
+BatchLoader::BatchLoader(const ExampleSource* source, const Options& options,
                          int64_t steps_per_epoch)
-    : images_(images),
+    : source_(source),
       options_(options),
       steps_per_epoch_(steps_per_epoch),
-      total_steps_(options.max_steps > 0 ? options.max_steps : options.epochs * steps_per_epoch_) {
-  MakeLut(mean, stddev, lut_);
-}
+      total_steps_(options.max_steps > 0 ? options.max_steps : options.epochs * steps_per_epoch_) {}
 
 BatchLoader::~BatchLoader() {
   {
@@ -367,18 +447,23 @@ std::vector<int64_t> BatchLoader::EpochPermutation(int64_t n, uint64_t seed, int
   return perm;
 }
 
-Batch BatchLoader::MakeBatch(const std::vector<int64_t>& perm, int64_t epoch, int64_t t,
-                             int64_t step) const {
+absl::StatusOr<Batch> BatchLoader::MakeBatch(const std::vector<int64_t>& perm, int64_t epoch,
+                                             int64_t t, int64_t step) const {
   const int64_t b = options_.batch_size;
   const int64_t w = options_.world_size;
+  const size_t xb = static_cast<size_t>(source_->x().sample_bytes());
+  const size_t yb = static_cast<size_t>(source_->y().sample_bytes());
   Batch batch;
   batch.epoch = epoch;
   batch.step = step;
-  batch.x.reserve(static_cast<size_t>(b) * images_->rows * images_->cols);
-  batch.y.reserve(b);
+  batch.size = b;
+  batch.x.resize(static_cast<size_t>(b) * xb);
+  batch.y.resize(static_cast<size_t>(b) * yb);
   batch.indices.reserve(b);
   for (int64_t j = 0; j < b; ++j) {
-    AppendSample(*images_, lut_, perm[(t * b + j) * w + options_.rank], &batch);
+    const int64_t index = perm[(t * b + j) * w + options_.rank];
+    RETURN_IF_ERROR(source_->Read(index, batch.x.data() + j * xb, batch.y.data() + j * yb));
+    batch.indices.push_back(index);
   }
   return batch;
 }
@@ -387,18 +472,26 @@ void BatchLoader::Produce() {
   // Resuming at first_step: skip whole epochs, then batches, without building them.
   int64_t step =
       steps_per_epoch_ == 0 ? 0 : options_.first_step - options_.first_step % steps_per_epoch_;
-  for (int64_t epoch = step / steps_per_epoch_; step < total_steps_; ++epoch) {
-    const std::vector<int64_t> perm = EpochPermutation(images_->size, options_.seed, epoch);
+  // (Not step / steps_per_epoch_ when an epoch has no step: a division by zero, UBSan saw it.)
+  const int64_t first_epoch = steps_per_epoch_ == 0 ? 0 : step / steps_per_epoch_;
+  for (int64_t epoch = first_epoch; step < total_steps_; ++epoch) {
+    const std::vector<int64_t> perm = EpochPermutation(source_->size(), options_.seed, epoch);
     for (int64_t t = 0; t < steps_per_epoch_ && step < total_steps_; ++t, ++step) {
       if (step < options_.first_step) continue;
       // Built outside the lock so the consumer can keep taking batches meanwhile.
-      Batch batch = MakeBatch(perm, epoch, t, step);
+      absl::StatusOr<Batch> batch = MakeBatch(perm, epoch, t, step);
       absl::MutexLock lock(&mu_);
+      if (!batch.ok()) {
+        status_ = Annotate(batch.status(), absl::StrCat("BatchLoader step ", step));
+        producer_done_ = true;
+        not_empty_.SignalAll();
+        return;
+      }
       while (!stop_ && queue_.size() >= static_cast<size_t>(options_.prefetch_depth)) {
         not_full_.Wait(&mu_);
       }
       if (stop_) return;
-      queue_.push_back(std::move(batch));
+      queue_.push_back(*std::move(batch));
       not_empty_.Signal();
     }
   }
@@ -417,21 +510,29 @@ std::optional<Batch> BatchLoader::Next() {
   return batch;
 }
 
-std::vector<Batch> MakeEvalBatches(const ImageSet& images, float mean, float stddev,
-                                   int64_t batch_size) {
-  std::vector<Batch> batches;
-  if (batch_size <= 0 || images.size <= 0) return batches;
-  float lut[256];
-  MakeLut(mean, stddev, lut);
-  for (int64_t start = 0; start < images.size; start += batch_size) {
-    const int64_t end = std::min(images.size, start + batch_size);
-    Batch batch;
-    batch.step = static_cast<int64_t>(batches.size());
-    batch.x.reserve(static_cast<size_t>(end - start) * images.rows * images.cols);
-    for (int64_t i = start; i < end; ++i) AppendSample(images, lut, i, &batch);
-    batches.push_back(std::move(batch));
+absl::Status BatchLoader::status() const {
+  absl::MutexLock lock(&mu_);
+  return status_;
+}
+
+absl::StatusOr<Batch> ReadBatch(const ExampleSource& source, int64_t begin, int64_t count) {
+  if (begin < 0 || count < 0 || begin > source.size() || count > source.size() - begin) {
+    return absl::OutOfRangeError(absl::StrCat("ReadBatch: samples [", begin, ", +", count,
+                                              ") not within the ", source.size(), " of ",
+                                              source.Describe()));
   }
-  return batches;
+  const size_t xb = static_cast<size_t>(source.x().sample_bytes());
+  const size_t yb = static_cast<size_t>(source.y().sample_bytes());
+  Batch batch;
+  batch.size = count;
+  batch.x.resize(static_cast<size_t>(count) * xb);
+  batch.y.resize(static_cast<size_t>(count) * yb);
+  batch.indices.reserve(count);
+  for (int64_t j = 0; j < count; ++j) {
+    RETURN_IF_ERROR(source.Read(begin + j, batch.x.data() + j * xb, batch.y.data() + j * yb));
+    batch.indices.push_back(begin + j);
+  }
+  return batch;
 }
 
 }  // namespace gradmesh

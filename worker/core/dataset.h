@@ -1,8 +1,9 @@
-// Image-classification data for workers: IDX file loading (MNIST, Fashion-MNIST), sharded
-// and shuffled mini-batches with a background prefetch thread, and evaluation batches.
+// Training data for workers: datasets by name (IDX image sets: mnist, fashion-mnist; .pt
+// tensor files: tensors), sharded and shuffled mini-batches of any ExampleSource
+// (worker/core/examples.h) with a background prefetch thread, and evaluation batches.
 //
-// This header deliberately does not include LibTorch: batches are plain std::vectors, and the
-// worker turns them into tensors (see worker/model.h).
+// This header deliberately does not include LibTorch: batches are raw bytes, and the worker
+// turns them into tensors (torch::from_blob with the source's FieldMeta).
 //
 // Sharding follows PyTorch's DistributedSampler. Every worker computes the same permutation of
 // the training set for each epoch (EpochPermutation), and worker `rank` of `world_size` takes
@@ -16,10 +17,10 @@
 // epoch, floor(size / (B*W)); the remaining size % (B*W) samples at the end of each epoch's
 // permutation are dropped (which samples those are changes from epoch to epoch).
 //
-// Error codes: a missing file is NOT_FOUND; any problem with a file's contents (bad magic
-// number, truncated or over-long data, corrupt gzip stream, image/label count mismatch, label
-// out of range) is INVALID_ARGUMENT; other I/O failures map errno to a code. Messages name the
-// file.
+// Error codes of the IDX loaders: a missing file is NOT_FOUND; any problem with a file's contents
+// (bad magic number, truncated or over-long data, corrupt gzip stream, image/label count mismatch,
+// label out of range) is INVALID_ARGUMENT; other I/O failures map errno to a code. Messages name
+// the file.
 #ifndef GRADMESH_WORKER_DATASET_H_
 #define GRADMESH_WORKER_DATASET_H_
 
@@ -35,6 +36,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "worker/core/examples.h"
 
 namespace gradmesh {
 
@@ -54,7 +56,7 @@ struct ImageSet {
 absl::StatusOr<ImageSet> LoadIdxPair(const std::string& images_path,
                                      const std::string& labels_path);
 
-// The training and test sets of a dataset, with the per-pixel normalisation constants
+// The training and test sets of an IDX dataset, with the per-pixel normalisation constants
 // (applied to pixel / 255) and the number of classes.
 struct DatasetFiles {
   ImageSet train;
@@ -64,34 +66,45 @@ struct DatasetFiles {
   int num_classes = 0;
 };
 
-// Loads dataset `name` ("mnist" or "fashion-mnist"; anything else is INVALID_ARGUMENT) from
-// directory `dir`, which must hold train-images-idx3-ubyte, train-labels-idx1-ubyte,
+// Loads IDX dataset `name` ("mnist" or "fashion-mnist"; anything else is INVALID_ARGUMENT)
+// from directory `dir`, which must hold train-images-idx3-ubyte, train-labels-idx1-ubyte,
 // t10k-images-idx3-ubyte and t10k-labels-idx1-ubyte, each optionally with a ".gz" suffix (the
 // plain file wins if both exist). Also checks that train and test images have the same
 // dimensions and that every label is below num_classes (INVALID_ARGUMENT otherwise).
-absl::StatusOr<DatasetFiles> LoadDataset(const std::string& name, const std::string& dir);
+absl::StatusOr<DatasetFiles> LoadIdxDataset(const std::string& name, const std::string& dir);
 
-// Names LoadDataset() accepts, sorted.
+// An image set as an ExampleSource: sample i is x float32 [1, rows, cols] with values
+// (pixel / 255 - mean) / stddev (computed in float, exactly as 256-entry table lookups) and
+// y int64 [] = label. INVALID_ARGUMENT if the set is inconsistent (pixel or label count not
+// matching size, rows or cols <= 0 with images) or stddev is not finite and > 0 or mean not
+// finite. `description` is what Describe() returns ("mnist /data/mnist train").
+absl::StatusOr<std::unique_ptr<ExampleSource>> MakeImageSource(ImageSet images, float mean,
+                                                               float stddev,
+                                                               std::string description);
+
+// Opens dataset `name` from directory `dir`:
+// * "mnist", "fashion-mnist": LoadIdxDataset, as image sources (num_classes 10);
+// * "tensors": OpenTensorFiles(dir, "train") and OpenTensorFiles(dir, "test")
+//   (worker/core/tensor_files.h; num_classes 0).
+// An unknown name is INVALID_ARGUMENT listing KnownDatasets(); other errors as those
+// functions return them, annotated with the dataset and dir.
+absl::StatusOr<JobData> LoadDataset(const std::string& name, const std::string& dir);
+
+// Names LoadDataset() accepts, sorted: "fashion-mnist", "mnist", "tensors".
 std::vector<std::string> KnownDatasets();
-
-// A mini-batch, normalised and ready to become tensors.
-struct Batch {
-  int64_t size = 0;              // Samples in this batch.
-  std::vector<float> x;          // size * rows * cols values, (pixel / 255 - mean) / stddev.
-  std::vector<int64_t> y;        // size labels.
-  std::vector<int64_t> indices;  // size sample indices into the ImageSet, in batch order.
-  int64_t epoch = 0;             // Epoch this batch belongs to (0-based).
-  int64_t step = 0;              // Step index within the worker's whole run, 0-based.
-};
 
 // Produces one worker's shard of shuffled training batches, epoch after epoch, prepared ahead
 // of time by a background thread into a bounded queue.
 //
 // Thread safety: Next() may be called from any thread (calls are serialised and each batch is
-// returned exactly once), the other methods are const and safe anywhere. The ImageSet passed
-// to Create() must outlive the loader and must not change while it exists. Destroying the
-// loader stops and joins the prefetch thread promptly, even if batches remain unconsumed;
-// it must not race with a Next() call in another thread.
+// returned exactly once), the other methods are const and safe anywhere. The ExampleSource
+// passed to Create() must outlive the loader (its Read() is called from the prefetch thread).
+// Destroying the loader stops and joins the prefetch thread promptly, even if batches remain
+// unconsumed; it must not race with a Next() call in another thread.
+//
+// Errors: if the source's Read() fails, the prefetch thread stops producing; Next() returns
+// the batches queued before the failure, then nullopt (also on every later call), and
+// status() returns the error. Callers tell the normal end from a failure by status().
 class BatchLoader {
  public:
   struct Options {
@@ -109,11 +122,11 @@ class BatchLoader {
     int64_t first_step = 0;
   };
 
-  // Validates `options` against `images` (INVALID_ARGUMENT on an out-of-range field, a null
-  // or empty image set, a non-positive or non-finite stddev, or a non-empty run in which
-  // batch_size * world_size exceeds the image count) and starts the prefetch thread.
-  static absl::StatusOr<std::unique_ptr<BatchLoader>> Create(const ImageSet* images, float mean,
-                                                             float stddev, const Options& options);
+  // Validates `options` against `source` (INVALID_ARGUMENT on an out-of-range field, a null
+  // or empty source, or a non-empty run in which batch_size * world_size exceeds the sample
+  // count or a batch's bytes overflow) and starts the prefetch thread.
+  static absl::StatusOr<std::unique_ptr<BatchLoader>> Create(const ExampleSource* source,
+                                                             const Options& options);
 
   // The permutation of [0, n) used in `epoch` for data-order `seed`. A std::mt19937_64 is
   // seeded through std::seed_seq with the 32-bit halves of seed and epoch (both fully
@@ -128,9 +141,13 @@ class BatchLoader {
   BatchLoader& operator=(const BatchLoader&) = delete;
 
   // Returns the next batch, blocking until the prefetch thread has made it, or nullopt once
-  // the batches of steps [first_step, total_steps()) have been returned (and on every later
-  // call).
+  // the batches of steps [first_step, total_steps()) have been returned, or after a read
+  // error (see status()); nullopt again on every later call.
   std::optional<Batch> Next();
+
+  // OK, or the first error of the source's Read() in the prefetch thread (which then stopped
+  // producing).
+  absl::Status status() const;
 
   // Batches per full epoch for every worker: floor(size / (batch_size * world_size)).
   int64_t steps_per_epoch() const { return steps_per_epoch_; }
@@ -140,35 +157,35 @@ class BatchLoader {
 
  private:
   // Arguments already validated by Create().
-  BatchLoader(const ImageSet* images, float mean, float stddev, const Options& options,
-              int64_t steps_per_epoch);
+  BatchLoader(const ExampleSource* source, const Options& options, int64_t steps_per_epoch);
 
   // Body of the prefetch thread.
   void Produce();
   // Builds batch `t` of `epoch` (overall step `step`) from that epoch's permutation.
-  Batch MakeBatch(const std::vector<int64_t>& perm, int64_t epoch, int64_t t, int64_t step) const;
+  absl::StatusOr<Batch> MakeBatch(const std::vector<int64_t>& perm, int64_t epoch, int64_t t,
+                                  int64_t step) const;
 
-  const ImageSet* const images_;
+  const ExampleSource* const source_;
   const Options options_;
   const int64_t steps_per_epoch_;
   const int64_t total_steps_;
-  float lut_[256];  // Normalised value of each pixel byte; written only in the constructor.
 
-  absl::Mutex mu_;
+  mutable absl::Mutex mu_;
   absl::CondVar not_empty_;  // Signalled when a batch is queued or production ends.
   absl::CondVar not_full_;   // Signalled when a batch is taken or stop_ is set.
   std::deque<Batch> queue_ ABSL_GUARDED_BY(mu_);
-  bool producer_done_ ABSL_GUARDED_BY(mu_) = false;  // All batches have been queued.
+  bool producer_done_ ABSL_GUARDED_BY(mu_) = false;  // All batches queued, or an error.
   bool stop_ ABSL_GUARDED_BY(mu_) = false;           // The destructor asks the thread to end.
+  absl::Status status_ ABSL_GUARDED_BY(mu_);         // The prefetch thread's read error.
 
   std::thread thread_;  // Started last in Create(), joined in the destructor.
 };
 
-// Cuts `images` into batches of `batch_size` in index order (no shuffling), keeping the last
-// partial batch, normalised like BatchLoader's. Batch i has epoch 0 and step i. Returns no
-// batches if batch_size <= 0 or the set is empty. Thread safety: pure function.
-std::vector<Batch> MakeEvalBatches(const ImageSet& images, float mean, float stddev,
-                                   int64_t batch_size);
+// Samples [begin, begin + count) of `source`, in order, as one batch (epoch 0, step 0,
+// indices begin...): evaluation reads a test set in chunks this way, so a large one is never
+// all in memory. OUT_OF_RANGE unless 0 <= begin, 0 <= count and begin + count <= size();
+// the source's Read() errors as they are. Thread safety: as the source's Read().
+absl::StatusOr<Batch> ReadBatch(const ExampleSource& source, int64_t begin, int64_t count);
 
 }  // namespace gradmesh
 

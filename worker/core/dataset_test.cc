@@ -6,8 +6,10 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <set>
 #include <string>
 #include <thread>
@@ -16,6 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/status_testing.h"
 #include "gtest/gtest.h"
+#include "worker/core/examples.h"
 
 namespace gradmesh {
 namespace {
@@ -227,7 +230,7 @@ TEST_F(IdxTest, LoadDatasetFindsPlainAndGzippedFiles) {
   WriteFile(Path("t10k-images-idx3-ubyte"), IdxImages(1, 2, 3, test_pixels));
   WriteFile(Path("t10k-labels-idx1-ubyte.gz"), Gzip(IdxLabels({4})));
   for (const char* dir_suffix : {"", "/"}) {
-    ASSERT_OK_AND_ASSIGN(DatasetFiles files, LoadDataset("fashion-mnist", dir_ + dir_suffix));
+    ASSERT_OK_AND_ASSIGN(DatasetFiles files, LoadIdxDataset("fashion-mnist", dir_ + dir_suffix));
     ExpectSmallSet(files.train);
     EXPECT_EQ(files.test.size, 1);
     EXPECT_EQ(files.test.pixels, test_pixels);
@@ -236,7 +239,7 @@ TEST_F(IdxTest, LoadDatasetFindsPlainAndGzippedFiles) {
     EXPECT_FLOAT_EQ(files.stddev, 0.3530f);
     EXPECT_EQ(files.num_classes, 10);
   }
-  ASSERT_OK_AND_ASSIGN(DatasetFiles mnist, LoadDataset("mnist", dir_));
+  ASSERT_OK_AND_ASSIGN(DatasetFiles mnist, LoadIdxDataset("mnist", dir_));
   EXPECT_FLOAT_EQ(mnist.mean, 0.1307f);
   EXPECT_FLOAT_EQ(mnist.stddev, 0.3081f);
 }
@@ -247,34 +250,111 @@ TEST_F(IdxTest, LoadDatasetPrefersPlainFile) {
   WriteFile(Path("train-labels-idx1-ubyte"), IdxLabels(kLabels));
   WriteFile(Path("t10k-images-idx3-ubyte"), IdxImages(3, 2, 3, kPixels));
   WriteFile(Path("t10k-labels-idx1-ubyte"), IdxLabels(kLabels));
-  ASSERT_OK_AND_ASSIGN(DatasetFiles files, LoadDataset("mnist", dir_));
+  ASSERT_OK_AND_ASSIGN(DatasetFiles files, LoadIdxDataset("mnist", dir_));
   ExpectSmallSet(files.train);
   ExpectSmallSet(files.test);
 }
 
 TEST_F(IdxTest, LoadDatasetErrors) {
   EXPECT_STATUS_MSG(LoadDataset("cifar10", dir_), absl::StatusCode::kInvalidArgument,
-                    "unknown dataset \"cifar10\"; known datasets: fashion-mnist, mnist");
-  EXPECT_STATUS_MSG(LoadDataset("mnist", dir_), absl::StatusCode::kNotFound,
+                    "unknown dataset \"cifar10\"; known datasets: fashion-mnist, mnist, tensors");
+  EXPECT_EQ(KnownDatasets(), (std::vector<std::string>{"fashion-mnist", "mnist", "tensors"}));
+  EXPECT_STATUS_MSG(LoadIdxDataset("tensors", dir_), absl::StatusCode::kInvalidArgument,
+                    "unknown IDX dataset \"tensors\"; known IDX datasets: fashion-mnist, mnist");
+  EXPECT_STATUS_MSG(LoadIdxDataset("mnist", dir_), absl::StatusCode::kNotFound,
                     Path("train-images-idx3-ubyte.gz"));
-  EXPECT_STATUS(LoadDataset("mnist", Path("no_such_dir")), absl::StatusCode::kNotFound);
+  EXPECT_STATUS(LoadIdxDataset("mnist", Path("no_such_dir")), absl::StatusCode::kNotFound);
 
   WriteFile(Path("train-images-idx3-ubyte"), IdxImages(3, 2, 3, kPixels));
   WriteFile(Path("train-labels-idx1-ubyte"), IdxLabels(kLabels));
-  EXPECT_STATUS_MSG(LoadDataset("mnist", dir_), absl::StatusCode::kNotFound,
+  EXPECT_STATUS_MSG(LoadIdxDataset("mnist", dir_), absl::StatusCode::kNotFound,
                     Path("t10k-images-idx3-ubyte"));
 
   // Label 10 is out of range for 10 classes.
   WriteFile(Path("t10k-images-idx3-ubyte"), IdxImages(1, 2, 3, {1, 2, 3, 4, 5, 6}));
   WriteFile(Path("t10k-labels-idx1-ubyte"), IdxLabels({10}));
-  EXPECT_STATUS_MSG(LoadDataset("mnist", dir_), absl::StatusCode::kInvalidArgument,
+  EXPECT_STATUS_MSG(LoadIdxDataset("mnist", dir_), absl::StatusCode::kInvalidArgument,
                     "label 10 of item 0");
 
   // Test images with other dimensions than the training images.
   WriteFile(Path("t10k-images-idx3-ubyte"), IdxImages(1, 3, 2, {1, 2, 3, 4, 5, 6}));
   WriteFile(Path("t10k-labels-idx1-ubyte"), IdxLabels({1}));
-  EXPECT_STATUS_MSG(LoadDataset("mnist", dir_), absl::StatusCode::kInvalidArgument,
+  EXPECT_STATUS_MSG(LoadIdxDataset("mnist", dir_), absl::StatusCode::kInvalidArgument,
                     "training images are 2x3 but test images are 3x2");
+}
+
+// Bytes of a float / int64 value, as a source writes them.
+template <typename T>
+std::vector<uint8_t> BytesOf(const std::vector<T>& values) {
+  std::vector<uint8_t> out(values.size() * sizeof(T));
+  std::memcpy(out.data(), values.data(), out.size());
+  return out;
+}
+
+TEST_F(IdxTest, LoadDatasetMakesNormalisedSources) {
+  const Bytes test_pixels = {9, 8, 7, 6, 5, 4};
+  WriteFile(Path("train-images-idx3-ubyte"), IdxImages(3, 2, 3, kPixels));
+  WriteFile(Path("train-labels-idx1-ubyte"), IdxLabels(kLabels));
+  WriteFile(Path("t10k-images-idx3-ubyte"), IdxImages(1, 2, 3, test_pixels));
+  WriteFile(Path("t10k-labels-idx1-ubyte"), IdxLabels({4}));
+  ASSERT_OK_AND_ASSIGN(JobData data, LoadDataset("mnist", dir_));
+  EXPECT_EQ(data.num_classes, 10);
+  ASSERT_NE(data.train, nullptr);
+  ASSERT_NE(data.test, nullptr);
+  EXPECT_EQ(data.train->size(), 3);
+  EXPECT_EQ(data.test->size(), 1);
+  EXPECT_EQ(data.train->x(), (FieldMeta{ElemType::kFloat32, {1, 2, 3}}));
+  EXPECT_EQ(data.train->y(), (FieldMeta{ElemType::kInt64, {}}));
+  EXPECT_EQ(data.test->x(), data.train->x());
+  // Sample 2 of the training set: pixels 255 254 128 127 7 9, label 9, with mnist's constants
+  // computed as the loader always has: (p / 255 - mean) / stddev in float.
+  std::vector<uint8_t> x(24), y(8);
+  ASSERT_OK(data.train->Read(2, x.data(), y.data()));
+  std::vector<float> want;
+  for (uint8_t p : {255, 254, 128, 127, 7, 9}) {
+    want.push_back((static_cast<float>(p) / 255.0f - 0.1307f) / 0.3081f);
+  }
+  EXPECT_EQ(x, BytesOf(want));
+  EXPECT_EQ(y, BytesOf(std::vector<int64_t>{9}));
+  EXPECT_FLOAT_EQ(want[0], 2.8214867f);  // (1 - 0.1307) / 0.3081.
+  ASSERT_OK(data.test->Read(0, x.data(), y.data()));
+  EXPECT_EQ(y, BytesOf(std::vector<int64_t>{4}));
+  EXPECT_STATUS(data.train->Read(3, x.data(), y.data()), absl::StatusCode::kOutOfRange);
+
+  EXPECT_STATUS_MSG(LoadDataset("mnist", Path("nope")), absl::StatusCode::kNotFound,
+                    "dataset mnist in " + Path("nope"));
+}
+
+// worker/testdata/tensors/<relative> in the runfiles (made by gen.py there).
+std::string TensorTestData(const std::string& relative) {
+  const std::string path = "worker/testdata/tensors/" + relative;
+  struct stat st;
+  if (stat(path.c_str(), &st) == 0) return path;
+  const char* srcdir = std::getenv("TEST_SRCDIR");
+  const char* workspace = std::getenv("TEST_WORKSPACE");
+  if (srcdir != nullptr && workspace != nullptr) {
+    return absl::StrCat(srcdir, "/", workspace, "/", path);
+  }
+  return path;
+}
+
+TEST(LoadDatasetTest, Tensors) {
+  ASSERT_OK_AND_ASSIGN(JobData data, LoadDataset("tensors", TensorTestData("float")));
+  EXPECT_EQ(data.num_classes, 0);
+  EXPECT_EQ(data.train->size(), 5);
+  EXPECT_EQ(data.test->size(), 2);
+  EXPECT_EQ(data.train->x(), (FieldMeta{ElemType::kFloat32, {3, 4}}));
+  // Sample 4 of train: x = arange(48, 60), y = 4 (gen.py).
+  ASSERT_OK_AND_ASSIGN(Batch b, ReadBatch(*data.train, 3, 2));
+  std::vector<float> want_x;
+  for (int k = 36; k < 60; ++k) want_x.push_back(static_cast<float>(k));
+  EXPECT_EQ(b.x, BytesOf(want_x));
+  EXPECT_EQ(b.y, BytesOf(std::vector<int64_t>{3, 4}));
+
+  // A directory without test*.pt files.
+  EXPECT_STATUS_MSG(LoadDataset("tensors", TensorTestData("seq")), absl::StatusCode::kNotFound,
+                    absl::StrCat("dataset tensors in ", TensorTestData("seq"), ": no files match ",
+                                 TensorTestData("seq"), "/test*.pt"));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -298,28 +378,43 @@ constexpr float kStd = 0.25f;
 
 float Normalised(uint8_t p) { return (static_cast<float>(p) / 255.0f - kMean) / kStd; }
 
+// A source over a copy of `set`, normalised with kMean and kStd.
+std::unique_ptr<ExampleSource> Source(const ImageSet& set) {
+  auto source = MakeImageSource(set, kMean, kStd, "synthetic");
+  EXPECT_OK(source);
+  return source.ok() ? *std::move(source) : nullptr;
+}
+
 // Checks that a batch's x and y are the normalised pixels and labels of its indices.
 void ExpectBatchMatchesIndices(const ImageSet& set, const Batch& batch) {
   ASSERT_EQ(batch.indices.size(), static_cast<size_t>(batch.size));
-  ASSERT_EQ(batch.y.size(), static_cast<size_t>(batch.size));
-  ASSERT_EQ(batch.x.size(), static_cast<size_t>(batch.size) * 4);
+  ASSERT_EQ(batch.y.size(), static_cast<size_t>(batch.size) * sizeof(int64_t));
+  ASSERT_EQ(batch.x.size(), static_cast<size_t>(batch.size) * 4 * sizeof(float));
   for (int64_t j = 0; j < batch.size; ++j) {
     const int64_t i = batch.indices[j];
     ASSERT_GE(i, 0);
     ASSERT_LT(i, set.size);
-    EXPECT_EQ(batch.y[j], set.labels[i]);
-    for (int k = 0; k < 4; ++k) EXPECT_EQ(batch.x[j * 4 + k], Normalised(set.pixels[i * 4 + k]));
+    int64_t label;
+    std::memcpy(&label, batch.y.data() + j * sizeof(int64_t), sizeof(label));
+    EXPECT_EQ(label, set.labels[i]);
+    for (int k = 0; k < 4; ++k) {
+      float x;
+      std::memcpy(&x, batch.x.data() + (j * 4 + k) * sizeof(float), sizeof(x));
+      EXPECT_EQ(x, Normalised(set.pixels[i * 4 + k]));
+    }
   }
 }
 
 std::vector<Batch> Drain(BatchLoader* loader) {
   std::vector<Batch> out;
   while (std::optional<Batch> b = loader->Next()) out.push_back(*std::move(b));
+  EXPECT_OK(loader->status());
   return out;
 }
 
 std::vector<Batch> RunLoader(const ImageSet& set, const BatchLoader::Options& options) {
-  auto loader = BatchLoader::Create(&set, kMean, kStd, options);
+  std::unique_ptr<ExampleSource> source = Source(set);
+  auto loader = BatchLoader::Create(source.get(), options);
   EXPECT_OK(loader);
   if (!loader.ok()) return {};
   return Drain(loader->get());
@@ -445,8 +540,8 @@ TEST(BatchLoaderTest, MaxStepsCyclesEpochs) {
   o.batch_size = 6;
   o.epochs = 1;  // Ignored: max_steps wins.
   o.max_steps = 20;
-  ASSERT_OK_AND_ASSIGN(std::unique_ptr<BatchLoader> loader,
-                       BatchLoader::Create(&set, kMean, kStd, o));
+  const std::unique_ptr<ExampleSource> source = Source(set);
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<BatchLoader> loader, BatchLoader::Create(source.get(), o));
   EXPECT_EQ(loader->steps_per_epoch(), 8);
   EXPECT_EQ(loader->total_steps(), 20);
   const std::vector<Batch> batches = Drain(loader.get());
@@ -461,7 +556,7 @@ TEST(BatchLoaderTest, MaxStepsCyclesEpochs) {
 
   o.max_steps = 0;
   o.epochs = 2;
-  ASSERT_OK_AND_ASSIGN(loader, BatchLoader::Create(&set, kMean, kStd, o));
+  ASSERT_OK_AND_ASSIGN(loader, BatchLoader::Create(source.get(), o));
   EXPECT_EQ(loader->total_steps(), 16);
 }
 
@@ -470,33 +565,31 @@ TEST(BatchLoaderTest, ZeroEpochsProducesNothing) {
   BatchLoader::Options o;
   o.batch_size = 100;  // Too big, but there is nothing to produce anyway.
   o.epochs = 0;
-  ASSERT_OK_AND_ASSIGN(std::unique_ptr<BatchLoader> loader,
-                       BatchLoader::Create(&set, kMean, kStd, o));
+  const std::unique_ptr<ExampleSource> source = Source(set);
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<BatchLoader> loader, BatchLoader::Create(source.get(), o));
   EXPECT_EQ(loader->total_steps(), 0);
   EXPECT_FALSE(loader->Next().has_value());
 }
 
 TEST(BatchLoaderTest, DestroyedEarlyDoesNotHang) {
   const ImageSet set = Synthetic(100);
+  const std::unique_ptr<ExampleSource> source = Source(set);
   BatchLoader::Options o;
   o.batch_size = 2;
   o.max_steps = 1000000;
   o.prefetch_depth = 1;
   {
-    ASSERT_OK_AND_ASSIGN(std::unique_ptr<BatchLoader> loader,
-                         BatchLoader::Create(&set, kMean, kStd, o));
+    ASSERT_OK_AND_ASSIGN(std::unique_ptr<BatchLoader> loader, BatchLoader::Create(source.get(), o));
     // Never consumed: the producer is blocked on a full queue.
   }
   {
-    ASSERT_OK_AND_ASSIGN(std::unique_ptr<BatchLoader> loader,
-                         BatchLoader::Create(&set, kMean, kStd, o));
+    ASSERT_OK_AND_ASSIGN(std::unique_ptr<BatchLoader> loader, BatchLoader::Create(source.get(), o));
     for (int i = 0; i < 5; ++i) ASSERT_TRUE(loader->Next().has_value());
   }
   {
     // Destroyed right away, possibly before the thread even ran.
     o.prefetch_depth = 4;
-    ASSERT_OK_AND_ASSIGN(std::unique_ptr<BatchLoader> loader,
-                         BatchLoader::Create(&set, kMean, kStd, o));
+    ASSERT_OK_AND_ASSIGN(std::unique_ptr<BatchLoader> loader, BatchLoader::Create(source.get(), o));
   }
 }
 
@@ -506,8 +599,8 @@ TEST(BatchLoaderTest, ConcurrentConsumersGetEachBatchOnce) {
   o.batch_size = 1;
   o.epochs = 20;
   o.prefetch_depth = 2;
-  ASSERT_OK_AND_ASSIGN(std::unique_ptr<BatchLoader> loader,
-                       BatchLoader::Create(&set, kMean, kStd, o));
+  const std::unique_ptr<ExampleSource> source = Source(set);
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<BatchLoader> loader, BatchLoader::Create(source.get(), o));
   std::vector<int64_t> steps[2];
   std::vector<std::thread> threads;
   for (int c = 0; c < 2; ++c) {
@@ -527,12 +620,13 @@ TEST(BatchLoaderTest, ConcurrentConsumersGetEachBatchOnce) {
 
 TEST(BatchLoaderTest, CreateValidates) {
   const ImageSet set = Synthetic(10);
+  const std::unique_ptr<ExampleSource> source = Source(set);
   const BatchLoader::Options good;  // batch 64 > 10 images: fixed below per case.
   auto with = [&](auto edit) {
     BatchLoader::Options o = good;
     o.batch_size = 2;
     edit(o);
-    return BatchLoader::Create(&set, kMean, kStd, o).status();
+    return BatchLoader::Create(source.get(), o).status();
   };
   EXPECT_OK(with([](BatchLoader::Options&) {}));
   EXPECT_STATUS_MSG(with([](BatchLoader::Options& o) { o.rank = 2, o.world_size = 2; }),
@@ -550,39 +644,107 @@ TEST(BatchLoaderTest, CreateValidates) {
   EXPECT_STATUS(with([](BatchLoader::Options& o) { o.prefetch_depth = 0; }),
                 absl::StatusCode::kInvalidArgument);
   EXPECT_STATUS_MSG(with([](BatchLoader::Options& o) { o.batch_size = 3, o.world_size = 4; }),
-                    absl::StatusCode::kInvalidArgument, "exceeds the 10 images");
+                    absl::StatusCode::kInvalidArgument, "exceeds the 10 samples of synthetic");
   EXPECT_STATUS_MSG(
       with([](BatchLoader::Options& o) { o.batch_size = int64_t{1} << 62, o.world_size = 8; }),
       absl::StatusCode::kInvalidArgument, "exceeds");
-  EXPECT_STATUS(BatchLoader::Create(nullptr, kMean, kStd, BatchLoader::Options{}),
-                absl::StatusCode::kInvalidArgument);
+  EXPECT_STATUS_MSG(BatchLoader::Create(nullptr, BatchLoader::Options{}),
+                    absl::StatusCode::kInvalidArgument, "null source");
   BatchLoader::Options o = good;
   o.batch_size = 2;
-  EXPECT_STATUS(BatchLoader::Create(&set, kMean, 0.0f, o), absl::StatusCode::kInvalidArgument);
-  const ImageSet empty;
-  EXPECT_STATUS(BatchLoader::Create(&empty, kMean, kStd, o), absl::StatusCode::kInvalidArgument);
-  ImageSet broken = set;
-  broken.labels.pop_back();
-  EXPECT_STATUS(BatchLoader::Create(&broken, kMean, kStd, o), absl::StatusCode::kInvalidArgument);
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<ExampleSource> empty,
+                       MakeImageSource(ImageSet{}, kMean, kStd, "empty set"));
+  EXPECT_STATUS_MSG(BatchLoader::Create(empty.get(), o), absl::StatusCode::kInvalidArgument,
+                    "empty source empty set");
 }
 
-TEST(MakeEvalBatchesTest, KeepsLastPartialBatch) {
-  const ImageSet set = Synthetic(7);
-  const std::vector<Batch> batches = MakeEvalBatches(set, kMean, kStd, 3);
-  ASSERT_EQ(batches.size(), 3u);
-  EXPECT_EQ(batches[0].size, 3);
-  EXPECT_EQ(batches[1].size, 3);
-  EXPECT_EQ(batches[2].size, 1);
-  int64_t next = 0;
-  for (size_t i = 0; i < batches.size(); ++i) {
-    EXPECT_EQ(batches[i].step, static_cast<int64_t>(i));
-    EXPECT_EQ(batches[i].epoch, 0);
-    ExpectBatchMatchesIndices(set, batches[i]);
-    for (int64_t index : batches[i].indices) EXPECT_EQ(index, next++);
+TEST(MakeImageSourceTest, Validates) {
+  EXPECT_STATUS_MSG(MakeImageSource(Synthetic(10), kMean, 0.0f, "s"),
+                    absl::StatusCode::kInvalidArgument, "s: need a finite mean and stddev > 0");
+  EXPECT_STATUS(MakeImageSource(Synthetic(10), kMean, -1.0f, "s"),
+                absl::StatusCode::kInvalidArgument);
+  EXPECT_STATUS(MakeImageSource(Synthetic(10), NAN, kStd, "s"), absl::StatusCode::kInvalidArgument);
+  ImageSet broken = Synthetic(10);
+  broken.labels.pop_back();
+  EXPECT_STATUS_MSG(MakeImageSource(broken, kMean, kStd, "s"), absl::StatusCode::kInvalidArgument,
+                    "s: inconsistent image set: 40 pixels and 9 labels for 10 images of 2x2");
+  broken = Synthetic(10);
+  broken.pixels.push_back(0);
+  EXPECT_STATUS(MakeImageSource(broken, kMean, kStd, "s"), absl::StatusCode::kInvalidArgument);
+}
+
+// A source whose Read fails for one index (I/O errors in the prefetch thread).
+class FailingSource : public ExampleSource {
+ public:
+  FailingSource(int64_t size, int64_t bad) : size_(size), bad_(bad) {}
+  int64_t size() const override { return size_; }
+  const FieldMeta& x() const override { return x_; }
+  const FieldMeta& y() const override { return y_; }
+  absl::Status Read(int64_t i, uint8_t* x_out, uint8_t* y_out) const override {
+    if (i == bad_) return absl::DataLossError(absl::StrCat("disk ate sample ", i));
+    std::memcpy(x_out, &i, sizeof(i));
+    const int32_t y = static_cast<int32_t>(i % 3);
+    std::memcpy(y_out, &y, sizeof(y));
+    return absl::OkStatus();
   }
-  EXPECT_EQ(MakeEvalBatches(set, kMean, kStd, 7).size(), 1u);
-  EXPECT_TRUE(MakeEvalBatches(set, kMean, kStd, 0).empty());
-  EXPECT_TRUE(MakeEvalBatches(ImageSet{}, kMean, kStd, 3).empty());
+  std::string Describe() const override { return "failing"; }
+
+ private:
+  const int64_t size_, bad_;
+  const FieldMeta x_{ElemType::kInt64, {}};
+  const FieldMeta y_{ElemType::kInt32, {}};
+};
+
+TEST(BatchLoaderTest, ReadErrorEndsProductionAndIsReported) {
+  BatchLoader::Options o;
+  o.batch_size = 2;
+  o.epochs = 3;
+  o.seed = 5;
+  // The step whose batch holds sample 7 first: batches before it arrive, then nullopt.
+  const std::vector<int64_t> perm = BatchLoader::EpochPermutation(10, 5, 0);
+  const int64_t bad_step = (std::find(perm.begin(), perm.end(), 7) - perm.begin()) / 2;
+  FailingSource source(10, 7);
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<BatchLoader> loader, BatchLoader::Create(&source, o));
+  int64_t got = 0;
+  while (std::optional<Batch> b = loader->Next()) {
+    EXPECT_EQ(b->step, got);
+    ASSERT_EQ(b->x.size(), 16u);
+    ASSERT_EQ(b->y.size(), 8u);
+    int64_t x0;
+    std::memcpy(&x0, b->x.data(), sizeof(x0));
+    EXPECT_EQ(x0, b->indices[0]);
+    ++got;
+  }
+  EXPECT_EQ(got, bad_step);
+  EXPECT_STATUS_MSG(loader->status(), absl::StatusCode::kDataLoss, "disk ate sample 7");
+  EXPECT_FALSE(loader->Next().has_value());
+  EXPECT_STATUS(loader->status(), absl::StatusCode::kDataLoss);
+}
+
+TEST(ReadBatchTest, ReadsSamplesInOrder) {
+  const ImageSet set = Synthetic(7);
+  const std::unique_ptr<ExampleSource> source = Source(set);
+  int64_t next = 0;
+  for (int64_t begin = 0; begin < 7; begin += 3) {
+    const int64_t count = std::min<int64_t>(3, 7 - begin);
+    ASSERT_OK_AND_ASSIGN(Batch batch, ReadBatch(*source, begin, count));
+    EXPECT_EQ(batch.size, count);
+    EXPECT_EQ(batch.epoch, 0);
+    EXPECT_EQ(batch.step, 0);
+    ExpectBatchMatchesIndices(set, batch);
+    for (int64_t index : batch.indices) EXPECT_EQ(index, next++);
+  }
+  EXPECT_EQ(next, 7);
+  ASSERT_OK_AND_ASSIGN(Batch empty, ReadBatch(*source, 7, 0));
+  EXPECT_EQ(empty.size, 0);
+  EXPECT_TRUE(empty.x.empty());
+  EXPECT_STATUS_MSG(ReadBatch(*source, 5, 3), absl::StatusCode::kOutOfRange,
+                    "samples [5, +3) not within the 7 of synthetic");
+  EXPECT_STATUS(ReadBatch(*source, -1, 1), absl::StatusCode::kOutOfRange);
+  EXPECT_STATUS(ReadBatch(*source, 0, -1), absl::StatusCode::kOutOfRange);
+  EXPECT_STATUS(ReadBatch(*source, 8, 0), absl::StatusCode::kOutOfRange);
+  FailingSource failing(10, 4);
+  EXPECT_STATUS_MSG(ReadBatch(failing, 2, 5), absl::StatusCode::kDataLoss, "disk ate sample 4");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -599,7 +761,7 @@ std::string RealDataDir(const std::string& name, const std::string& probe) {
 TEST(RealDataTest, Mnist) {
   const std::string dir = RealDataDir("mnist", "train-images-idx3-ubyte");
   if (dir.empty()) GTEST_SKIP() << "GRADMESH_DATA_DIR/mnist/train-images-idx3-ubyte not found";
-  ASSERT_OK_AND_ASSIGN(DatasetFiles files, LoadDataset("mnist", dir));
+  ASSERT_OK_AND_ASSIGN(DatasetFiles files, LoadIdxDataset("mnist", dir));
   EXPECT_EQ(files.train.size, 60000);
   EXPECT_EQ(files.test.size, 10000);
   EXPECT_EQ(files.train.rows, 28);
@@ -611,13 +773,15 @@ TEST(RealDataTest, Mnist) {
   EXPECT_EQ(files.num_classes, 10);
 
   // A full epoch over real data, split over 4 workers, covers 60000 - 60000 % 256 samples.
+  ASSERT_OK_AND_ASSIGN(JobData data, LoadDataset("mnist", dir));
+  const ExampleSource* train = data.train.get();
+  EXPECT_EQ(train->size(), 60000);
   BatchLoader::Options o;
   o.batch_size = 64;
   o.world_size = 4;
   std::set<int64_t> seen;
   for (o.rank = 0; o.rank < 4; ++o.rank) {
-    ASSERT_OK_AND_ASSIGN(std::unique_ptr<BatchLoader> loader,
-                         BatchLoader::Create(&files.train, files.mean, files.stddev, o));
+    ASSERT_OK_AND_ASSIGN(std::unique_ptr<BatchLoader> loader, BatchLoader::Create(train, o));
     EXPECT_EQ(loader->steps_per_epoch(), 234);
     for (const Batch& b : Drain(loader.get())) seen.insert(b.indices.begin(), b.indices.end());
   }
@@ -629,7 +793,7 @@ TEST(RealDataTest, FashionMnist) {
   if (dir.empty()) {
     GTEST_SKIP() << "GRADMESH_DATA_DIR/fashion-mnist/train-images-idx3-ubyte.gz not found";
   }
-  ASSERT_OK_AND_ASSIGN(DatasetFiles files, LoadDataset("fashion-mnist", dir));
+  ASSERT_OK_AND_ASSIGN(DatasetFiles files, LoadIdxDataset("fashion-mnist", dir));
   EXPECT_EQ(files.train.size, 60000);
   EXPECT_EQ(files.test.size, 10000);
   EXPECT_EQ(files.train.rows, 28);
@@ -649,14 +813,16 @@ TEST(BatchLoaderResumeTest, FirstStepSkipsExactlyTheEarlierBatches) {
   o.batch_size = 4;  // 6 steps per epoch.
   o.epochs = 3;
   o.seed = 9;
-  auto full = BatchLoader::Create(&images, 0.f, 1.f, o);
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<ExampleSource> source,
+                       MakeImageSource(images, 0.f, 1.f, "sevens"));
+  auto full = BatchLoader::Create(source.get(), o);
   ASSERT_TRUE(full.ok());
   std::vector<Batch> all;
   while (auto b = (*full)->Next()) all.push_back(std::move(*b));
   ASSERT_EQ(all.size(), 18u);
   for (int64_t first : {0, 5, 6, 13, 18}) {
     o.first_step = first;
-    auto resumed = BatchLoader::Create(&images, 0.f, 1.f, o);
+    auto resumed = BatchLoader::Create(source.get(), o);
     ASSERT_TRUE(resumed.ok());
     int64_t step = first;
     while (auto b = (*resumed)->Next()) {
@@ -668,7 +834,7 @@ TEST(BatchLoaderResumeTest, FirstStepSkipsExactlyTheEarlierBatches) {
     EXPECT_EQ(step, 18) << "first_step " << first;
   }
   o.first_step = -1;
-  EXPECT_EQ(BatchLoader::Create(&images, 0.f, 1.f, o).status().code(),
+  EXPECT_EQ(BatchLoader::Create(source.get(), o).status().code(),
             absl::StatusCode::kInvalidArgument);
 }
 

@@ -8,7 +8,7 @@
 
 namespace gradmesh {
 
-absl::StatusOr<DatasetFiles> LoadJobData(const JobSpec& spec, const std::string& data_dir) {
+absl::StatusOr<JobData> LoadJobData(const JobSpec& spec, const std::string& data_dir) {
   const std::string path = spec.dataset().path().empty()
                                ? absl::StrCat(data_dir, "/", spec.dataset().name())
                                : spec.dataset().path();
@@ -24,6 +24,32 @@ BatchLoader::Options LoaderOptions(const JobSpec& spec, int32_t rank) {
   lo.max_steps = spec.steps();
   lo.seed = spec.seed();
   return lo;
+}
+
+DType ToProtoDType(ElemType type) {
+  switch (type) {
+    case ElemType::kFloat32:
+      return FLOAT32;
+    case ElemType::kFloat64:
+      return FLOAT64;
+    case ElemType::kFloat16:
+      return FLOAT16;
+    case ElemType::kBFloat16:
+      return BFLOAT16;
+    case ElemType::kInt64:
+      return INT64;
+    case ElemType::kInt32:
+      return INT32;
+    case ElemType::kInt16:
+      return INT16;
+    case ElemType::kInt8:
+      return INT8;
+    case ElemType::kUInt8:
+      return UINT8;
+    case ElemType::kBool:
+      return BOOL;
+  }
+  return FLOAT32;
 }
 
 OptimizerSpec WithDecayUpdates(const OptimizerSpec& spec, int64_t updates) {

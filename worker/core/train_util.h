@@ -20,7 +20,9 @@
 #include "common/logging.h"
 #include "common/mode.h"
 #include "proto/gradmesh.pb.h"
+#include "rpc/rpc_options.h"
 #include "worker/core/dataset.h"
+#include "worker/core/examples.h"
 
 namespace gradmesh {
 
@@ -43,6 +45,22 @@ double SecondsSince(absl::Time since);
 // added) once the loader is done.
 std::optional<Batch> NextBatch(BatchLoader* loader, absl::Duration step_delay, double* data_s);
 
+// The proto element type of a model tensor's ElemType (TensorSpec.dtype, ModelTensorInfo.dtype).
+DType ToProtoDType(ElemType type);
+
+// The model's values at a consistent point (a checkpoint, the end of the job), for export:
+// parameters then buffers, as ModelView has them (values as float32; dtypes says what the
+// model holds).
+struct ModelSnapshot {
+  int64_t step = 0;    // Steps done (absolute).
+  bool final = false;  // The job's final model.
+  std::vector<std::string> names;
+  std::vector<std::vector<int64_t>> shapes;
+  std::vector<ElemType> dtypes;
+  std::vector<bool> buffer;
+  std::vector<std::vector<float>> values;
+};
+
 struct TrainerOptions {
   JobSpec spec;                  // Defaults applied and validated by the caller.
   Mode mode = Mode::kAsync;      // spec.mode(), parsed once by Trainer::Create.
@@ -55,14 +73,24 @@ struct TrainerOptions {
   absl::Duration step_delay = absl::ZeroDuration();
   // gossip/allreduce: peer-service address (host:port) of every rank, in rank order.
   std::vector<std::string> peers;
+  // gossip/allreduce: options of the channels to the peers' services (limits, TLS).
+  RpcOptions peer_rpc;
   // gossip/allreduce: where checkpoints go when spec.checkpoint.dir is empty.
   std::string checkpoint_dir;
-  // ps modes: per-job secret the shards check (empty: none).
+  // The job's secret (empty: none, open). ps modes: sent to the shards, which check it.
+  // gossip/allreduce: sent on every peer call and required by this rank's peer services
+  // (worker/core/peer_token.h). Service mode: the coordinator's task; standalone:
+  // --job_token_file.
   std::string job_token;
   // sync jobs re-formed after losing workers (empty: all ranks), and the lr factor for them.
   std::vector<int32_t> active_ranks;
   // Called with live figures at every progress line and at the end (may be empty).
   std::function<void(const TrainProgress&)> on_progress;
+  // gossip/allreduce, rank 0 only: called with the model after every checkpoint, at most every
+  // model_publish_interval otherwise, and with the final model (may be empty). Service-mode
+  // workers publish it to the coordinator, where `gradmesh export` reads it.
+  std::function<void(const ModelSnapshot&)> on_model;
+  absl::Duration model_publish_interval = absl::Seconds(60);
   const Logger* logger = nullptr;  // Not owned; may be null.
 };
 
@@ -72,7 +100,10 @@ struct TrainResult {
   double wall_s = 0;          // Seconds from the first step to the last exchange.
   double samples_per_s = 0;   // samples / wall_s.
   double final_loss = 0;      // Mean training loss over the last log window.
-  double test_accuracy = -1;  // In [0, 1]; -1 if this worker did not evaluate.
+  double test_accuracy = -1;  // In [0, 1]; -1 if this worker did not evaluate or not a
+                              // classification (token accuracy for sequence models).
+  double test_loss = -1;      // Mean test loss; -1 if this worker did not evaluate.
+  double perplexity = -1;     // exp(test_loss) for sequence models; -1 otherwise.
   double data_s = 0, compute_s = 0, comm_s = 0;        // Time split of the steps.
   int64_t bytes_pushed = 0, bytes_pulled = 0;          // On the wire (compressed).
   int64_t raw_bytes_pushed = 0, raw_bytes_pulled = 0;  // As float32.
@@ -82,8 +113,9 @@ struct TrainResult {
   double consensus_distance = -1;  // gossip: last measured (see worker/gossip/).
 };
 
-// Reads the job's dataset from spec.dataset.path, or <data_dir>/<dataset name>.
-absl::StatusOr<DatasetFiles> LoadJobData(const JobSpec& spec, const std::string& data_dir);
+// Opens the job's dataset from spec.dataset.path, or <data_dir>/<dataset name>: IDX files for
+// mnist / fashion-mnist, train*.pt / test*.pt files for "tensors" (worker/core/tensor_files.h).
+absl::StatusOr<JobData> LoadJobData(const JobSpec& spec, const std::string& data_dir);
 
 // BatchLoader options for `rank` of the job (data sharded by rank, seeded order).
 BatchLoader::Options LoaderOptions(const JobSpec& spec, int32_t rank);

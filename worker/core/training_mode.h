@@ -39,18 +39,36 @@
 #include "absl/types/span.h"
 #include "common/logging.h"
 #include "common/registry.h"
+#include "worker/core/examples.h"
 #include "worker/core/train_util.h"
 
 namespace gradmesh {
 
 // The model as the modes see it: every trainable parameter as a contiguous float32 span over
 // the model's own storage (writing through a span changes the model), in the model's fixed
-// parameter order.
+// parameter order, followed by the model's buffers (BatchNorm running statistics,
+// num_batches_tracked, ...) as float32 mirrors that the loop keeps.
+//
+// Entries [0, num_params) are parameters; [num_params, size) are buffers. For a buffer entry:
+// * the loop copies the mirror into the model's buffer before every forward (after
+//   BeforeForward), and after backward writes the buffer's new value into the mirror;
+// * the "gradient" the mode gets for it (OnGradient is never called for buffers; Exchange's
+//   grads holds it) is the delta the step's forward added: new value - value before forward;
+// * a mode never applies its optimizer to it. What it does instead is the buffer semantics of
+//   the mode: ps modes push the delta (the shards add the mean of the pushed deltas, see
+//   TensorSpec.buffer) and overwrite the mirror with the pulled value; allreduce averages the
+//   deltas (mirror = before + mean delta, so every rank holds the same buffers); gossip keeps
+//   the local delta and averages the mirror with the parameters.
+// Integer buffers travel as float32 (exact below 2^24) and are rounded back into the model.
 struct ModelView {
-  std::vector<std::string> names;            // "fc1.weight", ...
+  std::vector<std::string> names;            // "fc1.weight", ..., "bn1.running_mean", ...
   std::vector<std::vector<int64_t>> shapes;  // Tensor shapes.
-  std::vector<absl::Span<float>> params;     // Aliases of the parameters' storage.
+  std::vector<absl::Span<float>> params;     // Parameters alias the model; buffers: mirrors.
+  std::vector<ElemType> dtypes;              // The model's element type of each entry.
+  int num_params = 0;                        // Entries before the first buffer.
 
+  int size() const { return static_cast<int>(params.size()); }
+  bool is_buffer(int i) const { return i >= num_params; }
   int64_t numel() const {
     int64_t n = 0;
     for (const absl::Span<float>& p : params) n += static_cast<int64_t>(p.size());
@@ -103,15 +121,16 @@ class TrainingMode {
   // Whether OnGradient should be called during backward.
   virtual bool wants_gradient_hook() const { return false; }
 
-  // Parameter `param`'s gradient, the moment backward has produced it (float32, contiguous,
-  // valid only during the call).
+  // Parameter `param`'s gradient (param < num_params), the moment backward has produced it
+  // (float32, contiguous, valid only during the call).
   virtual void OnGradient(int param, absl::Span<const float> grad) {}
 
   // Backward failed after BeforeBackward: undo what the step started.
   virtual void AbortStep() {}
 
-  // The step's exchange and update. `grads` holds every parameter's gradient in model order
-  // (valid during the call). INTERNAL/UNAVAILABLE/... end the run with that status.
+  // The step's exchange and update. `grads` holds every entry's gradient in model order: the
+  // parameters' gradients, then the buffers' deltas (see ModelView; valid during the call).
+  // INTERNAL/UNAVAILABLE/... end the run with that status.
   virtual absl::StatusOr<StepOutcome> Exchange(int64_t step,
                                                absl::Span<const absl::Span<const float>> grads,
                                                double loss, const StepTiming& timing) = 0;

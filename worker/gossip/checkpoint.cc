@@ -6,6 +6,9 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/job_name.h"
+#include "common/safe_path.h"
+#include "common/status.h"
 
 namespace gradmesh {
 namespace {
@@ -48,10 +51,14 @@ absl::StatusOr<ckpt::Checkpoint> ParseLegacy(const std::string& path, const std:
   if (numel < 0 || num_slots < 0 || step < 0 || !(weight > 0)) {
     return bad("invalid header values");
   }
-  const size_t floats = static_cast<size_t>(numel) * (1 + static_cast<size_t>(num_slots));
-  if (end - pos != floats * sizeof(float)) {
-    return bad(
-        absl::StrCat(end - pos, " bytes of values and slots, expected ", floats * sizeof(float)));
+  // Sizes are checked by division first: numel * (1 + num_slots) * 4 can wrap around for a
+  // hostile header (numel = 2^62 would pass a multiplied check and then fail to allocate).
+  const size_t have = (end - pos) / sizeof(float);
+  const uint64_t per_value = 1 + static_cast<uint64_t>(num_slots);
+  if ((end - pos) % sizeof(float) != 0 || static_cast<uint64_t>(numel) > have / per_value ||
+      static_cast<uint64_t>(numel) * per_value != have) {
+    return bad(absl::StrCat(end - pos, " bytes of values and slots, expected ", numel, " x ",
+                            per_value, " floats"));
   }
   ckpt::Checkpoint c;
   c.header.kind = kKind;
@@ -61,9 +68,11 @@ absl::StatusOr<ckpt::Checkpoint> ParseLegacy(const std::string& path, const std:
   c.header.metadata.SetInt("step", step);
   c.header.metadata.SetDouble("weight", weight);
   std::vector<float> values(numel), slots(static_cast<size_t>(numel) * num_slots);
-  std::memcpy(values.data(), data.data() + pos, values.size() * sizeof(float));
+  if (!values.empty()) {
+    std::memcpy(values.data(), data.data() + pos, values.size() * sizeof(float));
+  }
   pos += values.size() * sizeof(float);
-  std::memcpy(slots.data(), data.data() + pos, slots.size() * sizeof(float));
+  if (!slots.empty()) std::memcpy(slots.data(), data.data() + pos, slots.size() * sizeof(float));
   c.Add("values", std::move(values));
   c.Add("slots", std::move(slots));
   return c;
@@ -85,6 +94,19 @@ absl::StatusOr<int32_t> GetInt32(const ckpt::Metadata& m, const char* key) {
         absl::StrCat("metadata '", key, "' = ", *v, " is out of range"));
   }
   return static_cast<int32_t>(*v);
+}
+
+// The buffers are a tail of the values, and the slots cover the parameters (the rest).
+bool SizesFit(const GossipCheckpoint& c) {
+  if (c.num_slots < 0 || c.buffer_values < 0 ||
+      static_cast<uint64_t>(c.buffer_values) > c.values.size()) {
+    return false;
+  }
+  const size_t param_values = c.values.size() - static_cast<size_t>(c.buffer_values);
+  if (c.num_slots == 0) return c.slots.empty();
+  // By division: a hostile num_slots times the values could wrap around.
+  const size_t per_slot = c.slots.size() / static_cast<size_t>(c.num_slots);
+  return c.slots.size() % static_cast<size_t>(c.num_slots) == 0 && per_slot == param_values;
 }
 
 absl::StatusOr<GossipCheckpoint> FromCheckpoint(ckpt::Checkpoint c) {
@@ -114,31 +136,44 @@ absl::StatusOr<GossipCheckpoint> FromCheckpoint(ckpt::Checkpoint c) {
   if (!slots.ok()) return bad(slots.status());
   g.values = std::move(values).value();
   g.slots = std::move(slots).value();
-  if (g.num_slots < 0 || g.step < 0 || !(g.weight > 0) ||
-      g.slots.size() != g.values.size() * static_cast<size_t>(g.num_slots)) {
-    return absl::DataLossError(absl::StrCat(
-        "checkpoint ", path, ": invalid header values (step ", g.step, ", weight ", g.weight, ", ",
-        g.values.size(), " values, ", g.num_slots, " slots of ", g.slots.size(), " floats)"));
+  // Absent in files written before buffers were part of the model: no buffers.
+  if (m.Has("buffer_values")) {
+    absl::StatusOr<int64_t> buffer_values = m.GetInt("buffer_values");
+    if (!buffer_values.ok()) return bad(buffer_values.status());
+    g.buffer_values = *buffer_values;
+  }
+  if (g.num_slots < 0 || g.step < 0 || !(g.weight > 0) || !SizesFit(g)) {
+    return absl::DataLossError(absl::StrCat("checkpoint ", path, ": invalid header values (step ",
+                                            g.step, ", weight ", g.weight, ", ", g.values.size(),
+                                            " values of which ", g.buffer_values, " of buffers, ",
+                                            g.num_slots, " slots of ", g.slots.size(), " floats)"));
   }
   return g;
 }
 
 }  // namespace
 
-std::string GossipCheckpointPath(const std::string& dir, const std::string& job, int32_t rank) {
-  return absl::StrCat(dir, "/", job, "/rank-", rank, ".ckpt");
+absl::StatusOr<std::string> GossipCheckpointPath(const std::string& dir, const std::string& job,
+                                                 int32_t rank) {
+  RETURN_IF_ERROR(CheckName("checkpoint: job", job));
+  if (rank < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("checkpoint: rank ", rank, " is negative"));
+  }
+  ASSIGN_OR_RETURN(const std::string job_dir, JoinUnder(dir, job));
+  return JoinUnder(job_dir, absl::StrCat("rank-", rank, ".ckpt"));
 }
 
 absl::Status WriteGossipCheckpoint(const std::string& path, const GossipCheckpoint& c) {
-  if (c.num_slots < 0 || c.slots.size() != c.values.size() * static_cast<size_t>(c.num_slots)) {
-    return absl::InvalidArgumentError(absl::StrCat("checkpoint ", path, ": ", c.slots.size(),
-                                                   " slot values for ", c.num_slots, " slots of ",
-                                                   c.values.size(), " values"));
+  if (!SizesFit(c)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "checkpoint ", path, ": ", c.slots.size(), " slot values for ", c.num_slots, " slots of ",
+        c.values.size(), " values of which ", c.buffer_values, " are buffers (without slots)"));
   }
   ckpt::Metadata m;
   m.SetInt("rank", c.rank);
   m.SetInt("num_workers", c.num_workers);
   m.SetInt("num_slots", c.num_slots);
+  m.SetInt("buffer_values", c.buffer_values);
   m.SetInt("step", c.step);
   m.SetDouble("weight", c.weight);
   const ckpt::ArrayRef arrays[] = {ckpt::ArrayRef::Of<float>("values", c.values),

@@ -2,10 +2,13 @@
 // to continue: its values, push-sum weight, optimizer slots and steps done (the data position
 // follows from the step; see BatchLoader::Options::first_step).
 //
-// Format: common/checkpoint.h, kind "gossip"; metadata rank, num_workers, step, num_slots
-// (int64) and weight (double); float32 arrays "values" (numel) and "slots" (num_slots * numel,
-// slot-major). Written crash-safely (temporary file, fsync, rename, directory fsync) keeping
-// the previous file as <path>.prev; reads fall back to it when <path> is missing or corrupt.
+// Format: common/checkpoint.h, kind "gossip"; metadata rank, num_workers, step, num_slots,
+// buffer_values (int64) and weight (double); float32 arrays "values" (numel: the parameters,
+// then buffer_values elements of the model's buffers) and "slots" (num_slots * the
+// parameters' numel, slot-major; buffers have no slots). Files without buffer_values (written
+// before buffers were part of the model) have none: they load as before. Written crash-safely
+// (temporary file, fsync, rename, directory fsync) keeping the previous file as <path>.prev; reads
+// fall back to it when <path> is missing or corrupt.
 //
 // Files of the old gossip format (before common/checkpoint; little-endian "GMGOSCK1", int32
 // rank, int32 num_workers, int64 numel, int32 num_slots, int64 step, float64 weight, the
@@ -30,16 +33,21 @@ struct GossipCheckpoint {
   int32_t num_workers = 1;
   int64_t step = 0;           // Local steps done.
   double weight = 1;          // Push-sum weight.
-  std::vector<float> values;  // Flat parameters (de-biased).
-  std::vector<float> slots;   // num_slots * values.size() optimizer slots, slot-major.
+  std::vector<float> values;  // Flat parameters, then buffers (de-biased).
+  int64_t buffer_values = 0;  // The buffers' elements: the last ones of `values`.
+  // num_slots * (values.size() - buffer_values) optimizer slots (parameters only), slot-major.
+  std::vector<float> slots;
   int32_t num_slots = 0;
 };
 
-// <dir>/<job>/rank-<rank>.ckpt
-std::string GossipCheckpointPath(const std::string& dir, const std::string& job, int32_t rank);
+// <dir>/<job>/rank-<rank>.ckpt. INVALID_ARGUMENT when `job` breaks the name rule
+// (common/job_name.h) or the path would leave `dir` (common/safe_path.h), or rank < 0.
+absl::StatusOr<std::string> GossipCheckpointPath(const std::string& dir, const std::string& job,
+                                                 int32_t rank);
 
 // Creates the parent directory if needed. INTERNAL naming the path on I/O errors;
-// INVALID_ARGUMENT when slots.size() != num_slots * values.size().
+// INVALID_ARGUMENT when buffer_values is not in [0, values.size()] or slots.size() !=
+// num_slots * (values.size() - buffer_values).
 absl::Status WriteGossipCheckpoint(const std::string& path, const GossipCheckpoint& ckpt);
 
 // Reads <path>, or <path>.prev when <path> is missing, truncated or corrupt.

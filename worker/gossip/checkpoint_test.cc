@@ -4,6 +4,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -42,7 +43,7 @@ GossipCheckpoint Sample() {
 }
 
 TEST(CheckpointTest, RoundTripsExactlyAndCreatesTheDirectory) {
-  const std::string path = GossipCheckpointPath(TempDir() + "/ckpt_rt", "job-1", 2);
+  const std::string path = GossipCheckpointPath(TempDir() + "/ckpt_rt", "job-1", 2).value();
   EXPECT_EQ(path, TempDir() + "/ckpt_rt/job-1/rank-2.ckpt");
   ASSERT_OK(WriteGossipCheckpoint(path, Sample()));
   ASSERT_OK_AND_ASSIGN(GossipCheckpoint c, ReadGossipCheckpoint(path));
@@ -138,6 +139,7 @@ TEST(CheckpointTest, ReadsTheOldFormatAndRefusesOtherKinds) {
   EXPECT_EQ(c.values, Sample().values);
   EXPECT_EQ(c.num_slots, 2);
   EXPECT_EQ(c.slots, Sample().slots);
+  EXPECT_EQ(c.buffer_values, 0);  // Old files hold parameters only.
   // A corrupt old file is DATA_LOSS naming the file and the format.
   std::string flipped = legacy;
   flipped[40] ^= 1;
@@ -163,6 +165,114 @@ TEST(CheckpointTest, ReadsTheOldFormatAndRefusesOtherKinds) {
       ckpt::WriteCheckpointFile(other, "allreduce", {}, {ckpt::ArrayRef::Of<float>("a0", v)}));
   EXPECT_STATUS_MSG(ReadGossipCheckpoint(other), absl::StatusCode::kFailedPrecondition,
                     "is of kind 'allreduce', expected 'gossip'");
+}
+
+TEST(CheckpointTest, BuffersRoundTripWithoutSlots) {
+  const std::string path = TempDir() + "/ckpt_buffers/rank-2.ckpt";
+  GossipCheckpoint in = Sample();                 // Parameters 1.5, -2.25, 3e-8 with 2 slots each.
+  in.values.insert(in.values.end(), {0.75f, 4});  // A running mean, num_batches_tracked.
+  in.buffer_values = 2;
+  ASSERT_OK(WriteGossipCheckpoint(path, in));
+  ASSERT_OK_AND_ASSIGN(GossipCheckpoint c, ReadGossipCheckpoint(path));
+  EXPECT_EQ(c.values, (std::vector<float>{1.5f, -2.25f, 3e-8f, 0.75f, 4}));
+  EXPECT_EQ(c.buffer_values, 2);
+  EXPECT_EQ(c.num_slots, 2);
+  EXPECT_EQ(c.slots, Sample().slots);
+  // Slots for the buffers too, or more buffers than values, are refused at the write.
+  GossipCheckpoint bad = in;
+  bad.slots.insert(bad.slots.end(), {7, 8, 9, 10});
+  EXPECT_STATUS_MSG(WriteGossipCheckpoint(path, bad), absl::StatusCode::kInvalidArgument,
+                    "10 slot values for 2 slots of 5 values of which 2 are buffers");
+  bad = in;
+  bad.buffer_values = 6;
+  EXPECT_STATUS(WriteGossipCheckpoint(path, bad), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(CheckpointTest, FilesWithoutBufferValuesHaveNoBuffers) {
+  // The common-format file as written before buffers were part of the model.
+  const std::string path = TempDir() + "/ckpt_v1/rank-0.ckpt";
+  ckpt::Metadata m;
+  m.SetInt("rank", 0);
+  m.SetInt("num_workers", 2);
+  m.SetInt("num_slots", 1);
+  m.SetInt("step", 8);
+  m.SetDouble("weight", 0.5);
+  const std::vector<float> values = {1, 2}, slots = {3, 4};
+  ASSERT_OK(ckpt::WriteCheckpointFile(
+      path, "gossip", m,
+      {ckpt::ArrayRef::Of<float>("values", values), ckpt::ArrayRef::Of<float>("slots", slots)}));
+  ASSERT_OK_AND_ASSIGN(GossipCheckpoint c, ReadGossipCheckpoint(path));
+  EXPECT_EQ(c.buffer_values, 0);
+  EXPECT_EQ(c.values, values);
+  EXPECT_EQ(c.slots, slots);
+  // A buffer_values that leaves the slots without their parameters is DATA_LOSS.
+  m.SetInt("buffer_values", 1);
+  ASSERT_OK(ckpt::WriteCheckpointFile(
+      path, "gossip", m,
+      {ckpt::ArrayRef::Of<float>("values", values), ckpt::ArrayRef::Of<float>("slots", slots)}));
+  EXPECT_STATUS_MSG(ReadGossipCheckpoint(path), absl::StatusCode::kDataLoss,
+                    "2 values of which 1 of buffers, 1 slots of 2 floats");
+}
+
+// Fuzzer findings (tests/fuzz/corpus/checkpoint_fuzz/known-*): a header whose sizes wrap
+// around when multiplied (numel = 2^62 with 3 slots: 2^62 * 4 * 4 bytes = 0 mod 2^64) used to
+// pass the size check and throw std::length_error out of the reader; and an empty legacy file
+// (numel = 0) passed a null pointer to memcpy. Both are now answered by status.
+TEST(CheckpointTest, LegacyHeaderSizesCannotWrapAround) {
+  const std::string path = TempDir() + "/ckpt_hostile/rank-0.ckpt";
+  std::filesystem::create_directories(TempDir() + "/ckpt_hostile");
+  GossipCheckpoint c = Sample();
+  c.values.clear();
+  c.slots.clear();
+  std::string bytes = LegacyGossipBytes(c);  // numel 0, 2 slots, no values
+  WriteAll(path, bytes);
+  ASSERT_OK_AND_ASSIGN(GossipCheckpoint empty, ReadGossipCheckpoint(path));
+  EXPECT_TRUE(empty.values.empty());
+  EXPECT_TRUE(empty.slots.empty());
+  // numel at offset 16, num_slots at 24; the CRC is recomputed so only the sizes are wrong.
+  const int64_t numel = int64_t{1} << 62;
+  const int32_t slots = 3;
+  bytes.resize(bytes.size() - sizeof(uint32_t));
+  std::memcpy(&bytes[16], &numel, sizeof(numel));
+  std::memcpy(&bytes[24], &slots, sizeof(slots));
+  ckpt::Crc32 crc;
+  crc.Update(bytes.data(), bytes.size());
+  const uint32_t sum = crc.value();
+  bytes.append(reinterpret_cast<const char*>(&sum), sizeof(sum));
+  WriteAll(path, bytes);
+  EXPECT_STATUS_MSG(ReadGossipCheckpoint(path), absl::StatusCode::kDataLoss,
+                    "0 bytes of values and slots, expected 4611686018427387904 x 4 floats");
+}
+
+// Names that would leave the checkpoint directory (or break the name rule) are refused before
+// any path is built.
+TEST(GossipCheckpointTest, PathRefusesUnsafeJobNames) {
+  const std::string hostile[] = {"..",
+                                 ".",
+                                 "/",
+                                 "a/b",
+                                 "a/../../b",
+                                 "../../etc",
+                                 "",
+                                 std::string(64, 'a'),
+                                 std::string(300, 'a'),
+                                 "j\xc3\xb6"
+                                 "b",
+                                 "\xef\xbd\x8a\xef\xbd\x8f",
+                                 "Job",
+                                 "my.job",
+                                 "my_job",
+                                 "-job",
+                                 std::string("a\0b", 3)};
+  for (const std::string& job : hostile) {
+    absl::StatusOr<std::string> p = GossipCheckpointPath("/data/ckpt", job, 0);
+    EXPECT_EQ(p.status().code(), absl::StatusCode::kInvalidArgument) << job;
+    EXPECT_NE(p.status().message().find("checkpoint: job"), absl::string_view::npos) << p.status();
+  }
+  EXPECT_EQ(GossipCheckpointPath("/data/ckpt", "job-1", -1).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(GossipCheckpointPath("/data/ckpt", std::string(63, 'a'), 7).value(),
+            "/data/ckpt/" + std::string(63, 'a') + "/rank-7.ckpt");
 }
 
 }  // namespace

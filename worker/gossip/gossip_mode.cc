@@ -17,6 +17,7 @@
 #include "worker/gossip/gossip_service.h"
 #include "worker/gossip/gossiper.h"
 #include "worker/gossip/grpc_transport.h"
+#include "worker/gossip/local_step.h"
 #include "worker/gossip/replica.h"
 #include "worker/gossip/topology.h"
 
@@ -44,13 +45,13 @@ class GossipMode : public TrainingMode {
   }
 
  private:
-  // The model's parameters <-> the replica's flat vector (model order).
+  // The model's entries (parameters, then buffers) <-> the replica's flat vector.
   void CopyIn(absl::Span<const float> x);
   void CopyOut(float* x) const;
   // Resumes from this rank's checkpoint if there is one: values, slots, weight; the step.
   absl::StatusOr<int64_t> Restore(std::vector<float>* values, double* weight);
   absl::Status WriteCheckpoint(ReplicaSnapshot snap, int64_t step);
-  absl::Status StartGossiper();
+  absl::Status StartGossiper(std::unique_ptr<Topology> topology);
   void LogStats(const ReplicaSnapshot& final) const;
 
   const TrainerOptions& options_;
@@ -58,11 +59,13 @@ class GossipMode : public TrainingMode {
   const GossipSpec& gs_;
   GossipServiceImpl* const local_;
   ModelView* model_ = nullptr;
-  int64_t numel_ = 0;
+  int64_t numel_ = 0;        // Every entry: parameters, then buffers.
+  int64_t param_numel_ = 0;  // The parameters' elements, first in the flat vector.
   int64_t total_ = 0;
   OptimizerSpec optimizer_spec_;
   std::unique_ptr<Optimizer> optimizer_;
-  std::vector<float> slots_;  // num_slots * numel_; only the training thread touches them.
+  // num_slots * param_numel_ (buffers have none); only the training thread touches them.
+  std::vector<float> slots_;
   std::vector<float*> slot_ptrs_;
   std::vector<float> grad_;
   std::string checkpoint_path_;
@@ -103,12 +106,14 @@ absl::StatusOr<int64_t> GossipMode::Restore(std::vector<float>* values, double* 
     if (c.status().code() == absl::StatusCode::kNotFound) return 0;
     return c.status();
   }
-  if (static_cast<int64_t>(c->values.size()) != numel_ || c->num_slots != num_slots ||
-      c->rank != rank || c->num_workers != n) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "gossip: checkpoint ", checkpoint_path_, " holds rank ", c->rank, " of ", c->num_workers,
-        " with ", c->values.size(), " values and ", c->num_slots, " optimizer slots; this is rank ",
-        rank, " of ", n, " with ", numel_, " and ", num_slots));
+  const int64_t buffer_numel = numel_ - param_numel_;
+  if (static_cast<int64_t>(c->values.size()) != numel_ || c->buffer_values != buffer_numel ||
+      c->num_slots != num_slots || c->rank != rank || c->num_workers != n) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("gossip: checkpoint ", checkpoint_path_, " holds rank ", c->rank, " of ",
+                     c->num_workers, " with ", c->values.size(), " values (", c->buffer_values,
+                     " of buffers) and ", c->num_slots, " optimizer slots; this is rank ", rank,
+                     " of ", n, " with ", numel_, " (", buffer_numel, ") and ", num_slots));
   }
   *values = std::move(c->values);
   std::copy(c->slots.begin(), c->slots.end(), slots_.begin());
@@ -120,10 +125,8 @@ absl::StatusOr<int64_t> GossipMode::Restore(std::vector<float>* values, double* 
   return step;
 }
 
-absl::Status GossipMode::StartGossiper() {
-  transport_ = NewGrpcGossipTransport(options_.peers, RpcOptions{});
-  ASSIGN_OR_RETURN(std::unique_ptr<Topology> topology,
-                   TopologyRegistry::WithBuiltins().Create(gs_.topology(), spec_.seed()));
+absl::Status GossipMode::StartGossiper(std::unique_ptr<Topology> topology) {
+  transport_ = NewGrpcGossipTransport(options_.peers, options_.peer_rpc, options_.job_token);
   GossiperOptions go;
   go.codec = gs_.codec();
   go.timeout = absl::Seconds(gs_.timeout_s());
@@ -139,17 +142,19 @@ absl::Status GossipMode::StartGossiper() {
 absl::StatusOr<int64_t> GossipMode::Start(ModelView* model, const LoopInfo& info) {
   model_ = model;
   numel_ = model->numel();
+  for (int i = 0; i < model->num_params; ++i) param_numel_ += model->params[i].size();
   total_ = info.total_steps;
   optimizer_spec_ = WithDecayUpdates(spec_.optimizer(), total_);  // One per local step.
   RETURN_IF_ERROR(ValidateLrSchedule(optimizer_spec_));
   ASSIGN_OR_RETURN(optimizer_, OptimizerRegistry::WithBuiltins().Create(optimizer_spec_));
   const int num_slots = optimizer_->num_slots();
-  slots_.assign(static_cast<size_t>(num_slots) * numel_, 0.0f);
-  for (int s = 0; s < num_slots; ++s) slot_ptrs_.push_back(slots_.data() + s * numel_);
+  slots_.assign(static_cast<size_t>(num_slots) * param_numel_, 0.0f);
+  for (int s = 0; s < num_slots; ++s) slot_ptrs_.push_back(slots_.data() + s * param_numel_);
   grad_.resize(numel_);
-  checkpoint_path_ = GossipCheckpointPath(
-      spec_.checkpoint().dir().empty() ? options_.checkpoint_dir : spec_.checkpoint().dir(),
-      spec_.name(), options_.rank);
+  ASSIGN_OR_RETURN(checkpoint_path_,
+                   GossipCheckpointPath(spec_.checkpoint().dir().empty() ? options_.checkpoint_dir
+                                                                         : spec_.checkpoint().dir(),
+                                        spec_.name(), options_.rank));
 
   std::vector<float> values(numel_);
   CopyOut(values.data());
@@ -162,10 +167,13 @@ absl::StatusOr<int64_t> GossipMode::Start(ModelView* model, const LoopInfo& info
   ro.num_workers = spec_.num_workers();
   ro.total_steps = total_;
   ro.root = 0;
+  ASSIGN_OR_RETURN(std::unique_ptr<Topology> topology,
+                   TopologyRegistry::WithBuiltins().Create(gs_.topology(), spec_.seed()));
+  ro.in_neighbours = InNeighbours(*topology, options_.rank, spec_.num_workers());
   replica_ = std::make_shared<GossipReplica>(ro, std::move(values), weight, first_step);
-  RETURN_IF_ERROR(local_->Register(replica_));
+  RETURN_IF_ERROR(local_->Register(replica_, options_.job_token));
   registered_ = true;
-  RETURN_IF_ERROR(StartGossiper());
+  RETURN_IF_ERROR(StartGossiper(std::move(topology)));
   return first_step;
 }
 
@@ -188,11 +196,12 @@ absl::StatusOr<StepOutcome> GossipMode::Exchange(int64_t step,
     std::memcpy(g, p.data(), p.size() * sizeof(float));
     g += p.size();
   }
-  // The local optimizer step, on the shared values (which may have been mixed since the
-  // forward pass: AD-PSGD applies the gradient to the current model).
+  // The local step, on the shared values (which may have been mixed since the forward pass:
+  // AD-PSGD applies the gradient to the current model): the optimizer on the parameters, the
+  // forward's deltas added to the buffers (local_step.h).
   const float lr_scale = LrScheduleFactor(optimizer_spec_, step);
   replica_->Update([&](absl::Span<float> xs) {
-    optimizer_->Apply(step + 1, lr_scale, grad_.data(), xs.data(), slot_ptrs_.data(), numel_);
+    ApplyLocalStep(*optimizer_, step + 1, lr_scale, grad_, param_numel_, slot_ptrs_.data(), xs);
   });
   replica_->set_step(step + 1);
   if ((step + 1) % gs_.every_steps() == 0) {
@@ -210,6 +219,7 @@ absl::Status GossipMode::WriteCheckpoint(ReplicaSnapshot snap, int64_t step) {
   c.step = step;
   c.weight = snap.weight;
   c.values = std::move(snap.values);
+  c.buffer_values = numel_ - param_numel_;
   c.num_slots = optimizer_->num_slots();
   c.slots = slots_;
   RETURN_IF_ERROR(WriteGossipCheckpoint(checkpoint_path_, c));

@@ -2,19 +2,23 @@
 #include "worker/gossip/gossip_service.h"
 
 #include <chrono>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
+#include "common/job_name.h"
 #include "common/status.h"
 #include "rpc/grpc_status.h"
+#include "worker/core/peer_token.h"
 #include "worker/gossip/wire.h"
 
 namespace gradmesh {
 
-absl::Status GossipServiceImpl::Register(std::shared_ptr<GossipReplica> replica) {
+absl::Status GossipServiceImpl::Register(std::shared_ptr<GossipReplica> replica,
+                                         std::string job_token) {
   const auto key = std::make_pair(replica->options().job, replica->options().rank);
   absl::MutexLock lock(&mu_);
-  if (!replicas_.emplace(key, std::move(replica)).second) {
+  if (!replicas_.emplace(key, Entry{std::move(replica), std::move(job_token)}).second) {
     return absl::AlreadyExistsError(absl::StrCat("gossip job ", key.first, " rank ", key.second,
                                                  " is already served by this process"));
   }
@@ -26,22 +30,36 @@ void GossipServiceImpl::Unregister(const std::string& job, int32_t rank) {
   replicas_.erase(std::make_pair(job, rank));
 }
 
-absl::StatusOr<std::shared_ptr<GossipReplica>> GossipServiceImpl::Find(const std::string& job,
-                                                                       int32_t rank) const {
-  absl::MutexLock lock(&mu_);
-  auto it = replicas_.find(std::make_pair(job, rank));
-  if (it == replicas_.end()) {
-    return absl::NotFoundError(
-        absl::StrCat("gossip job ", job, " rank ", rank, " is not running in this process"));
+absl::StatusOr<std::shared_ptr<GossipReplica>> GossipServiceImpl::Find(
+    grpc::CallbackServerContext* context, const char* method, const std::string& job,
+    int32_t rank) const {
+  RETURN_IF_ERROR(CheckName(absl::StrCat("GossipService.", method, ": job"), job));
+  Entry entry;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = replicas_.find(std::make_pair(job, rank));
+    if (it == replicas_.end()) {
+      return absl::NotFoundError(
+          absl::StrCat("gossip job ", job, " rank ", rank, " is not running in this process"));
+    }
+    entry = it->second;
   }
-  return it->second;
+  std::optional<absl::string_view> presented;
+  const auto& md = context->client_metadata();
+  if (auto it = md.find(kJobTokenMetadata); it != md.end()) {
+    presented = absl::string_view(it->second.data(), it->second.size());
+  }
+  RETURN_IF_ERROR(CheckPeerToken(
+      entry.token, presented,
+      absl::StrCat("GossipService.", method, " to gossip job ", job, " rank ", rank)));
+  return entry.replica;
 }
 
 grpc::ServerUnaryReactor* GossipServiceImpl::Exchange(grpc::CallbackServerContext* context,
                                                       const GossipExchangeRequest* request,
                                                       GossipExchangeResponse* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  auto replica = Find(request->job(), request->to_rank());
+  auto replica = Find(context, "Exchange", request->job(), request->to_rank());
   if (!replica.ok()) {
     reactor->Finish(ToGrpcStatus(replica.status()));
     return reactor;
@@ -66,7 +84,7 @@ grpc::ServerUnaryReactor* GossipServiceImpl::GetState(grpc::CallbackServerContex
                                                       const GossipStateRequest* request,
                                                       GossipStateResponse* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  auto replica = Find(request->job(), request->rank());
+  auto replica = Find(context, "GetState", request->job(), request->rank());
   if (replica.ok()) {
     const ReplicaState s = (*replica)->State();
     response->set_step(s.step);

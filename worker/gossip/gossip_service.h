@@ -9,6 +9,15 @@
 // the same code and message. A bad request never changes a replica and never crashes the
 // process.
 //
+// Authentication (worker/core/peer_token.h): each registered (job, rank) has the job's token;
+// Exchange and GetState must carry it as metadata `x-gradmesh-job-token`, checked in constant
+// time before anything is read or changed: none presented is UNAUTHENTICATED, another token
+// (a stranger, a rank of another job) PERMISSION_DENIED. A rank registered with an empty
+// token is open (standalone runs without one). Order of checks: the job name (INVALID_ARGUMENT,
+// common/job_name.h), whether (job, rank) runs here (NOT_FOUND), the token, then the replica's
+// own checks (GossipReplica::Handle: a sender the topology does not allow is
+// PERMISSION_DENIED there).
+//
 // Thread safety: all methods may be called concurrently. Handlers run on gRPC's callback
 // threads and do their (CPU-only, short) work inline; a replica stays alive while a handler
 // uses it even if it is unregistered meanwhile (shared ownership).
@@ -32,8 +41,9 @@ class GossipServiceImpl final : public GossipService::CallbackService {
  public:
   GossipServiceImpl() = default;
 
-  // Serves `replica` under (its job, its rank). ALREADY_EXISTS if that key is taken.
-  absl::Status Register(std::shared_ptr<GossipReplica> replica);
+  // Serves `replica` under (its job, its rank), accepting calls that carry `job_token` (empty:
+  // any call). ALREADY_EXISTS if that key is taken.
+  absl::Status Register(std::shared_ptr<GossipReplica> replica, std::string job_token = "");
   // Stops serving (job, rank); no-op if absent.
   void Unregister(const std::string& job, int32_t rank);
 
@@ -45,12 +55,18 @@ class GossipServiceImpl final : public GossipService::CallbackService {
                                      GossipStateResponse* response) override;
 
  private:
-  // The replica of (job, rank), or NOT_FOUND naming them.
-  absl::StatusOr<std::shared_ptr<GossipReplica>> Find(const std::string& job, int32_t rank) const;
+  struct Entry {
+    std::shared_ptr<GossipReplica> replica;
+    std::string token;  // Empty: open.
+  };
+  // The replica of (job, rank) if the call may use it: INVALID_ARGUMENT for a bad job name,
+  // NOT_FOUND when it does not run here, UNAUTHENTICATED / PERMISSION_DENIED for the token.
+  absl::StatusOr<std::shared_ptr<GossipReplica>> Find(grpc::CallbackServerContext* context,
+                                                      const char* method, const std::string& job,
+                                                      int32_t rank) const;
 
   mutable absl::Mutex mu_;
-  std::map<std::pair<std::string, int32_t>, std::shared_ptr<GossipReplica>> replicas_
-      ABSL_GUARDED_BY(mu_);
+  std::map<std::pair<std::string, int32_t>, Entry> replicas_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace gradmesh

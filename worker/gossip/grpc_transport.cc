@@ -10,6 +10,7 @@
 #include "common/status.h"
 #include "proto/gossip.grpc.pb.h"
 #include "rpc/grpc_status.h"
+#include "worker/core/peer_token.h"
 #include "worker/gossip/wire.h"
 
 namespace gradmesh {
@@ -17,8 +18,8 @@ namespace {
 
 class GrpcGossipTransport final : public GossipTransport {
  public:
-  GrpcGossipTransport(std::vector<std::string> peers, const RpcOptions& rpc)
-      : peers_(std::move(peers)) {
+  GrpcGossipTransport(std::vector<std::string> peers, const RpcOptions& rpc, std::string job_token)
+      : peers_(std::move(peers)), job_token_(std::move(job_token)) {
     for (const std::string& address : peers_) {
       channels_.push_back(MakeChannel(address, rpc));
       stubs_.push_back(GossipService::NewStub(channels_.back()));
@@ -47,6 +48,7 @@ class GrpcGossipTransport final : public GossipTransport {
     }
     grpc::ClientContext ctx;
     ctx.set_deadline(absl::ToChronoTime(deadline));
+    AddToken(&ctx);
     grpc::Status st = stubs_[peer]->Exchange(&ctx, request, &response);
     if (!st.ok()) return Annotate(FromGrpcStatus(st), Where(peer));
     return ReplyFromProto(&response);
@@ -61,6 +63,7 @@ class GrpcGossipTransport final : public GossipTransport {
     GossipStateResponse response;
     grpc::ClientContext ctx;
     ctx.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+    AddToken(&ctx);
     grpc::Status st = stubs_[peer]->GetState(&ctx, request, &response);
     if (!st.ok()) return Annotate(FromGrpcStatus(st), Where(peer));
     return ReplicaState{response.step(), response.total_steps(), response.finished(),
@@ -68,6 +71,9 @@ class GrpcGossipTransport final : public GossipTransport {
   }
 
  private:
+  void AddToken(grpc::ClientContext* ctx) const {
+    if (!job_token_.empty()) ctx->AddMetadata(kJobTokenMetadata, job_token_);
+  }
   absl::Status CheckPeer(int32_t peer) const {
     if (peer < 0 || peer >= static_cast<int32_t>(stubs_.size())) {
       return absl::InvalidArgumentError(
@@ -80,6 +86,7 @@ class GrpcGossipTransport final : public GossipTransport {
   }
 
   const std::vector<std::string> peers_;
+  const std::string job_token_;
   // Constant after construction.
   std::vector<std::shared_ptr<grpc::Channel>> channels_;
   std::vector<std::unique_ptr<GossipService::Stub>> stubs_;
@@ -88,8 +95,9 @@ class GrpcGossipTransport final : public GossipTransport {
 }  // namespace
 
 std::unique_ptr<GossipTransport> NewGrpcGossipTransport(std::vector<std::string> peers,
-                                                        const RpcOptions& rpc) {
-  return std::make_unique<GrpcGossipTransport>(std::move(peers), rpc);
+                                                        const RpcOptions& rpc,
+                                                        std::string job_token) {
+  return std::make_unique<GrpcGossipTransport>(std::move(peers), rpc, std::move(job_token));
 }
 
 }  // namespace gradmesh

@@ -18,9 +18,11 @@
 
 namespace gradmesh {
 
-// `peers[r]` is rank r's GossipService address ("host:port").
+// `peers[r]` is rank r's GossipService address ("host:port"). Every call carries `job_token`
+// as metadata x-gradmesh-job-token (worker/core/peer_token.h); empty: none is sent.
 std::unique_ptr<GossipTransport> NewGrpcGossipTransport(std::vector<std::string> peers,
-                                                        const RpcOptions& rpc);
+                                                        const RpcOptions& rpc,
+                                                        std::string job_token = "");
 
 }  // namespace gradmesh
 

@@ -190,6 +190,13 @@ absl::StatusOr<ExchangeReply> GossipReplica::Handle(const ExchangeHeader& h,
     return absl::InvalidArgumentError(absl::StrCat(
         where, ": sender rank must be in [0, ", options_.num_workers, ") and not ", options_.rank));
   }
+  if (h.kind != ExchangeKind::kFinal && !options_.in_neighbours.empty() &&
+      (static_cast<size_t>(h.from) >= options_.in_neighbours.size() ||
+       !options_.in_neighbours[h.from])) {
+    return absl::PermissionDeniedError(
+        absl::StrCat(where, ": rank ", h.from, " is not an in-neighbour of rank ", options_.rank,
+                     " in this job's gossip topology"));
+  }
   if (h.numel != numel_) {
     return absl::InvalidArgumentError(absl::StrCat(where, ": ", h.numel,
                                                    " parameters sent, this replica has ", numel_,

@@ -106,6 +106,11 @@ class GossipReplica {
     int32_t num_workers = 1;
     int64_t total_steps = 0;  // Reported by GetState.
     int32_t root = 0;         // The rank that gathers finals.
+    // The ranks allowed to send push-sum / pairwise exchanges here (the topology's
+    // in-neighbours, topology.h InNeighbours): in_neighbours[r] false means rank r's
+    // exchanges are refused with PERMISSION_DENIED before anything changes. Empty: any rank.
+    // Finals (to the root) are accepted from any rank.
+    std::vector<bool> in_neighbours;
   };
 
   // `values`: initial x; `weight` > 0: initial push-sum weight; `step`: steps already done.

@@ -25,6 +25,10 @@ class RandomTopology final : public Topology {
     return candidates[rng.Uniform(candidates.size())];
   }
 
+  bool MaySend(int32_t from, int32_t to, int32_t n) const override {
+    return from != to && from >= 0 && to >= 0 && from < n && to < n;
+  }
+
  private:
   const uint64_t seed_;
 };
@@ -42,9 +46,24 @@ class ExponentialTopology final : public Topology {
     if (!available(peer)) return std::nullopt;
     return peer;
   }
+
+  bool MaySend(int32_t from, int32_t to, int32_t n) const override {
+    if (from == to || from < 0 || to < 0 || from >= n || to >= n) return false;
+    const int64_t distance = (static_cast<int64_t>(to) - from + n) % n;
+    for (int k = 0; k < ExponentialPeriod(n); ++k) {
+      if (distance == (int64_t{1} << k) % n) return true;
+    }
+    return false;
+  }
 };
 
 }  // namespace
+
+std::vector<bool> InNeighbours(const Topology& topology, int32_t rank, int32_t n) {
+  std::vector<bool> in(n > 0 ? n : 0, false);
+  for (int32_t from = 0; from < n; ++from) in[from] = topology.MaySend(from, rank, n);
+  return in;
+}
 
 int ExponentialPeriod(int32_t n) {
   int k = 0;

@@ -49,7 +49,15 @@ class Topology {
   // may be contacted now; it is only called for p != rank.
   virtual std::optional<int32_t> Peer(int32_t rank, int32_t n, int64_t round,
                                       const std::function<bool(int32_t)>& available) const = 0;
+
+  // Whether rank `from` may ever send a mixing exchange to rank `to` (both in [0, n), distinct)
+  // in some round: the receiver refuses exchanges from other ranks (PERMISSION_DENIED).
+  // "random": any rank; "exponential": to - from = 2^k mod n for some k < ExponentialPeriod(n).
+  virtual bool MaySend(int32_t from, int32_t to, int32_t n) const = 0;
 };
+
+// The ranks that may send mixing exchanges to `rank` under `topology` (in_neighbours[r]).
+std::vector<bool> InNeighbours(const Topology& topology, int32_t rank, int32_t n);
 
 // The exponential graph's distance exponents: K = ceil(log2 n) (at least 1), so round t uses
 // distance 2^(t mod K) < n.

@@ -99,5 +99,35 @@ TEST(TopologyTest, RandomIsDeterministicUniformAndOnlyPicksAvailablePeers) {
   EXPECT_EQ(a->Peer(0, 1, 0, kAll), std::nullopt);
 }
 
+// MaySend agrees with Peer: a rank's in-neighbours are exactly the ranks whose Peer() picks it
+// in some round (the receiver refuses the others).
+TEST(TopologyTest, InNeighboursAreTheRanksThatPickThisOne) {
+  TopologyRegistry r = TopologyRegistry::WithBuiltins();
+  ASSERT_OK_AND_ASSIGN(auto exp, r.Create("exponential", 1));
+  EXPECT_EQ(InNeighbours(*exp, 1, 4), (std::vector<bool>{true, false, false, true}));
+  EXPECT_EQ(InNeighbours(*exp, 0, 5), (std::vector<bool>{false, true, false, true, true}));
+  EXPECT_EQ(InNeighbours(*exp, 0, 2), (std::vector<bool>{false, true}));
+  EXPECT_EQ(InNeighbours(*exp, 0, 1), (std::vector<bool>{false}));
+  for (int32_t n = 2; n <= 9; ++n) {
+    for (int32_t to = 0; to < n; ++to) {
+      std::set<int32_t> picks;
+      for (int32_t from = 0; from < n; ++from) {
+        for (int64_t round = 0; round < 2 * ExponentialPeriod(n); ++round) {
+          auto p = exp->Peer(from, n, round, kAll);
+          if (p.has_value() && *p == to) picks.insert(from);
+        }
+      }
+      for (int32_t from = 0; from < n; ++from) {
+        EXPECT_EQ(exp->MaySend(from, to, n), picks.count(from) > 0)
+            << "n " << n << " from " << from << " to " << to;
+      }
+    }
+  }
+  ASSERT_OK_AND_ASSIGN(auto rnd, r.Create("random", 1));
+  EXPECT_EQ(InNeighbours(*rnd, 2, 4), (std::vector<bool>{true, true, false, true}));
+  EXPECT_FALSE(rnd->MaySend(-1, 0, 4));
+  EXPECT_FALSE(rnd->MaySend(4, 0, 4));
+}
+
 }  // namespace
 }  // namespace gradmesh

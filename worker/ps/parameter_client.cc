@@ -22,6 +22,7 @@
 #include "proto/gradmesh.grpc.pb.h"
 #include "rpc/grpc_status.h"
 #include "rpc/tensor_wire.h"
+#include "rpc/token_transport.h"
 
 namespace gradmesh {
 namespace {
@@ -145,7 +146,10 @@ class GrpcParameterClient final : public ParameterClient {
           PushChunkRef ref{c.tensor, c.chunk, versions_[idx], grads[c.tensor].data() + c.offset,
                            c.numel};
           raw += c.numel * static_cast<int64_t>(sizeof(float));
-          if (codec != nullptr) {
+          // Buffers go dense: their deltas are small, and a sparsified or quantised delta
+          // (with error feedback lagging behind) would make running statistics and counts
+          // drift from what the forward passes did.
+          if (codec != nullptr && !layout_.tensors[c.tensor].buffer()) {
             const absl::Span<const float> g(ref.data, c.numel);
             // Distinct per worker, step and chunk, reproducible for a given seed.
             const uint64_t seed = options_.seed ^ (static_cast<uint64_t>(options_.worker) << 48) ^
@@ -236,8 +240,11 @@ class GrpcParameterClient final : public ParameterClient {
               }
               const ChunkInfo& c = partition_.chunks()[owned[i]];
               const int64_t dense = c.numel * static_cast<int64_t>(sizeof(float));
-              // "changes" pulls answer each chunk dense or as changes.
-              const bool codec_ok = codec == options_.pull_codec || (changes_ && codec.empty());
+              // "changes" pulls answer each chunk dense or as changes; narrowed (fp16/bf16)
+              // pulls answer buffers dense (the shards never round them).
+              const bool codec_ok =
+                  codec == options_.pull_codec ||
+                  (codec.empty() && (changes_ || layout_.tensors[c.tensor].buffer()));
               if (tensor != c.tensor || chunk != c.chunk ||
                   (dtype != FLOAT32 && dtype != DTYPE_UNSPECIFIED) || !codec_ok ||
                   (codec.empty() && size != dense)) {
@@ -470,6 +477,9 @@ absl::StatusOr<std::unique_ptr<ParameterClient>> NewGrpcParameterClient(
   }
   if (options.max_attempts < 1) {
     return absl::InvalidArgumentError("parameter client: max_attempts must be >= 1");
+  }
+  for (const std::string& server : options.servers) {
+    RETURN_IF_ERROR(CheckTokenTransport(server, options.rpc.tls, options.job_token, "job token"));
   }
   if (layout.tensors.empty()) {
     return absl::InvalidArgumentError(

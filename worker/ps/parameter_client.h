@@ -9,7 +9,9 @@
 //
 // Compression: with a push codec each chunk's gradient is encoded (through error feedback for
 // biased codecs, with optional DGC momentum correction and density warm-up) and sent as that
-// codec's payload; with a pull codec the shards send fp16/bf16 values, decoded here.
+// codec's payload; with a pull codec the shards send fp16/bf16 values, decoded here. Chunks of
+// buffer tensors (TensorSpec.buffer) are always pushed and pulled dense float32 (the shards
+// send them dense whatever the pull codec), so buffer deltas and values travel exactly.
 //
 // Retries: UNAVAILABLE, DEADLINE_EXCEEDED and ABORTED are retried with exponential backoff
 // (bounded and logged); a retried push reuses its request id, so a shard that already applied

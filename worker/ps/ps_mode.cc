@@ -74,10 +74,17 @@ JobLayout PsMode::Layout(const ModelView& model, int64_t total_steps) const {
   layout.durability = spec_.durability();
   layout.staleness_damping = spec_.staleness_damping();
   layout.barrier_timeout_s = spec_.barrier_timeout_s();
-  for (size_t i = 0; i < model.params.size(); ++i) {
+  // Parameters, then the buffers: stored on the shards beside them, pushed as the deltas the
+  // forward passes made and pulled back into the mirrors like parameters (TensorSpec.buffer).
+  for (int i = 0; i < model.size(); ++i) {
     TensorSpec t;
     t.set_name(model.names[i]);
     for (int64_t d : model.shapes[i]) t.add_shape(d);
+    if (model.is_buffer(i)) t.set_buffer(true);
+    // FLOAT32 stays unset, as the shards normalise it.
+    if (static_cast<size_t>(i) < model.dtypes.size() && model.dtypes[i] != ElemType::kFloat32) {
+      t.set_dtype(ToProtoDType(model.dtypes[i]));
+    }
     layout.tensors.push_back(t);
   }
   return layout;

@@ -1,10 +1,18 @@
 // The parameter-server modes (async, ssp:<s>, sync) as a TrainingMode.
 //
+// The job's layout is the model view: parameters, then buffers (TensorSpec.buffer = true,
+// dtype the model's element type). A buffer is one more tensor on the shards: its initial
+// value is the mirror's, its "gradient" is the delta the step's forward added (the shards add
+// it as is in async/ssp, the mean of the step's deltas in sync; no optimizer), and every pull
+// overwrites the mirror with the shards' value. Buffer chunks are pushed and pulled dense
+// whatever the codecs (worker/ps/parameter_client.h).
+//
 // Start: every worker offers the same seeded initial values (InitJob: the first wins, the rest
-// find the job), then pulls the shards' values and resumes after the last step the shards
-// recorded for this rank (the minimum over shards; 0 for a new job).
-// Exchange: push every gradient to its shards in parallel, then pull fresh parameters into the
-// model (compression.push "auto" lets AutoCodec switch the push codec as it measures the job).
+// find the job), then pulls the shards' values (parameters and buffers) and resumes after the
+// last step the shards recorded for this rank (the minimum over shards; 0 for a new job).
+// Exchange: push every gradient and buffer delta to its shards in parallel, then pull fresh
+// values into the model (compression.push "auto" lets AutoCodec switch the push codec as it
+// measures the job).
 // Checkpoints are the shards' durable snapshots (checkpoint.every_steps turns them on, see
 // common/job_spec.h); the loop reports them at those steps.
 // Finish: tell the shards this worker finished (not after a stop request: the shards keep

@@ -1,0 +1,118 @@
+// TorchScript module export (see torchscript_export.h).
+#include "cli/torchscript_export.h"
+
+#include <torch/script.h>
+#include <torch/torch.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <set>
+#include <sstream>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+namespace gradmesh {
+namespace cli {
+namespace {
+
+std::string ShapeString(c10::IntArrayRef shape) {
+  return absl::StrCat("[", absl::StrJoin(shape.begin(), shape.end(), ","), "]");
+}
+
+// Copies `from` into `to` (the module's tensor, in place: the module keeps its dtype).
+absl::Status CopyInto(const ExportedTensor& from, at::Tensor to) {
+  int64_t numel = 1;
+  for (int64_t d : from.shape) numel *= d;
+  if (numel != static_cast<int64_t>(from.values.size())) {
+    return absl::InvalidArgumentError(absl::StrCat("tensor ", from.name, " has ",
+                                                   from.values.size(), " values for shape ",
+                                                   ShapeString(from.shape)));
+  }
+  if (to.sizes() != c10::IntArrayRef(from.shape)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "tensor ", from.name, ": the module's is ", ShapeString(to.sizes()), ", the job's ",
+        ShapeString(from.shape), " (was the job trained with this module?)"));
+  }
+  // from_blob does not copy; copy_ converts to the module tensor's dtype.
+  at::Tensor src =
+      torch::from_blob(const_cast<float*>(from.values.data()), from.shape, torch::kFloat32);
+  torch::NoGradGuard no_grad;
+  to.copy_(src);
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<TorchScriptExportResult> SaveTorchScriptWithWeights(
+    const std::string& module_bytes, const std::vector<ExportedTensor>& tensors,
+    const std::string& path) {
+  std::map<std::string, const ExportedTensor*> by_name;
+  for (const ExportedTensor& t : tensors) {
+    if (!by_name.emplace(t.name, &t).second) {
+      return absl::InvalidArgumentError(absl::StrCat("tensor name ", t.name, " appears twice"));
+    }
+  }
+  TorchScriptExportResult result;
+  const std::string tmp = absl::StrCat(path, ".tmp");
+  try {
+    torch::jit::Module module;
+    try {
+      std::istringstream in(module_bytes);
+      module = torch::jit::load(in);
+    } catch (const c10::Error& e) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "the job's module is not a TorchScript module: ", e.what_without_backtrace()));
+    }
+    std::vector<std::pair<std::string, at::Tensor>> targets;
+    for (const auto& p : module.named_parameters(/*recurse=*/true)) {
+      targets.emplace_back(p.name, p.value);
+    }
+    for (const auto& b : module.named_buffers(/*recurse=*/true)) {
+      targets.emplace_back(b.name, b.value);
+    }
+    std::vector<std::string> missing;
+    std::set<std::string> used;
+    for (const auto& [name, tensor] : targets) {
+      auto it = by_name.find(name);
+      if (it == by_name.end()) {
+        missing.push_back(name);
+        continue;
+      }
+      used.insert(name);
+    }
+    if (!missing.empty()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("the job's model does not cover ", missing.size(), " of the module's ",
+                       targets.size(), " parameters and buffers: ", absl::StrJoin(missing, ", ")));
+    }
+    for (const auto& [name, tensor] : targets) {
+      if (absl::Status s = CopyInto(*by_name.at(name), tensor); !s.ok()) return s;
+    }
+    result.tensors = static_cast<int64_t>(targets.size());
+    for (const ExportedTensor& t : tensors) {
+      if (used.count(t.name) == 0) result.unused.push_back(t.name);
+    }
+    module.save(tmp);
+  } catch (const c10::Error& e) {
+    std::remove(tmp.c_str());
+    return absl::InternalError(
+        absl::StrCat("writing the TorchScript module to ", tmp, ": ", e.what_without_backtrace()));
+  } catch (const std::exception& e) {
+    std::remove(tmp.c_str());
+    return absl::InternalError(
+        absl::StrCat("writing the TorchScript module to ", tmp, ": ", e.what()));
+  }
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+    const int err = errno;
+    std::remove(tmp.c_str());
+    return absl::InternalError(
+        absl::StrCat("cannot rename ", tmp, " to ", path, ": ", std::strerror(err)));
+  }
+  return result;
+}
+
+}  // namespace cli
+}  // namespace gradmesh

@@ -1,0 +1,44 @@
+// Writing a TorchScript module with exported weights: `gradmesh export --format torchscript`.
+//
+// The module is the file the job's rank 0 uploaded (its spec.model.path); its parameters and
+// buffers are replaced, by name, with the exported tensors (converted to each module tensor's
+// own dtype, e.g. num_batches_tracked back to int64), and the module is saved with
+// torch::jit::Module::save, so Python loads it with torch.jit.load(FILE).
+//
+// One of the two cli/ files that include LibTorch (with state_dict.cc); this header does not.
+//
+// Thread safety: pure function; blocks on file I/O.
+#ifndef GRADMESH_CLI_TORCHSCRIPT_EXPORT_H_
+#define GRADMESH_CLI_TORCHSCRIPT_EXPORT_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "cli/shard_export.h"
+
+namespace gradmesh {
+namespace cli {
+
+struct TorchScriptExportResult {
+  int64_t tensors = 0;  // Module parameters and buffers written.
+  // Exported tensors the module has no parameter or buffer for (not written).
+  std::vector<std::string> unused;
+};
+
+// Loads the module from `module_bytes`, copies every tensor of `tensors` into the module's
+// parameter or buffer of that name, and writes the module to `path` through a temporary file
+// renamed into place (a failed export leaves no partial file). Errors:
+// INVALID_ARGUMENT when the bytes are not a TorchScript module, or a tensor's values do not
+// match its shape; FAILED_PRECONDITION naming the module tensors that `tensors` lacks (every
+// one must be covered) or whose shapes differ; INTERNAL (with the path) when the file cannot
+// be written.
+absl::StatusOr<TorchScriptExportResult> SaveTorchScriptWithWeights(
+    const std::string& module_bytes, const std::vector<ExportedTensor>& tensors,
+    const std::string& path);
+
+}  // namespace cli
+}  // namespace gradmesh
+
+#endif  // GRADMESH_CLI_TORCHSCRIPT_EXPORT_H_

@@ -1,0 +1,59 @@
+// Options of the gRPC layer as plain data, free of gRPC headers: message limits, reconnection
+// backoff and transport security (TLS). Parsed once in main (flags) and passed down to every
+// channel and server the process makes (rpc/grpc_util.h applies them; rpc/tls.h builds the
+// credentials). Kept apart from grpc_util.h so gRPC-free code (TrainerOptions) can carry them.
+//
+// Thread safety: plain values.
+#ifndef GRADMESH_RPC_RPC_OPTIONS_H_
+#define GRADMESH_RPC_RPC_OPTIONS_H_
+
+#include <cstdint>
+#include <string>
+
+namespace gradmesh {
+
+// Transport security of a process's channels and servers (flags --tls_cert_file,
+// --tls_key_file, --tls_ca_file, --tls_client_auth, --allow_insecure; see rpc/tls.h
+// MakeTlsOptions, which validates them once).
+//
+// TLS is on when cert_file or ca_file is set (enabled()). A server then presents cert_file
+// (key key_file), and with client_auth requires every client to present a certificate that
+// chains to ca_file. A client verifies the server's certificate against ca_file (the system
+// roots when empty) including its host name (a SAN naming the host or IP the client dials),
+// and presents cert_file when set (mutual TLS). The files are re-read every
+// refresh_interval_s, so replacing them (atomically: write new files, rename into place)
+// takes effect for new connections without a restart.
+struct TlsOptions {
+  std::string cert_file;  // PEM certificate chain this process presents. Default: none.
+  std::string key_file;   // PEM private key of cert_file. Required with cert_file.
+  std::string ca_file;    // PEM CA bundle peers are verified against. Default: none.
+  // Servers require and verify client certificates (needs ca_file and cert_file). Default off.
+  bool client_auth = false;
+  // Allows sending tokens over plaintext to a non-loopback address (rpc/tls.h
+  // CheckTokenTransport). Default false.
+  bool allow_insecure = false;
+  // Seconds between re-reads of the certificate files. Default 10.
+  int refresh_interval_s = 10;
+
+  bool enabled() const { return !cert_file.empty() || !ca_file.empty(); }
+};
+
+struct RpcOptions {
+  // Largest message sent or received, bytes. Default 256 MiB.
+  int64_t max_message_bytes = 256ll << 20;
+  // Reconnection to a peer that went away: first retry after this long, doubling up to
+  // max. gRPC's defaults (1 s, 120 s) are too slow for a shard that restarts in a second.
+  int64_t min_reconnect_backoff_ms = 100;
+  int64_t max_reconnect_backoff_ms = 5000;
+  // Models a slower link for a client's tensor traffic (each direction paced separately, as a
+  // full-duplex NIC), in bits per second; 0 = as fast as the transport goes. For measuring
+  // compression on a slow network with loopback daemons (see worker --link_mbit).
+  double link_bits_per_s = 0;
+  // Transport security of every channel and server made with these options. Default: none
+  // (plaintext).
+  TlsOptions tls;
+};
+
+}  // namespace gradmesh
+
+#endif  // GRADMESH_RPC_RPC_OPTIONS_H_

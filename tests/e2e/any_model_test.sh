@@ -1,0 +1,165 @@
+#!/usr/bin/env bash
+# Any model, any data, end to end: a real coordinator, one shard and two worker daemons
+# (service mode, 127.0.0.1, free ports) train the shipped workloads through the CLI:
+#   * the ResNet-style CNN with BatchNorm (examples/fashion_resnet) on Fashion-MNIST converted
+#     to a `tensors` dataset of several .pt files, in async and sync (ps), allreduce and gossip mode;
+#     every job is exported (`gradmesh export`, state_dict and --format torchscript) and
+#     evaluated independently in Python (examples/evaluate.py, Debian's torch): the accuracy
+#     must equal what the job reported within 0.3 pt, with the BatchNorm buffers loaded
+#     strictly;
+#   * the small decoder-only transformer (examples/kjv_transformer --small) on KJV text in
+#     ssp:1, allreduce and gossip mode: the exported model's perplexity must match the
+#     reported one within 1%;
+#   * bad input fails at job start with the file named: x/y length mismatch, a module without
+#     loss() for `loss: module`, a model whose output does not fit the loss.
+set -euo pipefail
+# The logs first and the reason last: CI shows the tail of a failing test's output.
+fail() { for f in "$tmp"/*.log; do echo "--- $f"; tail -n 8 "$f"; done; echo "FAIL: $*"; exit 1; }
+tmp="$(mktemp -d)"
+PIDS=()
+cleanup() {
+  for p in "${PIDS[@]:-}"; do [ -n "$p" ] && kill "$p" 2>/dev/null || true; done
+  for p in "${PIDS[@]:-}"; do [ -n "$p" ] && wait "$p" 2>/dev/null || true; done
+  rm -rf "$tmp"
+}
+trap cleanup EXIT
+PY=/usr/bin/python3
+[ -x "$PY" ] || fail "/usr/bin/python3 missing (deploy/setup.sh)"
+DATA="${GRADMESH_DATA_DIR:-/var/lib/gradmesh/data}"
+[ -d "$DATA/fashion-mnist" ] || fail "no Fashion-MNIST in $DATA (deploy/setup.sh)"
+export OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1
+wait_file() { for _ in $(seq 600); do [ -s "$1" ] && return 0; sleep 0.1; done; fail "$2 did not start"; }
+
+# The workloads, made as a user would (small sizes for the test).
+"$PY" examples/fashion_resnet/make.py --data "$DATA/fashion-mnist" --out "$tmp/resnet" \
+  >"$tmp/make_resnet.log" 2>&1 || fail "fashion_resnet/make.py"
+"$PY" examples/kjv_transformer/make.py --small --max_train 2000 --max_test 200 --out "$tmp/kjv" >"$tmp/make_kjv.log" 2>&1 ||
+  fail "kjv_transformer/make.py"
+
+head -c 24 /dev/urandom | base64 | tr -d '/+=' >"$tmp/token"
+timeout 900 coordinator/gradmesh_coordinator --host=127.0.0.1 --port=0 \
+  --port_file="$tmp/coord.port" --data_dir="$tmp/coord" --auth_token_file="$tmp/token" \
+  2>"$tmp/coordinator.log" &
+PIDS+=($!)
+wait_file "$tmp/coord.port" coordinator
+COORD="127.0.0.1:$(cat "$tmp/coord.port")"
+timeout 900 server/gradmesh_server --host=127.0.0.1 --port=0 --port_file="$tmp/shard.port" \
+  --node=shard0 --data_dir="$tmp/shard0" --coordinator="$COORD" --auth_token_file="$tmp/token" \
+  2>"$tmp/shard.log" &
+PIDS+=($!)
+for r in 0 1; do
+  timeout 900 worker/gradmesh_worker --host=127.0.0.1 --peer_port=0 \
+    --port_file="$tmp/worker$r.port" --node="worker$r" --coordinator="$COORD" \
+    --auth_token_file="$tmp/token" --data_dir="$DATA" --checkpoint_dir="$tmp/ckpt$r" \
+    2>"$tmp/worker$r.log" &
+  PIDS+=($!)
+done
+wait_file "$tmp/shard.port" shard
+for r in 0 1; do wait_file "$tmp/worker$r.port" "worker $r"; done
+export GRADMESH_COORDINATOR="$COORD" GRADMESH_AUTH_TOKEN_FILE="$tmp/token"
+
+submit() {  # submit SPEC_FILE: retries while the daemons register
+  for attempt in $(seq 40); do
+    cli/gradmesh submit "$1" >"$tmp/submit.log" 2>&1 && return 0
+    [ "$attempt" = 40 ] && fail "submit $1: $(cat "$tmp/submit.log")"
+    sleep 0.5
+  done
+}
+# The value of KEY on rank 0's `evaluated` line of job JOB.
+reported() { grep -h "event=evaluated" "$tmp"/worker*.log | grep " job=$1 " | grep " rank=0 " |
+  tail -n 1 | sed -n "s/.* $2=\([^ ]*\).*/\1/p"; }
+json_field() { "$PY" -c 'import json,sys; print(json.loads(sys.stdin.readline())[sys.argv[1]])' "$1"; }
+
+run_job() {  # run_job NAME MODE MODEL_DIR STEPS BATCH EXTRA...
+  local name="$1" mode="$2" dir="$3" steps="$4" batch="$5"
+  cat >"$tmp/$name.yaml" <<SPEC
+name: $name
+model: {name: torchscript, path: $dir/model.pt}
+dataset: {name: tensors, path: $dir/data}
+optimizer: {name: adam, lr: 0.002}
+batch_size: $batch
+steps: $steps
+mode: $mode
+num_workers: 2
+num_shards: 1
+log_every: 50
+SPEC
+  submit "$tmp/$name.yaml"
+  cli/gradmesh watch "$name" >"$tmp/watch-$name.log" 2>&1 ||
+    fail "job $name did not succeed: $(tail -n 3 "$tmp/watch-$name.log")"
+}
+
+# export_and_score NAME FORMAT MODEL_DIR METRIC: exports job NAME (state_dict or torchscript)
+# and prints METRIC of the file as examples/evaluate.py computes it, independently (on failure
+# it prints why and fails; the caller passes that on to fail).
+export_and_score() {
+  local name="$1" format="$2" dir="$3" metric="$4" out="$tmp/$1.$2.pt"
+  cli/gradmesh export "$name" --out "$out" --format "$format" >"$tmp/export.log" 2>&1 ||
+    fail "export --format $format $name: $(cat "$tmp/export.log")"
+  if [ "$format" = torchscript ]; then
+    "$PY" examples/evaluate.py --model "$out" --data "$dir/data"
+  else
+    "$PY" examples/evaluate.py --model "$dir/model.pt" --state "$out" --data "$dir/data"
+  fi | json_field "$metric" || fail "evaluate.py on the $format export of $name"
+}
+# within WANT GOT TOLERANCE: |WANT - GOT| <= TOLERANCE (a Python expression of w and g).
+within() { "$PY" -c "import sys; w,g=float('$1'),float('$2'); sys.exit(0 if abs(w-g)<=$3 else 1)"; }
+
+# --- ResNet with BatchNorm in every mode: export, evaluate independently, compare.
+for mode in async sync allreduce gossip; do
+  name="resnet-$mode"
+  run_job "$name" "$mode" "$tmp/resnet" 150 64
+  want="$(reported "$name" accuracy)"
+  [ -n "$want" ] || fail "$name: no accuracy reported"
+  for format in state_dict torchscript; do
+    got="$(export_and_score "$name" "$format" "$tmp/resnet" accuracy)" || fail "$got"
+    within "$want" "$got" 0.003 ||
+      fail "$name: the $format export scores $got independently, the job reported $want"
+    echo "ok: $name reported accuracy $want, the $format export scores $got"
+  done
+done
+
+# --- The transformer on KJV text, in a ps mode with bounded staleness and the shard-less ones.
+for mode in ssp:1 allreduce gossip; do
+  name="kjv-${mode%%:*}"
+  run_job "$name" "$mode" "$tmp/kjv" 60 16
+  want="$(reported "$name" perplexity)"
+  [ -n "$want" ] || fail "$name: no perplexity reported"
+  got="$(export_and_score "$name" state_dict "$tmp/kjv" perplexity)" || fail "$got"
+  within "$want" "$got" 0.01*w ||
+    fail "$name: exported model has perplexity $got independently, the job reported $want"
+  echo "ok: $name reported perplexity $want, exported $got"
+done
+
+# --- Bad input: the job fails at start, and the reason says what is wrong.
+# expect_failure NAME PATTERN WHAT SPEC_LINES...: job NAME (allreduce, 2 workers, 5 steps, the
+# spec lines given) must fail, and its watch output or logs must contain PATTERN.
+expect_failure() {
+  local name="$1" pattern="$2" what="$3"
+  shift 3
+  { echo "name: $name"; printf '%s\n' "$@"; echo "steps: 5"; echo "mode: allreduce"
+    echo "num_workers: 2"; } >"$tmp/$name.yaml"
+  submit "$tmp/$name.yaml"
+  if cli/gradmesh watch "$name" >"$tmp/watch-$name.log" 2>&1; then fail "$name succeeded"; fi
+  cli/gradmesh logs "$name" >"$tmp/logs-$name.log" 2>&1 || true
+  grep -q "$pattern" "$tmp/watch-$name.log" "$tmp/logs-$name.log" ||
+    fail "$name: the failure does not mention $pattern: $(tail -n 5 "$tmp/watch-$name.log")"
+  echo "ok: $what"
+}
+mkdir -p "$tmp/bad/data"
+"$PY" - "$tmp/bad/data" <<'PYEOF'
+import sys, torch
+d = sys.argv[1]
+torch.save({"x": torch.zeros(10, 1, 28, 28), "y": torch.zeros(9, dtype=torch.long)}, d + "/train-0.pt")
+torch.save({"x": torch.zeros(10, 1, 28, 28), "y": torch.zeros(10, dtype=torch.long)}, d + "/test-0.pt")
+PYEOF
+expect_failure bad-lengths "train-0.pt" "x/y length mismatch fails naming the file" \
+  "model: {name: torchscript, path: $tmp/resnet/model.pt}" \
+  "dataset: {name: tensors, path: $tmp/bad/data}"
+expect_failure bad-loss "loss(x, y)" "loss: module without a loss method fails at start" \
+  "model: {name: torchscript, path: $tmp/resnet/model.pt}" \
+  "dataset: {name: tensors, path: $tmp/resnet/data}" "loss: module"
+expect_failure bad-fit "mse" "an output that does not fit the loss fails at start" \
+  "model: {name: torchscript, path: $tmp/resnet/model.pt}" \
+  "dataset: {name: tensors, path: $tmp/resnet/data}" "loss: mse"
+echo "PASS"

@@ -1,0 +1,182 @@
+// The gRPC ParameterClient against two in-process shards over real gRPC on 127.0.0.1, for a
+// job with model buffers: buffer chunks are pushed dense even with a sparsifying push codec
+// (the shards add the delta exactly), and pulled dense even with a narrowing pull codec, while
+// the parameters' chunks go through both codecs.
+#include "worker/ps/parameter_client.h"
+
+#include <grpcpp/security/server_credentials.h>
+#include <grpcpp/server.h>
+#include <grpcpp/server_builder.h>
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_testing.h"
+#include "compression/compressor.h"
+#include "gtest/gtest.h"
+#include "rpc/grpc_util.h"
+#include "server/parameter_service.h"
+#include "server/shard.h"
+
+namespace gradmesh {
+namespace {
+
+using Values = std::vector<std::vector<float>>;
+
+struct InProcessShard {
+  std::unique_ptr<Shard> shard;
+  std::unique_ptr<ParameterServiceImpl> service;
+  std::unique_ptr<grpc::Server> server;
+  std::string addr;
+
+  ~InProcessShard() {
+    if (server != nullptr) {
+      server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
+      server->Wait();
+    }
+  }
+};
+
+TensorSpec Spec(const std::string& name, std::vector<int64_t> shape, bool buffer = false,
+                DType dtype = DTYPE_UNSPECIFIED) {
+  TensorSpec t;
+  t.set_name(name);
+  for (int64_t d : shape) t.add_shape(d);
+  t.set_buffer(buffer);
+  t.set_dtype(dtype);
+  return t;
+}
+
+class BufferClientTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    for (int s = 0; s < 2; ++s) {
+      auto ps = std::make_unique<InProcessShard>();
+      ASSERT_OK_AND_ASSIGN(ps->shard, Shard::Create(ShardOptions()));
+      ps->service = std::make_unique<ParameterServiceImpl>(ps->shard.get());
+      grpc::ServerBuilder builder;
+      int port = 0;
+      builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+      ConfigureServerBuilder(RpcOptions(), &builder);
+      builder.RegisterService(ps->service.get());
+      ps->server = builder.BuildAndStart();
+      ASSERT_NE(ps->server, nullptr);
+      ps->addr = absl::StrCat("127.0.0.1:", port);
+      shards_.push_back(std::move(ps));
+    }
+    // Parameter w[6] (chunks of 4 and 2), buffers rm[4] and nbt (int64 scalar); sgd lr 1, so
+    // a parameter's value drops by exactly the decoded gradient.
+    layout_.job = "bn";
+    layout_.tensors = {Spec("w", {6}), Spec("rm", {4}, true), Spec("nbt", {}, true, INT64)};
+    layout_.chunk_elems = 4;
+    layout_.optimizer.set_name("sgd");
+    layout_.optimizer.set_lr(1);
+    layout_.num_workers = 1;
+  }
+
+  GrpcParameterClientOptions Options(const std::string& push_codec,
+                                     const std::string& pull_codec) const {
+    GrpcParameterClientOptions o;
+    for (const auto& s : shards_) o.servers.push_back(s->addr);
+    o.push_codec = push_codec;
+    o.pull_codec = pull_codec;
+    o.rpc_deadline = absl::Seconds(10);
+    o.max_attempts = 2;
+    return o;
+  }
+
+  static std::vector<absl::Span<const float>> Const(const Values& v) {
+    return {v.begin(), v.end()};
+  }
+  static std::vector<absl::Span<float>> Mut(Values& v) {
+    std::vector<absl::Span<float>> out;
+    for (auto& t : v) out.push_back(absl::MakeSpan(t));
+    return out;
+  }
+
+  std::vector<std::unique_ptr<InProcessShard>> shards_;
+  JobLayout layout_;
+};
+
+TEST_F(BufferClientTest, BuffersTravelDenseWhateverTheCodecs) {
+  // Values and deltas that bf16 cannot represent, so any narrowing would show.
+  const Values init = {{0.1f, 0.2f, 0.3f, 0.4f, 0.7f, 0.9f}, {0.1f, 0.2f, 0.3f, 0.4f}, {3.0f}};
+  const Values grad = {
+      {1.0f, 0.5f, 0.25f, 0.125f, 2.0f, 0.0625f}, {0.01f, 0.02f, 0.03f, 0.04f}, {1.0f}};
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<ParameterClient> client,
+                       NewGrpcParameterClient(layout_, Options("topk:0.25", "bf16")));
+  ASSERT_OK(client->InitJob(Const(init)));
+  ASSERT_OK(client->Push(0, Const(grad)));
+
+  // Dense reference: only each parameter chunk's largest gradient arrived (top-k of 1), every
+  // buffer delta arrived exactly.
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<ParameterClient> reader,
+                       NewGrpcParameterClient(layout_, Options("", "")));
+  Values dense = {std::vector<float>(6), std::vector<float>(4), std::vector<float>(1)};
+  ASSERT_OK(reader->Pull(Mut(dense)));
+  EXPECT_EQ(dense[0], (std::vector<float>{0.1f - 1.0f, 0.2f, 0.3f, 0.4f, 0.7f - 2.0f, 0.9f}));
+  EXPECT_EQ(dense[1], (std::vector<float>{0.1f + 0.01f, 0.2f + 0.02f, 0.3f + 0.03f, 0.4f + 0.04f}));
+  EXPECT_EQ(dense[2], (std::vector<float>{4.0f}));
+
+  // The bf16 pull: buffers exact (sent dense), parameters narrowed.
+  Values pulled = {std::vector<float>(6), std::vector<float>(4), std::vector<float>(1)};
+  ASSERT_OK(client->Pull(Mut(pulled)));
+  EXPECT_EQ(pulled[1], dense[1]);
+  EXPECT_EQ(pulled[2], dense[2]);
+  ASSERT_NE(pulled[0][1], dense[0][1]);  // 0.2 is not a bfloat16.
+  for (int i = 0; i < 6; ++i) {
+    EXPECT_NEAR(pulled[0][i], dense[0][i], 0.01) << "element " << i;
+  }
+  // Wire bytes: w's two chunks went as top-k payloads, the buffers dense (5 floats); raw
+  // counts all 11. Pulled: w's chunks as bf16 payloads, the buffers dense.
+  const auto encoded_size = [](const std::string& spec, absl::Span<const float> v) -> int64_t {
+    std::unique_ptr<Compressor> codec = CompressorRegistry::WithBuiltins().Create(spec).value();
+    std::string out;
+    EXPECT_OK(codec->Encode(v, 1, &out));
+    return static_cast<int64_t>(out.size());
+  };
+  const absl::Span<const float> w(grad[0]);
+  EXPECT_EQ(client->raw_bytes_pushed(), 11 * 4);
+  EXPECT_EQ(client->bytes_pushed(), 5 * 4 + encoded_size("topk:0.25", w.subspan(0, 4)) +
+                                        encoded_size("topk:0.25", w.subspan(4, 2)));
+  EXPECT_EQ(client->raw_bytes_pulled(), 11 * 4);
+  EXPECT_EQ(client->bytes_pulled(),
+            5 * 4 + encoded_size("bf16", absl::Span<const float>(dense[0]).subspan(0, 4)) +
+                encoded_size("bf16", absl::Span<const float>(dense[0]).subspan(4, 2)));
+
+  // The layout the shards keep names the buffers and their dtypes.
+  ASSERT_OK_AND_ASSIGN(std::vector<JobInfoResponse> infos, client->GetJobInfo());
+  ASSERT_EQ(infos.size(), 2u);
+  for (const JobInfoResponse& info : infos) {
+    ASSERT_EQ(info.tensors_size(), 3);
+    EXPECT_FALSE(info.tensors(0).buffer());
+    EXPECT_TRUE(info.tensors(1).buffer());
+    EXPECT_TRUE(info.tensors(2).buffer());
+    EXPECT_EQ(info.tensors(2).dtype(), INT64);
+  }
+}
+
+TEST_F(BufferClientTest, ChangesPullsKeepBuffersExactAcrossSteps) {
+  const Values init = {{0, 0, 0, 0, 0, 0}, {0.5f, 0.5f, 0.5f, 0.5f}, {0.0f}};
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<ParameterClient> client,
+                       NewGrpcParameterClient(layout_, Options("fp16", "changes")));
+  ASSERT_OK(client->InitJob(Const(init)));
+  Values model = init;
+  ASSERT_OK(client->Pull(Mut(model)));
+  std::vector<float> want_rm = init[1];
+  for (int step = 0; step < 5; ++step) {
+    // fp16 cannot hold 0.1: a buffer delta through the push codec would be rounded.
+    const Values grad = {std::vector<float>(6, 0.0f), std::vector<float>(4, 0.1f), {1.0f}};
+    for (float& v : want_rm) v += 0.1f;
+    ASSERT_OK(client->Push(step, Const(grad)));
+    ASSERT_OK(client->Pull(Mut(model)));
+    EXPECT_EQ(model[1], want_rm) << "step " << step;
+    EXPECT_EQ(model[2], (std::vector<float>{static_cast<float>(step + 1)})) << "step " << step;
+  }
+}
+
+}  // namespace
+}  // namespace gradmesh

@@ -1,0 +1,182 @@
+// The ps mode with a fake ParameterClient: the job layout it builds from the model view
+// (parameters, then buffers with TensorSpec.buffer and dtype), the initial values it offers
+// (buffer mirrors included), resuming from the shards' values (buffers restored too), and an
+// exchange that pushes buffer deltas and overwrites the mirrors with the pulled values.
+#include "worker/ps/ps_mode.h"
+
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "common/status_testing.h"
+#include "gtest/gtest.h"
+
+namespace gradmesh {
+namespace {
+
+using Values = std::vector<std::vector<float>>;
+
+// Shards as one in-memory model: InitJob keeps the first values offered, Push records the
+// gradients and applies them as the shards would in async mode with sgd lr 1 (parameters:
+// value -= grad; buffers: value += delta), Pull copies the values out.
+class FakeClient : public ParameterClient {
+ public:
+  struct State {
+    JobLayout layout;
+    Values values;               // Empty until the job exists.
+    std::vector<Values> pushes;  // Every Push's gradients.
+    int64_t last_step = -1;      // This rank's last pushed step, as the shards record it.
+    Values offered;              // The initial values of the last InitJob.
+  };
+  explicit FakeClient(State* state) : s_(state) {}
+
+  absl::Status InitJob(const std::vector<absl::Span<const float>>& initial) override {
+    s_->offered.clear();
+    for (const auto& t : initial) s_->offered.emplace_back(t.begin(), t.end());
+    if (s_->values.empty()) s_->values = s_->offered;
+    return absl::OkStatus();
+  }
+  absl::Status Push(int64_t step, const std::vector<absl::Span<const float>>& grads) override {
+    Values g;
+    for (const auto& t : grads) g.emplace_back(t.begin(), t.end());
+    for (size_t t = 0; t < g.size(); ++t) {
+      const float sign = s_->layout.tensors[t].buffer() ? 1.0f : -1.0f;
+      for (size_t i = 0; i < g[t].size(); ++i) s_->values[t][i] += sign * g[t][i];
+    }
+    s_->pushes.push_back(std::move(g));
+    s_->last_step = step;
+    return absl::OkStatus();
+  }
+  absl::Status Pull(const std::vector<absl::Span<float>>& params) override {
+    if (params.size() != s_->values.size()) return absl::InvalidArgumentError("tensor count");
+    for (size_t t = 0; t < params.size(); ++t) {
+      if (params[t].size() != s_->values[t].size()) return absl::InvalidArgumentError("size");
+      std::copy(s_->values[t].begin(), s_->values[t].end(), params[t].begin());
+    }
+    return absl::OkStatus();
+  }
+  absl::Status Finish(int64_t step) override { return absl::OkStatus(); }
+  absl::StatusOr<std::vector<JobInfoResponse>> GetJobInfo() override {
+    JobInfoResponse info;
+    WorkerState* w = info.add_workers();
+    w->set_worker(0);
+    w->set_last_step(s_->last_step);
+    return std::vector<JobInfoResponse>{info};
+  }
+  int64_t bytes_pushed() const override { return 0; }
+  int64_t bytes_pulled() const override { return 0; }
+  int64_t raw_bytes_pushed() const override { return 0; }
+  int64_t raw_bytes_pulled() const override { return 0; }
+  double codec_seconds() const override { return 0; }
+  absl::Status SetPushCodec(const std::string& spec) override { return absl::OkStatus(); }
+
+ private:
+  State* s_;
+};
+
+// A BatchNorm-like model: parameter w[2], buffers rm[2] (float32) and nbt (an int64 scalar).
+struct Model {
+  std::vector<float> w = {1.0f, 2.0f};
+  std::vector<float> rm = {0.5f, -0.5f};
+  std::vector<float> nbt = {0.0f};
+  ModelView view;
+  Model() {
+    view.names = {"w", "rm", "nbt"};
+    view.shapes = {{2}, {2}, {}};
+    view.params = {absl::MakeSpan(w), absl::MakeSpan(rm), absl::MakeSpan(nbt)};
+    view.dtypes = {ElemType::kFloat32, ElemType::kFloat32, ElemType::kInt64};
+    view.num_params = 1;
+  }
+};
+
+class PsModeTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    options_.spec.set_name("bn");
+    options_.spec.set_mode("async");
+    options_.spec.set_num_workers(1);
+    options_.spec.set_chunk_bytes(16);
+    options_.spec.mutable_optimizer()->set_name("sgd");
+    options_.spec.mutable_optimizer()->set_lr(1);
+    options_.mode = Mode::kAsync;
+    options_.rank = 0;
+  }
+
+  std::unique_ptr<TrainingMode> MakeMode() {
+    auto mode = NewPsMode(options_, [this](JobLayout layout) {
+      state_.layout = layout;
+      return absl::StatusOr<std::unique_ptr<ParameterClient>>(
+          std::make_unique<FakeClient>(&state_));
+    });
+    EXPECT_OK(mode);
+    return mode.ok() ? std::move(mode).value() : nullptr;
+  }
+
+  TrainerOptions options_;
+  FakeClient::State state_;
+};
+
+TEST_F(PsModeTest, LayoutHasTheBuffersAfterTheParametersWithTheirDTypes) {
+  Model m;
+  std::unique_ptr<TrainingMode> mode = MakeMode();
+  ASSERT_NE(mode, nullptr);
+  LoopInfo info;
+  info.total_steps = 10;
+  info.steps_per_epoch = 10;
+  ASSERT_OK_AND_ASSIGN(int64_t first, mode->Start(&m.view, info));
+  EXPECT_EQ(first, 0);
+  const std::vector<TensorSpec>& t = state_.layout.tensors;
+  ASSERT_EQ(t.size(), 3u);
+  EXPECT_EQ(t[0].name(), "w");
+  EXPECT_FALSE(t[0].buffer());
+  EXPECT_EQ(t[0].dtype(), DTYPE_UNSPECIFIED);
+  EXPECT_EQ(t[1].name(), "rm");
+  EXPECT_TRUE(t[1].buffer());
+  EXPECT_EQ(t[1].dtype(), DTYPE_UNSPECIFIED);  // float32, left unset as the shards store it.
+  EXPECT_EQ(t[2].name(), "nbt");
+  EXPECT_TRUE(t[2].buffer());
+  EXPECT_EQ(t[2].dtype(), INT64);
+  EXPECT_EQ(t[2].shape_size(), 0);  // A scalar.
+  EXPECT_EQ(state_.layout.chunk_elems, 4);
+  // The initial values offered are the model's, buffer mirrors included.
+  EXPECT_EQ(state_.offered, (Values{{1.0f, 2.0f}, {0.5f, -0.5f}, {0.0f}}));
+}
+
+TEST_F(PsModeTest, ResumesBuffersFromTheShardsAndPushesTheirDeltas) {
+  // The job exists: the shards hold other values, and rank 0 pushed steps up to 4.
+  state_.values = {{3.0f, 4.0f}, {0.25f, 0.75f}, {5.0f}};
+  state_.last_step = 4;
+  Model m;
+  std::unique_ptr<TrainingMode> mode = MakeMode();
+  ASSERT_NE(mode, nullptr);
+  LoopInfo info;
+  info.total_steps = 10;
+  info.steps_per_epoch = 10;
+  ASSERT_OK_AND_ASSIGN(int64_t first, mode->Start(&m.view, info));
+  EXPECT_EQ(first, 5);
+  EXPECT_EQ(m.w, (std::vector<float>{3.0f, 4.0f}));
+  EXPECT_EQ(m.rm, (std::vector<float>{0.25f, 0.75f}));  // Buffers restored too.
+  EXPECT_EQ(m.nbt, (std::vector<float>{5.0f}));
+
+  // The loop's step: the forward moved the buffers (the loop writes the new values into the
+  // mirrors and hands over the deltas).
+  m.rm = {0.5f, 1.0f};
+  m.nbt = {6.0f};
+  const std::vector<float> gw = {0.5f, -1.0f}, drm = {0.25f, 0.25f}, dnbt = {1.0f};
+  // Meanwhile another worker moved the shards' buffers too.
+  state_.values[1] = {1.25f, 1.75f};
+  state_.values[2] = {7.0f};
+  const std::vector<absl::Span<const float>> grads = {gw, drm, dnbt};
+  ASSERT_OK_AND_ASSIGN(StepOutcome out, mode->Exchange(5, grads, 0.5, StepTiming()));
+  EXPECT_FALSE(out.stop);
+  ASSERT_EQ(state_.pushes.size(), 1u);
+  EXPECT_EQ(state_.pushes[0], (Values{gw, drm, dnbt}));  // Deltas pushed as given.
+  // The mirrors hold the shards' values after the pull (the delta added once, on the shards).
+  EXPECT_EQ(m.w, (std::vector<float>{2.5f, 5.0f}));
+  EXPECT_EQ(m.rm, (std::vector<float>{1.5f, 2.0f}));
+  EXPECT_EQ(m.nbt, (std::vector<float>{8.0f}));
+}
+
+}  // namespace
+}  // namespace gradmesh
