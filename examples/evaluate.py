@@ -115,13 +115,14 @@ def batch_loss(model, loss, x, y, totals):
 
 @torch.no_grad()
 def evaluate(model, data_dir, loss="cross_entropy", batch=256):
-    """Metrics of `model` (already in eval mode) on data_dir/test*.pt."""
+    """Metrics of `model` (already in eval mode, on any device) on data_dir/test*.pt."""
     totals = Totals()
     files = test_files(data_dir)
+    device = next(iter(model.parameters())).device  # batches go where the model is
     for path in files:
         x, y = load_split(path)
         for i in range(0, x.shape[0], batch):
-            batch_loss(model, loss, x[i:i + batch], y[i:i + batch], totals)
+            batch_loss(model, loss, x[i:i + batch].to(device), y[i:i + batch].to(device), totals)
     out = totals.metrics()
     out["files"] = [os.path.basename(f) for f in files]
     return out

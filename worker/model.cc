@@ -146,6 +146,15 @@ class BuiltinModel : public NamedModel {
   std::vector<torch::Tensor> Buffers() override { return {}; }
   std::vector<std::string> BufferNames() override { return {}; }
   void SetTraining(bool training) override { module_->train(training); }
+  absl::Status ToDevice(const torch::Device& device) override {
+    try {
+      module_->to(device);
+    } catch (const std::exception& e) {
+      return FromException(absl::StatusCode::kInternal,
+                           absl::StrCat("model ", name_, ": moving to ", device.str()), e);
+    }
+    return absl::OkStatus();
+  }
 
   absl::Status Save(const std::string& path) override {
     try {
@@ -251,6 +260,15 @@ class TorchScriptModel : public NamedModel {
   std::vector<torch::Tensor> Buffers() override { return buffers_; }
   std::vector<std::string> BufferNames() override { return buffer_names_; }
   void SetTraining(bool training) override { module_.train(training); }
+  absl::Status ToDevice(const torch::Device& device) override {
+    try {
+      module_.to(device);  // In place (set_data): params_ and buffers_ still alias the module.
+    } catch (const std::exception& e) {
+      return FromException(absl::StatusCode::kInternal,
+                           absl::StrCat(Describe(), ": moving to ", device.str()), e);
+    }
+    return absl::OkStatus();
+  }
 
   absl::Status Save(const std::string& path) override {
     // Parameters() and Buffers() alias the module's slots, so this writes their current values.

@@ -93,6 +93,14 @@ class Model {
   // batch norm).
   virtual void SetTraining(bool training) = 0;
 
+  // Moves the parameters and buffers to `device` in place: the tensors Parameters() and
+  // Buffers() returned keep aliasing the model (their data moves). INTERNAL if LibTorch
+  // fails (no such device). Models that cannot move answer UNIMPLEMENTED for a non-CPU device.
+  virtual absl::Status ToDevice(const torch::Device& device) {
+    if (device.is_cpu()) return absl::OkStatus();
+    return absl::UnimplementedError("this model cannot move to " + device.str());
+  }
+
   // Writes the model to `path`. Built-in models use torch::save of the module (load it back
   // with torch::load into a module of the same architecture); TorchScript models use
   // Module::save, so CreateModel({name: "torchscript", path}) reads the file back.

@@ -32,9 +32,35 @@ int64_t EvalBatchSize(const ExampleSource& s) {
   return std::clamp<int64_t>((int64_t{64} << 20) / bytes, 1, 1000);
 }
 
-// Test-set metrics of `model` (evaluation mode, no autograd). Leaves the model in evaluation
-// mode.
-absl::StatusOr<EvalMetrics> Evaluate(Model* model, LossKind loss, const ExampleSource& test) {
+// Where this rank computes: `want` resolved against what this process's LibTorch sees. GPU
+// index `gpu`, or rank % visible GPUs when it is -1.
+absl::StatusOr<torch::Device> PickDevice(ComputeDevice want, int32_t gpu, int32_t rank) {
+  if (want == ComputeDevice::kCpu) return torch::Device(torch::kCPU);
+  int64_t gpus = 0;
+  try {
+    gpus = torch::cuda::is_available() ? static_cast<int64_t>(torch::cuda::device_count()) : 0;
+  } catch (const c10::Error& e) {
+    gpus = 0;
+  }
+  if (gpus == 0) {
+    if (want == ComputeDevice::kAuto) return torch::Device(torch::kCPU);
+    return absl::FailedPreconditionError(
+        absl::StrCat("trainer: device cuda, but this worker's LibTorch ", TORCH_VERSION,
+                     " has no CUDA or sees no GPU (build with --config=cuda against a CUDA "
+                     "LibTorch, or run with --device=cpu or auto)"));
+  }
+  const int64_t index = gpu >= 0 ? gpu : rank % gpus;
+  if (index >= gpus) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("trainer: GPU ", index, " asked for, but only ", gpus, " visible"));
+  }
+  return torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(index));
+}
+
+// Test-set metrics of `model` (evaluation mode, no autograd) with batches moved to `device`.
+// Leaves the model in evaluation mode.
+absl::StatusOr<EvalMetrics> Evaluate(Model* model, LossKind loss, const ExampleSource& test,
+                                     const torch::Device& device) {
   if (test.size() == 0) return absl::FailedPreconditionError("evaluate: empty test set");
   model->SetTraining(false);
   torch::NoGradGuard no_grad;
@@ -42,8 +68,8 @@ absl::StatusOr<EvalMetrics> Evaluate(Model* model, LossKind loss, const ExampleS
   const int64_t chunk = EvalBatchSize(test);
   for (int64_t begin = 0; begin < test.size(); begin += chunk) {
     ASSIGN_OR_RETURN(Batch b, ReadBatch(test, begin, std::min(chunk, test.size() - begin)));
-    RETURN_IF_ERROR(EvaluateBatch(model, loss, FieldTensor(b.x, b.size, test.x()),
-                                  FieldTensor(b.y, b.size, test.y()), &totals));
+    RETURN_IF_ERROR(EvaluateBatch(model, loss, FieldTensor(b.x, b.size, test.x()).to(device),
+                                  FieldTensor(b.y, b.size, test.y()).to(device), &totals));
   }
   return Metrics(totals);
 }
@@ -58,6 +84,13 @@ class TrainingLoop {
  private:
   absl::Status Setup();
   absl::Status MakeModelView();
+  // `t` on the compute device (itself on the CPU).
+  torch::Tensor OnDevice(const torch::Tensor& t) const { return on_gpu_ ? t.to(device_) : t; }
+  // GPU only (no-ops on the CPU, where the view aliases the model): the view's parameters
+  // (host, where the modes write them) -> the model before a forward or an evaluation, and a
+  // device gradient -> its pinned host copy, handed to the mode.
+  void ParamsIn();
+  absl::Span<const float> GradOut(int i, const torch::Tensor& grad);
   // Checks the model against one real batch before anything is started.
   absl::Status CheckFit();
   // Buffers: mirrors -> model before forward (remembering the values), model -> mirrors and
@@ -83,6 +116,10 @@ class TrainingLoop {
   LossKind loss_kind_ = LossKind::kCrossEntropy;
   std::unique_ptr<Model> model_;
   std::vector<torch::Tensor> params_;
+  torch::Device device_{torch::kCPU};
+  bool on_gpu_ = false;
+  std::vector<torch::Tensor> host_params_;  // GPU: pinned host copies the view points to.
+  std::vector<torch::Tensor> host_grads_;   // GPU: pinned host gradients for the mode.
   std::vector<torch::Tensor> buffers_;
   std::vector<std::vector<float>> mirrors_;  // Float32 copies of buffers_ (the view's).
   std::vector<std::vector<float>> before_;   // Mirrors before the step's forward.
@@ -113,7 +150,15 @@ absl::Status TrainingLoop::MakeModelView() {
                                                      " must be a contiguous float32 tensor"));
     }
     view_.shapes.emplace_back(params_[i].sizes().begin(), params_[i].sizes().end());
-    view_.params.emplace_back(params_[i].data_ptr<float>(), params_[i].numel());
+    torch::Tensor viewed = params_[i];
+    if (on_gpu_) {
+      const auto pinned = torch::TensorOptions().dtype(torch::kFloat32).pinned_memory(true);
+      host_params_.push_back(torch::empty(params_[i].sizes(), pinned));
+      host_params_.back().copy_(params_[i].detach());
+      host_grads_.push_back(torch::zeros(params_[i].sizes(), pinned));
+      viewed = host_params_.back();
+    }
+    view_.params.emplace_back(viewed.data_ptr<float>(), viewed.numel());
     view_.dtypes.push_back(ElemType::kFloat32);
   }
   view_.num_params = static_cast<int>(params_.size());
@@ -125,7 +170,8 @@ absl::Status TrainingLoop::MakeModelView() {
   for (size_t i = 0; i < buffers_.size(); ++i) {
     ASSIGN_OR_RETURN(const ElemType type,
                      ToElemType(buffers_[i].scalar_type(), "buffer " + buffer_names[i]));
-    const torch::Tensor values = buffers_[i].detach().to(torch::kFloat32).contiguous();
+    const torch::Tensor values =
+        buffers_[i].detach().to(torch::kCPU, torch::kFloat32).contiguous();
     mirrors_[i].assign(values.data_ptr<float>(), values.data_ptr<float>() + values.numel());
     before_[i] = mirrors_[i];
     deltas_[i].assign(mirrors_[i].size(), 0.0f);
@@ -136,6 +182,22 @@ absl::Status TrainingLoop::MakeModelView() {
   }
   grads_.resize(view_.params.size());
   return absl::OkStatus();
+}
+
+void TrainingLoop::ParamsIn() {
+  if (!on_gpu_) return;
+  torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < params_.size(); ++i) params_[i].copy_(host_params_[i]);
+}
+
+absl::Span<const float> TrainingLoop::GradOut(int i, const torch::Tensor& grad) {
+  torch::Tensor g = grad;
+  if (on_gpu_) {
+    host_grads_[i].copy_(grad);
+    g = host_grads_[i];
+  }
+  const int64_t n = static_cast<int64_t>(view_.params[i].size());
+  return absl::Span<const float>(g.data_ptr<float>(), std::min<int64_t>(g.numel(), n));
 }
 
 void TrainingLoop::BuffersIn(bool remember) {
@@ -150,7 +212,8 @@ void TrainingLoop::BuffersIn(bool remember) {
 
 void TrainingLoop::BuffersOut() {
   for (size_t i = 0; i < buffers_.size(); ++i) {
-    const torch::Tensor values = buffers_[i].detach().to(torch::kFloat32).contiguous();
+    const torch::Tensor values =
+        buffers_[i].detach().to(torch::kCPU, torch::kFloat32).contiguous();
     const float* v = values.data_ptr<float>();
     for (size_t j = 0; j < mirrors_[i].size(); ++j) {
       mirrors_[i][j] = v[j];
@@ -165,8 +228,9 @@ absl::Status TrainingLoop::CheckFit() {
   const int64_t n = std::min<int64_t>(train.size(), std::max(1, spec_.batch_size()));
   if (n == 0) return absl::InvalidArgumentError(absl::StrCat(train.Describe(), ": no samples"));
   ASSIGN_OR_RETURN(Batch b, ReadBatch(train, 0, n));
-  RETURN_IF_ERROR(CheckModelFitsData(model_.get(), loss_kind_, FieldTensor(b.x, b.size, train.x()),
-                                     FieldTensor(b.y, b.size, train.y()), train.Describe()));
+  RETURN_IF_ERROR(CheckModelFitsData(
+      model_.get(), loss_kind_, OnDevice(FieldTensor(b.x, b.size, train.x())),
+      OnDevice(FieldTensor(b.y, b.size, train.y())), train.Describe()));
   if (data_.test != nullptr && data_.test->size() > 0 &&
       (data_.test->x() != train.x() || data_.test->y() != train.y())) {
     return absl::InvalidArgumentError(
@@ -199,6 +263,9 @@ absl::Status TrainingLoop::Setup() {
   ASSIGN_OR_RETURN(loss_kind_, ParseLoss(spec_.loss()));
   ASSIGN_OR_RETURN(data_, LoadJobData(spec_, options_.data_dir));
   ASSIGN_OR_RETURN(model_, CreateModel(spec_.model(), spec_.seed()));
+  ASSIGN_OR_RETURN(device_, PickDevice(options_.device, options_.gpu, options_.rank));
+  on_gpu_ = !device_.is_cpu();
+  if (on_gpu_) RETURN_IF_ERROR(model_->ToDevice(device_));
   RETURN_IF_ERROR(MakeModelView());
   RETURN_IF_ERROR(CheckFit());
   loader_options_ = LoaderOptions(spec_, options_.rank);
@@ -223,12 +290,9 @@ absl::Status TrainingLoop::Setup() {
   if (mode_->wants_gradient_hook()) {
     for (size_t i = 0; i < params_.size(); ++i) {
       const int index = static_cast<int>(i);
-      const int64_t numel = params_[i].numel();
       TrainingMode* mode = mode_;
-      params_[i].register_hook([mode, index, numel](const torch::Tensor& grad) {
-        const torch::Tensor g = grad.contiguous();
-        mode->OnGradient(index, absl::Span<const float>(g.data_ptr<float>(),
-                                                        std::min<int64_t>(g.numel(), numel)));
+      params_[i].register_hook([this, mode, index](const torch::Tensor& grad) {
+        mode->OnGradient(index, GradOut(index, grad.contiguous()));
       });
     }
   }
@@ -243,6 +307,7 @@ void TrainingLoop::LogStart() const {
                              Kv("model", spec_.model().name()),
                              Kv("dataset", spec_.dataset().name()),
                              Kv("loss", LossName(loss_kind_)),
+                             Kv("device", device_.str()),
                              Kv("train_samples", data_.train->size()),
                              Kv("x", data_.train->x().Describe()),
                              Kv("y", data_.train->y().Describe()),
@@ -259,10 +324,11 @@ void TrainingLoop::LogStart() const {
 
 absl::Status TrainingLoop::Step(Batch& batch, StepOutcome* outcome) {
   RETURN_IF_ERROR(mode_->BeforeForward(step_));
-  BuffersIn(/*remember=*/true);
   const absl::Time compute_start = absl::Now();
-  torch::Tensor x = FieldTensor(batch.x, batch.size, data_.train->x());
-  torch::Tensor y = FieldTensor(batch.y, batch.size, data_.train->y());
+  ParamsIn();
+  BuffersIn(/*remember=*/true);
+  torch::Tensor x = OnDevice(FieldTensor(batch.x, batch.size, data_.train->x()));
+  torch::Tensor y = OnDevice(FieldTensor(batch.y, batch.size, data_.train->y()));
   for (torch::Tensor& p : params_) p.mutable_grad() = torch::Tensor();
   ASSIGN_OR_RETURN(torch::Tensor loss, ComputeLoss(model_.get(), loss_kind_, x, y));
   const double loss_value = loss.item<double>();
@@ -280,13 +346,13 @@ absl::Status TrainingLoop::Step(Batch& batch, StepOutcome* outcome) {
     // exchanged, so every rank's exchange has the same shape).
     if (!g.defined()) {
       g = torch::zeros_like(params_[i]);
-      if (mode_->wants_gradient_hook()) {
-        mode_->OnGradient(static_cast<int>(i),
-                          absl::Span<const float>(g.data_ptr<float>(), g.numel()));
-      }
+      if (mode_->wants_gradient_hook()) mode_->OnGradient(static_cast<int>(i), GradOut(i, g));
     }
     if (!g.is_contiguous()) g = g.contiguous();
-    grads_[i] = absl::Span<const float>(g.data_ptr<float>(), g.numel());
+    // On a GPU with the hook, the hook has already copied the gradient to the host.
+    grads_[i] = on_gpu_ && mode_->wants_gradient_hook()
+                    ? absl::Span<const float>(host_grads_[i].data_ptr<float>(), g.numel())
+                    : GradOut(i, g);
   }
   BuffersOut();
   StepTiming timing;
@@ -346,7 +412,7 @@ void TrainingLoop::Report(double samples_per_s, double accuracy) const {
 }
 
 absl::Status TrainingLoop::EvaluateAndSave() {
-  ASSIGN_OR_RETURN(const EvalMetrics m, Evaluate(model_.get(), loss_kind_, *data_.test));
+  ASSIGN_OR_RETURN(const EvalMetrics m, Evaluate(model_.get(), loss_kind_, *data_.test, device_));
   result_.test_accuracy = m.accuracy;
   result_.test_loss = m.test_loss;
   result_.perplexity = m.perplexity;
@@ -361,6 +427,7 @@ absl::Status TrainingLoop::EvaluateAndSave() {
   }
   Report(result_.samples_per_s, result_.test_accuracy);
   if (!spec_.output().empty()) {
+    if (on_gpu_) RETURN_IF_ERROR(model_->ToDevice(torch::kCPU));  // Loadable without a GPU.
     RETURN_IF_ERROR(model_->Save(spec_.output()));
     LogInfo(log_, "model_saved", {Kv("job", spec_.name()), Kv("path", spec_.output())});
   }
@@ -418,6 +485,7 @@ absl::StatusOr<TrainResult> TrainingLoop::Run() {
     evaluate = mode_->Finish(step_, &result_);
   }
   if (!evaluate.ok()) return evaluate.status();
+  ParamsIn();                     // The final model, as the mode left it in the view.
   BuffersIn(/*remember=*/false);  // The final model's buffers, as the mode left them.
   if (*evaluate) {
     PublishModel(/*final=*/true);

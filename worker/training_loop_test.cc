@@ -1,10 +1,13 @@
 // The one training loop against a scripted fake mode: the hook order, resume, both kinds of
 // stop, gradient hooks, the progress schema, evaluation, and that a mode's writes through the
-// model view are the model. Uses MNIST from GRADMESH_DATA_DIR (set by .bazelrc; installed by
+// model view are the model. The Device tests run the view, buffer, hook and update checks on
+// every device: the CPU, and --device cuda, which on a GPU machine (a CUDA LibTorch build,
+// tests/gpu/) must give the CPU's numbers and elsewhere must fail before anything starts. Uses MNIST from GRADMESH_DATA_DIR (set by .bazelrc; installed by
 // deploy/setup.sh): a missing data set fails the test.
 #include "worker/training_loop.h"
 
 #include <gtest/gtest.h>
+#include <torch/torch.h>
 
 #include <cmath>
 #include <cstdio>
@@ -294,6 +297,125 @@ TEST(TrainingLoopTest, AModelWhoseOutputDoesNotFitTheLossFailsBeforeTheModeStart
   EXPECT_NE(r.status().message().find("mse"), std::string::npos) << r.status();
   EXPECT_NE(r.status().message().find("int64"), std::string::npos) << r.status();
   EXPECT_TRUE(mode.calls.empty());  // Nothing started.
+}
+
+// A mode that applies plain SGD to the view (what every mode's update amounts to) and keeps
+// the final parameters: the same run on two devices must end in the same model.
+class SgdMode : public FakeMode {
+ public:
+  std::vector<std::vector<float>> final_params;
+  absl::StatusOr<StepOutcome> Exchange(int64_t step,
+                                       absl::Span<const absl::Span<const float>> grads, double loss,
+                                       const StepTiming& timing) override {
+    for (int i = 0; i < view->num_params; ++i) {
+      for (size_t j = 0; j < grads[i].size(); ++j) view->params[i][j] -= 0.1f * grads[i][j];
+    }
+    return FakeMode::Exchange(step, grads, loss, timing);
+  }
+  absl::StatusOr<bool> Finish(int64_t step, TrainResult* result) override {
+    for (int i = 0; i < view->num_params; ++i) {
+      final_params.emplace_back(view->params[i].begin(), view->params[i].end());
+    }
+    return FakeMode::Finish(step, result);
+  }
+};
+
+class DeviceTest : public ::testing::TestWithParam<ComputeDevice> {
+ protected:
+  // Sets o's device. True if a run there can go ahead; for cuda without a GPU, checks instead
+  // that the loop refuses it before the mode starts, and returns false.
+  bool Usable(TrainerOptions& o) {
+    o.device = GetParam();
+    if (GetParam() != ComputeDevice::kCuda || torch::cuda::is_available()) return true;
+    FakeMode mode;
+    std::atomic<bool> stop{false};
+    absl::StatusOr<TrainResult> r = RunTrainingLoop(o, &mode, stop);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition) << r.status();
+    EXPECT_NE(r.status().message().find("device cuda"), std::string::npos) << r.status();
+    EXPECT_TRUE(mode.calls.empty());
+    return false;
+  }
+};
+
+TEST_P(DeviceTest, TheModelViewIsTheModelAndEvaluationUsesIt) {
+  TrainerOptions o = Options(1);
+  if (!Usable(o)) return;
+  FakeMode mode;
+  mode.zero_model = true;
+  mode.evaluate = true;
+  std::atomic<bool> stop{false};
+  ASSERT_OK_AND_ASSIGN(TrainResult r, RunTrainingLoop(o, &mode, stop));
+  ASSERT_EQ(mode.losses.size(), 1u);
+  EXPECT_NEAR(mode.losses[0], std::log(10.0), 1e-6);
+  EXPECT_NEAR(r.test_accuracy, 980.0 / 10000.0, 1e-12);
+}
+
+TEST_P(DeviceTest, GradientsReachTheHookAndTheExchange) {
+  TrainerOptions o = Options(3);
+  if (!Usable(o)) return;
+  FakeMode mode;
+  mode.hook = true;
+  std::atomic<bool> stop{false};
+  ASSERT_OK_AND_ASSIGN(TrainResult r, RunTrainingLoop(o, &mode, stop));
+  EXPECT_EQ(r.steps, 3);
+  EXPECT_EQ(mode.gradients_seen, 3 * 6);  // mlp: 6 parameters.
+  // mlp 784-256-256-10: 200704 + 256 + 65536 + 256 + 2560 + 10 elements.
+  EXPECT_EQ(mode.grad_elems_in_exchange, 3 * 269322);
+}
+
+TEST_P(DeviceTest, BuffersAreMirroredAndTheModesValuesReachTheModel) {
+  TrainerOptions o = Options(2);
+  o.spec.mutable_model()->set_name("torchscript");
+  o.spec.mutable_model()->set_path("worker/testdata/bn_mnist.pt");
+  if (!Usable(o)) return;
+  BufferMode mode;
+  std::atomic<bool> stop{false};
+  ASSERT_OK_AND_ASSIGN(TrainResult r, RunTrainingLoop(o, &mode, stop));
+  EXPECT_EQ(mode.counted, (std::vector<float>{1.0f, 1.0f}));
+  ASSERT_EQ(mode.deltas.size(), 2u);
+  EXPECT_FLOAT_EQ(mode.mirror_after_forward[0], mode.deltas[0][0]);
+  for (float d : mode.deltas[1]) {
+    EXPECT_LT(d, -0.5f);
+    EXPECT_GT(d, -0.9f);
+  }
+  EXPECT_FLOAT_EQ(mode.mirror_after_forward[1], 7.0f + mode.deltas[1][0]);
+}
+
+TEST_P(DeviceTest, UpdatesThroughTheViewGiveTheCpusModel) {
+  TrainerOptions o = Options(5);
+  SgdMode cpu;
+  std::atomic<bool> stop{false};
+  o.device = ComputeDevice::kCpu;
+  ASSERT_OK(RunTrainingLoop(o, &cpu, stop).status());
+  if (!Usable(o)) return;
+  SgdMode here;
+  ASSERT_OK(RunTrainingLoop(o, &here, stop).status());
+  ASSERT_EQ(here.final_params.size(), cpu.final_params.size());
+  for (size_t i = 0; i < cpu.final_params.size(); ++i) {
+    ASSERT_EQ(here.final_params[i].size(), cpu.final_params[i].size());
+    for (size_t j = 0; j < cpu.final_params[i].size(); ++j) {
+      ASSERT_NEAR(here.final_params[i][j], cpu.final_params[i][j], 1e-5) << i << " " << j;
+    }
+  }
+  for (size_t k = 0; k < cpu.losses.size(); ++k) EXPECT_NEAR(here.losses[k], cpu.losses[k], 1e-5);
+}
+
+INSTANTIATE_TEST_SUITE_P(Devices, DeviceTest,
+                         ::testing::Values(ComputeDevice::kCpu, ComputeDevice::kCuda),
+                         [](const ::testing::TestParamInfo<ComputeDevice>& info) {
+                           return std::string(ComputeDeviceName(info.param));
+                         });
+
+TEST(ComputeDeviceTest, ParsesTheKnownNamesAndListsThemOtherwise) {
+  ASSERT_OK_AND_ASSIGN(ComputeDevice d, ParseComputeDevice("cuda"));
+  EXPECT_EQ(d, ComputeDevice::kCuda);
+  ASSERT_OK_AND_ASSIGN(d, ParseComputeDevice("cpu"));
+  EXPECT_EQ(d, ComputeDevice::kCpu);
+  ASSERT_OK_AND_ASSIGN(d, ParseComputeDevice("auto"));
+  EXPECT_EQ(d, ComputeDevice::kAuto);
+  absl::StatusOr<ComputeDevice> bad = ParseComputeDevice("gpu");
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("auto, cpu, cuda"), std::string::npos) << bad.status();
 }
 
 }  // namespace

@@ -83,6 +83,10 @@ ABSL_FLAG(int, rank, 0, "This worker's rank in [0, num_workers).");
 ABSL_FLAG(std::string, data_dir, "/var/lib/gradmesh/data",
           "Directory holding one folder per dataset (mnist/, fashion-mnist/).");
 ABSL_FLAG(int, threads, 1, "LibTorch intra-op threads.");
+ABSL_FLAG(std::string, device, "auto",
+          "Where forward/backward run: auto (a GPU when this worker's LibTorch has CUDA and "
+          "sees one, else the CPU), cpu, or cuda (fail at job start without a GPU).");
+ABSL_FLAG(int, gpu, -1, "GPU index for --device=cuda/auto; -1: rank % visible GPUs.");
 ABSL_FLAG(std::string, node, "",
           "Node name: in logs, and in service mode this daemon's identity in the coordinator "
           "(keep it across restarts; default: host name, or host:port in service mode).");
@@ -248,6 +252,8 @@ absl::StatusOr<WorkerMainOptions> ParseOptions() {
   o.trainer.rank = absl::GetFlag(FLAGS_rank);
   o.trainer.data_dir = absl::GetFlag(FLAGS_data_dir);
   o.trainer.intra_op_threads = absl::GetFlag(FLAGS_threads);
+  ASSIGN_OR_RETURN(o.trainer.device, ParseComputeDevice(absl::GetFlag(FLAGS_device)));
+  o.trainer.gpu = absl::GetFlag(FLAGS_gpu);
   o.trainer.evaluate = absl::GetFlag(FLAGS_evaluate) && o.trainer.rank == 0;
   o.trainer.step_delay = absl::Milliseconds(absl::GetFlag(FLAGS_step_delay_ms));
   o.client.worker = o.trainer.rank;
@@ -294,6 +300,8 @@ int RunService() {
       tls.ok() ? CheckTokenTransport(absl::GetFlag(FLAGS_coordinator), *tls, token, "node token")
                : tls.status();
   if (transport.ok() && !node.empty()) transport = CheckName("--node", node);
+  absl::StatusOr<ComputeDevice> device = ParseComputeDevice(absl::GetFlag(FLAGS_device));
+  if (transport.ok() && !device.ok()) transport = Annotate(device.status(), "--device");
   if (!transport.ok()) {
     log->Error("bad_arguments", {Kv("error", transport.ToString())});
     return 2;
@@ -326,6 +334,8 @@ int RunService() {
   WorkerAgentOptions wo;
   wo.base.data_dir = absl::GetFlag(FLAGS_data_dir);
   wo.base.intra_op_threads = absl::GetFlag(FLAGS_threads);
+  wo.base.device = *device;
+  wo.base.gpu = absl::GetFlag(FLAGS_gpu);
   wo.base.checkpoint_dir = absl::GetFlag(FLAGS_checkpoint_dir);
   wo.base.step_delay = absl::Milliseconds(absl::GetFlag(FLAGS_step_delay_ms));
   wo.base.logger = &logger;

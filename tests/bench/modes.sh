@@ -2,7 +2,7 @@
 # Mode comparison on MNIST (MLP 784-256-256-10, batch 64 per worker, Adam lr 1e-3 with a
 # cosine schedule, EPOCHS epochs, WORKERS workers, one intra-op thread per process): gradmesh
 # `ps` (async, 2 shards), `gossip` and `allreduce`, then PyTorch DDP over gloo on the same
-# settings (tests/bench/ddp_baseline.py with Debian's /usr/bin/python3). One JSON line each:
+# settings (tests/bench/ddp_baseline.py with Debian's "$PYTHON"). One JSON line each:
 #   {"bench":"modes","mode":"allreduce","workers":2,"samples_per_s":...,"accuracy":...,"wall_s":...}
 # samples_per_s = every worker's samples / the slowest worker's training wall time.
 #
@@ -22,8 +22,14 @@
 #     reference with one thread (tests/bench/torch_reference.py: mode "torch_1thread") on the
 #     same model file, data, batch, optimizer and steps. The JSON lines then also carry
 #     test_loss and perplexity (sequence models).
+#
+#   On a GPU machine (tests/gpu/run_on_gpu.sh): WORKER_FLAGS="--device=cuda" puts every
+#   gradmesh worker's forward/backward on the GPU (shards stay on the CPU), mode "torch_gpu"
+#   runs the same single-process reference on the GPU (--device cuda), and PYTHON names a
+#   python3 with torch (default Debian's "$PYTHON").
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+PYTHON="${PYTHON:-/usr/bin/python3}"
 EPOCHS="${EPOCHS:-3}"
 WORKERS="${WORKERS:-2}"
 WORKLOAD="${WORKLOAD:-mlp}"
@@ -57,10 +63,10 @@ case "$WORKLOAD" in
     if [ ! -s "$WL/model.pt" ]; then
       rm -rf "$WL.tmp"
       if [ "$WORKLOAD" = resnet ]; then
-        /usr/bin/python3 examples/fashion_resnet/make.py --data "$DATA_DIR/fashion-mnist" \
+        "$PYTHON" examples/fashion_resnet/make.py --data "$DATA_DIR/fashion-mnist" \
           --out "$WL.tmp" >&2
       else
-        /usr/bin/python3 examples/kjv_transformer/make.py --out "$WL.tmp" >&2
+        "$PYTHON" examples/kjv_transformer/make.py --out "$WL.tmp" >&2
       fi
       mv "$WL.tmp" "$WL"
     fi
@@ -79,7 +85,7 @@ PIDS=()
 cleanup() { for p in "${PIDS[@]:-}"; do [ -n "$p" ] && kill "$p" 2>/dev/null || true; done; }
 trap cleanup EXIT
 
-free_port() { /usr/bin/python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+free_port() { "$PYTHON" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 field() { sed -n "s/.* $1=\([^ ]*\).*/\1/p" <<<"$2" | tr -d '"'; }
 
 # run_workers MODE EXTRA_FLAGS...: starts WORKERS workers, waits, prints the JSON line.
@@ -91,7 +97,8 @@ run_workers() {
   fi
   for ((r = 0; r < WORKERS; r++)); do
     "$BIN/worker/gradmesh_worker" --rank=$r --num_workers="$WORKERS" --name="bench-$mode" \
-      "${TRAIN[@]}" --data_dir="$DATA_DIR" ${peers:+--peers=$peers} "$@" --node="w$r" \
+      "${TRAIN[@]}" --data_dir="$DATA_DIR" ${peers:+--peers=$peers} ${WORKER_FLAGS:-} "$@" \
+      --node="w$r" \
       2>"$RUN_DIR/$mode-w$r.log" &
     wpids+=($!)
   done
@@ -101,13 +108,13 @@ run_workers() {
     line="$(grep 'event=done' "$RUN_DIR/$mode-w$r.log" | tail -1)"
     s="$(field samples "$line")"; w="$(field wall_s "$line")"
     samples=$((samples + s))
-    wall="$(/usr/bin/python3 -c "print(max($wall, $w))")"
+    wall="$("$PYTHON" -c "print(max($wall, $w))")"
     if [ "$r" = 0 ]; then
       acc="$(field accuracy "$line")" tl="$(field test_loss "$line")"
       ppl="$(field perplexity "$line")"
     fi
   done
-  /usr/bin/python3 -c "import json; print(json.dumps({'bench':'modes','workload':'$WORKLOAD','mode':'$mode','workers':$WORKERS,'samples_per_s':round($samples/$wall,1),'accuracy':$acc,'test_loss':$tl,'perplexity':$ppl,'wall_s':$wall,'steps_or_epochs':'${STEPS:-$EPOCHS}','batch':$BATCH}))"
+  "$PYTHON" -c "import json; print(json.dumps({'bench':'modes','workload':'$WORKLOAD','mode':'$mode','workers':$WORKERS,'samples_per_s':round($samples/$wall,1),'accuracy':$acc,'test_loss':$tl,'perplexity':$ppl,'wall_s':$wall,'steps_or_epochs':'${STEPS:-$EPOCHS}','batch':$BATCH}))"
 }
 
 # ps (async) through 2 shards.
@@ -127,17 +134,19 @@ cleanup; PIDS=()
 fi
 want gossip && run_workers gossip --mode=gossip ${GOSSIP_FLAGS:-}
 want allreduce && run_workers allreduce --mode=allreduce ${ALLREDUCE_FLAGS:-}
-if want torch_1thread; then
-  /usr/bin/python3 tests/bench/torch_reference.py --model "$WL/model.pt" --data "$WL/data" \
-    --batch "$BATCH" --steps "$STEPS" --optimizer adam --lr "$LR" --threads 1 \
-    2>"$RUN_DIR/torch_1thread.log" | sed -n 's/^RESULT //p' | /usr/bin/python3 -c "
+for ref in torch_1thread torch_gpu; do
+  want "$ref" || continue
+  device=cpu; [ "$ref" = torch_gpu ] && device=cuda
+  "$PYTHON" tests/bench/torch_reference.py --model "$WL/model.pt" --data "$WL/data" \
+    --batch "$BATCH" --steps "$STEPS" --optimizer adam --lr "$LR" --threads 1 --device "$device" \
+    2>"$RUN_DIR/$ref.log" | sed -n 's/^RESULT //p' | "$PYTHON" -c "
 import json, sys
 r = json.loads(sys.stdin.read())
-print(json.dumps({'bench': 'modes', 'workload': '$WORKLOAD', 'mode': 'torch_1thread', 'workers': 1,
+print(json.dumps({'bench': 'modes', 'workload': '$WORKLOAD', 'mode': '$ref', 'workers': 1,
                   'samples_per_s': r['samples_per_s'], 'accuracy': r.get('accuracy'),
                   'test_loss': r.get('test_loss'), 'perplexity': r.get('perplexity'),
                   'steps_or_epochs': '$STEPS', 'batch': $BATCH}))"
-fi
-want ddp_gloo && /usr/bin/python3 tests/bench/ddp_baseline.py --workers "$WORKERS" --epochs "$EPOCHS" \
+done
+want ddp_gloo && "$PYTHON" tests/bench/ddp_baseline.py --workers "$WORKERS" --epochs "$EPOCHS" \
   --data_dir "$DATA_DIR/mnist"
 echo "logs: $RUN_DIR" >&2

@@ -23,6 +23,9 @@ samples_per_s = samples of all workers / training wall time (data loading and ev
 excluded), steps, train_s, test_loss, accuracy, perplexity, ...
   /usr/bin/python3 tests/bench/torch_reference.py --model /tmp/fashion/model.pt --data /tmp/fashion/data \
       --batch 64 --optimizer sgd --lr 0.05 --momentum 0.9 --steps 200
+--device cuda (single process only) trains on the GPU: the model moves there once, every batch is
+indexed on the CPU and copied over (as gradmesh's worker does), the timer stops after a
+torch.cuda.synchronize(); evaluation runs there too, and --save_state saves a CPU copy.
 --save_state F writes the trained state_dict (torch.save(model.state_dict())) for evaluate.py.
 """
 import argparse
@@ -112,6 +115,8 @@ def train(rank, world, a, store_path, q):
     x, y, nfiles = load_train(a.data)
     load_s = time.time() - t_load
     model = torch.jit.load(a.model, map_location="cpu")
+    dev = torch.device(a.device)
+    model.to(dev)
     model.train()
     net = model
     if world > 1:
@@ -143,7 +148,7 @@ def train(rank, world, a, store_path, q):
         base = (s * world + rank) * a.batch
         idx = perm[base:base + a.batch]
         opt.zero_grad(set_to_none=True)
-        loss = loss_of(net, a.loss, x[idx], y[idx])
+        loss = loss_of(net, a.loss, x[idx].to(dev), y[idx].to(dev))
         loss.backward()
         opt.step()
         sched.step()
@@ -153,6 +158,8 @@ def train(rank, world, a, store_path, q):
                   "samples/s", file=sys.stderr, flush=True)
     if world > 1:
         dist.barrier()
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
     train_s = time.time() - t0
     res = dict(rank=rank, steps=total, samples=total * a.batch, train_s=train_s, load_s=load_s,
                train_samples=n, train_files=nfiles, final_train_loss=float(loss))
@@ -165,7 +172,7 @@ def train(rank, world, a, store_path, q):
         res.update(metrics)
         res["eval_s"] = time.time() - t1
         if a.save_state:
-            torch.save(model.state_dict(), a.save_state)
+            torch.save({k: v.cpu() for k, v in model.state_dict().items()}, a.save_state)
     if world > 1:
         dist.destroy_process_group()
     if q is None:
@@ -231,13 +238,16 @@ def main():
     p.add_argument("--ddp", type=int, default=0, help="N > 1: DDP over gloo with N processes")
     p.add_argument("--eval_batch", type=int, default=256)
     p.add_argument("--log_every", type=int, default=50)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="single process: where to train")
     p.add_argument("--save_state", default=None, help="torch.save(model.state_dict()) here after training")
     a = p.parse_args()
     world = a.ddp if a.ddp > 1 else 1
+    if world > 1 and a.device != "cpu":
+        sys.exit("torch_reference.py: --device cuda is for a single process")
     r = run_ddp(a) if world > 1 else train(0, 1, a, None, None)
     r.pop("rank", None)
     r.update(bench="torch_reference", mode="ddp_gloo" if world > 1 else "single", workers=world,
-             threads=a.threads, batch=a.batch, optimizer=a.optimizer, lr=a.lr, seed=a.seed,
+             threads=a.threads, device=a.device, batch=a.batch, optimizer=a.optimizer, lr=a.lr, seed=a.seed,
              model=a.model, data=a.data, torch=torch.__version__,
              samples_per_s=r["samples"] / r["train_s"], wall_s=time.time() - T_START)
     print("RESULT " + json.dumps(r), flush=True)

@@ -8,6 +8,26 @@
 
 namespace gradmesh {
 
+absl::StatusOr<ComputeDevice> ParseComputeDevice(const std::string& name) {
+  if (name == "auto") return ComputeDevice::kAuto;
+  if (name == "cpu") return ComputeDevice::kCpu;
+  if (name == "cuda") return ComputeDevice::kCuda;
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown device \"", name, "\" (known: auto, cpu, cuda)"));
+}
+
+const char* ComputeDeviceName(ComputeDevice device) {
+  switch (device) {
+    case ComputeDevice::kAuto:
+      return "auto";
+    case ComputeDevice::kCpu:
+      return "cpu";
+    case ComputeDevice::kCuda:
+      return "cuda";
+  }
+  return "auto";
+}
+
 absl::StatusOr<JobData> LoadJobData(const JobSpec& spec, const std::string& data_dir) {
   const std::string path = spec.dataset().path().empty()
                                ? absl::StrCat(data_dir, "/", spec.dataset().name())

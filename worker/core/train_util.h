@@ -37,6 +37,19 @@ struct TrainProgress {
   int64_t checkpoint_step = -1;
 };
 
+// Where a rank runs forward and backward (worker flag --device). The modes never see it: they
+// always exchange host float32 spans (ModelView); on a GPU the loop copies the parameters in
+// before each forward and the gradients out after backward.
+enum class ComputeDevice {
+  kAuto,  // "auto": CUDA when this worker's LibTorch has CUDA and sees a GPU, else the CPU.
+  kCpu,   // "cpu"
+  kCuda,  // "cuda": FAILED_PRECONDITION at job start when there is no GPU to use.
+};
+
+// "auto", "cpu", "cuda"; INVALID_ARGUMENT listing them otherwise.
+absl::StatusOr<ComputeDevice> ParseComputeDevice(const std::string& name);
+const char* ComputeDeviceName(ComputeDevice device);
+
 // Seconds elapsed since `since` (the training loop's and the modes' timers).
 double SecondsSince(absl::Time since);
 
@@ -68,6 +81,8 @@ struct TrainerOptions {
   std::string data_dir;          // Parent of <dataset name>/ when spec.dataset.path is empty.
   bool evaluate = true;          // Wait for all workers, evaluate and save at the end.
   int32_t intra_op_threads = 1;  // torch::set_num_threads; 1 avoids oversubscription.
+  ComputeDevice device = ComputeDevice::kAuto;  // Where forward/backward run.
+  int32_t gpu = -1;  // kCuda/kAuto on a GPU: the device index; -1: rank % visible GPUs.
   absl::Duration wait_for_workers = absl::Minutes(30);  // Bound on the final wait (ps modes).
   // Fault injection for tests: sleep this long before every step (a slow worker).
   absl::Duration step_delay = absl::ZeroDuration();
