@@ -41,14 +41,15 @@ compile() {  # src obj
   "$CXX" "${flags[@]}" -c "$1" -o "$2"
 }
 pids=()
-for tu in model training_loop training_loop_test; do
+[ "${LINK_ONLY:-0}" = 1 ] && tus=() || tus=(model training_loop training_loop_test)
+for tu in "${tus[@]}"; do
   compile "worker/$tu.cc" "$BUILD/obj/$tu.o" 2>"$BUILD/obj/$tu.log" &
   pids+=($!)
 done
 rc=0
 for p in "${pids[@]}"; do wait "$p" || rc=1; done
 if [ "$rc" != 0 ]; then
-  for tu in model training_loop training_loop_test; do
+  for tu in "${tus[@]}"; do
     [ -s "$BUILD/obj/$tu.log" ] && { echo "== $tu" >&2; grep -m 20 -E 'error' "$BUILD/obj/$tu.log" >&2 || true; }
   done
   echo "build_on_gpu: compiling the LibTorch translation units failed (std=$std)" >&2
@@ -58,15 +59,23 @@ fi
 torch_libs=(-L"$TORCH_LIB" -Wl,-rpath,"$TORCH_LIB" -Wl,--no-as-needed)
 for l in $CUDA_LIBS torch torch_cpu c10; do torch_libs+=("-l$l"); done
 torch_libs+=(-Wl,--as-needed)
+# LINK_ORDER=torch_first names LibTorch's libraries before the bundle's, so that where both
+# export a symbol, LibTorch's wins (the dynamic linker takes the first in load order).
+first=() last=("${torch_libs[@]}")
+if [ "${LINK_ORDER:-}" = torch_first ]; then first=("${torch_libs[@]}") last=(); fi
 link() {  # out args-file objs...
   local out="$1" args="$2"; shift 2
   # The args files name bundle objects relative to the bundle.
   mapfile -t rest < <(sed -e "s|^obj/|$BUNDLE/obj/|" "$BUNDLE/$args")
-  "$CXX" -o "$out" "$@" -Wl,--start-group "${rest[@]}" -Wl,--end-group \
+  "$CXX" -o "$out" "$@" "${first[@]}" -Wl,--start-group "${rest[@]}" -Wl,--end-group \
     -L"$BUNDLE/lib" -Wl,-rpath,"$BUNDLE/lib" -Wl,--allow-shlib-undefined \
-    "${torch_libs[@]}" -lpthread -ldl -lm
+    "${last[@]}" -lpthread -ldl -lm
 }
-link "$BUILD/worker/gradmesh_worker" worker.args "$BUILD/obj/model.o" "$BUILD/obj/training_loop.o"
-link "$BUILD/worker/training_loop_test" test.args "$BUILD/obj/model.o" \
+# -rdynamic: without it, PyTorch 2.11's wheel aborted in torch::jit::load ("free(): invalid
+# pointer") in these binaries; exporting the executable's symbols makes LibTorch and this code
+# bind to one copy of what both define (measured on the H200 machine: tests/gpu/README.md).
+link "$BUILD/worker/gradmesh_worker" worker.args -rdynamic "$BUILD/obj/model.o" \
+  "$BUILD/obj/training_loop.o"
+link "$BUILD/worker/training_loop_test" test.args -rdynamic "$BUILD/obj/model.o" \
   "$BUILD/obj/training_loop.o" "$BUILD/obj/training_loop_test.o"
 echo "build_on_gpu: built $BUILD/worker/gradmesh_worker and training_loop_test against $TORCH" >&2

@@ -53,6 +53,48 @@ fi
 result "{\"bench\":\"gpu_build\",\"seconds\":$(($(date +%s) - t0))}"
 export GRADMESH_DATA_DIR="$B/data" OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1
 
+# 1b. A probe: a TorchScript model with buffers through the loop. If the process dies (a symbol
+# both the bundle's libraries and LibTorch export, bound to the wrong copy), relink with
+# LibTorch first and probe again. A backtrace shim (LD_PRELOAD) prints where it died.
+cat >"$W/bt.c" <<'EOF'
+#include <execinfo.h>
+#include <signal.h>
+#include <unistd.h>
+static void on_signal(int s) {
+  void* b[64];
+  int n = backtrace(b, 64);
+  backtrace_symbols_fd(b, n, 2);
+  _exit(128 + s);
+}
+__attribute__((constructor)) static void init(void) {
+  signal(SIGABRT, on_signal);
+  signal(SIGSEGV, on_signal);
+}
+EOF
+gcc -shared -fPIC -o "$W/bt.so" "$W/bt.c"
+probe() {  # label
+  LD_PRELOAD="$W/bt.so" GRADMESH_DATA_DIR="$B/data" timeout 120 \
+    "$W/build/worker/training_loop_test" --gtest_filter='TrainingLoopTest.Buffers*' \
+    >"$L/probe-$1.log" 2>&1
+  local rc=$?
+  result "{\"bench\":\"gpu_probe\",\"link\":\"$1\",\"rc\":$rc}"
+  [ "$rc" = 0 ] || { grep -v '^\[' "$L/probe-$1.log" | head -40 >&2; }
+  return "$rc"
+}
+# Symbols exported by both LibTorch and the bundle's libraries.
+for f in "$TORCH"/lib/libtorch_cpu.so "$TORCH"/lib/libc10.so; do nm -D --defined-only "$f"; done 2>/dev/null |
+  awk '{print $3}' | LC_ALL=C sort -u >"$W/torch.syms"
+for f in "$B"/lib/*.so*; do nm -D --defined-only "$f" 2>/dev/null | awk -v f="${f##*/}" '{print $3, f}'; done |
+  LC_ALL=C sort -u >"$W/bundle.syms"
+LC_ALL=C join "$W/torch.syms" "$W/bundle.syms" >"$L/shared-symbols.txt" || true
+result "{\"bench\":\"gpu_shared_symbols\",\"count\":$(wc -l <"$L/shared-symbols.txt"),\"libs\":\"$(awk '{print $2}' "$L/shared-symbols.txt" | sort | uniq -c | sort -rn | head -8 | awk '{printf "%s:%s ", $2, $1}')\"}"
+if ! probe bundle_first; then
+  LINK_ONLY=1 LINK_ORDER=torch_first TORCH="$TORCH" bash tests/gpu/build_on_gpu.sh "$B" "$W/build" \
+    2>>"$L/build.log"
+  probe torch_first || exit 1
+fi
+
+[ "${SKIP_TESTS:-0}" = 1 ] || {
 # 2. The loop's tests, CPU and GPU instances.
 "$W/build/worker/training_loop_test" >"$L/training_loop_test.log" 2>&1
 rc=$?
@@ -74,6 +116,8 @@ if [ -x .gpu/nccl/nccl_communicator_test ]; then
   LD_LIBRARY_PATH="$B/lib:$nv" timeout 60 .gpu/nccl/nccl_bench --gpus=1 --max_bytes=67108864 \
     2>>"$L/nccl_test.log" | tee -a "$OUT_DIR/results.jsonl"
 fi
+
+}
 
 # 3. The transformer workload, made with this machine's torch.
 WLD="$W/workloads"
