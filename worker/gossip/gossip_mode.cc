@@ -262,6 +262,7 @@ absl::StatusOr<bool> GossipMode::Finish(int64_t step, TrainResult* result) {
   // its state for a resume (refusing exchanges with ABORTED, so peers retry it later).
   const absl::Time final_start = absl::Now();
   gossiper_->Stop();
+  gossiper_->SettlePending();  // Shares whose reply was lost: absorbed or taken back.
   const ReplicaSnapshot final = result->stopped_early ? replica_->Stop() : replica_->Finish();
   const GossiperStats gst = gossiper_->stats();
   result->bytes_pushed = gst.bytes_sent;

@@ -5,6 +5,7 @@
 #include <map>
 #include <optional>
 #include <random>
+#include <set>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -109,26 +110,7 @@ bool ReceiverRefused(const absl::Status& st) {
 RoundResult Gossiper::PushSum(int32_t peer, int64_t round, int64_t step) {
   // A share whose fate is unknown goes first: nothing new goes to this peer until it is
   // known to be absorbed (keep its weight given) or refused (take the weight back).
-  if (auto it = pending_.find(peer); it != pending_.end()) {
-    PendingShare& p = it->second;
-    absl::StatusOr<ExchangeReply> reply =
-        transport_->Exchange(peer, p.header, p.payload, options_.timeout);
-    if (!reply.ok() && !ReceiverRefused(reply.status())) {
-      return Settle(peer, reply.status(), false);  // Still unknown.
-    }
-    if (reply.ok()) {
-      if (!p.sent.empty()) replica_->AddScaledDifference(p.sent, p.decoded, 1.0f);
-    } else {
-      replica_->EndPushSum(false, p.weight);  // Refused: it was never absorbed.
-    }
-    pending_.erase(it);
-    {
-      absl::MutexLock lock(&mu_);
-      --stats_.pending;
-      ++(reply.ok() ? stats_.pending_delivered : stats_.pending_returned);
-    }
-    return Settle(peer, reply.status(), reply.ok());
-  }
+  if (pending_.count(peer) > 0) return ResendPending(peer);
   absl::StatusOr<double> weight = replica_->BeginPushSum(&sent_, options_.min_send_weight);
   if (!weight.ok()) return RoundResult{};  // Finished: no more mixing.
   if (*weight == 0) return RoundResult{RoundResult::Outcome::kKept, peer, absl::OkStatus()};
@@ -187,6 +169,57 @@ RoundResult Gossiper::PushSum(int32_t peer, int64_t round, int64_t step) {
     replica_->AddScaledDifference(sent_, sent_decoded_, 1.0f);
   }
   return Settle(peer, reply.status(), reply.ok());
+}
+
+RoundResult Gossiper::ResendPending(int32_t peer) {
+  auto it = pending_.find(peer);
+  PendingShare& p = it->second;
+  absl::StatusOr<ExchangeReply> reply =
+      transport_->Exchange(peer, p.header, p.payload, options_.timeout);
+  if (!reply.ok() && !ReceiverRefused(reply.status())) {
+    return Settle(peer, reply.status(), false);  // Still unknown.
+  }
+  if (reply.ok()) {
+    if (!p.sent.empty()) replica_->AddScaledDifference(p.sent, p.decoded, 1.0f);
+  } else {
+    replica_->EndPushSum(false, p.weight);  // Refused: it was never absorbed.
+  }
+  pending_.erase(it);
+  {
+    absl::MutexLock lock(&mu_);
+    --stats_.pending;
+    ++(reply.ok() ? stats_.pending_delivered : stats_.pending_returned);
+  }
+  return Settle(peer, reply.status(), reply.ok());
+}
+
+void Gossiper::SettlePending() {
+  std::map<int32_t, absl::Time> unknown_since;  // Peers whose share is still unknown.
+  std::set<int32_t> given_up;
+  absl::Duration backoff = absl::Milliseconds(100);
+  while (pending_.size() > given_up.size()) {
+    std::vector<int32_t> peers;
+    for (const auto& [peer, share] : pending_) {
+      if (given_up.count(peer) == 0) peers.push_back(peer);
+    }
+    for (int32_t peer : peers) {
+      ResendPending(peer);
+      if (pending_.count(peer) == 0) continue;  // Absorbed or refused: settled.
+      const absl::Time now = absl::Now();
+      const absl::Time since = unknown_since.try_emplace(peer, now).first->second;
+      if (now - since >= options_.dead_after) {
+        given_up.insert(peer);
+        LogWarning(options_.logger, "gossip_share_lost",
+                   {Kv("job", replica_->options().job), Kv("rank", rank_), Kv("peer", peer),
+                    Kv("weight", absl::StrFormat("%.6g", pending_.at(peer).weight)),
+                    Kv("unknown_s", absl::StrFormat("%.1f", absl::ToDoubleSeconds(now - since)))});
+      }
+    }
+    if (pending_.size() > given_up.size()) {
+      absl::SleepFor(backoff);
+      backoff = std::min(2 * backoff, absl::Seconds(1));
+    }
+  }
 }
 
 RoundResult Gossiper::Average(int32_t peer, int64_t round, int64_t step) {

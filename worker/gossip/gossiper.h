@@ -20,8 +20,9 @@
 //     the next round that picks the peer sends it again, until it is absorbed (done) or refused
 //     (FAILED_PRECONDITION, ABORTED, INVALID_ARGUMENT: weight taken back; a refusal proves
 //     it was never absorbed, since the receiver checks for a duplicate first). So a share is
-//     counted at most once; one still pending when the rank finishes (a peer dead for good)
-//     is lost with its weight, as push-sum loses a dead peer's mass (stats().pending).
+//     counted at most once. When the rank finishes, SettlePending() resends every pending
+//     share until its fate is known; one still unknown after dead_after (a peer dead for
+//     good) is lost with its weight, as push-sum loses a dead peer's mass (stats().pending).
 //     A pairwise average whose reply is lost is not retried: the callee has moved halfway
 //     towards the caller, the caller stays (no weights, so nothing is counted twice).
 //   * Failure (unreachable, timeout, NOT_FOUND because the peer has not started the job yet,
@@ -136,6 +137,12 @@ class Gossiper {
 
   GossiperStats stats() const;
 
+  // After Stop(), before the replica's Finish()/Stop(): resends every pending share (same
+  // exchange id, backoff 100 ms to 1 s) until the peer absorbs it (weight stays given) or
+  // refuses it (weight taken back), or its outcome has stayed unknown for dead_after (lost,
+  // logged as event=gossip_share_lost, still counted in stats().pending).
+  void SettlePending();
+
   // Non-root: sends `final` to the root, retrying with backoff until it is acknowledged or the
   // root has been unreachable for dead_after. OK when delivered (or already there);
   // UNAVAILABLE when given up; the root's error when it refused.
@@ -147,6 +154,9 @@ class Gossiper {
   FinalAverage GatherFinal();
 
  private:
+  // Sends peer's pending share again; settles it if the answer says what became of it.
+  RoundResult ResendPending(int32_t peer);
+
   Gossiper(GossiperOptions options, ValueCodec codec, std::shared_ptr<GossipReplica> replica,
            std::unique_ptr<Topology> topology, GossipTransport* transport);
   void Loop();

@@ -253,6 +253,40 @@ TEST(GossiperTest, ASharesFateUnknownTwiceIsSettledLaterAndCountedOnce) {
   EXPECT_NEAR(c.TotalWeight(), 4.0, 1e-12);
 }
 
+// A rank that finishes with a share still pending settles it before its final: the peer
+// answers "duplicate" (it had absorbed the share), so the weight stays given and the total
+// is exactly 4. A peer that stays unreachable for dead_after is given up: its share is lost.
+TEST(GossiperTest, SettlePendingResolvesSharesBeforeTheFinalRound) {
+  GossiperOptions o;
+  o.backoff_initial = absl::Milliseconds(1);
+  o.backoff_max = absl::Milliseconds(1);
+  o.dead_after = absl::Milliseconds(300);
+  Cluster c(Initial(), "exponential", "", o);
+  c.transport.lose_next_ = 2;
+  RoundResult r = c.gossipers[0]->RunRound(0, 0);  // Rank 0 -> rank 1, both replies lost.
+  EXPECT_EQ(r.peer, 1);
+  ASSERT_EQ(c.gossipers[0]->stats().pending, 1);
+  c.gossipers[0]->Stop();
+  c.gossipers[0]->SettlePending();
+  EXPECT_EQ(c.gossipers[0]->stats().pending, 0);
+  EXPECT_EQ(c.gossipers[0]->stats().pending_delivered, 1);
+  EXPECT_NEAR(c.TotalWeight(), 4.0, 1e-12);
+  EXPECT_DOUBLE_EQ(c.replicas[1]->Snapshot().weight, 1.5);  // Absorbed once.
+
+  // Rank 2 -> rank 3, lost on the way; rank 3 then stays unreachable: given up after
+  // dead_after, the share's weight (0.5) is lost.
+  c.transport.drop_next_ = 2;
+  r = c.gossipers[2]->RunRound(0, 0);
+  EXPECT_EQ(r.peer, 3);
+  ASSERT_EQ(c.gossipers[2]->stats().pending, 1);
+  c.transport.SetDown(3, true);
+  const absl::Time start = absl::Now();
+  c.gossipers[2]->SettlePending();
+  EXPECT_GE(absl::Now() - start, absl::Milliseconds(300));
+  EXPECT_EQ(c.gossipers[2]->stats().pending, 1);
+  EXPECT_NEAR(c.TotalWeight(), 3.5, 1e-12);
+}
+
 TEST(GossiperTest, ARankBelowTheWeightFloorKeepsItsMass) {
   Cluster c(Initial(), "exponential");  // Default floor 0.5.
   std::vector<float> v;
