@@ -170,8 +170,7 @@ absl::Status TrainingLoop::MakeModelView() {
   for (size_t i = 0; i < buffers_.size(); ++i) {
     ASSIGN_OR_RETURN(const ElemType type,
                      ToElemType(buffers_[i].scalar_type(), "buffer " + buffer_names[i]));
-    const torch::Tensor values =
-        buffers_[i].detach().to(torch::kCPU, torch::kFloat32).contiguous();
+    const torch::Tensor values = buffers_[i].detach().to(torch::kCPU, torch::kFloat32).contiguous();
     mirrors_[i].assign(values.data_ptr<float>(), values.data_ptr<float>() + values.numel());
     before_[i] = mirrors_[i];
     deltas_[i].assign(mirrors_[i].size(), 0.0f);
@@ -212,8 +211,7 @@ void TrainingLoop::BuffersIn(bool remember) {
 
 void TrainingLoop::BuffersOut() {
   for (size_t i = 0; i < buffers_.size(); ++i) {
-    const torch::Tensor values =
-        buffers_[i].detach().to(torch::kCPU, torch::kFloat32).contiguous();
+    const torch::Tensor values = buffers_[i].detach().to(torch::kCPU, torch::kFloat32).contiguous();
     const float* v = values.data_ptr<float>();
     for (size_t j = 0; j < mirrors_[i].size(); ++j) {
       mirrors_[i][j] = v[j];
@@ -228,9 +226,9 @@ absl::Status TrainingLoop::CheckFit() {
   const int64_t n = std::min<int64_t>(train.size(), std::max(1, spec_.batch_size()));
   if (n == 0) return absl::InvalidArgumentError(absl::StrCat(train.Describe(), ": no samples"));
   ASSIGN_OR_RETURN(Batch b, ReadBatch(train, 0, n));
-  RETURN_IF_ERROR(CheckModelFitsData(
-      model_.get(), loss_kind_, OnDevice(FieldTensor(b.x, b.size, train.x())),
-      OnDevice(FieldTensor(b.y, b.size, train.y())), train.Describe()));
+  RETURN_IF_ERROR(
+      CheckModelFitsData(model_.get(), loss_kind_, OnDevice(FieldTensor(b.x, b.size, train.x())),
+                         OnDevice(FieldTensor(b.y, b.size, train.y())), train.Describe()));
   if (data_.test != nullptr && data_.test->size() > 0 &&
       (data_.test->x() != train.x() || data_.test->y() != train.y())) {
     return absl::InvalidArgumentError(

@@ -2,8 +2,9 @@
 // stop, gradient hooks, the progress schema, evaluation, and that a mode's writes through the
 // model view are the model. The Device tests run the view, buffer, hook and update checks on
 // every device: the CPU, and --device cuda, which on a GPU machine (a CUDA LibTorch build,
-// tests/gpu/) must give the CPU's numbers and elsewhere must fail before anything starts. Uses MNIST from GRADMESH_DATA_DIR (set by .bazelrc; installed by
-// deploy/setup.sh): a missing data set fails the test.
+// tests/gpu/) must give the CPU's numbers and elsewhere must fail before anything starts. Uses
+// MNIST from GRADMESH_DATA_DIR (set by .bazelrc; installed by deploy/setup.sh): a missing data set
+// fails the test.
 #include "worker/training_loop.h"
 
 #include <gtest/gtest.h>
