@@ -29,8 +29,10 @@ fi
 # libFuzzer runs of every tests/fuzz/ target (clang, its own output base; the gcc replays of
 # their corpora ran above as //tests/fuzz:*_test). GRADMESH_FUZZ_SECONDS per target; 0 skips.
 fuzz_s="${GRADMESH_FUZZ_SECONDS:-15}"
+checks="format, deps, function_length"
 if [ "$fuzz_s" != 0 ] && command -v clang >/dev/null; then
   bash tests/fuzz/run_fuzzers.sh "$fuzz_s" || lint_failed+=(fuzz)
+  checks="$checks, fuzz"
 else
   echo "fuzz runs skipped (clang not installed, or GRADMESH_FUZZ_SECONDS=0)"
 fi
@@ -40,7 +42,7 @@ if [ "${#lint_failed[@]}" -gt 0 ]; then
   echo "source checks FAILED: ${lint_failed[*]}"
   [ "$rc" = 0 ] && rc=1
 else
-  echo "source checks passed: format, deps, function_length, fuzz"
+  echo "source checks passed: $checks"
 fi
 echo "${passed} passed, ${failed} failed, ${skipped} skipped"
 if [ "$rc" != 0 ] && [ "$failed" = 0 ]; then

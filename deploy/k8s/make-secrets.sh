@@ -8,7 +8,7 @@
 #                        *.gradmesh-worker.<ns>.svc). The CA is kept in $TLS_DIR
 #                        ($OUT_DIR/tls, mode 0700) so running this again renews the leaf
 #                        certificates under the same CA; the CLI's client.pem/client.key are
-#                        there too (GRADMESH_TLS_* or --tls_* flags, see README Security).
+#                        there too (pass them with the CLI's --tls_* flags, see README Security).
 # Tokens come from API_TOKEN_FILE / NODE_TOKEN_FILE if set, else are generated (24 random
 # bytes, base64) and the API token is written to $OUT_DIR/api.token (mode 0600) for the CLI
 # (GRADMESH_AUTH_TOKEN_FILE). Namespace: $NAMESPACE (gradmesh).
