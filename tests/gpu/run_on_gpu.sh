@@ -131,16 +131,25 @@ cp "$W/build/worker/gradmesh_worker" "$W/bin/worker/"
 cp "$W/build/server/gradmesh_server" "$W/bin/server/"
 bench() {  # label, then env assignments for modes.sh
   local label="$1"; shift
-  timeout 200 env "$@" GRADMESH_BIN="$W/bin" WORKLOAD=transformer WORKLOAD_DIR="$WLD" PYTHON="$PYTHON" \
-    STEPS="$STEPS" WORKER_FLAGS="--device=$DEVICE" \
+  timeout 200 env GRADMESH_BIN="$W/bin" WORKLOAD=transformer WORKLOAD_DIR="$WLD" PYTHON="$PYTHON" \
+    STEPS="$STEPS" WORKER_FLAGS="--device=$DEVICE" "$@" \
     bash tests/bench/modes.sh 2>"$L/modes-$label.log" |
     sed "s/^{/{\"run\":\"$label\",\"gpu\":true,/" | tee -a "$OUT_DIR/results.jsonl"
   local dir
   dir="$(sed -n 's/^logs: //p' "$L/modes-$label.log")"
   [ -d "$dir" ] && cp -r "$dir" "$L/run-$label"
 }
-bench w1 WORKERS=1 MODES="$REF ps allreduce"
-bench w2 WORKERS=2 MODES="ps gossip allreduce"
-bench w1-topk WORKERS=1 MODES="ps" PS_FLAGS="--push_codec=topk:0.01+fp16 --pull_codec=fp16"
-bench w1-ref WORKERS=1 MODES="$REF"
+if [ -n "${BENCHES:-}" ]; then
+  # Other runs: a file of lines "LABEL VAR=value ..." (modes.sh settings; no spaces in values
+  # other than inside MODES/PS_FLAGS, which take "..." quotes).
+  while read -r line; do
+    [ -z "$line" ] && continue
+    eval "bench $line"
+  done <"$BENCHES"
+else
+  bench w1 WORKERS=1 MODES="$REF ps allreduce"
+  bench w2 WORKERS=2 MODES="ps gossip allreduce"
+  bench w1-topk WORKERS=1 MODES="ps" PS_FLAGS="--push_codec=topk:0.01+fp16 --pull_codec=fp16"
+  bench w1-ref WORKERS=1 MODES="$REF"
+fi
 say "done"
