@@ -201,7 +201,13 @@ std::string FinalLine(const JobStatus& job) {
   const JobProgress& p = job.progress();
   if (job.state() == SUCCEEDED) {
     const double wall_s = (job.updated_ms() - job.created_ms()) / 1e3;
-    return absl::StrCat("job ", job.job_id(), " SUCCEEDED accuracy=", Accuracy(p.accuracy()),
+    // Evaluated test loss and perplexity when known (0 or -1: not reported).
+    std::string test;
+    if (p.test_loss() > 0)
+      absl::StrAppend(&test, " test_loss=", absl::StrFormat("%.4f", p.test_loss()));
+    if (p.perplexity() > 0)
+      absl::StrAppend(&test, " perplexity=", absl::StrFormat("%.3f", p.perplexity()));
+    return absl::StrCat("job ", job.job_id(), " SUCCEEDED accuracy=", Accuracy(p.accuracy()), test,
                         " loss=", Loss(p), " steps=", StepOfTotal(p),
                         " samples_per_s(all workers)=", FormatRate(p.samples_per_s()),
                         " time=", FormatClock(wall_s));

@@ -92,6 +92,20 @@ TEST(FormatTest, FinalLines) {
       FinalLine(j),
       "job j SUCCEEDED accuracy=0.9812 loss=0.0712 steps=938/938 samples_per_s(all workers)=17.4k "
       "time=1:02:05");
+  // A sequence model's evaluation adds its test loss and perplexity; accuracy is the token
+  // accuracy.
+  j.mutable_progress()->set_test_loss(1.7754);
+  j.mutable_progress()->set_perplexity(5.90259);
+  EXPECT_EQ(FinalLine(j),
+            "job j SUCCEEDED accuracy=0.9812 test_loss=1.7754 perplexity=5.903 loss=0.0712 "
+            "steps=938/938 samples_per_s(all workers)=17.4k time=1:02:05");
+  // Not evaluated: -1.
+  j.mutable_progress()->set_test_loss(-1);
+  j.mutable_progress()->set_perplexity(-1);
+  EXPECT_EQ(
+      FinalLine(j),
+      "job j SUCCEEDED accuracy=0.9812 loss=0.0712 steps=938/938 samples_per_s(all workers)=17.4k "
+      "time=1:02:05");
   j.set_state(FAILED);
   EXPECT_EQ(FinalLine(j), "job j FAILED at step 938/938");
   j.set_message("boom");

@@ -513,6 +513,15 @@ void Coordinator::RefreshLocked(JobEntry* job) {
   double accuracy = -1;
   for (int i = 0; i < n && accuracy < 0; ++i) accuracy = r.ranks(i).accuracy();
   p->set_accuracy(accuracy >= 0 ? accuracy : -1);
+  p->set_test_loss(-1);
+  p->set_perplexity(-1);
+  for (int i = 0; i < n; ++i) {
+    if (r.ranks(i).test_loss() > 0) {  // The evaluating rank (0 or -1: not evaluated).
+      p->set_test_loss(r.ranks(i).test_loss());
+      p->set_perplexity(r.ranks(i).perplexity() > 0 ? r.ranks(i).perplexity() : -1);
+      break;
+    }
+  }
   p->set_eta_s(eta);
   p->set_checkpoint_step(checkpoint == -2 ? -1 : checkpoint);
   RecordHistoryLocked(job);
@@ -845,6 +854,8 @@ void Coordinator::ApplyReportLocked(const NodeEntry& node, const TaskReport& rep
   rr->set_loss(report.loss());
   rr->set_reported(true);
   rr->set_accuracy(report.accuracy());
+  rr->set_test_loss(report.test_loss());
+  rr->set_perplexity(report.perplexity());
   rr->set_samples_per_s(report.samples_per_s());
   rr->set_checkpoint_step(report.checkpoint_step());
   // "pending" and "lost" are the coordinator's own states, never a daemon's report.
@@ -1016,6 +1027,8 @@ coordinator_state::JobRecord Coordinator::NewJobRecordLocked(const JobSpec& spec
   p->set_total_steps(spec.steps());
   p->set_epochs(spec.epochs());
   p->set_accuracy(-1);
+  p->set_test_loss(-1);
+  p->set_perplexity(-1);
   p->set_eta_s(-1);
   p->set_checkpoint_step(-1);
   for (size_t s = 0; s < placement.shard_nodes.size(); ++s) {
@@ -1035,6 +1048,8 @@ coordinator_state::JobRecord Coordinator::NewJobRecordLocked(const JobSpec& spec
     coordinator_state::RankRecord* rr = record.add_ranks();
     rr->set_generation(generation);
     rr->set_accuracy(-1);
+    rr->set_test_loss(-1);
+    rr->set_perplexity(-1);
     rr->set_checkpoint_step(-1);
   }
   return record;

@@ -102,6 +102,8 @@ class CoordinatorTest : public ::testing::Test {
     r.set_total_steps(100);
     r.set_epoch(1);
     r.set_accuracy(-1);
+    r.set_test_loss(-1);
+    r.set_perplexity(-1);
     r.set_checkpoint_step(-1);
     r.set_generation(generation);
     return r;
@@ -364,6 +366,8 @@ TEST_F(CoordinatorTest, ReportsDriveStateAndProgress) {
   EXPECT_DOUBLE_EQ(st.progress().loss(), 1.5);
   EXPECT_DOUBLE_EQ(st.progress().samples_per_s(), 150);
   EXPECT_EQ(st.progress().accuracy(), -1);
+  EXPECT_EQ(st.progress().test_loss(), -1);
+  EXPECT_EQ(st.progress().perplexity(), -1);
   EXPECT_EQ(st.progress().checkpoint_step(), 4);
   // Step samples: 0 at the first report, 6 one second later: 6 steps/s, 94 left.
   EXPECT_DOUBLE_EQ(st.progress().eta_s(), 94.0 / 6.0);
@@ -386,10 +390,14 @@ TEST_F(CoordinatorTest, ReportsDriveStateAndProgress) {
   EXPECT_EQ(Get("j").state(), RUNNING);
   TaskReport done = Report("j", 0, "succeeded", 100);
   done.set_accuracy(0.97);
+  done.set_test_loss(1.25);
+  done.set_perplexity(3.49);
   EXPECT_EQ(Beat("w0", {done}).tasks_size(), 0);
   st = Get("j");
   EXPECT_EQ(st.state(), SUCCEEDED);
   EXPECT_DOUBLE_EQ(st.progress().accuracy(), 0.97);
+  EXPECT_DOUBLE_EQ(st.progress().test_loss(), 1.25);
+  EXPECT_DOUBLE_EQ(st.progress().perplexity(), 3.49);
   EXPECT_EQ(st.progress().step(), 100);
   EXPECT_EQ(st.progress().eta_s(), 0);
   EXPECT_EQ(st.progress().samples_per_s(), 0);

@@ -405,6 +405,8 @@ void TrainingLoop::Report(double samples_per_s, double accuracy) const {
   p.loss = result_.final_loss;
   p.samples_per_s = samples_per_s;
   p.accuracy = accuracy;
+  p.test_loss = result_.test_loss;  // -1 until evaluated.
+  p.perplexity = result_.perplexity;
   p.checkpoint_step = checkpoint_step_;
   options_.on_progress(p);
 }

@@ -73,6 +73,8 @@ std::shared_ptr<WorkerAgent::Run> WorkerAgent::Start(const Task& task) {
     run->report.set_state("running");
     run->report.set_generation(task.generation());
     run->report.set_accuracy(-1);
+    run->report.set_test_loss(-1);
+    run->report.set_perplexity(-1);
     run->report.set_checkpoint_step(-1);
   }
   LogInfo(run->logger.get(), "task_start",
@@ -133,6 +135,10 @@ void WorkerAgent::Execute(Run* run) {
     run->report.set_loss(p.loss);
     run->report.set_samples_per_s(p.samples_per_s);
     if (p.accuracy >= 0) run->report.set_accuracy(p.accuracy);
+    if (p.test_loss >= 0) {
+      run->report.set_test_loss(p.test_loss);
+      run->report.set_perplexity(p.perplexity);
+    }
     if (p.checkpoint_step >= 0) run->report.set_checkpoint_step(p.checkpoint_step);
   };
   WirePublishing(task, run->logger.get(), &to);
@@ -187,6 +193,10 @@ void WorkerAgent::Execute(Run* run) {
     } else {
       run->report.set_state("succeeded");
       if (result->test_accuracy >= 0) run->report.set_accuracy(result->test_accuracy);
+      if (result->test_loss >= 0) {
+        run->report.set_test_loss(result->test_loss);
+        run->report.set_perplexity(result->perplexity);
+      }
       run->report.set_loss(result->final_loss);
       run->report.set_step(run->report.total_steps() > 0 ? run->report.total_steps()
                                                          : result->first_step + result->steps);

@@ -125,6 +125,9 @@ for mode in ssp:1 allreduce gossip; do
   run_job "$name" "$mode" "$tmp/kjv" 60 16
   want="$(reported "$name" perplexity)"
   [ -n "$want" ] || fail "$name: no perplexity reported"
+  # The coordinator carries it to the CLI: watch's final line has the same figure.
+  grep -q "SUCCEEDED .* perplexity=$want " "$tmp/watch-$name.log" ||
+    fail "$name: watch's final line lacks perplexity=$want: $(tail -n 1 "$tmp/watch-$name.log")"
   got="$(export_and_score "$name" state_dict "$tmp/kjv" perplexity)" || fail "$got"
   within "$want" "$got" 0.01*w ||
     fail "$name: exported model has perplexity $got independently, the job reported $want"

@@ -33,7 +33,9 @@ struct TrainProgress {
   int32_t epoch = 0;         // 1-based.
   double loss = 0;           // Mean over the last log window.
   double samples_per_s = 0;  // Over the last log window.
-  double accuracy = -1;      // Set once evaluated.
+  double accuracy = -1;      // Set once evaluated (classification).
+  double test_loss = -1;     // Set once evaluated.
+  double perplexity = -1;    // Set once evaluated (sequence models).
   int64_t checkpoint_step = -1;
 };
 
