@@ -10,8 +10,8 @@
 #include "common/job_name.h"
 #include "common/job_spec.h"
 #include "common/status.h"
+#include "common/token_hash.h"
 #include "compression/compressor.h"
-#include "coordinator/token_hash.h"
 
 namespace gradmesh {
 namespace {

@@ -13,7 +13,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_testing.h"
-#include "coordinator/token_hash.h"
+#include "common/token_hash.h"
 #include "gtest/gtest.h"
 
 namespace gradmesh {

@@ -3,6 +3,7 @@
 #include <utility>
 
 #include "common/status.h"
+#include "common/token_hash.h"
 #include "rpc/grpc_status.h"
 
 namespace gradmesh {
@@ -43,10 +44,19 @@ absl::Status ParameterServiceImpl::CheckToken(grpc::ServerContextBase* ctx,
   return tokens_->Check(job, presented);
 }
 
+std::string ParameterServiceImpl::Incarnation(grpc::ServerContextBase* ctx) const {
+  if (tokens_ == nullptr) return "";
+  const auto& md = ctx->client_metadata();
+  auto it = md.find("x-gradmesh-job-token");
+  if (it == md.end() || it->second.empty()) return "";
+  return HexOf(Sha256(absl::string_view(it->second.data(), it->second.size())));
+}
+
 grpc::Status ParameterServiceImpl::InitJob(grpc::ServerContext* ctx, const InitJobRequest* request,
                                            InitJobResponse* response) {
   if (absl::Status st = CheckToken(ctx, request->job()); !st.ok()) return ToGrpcStatus(st);
-  return Reply(shard_->InitJob(*request), response);
+  // Which submission of the job this is: the hash of the token it presented (never the token).
+  return Reply(shard_->InitJob(*request, Incarnation(ctx)), response);
 }
 
 grpc::ServerUnaryReactor* ParameterServiceImpl::Push(grpc::CallbackServerContext* ctx,

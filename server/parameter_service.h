@@ -41,6 +41,8 @@ class ParameterServiceImpl final
 
  private:
   absl::Status CheckToken(grpc::ServerContextBase* ctx, const std::string& job) const;
+  // InitJobRequest.incarnation of a call: hex SHA-256 of its job token ("" without tokens).
+  std::string Incarnation(grpc::ServerContextBase* ctx) const;
 
   Shard* const shard_;
   const JobTokens* const tokens_;

@@ -137,25 +137,56 @@ absl::Status Shard::CheckJobCount(const std::string& name) const {
                                                    " jobs, the most it allows (--max_jobs)"));
 }
 
-absl::StatusOr<bool> Shard::JobExists(const InitJobRequest& layout) {
+absl::StatusOr<Shard::Existing> Shard::JobExists(const InitJobRequest& layout) {
   absl::MutexLock lock(&mu_);
   auto it = jobs_.find(layout.job());
-  if (it == jobs_.end()) return false;
-  if (!google::protobuf::util::MessageDifferencer::Equals(it->second->state->layout(), layout)) {
+  if (it == jobs_.end()) return Existing::kNone;
+  const InitJobRequest& held = it->second->state->layout();
+  if (!held.incarnation().empty() && !layout.incarnation().empty() &&
+      held.incarnation() != layout.incarnation()) {
+    return Existing::kStale;
+  }
+  google::protobuf::util::MessageDifferencer same_layout;
+  same_layout.IgnoreField(InitJobRequest::descriptor()->FindFieldByName("incarnation"));
+  if (!same_layout.Compare(held, layout)) {
     return absl::FailedPreconditionError(
         absl::StrCat("InitJob: job ", layout.job(),
                      " already exists on this shard with a different layout, optimizer, mode, "
                      "durability or worker count; use another job name"));
   }
-  return true;
+  return Existing::kSame;
+}
+
+absl::Status Shard::DropStaleJob(const std::string& name, const std::string& incarnation) {
+  std::shared_ptr<Job> old;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = jobs_.find(name);
+    if (it == jobs_.end()) return absl::OkStatus();
+    old = it->second;
+    jobs_.erase(it);
+  }
+  // Its workers are gone: the coordinator compacted the job and gave the name to a new one,
+  // whose token the old workers do not have. Its memory returns when the last reference goes.
+  if (options_.store != nullptr) {
+    RETURN_IF_ERROR(
+        Annotate(options_.store->DeleteJob(name), absl::StrCat("InitJob: replacing job ", name)));
+  }
+  LogInfo(options_.logger, "job_replaced",
+          {Kv("job", name), Kv("old_incarnation", old->state->layout().incarnation().substr(0, 12)),
+           Kv("incarnation", incarnation.substr(0, 12))});
+  return absl::OkStatus();
 }
 
 absl::StatusOr<bool> Shard::AddJob(const std::string& name, std::shared_ptr<Job> job) {
   // Creation is serialised, so the job becomes durable before it becomes visible: no push
   // can be acknowledged for a job whose layout and initial values are not in the store.
   absl::MutexLock init_lock(&init_mu_);
-  ASSIGN_OR_RETURN(const bool found, JobExists(job->state->layout()));
-  if (found) return false;               // Created meanwhile by another call.
+  ASSIGN_OR_RETURN(const Existing found, JobExists(job->state->layout()));
+  if (found == Existing::kSame) return false;  // Created meanwhile by another call.
+  if (found == Existing::kStale) {
+    RETURN_IF_ERROR(DropStaleJob(name, job->state->layout().incarnation()));
+  }
   RETURN_IF_ERROR(CheckJobCount(name));  // Creation is serialised: the count holds.
   if (job->state->durability() != Durability::kNone) {
     RETURN_IF_ERROR(
@@ -167,21 +198,29 @@ absl::StatusOr<bool> Shard::AddJob(const std::string& name, std::shared_ptr<Job>
   return true;
 }
 
-absl::StatusOr<InitJobResponse> Shard::InitJob(const InitJobRequest& request) {
+absl::StatusOr<InitJobResponse> Shard::InitJob(const InitJobRequest& request,
+                                               const std::string& incarnation) {
   // Everything is checked before anything of the job is allocated: the request's fields and
   // limits, then its partition (bounded by them), initial values and memory.
   RETURN_IF_ERROR(
       ValidateInitJob(request, options_.limits, options_.optimizers, options_.consistency));
-  const InitJobRequest layout = NormalizedLayout(request);
+  InitJobRequest layout = NormalizedLayout(request);
+  layout.set_incarnation(incarnation);  // Ours, never the caller's.
   InitJobResponse response;
   // Fast path, before copying the initial values into a new job.
-  ASSIGN_OR_RETURN(const bool found, JobExists(layout));
-  if (found) {
+  ASSIGN_OR_RETURN(const Existing found, JobExists(layout));
+  if (found == Existing::kSame) {
     response.set_created(false);
     return response;
   }
-  RETURN_IF_ERROR(CheckJobCount(request.job()));
   ASSIGN_OR_RETURN(const Partition partition, LayoutPartition(layout));
+  if (found == Existing::kStale) {
+    // A new submission reusing the name of a job this shard still holds: the old one goes
+    // first, so its memory and job slot are free for the new one.
+    absl::MutexLock init_lock(&init_mu_);
+    RETURN_IF_ERROR(DropStaleJob(request.job(), incarnation));
+  }
+  RETURN_IF_ERROR(CheckJobCount(request.job()));
   // Memory before the initial values: a job that cannot fit is told so whatever it carries.
   ASSIGN_OR_RETURN(MemoryReservation memory, ReserveMemory(layout, partition, /*restore=*/false));
   RETURN_IF_ERROR(CheckInitialValues(request, partition));

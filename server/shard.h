@@ -112,7 +112,13 @@ class Shard {
   // options.limits.max_jobs jobs or the job's memory does not fit the budget (naming what it
   // needs and what is left). Nothing changes on error. The job's memory stays reserved while
   // the shard holds it.
-  absl::StatusOr<InitJobResponse> InitJob(const InitJobRequest& request);
+  // `incarnation` (InitJobRequest.incarnation; the service passes the hash of the caller's
+  // job token, "" without tokens) replaces a held job of the same name whose incarnation
+  // differs, both being non-empty: its state, memory and durable records are dropped first
+  // (event=job_replaced). Otherwise an existing job with the same layout answers created=false
+  // and one with another layout FAILED_PRECONDITION.
+  absl::StatusOr<InitJobResponse> InitJob(const InitJobRequest& request,
+                                          const std::string& incarnation = "");
   // Completions of PushAsync and PullAsync: called exactly once, on the calling thread if the
   // call did not wait, otherwise on the thread that released it (another worker's push, the
   // shard's timer at the barrier timeout, a canceller); never under a shard lock.
@@ -162,8 +168,13 @@ class Shard {
   struct Job;
   explicit Shard(ShardOptions options);
   absl::StatusOr<std::shared_ptr<Job>> FindJob(const std::string& name);
-  // True if the job exists with this layout; FAILED_PRECONDITION if it exists with another.
-  absl::StatusOr<bool> JobExists(const InitJobRequest& layout) ABSL_LOCKS_EXCLUDED(mu_);
+  // Whether a job of layout.job() is held: kSame with this layout (incarnation aside), kStale
+  // from another incarnation (both non-empty); FAILED_PRECONDITION if held with another layout.
+  enum class Existing { kNone, kSame, kStale };
+  absl::StatusOr<Existing> JobExists(const InitJobRequest& layout) ABSL_LOCKS_EXCLUDED(mu_);
+  // Removes job `name` (another incarnation than `incarnation`) and deletes its durable state.
+  absl::Status DropStaleJob(const std::string& name, const std::string& incarnation)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(init_mu_) ABSL_LOCKS_EXCLUDED(mu_);
   // Reserves the memory of the job of validated layout `layout` with `partition`
   // (`restore`: beyond the budget if need be). RESOURCE_EXHAUSTED, naming what it needs and
   // what is left, when it does not fit.

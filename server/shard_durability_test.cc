@@ -592,6 +592,49 @@ TEST_F(DurabilityTest, FailedSyncPushIdCanBeRetriedWithoutRestart) {
   EXPECT_EQ(info.duplicates_dropped(), 0);
 }
 
+// A new submission that reuses the name of a job the shard still holds (the coordinator
+// compacted the old one): another incarnation replaces it, memory and durable records too,
+// so nothing of the old job survives a restart; the same incarnation, or none, is the same
+// job as before.
+TEST_F(DurabilityTest, AnotherIncarnationReplacesTheJobAndItsDurableState) {
+  JobOptions o;
+  ASSERT_OK_AND_ASSIGN(InitJobResponse first, shard_->InitJob(MakeInit(o), "aaaa"));
+  EXPECT_TRUE(first.created());
+  const auto initial = PullAll(shard_.get());
+  std::vector<int64_t> versions(TestPartition().shard_chunks(0).size(), 0);
+  for (int i = 0; i < 5; ++i) ASSERT_OK(shard_->Push(GenPush(i, &versions)));
+  const auto trained = PullAll(shard_.get());
+  ASSERT_NE(trained, initial);
+  // The same submission again (a resuming worker), or a caller without a token: the same job.
+  ASSERT_OK_AND_ASSIGN(InitJobResponse again, shard_->InitJob(MakeInit(o), "aaaa"));
+  EXPECT_FALSE(again.created());
+  ASSERT_OK_AND_ASSIGN(again, shard_->InitJob(MakeInit(o)));
+  EXPECT_FALSE(again.created());
+  EXPECT_EQ(PullAll(shard_.get()), trained);
+
+  // Another incarnation: a new job from its own initial values, even with another layout.
+  o.optimizer = "adam";
+  o.durability = "every_update";
+  ASSERT_OK_AND_ASSIGN(InitJobResponse replaced, shard_->InitJob(MakeInit(o), "bbbb"));
+  EXPECT_TRUE(replaced.created());
+  EXPECT_EQ(PullAll(shard_.get()), initial);
+  ASSERT_OK_AND_ASSIGN(JobInfoResponse info, Info(shard_.get()));
+  EXPECT_EQ(info.updates_applied(), 0);
+  std::fill(versions.begin(), versions.end(), 0);
+  ASSERT_OK(shard_->Push(GenPush(0, &versions)));
+  const auto new_trained = PullAll(shard_.get());
+
+  // Nothing of the old job is replayed into the new one after a restart.
+  Restart();
+  EXPECT_EQ(PullAll(shard_.get()), new_trained);
+  ASSERT_OK_AND_ASSIGN(info, Info(shard_.get()));
+  EXPECT_TRUE(info.restored());
+  EXPECT_EQ(info.replayed_updates(), 1);
+  EXPECT_EQ(info.optimizer().name(), "adam");
+  ASSERT_OK_AND_ASSIGN(again, shard_->InitJob(MakeInit(o), "bbbb"));
+  EXPECT_FALSE(again.created());
+}
+
 TEST_F(DurabilityTest, DurabilityNeedsAStore) {
   std::unique_ptr<Shard> memory = MemoryShard();
   for (const std::string mode : {"periodic", "every_update"}) {

@@ -56,6 +56,23 @@ absl::Status ShardStore::AppendUpdate(const std::string& job, const state::Updat
                    absl::StrCat("log append for job ", job, " in ", dir_));
 }
 
+absl::Status ShardStore::DeleteJob(const std::string& job) {
+  // Keys of the job's chunks and log records run from PREFIX up to (not including) the
+  // prefix with its last byte, '/', replaced by the next one, '0'.
+  auto end_of = [](std::string prefix) {
+    prefix.back() = '0';
+    return prefix;
+  };
+  rocksdb::WriteBatch batch;
+  batch.Delete(MetaKey(job));
+  batch.Delete(SnapKey(job));
+  batch.DeleteRange(ChunkPrefix(job), end_of(ChunkPrefix(job)));
+  batch.DeleteRange(LogPrefix(job), end_of(LogPrefix(job)));
+  rocksdb::WriteOptions w;
+  w.sync = options_.fsync;
+  return FromRocks(db_->Write(w, &batch), absl::StrCat("deleting job ", job, " in ", dir_));
+}
+
 absl::StatusOr<int64_t> ShardStore::WriteSnapshot(
     const std::string& job, const InitJobRequest* layout,
     const std::map<int64_t, state::ChunkState>& chunks, const state::JobSnapshot& snapshot) {

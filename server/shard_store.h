@@ -59,6 +59,9 @@ class ShardStore {
                                         const std::map<int64_t, state::ChunkState>& chunks,
                                         const state::JobSnapshot& snapshot);
 
+  // Deletes everything of `job` (layout, snapshot, chunks, log) in one atomic write.
+  absl::Status DeleteJob(const std::string& job);
+
   struct StoredJob {
     InitJobRequest layout;
     state::JobSnapshot snapshot;

@@ -8,6 +8,8 @@
 // client retries UNAVAILABLE until a shard comes up, and concurrent pushes from several
 // workers are all applied exactly.
 #include <grpcpp/client_context.h>
+#include <grpcpp/create_channel.h>
+#include <grpcpp/security/credentials.h>
 #include <grpcpp/security/server_credentials.h>
 #include <grpcpp/server.h>
 #include <grpcpp/server_builder.h>
@@ -38,6 +40,7 @@
 #include "proto/gradmesh.grpc.pb.h"
 #include "proto/gradmesh.pb.h"
 #include "rpc/grpc_util.h"
+#include "server/job_tokens.h"
 #include "server/parameter_service.h"
 #include "server/shard.h"
 #include "tests/testing/grpc_status_testing.h"
@@ -797,6 +800,71 @@ TEST_F(TwoShardTest, ConcurrentPushesFromFourWorkersAreAllApplied) {
   for (size_t t = 0; t < got.size(); ++t) {
     for (size_t i = 0; i < got[t].size(); ++i) ASSERT_EQ(got[t][i], init[t][i] - delta);
   }
+}
+
+// The service stamps every InitJob with the hash of the caller's job token: a new submission
+// (a new token, as the coordinator issues when a compacted job's name is reused) replaces the
+// job the shard still holds; the same token (a resuming worker) keeps it.
+TEST(JobIncarnationTest, ANewTokenForTheNameStartsTheJobAfresh) {
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Shard> shard, Shard::Create(ShardOptions()));
+  JobTokens tokens(/*required=*/true);
+  ParameterServiceImpl service(shard.get(), &tokens);
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  ASSERT_NE(server, nullptr);
+  auto stub = ParameterService::NewStub(
+      grpc::CreateChannel(absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials()));
+  const JobLayout layout = OddLayout("reused", /*num_workers=*/1);
+  const InitJobRequest init = MakeInitRequest(layout, 1, 0, OddInit(layout));
+  auto call = [&](const std::string& token, InitJobResponse* resp) {
+    auto ctx = Ctx();
+    ctx->AddMetadata("x-gradmesh-job-token", token);
+    return stub->InitJob(ctx.get(), init, resp);
+  };
+  auto push = [&](const std::string& token) {
+    PushRequest req;
+    req.set_job("reused");
+    req.set_step(1);
+    req.set_request_id(7);
+    for (const ChunkData& c : init.initial()) *req.add_chunks() = c;  // Gradient = values.
+    auto ctx = Ctx();
+    ctx->AddMetadata("x-gradmesh-job-token", token);
+    PushResponse resp;
+    return stub->Push(ctx.get(), req, &resp);
+  };
+  auto pull = [&](const std::string& token) {
+    auto ctx = Ctx();
+    ctx->AddMetadata("x-gradmesh-job-token", token);
+    PullRequest req;
+    req.set_job("reused");
+    PullResponse resp;
+    EXPECT_TRUE(stub->Pull(ctx.get(), req, &resp).ok());
+    std::string out;
+    for (const ChunkData& c : resp.chunks()) out += c.data();
+    return out;
+  };
+  std::string initial;
+  for (const ChunkData& c : init.initial()) initial += c.data();
+
+  tokens.Set("reused", "first-token");
+  InitJobResponse resp;
+  ASSERT_TRUE(call("first-token", &resp).ok());
+  EXPECT_TRUE(resp.created());
+  ASSERT_TRUE(push("first-token").ok());
+  const std::string trained = pull("first-token");
+  ASSERT_NE(trained, initial);
+  ASSERT_TRUE(call("first-token", &resp).ok());  // A resuming worker: the same job.
+  EXPECT_FALSE(resp.created());
+  EXPECT_EQ(pull("first-token"), trained);
+
+  tokens.Set("reused", "second-token");  // The coordinator gave the name to a new job.
+  ASSERT_TRUE(call("second-token", &resp).ok());
+  EXPECT_TRUE(resp.created());
+  EXPECT_EQ(pull("second-token"), initial);
+  server->Shutdown();
 }
 
 }  // namespace

@@ -1,6 +1,6 @@
 // SHA-256 against the NIST FIPS 180-4 example vectors (one block, two blocks, a padding that
 // spills into a second block, many blocks) and the constant-time token comparison.
-#include "coordinator/token_hash.h"
+#include "common/token_hash.h"
 
 #include <string>
 

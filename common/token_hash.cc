@@ -1,5 +1,5 @@
 // SHA-256 (FIPS 180-4) for node-token hashes (see token_hash.h).
-#include "coordinator/token_hash.h"
+#include "common/token_hash.h"
 
 #include <cstdint>
 
