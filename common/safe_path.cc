@@ -3,6 +3,8 @@
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "common/job_name.h"
+#include "common/status.h"
 
 namespace gradmesh {
 
@@ -35,6 +37,16 @@ absl::StatusOr<std::string> JoinUnder(absl::string_view dir, absl::string_view c
   if (dir.empty()) return std::string(component);
   if (dir.back() == '/') return absl::StrCat(dir, component);
   return absl::StrCat(dir, "/", component);
+}
+
+absl::StatusOr<std::string> RankCheckpointPath(absl::string_view dir, const std::string& job,
+                                               int rank) {
+  RETURN_IF_ERROR(CheckName("checkpoint: job", job));
+  if (rank < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("checkpoint: rank ", rank, " is negative"));
+  }
+  ASSIGN_OR_RETURN(const std::string job_dir, JoinUnder(dir, job));
+  return JoinUnder(job_dir, absl::StrCat("rank-", rank, ".ckpt"));
 }
 
 }  // namespace gradmesh

@@ -28,6 +28,11 @@ absl::Status CheckPathComponent(absl::string_view component);
 // component when the component is unsafe.
 absl::StatusOr<std::string> JoinUnder(absl::string_view dir, absl::string_view component);
 
+// A rank's checkpoint file, <dir>/<job>/rank-<rank>.ckpt (allreduce and gossip). INVALID_ARGUMENT
+// when `job` breaks the name rule (common/job_name.h), the path would leave `dir`, or rank < 0.
+absl::StatusOr<std::string> RankCheckpointPath(absl::string_view dir, const std::string& job,
+                                               int rank);
+
 }  // namespace gradmesh
 
 #endif  // GRADMESH_COMMON_SAFE_PATH_H_

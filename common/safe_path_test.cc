@@ -3,6 +3,8 @@
 
 #include <string>
 
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "gtest/gtest.h"
 
 namespace gradmesh {
@@ -39,6 +41,37 @@ TEST(SafePathTest, RefusesComponentsThatLeaveTheDirectory) {
     EXPECT_NE(p.status().message().find("/data/ckpt"), absl::string_view::npos) << p.status();
     EXPECT_EQ(CheckPathComponent(component).code(), absl::StatusCode::kInvalidArgument);
   }
+}
+
+// A rank's checkpoint file (allreduce, gossip): names that would leave the checkpoint directory
+// (or break the name rule) are refused before any path is built.
+TEST(RankCheckpointPathTest, RefusesUnsafeJobNames) {
+  const std::string hostile[] = {"..",
+                                 ".",
+                                 "/",
+                                 "a/b",
+                                 "a/../../b",
+                                 "../../etc",
+                                 "",
+                                 std::string(64, 'a'),
+                                 std::string(300, 'a'),
+                                 "j\xc3\xb6"
+                                 "b",
+                                 "\xef\xbd\x8a\xef\xbd\x8f",
+                                 "Job",
+                                 "my.job",
+                                 "my_job",
+                                 "-job",
+                                 std::string("a\0b", 3)};
+  for (const std::string& job : hostile) {
+    absl::StatusOr<std::string> p = RankCheckpointPath("/data/ckpt", job, 0);
+    EXPECT_EQ(p.status().code(), absl::StatusCode::kInvalidArgument) << job;
+    EXPECT_NE(p.status().message().find("checkpoint: job"), absl::string_view::npos) << p.status();
+  }
+  EXPECT_EQ(RankCheckpointPath("/data/ckpt", "job-1", -1).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(RankCheckpointPath("/data/ckpt", std::string(63, 'a'), 7).value(),
+            "/data/ckpt/" + std::string(63, 'a') + "/rank-7.ckpt");
 }
 
 }  // namespace

@@ -13,6 +13,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "common/optimizer.h"
+#include "common/safe_path.h"
 #include "common/status.h"
 #include "worker/allreduce/bucket_reducer.h"
 #include "worker/allreduce/checkpoint.h"
@@ -152,9 +153,9 @@ absl::StatusOr<int64_t> AllreduceMode::Start(ModelView* model, const LoopInfo& i
                                     ResolveBackend(spec_.allreduce().backend()), ctx));
   RETURN_IF_ERROR(Handshake());
   ASSIGN_OR_RETURN(checkpoint_path_,
-                   CheckpointPath(spec_.checkpoint().dir().empty() ? options_.checkpoint_dir
-                                                                   : spec_.checkpoint().dir(),
-                                  spec_.name(), options_.rank));
+                   RankCheckpointPath(spec_.checkpoint().dir().empty() ? options_.checkpoint_dir
+                                                                       : spec_.checkpoint().dir(),
+                                      spec_.name(), options_.rank));
   ASSIGN_OR_RETURN(const int64_t first_step, Resume());
   reducer_ =
       std::make_unique<BucketReducer>(collective_.get(), updater_->numels(),

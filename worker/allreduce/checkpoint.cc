@@ -10,8 +10,6 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/checkpoint.h"
-#include "common/job_name.h"
-#include "common/safe_path.h"
 #include "common/status.h"
 
 namespace gradmesh {
@@ -98,16 +96,6 @@ absl::StatusOr<int64_t> CheckHeader(const ckpt::CheckpointHeader& h) {
 }
 
 }  // namespace
-
-absl::StatusOr<std::string> CheckpointPath(const std::string& dir, const std::string& job,
-                                           int rank) {
-  RETURN_IF_ERROR(CheckName("checkpoint: job", job));
-  if (rank < 0) {
-    return absl::InvalidArgumentError(absl::StrCat("checkpoint: rank ", rank, " is negative"));
-  }
-  ASSIGN_OR_RETURN(const std::string job_dir, JoinUnder(dir, job));
-  return JoinUnder(job_dir, absl::StrCat("rank-", rank, ".ckpt"));
-}
 
 absl::Status WriteCheckpoint(const std::string& path, int64_t step,
                              const std::vector<absl::Span<const float>>& arrays) {

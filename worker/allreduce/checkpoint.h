@@ -31,11 +31,6 @@ struct RankCheckpoint {
   std::vector<std::vector<float>> arrays;  // Parameters, buffers, then optimizer slots.
 };
 
-// <dir>/<job>/rank-<rank>.ckpt. INVALID_ARGUMENT when `job` breaks the name rule
-// (common/job_name.h) or the path would leave `dir` (common/safe_path.h), or rank < 0.
-absl::StatusOr<std::string> CheckpointPath(const std::string& dir, const std::string& job,
-                                           int rank);
-
 // Creates the directory if needed. INTERNAL (naming the path and errno) on I/O errors.
 absl::Status WriteCheckpoint(const std::string& path, int64_t step,
                              const std::vector<absl::Span<const float>>& arrays);

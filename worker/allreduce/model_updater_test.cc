@@ -8,6 +8,7 @@
 #include <thread>
 #include <vector>
 
+#include "common/safe_path.h"
 #include "common/status_testing.h"
 #include "gtest/gtest.h"
 #include "worker/allreduce/checkpoint.h"
@@ -107,7 +108,7 @@ TEST(ModelUpdaterTest, OptimizerOnMeanGradientBuffersBecomeBeforePlusMeanDelta) 
 }
 
 TEST(ModelUpdaterTest, CheckpointRoundTripRestoresBuffersAndSlots) {
-  const std::string path = CheckpointPath(TempDir() + "/mu1", "job", 0).value();
+  const std::string path = RankCheckpointPath(TempDir() + "/mu1", "job", 0).value();
   TinyModel a;
   a.w = {4, 5, 6};
   a.running_mean = {7.5f, -1};

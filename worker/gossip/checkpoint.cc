@@ -6,8 +6,6 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "common/job_name.h"
-#include "common/safe_path.h"
 #include "common/status.h"
 
 namespace gradmesh {
@@ -152,16 +150,6 @@ absl::StatusOr<GossipCheckpoint> FromCheckpoint(ckpt::Checkpoint c) {
 }
 
 }  // namespace
-
-absl::StatusOr<std::string> GossipCheckpointPath(const std::string& dir, const std::string& job,
-                                                 int32_t rank) {
-  RETURN_IF_ERROR(CheckName("checkpoint: job", job));
-  if (rank < 0) {
-    return absl::InvalidArgumentError(absl::StrCat("checkpoint: rank ", rank, " is negative"));
-  }
-  ASSIGN_OR_RETURN(const std::string job_dir, JoinUnder(dir, job));
-  return JoinUnder(job_dir, absl::StrCat("rank-", rank, ".ckpt"));
-}
 
 absl::Status WriteGossipCheckpoint(const std::string& path, const GossipCheckpoint& c) {
   if (!SizesFit(c)) {

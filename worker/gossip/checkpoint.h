@@ -40,11 +40,6 @@ struct GossipCheckpoint {
   int32_t num_slots = 0;
 };
 
-// <dir>/<job>/rank-<rank>.ckpt. INVALID_ARGUMENT when `job` breaks the name rule
-// (common/job_name.h) or the path would leave `dir` (common/safe_path.h), or rank < 0.
-absl::StatusOr<std::string> GossipCheckpointPath(const std::string& dir, const std::string& job,
-                                                 int32_t rank);
-
 // Creates the parent directory if needed. INTERNAL naming the path on I/O errors;
 // INVALID_ARGUMENT when buffer_values is not in [0, values.size()] or slots.size() !=
 // num_slots * (values.size() - buffer_values).

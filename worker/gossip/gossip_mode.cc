@@ -11,6 +11,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "common/optimizer.h"
+#include "common/safe_path.h"
 #include "common/status.h"
 #include "rpc/grpc_util.h"
 #include "worker/gossip/checkpoint.h"
@@ -152,9 +153,9 @@ absl::StatusOr<int64_t> GossipMode::Start(ModelView* model, const LoopInfo& info
   for (int s = 0; s < num_slots; ++s) slot_ptrs_.push_back(slots_.data() + s * param_numel_);
   grad_.resize(numel_);
   ASSIGN_OR_RETURN(checkpoint_path_,
-                   GossipCheckpointPath(spec_.checkpoint().dir().empty() ? options_.checkpoint_dir
-                                                                         : spec_.checkpoint().dir(),
-                                        spec_.name(), options_.rank));
+                   RankCheckpointPath(spec_.checkpoint().dir().empty() ? options_.checkpoint_dir
+                                                                       : spec_.checkpoint().dir(),
+                                      spec_.name(), options_.rank));
 
   std::vector<float> values(numel_);
   CopyOut(values.data());
