@@ -140,6 +140,10 @@ TEST_F(GossipE2eTest, ExponentialReachesAccuracyAndConsensusShrinks) {
     EXPECT_GT(ToInt(LogField(done, "bytes_pushed")), 0);
     if (r > 0) {
       EXPECT_EQ(LinesWith(Log(r), "event=final_delivered").size(), 1u);
+      // It stays until the root has gathered, so peers can settle their shares with it.
+      const std::vector<std::string> linger = LinesWith(Log(r), "event=final_linger");
+      ASSERT_EQ(linger.size(), 1u);
+      EXPECT_EQ(LogField(linger[0], "until"), "gathered");
       EXPECT_EQ(LogField(done, "accuracy"), "-1.0000");
     }
   }

@@ -51,6 +51,7 @@ struct ReplicaState {
   int64_t total_steps = 0;
   bool finished = false;
   double weight = 1;
+  bool gathered = false;  // Root: every final is in (Gossiper::GatherFinal returned).
 };
 
 // Payload type URL on an error status whose request was never sent (the peer could not be

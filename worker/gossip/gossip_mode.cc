@@ -280,6 +280,8 @@ absl::StatusOr<bool> GossipMode::Finish(int64_t step, TrainResult* result) {
     if (!st.ok()) {
       LogWarning(options_.logger, "final_not_delivered",
                  {Kv("job", spec_.name()), Kv("rank", options_.rank), Kv("error", st.ToString())});
+    } else {
+      gossiper_->AwaitGathered();
     }
     result->comm_s += SecondsSince(final_start);
     return false;

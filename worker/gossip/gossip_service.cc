@@ -91,6 +91,7 @@ grpc::ServerUnaryReactor* GossipServiceImpl::GetState(grpc::CallbackServerContex
     response->set_total_steps(s.total_steps);
     response->set_finished(s.finished);
     response->set_weight(s.weight);
+    response->set_gathered(s.gathered);
   }
   reactor->Finish(ToGrpcStatus(replica.status()));
   return reactor;

@@ -380,6 +380,39 @@ absl::Status Gossiper::DeliverFinal(const ReplicaSnapshot& final) {
   }
 }
 
+void Gossiper::AwaitGathered() {
+  const std::string& job = replica_->options().job;
+  const int32_t root = replica_->options().root;
+  const absl::Time start = absl::Now();
+  absl::Time unreachable_since = absl::InfiniteFuture();
+  std::string why = "gathered";
+  while (true) {
+    absl::StatusOr<ReplicaState> st = transport_->GetState(root, job, options_.timeout);
+    const absl::Time now = absl::Now();
+    if (st.ok()) {
+      if (st->gathered) break;
+      unreachable_since = absl::InfiniteFuture();
+    } else if (st.status().code() == absl::StatusCode::kNotFound) {
+      why = "root_left";  // The root's job is over in its process.
+      break;
+    } else {
+      if (unreachable_since == absl::InfiniteFuture()) unreachable_since = now;
+      if (now - unreachable_since >= options_.dead_after) {
+        why = "root_unreachable";
+        break;
+      }
+    }
+    if (now - start > options_.max_wait) {
+      why = "max_wait";
+      break;
+    }
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  LogInfo(options_.logger, "final_linger",
+          {Kv("job", job), Kv("rank", rank_), Kv("until", why),
+           Kv("waited_s", absl::StrFormat("%.2f", absl::ToDoubleSeconds(absl::Now() - start)))});
+}
+
 FinalAverage Gossiper::GatherFinal() {
   const std::string& job = replica_->options().job;
   const absl::Time start = absl::Now();
@@ -420,6 +453,7 @@ FinalAverage Gossiper::GatherFinal() {
     absl::SleepFor(absl::Milliseconds(20));
   }
   FinalAverage avg = AverageFinals(replica_->Finals());
+  replica_->MarkGathered();
   LogInfo(options_.logger, "final_average",
           {Kv("job", job), Kv("rank", rank_), Kv("ranks", absl::StrJoin(avg.ranks, ",")),
            Kv("weight_sum", absl::StrFormat("%.6g", avg.weight_sum)),

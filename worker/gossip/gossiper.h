@@ -34,6 +34,8 @@
 //   * Final round (after Stop()): every rank calls GossipReplica::Finish(); ranks other than
 //     0 DeliverFinal() their (x, w) to rank 0, which GatherFinal()s until every rank has
 //     delivered or is unreachable for dead_after (or max_wait passed) and averages them.
+//     Ranks other than 0 then AwaitGathered() before they leave, still answering exchanges,
+//     so that every pending share can be settled by its sender (the weights sum to n).
 //
 // Thread safety: RequestRound() and stats() may be called from any thread. Start(), Stop(),
 // DeliverFinal() and GatherFinal() from one controlling thread; RunRound() only while the
@@ -147,6 +149,14 @@ class Gossiper {
   // root has been unreachable for dead_after. OK when delivered (or already there);
   // UNAVAILABLE when given up; the root's error when it refused.
   absl::Status DeliverFinal(const ReplicaSnapshot& final);
+
+  // Non-root, after DeliverFinal: keeps this rank (its replica still registered, refusing new
+  // shares with FAILED_PRECONDITION and answering resends as duplicates) until the root
+  // reports every final gathered, or its job is gone (NOT_FOUND), or it has been unreachable
+  // for dead_after, or max_wait passes. A peer whose share to this rank is still pending
+  // settles it in its SettlePending before its own final, so it must find this rank there:
+  // had this rank left, the peer could not tell an absorbed share from a lost one.
+  void AwaitGathered();
 
   // Root (after Finish()): waits for every other rank's final until all have arrived, or the
   // missing ones have been unreachable (GetState fails) for dead_after, or max_wait passes;

@@ -4,10 +4,12 @@
 // coalesces rounds; the final round gathers, and gives up on unreachable ranks.
 #include "worker/gossip/gossiper.h"
 
+#include <atomic>
 #include <cmath>
 #include <map>
 #include <memory>
 #include <set>
+#include <thread>
 
 #include "absl/strings/cord.h"
 #include "absl/synchronization/notification.h"
@@ -417,6 +419,61 @@ TEST(GossiperTest, FinalRoundAveragesEveryRanksFinalAtTheRoot) {
     const double expected = (init[0][i] + 0.5 * init[1][i] + init[2][i] + init[3][i]) / 3.5;
     EXPECT_NEAR(avg.values[i], expected, 1e-6) << i;
   }
+}
+
+// The race CI found: rank 2's share to rank 3 is lost on the way (both copies) while rank 3
+// finishes its steps first. Rank 3 delivers its final and lingers (AwaitGathered) until the
+// root has gathered, so rank 2's SettlePending still reaches it: rank 3 refuses (it never
+// absorbed the share), rank 2 takes the weight back, and the finals sum to exactly 4.
+// Had rank 3 left, the share's fate would be unknown and its 0.5 lost.
+TEST(GossiperTest, FinishedRanksLingerSoPendingSharesSettleAndTheWeightsSumToN) {
+  GossiperOptions o;
+  o.backoff_initial = absl::Milliseconds(1);
+  o.backoff_max = absl::Milliseconds(1);
+  Cluster c(Initial(), "exponential", "", o);
+  c.transport.drop_next_ = 2;
+  ASSERT_EQ(c.gossipers[2]->RunRound(0, 0).peer, 3);
+  ASSERT_EQ(c.gossipers[2]->stats().pending, 1);
+
+  std::vector<std::thread> lingering;
+  std::atomic<int> left{0};
+  for (int32_t r : {1, 3}) {
+    ASSERT_OK(c.gossipers[r]->DeliverFinal(c.replicas[r]->Finish()));
+    lingering.emplace_back([&c, &left, r] {
+      c.gossipers[r]->AwaitGathered();
+      ++left;
+    });
+  }
+  c.gossipers[2]->Stop();
+  c.gossipers[2]->SettlePending();
+  EXPECT_EQ(c.gossipers[2]->stats().pending, 0);
+  EXPECT_EQ(c.gossipers[2]->stats().pending_returned, 1);
+  ASSERT_OK(c.gossipers[2]->DeliverFinal(c.replicas[2]->Finish()));
+  c.replicas[0]->Finish();
+  EXPECT_FALSE(c.replicas[0]->State().gathered);
+  absl::SleepFor(absl::Milliseconds(200));
+  EXPECT_EQ(left.load(), 0) << "ranks 1 and 3 must not leave before the root has gathered";
+  FinalAverage avg = c.gossipers[0]->GatherFinal();
+  EXPECT_TRUE(c.replicas[0]->State().gathered);
+  for (std::thread& t : lingering) t.join();  // They return once the root has gathered.
+  EXPECT_EQ(avg.ranks, (std::vector<int32_t>{0, 1, 2, 3}));
+  EXPECT_DOUBLE_EQ(avg.weight_sum, 4.0);
+  const auto init = Initial();
+  for (int i = 0; i < 3; ++i) EXPECT_NEAR(avg.values[i], kMean[i], 1e-6) << i;
+}
+
+// A lingering rank whose root is gone leaves after dead_after.
+TEST(GossiperTest, AwaitGatheredGivesUpOnAnUnreachableRoot) {
+  GossiperOptions o;
+  o.dead_after = absl::Milliseconds(200);
+  o.timeout = absl::Milliseconds(50);
+  Cluster c(Initial(), "exponential", "", o);
+  ASSERT_OK(c.gossipers[1]->DeliverFinal(c.replicas[1]->Finish()));
+  c.transport.SetDown(0, true);
+  const absl::Time start = absl::Now();
+  c.gossipers[1]->AwaitGathered();
+  EXPECT_GE(absl::Now() - start, absl::Milliseconds(200));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
 }
 
 TEST(GossiperTest, FinalRoundGivesUpOnUnreachableRanksAfterDeadAfter) {

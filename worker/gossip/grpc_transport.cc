@@ -67,7 +67,7 @@ class GrpcGossipTransport final : public GossipTransport {
     grpc::Status st = stubs_[peer]->GetState(&ctx, request, &response);
     if (!st.ok()) return Annotate(FromGrpcStatus(st), Where(peer));
     return ReplicaState{response.step(), response.total_steps(), response.finished(),
-                        response.weight()};
+                        response.weight(), response.gathered()};
   }
 
  private:

@@ -83,7 +83,7 @@ ReplicaSnapshot GossipReplica::Snapshot() const {
 
 ReplicaState GossipReplica::State() const {
   absl::MutexLock lock(&mu_);
-  return ReplicaState{step_, options_.total_steps, finished_, w_};
+  return ReplicaState{step_, options_.total_steps, finished_, w_, gathered_};
 }
 
 absl::StatusOr<double> GossipReplica::BeginPushSum(std::vector<float>* values, double min_weight) {
@@ -259,6 +259,11 @@ ReplicaSnapshot GossipReplica::Stop() {
   absl::MutexLock lock(&mu_);
   stopped_ = true;
   return ReplicaSnapshot{x_, w_, step_};
+}
+
+void GossipReplica::MarkGathered() {
+  absl::MutexLock lock(&mu_);
+  gathered_ = true;
 }
 
 std::map<int32_t, ReplicaSnapshot> GossipReplica::Finals() const {

@@ -162,6 +162,8 @@ class GossipReplica {
   ReplicaSnapshot Stop();
   // Root: the finals received so far (including its own after Finish), by rank.
   std::map<int32_t, ReplicaSnapshot> Finals() const;
+  // Root: every final is in (or given up); reported by State().gathered.
+  void MarkGathered();
 
   // Squared distances recorded since the last call; resets them.
   ConsensusSample TakeConsensus();
@@ -192,6 +194,7 @@ class GossipReplica {
   int64_t step_ ABSL_GUARDED_BY(mu_);
   bool finished_ ABSL_GUARDED_BY(mu_) = false;  // Finish() was called.
   bool stopped_ ABSL_GUARDED_BY(mu_) = false;   // Finish() or Stop() was called.
+  bool gathered_ ABSL_GUARDED_BY(mu_) = false;  // MarkGathered() was called.
   std::map<int32_t, ReplicaSnapshot> finals_ ABSL_GUARDED_BY(mu_);  // Root only.
   ConsensusSample consensus_ ABSL_GUARDED_BY(mu_);
 };
