@@ -22,6 +22,11 @@ constexpr int64_t kEtaWindowMs = 30'000;
 bool IsActive(JobState s) { return s == PENDING || s == RUNNING || s == PAUSED; }
 bool IsFinished(JobState s) { return s == SUCCEEDED || s == FAILED || s == CANCELLED; }
 
+// Rank r's peer-plane token (Task.rank_token) from the job's rank secret.
+std::string RankToken(const std::string& secret, int rank) {
+  return HexOf(Sha256(absl::StrCat(secret, "/rank/", rank)));
+}
+
 std::string RandomHex(int bytes) {
   std::random_device rd;
   std::string out;
@@ -946,6 +951,12 @@ std::vector<Task> Coordinator::TasksForLocked(const NodeEntry& node) const {
       }
       if (OneRankPerNode(st.spec())) {
         for (const WorkerPlacement& w : st.workers()) t.add_peers(w.address());
+        if (worker && !r.rank_secret().empty()) {
+          t.set_rank_token(RankToken(r.rank_secret(), index));
+          for (int k = 0; k < st.workers_size(); ++k) {
+            t.add_rank_token_hashes(Sha256(RankToken(r.rank_secret(), k)));
+          }
+        }
       }
       t.set_job_token(st.job_token());
       for (int a : r.active_ranks()) t.add_active_ranks(a);
@@ -1091,6 +1102,9 @@ absl::StatusOr<JobStatus> Coordinator::SubmitJob(const SubmitJobRequest& request
   if (request.dry_run()) return *st;
 
   st->set_job_token(existing != nullptr ? existing->record.status().job_token() : NewToken());
+  record.set_rank_secret(existing != nullptr && !existing->record.rank_secret().empty()
+                             ? existing->record.rank_secret()
+                             : RandomHex(16));
   record.set_sequence(existing != nullptr ? existing->record.sequence() : next_sequence_++);
   RETURN_IF_ERROR(store_->Write({&record}, {}));
   const int64_t version = existing != nullptr ? existing->version + 1 : 1;

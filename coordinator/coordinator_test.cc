@@ -9,6 +9,7 @@
 #include <cmath>
 #include <functional>
 #include <map>
+#include <set>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -192,6 +193,8 @@ TEST_F(CoordinatorTest, SubmitPlacesAndHandsOutTasks) {
   EXPECT_EQ(Strings(t.servers().begin(), t.servers().end()), (Strings{Addr("s0"), Addr("s1")}));
   EXPECT_EQ(t.peers_size(), 0);  // ps mode: no peers.
   EXPECT_EQ(t.job_token(), "tok-1");
+  EXPECT_EQ(t.rank_token(), "");  // No peer plane.
+  EXPECT_EQ(t.rank_token_hashes_size(), 0);
   EXPECT_EQ(t.active_ranks_size(), 0);
   EXPECT_EQ(t.lr_scale(), 1.0);
   EXPECT_EQ(t.generation(), 1);
@@ -224,6 +227,49 @@ TEST_F(CoordinatorTest, GossipGetsPeersAndAllreducePacksHosts) {
                     "job needs 3 workers on distinct worker nodes (mode gossip: a node's peer "
                     "address serves one rank per job) but only 1 alive worker nodes have a free "
                     "slot (a0: 1, b0: 0, b1: 0)");
+}
+
+// gossip/allreduce ranks each get their own peer-plane token and every rank's SHA-256, so a
+// rank can prove which rank it is (worker/core/peer_token.h). The tokens differ per rank and
+// per job, are stable across heartbeats and a coordinator restart, and appear nowhere in the
+// job's status.
+TEST_F(CoordinatorTest, PeerPlaneRanksEachGetTheirOwnToken) {
+  Register("a0", WORKER, 2, "hostA");
+  Register("b0", WORKER, 2, "hostB");
+  ASSERT_OK(Submit(Spec("g", "gossip", 2)));
+  ASSERT_OK(Submit(Spec("h", "allreduce", 2)));
+  auto tokens = [&]() {
+    std::map<std::string, std::string> out;  // "job/rank" -> token
+    for (const char* node : {"a0", "b0"}) {
+      HeartbeatResponse hb = Beat(node);
+      for (const Task& t : hb.tasks()) {
+        EXPECT_EQ(t.rank_token().size(), 64u) << t.job_id();
+        EXPECT_EQ(t.rank_token_hashes_size(), 2) << t.job_id();
+        if (t.rank_token_hashes_size() == 2) {
+          EXPECT_EQ(t.rank_token_hashes(t.index()), Sha256(t.rank_token()));
+        }
+        out[absl::StrCat(t.job_id(), "/", t.index())] = t.rank_token();
+      }
+    }
+    return out;
+  };
+  const std::map<std::string, std::string> first = tokens();
+  ASSERT_EQ(first.size(), 4u);
+  std::set<std::string> distinct;
+  for (const auto& [key, token] : first) distinct.insert(token);
+  EXPECT_EQ(distinct.size(), 4u);
+  // Every rank's hashes name the same tokens: rank 0's list holds rank 1's hash.
+  HeartbeatResponse hb = Beat(WorkerNodes(Get("g"))[0]);
+  for (const Task& t : hb.tasks()) {
+    for (int r = 0; r < 2; ++r) {
+      EXPECT_EQ(t.rank_token_hashes(r), Sha256(first.at(absl::StrCat(t.job_id(), "/", r))));
+    }
+  }
+  EXPECT_EQ(tokens(), first);
+  const std::string status = Get("g").DebugString();
+  for (const auto& [key, token] : first) EXPECT_EQ(status.find(token), std::string::npos);
+  ASSERT_NO_FATAL_FAILURE(Start());  // Restart: the same tokens (their secret is stored).
+  EXPECT_EQ(tokens(), first);
 }
 
 TEST_F(CoordinatorTest, RefusalsSayWhatToFixAndChangeNothing) {

@@ -126,6 +126,8 @@ void WorkerAgent::Execute(Run* run) {
   to.evaluate = Evaluates(task);
   to.peers.assign(task.peers().begin(), task.peers().end());
   to.job_token = task.job_token();
+  to.rank_token = task.rank_token();
+  to.rank_token_hashes.assign(task.rank_token_hashes().begin(), task.rank_token_hashes().end());
   to.active_ranks.assign(task.active_ranks().begin(), task.active_ranks().end());
   to.on_progress = [run](const TrainProgress& p) {
     absl::MutexLock lock(&run->mu);

@@ -146,6 +146,8 @@ absl::StatusOr<int64_t> AllreduceMode::Start(ModelView* model, const LoopInfo& i
   ctx.rpc = options_.peer_rpc;
   ctx.local = local_;
   ctx.job_token = options_.job_token;
+  ctx.rank_token = options_.rank_token;
+  ctx.rank_token_hashes = options_.rank_token_hashes;
   ctx.timeout =
       absl::Seconds(spec_.allreduce().timeout_s() > 0 ? spec_.allreduce().timeout_s() : 30);
   ctx.transport = spec_.allreduce().transport().empty() ? "tcp" : spec_.allreduce().transport();

@@ -97,6 +97,8 @@ absl::StatusOr<std::unique_ptr<RingTransport>> ConnectGrpcRing(const CollectiveC
   o.rpc = c.rpc;
   o.local = c.local;
   o.job_token = c.job_token;
+  o.rank_token = c.rank_token;
+  o.rank_token_hashes = c.rank_token_hashes;
   o.close_timeout = c.timeout;
   return NewGrpcRingTransport(o);
 }

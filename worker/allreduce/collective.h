@@ -85,6 +85,11 @@ struct CollectiveContext {
   // The job's token, carried by every ring stream and required from the previous rank's
   // (grpc_ring.h; the TCP ring's rendezvous runs over that ring). Empty: none (open).
   std::string job_token;
+  // This rank's token and every rank's token hash (TrainerOptions.rank_token*): the ring
+  // stream carries the former, and a rank's inbox takes only the previous rank's. Empty: not
+  // checked (standalone).
+  std::string rank_token;
+  std::vector<std::string> rank_token_hashes;
   absl::Duration timeout = absl::Seconds(30);  // Longest wait for a peer.
   // Ring: what carries the ring's bytes, a name in RingTransportsWithBuiltins(). Empty:
   // "tcp".

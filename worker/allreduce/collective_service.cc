@@ -161,18 +161,21 @@ std::string StreamName(const RingChunk& h) {
 // Fields other than the constants are guarded by the service's mu_.
 class CollectiveServiceImpl::Inbox {
  public:
-  Inbox(std::string job, int rank, int world_size, std::string prev_name, std::string token)
+  Inbox(std::string job, int rank, int world_size, std::string prev_name, std::string token,
+        std::string prev_hash)
       : job(std::move(job)),
         rank(rank),
         world_size(world_size),
         prev_name(std::move(prev_name)),
-        token(std::move(token)) {}
+        token(std::move(token)),
+        prev_hash(std::move(prev_hash)) {}
 
   const std::string job;
   const int rank;
   const int world_size;
   const std::string prev_name;
-  const std::string token;  // The job token a stream must present; empty: any.
+  const std::string token;      // The job token a stream must present; empty: any.
+  const std::string prev_hash;  // Hash of the previous rank's token; empty: not checked.
 
   std::deque<RingMessage> queue;
   int64_t queued_bytes = 0;
@@ -196,6 +199,9 @@ class CollectiveServiceImpl::RingReader final : public grpc::ServerReadReactor<g
     const auto& md = context->client_metadata();
     if (auto it = md.find(kJobTokenMetadata); it != md.end()) {
       token = std::string(it->second.data(), it->second.size());
+    }
+    if (auto it = md.find(kRankTokenMetadata); it != md.end()) {
+      rank_token = std::string(it->second.data(), it->second.size());
     }
     reading = true;  // No other thread knows this reader yet.
     StartRead(&buffer);
@@ -266,6 +272,7 @@ class CollectiveServiceImpl::RingReader final : public grpc::ServerReadReactor<g
   uint64_t chunks = 0, bytes = 0;
   grpc::ByteBuffer buffer;
   std::optional<std::string> token;  // The call's job token metadata; constant after creation.
+  std::optional<std::string> rank_token;  // Its rank token metadata; constant after creation.
 
  private:
   CollectiveServiceImpl* const service_;
@@ -376,10 +383,15 @@ CollectiveServiceImpl::Next CollectiveServiceImpl::AttachLocked(RingReader* read
   }
   std::optional<absl::string_view> presented;
   if (reader->token.has_value()) presented = *reader->token;
-  if (absl::Status st = CheckPeerToken(
-          inbox->token, presented,
-          absl::StrCat("ring: ", StreamName(header), " refused by rank ", inbox->rank));
-      !st.ok()) {
+  const std::string where = absl::StrCat("ring: ", StreamName(header), " refused by rank ",
+                                         inbox->rank);
+  if (absl::Status st = CheckPeerToken(inbox->token, presented, where); !st.ok()) {
+    return finish(st);
+  }
+  std::optional<absl::string_view> rank_token;
+  if (reader->rank_token.has_value()) rank_token = *reader->rank_token;
+  const int prev = (inbox->rank + inbox->world_size - 1) % inbox->world_size;
+  if (absl::Status st = CheckRankTokenHash(inbox->prev_hash, prev, rank_token, where); !st.ok()) {
     return finish(st);
   }
   if (inbox->connected) {
@@ -485,7 +497,7 @@ void CollectiveServiceImpl::StreamDone(RingReader* reader) {
 
 absl::StatusOr<std::shared_ptr<CollectiveServiceImpl::Inbox>> CollectiveServiceImpl::OpenInbox(
     const std::string& job, int rank, int world_size, const std::string& prev_name,
-    const std::string& job_token) {
+    const std::string& job_token, const std::string& prev_rank_hash) {
   std::vector<std::pair<RingReader*, Next>> actions;
   std::shared_ptr<Inbox> inbox;
   {
@@ -495,7 +507,7 @@ absl::StatusOr<std::shared_ptr<CollectiveServiceImpl::Inbox>> CollectiveServiceI
       return absl::AlreadyExistsError(
           absl::StrCat("ring: rank ", rank, " of job ", job, " already has an open inbox here"));
     }
-    inbox = std::make_shared<Inbox>(job, rank, world_size, prev_name, job_token);
+    inbox = std::make_shared<Inbox>(job, rank, world_size, prev_name, job_token, prev_rank_hash);
     inboxes_[key] = inbox;
     auto range = held_.equal_range(key);
     std::vector<RingReader*> waiting;

@@ -77,10 +77,13 @@ class CollectiveServiceImpl final
   // Opens the inbox of rank `rank` of `job` in a ring of `world_size`, fed by `prev_name`
   // (for error messages, e.g. "rank 0 (127.0.0.1:7101)"). A held stream for it is attached.
   // ALREADY_EXISTS if that inbox is open.
-  // Only streams carrying `job_token` are attached (empty: any).
+  // Only streams carrying `job_token` are attached (empty: any), and, when `prev_rank_hash`
+  // (raw SHA-256 of the previous rank's token) is not empty, only with that rank's token
+  // (metadata x-gradmesh-rank-token; worker/core/peer_token.h, "Rank identity").
   absl::StatusOr<std::shared_ptr<Inbox>> OpenInbox(const std::string& job, int rank, int world_size,
                                                    const std::string& prev_name,
-                                                   const std::string& job_token = "");
+                                                   const std::string& job_token = "",
+                                                   const std::string& prev_rank_hash = "");
 
   // Closes `inbox`: queued chunks are dropped, its stream (if any) is ended with
   // FAILED_PRECONDITION when it sends more, and Receive on it fails with CANCELLED.

@@ -44,13 +44,15 @@ void KeepNothing(void*) {}
 class OutLink final : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
  public:
   OutLink(std::shared_ptr<grpc::Channel> channel, std::string peer_name,
-          const std::string& job_token, std::function<void(const absl::Status&)> on_failure)
+          const std::string& job_token, const std::string& rank_token,
+          std::function<void(const absl::Status&)> on_failure)
       : channel_(std::move(channel)),
         stub_(channel_),
         peer_name_(std::move(peer_name)),
         on_failure_(std::move(on_failure)) {
     context_.set_wait_for_ready(true);
     if (!job_token.empty()) context_.AddMetadata(kJobTokenMetadata, job_token);
+    if (!rank_token.empty()) context_.AddMetadata(kRankTokenMetadata, rank_token);
     stub_.PrepareBidiStreamingCall(&context_, RingMethod(), grpc::StubOptions(), this);
     StartRead(&ack_);
     StartCall();
@@ -219,6 +221,7 @@ class GrpcRingTransport final : public RingTransport {
       std::shared_ptr<CollectiveServiceImpl::Inbox> in = inbox_;
       link_ = std::make_unique<OutLink>(
           MakeChannel(options_.peers[next], options_.rpc), PeerName(next), options_.job_token,
+          options_.rank_token,
           [local, in](const absl::Status& st) { local->FailInbox(in, st); });
     }
   }
@@ -315,12 +318,19 @@ absl::StatusOr<std::unique_ptr<RingTransport>> NewGrpcRingTransport(
   if (options.local == nullptr) {
     return absl::InvalidArgumentError("ring: no local CollectiveService");
   }
+  if (!options.rank_token_hashes.empty() && options.rank_token_hashes.size() != n) {
+    return absl::InvalidArgumentError(absl::StrCat("ring: ", options.rank_token_hashes.size(),
+                                                   " rank token hashes for ", n, " ranks"));
+  }
   const int prev = (options.rank + n - 1) % n;
   ASSIGN_OR_RETURN(
       std::shared_ptr<CollectiveServiceImpl::Inbox> inbox,
       options.local->OpenInbox(options.job, options.rank, n,
                                absl::StrCat("rank ", prev, " (", options.peers[prev], ")"),
-                               options.job_token));
+                               options.job_token,
+                               options.rank_token_hashes.empty()
+                                   ? std::string()
+                                   : options.rank_token_hashes[prev]));
   return std::unique_ptr<RingTransport>(new GrpcRingTransport(options, std::move(inbox)));
 }
 

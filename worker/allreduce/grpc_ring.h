@@ -49,6 +49,11 @@ struct GrpcRingOptions {
   // The job's token: sent on the stream to the next rank (metadata x-gradmesh-job-token) and
   // required from the previous rank's stream (collective_service.h). Empty: none.
   std::string job_token;
+  // This rank's token, sent on the stream (x-gradmesh-rank-token), and every rank's token hash
+  // (raw SHA-256, by rank): the inbox attaches only a stream with the previous rank's token
+  // (worker/core/peer_token.h, "Rank identity"). Empty: not checked.
+  std::string rank_token;
+  std::vector<std::string> rank_token_hashes;
   // Bound on waiting for the next rank's acknowledgement when the transport is destroyed.
   // Default 30 s.
   absl::Duration close_timeout = absl::Seconds(30);

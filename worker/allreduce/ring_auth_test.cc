@@ -5,7 +5,8 @@
 // receiver's ring predecessor PERMISSION_DENIED; a refused stream never takes the inbox
 // (it stays unconnected and empty, and the real previous rank's chunks then arrive exactly);
 // ring names that do not start with a valid job name are INVALID_ARGUMENT; whole rings (grpc
-// and tcp transports) run with matching tokens and fail with mismatched ones.
+// and tcp transports) run with matching tokens and fail with mismatched ones, and with rank
+// tokens a rank cannot send as another.
 #include <grpcpp/grpcpp.h>
 
 #include <memory>
@@ -16,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/status_testing.h"
+#include "common/token_hash.h"
 #include "gtest/gtest.h"
 #include "proto/collective.grpc.pb.h"
 #include "rpc/grpc_status.h"
@@ -240,6 +242,65 @@ TEST_F(RingAuthTest, WholeRingsNeedMatchingTokens) {
         // Each rank refuses the other's stream for its token; which error a rank reports
         // first (its refused link, or the refusal note on its silent inbox) is a race.
         EXPECT_NE(absl::StrCat(st[0].message(), st[1].message()).find("wrong job token"),
+                  std::string::npos)
+            << st[0] << " / " << st[1];
+      }
+    }
+  }
+}
+
+// Coordinator-placed jobs: both ranks hold the job token, and each its own rank token. A
+// ring where rank 1 sends with rank 0's token (a rank posing as another) is refused by rank
+// 0's inbox and nothing is mixed; with the real tokens it sums exactly. Over each transport
+// (the TCP ring's rendezvous runs over the authenticated gRPC ring).
+TEST_F(RingAuthTest, EachRanksStreamMustCarryItsOwnRankToken) {
+  other_ = StartNode();
+  const std::vector<std::string> tokens = {"rank-0-secret-abc", "rank-1-secret-def"};
+  const std::vector<std::string> hashes = {Sha256(tokens[0]), Sha256(tokens[1])};
+  for (const std::string transport : {"grpc", "tcp"}) {
+    for (const bool honest : {true, false}) {
+      const std::string job = absl::StrCat("rank-", transport, honest ? "-ok" : "-posing");
+      std::vector<absl::StatusOr<std::unique_ptr<RingTransport>>> t(2);
+      std::vector<std::vector<float>> data = {{1, 2, 3}, {10, 20, 30}};
+      std::vector<absl::Status> st(2);
+      std::vector<std::thread> threads;
+      for (int r = 0; r < 2; ++r) {
+        threads.emplace_back([&, r] {
+          CollectiveContext c;
+          c.job = job;
+          c.rank = r;
+          c.peers = {node_->address, other_->address};
+          c.local = r == 0 ? node_->service.get() : other_->service.get();
+          c.timeout = absl::Seconds(3);
+          c.transport = transport;
+          c.job_token = kTokenA;
+          c.rank_token = (r == 1 && !honest) ? tokens[0] : tokens[r];
+          c.rank_token_hashes = hashes;
+          const auto transports = RingTransportsWithBuiltins();
+          auto factory = transports.Find(transport);
+          t[r] = (**factory)(c);
+          if (!t[r].ok()) {
+            st[r] = t[r].status();
+            return;
+          }
+          RingOptions ro;
+          ro.timeout = absl::Seconds(3);
+          st[r] = RingAllreduce(t[r]->get(), absl::MakeSpan(data[r]), ro);
+        });
+      }
+      for (auto& th : threads) th.join();
+      if (honest) {
+        EXPECT_OK(st[0]) << transport;
+        EXPECT_OK(st[1]) << transport;
+        EXPECT_EQ(data[0], (std::vector<float>{11, 22, 33})) << transport;
+        EXPECT_EQ(data[1], (std::vector<float>{11, 22, 33})) << transport;
+      } else {
+        EXPECT_FALSE(st[0].ok()) << transport;
+        EXPECT_FALSE(st[1].ok()) << transport;
+        // Rank 0, whose inbox the poser tried, mixed nothing in (the poser itself did get
+        // rank 0's honest first chunk).
+        EXPECT_EQ(data[0], (std::vector<float>{1, 2, 3})) << transport;
+        EXPECT_NE(absl::StrCat(st[0].message(), st[1].message()).find("is not rank 1's"),
                   std::string::npos)
             << st[0] << " / " << st[1];
       }

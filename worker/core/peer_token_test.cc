@@ -36,5 +36,26 @@ TEST(PeerTokenTest, EqualsComparesWholeStrings) {
   EXPECT_FALSE(PeerTokenEquals("", "a"));
 }
 
+TEST(PeerTokenTest, RankTokenMustBeTheClaimedRanks) {
+  const std::vector<std::string> hashes = {Sha256("rank-zero-token"), Sha256("rank-one-token")};
+  EXPECT_TRUE(CheckRankToken({}, 5, std::nullopt, "w").ok());  // Not checked.
+  EXPECT_TRUE(CheckRankToken(hashes, 1, "rank-one-token", "w").ok());
+  absl::Status st = CheckRankToken(hashes, 1, std::nullopt, "gossip job j rank 0");
+  EXPECT_EQ(st.code(), absl::StatusCode::kUnauthenticated);
+  EXPECT_EQ(st.message(),
+            "gossip job j rank 0: no rank token (metadata x-gradmesh-rank-token) on the call");
+  // Rank 0's own valid token does not make it rank 1.
+  st = CheckRankToken(hashes, 1, "rank-zero-token", "gossip job j rank 0");
+  EXPECT_EQ(st.code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(st.message(),
+            "gossip job j rank 0: the rank token (metadata x-gradmesh-rank-token) is not rank 1's");
+  for (int64_t bad : {int64_t{-1}, int64_t{2}, int64_t{1} << 40}) {
+    EXPECT_EQ(CheckRankToken(hashes, bad, "rank-one-token", "w").code(),
+              absl::StatusCode::kPermissionDenied)
+        << bad;
+  }
+  EXPECT_EQ(CheckRankToken(hashes, 1, "", "w").code(), absl::StatusCode::kPermissionDenied);
+}
+
 }  // namespace
 }  // namespace gradmesh

@@ -99,6 +99,12 @@ struct TrainerOptions {
   // (worker/core/peer_token.h). Service mode: the coordinator's task; standalone:
   // --job_token_file.
   std::string job_token;
+  // gossip/allreduce jobs placed by the coordinator: this rank's own token, sent on every peer
+  // call, and the SHA-256 (raw) of every rank's, by rank, which this rank's peer services
+  // check against the rank a call claims (worker/core/peer_token.h, "Rank identity"). Empty
+  // (standalone): ranks are not told apart.
+  std::string rank_token;
+  std::vector<std::string> rank_token_hashes;
   // sync jobs re-formed after losing workers (empty: all ranks), and the lr factor for them.
   std::vector<int32_t> active_ranks;
   // Called with live figures at every progress line and at the end (may be empty).

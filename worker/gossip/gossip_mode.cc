@@ -127,7 +127,8 @@ absl::StatusOr<int64_t> GossipMode::Restore(std::vector<float>* values, double* 
 }
 
 absl::Status GossipMode::StartGossiper(std::unique_ptr<Topology> topology) {
-  transport_ = NewGrpcGossipTransport(options_.peers, options_.peer_rpc, options_.job_token);
+  transport_ = NewGrpcGossipTransport(options_.peers, options_.peer_rpc, options_.job_token,
+                                      options_.rank_token);
   GossiperOptions go;
   go.codec = gs_.codec();
   go.timeout = absl::Seconds(gs_.timeout_s());
@@ -172,7 +173,7 @@ absl::StatusOr<int64_t> GossipMode::Start(ModelView* model, const LoopInfo& info
                    TopologyRegistry::WithBuiltins().Create(gs_.topology(), spec_.seed()));
   ro.in_neighbours = InNeighbours(*topology, options_.rank, spec_.num_workers());
   replica_ = std::make_shared<GossipReplica>(ro, std::move(values), weight, first_step);
-  RETURN_IF_ERROR(local_->Register(replica_, options_.job_token));
+  RETURN_IF_ERROR(local_->Register(replica_, options_.job_token, options_.rank_token_hashes));
   registered_ = true;
   RETURN_IF_ERROR(StartGossiper(std::move(topology)));
   return first_step;

@@ -15,10 +15,13 @@
 namespace gradmesh {
 
 absl::Status GossipServiceImpl::Register(std::shared_ptr<GossipReplica> replica,
-                                         std::string job_token) {
+                                         std::string job_token,
+                                         std::vector<std::string> rank_token_hashes) {
   const auto key = std::make_pair(replica->options().job, replica->options().rank);
   absl::MutexLock lock(&mu_);
-  if (!replicas_.emplace(key, Entry{std::move(replica), std::move(job_token)}).second) {
+  if (!replicas_
+           .emplace(key, Entry{std::move(replica), std::move(job_token),
+                               std::move(rank_token_hashes)}).second) {
     return absl::AlreadyExistsError(absl::StrCat("gossip job ", key.first, " rank ", key.second,
                                                  " is already served by this process"));
   }
@@ -32,7 +35,7 @@ void GossipServiceImpl::Unregister(const std::string& job, int32_t rank) {
 
 absl::StatusOr<std::shared_ptr<GossipReplica>> GossipServiceImpl::Find(
     grpc::CallbackServerContext* context, const char* method, const std::string& job,
-    int32_t rank) const {
+    int32_t rank, std::optional<int64_t> from) const {
   RETURN_IF_ERROR(CheckName(absl::StrCat("GossipService.", method, ": job"), job));
   Entry entry;
   {
@@ -49,9 +52,16 @@ absl::StatusOr<std::shared_ptr<GossipReplica>> GossipServiceImpl::Find(
   if (auto it = md.find(kJobTokenMetadata); it != md.end()) {
     presented = absl::string_view(it->second.data(), it->second.size());
   }
-  RETURN_IF_ERROR(CheckPeerToken(
-      entry.token, presented,
-      absl::StrCat("GossipService.", method, " to gossip job ", job, " rank ", rank)));
+  const std::string where =
+      absl::StrCat("GossipService.", method, " to gossip job ", job, " rank ", rank);
+  RETURN_IF_ERROR(CheckPeerToken(entry.token, presented, where));
+  if (from.has_value()) {
+    std::optional<absl::string_view> rank_token;
+    if (auto it = md.find(kRankTokenMetadata); it != md.end()) {
+      rank_token = absl::string_view(it->second.data(), it->second.size());
+    }
+    RETURN_IF_ERROR(CheckRankToken(entry.rank_hashes, *from, rank_token, where));
+  }
   return entry.replica;
 }
 
@@ -59,7 +69,7 @@ grpc::ServerUnaryReactor* GossipServiceImpl::Exchange(grpc::CallbackServerContex
                                                       const GossipExchangeRequest* request,
                                                       GossipExchangeResponse* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  auto replica = Find(context, "Exchange", request->job(), request->to_rank());
+  auto replica = Find(context, "Exchange", request->job(), request->to_rank(), request->from_rank());
   if (!replica.ok()) {
     reactor->Finish(ToGrpcStatus(replica.status()));
     return reactor;
@@ -84,7 +94,7 @@ grpc::ServerUnaryReactor* GossipServiceImpl::GetState(grpc::CallbackServerContex
                                                       const GossipStateRequest* request,
                                                       GossipStateResponse* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  auto replica = Find(context, "GetState", request->job(), request->rank());
+  auto replica = Find(context, "GetState", request->job(), request->rank(), std::nullopt);
   if (replica.ok()) {
     const ReplicaState s = (*replica)->State();
     response->set_step(s.step);

@@ -27,7 +27,9 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <optional>
 #include <utility>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
@@ -42,8 +44,11 @@ class GossipServiceImpl final : public GossipService::CallbackService {
   GossipServiceImpl() = default;
 
   // Serves `replica` under (its job, its rank), accepting calls that carry `job_token` (empty:
-  // any call). ALREADY_EXISTS if that key is taken.
-  absl::Status Register(std::shared_ptr<GossipReplica> replica, std::string job_token = "");
+  // any call) and, when `rank_token_hashes` is not empty, an Exchange only with the rank token
+  // of the rank it claims to come from (worker/core/peer_token.h, "Rank identity").
+  // ALREADY_EXISTS if that key is taken.
+  absl::Status Register(std::shared_ptr<GossipReplica> replica, std::string job_token = "",
+                        std::vector<std::string> rank_token_hashes = {});
   // Stops serving (job, rank); no-op if absent.
   void Unregister(const std::string& job, int32_t rank);
 
@@ -57,13 +62,16 @@ class GossipServiceImpl final : public GossipService::CallbackService {
  private:
   struct Entry {
     std::shared_ptr<GossipReplica> replica;
-    std::string token;  // Empty: open.
+    std::string token;                // Empty: open.
+    std::vector<std::string> rank_hashes;  // Empty: ranks not checked.
   };
   // The replica of (job, rank) if the call may use it: INVALID_ARGUMENT for a bad job name,
-  // NOT_FOUND when it does not run here, UNAUTHENTICATED / PERMISSION_DENIED for the token.
+  // NOT_FOUND when it does not run here, UNAUTHENTICATED / PERMISSION_DENIED for the job
+  // token, and for the rank token of `from` unless it is nullopt (GetState: a read).
   absl::StatusOr<std::shared_ptr<GossipReplica>> Find(grpc::CallbackServerContext* context,
                                                       const char* method, const std::string& job,
-                                                      int32_t rank) const;
+                                                      int32_t rank,
+                                                      std::optional<int64_t> from) const;
 
   mutable absl::Mutex mu_;
   std::map<std::pair<std::string, int32_t>, Entry> replicas_ ABSL_GUARDED_BY(mu_);

@@ -18,8 +18,11 @@ namespace {
 
 class GrpcGossipTransport final : public GossipTransport {
  public:
-  GrpcGossipTransport(std::vector<std::string> peers, const RpcOptions& rpc, std::string job_token)
-      : peers_(std::move(peers)), job_token_(std::move(job_token)) {
+  GrpcGossipTransport(std::vector<std::string> peers, const RpcOptions& rpc, std::string job_token,
+                      std::string rank_token)
+      : peers_(std::move(peers)),
+        job_token_(std::move(job_token)),
+        rank_token_(std::move(rank_token)) {
     for (const std::string& address : peers_) {
       channels_.push_back(MakeChannel(address, rpc));
       stubs_.push_back(GossipService::NewStub(channels_.back()));
@@ -73,6 +76,7 @@ class GrpcGossipTransport final : public GossipTransport {
  private:
   void AddToken(grpc::ClientContext* ctx) const {
     if (!job_token_.empty()) ctx->AddMetadata(kJobTokenMetadata, job_token_);
+    if (!rank_token_.empty()) ctx->AddMetadata(kRankTokenMetadata, rank_token_);
   }
   absl::Status CheckPeer(int32_t peer) const {
     if (peer < 0 || peer >= static_cast<int32_t>(stubs_.size())) {
@@ -87,6 +91,7 @@ class GrpcGossipTransport final : public GossipTransport {
 
   const std::vector<std::string> peers_;
   const std::string job_token_;
+  const std::string rank_token_;  // This rank's (coordinator-placed jobs); empty: none.
   // Constant after construction.
   std::vector<std::shared_ptr<grpc::Channel>> channels_;
   std::vector<std::unique_ptr<GossipService::Stub>> stubs_;
@@ -96,8 +101,10 @@ class GrpcGossipTransport final : public GossipTransport {
 
 std::unique_ptr<GossipTransport> NewGrpcGossipTransport(std::vector<std::string> peers,
                                                         const RpcOptions& rpc,
-                                                        std::string job_token) {
-  return std::make_unique<GrpcGossipTransport>(std::move(peers), rpc, std::move(job_token));
+                                                        std::string job_token,
+                                                        std::string rank_token) {
+  return std::make_unique<GrpcGossipTransport>(std::move(peers), rpc, std::move(job_token),
+                                               std::move(rank_token));
 }
 
 }  // namespace gradmesh

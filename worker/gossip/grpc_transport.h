@@ -19,10 +19,12 @@
 namespace gradmesh {
 
 // `peers[r]` is rank r's GossipService address ("host:port"). Every call carries `job_token`
-// as metadata x-gradmesh-job-token (worker/core/peer_token.h); empty: none is sent.
+// as metadata x-gradmesh-job-token (worker/core/peer_token.h) and `rank_token`, this rank's,
+// as x-gradmesh-rank-token; empty: none is sent.
 std::unique_ptr<GossipTransport> NewGrpcGossipTransport(std::vector<std::string> peers,
                                                         const RpcOptions& rpc,
-                                                        std::string job_token = "");
+                                                        std::string job_token = "",
+                                                        std::string rank_token = "");
 
 }  // namespace gradmesh
 

@@ -3,7 +3,8 @@
 // job's valid token, a guessed token, or from a rank the topology does not allow is
 // PERMISSION_DENIED, and none of them changes anything (values, push-sum weight, step, the
 // root's finals, checked exactly); a bad job name is INVALID_ARGUMENT; the right token is
-// accepted; a rank registered without a token stays open.
+// accepted; a rank registered without a token stays open. With rank tokens (coordinator-placed
+// jobs) a call must also carry the token of the rank it claims to be.
 #include <grpcpp/grpcpp.h>
 
 #include <memory>
@@ -13,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/status_testing.h"
+#include "common/token_hash.h"
 #include "gtest/gtest.h"
 #include "proto/gossip.grpc.pb.h"
 #include "rpc/grpc_util.h"
@@ -213,6 +215,79 @@ TEST_F(GossipPeerAuthTest, TheTransportSendsTheToken) {
   EXPECT_EQ(a1_->Snapshot().weight, 2.0);
   ASSERT_OK_AND_ASSIGN(ReplicaState state, good->GetState(1, "job-a", absl::Seconds(10)));
   EXPECT_EQ(state.weight, 2.0);
+}
+
+// Coordinator-placed jobs: every rank has its own token, and a call must carry the token of
+// the rank it claims to come from. Rank 3 (an in-neighbour of rank 1) holds the job token;
+// rank 0 (also an in-neighbour) must not be able to send as rank 3, nor anyone without a rank
+// token; each refusal changes nothing.
+TEST_F(GossipPeerAuthTest, ACallerMustHoldTheTokenOfTheRankItClaims) {
+  const std::vector<std::string> rank_tokens = {"rank-0-secret", "rank-1-secret", "rank-2-secret",
+                                                "rank-3-secret"};
+  std::vector<std::string> hashes;
+  for (const std::string& t : rank_tokens) hashes.push_back(Sha256(t));
+  auto r1 = Replica("job-r", 1, {1, 2, 3});
+  ASSERT_OK(service_.Register(r1, kTokenA, hashes));
+  const GossipExchangeRequest as3 = Request("job-r", 3, 1, GOSSIP_PUSH_SUM, {9, 9, 9}, 1.0);
+  auto call = [&](const char* rank_token) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+    ctx.AddMetadata("x-gradmesh-job-token", kTokenA);
+    if (rank_token != nullptr) ctx.AddMetadata("x-gradmesh-rank-token", rank_token);
+    GossipExchangeResponse resp;
+    return stub_->Exchange(&ctx, as3, &resp);
+  };
+  auto untouched = [&] {
+    const ReplicaSnapshot s = r1->Snapshot();
+    EXPECT_EQ(s.values, (std::vector<float>{1, 2, 3}));
+    EXPECT_EQ(s.weight, 1.0);
+    EXPECT_EQ(r1->TakeConsensus().count, 0);
+  };
+  grpc::Status st = call(nullptr);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::UNAUTHENTICATED) << st.error_message();
+  untouched();
+  st = call("rank-0-secret");  // Rank 0's real token, posing as rank 3.
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::PERMISSION_DENIED) << st.error_message();
+  EXPECT_EQ(st.error_message(),
+            "GossipService.Exchange to gossip job job-r rank 1: the rank token (metadata "
+            "x-gradmesh-rank-token) is not rank 3's");
+  untouched();
+  for (const char* wrong : {"", "rank-3-secre", "rank-3-secret ", "RANK-3-SECRET"}) {
+    EXPECT_EQ(call(wrong).error_code(), grpc::StatusCode::PERMISSION_DENIED) << wrong;
+  }
+  untouched();
+  // A claimed sender outside the job, with any token.
+  {
+    grpc::ClientContext ctx;
+    ctx.AddMetadata("x-gradmesh-job-token", kTokenA);
+    ctx.AddMetadata("x-gradmesh-rank-token", "rank-3-secret");
+    GossipExchangeResponse resp;
+    EXPECT_EQ(stub_->Exchange(&ctx, Request("job-r", 7, 1, GOSSIP_PUSH_SUM, {9, 9, 9}, 1.0), &resp)
+                  .error_code(),
+              grpc::StatusCode::PERMISSION_DENIED);
+  }
+  untouched();
+  // GetState is a read: the job token is enough.
+  GossipStateResponse state;
+  EXPECT_TRUE(GetState("job-r", 1, kTokenA, &state).ok());
+
+  // Rank 3 itself, through the transport that sends its rank token: absorbed exactly.
+  const std::vector<std::string> peers = {address(), address(), address(), address()};
+  auto rank3 = NewGrpcGossipTransport(peers, RpcOptions{}, kTokenA, "rank-3-secret");
+  auto rank0 = NewGrpcGossipTransport(peers, RpcOptions{}, kTokenA, "rank-0-secret");
+  ExchangeHeader h;
+  h.job = "job-r";
+  h.from = 3;
+  h.to = 1;
+  h.kind = ExchangeKind::kPushSum;
+  h.weight = 1.0;
+  h.numel = 3;
+  EXPECT_STATUS(rank0->Exchange(1, h, Raw({5, 6, 7}), absl::Seconds(10)),
+                absl::StatusCode::kPermissionDenied);
+  untouched();
+  ASSERT_OK(rank3->Exchange(1, h, Raw({5, 6, 7}), absl::Seconds(10)));
+  EXPECT_EQ(r1->Snapshot().values, (std::vector<float>{3, 4, 5}));
+  EXPECT_EQ(r1->Snapshot().weight, 2.0);
 }
 
 TEST_F(GossipPeerAuthTest, ARankWithoutATokenIsOpen) {
