@@ -29,7 +29,7 @@ mode="${1:-all}"
 shift || true
 TSAN_TARGETS=(
   //server:shard_test //server:consistency_test //server:wait_timer_test
-  //server:shard_durability_test //server:request_ledger_test
+  //server:shard_durability_test //server:request_ledger_test //tests:waiting_calls_test
   //worker/gossip:replica_test //worker/gossip:gossiper_test //worker/gossip:gossip_service_test
   //worker/gossip:peer_auth_test
   //worker/allreduce:ring_test //worker/allreduce:tcp_ring_test //worker/allreduce:grpc_ring_test

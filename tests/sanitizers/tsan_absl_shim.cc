@@ -60,15 +60,29 @@ struct CondCtx {
   const absl::Condition* cond;
 };
 
+// The evaluation is its own critical section: acquire before it, release after it. Without
+// the release, a waiter's reads in a condition that came out false (it then sleeps, Abseil
+// dropping the lock unseen by TSan) did not happen-before the next holder's writes, and TSan
+// reported e.g. LocalTransport::Send racing with Recv's condition (a false positive).
 bool EvalAcquiring(void* arg) {
   const CondCtx* c = static_cast<const CondCtx*>(arg);
   Acquire(c->mu);
-  return c->cond->Eval();
+  const bool r = c->cond->Eval();
+  Release(c->mu);
+  return r;
 }
 
-// Abseil's Duration has a user-provided copy constructor, so Duration and Time (which holds
-// one) are passed by invisible reference in the Itanium C++ ABI: forwarded as the pointer.
-using ByRef = const void*;
+// Duration (int64 hi, uint32 lo) and Time (which holds one) are trivially copyable with GCC
+// (Abseil's user-provided copy constructor is for old MSVC only), so the x86-64 ABI passes
+// them by value in two registers: forwarded as a struct of the same layout. (Forwarding them
+// as a pointer, as an earlier version did, dropped the low word: every AwaitWithDeadline /
+// LockWhenWithTimeout under TSan returned at once, e.g. ring_test's deadline tests.)
+struct TimeArg {
+  int64_t hi;
+  uint32_t lo;
+};
+static_assert(sizeof(TimeArg) == sizeof(absl::Duration), "layout of absl::Duration");
+static_assert(sizeof(TimeArg) == sizeof(absl::Time), "layout of absl::Time");
 
 }  // namespace
 
@@ -133,8 +147,8 @@ void _ZN4absl7debian35Mutex14ReaderLockWhenERKNS0_9ConditionE(void* mu, const vo
 
 bool _ZN4absl7debian35Mutex19LockWhenWithTimeoutERKNS0_9ConditionENS0_8DurationE(void* mu,
                                                                                  const void* cond,
-                                                                                 ByRef d) {
-  static const auto real = Real<bool (*)(void*, const void*, ByRef)>(
+                                                                                 TimeArg d) {
+  static const auto real = Real<bool (*)(void*, const void*, TimeArg)>(
       "_ZN4absl7debian35Mutex19LockWhenWithTimeoutERKNS0_9ConditionENS0_8DurationE");
   const CondCtx ctx{mu, static_cast<const absl::Condition*>(cond)};
   const absl::Condition wrapped(&EvalAcquiring, const_cast<CondCtx*>(&ctx));
@@ -145,8 +159,8 @@ bool _ZN4absl7debian35Mutex19LockWhenWithTimeoutERKNS0_9ConditionENS0_8DurationE
 
 bool _ZN4absl7debian35Mutex20LockWhenWithDeadlineERKNS0_9ConditionENS0_4TimeE(void* mu,
                                                                               const void* cond,
-                                                                              ByRef t) {
-  static const auto real = Real<bool (*)(void*, const void*, ByRef)>(
+                                                                              TimeArg t) {
+  static const auto real = Real<bool (*)(void*, const void*, TimeArg)>(
       "_ZN4absl7debian35Mutex20LockWhenWithDeadlineERKNS0_9ConditionENS0_4TimeE");
   const CondCtx ctx{mu, static_cast<const absl::Condition*>(cond)};
   const absl::Condition wrapped(&EvalAcquiring, const_cast<CondCtx*>(&ctx));
@@ -168,8 +182,8 @@ void _ZN4absl7debian35Mutex5AwaitERKNS0_9ConditionE(void* mu, const void* cond) 
 
 bool _ZN4absl7debian35Mutex16AwaitWithTimeoutERKNS0_9ConditionENS0_8DurationE(void* mu,
                                                                               const void* cond,
-                                                                              ByRef d) {
-  static const auto real = Real<bool (*)(void*, const void*, ByRef)>(
+                                                                              TimeArg d) {
+  static const auto real = Real<bool (*)(void*, const void*, TimeArg)>(
       "_ZN4absl7debian35Mutex16AwaitWithTimeoutERKNS0_9ConditionENS0_8DurationE");
   const CondCtx ctx{mu, static_cast<const absl::Condition*>(cond)};
   const absl::Condition wrapped(&EvalAcquiring, const_cast<CondCtx*>(&ctx));
@@ -181,8 +195,8 @@ bool _ZN4absl7debian35Mutex16AwaitWithTimeoutERKNS0_9ConditionENS0_8DurationE(vo
 
 bool _ZN4absl7debian35Mutex17AwaitWithDeadlineERKNS0_9ConditionENS0_4TimeE(void* mu,
                                                                            const void* cond,
-                                                                           ByRef t) {
-  static const auto real = Real<bool (*)(void*, const void*, ByRef)>(
+                                                                           TimeArg t) {
+  static const auto real = Real<bool (*)(void*, const void*, TimeArg)>(
       "_ZN4absl7debian35Mutex17AwaitWithDeadlineERKNS0_9ConditionENS0_4TimeE");
   const CondCtx ctx{mu, static_cast<const absl::Condition*>(cond)};
   const absl::Condition wrapped(&EvalAcquiring, const_cast<CondCtx*>(&ctx));
@@ -202,8 +216,8 @@ void _ZN4absl7debian37CondVar4WaitEPNS0_5MutexE(void* cv, void* mu) {
 }
 
 bool _ZN4absl7debian37CondVar15WaitWithTimeoutEPNS0_5MutexENS0_8DurationE(void* cv, void* mu,
-                                                                          ByRef d) {
-  static const auto real = Real<bool (*)(void*, void*, ByRef)>(
+                                                                          TimeArg d) {
+  static const auto real = Real<bool (*)(void*, void*, TimeArg)>(
       "_ZN4absl7debian37CondVar15WaitWithTimeoutEPNS0_5MutexENS0_8DurationE");
   Release(mu);
   const bool r = real(cv, mu, d);
@@ -212,8 +226,8 @@ bool _ZN4absl7debian37CondVar15WaitWithTimeoutEPNS0_5MutexENS0_8DurationE(void* 
 }
 
 bool _ZN4absl7debian37CondVar16WaitWithDeadlineEPNS0_5MutexENS0_4TimeE(void* cv, void* mu,
-                                                                       ByRef t) {
-  static const auto real = Real<bool (*)(void*, void*, ByRef)>(
+                                                                       TimeArg t) {
+  static const auto real = Real<bool (*)(void*, void*, TimeArg)>(
       "_ZN4absl7debian37CondVar16WaitWithDeadlineEPNS0_5MutexENS0_4TimeE");
   Release(mu);
   const bool r = real(cv, mu, t);
