@@ -228,6 +228,47 @@ absl::Status ValidateOptimizerSpec(const OptimizerSpec& o) {
   return absl::OkStatus();
 }
 
+// The training guardrails (precision, accumulation, clipping, lr scaling).
+absl::Status ValidateTrainingFeatures(const JobSpec& spec) {
+  const std::string& precision = spec.precision();
+  if (precision == "fp16") {
+    return Bad("precision", "\"fp16\"",
+               "is not supported yet (it needs dynamic loss scaling with a step skipped "
+               "consistently on every rank and shard); use bf16");
+  }
+  if (!precision.empty() && precision != "fp32" && precision != "bf16") {
+    return Bad("precision", absl::StrCat("\"", precision, "\""), "is not one of fp32, bf16");
+  }
+  RETURN_IF_ERROR(CheckInt("accumulation_steps", spec.accumulation_steps(), 0, 1 << 16));
+  RETURN_IF_ERROR(CheckFloat("clip_grad_norm", spec.clip_grad_norm(), 0, 1e30));
+  RETURN_IF_ERROR(CheckFloat("clip_grad_value", spec.clip_grad_value(), 0, 1e30));
+  if ((spec.clip_grad_norm() > 0 || spec.clip_grad_value() > 0) && SpecMode(spec) == Mode::kSync) {
+    return Bad("clip_grad_norm",
+               Num(spec.clip_grad_norm() > 0 ? spec.clip_grad_norm() : spec.clip_grad_value()),
+               "(or clip_grad_value) is not supported in mode sync: the shards would first have "
+               "to agree on the norm of the averaged gradient; use allreduce (clips the "
+               "averaged gradient), or async/ssp (per worker)");
+  }
+  const LrScalingSpec& lr = spec.lr_scaling();
+  const std::string& rule = lr.rule();
+  if (!rule.empty() && rule != "none" && rule != "linear" && rule != "sqrt") {
+    return Bad("lr_scaling.rule", absl::StrCat("\"", rule, "\""),
+               "is not one of none, linear, sqrt");
+  }
+  if (!rule.empty() && rule != "none" && lr.base_batch_size() <= 0) {
+    return Bad("lr_scaling.base_batch_size", absl::StrCat(lr.base_batch_size()),
+               absl::StrCat("must be > 0 with rule ", rule));
+  }
+  RETURN_IF_ERROR(CheckInt("lr_scaling.base_batch_size", lr.base_batch_size(), 0, 1 << 30));
+  RETURN_IF_ERROR(CheckInt("lr_scaling.warmup_steps", lr.warmup_steps(), 0, kMaxSpecSteps));
+  // The scaled lr must still be a usable float32.
+  const double scaled = spec.optimizer().lr() * LrScalingFactor(spec, spec.num_workers());
+  if (!std::isfinite(scaled) || scaled > FLT_MAX || !(static_cast<float>(scaled) > 0)) {
+    return Bad("lr_scaling", Num(scaled), "makes optimizer.lr out of float32 range");
+  }
+  return absl::OkStatus();
+}
+
 // Counts, sizes, times and strings the checks in ValidateJobSpec do not bound.
 absl::Status ValidateLimits(const JobSpec& spec) {
   RETURN_IF_ERROR(CheckInt("num_workers", spec.num_workers(), 1, kMaxSpecWorkers));
@@ -327,6 +368,9 @@ void ApplyJobSpecDefaults(int num_servers, JobSpec* spec) {
   if (spec->barrier_timeout_s() == 0) spec->set_barrier_timeout_s(120);
   if (spec->mode() == "ps") spec->set_mode("async");
   if (spec->sync_lr_scaling().empty()) spec->set_sync_lr_scaling("linear");
+  if (spec->precision().empty()) spec->set_precision("fp32");
+  if (spec->accumulation_steps() == 0) spec->set_accumulation_steps(1);
+  if (spec->lr_scaling().rule().empty()) spec->mutable_lr_scaling()->set_rule("none");
   if (spec->mode() == "gossip") {
     GossipSpec* g = spec->mutable_gossip();
     if (g->topology().empty()) g->set_topology("exponential");
@@ -488,7 +532,30 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
         absl::StrCat("job spec: sync_lr_scaling \"", scaling, "\" is not one of linear, none"));
   }
   RETURN_IF_ERROR(ValidateOptimizerSpec(spec.optimizer()));
+  RETURN_IF_ERROR(ValidateTrainingFeatures(spec));
   return ValidateLimits(spec);
+}
+
+double LrScalingFactor(const JobSpec& spec, int64_t workers) {
+  const LrScalingSpec& lr = spec.lr_scaling();
+  if (lr.rule().empty() || lr.rule() == "none" || lr.base_batch_size() <= 0) return 1.0;
+  const double global = static_cast<double>(spec.batch_size()) *
+                        std::max(1, spec.accumulation_steps()) *
+                        static_cast<double>(std::max<int64_t>(1, workers));
+  const double k = global / lr.base_batch_size();
+  return lr.rule() == "sqrt" ? std::sqrt(k) : k;
+}
+
+OptimizerSpec ScaledOptimizer(const JobSpec& spec, int64_t workers) {
+  OptimizerSpec o = spec.optimizer();
+  const double k = LrScalingFactor(spec, workers);
+  if (k == 1.0 && spec.lr_scaling().warmup_steps() == 0) return o;
+  o.set_lr(o.lr() * k);
+  if (spec.lr_scaling().warmup_steps() > 0) {
+    o.set_warmup_updates(spec.lr_scaling().warmup_steps());
+    o.set_warmup_start_fraction(std::min(1.0, 1.0 / k));
+  }
+  return o;
 }
 
 Mode SpecMode(const JobSpec& spec) {

@@ -59,6 +59,16 @@ bool IsPsMode(const std::string& mode);
 // The spec as single-line JSON (for logs and for sending to other processes).
 std::string JobSpecToJson(const JobSpec& spec);
 
+// lr_scaling (JobSpec): the factor k on optimizer.lr for `workers` ranks (global batch =
+// batch_size * accumulation_steps * workers): global / base_batch_size ("linear"), its square
+// root ("sqrt"), 1 ("none" or unset).
+double LrScalingFactor(const JobSpec& spec, int64_t workers);
+
+// The optimizer the job's updates use: spec.optimizer with lr_scaling applied for `workers`
+// ranks (lr * k; a warm-up over lr_scaling.warmup_steps updates from lr to lr * k, i.e.
+// warmup_start_fraction 1 / k). spec.optimizer itself when lr_scaling is off.
+OptimizerSpec ScaledOptimizer(const JobSpec& spec, int64_t workers);
+
 }  // namespace gradmesh
 
 #endif  // GRADMESH_COMMON_JOB_SPEC_H_

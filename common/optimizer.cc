@@ -162,6 +162,10 @@ absl::Status ValidateLrSchedule(const OptimizerSpec& s) {
   if (s.warmup_updates() < 0) {
     return absl::InvalidArgumentError("optimizer.warmup_updates must be >= 0");
   }
+  if (!(s.warmup_start_fraction() >= 0 && s.warmup_start_fraction() <= 1)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "optimizer.warmup_start_fraction must be in [0, 1], got ", s.warmup_start_fraction()));
+  }
   return absl::OkStatus();
 }
 
@@ -174,7 +178,8 @@ float LrScheduleFactor(const OptimizerSpec& s, int64_t update) {
     f = m + (1 - m) * 0.5 * (1 + std::cos(kPi * progress));
   }
   if (update < s.warmup_updates()) {
-    f *= static_cast<double>(update + 1) / static_cast<double>(s.warmup_updates());
+    const double f0 = s.warmup_start_fraction();
+    f *= f0 + (1 - f0) * static_cast<double>(update + 1) / static_cast<double>(s.warmup_updates());
   }
   return static_cast<float>(f);
 }

@@ -429,8 +429,14 @@ void Coordinator::UpdateGroupLocked(JobEntry* job) {
     r.set_lr_scale(1.0);
   } else {
     for (int i : active) r.add_active_ranks(i);
-    r.set_lr_scale(st->spec().sync_lr_scaling() == "none" ? 1.0
-                                                          : static_cast<double>(active.size()) / n);
+    // lr_scaling, when set, decides (its rule on the smaller global batch); otherwise
+    // sync_lr_scaling (linear in the survivors, or none).
+    const JobSpec& spec = st->spec();
+    const bool by_rule = !spec.lr_scaling().rule().empty() && spec.lr_scaling().rule() != "none";
+    r.set_lr_scale(by_rule ? LrScalingFactor(spec, static_cast<int64_t>(active.size())) /
+                                 LrScalingFactor(spec, n)
+                   : spec.sync_lr_scaling() == "none" ? 1.0
+                                                      : static_cast<double>(active.size()) / n);
   }
   st->set_active_workers(static_cast<int>(active.size()));
   BumpGenerationLocked(job, true, true, -1);

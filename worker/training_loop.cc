@@ -1,5 +1,6 @@
 #include "worker/training_loop.h"
 
+#include <ATen/autocast_mode.h>
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -11,9 +12,11 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
+#include "common/job_spec.h"
 #include "common/status.h"
 #include "worker/core/dataset.h"
 #include "worker/core/examples.h"
+#include "worker/core/grad_clip.h"
 #include "worker/model.h"
 
 namespace gradmesh {
@@ -74,6 +77,52 @@ absl::StatusOr<EvalMetrics> Evaluate(Model* model, LossKind loss, const ExampleS
   return Metrics(totals);
 }
 
+// The forward pass under autocast to `dtype` on `device` (JobSpec.precision), for the guard's
+// lifetime; nothing when `on` is false. Backward then runs each op in its forward's dtype.
+class AutocastGuard {
+ public:
+  AutocastGuard(bool on, const torch::Device& device, at::ScalarType dtype)
+      : on_(on), cuda_(device.is_cuda()) {
+    if (!on_) return;
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
+    const at::DeviceType type = cuda_ ? at::kCUDA : at::kCPU;
+    was_ = at::autocast::is_autocast_enabled(type);
+    at::autocast::set_autocast_dtype(type, dtype);
+    at::autocast::set_autocast_enabled(type, true);
+#else
+    was_ = cuda_ ? at::autocast::is_enabled() : at::autocast::is_cpu_enabled();
+    if (cuda_) {
+      at::autocast::set_autocast_gpu_dtype(dtype);
+      at::autocast::set_enabled(true);
+    } else {
+      at::autocast::set_autocast_cpu_dtype(dtype);
+      at::autocast::set_cpu_enabled(true);
+    }
+#endif
+    at::autocast::increment_nesting();
+  }
+  ~AutocastGuard() {
+    if (!on_) return;
+    if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
+    at::autocast::set_autocast_enabled(cuda_ ? at::kCUDA : at::kCPU, was_);
+#else
+    if (cuda_) {
+      at::autocast::set_enabled(was_);
+    } else {
+      at::autocast::set_cpu_enabled(was_);
+    }
+#endif
+  }
+  AutocastGuard(const AutocastGuard&) = delete;
+  AutocastGuard& operator=(const AutocastGuard&) = delete;
+
+ private:
+  const bool on_;
+  const bool cuda_;
+  bool was_ = false;
+};
+
 class TrainingLoop {
  public:
   TrainingLoop(const TrainerOptions& options, TrainingMode* mode, const std::atomic<bool>& stop)
@@ -100,8 +149,14 @@ class TrainingLoop {
   // gossip/allreduce rank 0: hands the model to options.on_model.
   void PublishModel(bool final);
   void LogStart() const;
-  // One step on `batch`: forward, backward, exchange. Fills *outcome.
-  absl::Status Step(Batch& batch, StepOutcome* outcome);
+  // One step on `micro` (accumulation_steps micro-batches): forward and backward of each,
+  // gradients accumulated (mean over the micro-batches), clipping, exchange. Fills *outcome.
+  absl::Status Step(std::vector<Batch>& micro, StepOutcome* outcome);
+  // Forward and backward of micro-batch `k` of the step; its loss into *loss_sum.
+  absl::Status MicroStep(Batch& batch, int k, double* loss_sum);
+  // async, ssp, gossip: the clipping of this worker's gradient (allreduce clips the averaged
+  // one itself; sync refuses clipping).
+  void ClipLocal();
   void Progress(const Batch& batch);
   absl::Status EvaluateAndSave();
   void Report(double samples_per_s, double accuracy) const;
@@ -130,6 +185,11 @@ class TrainingLoop {
   BatchLoader::Options loader_options_;
   int64_t total_ = 0;
   int64_t epochs_ = 0;
+  int accum_ = 1;             // Micro-batches per step (JobSpec.accumulation_steps).
+  bool hook_live_ = true;     // The gradient hook hands gradients to the mode (last micro).
+  bool bf16_ = false;         // JobSpec.precision bf16: forward under autocast.
+  ClipOptions clip_;          // Clipping done by the loop (async, ssp, gossip).
+  ClipCounters clip_window_;  // Since the last progress line.
 
   TrainResult result_;
   int64_t step_ = 0;
@@ -266,10 +326,19 @@ absl::Status TrainingLoop::Setup() {
   if (on_gpu_) RETURN_IF_ERROR(model_->ToDevice(device_));
   RETURN_IF_ERROR(MakeModelView());
   RETURN_IF_ERROR(CheckFit());
+  accum_ = std::max(1, spec_.accumulation_steps());
+  bf16_ = spec_.precision() == "bf16";
+  if (options_.mode == Mode::kAsync || options_.mode == Mode::kSsp ||
+      options_.mode == Mode::kGossip) {
+    clip_.max_norm = spec_.clip_grad_norm();
+    clip_.max_value = spec_.clip_grad_value();
+  }
+  // The loader counts micro-batches: accumulation_steps of them make one step.
   loader_options_ = LoaderOptions(spec_, options_.rank);
+  loader_options_.max_steps *= accum_;
   ASSIGN_OR_RETURN(loader_, BatchLoader::Create(data_.train.get(), loader_options_));
-  total_ = loader_->total_steps();
-  const int64_t per_epoch = std::max<int64_t>(1, loader_->steps_per_epoch());
+  total_ = loader_->total_steps() / accum_;
+  const int64_t per_epoch = std::max<int64_t>(1, loader_->steps_per_epoch() / accum_);
   epochs_ = spec_.steps() > 0 ? (total_ + per_epoch - 1) / per_epoch : spec_.epochs();
 
   LoopInfo info;
@@ -277,11 +346,11 @@ absl::Status TrainingLoop::Setup() {
   info.steps_per_epoch = per_epoch;
   ASSIGN_OR_RETURN(const int64_t first_step, mode_->Start(&view_, info));
   if (first_step > 0) {
-    loader_options_.first_step = std::min(first_step, total_);
+    loader_options_.first_step = std::min(first_step, total_) * accum_;
     loader_.reset();  // Its prefetch thread first.
     ASSIGN_OR_RETURN(loader_, BatchLoader::Create(data_.train.get(), loader_options_));
   }
-  step_ = loader_options_.first_step;
+  step_ = loader_options_.first_step / accum_;
   result_.first_step = step_;
 
   BuffersIn(/*remember=*/true);  // The mode may have set them (shards, checkpoint, rank 0).
@@ -290,7 +359,13 @@ absl::Status TrainingLoop::Setup() {
       const int index = static_cast<int>(i);
       TrainingMode* mode = mode_;
       params_[i].register_hook([this, mode, index](const torch::Tensor& grad) {
-        mode->OnGradient(index, GradOut(index, grad.contiguous()));
+        // Accumulation: only the last micro-batch's backward communicates (DDP no_sync), with
+        // the accumulated gradient: this backward's share plus what .grad holds already (a
+        // leaf's hook runs before its gradient is accumulated).
+        if (!hook_live_) return;
+        const torch::Tensor& held = params_[index].grad();
+        mode->OnGradient(
+            index, GradOut(index, held.defined() ? (grad + held).contiguous() : grad.contiguous()));
       });
     }
   }
@@ -315,29 +390,68 @@ void TrainingLoop::LogStart() const {
                              Kv("steps_per_epoch", loader_->steps_per_epoch()),
                              Kv("epochs", epochs_),
                              Kv("batch", spec_.batch_size()),
-                             Kv("workers", spec_.num_workers())};
+                             Kv("workers", spec_.num_workers()),
+                             Kv("accumulation_steps", accum_),
+                             Kv("precision", bf16_ ? "bf16" : "fp32")};
+  if (spec_.clip_grad_norm() > 0) f.push_back(Kv("clip_grad_norm", spec_.clip_grad_norm()));
+  if (spec_.clip_grad_value() > 0) f.push_back(Kv("clip_grad_value", spec_.clip_grad_value()));
+  if (spec_.lr_scaling().rule() != "none" && !spec_.lr_scaling().rule().empty()) {
+    const OptimizerSpec scaled = ScaledOptimizer(spec_, spec_.num_workers());
+    f.push_back(Kv("lr_scaling", spec_.lr_scaling().rule()));
+    f.push_back(Kv("lr", absl::StrFormat("%.6g", scaled.lr())));
+    f.push_back(Kv("lr_base", absl::StrFormat("%.6g", spec_.optimizer().lr())));
+    f.push_back(Kv("lr_warmup_steps", spec_.lr_scaling().warmup_steps()));
+  }
   for (LogField& e : mode_->StartFields()) f.push_back(std::move(e));
   log_->Info("train_start", f);
 }
 
-absl::Status TrainingLoop::Step(Batch& batch, StepOutcome* outcome) {
+absl::Status TrainingLoop::MicroStep(Batch& batch, int k, double* loss_sum) {
+  torch::Tensor x = OnDevice(FieldTensor(batch.x, batch.size, data_.train->x()));
+  torch::Tensor y = OnDevice(FieldTensor(batch.y, batch.size, data_.train->y()));
+  torch::Tensor loss;
+  {
+    AutocastGuard autocast(bf16_, device_, at::kBFloat16);
+    ASSIGN_OR_RETURN(loss, ComputeLoss(model_.get(), loss_kind_, x, y));
+  }
+  if (loss.scalar_type() != torch::kFloat) loss = loss.to(torch::kFloat);
+  const double value = loss.item<double>();
+  *loss_sum += value;
+  const bool last = k == accum_ - 1;
+  if (last) mode_->BeforeBackward(step_, *loss_sum / accum_, stop_.load());
+  hook_live_ = last;
+  try {
+    (accum_ > 1 ? loss / static_cast<double>(accum_) : loss).backward();
+  } catch (const c10::Error& e) {
+    hook_live_ = true;
+    if (last) mode_->AbortStep();
+    return absl::InternalError(absl::StrCat("trainer: backward failed at step ", step_,
+                                            " (micro-batch ", k,
+                                            "): ", e.what_without_backtrace()));
+  }
+  hook_live_ = true;
+  return absl::OkStatus();
+}
+
+void TrainingLoop::ClipLocal() {
+  if (!clip_.enabled()) return;
+  // The spans point into this loop's gradient tensors (or their host copies): ours to write.
+  std::vector<absl::Span<float>> g;
+  for (int i = 0; i < view_.num_params; ++i) {
+    g.emplace_back(const_cast<float*>(grads_[i].data()), grads_[i].size());
+  }
+  clip_window_.Add(ClipGradients(g, clip_));
+}
+
+absl::Status TrainingLoop::Step(std::vector<Batch>& micro, StepOutcome* outcome) {
   RETURN_IF_ERROR(mode_->BeforeForward(step_));
   const absl::Time compute_start = absl::Now();
   ParamsIn();
   BuffersIn(/*remember=*/true);
-  torch::Tensor x = OnDevice(FieldTensor(batch.x, batch.size, data_.train->x()));
-  torch::Tensor y = OnDevice(FieldTensor(batch.y, batch.size, data_.train->y()));
   for (torch::Tensor& p : params_) p.mutable_grad() = torch::Tensor();
-  ASSIGN_OR_RETURN(torch::Tensor loss, ComputeLoss(model_.get(), loss_kind_, x, y));
-  const double loss_value = loss.item<double>();
-  mode_->BeforeBackward(step_, loss_value, stop_.load());
-  try {
-    loss.backward();
-  } catch (const c10::Error& e) {
-    mode_->AbortStep();
-    return absl::InternalError(
-        absl::StrCat("trainer: backward failed at step ", step_, ": ", e.what_without_backtrace()));
-  }
+  double loss_sum = 0;
+  for (int k = 0; k < accum_; ++k) RETURN_IF_ERROR(MicroStep(micro[k], k, &loss_sum));
+  const double loss_value = loss_sum / accum_;
   for (size_t i = 0; i < params_.size(); ++i) {
     torch::Tensor& g = params_[i].mutable_grad();
     // A parameter the forward did not use has no gradient: it counts as zero (and is still
@@ -352,6 +466,7 @@ absl::Status TrainingLoop::Step(Batch& batch, StepOutcome* outcome) {
                     ? absl::Span<const float>(host_grads_[i].data_ptr<float>(), g.numel())
                     : GradOut(i, g);
   }
+  ClipLocal();
   BuffersOut();
   StepTiming timing;
   timing.compute_s = SecondsSince(compute_start);
@@ -370,7 +485,8 @@ void TrainingLoop::Progress(const Batch& batch) {
   const double dt = SecondsSince(window_start_);
   const int64_t done = step_ - result_.first_step;
   result_.final_loss = window_loss_ / window_steps_;
-  const double samples_per_s = dt > 0 ? window_steps_ * spec_.batch_size() / dt : 0;
+  const double samples_per_s =
+      dt > 0 ? static_cast<double>(window_steps_) * spec_.batch_size() * accum_ / dt : 0;
   if (log_ != nullptr) {
     auto ms = [done](double s) { return absl::StrFormat("%.1f", 1e3 * s / done); };
     std::vector<LogField> f = {Kv("job", spec_.name()),
@@ -387,6 +503,17 @@ void TrainingLoop::Progress(const Batch& batch) {
                                Kv("comm_ms", ms(result_.comm_s)),
                                Kv("bytes_per_step", mode_->bytes_sent() / done)};
     if (checkpoint_step_ >= 0) f.push_back(Kv("checkpoint_step", checkpoint_step_));
+    // Clipping: the mean pre-clip gradient norm and the fraction of steps clipped in the
+    // window (the loop's for async/ssp/gossip, the mode's for allreduce).
+    const ClipCounters clip = clip_.enabled() ? clip_window_ : mode_->TakeClipCounters();
+    if (clip.steps > 0) {
+      f.push_back(Kv("grad_norm", absl::StrFormat("%.4g", clip.norm_sum / clip.steps)));
+      f.push_back(Kv("clipped", absl::StrFormat("%.3f", static_cast<double>(clip.clipped) /
+                                                            static_cast<double>(clip.steps))));
+      result_.clip_steps += clip.steps;
+      result_.clipped_steps += clip.clipped;
+    }
+    clip_window_ = ClipCounters{};
     for (LogField& e : mode_->ProgressFields(done, window_steps_)) f.push_back(std::move(e));
     log_->Info("progress", f);
   }
@@ -448,16 +575,23 @@ absl::StatusOr<TrainResult> TrainingLoop::Run() {
               {Kv("job", spec_.name()), Kv("rank", options_.rank), Kv("step", step_)});
       break;
     }
-    std::optional<Batch> batch = NextBatch(loader_.get(), options_.step_delay, &result_.data_s);
-    if (!batch.has_value()) {
+    std::vector<Batch> micro;
+    while (static_cast<int>(micro.size()) < accum_) {
+      std::optional<Batch> b = NextBatch(loader_.get(), options_.step_delay, &result_.data_s);
+      if (!b.has_value()) break;
+      micro.push_back(*std::move(b));
+    }
+    if (static_cast<int>(micro.size()) < accum_) {
+      // The end (micro-batches short of a whole step are dropped), or a read error.
       RETURN_IF_ERROR(Annotate(loader_->status(), absl::StrCat("reading batch ", step_)));
       break;
     }
     StepOutcome outcome;
-    RETURN_IF_ERROR(Step(*batch, &outcome));
+    RETURN_IF_ERROR(Step(micro, &outcome));
     ++step_;
+    const Batch* batch = &micro.back();
     epoch_ = static_cast<int32_t>(batch->epoch + 1);
-    result_.samples += batch->size;
+    for (const Batch& m : micro) result_.samples += m.size;
     window_loss_ += outcome.loss;
     ++window_steps_;
     ASSIGN_OR_RETURN(const bool checkpointed, mode_->MaybeCheckpoint(step_));

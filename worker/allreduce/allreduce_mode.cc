@@ -12,6 +12,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
+#include "common/job_spec.h"
 #include "common/optimizer.h"
 #include "common/safe_path.h"
 #include "common/status.h"
@@ -42,6 +43,7 @@ class AllreduceMode : public TrainingMode {
     reducer_->ParamReady(param, grad.data(), static_cast<int64_t>(grad.size()));
   }
   void AbortStep() override { (void)reducer_->FinishStep(); }
+  ClipCounters TakeClipCounters() override { return updater_->TakeClipCounters(); }
   absl::StatusOr<StepOutcome> Exchange(int64_t step,
                                        absl::Span<const absl::Span<const float>> grads, double loss,
                                        const StepTiming& timing) override;
@@ -136,8 +138,11 @@ absl::StatusOr<int64_t> AllreduceMode::Resume() {
 absl::StatusOr<int64_t> AllreduceMode::Start(ModelView* model, const LoopInfo& info) {
   total_ = info.total_steps;
   // The optimizer runs here, on every rank, on the averaged gradient: one update per step.
-  ASSIGN_OR_RETURN(updater_, ModelUpdater::Create(model->params, model->names, model->num_params,
-                                                  WithDecayUpdates(spec_.optimizer(), total_)));
+  ASSIGN_OR_RETURN(
+      updater_,
+      ModelUpdater::Create(model->params, model->names, model->num_params,
+                           WithDecayUpdates(ScaledOptimizer(spec_, spec_.num_workers()), total_)));
+  updater_->set_clip(ClipOptions{spec_.clip_grad_norm(), spec_.clip_grad_value()});
 
   CollectiveContext ctx;
   ctx.job = spec_.name();

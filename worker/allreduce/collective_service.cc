@@ -271,7 +271,7 @@ class CollectiveServiceImpl::RingReader final : public grpc::ServerReadReactor<g
   RingMessage held_payload;
   uint64_t chunks = 0, bytes = 0;
   grpc::ByteBuffer buffer;
-  std::optional<std::string> token;  // The call's job token metadata; constant after creation.
+  std::optional<std::string> token;       // The call's job token metadata; constant after creation.
   std::optional<std::string> rank_token;  // Its rank token metadata; constant after creation.
 
  private:
@@ -383,8 +383,8 @@ CollectiveServiceImpl::Next CollectiveServiceImpl::AttachLocked(RingReader* read
   }
   std::optional<absl::string_view> presented;
   if (reader->token.has_value()) presented = *reader->token;
-  const std::string where = absl::StrCat("ring: ", StreamName(header), " refused by rank ",
-                                         inbox->rank);
+  const std::string where =
+      absl::StrCat("ring: ", StreamName(header), " refused by rank ", inbox->rank);
   if (absl::Status st = CheckPeerToken(inbox->token, presented, where); !st.ok()) {
     return finish(st);
   }

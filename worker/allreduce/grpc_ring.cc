@@ -221,8 +221,7 @@ class GrpcRingTransport final : public RingTransport {
       std::shared_ptr<CollectiveServiceImpl::Inbox> in = inbox_;
       link_ = std::make_unique<OutLink>(
           MakeChannel(options_.peers[next], options_.rpc), PeerName(next), options_.job_token,
-          options_.rank_token,
-          [local, in](const absl::Status& st) { local->FailInbox(in, st); });
+          options_.rank_token, [local, in](const absl::Status& st) { local->FailInbox(in, st); });
     }
   }
 
@@ -325,12 +324,10 @@ absl::StatusOr<std::unique_ptr<RingTransport>> NewGrpcRingTransport(
   const int prev = (options.rank + n - 1) % n;
   ASSIGN_OR_RETURN(
       std::shared_ptr<CollectiveServiceImpl::Inbox> inbox,
-      options.local->OpenInbox(options.job, options.rank, n,
-                               absl::StrCat("rank ", prev, " (", options.peers[prev], ")"),
-                               options.job_token,
-                               options.rank_token_hashes.empty()
-                                   ? std::string()
-                                   : options.rank_token_hashes[prev]));
+      options.local->OpenInbox(
+          options.job, options.rank, n, absl::StrCat("rank ", prev, " (", options.peers[prev], ")"),
+          options.job_token,
+          options.rank_token_hashes.empty() ? std::string() : options.rank_token_hashes[prev]));
   return std::unique_ptr<RingTransport>(new GrpcRingTransport(options, std::move(inbox)));
 }
 

@@ -59,6 +59,7 @@ absl::Status ModelUpdater::FinishStep(BucketReducer* reducer, int64_t step,
   // Same update on every rank, from bit-identical averages, applied piece by piece as the
   // all-reduce finishes them.
   const float lr_factor = LrScheduleFactor(optimizer_spec_, step);
+  if (clip_.enabled()) return FinishClippedStep(reducer, step, lr_factor);
   return reducer->FinishStep([&](int p, int64_t begin, absl::Span<const float> mean) {
     if (p >= num_params_) {
       float* value = entries_[p].data() + begin;
@@ -72,6 +73,31 @@ absl::Status ModelUpdater::FinishStep(BucketReducer* reducer, int64_t step,
                       slot_ptrs_.data(), static_cast<int64_t>(mean.size()));
     opt_s_ += absl::ToDoubleSeconds(absl::Now() - o0);
   });
+}
+
+absl::Status ModelUpdater::FinishClippedStep(BucketReducer* reducer, int64_t step,
+                                             float lr_factor) {
+  means_.resize(num_params_);
+  for (int p = 0; p < num_params_; ++p) means_[p].resize(numels_[p]);
+  RETURN_IF_ERROR(reducer->FinishStep([&](int p, int64_t begin, absl::Span<const float> mean) {
+    if (p >= num_params_) {
+      float* value = entries_[p].data() + begin;
+      float* before = before_[p - num_params_].data() + begin;
+      for (size_t i = 0; i < mean.size(); ++i) value[i] = before[i] = before[i] + mean[i];
+      return;
+    }
+    std::copy(mean.begin(), mean.end(), means_[p].begin() + begin);
+  }));
+  std::vector<absl::Span<float>> spans(means_.begin(), means_.end());
+  clip_counters_.Add(ClipGradients(spans, clip_));
+  const absl::Time o0 = absl::Now();
+  for (int p = 0; p < num_params_; ++p) {
+    for (int k = 0; k < num_slots_; ++k) slot_ptrs_[k] = slots_[p][k].data();
+    optimizer_->Apply(step + 1, lr_factor, means_[p].data(), entries_[p].data(), slot_ptrs_.data(),
+                      numels_[p]);
+  }
+  opt_s_ += absl::ToDoubleSeconds(absl::Now() - o0);
+  return absl::OkStatus();
 }
 
 std::vector<absl::Span<const float>> ModelUpdater::CheckpointArrays() const {

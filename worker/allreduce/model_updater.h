@@ -35,6 +35,7 @@
 #include "common/optimizer.h"
 #include "worker/allreduce/bucket_reducer.h"
 #include "worker/allreduce/checkpoint.h"
+#include "worker/core/grad_clip.h"
 
 namespace gradmesh {
 
@@ -63,6 +64,17 @@ class ModelUpdater {
   absl::Status FinishStep(BucketReducer* reducer, int64_t step,
                           absl::Span<const absl::Span<const float>> grads);
 
+  // Clipping of the averaged gradient (JobSpec.clip_grad_norm / clip_grad_value): the global
+  // norm, bit-identical on every rank. With it on, FinishStep gathers the whole mean gradient
+  // before the optimizer runs (the all-reduce still overlaps backward). Default off.
+  void set_clip(const ClipOptions& clip) { clip_ = clip; }
+  // The clipping counters since the last call (reset).
+  ClipCounters TakeClipCounters() {
+    ClipCounters c = clip_counters_;
+    clip_counters_ = ClipCounters{};
+    return c;
+  }
+
   // Seconds spent in the optimizer so far.
   double optimizer_seconds() const { return opt_s_; }
 
@@ -80,6 +92,8 @@ class ModelUpdater {
                int num_params, const OptimizerSpec& optimizer_spec,
                std::unique_ptr<Optimizer> optimizer);
   std::string EntryName(size_t i) const;
+  // FinishStep with clipping: the whole mean first, clipped, then the optimizer.
+  absl::Status FinishClippedStep(BucketReducer* reducer, int64_t step, float lr_factor);
 
   const std::vector<absl::Span<float>> entries_;
   const std::vector<std::string> names_;
@@ -92,6 +106,9 @@ class ModelUpdater {
   std::vector<float*> slot_ptrs_;
   std::vector<std::vector<float>> before_;  // [buffer][element]: before the step's forward.
   double opt_s_ = 0;
+  ClipOptions clip_;
+  ClipCounters clip_counters_;
+  std::vector<std::vector<float>> means_;  // [param][element]: the step's mean, when clipping.
 };
 
 }  // namespace gradmesh

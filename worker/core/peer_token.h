@@ -96,9 +96,9 @@ inline absl::Status CheckRankToken(const std::vector<std::string>& hashes, int64
   if (hashes.empty()) return absl::OkStatus();
   if (claimed_rank < 0 || claimed_rank >= static_cast<int64_t>(hashes.size())) {
     if (!presented.has_value()) return CheckRankTokenHash("-", claimed_rank, presented, where);
-    return absl::PermissionDeniedError(absl::StrCat(
-        where, ": the rank token (metadata x-gradmesh-rank-token) is not rank ", claimed_rank,
-        "'s"));
+    return absl::PermissionDeniedError(
+        absl::StrCat(where, ": the rank token (metadata x-gradmesh-rank-token) is not rank ",
+                     claimed_rank, "'s"));
   }
   return CheckRankTokenHash(hashes[claimed_rank], claimed_rank, presented, where);
 }

@@ -134,6 +134,9 @@ struct TrainResult {
   bool stopped_early = false;      // RequestStop() ended the run before the last step.
   int64_t first_step = 0;          // > 0 when the run resumed from a checkpoint or the shards.
   double consensus_distance = -1;  // gossip: last measured (see worker/gossip/).
+  // Gradient clipping (clip_grad_norm / clip_grad_value): steps clipped at, and of those the
+  // steps where something was clipped (as logged in progress lines).
+  int64_t clip_steps = 0, clipped_steps = 0;
 };
 
 // Opens the job's dataset from spec.dataset.path, or <data_dir>/<dataset name>: IDX files for

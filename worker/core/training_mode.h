@@ -40,6 +40,7 @@
 #include "common/logging.h"
 #include "common/registry.h"
 #include "worker/core/examples.h"
+#include "worker/core/grad_clip.h"
 #include "worker/core/train_util.h"
 
 namespace gradmesh {
@@ -144,6 +145,10 @@ class TrainingMode {
   // Mode-specific fields of a progress line: `done` steps in this run (>= 1), `window` steps
   // since the last progress line.
   virtual std::vector<LogField> ProgressFields(int64_t done, int64_t window) { return {}; }
+
+  // Modes that clip the gradient themselves (allreduce: the averaged one): the counters since
+  // the last call, which resets them. Called at every progress line.
+  virtual ClipCounters TakeClipCounters() { return {}; }
 
   // After the last step (`step` absolute; result->stopped_early says whether a stop request
   // ended the run). Does the final exchange, fills the byte counts of *result (and may add to

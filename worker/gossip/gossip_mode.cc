@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
+#include "common/job_spec.h"
 #include "common/optimizer.h"
 #include "common/safe_path.h"
 #include "common/status.h"
@@ -146,7 +147,8 @@ absl::StatusOr<int64_t> GossipMode::Start(ModelView* model, const LoopInfo& info
   numel_ = model->numel();
   for (int i = 0; i < model->num_params; ++i) param_numel_ += model->params[i].size();
   total_ = info.total_steps;
-  optimizer_spec_ = WithDecayUpdates(spec_.optimizer(), total_);  // One per local step.
+  optimizer_spec_ =
+      WithDecayUpdates(ScaledOptimizer(spec_, spec_.num_workers()), total_);  // One per local step.
   RETURN_IF_ERROR(ValidateLrSchedule(optimizer_spec_));
   ASSIGN_OR_RETURN(optimizer_, OptimizerRegistry::WithBuiltins().Create(optimizer_spec_));
   const int num_slots = optimizer_->num_slots();

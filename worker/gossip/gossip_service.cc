@@ -20,8 +20,9 @@ absl::Status GossipServiceImpl::Register(std::shared_ptr<GossipReplica> replica,
   const auto key = std::make_pair(replica->options().job, replica->options().rank);
   absl::MutexLock lock(&mu_);
   if (!replicas_
-           .emplace(key, Entry{std::move(replica), std::move(job_token),
-                               std::move(rank_token_hashes)}).second) {
+           .emplace(key,
+                    Entry{std::move(replica), std::move(job_token), std::move(rank_token_hashes)})
+           .second) {
     return absl::AlreadyExistsError(absl::StrCat("gossip job ", key.first, " rank ", key.second,
                                                  " is already served by this process"));
   }
@@ -34,8 +35,8 @@ void GossipServiceImpl::Unregister(const std::string& job, int32_t rank) {
 }
 
 absl::StatusOr<std::shared_ptr<GossipReplica>> GossipServiceImpl::Find(
-    grpc::CallbackServerContext* context, const char* method, const std::string& job,
-    int32_t rank, std::optional<int64_t> from) const {
+    grpc::CallbackServerContext* context, const char* method, const std::string& job, int32_t rank,
+    std::optional<int64_t> from) const {
   RETURN_IF_ERROR(CheckName(absl::StrCat("GossipService.", method, ": job"), job));
   Entry entry;
   {
@@ -69,7 +70,8 @@ grpc::ServerUnaryReactor* GossipServiceImpl::Exchange(grpc::CallbackServerContex
                                                       const GossipExchangeRequest* request,
                                                       GossipExchangeResponse* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  auto replica = Find(context, "Exchange", request->job(), request->to_rank(), request->from_rank());
+  auto replica =
+      Find(context, "Exchange", request->job(), request->to_rank(), request->from_rank());
   if (!replica.ok()) {
     reactor->Finish(ToGrpcStatus(replica.status()));
     return reactor;

@@ -26,8 +26,8 @@
 
 #include <map>
 #include <memory>
-#include <string>
 #include <optional>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -62,7 +62,7 @@ class GossipServiceImpl final : public GossipService::CallbackService {
  private:
   struct Entry {
     std::shared_ptr<GossipReplica> replica;
-    std::string token;                // Empty: open.
+    std::string token;                     // Empty: open.
     std::vector<std::string> rank_hashes;  // Empty: ranks not checked.
   };
   // The replica of (job, rank) if the call may use it: INVALID_ARGUMENT for a bad job name,

@@ -11,6 +11,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "common/job_spec.h"
 #include "common/status.h"
 #include "worker/core/auto_codec.h"
 
@@ -67,8 +68,9 @@ JobLayout PsMode::Layout(const ModelView& model, int64_t total_steps) const {
   // Every worker derives the same schedule length: chunk updates over the whole job (one per
   // step in sync mode, where a step's pushes are averaged; one per push of any worker
   // otherwise).
-  layout.optimizer = WithDecayUpdates(
-      spec_.optimizer(), total_steps * (options_.mode == Mode::kSync ? 1 : spec_.num_workers()));
+  layout.optimizer =
+      WithDecayUpdates(ScaledOptimizer(spec_, spec_.num_workers()),
+                       total_steps * (options_.mode == Mode::kSync ? 1 : spec_.num_workers()));
   layout.consistency = spec_.mode();
   layout.num_workers = spec_.num_workers();
   layout.durability = spec_.durability();
