@@ -106,6 +106,15 @@ ABSL_FLAG(std::string, mode, "",
 ABSL_FLAG(std::string, optimizer, "", "Optimizer: sgd, adam or adamw.");
 ABSL_FLAG(double, lr, 0, "Learning rate.");
 ABSL_FLAG(std::string, lr_schedule, "", "Learning-rate schedule: constant or cosine.");
+ABSL_FLAG(std::string, precision, "", "Job spec precision: fp32 or bf16 (autocast forward).");
+ABSL_FLAG(int32_t, accumulation_steps, 0,
+          "Job spec accumulation_steps: micro-batches of --batch_size per optimizer step.");
+ABSL_FLAG(double, clip_grad_norm, 0, "Job spec clip_grad_norm (0: off).");
+ABSL_FLAG(double, clip_grad_value, 0, "Job spec clip_grad_value (0: off).");
+ABSL_FLAG(std::string, lr_scaling, "",
+          "Job spec lr_scaling.rule: none, linear or sqrt (needs --lr_base_batch_size).");
+ABSL_FLAG(int32_t, lr_base_batch_size, 0, "Job spec lr_scaling.base_batch_size.");
+ABSL_FLAG(int64_t, lr_warmup_steps, 0, "Job spec lr_scaling.warmup_steps.");
 ABSL_FLAG(int, batch_size, 0, "Samples per worker per step.");
 ABSL_FLAG(int, epochs, 0, "Epochs.");
 ABSL_FLAG(int64_t, steps, 0, "Steps per worker (instead of epochs).");
@@ -189,6 +198,25 @@ absl::StatusOr<WorkerMainOptions> ParseOptions() {
     spec.mutable_optimizer()->set_lr_schedule(absl::GetFlag(FLAGS_lr_schedule));
   }
   if (absl::GetFlag(FLAGS_batch_size) != 0) spec.set_batch_size(absl::GetFlag(FLAGS_batch_size));
+  if (!absl::GetFlag(FLAGS_precision).empty()) spec.set_precision(absl::GetFlag(FLAGS_precision));
+  if (absl::GetFlag(FLAGS_accumulation_steps) != 0) {
+    spec.set_accumulation_steps(absl::GetFlag(FLAGS_accumulation_steps));
+  }
+  if (absl::GetFlag(FLAGS_clip_grad_norm) != 0) {
+    spec.set_clip_grad_norm(absl::GetFlag(FLAGS_clip_grad_norm));
+  }
+  if (absl::GetFlag(FLAGS_clip_grad_value) != 0) {
+    spec.set_clip_grad_value(absl::GetFlag(FLAGS_clip_grad_value));
+  }
+  if (!absl::GetFlag(FLAGS_lr_scaling).empty()) {
+    spec.mutable_lr_scaling()->set_rule(absl::GetFlag(FLAGS_lr_scaling));
+  }
+  if (absl::GetFlag(FLAGS_lr_base_batch_size) != 0) {
+    spec.mutable_lr_scaling()->set_base_batch_size(absl::GetFlag(FLAGS_lr_base_batch_size));
+  }
+  if (absl::GetFlag(FLAGS_lr_warmup_steps) != 0) {
+    spec.mutable_lr_scaling()->set_warmup_steps(absl::GetFlag(FLAGS_lr_warmup_steps));
+  }
   if (absl::GetFlag(FLAGS_epochs) != 0) spec.set_epochs(absl::GetFlag(FLAGS_epochs));
   if (absl::GetFlag(FLAGS_steps) != 0) spec.set_steps(absl::GetFlag(FLAGS_steps));
   if (absl::GetFlag(FLAGS_num_workers) != 0) spec.set_num_workers(absl::GetFlag(FLAGS_num_workers));

@@ -5,6 +5,8 @@
 //   * SIGKILL of one worker: the other exits non-zero within timeout_s + a few seconds naming
 //     the dead peer; SIGSTOP (a silent peer): DEADLINE_EXCEEDED after timeout_s;
 //   * MNIST MLP, 2 workers, 1 epoch, with a job token (--job_token_file): accuracy >= 0.97;
+//   * 2 workers x 2 micro-batches of 16, clip_grad_norm 0.5 = one process with batch 64
+//     clipped by torch::nn::utils::clip_grad_norm_ (to 1e-5);
 //   * checkpoints every 20 steps; a run stopped (SIGTERM) at step >= 40 resumes from the
 //     common checkpoint and ends equal to an uninterrupted run.
 #include <signal.h>
@@ -202,6 +204,101 @@ TEST_F(AllreduceTest, TwoWorkersEqualOneProcessWithTwiceTheBatch) {
     EXPECT_LE(err, kTolerance) << transports[t];
     EXPECT_GT(err_dropped, 100 * kTolerance) << "the comparison could not tell a dropped gradient";
   }
+}
+
+constexpr char kGuardrailJob[] = R"(
+name: e2e-allreduce-guard
+model: {name: mlp}
+dataset: {name: mnist}
+optimizer: {name: sgd, lr: 0.05, momentum: 0.9}
+batch_size: 16
+accumulation_steps: 2
+clip_grad_norm: 0.5
+steps: 50
+mode: allreduce
+num_workers: 2
+seed: 7
+log_every: 10
+allreduce: {bucket_bytes: 262144}
+)";
+
+// Accumulation and clipping (#14): 2 workers x 2 micro-batches of 16, clipped to a global
+// norm of 0.5, equal one process with batch 64 clipped by torch::nn::utils::clip_grad_norm_
+// (LibTorch's own implementation) to 1e-5 after 50 steps. The micro-batches of a step are
+// loader batches 2s and 2s+1 of 16, whose union over both ranks is batch s of 64; each
+// micro-batch's loss is divided by 2, so the accumulated gradient is the rank's mean over 32,
+// the all-reduce averages the two ranks, and the allreduce mode clips that average (the
+// global norm) before its optimizer. The run must also differ from the unclipped reference.
+TEST_F(AllreduceTest, AccumulationAndGlobalClippingEqualOneProcessWithTheWholeBatch) {
+  if (!HaveMnist()) GTEST_SKIP() << "MNIST files not found under " << DataDir() << "/mnist";
+  constexpr int64_t kSteps = 50;
+  constexpr double kTolerance = 1e-5;
+  const std::string output = dir_ + "/model-guard.pt";
+  auto workers = StartRanks(WriteYaml("guard", kGuardrailJob), Peers(2), 2, {"--output=" + output});
+  std::vector<int> codes = WaitAll(Ptrs(workers), absl::Minutes(3));
+  ASSERT_EQ(codes, (std::vector<int>{0, 0}));
+  double clipped_sum = 0;
+  int progress_lines = 0;
+  for (int r = 0; r < 2; ++r) {
+    const std::string log = ReadFile(workers[r]->log_path());
+    const std::string done = DoneLine(log);
+    EXPECT_EQ(ToInt(LogField(done, "steps")), kSteps) << done;
+    EXPECT_EQ(ToInt(LogField(done, "samples")), kSteps * 32) << done;
+    // One all-reduce of the gradients per step, not per micro-batch.
+    EXPECT_LT(ToInt(LogField(done, "bytes_pushed")), kSteps * 269322 * 4 + 4096);
+    for (const std::string& line : std::vector<std::string>(absl::StrSplit(log, "\n"))) {
+      if (line.find("event=progress") == std::string::npos) continue;
+      clipped_sum += ToDouble(LogField(line, "clipped"));
+      ++progress_lines;
+    }
+  }
+  EXPECT_GT(progress_lines, 0);
+  EXPECT_GT(clipped_sum, 0) << "the bound must bite for the test to mean anything";
+
+  torch::set_num_threads(1);
+  ModelSpec spec;
+  spec.set_name("mlp");
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Model> ref, CreateModel(spec, 7));
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Model> unclipped, CreateModel(spec, 7));
+  const std::vector<std::string> names = ref->ParameterNames();
+  ASSERT_OK_AND_ASSIGN(JobData data, LoadDataset("mnist", DataDir() + "/mnist"));
+  BatchLoader::Options lo;
+  lo.batch_size = 64;
+  lo.max_steps = kSteps;
+  lo.seed = 7;
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<BatchLoader> loader,
+                       BatchLoader::Create(data.train.get(), lo));
+  torch::optim::SGD sgd(ref->Parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+  torch::optim::SGD sgd_free(unclipped->Parameters(),
+                             torch::optim::SGDOptions(0.05).momentum(0.9));
+  for (int64_t t = 0; t < kSteps; ++t) {
+    std::optional<Batch> batch = loader->Next();
+    ASSERT_TRUE(batch.has_value());
+    torch::Tensor x = torch::from_blob(batch->x.data(), {64, 1, 28, 28}, torch::kFloat);
+    torch::Tensor y = torch::from_blob(batch->y.data(), {64}, torch::kLong);
+    sgd.zero_grad();
+    ASSERT_OK_AND_ASSIGN(torch::Tensor loss, CrossEntropyLoss(ref.get(), x, y));
+    loss.backward();
+    torch::nn::utils::clip_grad_norm_(ref->Parameters(), 0.5);
+    sgd.step();
+    sgd_free.zero_grad();
+    ASSERT_OK_AND_ASSIGN(torch::Tensor l2, CrossEntropyLoss(unclipped.get(), x, y));
+    l2.backward();
+    sgd_free.step();
+  }
+  std::vector<torch::Tensor> want, want_free;
+  for (const auto& p : ref->Parameters()) want.push_back(p.detach());
+  for (const auto& p : unclipped->Parameters()) want_free.push_back(p.detach());
+  std::vector<torch::Tensor> got = LoadSaved(output, names);
+  ASSERT_EQ(got.size(), names.size());
+  const double err = MaxRelError(got, want);
+  const double err_free = MaxRelError(got, want_free);
+  std::cout << absl::StrFormat(
+      "accumulation 2 x 16 + clip 0.5: max rel. error vs clipped batch-64 reference %.3e, vs "
+      "unclipped %.3e\n",
+      err, err_free);
+  EXPECT_LE(err, kTolerance);
+  EXPECT_GT(err_free, 100 * kTolerance) << "the comparison could not tell clipping from none";
 }
 
 constexpr char kLongJob[] = R"(

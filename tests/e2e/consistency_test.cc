@@ -3,7 +3,8 @@
 //
 // * SyncMatchesSingleProcessSgd: --mode=sync training is, up to float rounding, the same
 //   computation as one LibTorch process running plain SGD with the combined batch. The final
-//   parameters pulled from the shards are compared with a reference trained in this process.
+//   parameters pulled from the shards are compared with a reference trained in this process;
+//   also with accumulation_steps 2 (2 micro-batches of 16 per worker per step).
 // * SspBoundsClockLead: with a slow worker (--step_delay_ms), ssp:2 lets the fast worker run
 //   exactly 2 clocks ahead and never more; ssp:0 is lock-step (lead 0).
 #include <torch/torch.h>
@@ -60,14 +61,21 @@ class ConsistencyTest : public E2eHarness {};
 //   p -= lr * g, the same as torch::optim::SGD (server/optimizer_test.cc checks the two
 //   against each other).
 // So after 50 steps the parameters agree up to accumulated float rounding (~1e-7 relative).
-TEST_F(ConsistencyTest, SyncMatchesSingleProcessSgd) {
+// With accumulation_steps 2 (#14) each worker runs 2 micro-batches of 16 per step: loader
+// batches 2t and 2t+1 of 16, whose union over both workers is again perm[64t, 64t+64), and
+// the loop's accumulated gradient is the mean over the worker's 32 samples, so the same
+// reference holds.
+class SyncEquivalenceTest : public ConsistencyTest, public ::testing::WithParamInterface<int> {};
+
+TEST_P(SyncEquivalenceTest, SyncMatchesSingleProcessSgd) {
   if (!HaveMnist()) GTEST_SKIP() << "MNIST files not found under " << DataDir() << "/mnist";
   constexpr int64_t kSteps = 50;
-  constexpr int kBatch = 32;
+  const int accumulation = GetParam();
+  const int kBatch = 32 / accumulation;  // Per micro-batch; 32 per worker per step.
   constexpr uint64_t kSeed = 7;
   constexpr double kLr = 0.05;
   constexpr double kTolerance = 1e-5;
-  const std::string job = "e2e-sync-equivalence";
+  const std::string job = absl::StrCat("e2e-sync-equivalence-k", accumulation);
 
   ASSERT_NO_FATAL_FAILURE(StartServers(kShards));
   std::vector<std::unique_ptr<Subprocess>> workers;
@@ -78,6 +86,7 @@ TEST_F(ConsistencyTest, SyncMatchesSingleProcessSgd) {
                      absl::StrCat("--num_workers=", kWorkers), "--name=" + job, "--mode=sync",
                      "--optimizer=sgd", absl::StrCat("--lr=", kLr), "--lr_schedule=constant",
                      absl::StrCat("--batch_size=", kBatch), absl::StrCat("--steps=", kSteps),
+                     absl::StrCat("--accumulation_steps=", accumulation),
                      "--model=mlp", "--dataset=mnist", absl::StrCat("--seed=", kSeed),
                      "--evaluate=false", "--log_every=10", "--data_dir=" + DataDir()}));
     ASSERT_NE(workers.back(), nullptr);
@@ -88,7 +97,7 @@ TEST_F(ConsistencyTest, SyncMatchesSingleProcessSgd) {
     const std::string done = DoneLine(ReadFile(workers[r]->log_path()));
     ASSERT_FALSE(done.empty()) << "worker " << r;
     EXPECT_EQ(ToInt(LogField(done, "steps")), kSteps) << done;
-    EXPECT_EQ(ToInt(LogField(done, "samples")), kSteps * kBatch) << done;
+    EXPECT_EQ(ToInt(LogField(done, "samples")), kSteps * 32) << done;
     EXPECT_EQ(ToInt(LogField(done, "first_step")), 0) << done;
   }
 
@@ -172,7 +181,7 @@ TEST_F(ConsistencyTest, SyncMatchesSingleProcessSgd) {
   BatchLoader::Options lo;
   lo.rank = 0;
   lo.world_size = 1;
-  lo.batch_size = kWorkers * kBatch;
+  lo.batch_size = kWorkers * 32;
   lo.max_steps = kSteps;
   lo.seed = kSeed;
   ASSERT_OK_AND_ASSIGN(std::unique_ptr<BatchLoader> loader,
@@ -181,7 +190,7 @@ TEST_F(ConsistencyTest, SyncMatchesSingleProcessSgd) {
   for (int64_t t = 0; t < kSteps; ++t) {
     std::optional<Batch> batch = loader->Next();
     ASSERT_TRUE(batch.has_value()) << "step " << t;
-    ASSERT_EQ(batch->size, kWorkers * kBatch);
+    ASSERT_EQ(batch->size, kWorkers * 32);
     torch::Tensor x = torch::from_blob(batch->x.data(), {batch->size, 1, 28, 28}, torch::kFloat);
     torch::Tensor y = torch::from_blob(batch->y.data(), {batch->size}, torch::kLong);
     sgd.zero_grad();
@@ -216,6 +225,11 @@ TEST_F(ConsistencyTest, SyncMatchesSingleProcessSgd) {
   RecordProperty("max_relative_error", absl::StrFormat("%.3e", max_rel));
   ASSERT_NO_FATAL_FAILURE(StopServers());
 }
+
+INSTANTIATE_TEST_SUITE_P(Accumulation, SyncEquivalenceTest, ::testing::Values(1, 2),
+                         [](const ::testing::TestParamInfo<int>& info) {
+                           return absl::StrCat("k", info.param);
+                         });
 
 // One ssp run: rank 1 sleeps `delay_ms` before every step, rank 0 runs free.
 struct SspResult {

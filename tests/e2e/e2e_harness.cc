@@ -17,6 +17,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "common/status.h"
@@ -121,8 +122,10 @@ std::string DoneLine(absl::string_view log) {
 void E2eHarness::SetUp() {
   ASSERT_OK_AND_ASSIGN(server_bin_, RunfilePath("server/gradmesh_server"));
   ASSERT_OK_AND_ASSIGN(worker_bin_, RunfilePath("worker/gradmesh_worker"));
+  // Parameterized tests are named "Name/param": one directory level.
   ASSERT_OK_AND_ASSIGN(
-      dir_, MakeTestDir(::testing::UnitTest::GetInstance()->current_test_info()->name()));
+      dir_, MakeTestDir(absl::StrReplaceAll(
+                ::testing::UnitTest::GetInstance()->current_test_info()->name(), {{"/", "-"}})));
 }
 
 void E2eHarness::TearDown() {
