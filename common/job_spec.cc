@@ -217,6 +217,8 @@ absl::Status ValidateOptimizerSpec(const OptimizerSpec& o) {
   RETURN_IF_ERROR(CheckFloat("optimizer.min_lr_fraction", o.min_lr_fraction(), 0, 1));
   RETURN_IF_ERROR(CheckInt("optimizer.decay_updates", o.decay_updates(), 0, kMaxSpecSteps));
   RETURN_IF_ERROR(CheckInt("optimizer.warmup_updates", o.warmup_updates(), 0, kMaxSpecSteps));
+  RETURN_IF_ERROR(
+      CheckFloat("optimizer.warmup_start_fraction", o.warmup_start_fraction(), 0, 1));
   const std::string& sched = o.lr_schedule();
   if (!sched.empty() && sched != "constant" && sched != "cosine") {
     return Bad("optimizer.lr_schedule", absl::StrCat("\"", sched, "\""),

@@ -1,8 +1,10 @@
 #include "common/job_spec.h"
 
+#include <cmath>
 #include <string>
 #include <vector>
 
+#include "common/optimizer.h"
 #include "common/status_testing.h"
 #include "gtest/gtest.h"
 
@@ -187,6 +189,25 @@ TEST(JobSpecTest, ValidationTable) {
        "optimizer.lr_schedule: \"step\" is not one of constant, cosine"},
       {"optimizer: {name: sgd, nesterov: true}",
        "optimizer.nesterov: true needs momentum > 0 and dampening 0"},
+      // Training guardrails (#14).
+      {"precision: fp16", "job spec: precision: \"fp16\" is not supported yet"},
+      {"precision: int8", "job spec: precision: \"int8\" is not one of fp32, bf16"},
+      {"accumulation_steps: -1", "job spec: accumulation_steps: -1 is out of range [0, 65536]"},
+      {"accumulation_steps: 100000", "accumulation_steps: 100000 is out of range"},
+      {"clip_grad_norm: -1", "job spec: clip_grad_norm: -1 is out of range [0, 1e+30]"},
+      {R"({"name": "t", "clipGradValue": "NaN"})", "clip_grad_value: nan is not a finite float32"},
+      {"mode: sync\nclip_grad_norm: 1", "clip_grad_norm: 1 (or clip_grad_value) is not supported in "
+                                        "mode sync"},
+      {"mode: sync\nclip_grad_value: 2", "(or clip_grad_value) is not supported in mode sync"},
+      {"lr_scaling: {rule: cubic}",
+       "job spec: lr_scaling.rule: \"cubic\" is not one of none, linear, sqrt"},
+      {"lr_scaling: {rule: linear}",
+       "job spec: lr_scaling.base_batch_size: 0 must be > 0 with rule linear"},
+      {"lr_scaling: {rule: sqrt, base_batch_size: 64, warmup_steps: -1}",
+       "lr_scaling.warmup_steps: -1 is out of range"},
+      {"optimizer: {lr: 1e38}\nlr_scaling: {rule: linear, base_batch_size: 1}",
+       "job spec: lr_scaling: 6.4e+39 makes optimizer.lr out of float32 range"},
+      {"optimizer: {warmup_start_fraction: 2}", "job spec: optimizer.warmup_start_fraction: 2 is out of range [0, 1]"},
       // Counts within limits.
       {"num_workers: 2000", "job spec: num_workers: 2000 is out of range [1, 1024]"},
       {"num_workers: 2147483647", "num_workers: 2147483647 is out of range [1, 1024]"},
@@ -244,6 +265,40 @@ TEST(JobSpecTest, ValidationTable) {
 }
 
 // A spec that arrives as protobuf bytes may carry fields this binary does not know.
+TEST(JobSpecTest, LrScalingFollowsTheGlobalBatch) {
+  JobSpec spec;
+  spec.set_batch_size(32);
+  spec.set_accumulation_steps(2);
+  spec.mutable_optimizer()->set_lr(0.1);
+  EXPECT_EQ(LrScalingFactor(spec, 4), 1.0);  // Off.
+  EXPECT_EQ(ScaledOptimizer(spec, 4).DebugString(), spec.optimizer().DebugString());
+  spec.mutable_lr_scaling()->set_rule("linear");
+  spec.mutable_lr_scaling()->set_base_batch_size(64);
+  EXPECT_EQ(LrScalingFactor(spec, 4), 4.0);  // 32 * 2 * 4 / 64.
+  EXPECT_EQ(LrScalingFactor(spec, 1), 1.0);
+  OptimizerSpec o = ScaledOptimizer(spec, 4);
+  EXPECT_DOUBLE_EQ(o.lr(), 0.4);
+  EXPECT_EQ(o.warmup_updates(), 0);
+  spec.mutable_lr_scaling()->set_warmup_steps(10);
+  o = ScaledOptimizer(spec, 4);
+  EXPECT_EQ(o.warmup_updates(), 10);
+  EXPECT_DOUBLE_EQ(o.warmup_start_fraction(), 0.25);
+  // Goyal warm-up: from the base lr (0.1) at the first update to 0.4 at the tenth.
+  EXPECT_NEAR(o.lr() * LrScheduleFactor(o, 0), 0.1 + 0.3 * 0.1, 1e-7);
+  EXPECT_NEAR(o.lr() * LrScheduleFactor(o, 9), 0.4, 1e-7);
+  EXPECT_NEAR(o.lr() * LrScheduleFactor(o, 100), 0.4, 1e-7);
+  spec.mutable_lr_scaling()->set_rule("sqrt");
+  EXPECT_DOUBLE_EQ(LrScalingFactor(spec, 4), 2.0);
+  EXPECT_DOUBLE_EQ(LrScalingFactor(spec, 2), std::sqrt(2.0));
+  ApplyJobSpecDefaults(1, &spec);
+  EXPECT_OK(ValidateJobSpec(spec));
+  JobSpec d;
+  ApplyJobSpecDefaults(1, &d);
+  EXPECT_EQ(d.precision(), "fp32");
+  EXPECT_EQ(d.accumulation_steps(), 1);
+  EXPECT_EQ(d.lr_scaling().rule(), "none");
+}
+
 TEST(JobSpecTest, UnknownProtoFieldsAreRefused) {
   JobSpec spec;
   ApplyJobSpecDefaults(1, &spec);

@@ -624,6 +624,22 @@ TEST_F(CoordinatorTest, SyncWithoutLrScalingKeepsTheRate) {
   EXPECT_EQ(Get("s").active_workers(), 1);
 }
 
+// lr_scaling (#14) decides the factor when a sync group shrinks: sqrt of the smaller global
+// batch's ratio (the lr the rule gives 1 worker over the lr it gives 2: sqrt(1/2)).
+TEST_F(CoordinatorTest, SyncGroupShrinkFollowsTheLrScalingRule) {
+  Register("s0", SERVER);
+  Register("w0", WORKER);
+  Register("w1", WORKER);
+  JobSpec spec = Spec("s", "sync", 2, 1);
+  spec.mutable_lr_scaling()->set_rule("sqrt");
+  spec.mutable_lr_scaling()->set_base_batch_size(32);
+  ASSERT_OK(Submit(spec));
+  Beat("w1", {}, /*leaving=*/true);
+  HeartbeatResponse r = Beat("s0");
+  ASSERT_EQ(r.tasks_size(), 1);
+  EXPECT_DOUBLE_EQ(r.tasks(0).lr_scale(), std::sqrt(0.5));
+}
+
 TEST_F(CoordinatorTest, DeadServerPausesJobsUntilItComesBack) {
   Cluster();
   ASSERT_OK(Submit(Spec("j", "async", 1, 2)));
