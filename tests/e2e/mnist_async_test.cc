@@ -6,6 +6,7 @@
 //   (GetJobInfo over a raw gRPC stub) and a clean SIGTERM shutdown.
 // * BadFlagsAndSpecExitTwo: flag and job-spec errors exit 2 and name the problem.
 // * UnknownModelAndModeAgainstServer: bad model / consistency names with a live shard.
+// * Bf16AutocastMatchesFp32AccuracyOnMnist: precision bf16 within 0.3 points of fp32.
 //
 // MNIST comes from $GRADMESH_DATA_DIR/mnist (set by .bazelrc); tests that need it are skipped
 // only when its files are absent. Every child runs with OPENBLAS_NUM_THREADS=1 and
@@ -267,6 +268,41 @@ TEST_F(E2eTest, MlpAsyncTwoShardsTwoWorkers) {
     EXPECT_EQ(LinesWith(log, "event=worker_finished").size(), static_cast<size_t>(kWorkers))
         << "shard " << s;
   }
+  ASSERT_NO_FATAL_FAILURE(StopServers());
+}
+
+// precision bf16 (#14): the same 1-epoch MLP job (1 shard, 1 worker, async) with and without
+// autocast: test accuracy within 0.3 points, both >= 0.95; samples/s of each printed (on this
+// CPU bf16 is usually slower: no bf16 matmul units, so LibTorch converts around each op).
+TEST_F(E2eTest, Bf16AutocastMatchesFp32AccuracyOnMnist) {
+  if (!HaveMnist()) GTEST_SKIP() << "MNIST files not found under " << DataDir() << "/mnist";
+  ASSERT_NO_FATAL_FAILURE(StartServers(1));
+  double accuracy[2] = {0, 0}, speed[2] = {0, 0};
+  const char* precisions[2] = {"fp32", "bf16"};
+  for (int k = 0; k < 2; ++k) {
+    WorkerRun run = RunWorker(
+        absl::StrCat("precision-", precisions[k]),
+        {"--servers=" + addresses_[0], "--epochs=1", "--model=mlp", "--dataset=mnist",
+         "--mode=async", "--lr_schedule=cosine", absl::StrCat("--precision=", precisions[k]),
+         absl::StrCat("--name=e2e-precision-", precisions[k]), "--data_dir=" + DataDir(),
+         "--log_every=200"},
+        absl::Minutes(4));
+    ASSERT_EQ(run.exit_code, 0) << run.log;
+    const std::vector<std::string> start = LinesWith(run.log, "event=train_start");
+    ASSERT_EQ(start.size(), 1u);
+    EXPECT_EQ(LogField(start[0], "precision"), precisions[k]);
+    const std::string done = e2e::DoneLine(run.log);
+    accuracy[k] = ToDouble(LogField(done, "accuracy"));
+    speed[k] = ToDouble(LogField(done, "samples_per_s"));
+  }
+  std::cout << "MNIST MLP 1 epoch: fp32 accuracy " << accuracy[0] << " at " << speed[0]
+            << " samples/s; bf16 accuracy " << accuracy[1] << " at " << speed[1]
+            << " samples/s\n";
+  EXPECT_GE(accuracy[0], 0.95);
+  EXPECT_GE(accuracy[1], 0.95);
+  EXPECT_NEAR(accuracy[1], accuracy[0], 0.003);
+  RecordProperty("accuracy_fp32", absl::StrCat(accuracy[0]));
+  RecordProperty("accuracy_bf16", absl::StrCat(accuracy[1]));
   ASSERT_NO_FATAL_FAILURE(StopServers());
 }
 
