@@ -217,8 +217,7 @@ absl::Status ValidateOptimizerSpec(const OptimizerSpec& o) {
   RETURN_IF_ERROR(CheckFloat("optimizer.min_lr_fraction", o.min_lr_fraction(), 0, 1));
   RETURN_IF_ERROR(CheckInt("optimizer.decay_updates", o.decay_updates(), 0, kMaxSpecSteps));
   RETURN_IF_ERROR(CheckInt("optimizer.warmup_updates", o.warmup_updates(), 0, kMaxSpecSteps));
-  RETURN_IF_ERROR(
-      CheckFloat("optimizer.warmup_start_fraction", o.warmup_start_fraction(), 0, 1));
+  RETURN_IF_ERROR(CheckFloat("optimizer.warmup_start_fraction", o.warmup_start_fraction(), 0, 1));
   const std::string& sched = o.lr_schedule();
   if (!sched.empty() && sched != "constant" && sched != "cosine") {
     return Bad("optimizer.lr_schedule", absl::StrCat("\"", sched, "\""),
@@ -250,6 +249,21 @@ absl::Status ValidateTrainingFeatures(const JobSpec& spec) {
                "(or clip_grad_value) is not supported in mode sync: the shards would first have "
                "to agree on the norm of the averaged gradient; use allreduce (clips the "
                "averaged gradient), or async/ssp (per worker)");
+  }
+  const DilocoSpec& d = spec.diloco();
+  RETURN_IF_ERROR(CheckInt("diloco.inner_steps", d.inner_steps(), 0, kMaxSpecSteps));
+  if (!d.outer_optimizer().empty() && d.outer_optimizer() != "nesterov" &&
+      d.outer_optimizer() != "sgd") {
+    return Bad("diloco.outer_optimizer", absl::StrCat("\"", d.outer_optimizer(), "\""),
+               "is not one of nesterov, sgd");
+  }
+  RETURN_IF_ERROR(CheckFloat("diloco.outer_lr", d.outer_lr(), 0, 1e6));
+  RETURN_IF_ERROR(CheckFloat("diloco.outer_momentum", d.outer_momentum(), 0, 1, true));
+  if (SpecMode(spec) == Mode::kDiloco) {
+    if (d.outer_optimizer() == "nesterov" && !(d.outer_momentum() > 0)) {
+      return Bad("diloco.outer_momentum", Num(d.outer_momentum()),
+                 "must be > 0 with outer_optimizer nesterov");
+    }
   }
   const LrScalingSpec& lr = spec.lr_scaling();
   const std::string& rule = lr.rule();
@@ -369,8 +383,18 @@ void ApplyJobSpecDefaults(int num_servers, JobSpec* spec) {
   if (spec->log_every() == 0) spec->set_log_every(50);
   if (spec->barrier_timeout_s() == 0) spec->set_barrier_timeout_s(120);
   if (spec->mode() == "ps") spec->set_mode("async");
-  if (spec->sync_lr_scaling().empty()) spec->set_sync_lr_scaling("linear");
+  // diloco averages pseudo-gradients: a smaller group changes no lr.
+  if (spec->sync_lr_scaling().empty()) {
+    spec->set_sync_lr_scaling(spec->mode() == "diloco" ? "none" : "linear");
+  }
   if (spec->precision().empty()) spec->set_precision("fp32");
+  if (spec->mode() == "diloco") {
+    DilocoSpec* d = spec->mutable_diloco();
+    if (d->inner_steps() == 0) d->set_inner_steps(50);
+    if (d->outer_optimizer().empty()) d->set_outer_optimizer("nesterov");
+    if (d->outer_lr() == 0) d->set_outer_lr(0.7);
+    if (d->outer_momentum() == 0 && d->outer_optimizer() == "nesterov") d->set_outer_momentum(0.9);
+  }
   if (spec->accumulation_steps() == 0) spec->set_accumulation_steps(1);
   if (spec->lr_scaling().rule().empty()) spec->mutable_lr_scaling()->set_rule("none");
   if (spec->mode() == "gossip") {

@@ -196,8 +196,9 @@ TEST(JobSpecTest, ValidationTable) {
       {"accumulation_steps: 100000", "accumulation_steps: 100000 is out of range"},
       {"clip_grad_norm: -1", "job spec: clip_grad_norm: -1 is out of range [0, 1e+30]"},
       {R"({"name": "t", "clipGradValue": "NaN"})", "clip_grad_value: nan is not a finite float32"},
-      {"mode: sync\nclip_grad_norm: 1", "clip_grad_norm: 1 (or clip_grad_value) is not supported in "
-                                        "mode sync"},
+      {"mode: sync\nclip_grad_norm: 1",
+       "clip_grad_norm: 1 (or clip_grad_value) is not supported in "
+       "mode sync"},
       {"mode: sync\nclip_grad_value: 2", "(or clip_grad_value) is not supported in mode sync"},
       {"lr_scaling: {rule: cubic}",
        "job spec: lr_scaling.rule: \"cubic\" is not one of none, linear, sqrt"},
@@ -207,7 +208,8 @@ TEST(JobSpecTest, ValidationTable) {
        "lr_scaling.warmup_steps: -1 is out of range"},
       {"optimizer: {lr: 1e38}\nlr_scaling: {rule: linear, base_batch_size: 1}",
        "job spec: lr_scaling: 6.4e+39 makes optimizer.lr out of float32 range"},
-      {"optimizer: {warmup_start_fraction: 2}", "job spec: optimizer.warmup_start_fraction: 2 is out of range [0, 1]"},
+      {"optimizer: {warmup_start_fraction: 2}",
+       "job spec: optimizer.warmup_start_fraction: 2 is out of range [0, 1]"},
       // Counts within limits.
       {"num_workers: 2000", "job spec: num_workers: 2000 is out of range [1, 1024]"},
       {"num_workers: 2147483647", "num_workers: 2147483647 is out of range [1, 1024]"},

@@ -13,6 +13,7 @@ absl::StatusOr<Mode> ParseMode(absl::string_view mode) {
   if (mode == "sync") return Mode::kSync;
   if (mode == "gossip") return Mode::kGossip;
   if (mode == "allreduce") return Mode::kAllreduce;
+  if (mode == "diloco") return Mode::kDiloco;
   if (absl::StartsWith(mode, "ssp:")) {
     int64_t s = 0;
     if (!absl::SimpleAtoi(mode.substr(4), &s) || s < 0) {
@@ -21,9 +22,9 @@ absl::StatusOr<Mode> ParseMode(absl::string_view mode) {
     }
     return Mode::kSsp;
   }
-  return absl::InvalidArgumentError(
-      absl::StrCat("job spec: mode \"", mode,
-                   "\" is not one of async (or ps), ssp:<staleness>, sync, gossip, allreduce"));
+  return absl::InvalidArgumentError(absl::StrCat(
+      "job spec: mode \"", mode,
+      "\" is not one of async (or ps), ssp:<staleness>, sync, gossip, allreduce, diloco"));
 }
 
 absl::string_view ModeName(Mode mode) {
@@ -38,12 +39,16 @@ absl::string_view ModeName(Mode mode) {
       return "gossip";
     case Mode::kAllreduce:
       return "allreduce";
+    case Mode::kDiloco:
+      return "diloco";
   }
   return "async";
 }
 
 bool IsPsMode(Mode mode) {
-  return mode == Mode::kAsync || mode == Mode::kSsp || mode == Mode::kSync;
+  return mode == Mode::kAsync || mode == Mode::kSsp || mode == Mode::kSync || mode == Mode::kDiloco;
 }
+
+bool UsesSyncBarrier(Mode mode) { return mode == Mode::kSync || mode == Mode::kDiloco; }
 
 }  // namespace gradmesh

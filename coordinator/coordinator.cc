@@ -376,7 +376,7 @@ void Coordinator::MoveRankLocked(JobEntry* job, int rank, const std::string& rea
   const JobStatus& st = job->record.status();
   const std::string from = st.workers(rank).node();
   const bool one_per_node = OneRankPerNode(st.spec());
-  const bool sync = st.spec().mode() == "sync";
+  const bool sync = UsesSyncBarrier(SpecMode(st.spec()));
   const std::map<std::string, int> used = UsedSlotsLocked("");
   std::vector<NodeLoad> candidates;
   for (const auto& [name, node] : nodes_) {
@@ -414,7 +414,7 @@ void Coordinator::MoveRankLocked(JobEntry* job, int rank, const std::string& rea
 void Coordinator::UpdateGroupLocked(JobEntry* job) {
   coordinator_state::JobRecord& r = job->record;
   JobStatus* st = r.mutable_status();
-  if (st->spec().mode() != "sync") return;
+  if (!UsesSyncBarrier(SpecMode(st->spec()))) return;
   std::vector<int> active;
   for (int i = 0; i < st->workers_size(); ++i) {
     if (job->rank_states[i] != TaskState::kLost) active.push_back(i);
@@ -455,7 +455,7 @@ void Coordinator::RefreshLocked(JobEntry* job) {
   if (IsActive(st->state())) {
     // A sync job whose group was re-formed is done when every rank still in it is: its lost
     // ranks are out of the job for good.
-    const bool reformed = st->spec().mode() == "sync" && r.active_ranks_size() > 0;
+    const bool reformed = UsesSyncBarrier(SpecMode(st->spec())) && r.active_ranks_size() > 0;
     bool all_done = n > 0, all_running = n > 0;
     for (const TaskState state : job->rank_states) {
       const bool out = reformed && state == TaskState::kLost;
@@ -661,7 +661,7 @@ void Coordinator::NodeUpLocked(NodeEntry* node, bool address_changed) {
       }
       if (IsActive(st->state())) {
         const bool one_per_node = OneRankPerNode(st->spec());
-        const bool sync = st->spec().mode() == "sync";
+        const bool sync = UsesSyncBarrier(SpecMode(st->spec()));
         for (int r = 0; r < st->workers_size(); ++r) {
           if (job->rank_states[r] != TaskState::kLost) continue;
           if (one_per_node) {

@@ -152,7 +152,7 @@ class ServerTasks {
     // Elastic sync: the coordinator sends the barrier group on every heartbeat, and
     // SetSyncGroup is idempotent, so it is simply applied each time. NOT_FOUND: the workers
     // have not called InitJob yet; the next heartbeat (500 ms) retries.
-    if (SpecMode(t.spec()) != Mode::kSync) return;
+    if (!UsesSyncBarrier(SpecMode(t.spec()))) return;
     const std::vector<int32_t> active(t.active_ranks().begin(), t.active_ranks().end());
     const double lr_scale = t.lr_scale() == 0 ? 1.0 : t.lr_scale();  // 0: unset.
     const absl::Status st = shard_->SetSyncGroup(t.job_id(), active, lr_scale);

@@ -12,7 +12,9 @@ TrainingModeRegistry BuiltinTrainingModes(ParameterClientFactory ps_client, Peer
   TrainingModeFactory ps = [ps_client = std::move(ps_client)](const TrainerOptions& options) {
     return NewPsMode(options, ps_client);
   };
-  for (Mode m : {Mode::kAsync, Mode::kSsp, Mode::kSync}) modes.Set(std::string(ModeName(m)), ps);
+  for (Mode m : {Mode::kAsync, Mode::kSsp, Mode::kSync, Mode::kDiloco}) {
+    modes.Set(std::string(ModeName(m)), ps);
+  }
   modes.Set(std::string(ModeName(Mode::kGossip)), [peers](const TrainerOptions& options) {
     return NewGossipMode(options, peers.gossip);
   });

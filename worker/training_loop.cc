@@ -329,7 +329,7 @@ absl::Status TrainingLoop::Setup() {
   accum_ = std::max(1, spec_.accumulation_steps());
   bf16_ = spec_.precision() == "bf16";
   if (options_.mode == Mode::kAsync || options_.mode == Mode::kSsp ||
-      options_.mode == Mode::kGossip) {
+      options_.mode == Mode::kGossip || options_.mode == Mode::kDiloco) {
     clip_.max_norm = spec_.clip_grad_norm();
     clip_.max_value = spec_.clip_grad_value();
   }

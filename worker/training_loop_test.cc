@@ -12,9 +12,9 @@
 
 #include <algorithm>
 #include <cmath>
-#include <optional>
 #include <cstdio>
 #include <cstdlib>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -385,9 +385,8 @@ struct RefOptions {
   double clip_value = 0;
 };
 
-std::vector<std::vector<float>> ReferenceSgd(const TrainerOptions& o, int64_t batch,
-                                             int64_t steps, const RefOptions& ref,
-                                             std::vector<double>* losses) {
+std::vector<std::vector<float>> ReferenceSgd(const TrainerOptions& o, int64_t batch, int64_t steps,
+                                             const RefOptions& ref, std::vector<double>* losses) {
   auto model = CreateModel(o.spec.model(), o.spec.seed());
   EXPECT_OK(model.status());
   auto data = LoadJobData(o.spec, o.data_dir);

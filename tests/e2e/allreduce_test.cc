@@ -269,8 +269,7 @@ TEST_F(AllreduceTest, AccumulationAndGlobalClippingEqualOneProcessWithTheWholeBa
   ASSERT_OK_AND_ASSIGN(std::unique_ptr<BatchLoader> loader,
                        BatchLoader::Create(data.train.get(), lo));
   torch::optim::SGD sgd(ref->Parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
-  torch::optim::SGD sgd_free(unclipped->Parameters(),
-                             torch::optim::SGDOptions(0.05).momentum(0.9));
+  torch::optim::SGD sgd_free(unclipped->Parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
   for (int64_t t = 0; t < kSteps; ++t) {
     std::optional<Batch> batch = loader->Next();
     ASSERT_TRUE(batch.has_value());

@@ -5,6 +5,8 @@
 //   computation as one LibTorch process running plain SGD with the combined batch. The final
 //   parameters pulled from the shards are compared with a reference trained in this process;
 //   also with accumulation_steps 2 (2 micro-batches of 16 per worker per step).
+// * DilocoMatchesLocalSgdWithANesterovOuterStep: mode diloco against local SGD + an outer
+//   Nesterov step written with torch::optim.
 // * SspBoundsClockLead: with a slow worker (--step_delay_ms), ssp:2 lets the fast worker run
 //   exactly 2 clocks ahead and never more; ssp:0 is lock-step (lead 0).
 #include <torch/torch.h>
@@ -80,15 +82,14 @@ TEST_P(SyncEquivalenceTest, SyncMatchesSingleProcessSgd) {
   ASSERT_NO_FATAL_FAILURE(StartServers(kShards));
   std::vector<std::unique_ptr<Subprocess>> workers;
   for (int r = 0; r < kWorkers; ++r) {
-    workers.push_back(
-        StartWorker(absl::StrCat("worker", r),
-                    {ServersFlag(), absl::StrCat("--rank=", r),
-                     absl::StrCat("--num_workers=", kWorkers), "--name=" + job, "--mode=sync",
-                     "--optimizer=sgd", absl::StrCat("--lr=", kLr), "--lr_schedule=constant",
-                     absl::StrCat("--batch_size=", kBatch), absl::StrCat("--steps=", kSteps),
-                     absl::StrCat("--accumulation_steps=", accumulation),
-                     "--model=mlp", "--dataset=mnist", absl::StrCat("--seed=", kSeed),
-                     "--evaluate=false", "--log_every=10", "--data_dir=" + DataDir()}));
+    workers.push_back(StartWorker(
+        absl::StrCat("worker", r),
+        {ServersFlag(), absl::StrCat("--rank=", r), absl::StrCat("--num_workers=", kWorkers),
+         "--name=" + job, "--mode=sync", "--optimizer=sgd", absl::StrCat("--lr=", kLr),
+         "--lr_schedule=constant", absl::StrCat("--batch_size=", kBatch),
+         absl::StrCat("--steps=", kSteps), absl::StrCat("--accumulation_steps=", accumulation),
+         "--model=mlp", "--dataset=mnist", absl::StrCat("--seed=", kSeed), "--evaluate=false",
+         "--log_every=10", "--data_dir=" + DataDir()}));
     ASSERT_NE(workers.back(), nullptr);
   }
   const std::vector<int> codes = WaitAll({workers[0].get(), workers[1].get()}, absl::Minutes(3));
@@ -230,6 +231,143 @@ INSTANTIATE_TEST_SUITE_P(Accumulation, SyncEquivalenceTest, ::testing::Values(1,
                          [](const ::testing::TestParamInfo<int>& info) {
                            return absl::StrCat("k", info.param);
                          });
+
+// mode diloco (#14): 2 workers x 4 rounds of H = 5 inner SGD steps (lr 0.05, batch 32), outer
+// Nesterov SGD (lr 0.7, momentum 0.9) on 2 shards, against a reference written here: each
+// worker's local run from the round's global model on its own batches (BatchLoader rank r of
+// 2), the mean pseudo-gradient (global - local) as the gradient of the global parameters, and
+// torch::optim::SGD with nesterov as the outer step. The shards' final values must agree to
+// 1e-5, and every worker must push once per round (4 pushes, not 20).
+TEST_F(ConsistencyTest, DilocoMatchesLocalSgdWithANesterovOuterStep) {
+  if (!HaveMnist()) GTEST_SKIP() << "MNIST files not found under " << DataDir() << "/mnist";
+  constexpr int kH = 5, kRounds = 4, kBatch = 32;
+  constexpr uint64_t kSeed = 7;
+  constexpr double kTolerance = 1e-5;
+  const std::string job = "e2e-diloco";
+  ASSERT_NO_FATAL_FAILURE(StartServers(kShards));
+  const std::string spec = WriteYaml("diloco", absl::StrCat(R"(
+name: e2e-diloco
+model: {name: mlp}
+dataset: {name: mnist}
+optimizer: {name: sgd, lr: 0.05, lr_schedule: constant}
+batch_size: 32
+steps: )", kH * kRounds, R"(
+mode: diloco
+num_workers: 2
+num_shards: 2
+seed: 7
+log_every: 5
+diloco: {inner_steps: 5, outer_optimizer: nesterov, outer_lr: 0.7, outer_momentum: 0.9}
+)"));
+  std::vector<std::unique_ptr<Subprocess>> workers;
+  for (int r = 0; r < kWorkers; ++r) {
+    workers.push_back(StartWorker(
+        absl::StrCat("worker", r), {ServersFlag(), absl::StrCat("--rank=", r), "--job=" + spec,
+                                    "--evaluate=false", "--data_dir=" + DataDir()}));
+    ASSERT_NE(workers.back(), nullptr);
+  }
+  const std::vector<int> codes = WaitAll({workers[0].get(), workers[1].get()}, absl::Minutes(3));
+  for (int r = 0; r < kWorkers; ++r) {
+    ASSERT_EQ(codes[r], 0) << "worker " << r;
+    const std::string log = ReadFile(workers[r]->log_path());
+    const std::string done = DoneLine(log);
+    EXPECT_EQ(ToInt(LogField(done, "steps")), kH * kRounds) << done;
+    const std::vector<std::string> start = LinesWith(log, "event=train_start");
+    ASSERT_EQ(start.size(), 1u);
+    EXPECT_EQ(LogField(start[0], "inner_steps"), "5");
+    EXPECT_EQ(LogField(start[0], "outer_optimizer"), "nesterov");
+  }
+  for (int s = 0; s < kShards; ++s) {
+    ASSERT_OK_AND_ASSIGN(JobInfoResponse info, GetJobInfo(addresses_[s], job));
+    EXPECT_EQ(info.consistency(), "sync");
+    EXPECT_EQ(info.updates_applied(), kRounds);
+    EXPECT_EQ(info.pushes_applied(), kWorkers * kRounds);
+  }
+
+  torch::set_num_threads(1);
+  ModelSpec model_spec;
+  model_spec.set_name("mlp");
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Model> model, CreateModel(model_spec, kSeed));
+  std::vector<torch::Tensor> local = model->Parameters();
+  const std::vector<std::string> names = model->ParameterNames();
+  std::vector<torch::Tensor> global;
+  for (const torch::Tensor& p : local) global.push_back(p.detach().clone().requires_grad_(true));
+  torch::optim::SGD outer(global, torch::optim::SGDOptions(0.7).momentum(0.9).nesterov(true));
+  ASSERT_OK_AND_ASSIGN(JobData data, LoadDataset("mnist", DataDir() + "/mnist"));
+  std::vector<std::unique_ptr<BatchLoader>> loaders;
+  for (int r = 0; r < kWorkers; ++r) {
+    BatchLoader::Options lo;
+    lo.rank = r;
+    lo.world_size = kWorkers;
+    lo.batch_size = kBatch;
+    lo.max_steps = kH * kRounds;
+    lo.seed = kSeed;
+    ASSERT_OK_AND_ASSIGN(std::unique_ptr<BatchLoader> l, BatchLoader::Create(data.train.get(), lo));
+    loaders.push_back(std::move(l));
+  }
+  for (int round = 0; round < kRounds; ++round) {
+    std::vector<torch::Tensor> mean_pseudo;
+    for (const torch::Tensor& g : global) mean_pseudo.push_back(torch::zeros_like(g.detach()));
+    for (int r = 0; r < kWorkers; ++r) {
+      {
+        torch::NoGradGuard no_grad;
+        for (size_t i = 0; i < local.size(); ++i) local[i].copy_(global[i].detach());
+      }
+      for (int h = 0; h < kH; ++h) {
+        std::optional<Batch> batch = loaders[r]->Next();
+        ASSERT_TRUE(batch.has_value());
+        torch::Tensor x = torch::from_blob(batch->x.data(), {kBatch, 1, 28, 28}, torch::kFloat);
+        torch::Tensor y = torch::from_blob(batch->y.data(), {kBatch}, torch::kLong);
+        for (torch::Tensor& p : local) p.mutable_grad() = torch::Tensor();
+        ASSERT_OK_AND_ASSIGN(torch::Tensor loss, CrossEntropyLoss(model.get(), x, y));
+        loss.backward();
+        torch::NoGradGuard no_grad;
+        for (torch::Tensor& p : local) p.sub_(0.05 * p.grad());
+      }
+      torch::NoGradGuard no_grad;
+      for (size_t i = 0; i < local.size(); ++i) {
+        mean_pseudo[i].add_((global[i].detach() - local[i].detach()) / kWorkers);
+      }
+    }
+    outer.zero_grad();
+    for (size_t i = 0; i < global.size(); ++i) global[i].mutable_grad() = mean_pseudo[i];
+    outer.step();
+  }
+
+  // The shards' final values.
+  JobLayout layout;
+  layout.job = job;
+  layout.chunk_elems = (int64_t{1} << 20) / 4;
+  layout.consistency = "sync";
+  layout.num_workers = kWorkers;
+  for (size_t i = 0; i < global.size(); ++i) {
+    TensorSpec t;
+    t.set_name(names[i]);
+    for (int64_t d : global[i].sizes()) t.add_shape(d);
+    layout.tensors.push_back(t);
+  }
+  GrpcParameterClientOptions client_options;
+  client_options.servers = addresses_;
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<ParameterClient> client,
+                       NewGrpcParameterClient(layout, client_options));
+  std::vector<torch::Tensor> pulled;
+  std::vector<absl::Span<float>> spans;
+  for (const torch::Tensor& g : global) {
+    pulled.push_back(torch::full_like(g.detach(), std::nanf("")));
+    spans.emplace_back(pulled.back().data_ptr<float>(), pulled.back().numel());
+  }
+  ASSERT_OK(client->Pull(spans));
+  double max_rel = 0;
+  for (size_t i = 0; i < global.size(); ++i) {
+    const torch::Tensor ref = global[i].detach().to(torch::kDouble);
+    const double rel =
+        (pulled[i].to(torch::kDouble) - ref).norm().item<double>() / ref.norm().item<double>();
+    EXPECT_LE(rel, kTolerance) << names[i];
+    max_rel = std::max(max_rel, rel);
+  }
+  std::cout << "diloco vs local-SGD + Nesterov reference: max relative error " << max_rel << "\n";
+  ASSERT_NO_FATAL_FAILURE(StopServers());
+}
 
 // One ssp run: rank 1 sleeps `delay_ms` before every step, rank 0 runs free.
 struct SspResult {

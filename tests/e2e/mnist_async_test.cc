@@ -296,8 +296,7 @@ TEST_F(E2eTest, Bf16AutocastMatchesFp32AccuracyOnMnist) {
     speed[k] = ToDouble(LogField(done, "samples_per_s"));
   }
   std::cout << "MNIST MLP 1 epoch: fp32 accuracy " << accuracy[0] << " at " << speed[0]
-            << " samples/s; bf16 accuracy " << accuracy[1] << " at " << speed[1]
-            << " samples/s\n";
+            << " samples/s; bf16 accuracy " << accuracy[1] << " at " << speed[1] << " samples/s\n";
   EXPECT_GE(accuracy[0], 0.95);
   EXPECT_GE(accuracy[1], 0.95);
   EXPECT_NEAR(accuracy[1], accuracy[0], 0.003);

@@ -12,6 +12,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "common/job_spec.h"
+#include "common/optimizer.h"
 #include "common/status.h"
 #include "worker/core/auto_codec.h"
 
@@ -43,8 +44,8 @@ class PsMode : public TrainingMode {
     evaluate_ = evaluate;
   }
 
- private:
-  JobLayout Layout(const ModelView& model, int64_t total_steps) const;
+ protected:
+  virtual JobLayout Layout(const ModelView& model, int64_t total_steps) const;
   absl::Status MaybeSwitchCodec(int64_t step, double loss, double compute_s, double comm_s);
   // Waits (bounded by options.wait_for_workers) until every worker of the group finished.
   absl::Status WaitForWorkers();
@@ -215,11 +216,142 @@ absl::StatusOr<bool> PsMode::Finish(int64_t step, TrainResult* result) {
   return true;
 }
 
+// mode "diloco" (proto DilocoSpec): the shards hold the global parameters and the outer
+// optimizer (SGD, Nesterov or plain momentum, lr outer_lr) under a sync barrier per round;
+// each worker keeps its own parameters in the model and its inner optimizer (the job's
+// optimizer, lr schedule over all its local steps) here. Step t updates the model locally;
+// after every inner_steps steps (and after the last one) the worker pushes the round's
+// pseudo-gradient, global - local for parameters and local - global for buffers (the
+// shards add the mean of buffer deltas), as push `step` = the round number, then pulls the
+// new global values into the model. With outer SGD at lr 1 and no momentum a round is exactly
+// the average of the workers' local models (tested).
+//
+// Resume: the shards know the rounds each worker pushed; a worker restarts at the first step
+// of its next round with a fresh inner optimizer (its inner state is not checkpointed).
+class DilocoMode : public PsMode {
+ public:
+  using PsMode::PsMode;
+
+  absl::StatusOr<int64_t> Start(ModelView* model, const LoopInfo& info) override {
+    inner_steps_ = std::max(1, spec_.diloco().inner_steps());
+    total_ = info.total_steps;
+    inner_spec_ = WithDecayUpdates(ScaledOptimizer(spec_, spec_.num_workers()), total_);
+    ASSIGN_OR_RETURN(const int64_t rounds_done, PsMode::Start(model, info));
+    ASSIGN_OR_RETURN(inner_, OptimizerRegistry::WithBuiltins().Create(inner_spec_));
+    for (int i = 0; i < model->size(); ++i) {
+      global_.emplace_back(model->params[i].begin(), model->params[i].end());
+      pseudo_.emplace_back(model->params[i].size());
+      if (!model->is_buffer(i)) {
+        slots_.emplace_back(inner_->num_slots(), std::vector<float>(model->params[i].size()));
+      }
+    }
+    slot_ptrs_.resize(inner_->num_slots());
+    const int64_t first = std::min(rounds_done * inner_steps_, total_);
+    round_start_ = first;
+    return first;
+  }
+
+  std::vector<LogField> StartFields() const override {
+    std::vector<LogField> f = PsMode::StartFields();
+    f.push_back(Kv("inner_steps", inner_steps_));
+    f.push_back(Kv("inner_optimizer", inner_spec_.name()));
+    f.push_back(Kv("outer_optimizer", spec_.diloco().outer_optimizer()));
+    f.push_back(Kv("outer_lr", spec_.diloco().outer_lr()));
+    return f;
+  }
+
+  absl::StatusOr<StepOutcome> Exchange(int64_t step,
+                                       absl::Span<const absl::Span<const float>> grads, double loss,
+                                       const StepTiming& timing) override {
+    // The inner step, local.
+    const float lr_factor = LrScheduleFactor(inner_spec_, step);
+    int p = 0;
+    for (int i = 0; i < model_->size(); ++i) {
+      absl::Span<float> x = model_->params[i];
+      if (model_->is_buffer(i)) {
+        for (size_t j = 0; j < x.size(); ++j) x[j] += grads[i][j];
+        continue;
+      }
+      for (size_t k = 0; k < slot_ptrs_.size(); ++k) slot_ptrs_[k] = slots_[p][k].data();
+      inner_->Apply(step + 1 - round_start_, lr_factor, grads[i].data(), x.data(),
+                    slot_ptrs_.data(), static_cast<int64_t>(x.size()));
+      ++p;
+    }
+    StepOutcome out;
+    out.loss = loss;
+    const int64_t done = step + 1;
+    if (done % inner_steps_ != 0 && done != total_) return out;
+    // The round: pseudo-gradients out, the new global model in.
+    const int64_t round = step / inner_steps_;
+    for (int i = 0; i < model_->size(); ++i) {
+      const absl::Span<const float> x = model_->params[i];
+      const std::vector<float>& g = global_[i];
+      std::vector<float>& d = pseudo_[i];
+      if (model_->is_buffer(i)) {
+        for (size_t j = 0; j < x.size(); ++j) d[j] = x[j] - g[j];
+      } else {
+        for (size_t j = 0; j < x.size(); ++j) d[j] = g[j] - x[j];
+      }
+    }
+    std::vector<absl::Span<const float>> push(pseudo_.begin(), pseudo_.end());
+    RETURN_IF_ERROR(client_->Push(round, push));
+    RETURN_IF_ERROR(client_->Pull(model_->params));
+    for (int i = 0; i < model_->size(); ++i) {
+      std::copy(model_->params[i].begin(), model_->params[i].end(), global_[i].begin());
+    }
+    ++rounds_;
+    return out;
+  }
+
+  absl::StatusOr<bool> MaybeCheckpoint(int64_t steps_done) override {
+    // The shards snapshot durably every checkpoint.every_steps rounds' worth of updates.
+    const int64_t every = spec_.checkpoint().every_steps();
+    return every > 0 && steps_done % inner_steps_ == 0 && steps_done % every == 0;
+  }
+
+  std::vector<LogField> ProgressFields(int64_t done, int64_t window) override {
+    std::vector<LogField> f = PsMode::ProgressFields(done, window);
+    f.push_back(Kv("rounds", rounds_));
+    return f;
+  }
+
+ protected:
+  JobLayout Layout(const ModelView& model, int64_t total_steps) const override {
+    JobLayout layout = PsMode::Layout(model, total_steps);
+    // The shards: a sync barrier per round and the outer optimizer, constant lr.
+    layout.consistency = "sync";
+    OptimizerSpec outer;
+    outer.set_name("sgd");
+    outer.set_lr(spec_.diloco().outer_lr());
+    outer.set_momentum(spec_.diloco().outer_momentum());
+    outer.set_nesterov(spec_.diloco().outer_optimizer() == "nesterov");
+    layout.optimizer = outer;
+    return layout;
+  }
+
+ private:
+  // The inner optimizer: the job's, lr scaled as lr_scaling says, its schedule over the
+  // worker's local steps (set in Start).
+  OptimizerSpec inner_spec_;
+  int inner_steps_ = 1;
+  int64_t total_ = 0;
+  int64_t round_start_ = 0;  // The first step of this run (resume: a round's first).
+  int64_t rounds_ = 0;
+  std::unique_ptr<Optimizer> inner_;
+  std::vector<std::vector<float>> global_;              // The round's global values.
+  std::vector<std::vector<float>> pseudo_;              // The round's pushes.
+  std::vector<std::vector<std::vector<float>>> slots_;  // [param][slot][element].
+  std::vector<float*> slot_ptrs_;
+};
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<TrainingMode>> NewPsMode(const TrainerOptions& options,
                                                         ParameterClientFactory client_factory) {
   if (!client_factory) return absl::InvalidArgumentError("trainer: no client factory");
+  if (options.mode == Mode::kDiloco) {
+    return std::unique_ptr<TrainingMode>(new DilocoMode(options, std::move(client_factory)));
+  }
   return std::unique_ptr<TrainingMode>(new PsMode(options, std::move(client_factory)));
 }
 
