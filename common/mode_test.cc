@@ -15,12 +15,13 @@ TEST(ModeTest, ParsesEveryModeAndItsAliases) {
   EXPECT_EQ(*ParseMode("sync"), Mode::kSync);
   EXPECT_EQ(*ParseMode("gossip"), Mode::kGossip);
   EXPECT_EQ(*ParseMode("allreduce"), Mode::kAllreduce);
+  EXPECT_EQ(*ParseMode("diloco"), Mode::kDiloco);
 }
 
 TEST(ModeTest, RefusesUnknownModesNamingTheKnownOnes) {
-  EXPECT_STATUS_MSG(ParseMode("diloco"), absl::StatusCode::kInvalidArgument,
-                    "mode \"diloco\" is not one of async (or ps), ssp:<staleness>, sync, gossip, "
-                    "allreduce");
+  EXPECT_STATUS_MSG(ParseMode("localsgd"), absl::StatusCode::kInvalidArgument,
+                    "mode \"localsgd\" is not one of async (or ps), ssp:<staleness>, sync, "
+                    "gossip, allreduce, diloco");
   EXPECT_STATUS_MSG(ParseMode(""), absl::StatusCode::kInvalidArgument, "mode \"\"");
   EXPECT_STATUS_MSG(ParseMode("ssp:-1"), absl::StatusCode::kInvalidArgument,
                     "must be an integer >= 0");
@@ -29,7 +30,7 @@ TEST(ModeTest, RefusesUnknownModesNamingTheKnownOnes) {
 }
 
 TEST(ModeTest, NamesRoundTripAndPsModes) {
-  for (Mode m : {Mode::kAsync, Mode::kSync, Mode::kGossip, Mode::kAllreduce}) {
+  for (Mode m : {Mode::kAsync, Mode::kSync, Mode::kGossip, Mode::kAllreduce, Mode::kDiloco}) {
     EXPECT_EQ(*ParseMode(ModeName(m)), m);
   }
   EXPECT_EQ(ModeName(Mode::kSsp), "ssp");
@@ -38,6 +39,10 @@ TEST(ModeTest, NamesRoundTripAndPsModes) {
   EXPECT_TRUE(IsPsMode(Mode::kSync));
   EXPECT_FALSE(IsPsMode(Mode::kGossip));
   EXPECT_FALSE(IsPsMode(Mode::kAllreduce));
+  EXPECT_TRUE(IsPsMode(Mode::kDiloco));
+  EXPECT_TRUE(UsesSyncBarrier(Mode::kSync));
+  EXPECT_TRUE(UsesSyncBarrier(Mode::kDiloco));
+  EXPECT_FALSE(UsesSyncBarrier(Mode::kAsync));
 }
 
 }  // namespace

@@ -115,6 +115,10 @@ ABSL_FLAG(std::string, lr_scaling, "",
           "Job spec lr_scaling.rule: none, linear or sqrt (needs --lr_base_batch_size).");
 ABSL_FLAG(int32_t, lr_base_batch_size, 0, "Job spec lr_scaling.base_batch_size.");
 ABSL_FLAG(int64_t, lr_warmup_steps, 0, "Job spec lr_scaling.warmup_steps.");
+ABSL_FLAG(int32_t, inner_steps, 0, "mode diloco: diloco.inner_steps (local steps per round).");
+ABSL_FLAG(std::string, outer_optimizer, "", "mode diloco: diloco.outer_optimizer (nesterov, sgd).");
+ABSL_FLAG(double, outer_lr, 0, "mode diloco: diloco.outer_lr.");
+ABSL_FLAG(double, outer_momentum, 0, "mode diloco: diloco.outer_momentum.");
 ABSL_FLAG(int, batch_size, 0, "Samples per worker per step.");
 ABSL_FLAG(int, epochs, 0, "Epochs.");
 ABSL_FLAG(int64_t, steps, 0, "Steps per worker (instead of epochs).");
@@ -213,6 +217,18 @@ absl::StatusOr<WorkerMainOptions> ParseOptions() {
   }
   if (absl::GetFlag(FLAGS_lr_base_batch_size) != 0) {
     spec.mutable_lr_scaling()->set_base_batch_size(absl::GetFlag(FLAGS_lr_base_batch_size));
+  }
+  if (absl::GetFlag(FLAGS_inner_steps) != 0) {
+    spec.mutable_diloco()->set_inner_steps(absl::GetFlag(FLAGS_inner_steps));
+  }
+  if (!absl::GetFlag(FLAGS_outer_optimizer).empty()) {
+    spec.mutable_diloco()->set_outer_optimizer(absl::GetFlag(FLAGS_outer_optimizer));
+  }
+  if (absl::GetFlag(FLAGS_outer_lr) != 0) {
+    spec.mutable_diloco()->set_outer_lr(absl::GetFlag(FLAGS_outer_lr));
+  }
+  if (absl::GetFlag(FLAGS_outer_momentum) != 0) {
+    spec.mutable_diloco()->set_outer_momentum(absl::GetFlag(FLAGS_outer_momentum));
   }
   if (absl::GetFlag(FLAGS_lr_warmup_steps) != 0) {
     spec.mutable_lr_scaling()->set_warmup_steps(absl::GetFlag(FLAGS_lr_warmup_steps));

@@ -10,6 +10,8 @@
 #   MODES="allreduce ddp_gloo" ALLREDUCE_FLAGS="--job=/tmp/ar.yaml" bash tests/bench/modes.sh
 #     MODES: which of ps gossip allreduce ddp_gloo to run (default all); <MODE>_FLAGS (upper
 #     case, e.g. ALLREDUCE_FLAGS): extra worker flags for that mode.
+#   LABEL names the run in the JSON lines; bytes_per_sample = all workers' bytes pushed +
+#   pulled (on the wire) / all their samples.
 #   GRADMESH_BIN=/path bash tests/bench/modes.sh
 #     runs prebuilt binaries (<path>/server/gradmesh_server, <path>/worker/gradmesh_worker),
 #     e.g. another commit's, for a before/after comparison in one session.
@@ -103,21 +105,22 @@ run_workers() {
     wpids+=($!)
   done
   for p in "${wpids[@]}"; do wait "$p" || { tail -5 "$RUN_DIR/$mode-w"*.log >&2; return 1; }; done
-  local samples=0 wall=0 acc="" tl="" ppl="" line s w
+  local samples=0 wall=0 acc="" tl="" ppl="" line s w bytes=0
   for ((r = 0; r < WORKERS; r++)); do
     line="$(grep 'event=done' "$RUN_DIR/$mode-w$r.log" | tail -1)"
     s="$(field samples "$line")"; w="$(field wall_s "$line")"
     samples=$((samples + s))
+    bytes=$((bytes + $(field bytes_pushed "$line") + $(field bytes_pulled "$line")))
     wall="$("$PYTHON" -c "print(max($wall, $w))")"
     if [ "$r" = 0 ]; then
       acc="$(field accuracy "$line")" tl="$(field test_loss "$line")"
       ppl="$(field perplexity "$line")"
     fi
   done
-  "$PYTHON" -c "import json; print(json.dumps({'bench':'modes','workload':'$WORKLOAD','mode':'$mode','workers':$WORKERS,'samples_per_s':round($samples/$wall,1),'accuracy':$acc,'test_loss':$tl,'perplexity':$ppl,'wall_s':$wall,'steps_or_epochs':'${STEPS:-$EPOCHS}','batch':$BATCH}))"
+  "$PYTHON" -c "import json; print(json.dumps({'bench':'modes','workload':'$WORKLOAD','mode':'$mode','workers':$WORKERS,'label':'${LABEL:-$mode}','samples_per_s':round($samples/$wall,1),'bytes_per_sample':round($bytes/max($samples,1),1),'accuracy':$acc,'test_loss':$tl,'perplexity':$ppl,'wall_s':$wall,'steps_or_epochs':'${STEPS:-$EPOCHS}','batch':$BATCH}))"
 }
 
-# ps (async) through 2 shards.
+# ps (async by default; PS_FLAGS="--mode=diloco --inner_steps=50" for DiLoCo) through 2 shards.
 if want ps; then
 SERVERS=""
 for s in 0 1; do
