@@ -185,11 +185,13 @@ class TrainingLoop {
   BatchLoader::Options loader_options_;
   int64_t total_ = 0;
   int64_t epochs_ = 0;
-  int accum_ = 1;             // Micro-batches per step (JobSpec.accumulation_steps).
-  bool hook_live_ = true;     // The gradient hook hands gradients to the mode (last micro).
-  bool bf16_ = false;         // JobSpec.precision bf16: forward under autocast.
-  ClipOptions clip_;          // Clipping done by the loop (async, ssp, gossip).
-  ClipCounters clip_window_;  // Since the last progress line.
+  int accum_ = 1;                 // Micro-batches per step (JobSpec.accumulation_steps).
+  bool hook_live_ = true;         // The gradient hook hands gradients to the mode (last micro).
+  bool bf16_ = false;             // JobSpec.precision bf16: forward under autocast.
+  ClipOptions clip_;              // Clipping done by the loop (async, ssp, gossip).
+  ClipCounters clip_window_;      // Since the last progress line.
+  double window_grad_norm_ = -1;  // The last progress line's (-1: not clipping).
+  double window_clipped_ = -1;
 
   TrainResult result_;
   int64_t step_ = 0;
@@ -507,6 +509,8 @@ void TrainingLoop::Progress(const Batch& batch) {
     // window (the loop's for async/ssp/gossip, the mode's for allreduce).
     const ClipCounters clip = clip_.enabled() ? clip_window_ : mode_->TakeClipCounters();
     if (clip.steps > 0) {
+      window_grad_norm_ = clip.norm_sum / static_cast<double>(clip.steps);
+      window_clipped_ = static_cast<double>(clip.clipped) / static_cast<double>(clip.steps);
       f.push_back(Kv("grad_norm", absl::StrFormat("%.4g", clip.norm_sum / clip.steps)));
       f.push_back(Kv("clipped", absl::StrFormat("%.3f", static_cast<double>(clip.clipped) /
                                                             static_cast<double>(clip.steps))));
@@ -535,6 +539,8 @@ void TrainingLoop::Report(double samples_per_s, double accuracy) const {
   p.test_loss = result_.test_loss;  // -1 until evaluated.
   p.perplexity = result_.perplexity;
   p.checkpoint_step = checkpoint_step_;
+  p.grad_norm = window_grad_norm_;
+  p.clipped_fraction = window_clipped_;
   options_.on_progress(p);
 }
 

@@ -478,6 +478,8 @@ TEST(TrainingFeaturesTest, ClippingMatchesTorchSemantics) {
   o.spec.set_accumulation_steps(2);
   o.spec.set_clip_grad_value(0.05);
   o.spec.set_clip_grad_norm(0.5);  // MNIST MLP gradients start well above it.
+  std::vector<TrainProgress> reports;
+  o.on_progress = [&reports](const TrainProgress& p) { reports.push_back(p); };
   SgdMode mode;
   std::atomic<bool> stop{false};
   ASSERT_OK_AND_ASSIGN(TrainResult r, RunTrainingLoop(o, &mode, stop));
@@ -494,6 +496,10 @@ TEST(TrainingFeaturesTest, ClippingMatchesTorchSemantics) {
     with_norm += line.find(" grad_norm=") != std::string::npos ? 1 : 0;
   }
   EXPECT_EQ(with_norm, 3);  // log_every 2: steps 2, 4 and the last.
+  // And the reports (heartbeats, metrics) carry them.
+  ASSERT_FALSE(reports.empty());
+  EXPECT_GT(reports.back().grad_norm, 0.5);
+  EXPECT_EQ(reports.back().clipped_fraction, 1.0);
   // Without clipping the same run ends elsewhere (the bounds bite).
   TrainerOptions plain = Options(5);
   plain.spec.set_accumulation_steps(2);

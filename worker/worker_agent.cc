@@ -141,6 +141,8 @@ void WorkerAgent::Execute(Run* run) {
       run->report.set_test_loss(p.test_loss);
       run->report.set_perplexity(p.perplexity);
     }
+    run->report.set_grad_norm(p.grad_norm);
+    run->report.set_clipped_fraction(p.clipped_fraction);
     if (p.checkpoint_step >= 0) run->report.set_checkpoint_step(p.checkpoint_step);
   };
   WirePublishing(task, run->logger.get(), &to);

@@ -28,6 +28,13 @@ void CollectWorkerMetrics(const std::vector<TaskReport>& reports, MetricsWriter*
     if (r.accuracy() >= 0) {
       w->Gauge("gradmesh_worker_accuracy", "Test accuracy once evaluated.", l, r.accuracy());
     }
+    // Only jobs that clip (0 is a report from before this field existed, or a zero norm).
+    if (r.grad_norm() > 0 || r.clipped_fraction() > 0) {
+      w->Gauge("gradmesh_worker_grad_norm", "Mean pre-clip gradient norm, last log window.", l,
+               r.grad_norm());
+      w->Gauge("gradmesh_worker_clipped_fraction", "Fraction of steps clipped, last log window.", l,
+               r.clipped_fraction());
+    }
   }
 }
 
@@ -44,6 +51,8 @@ TaskReport ReportFromProgress(const std::string& job, int32_t rank, const std::s
   r.set_accuracy(progress.accuracy);
   r.set_samples_per_s(progress.samples_per_s);
   r.set_checkpoint_step(progress.checkpoint_step);
+  r.set_grad_norm(progress.grad_norm);
+  r.set_clipped_fraction(progress.clipped_fraction);
   return r;
 }
 

@@ -8,6 +8,7 @@
 //   gradmesh_worker_samples_per_second                 over the last log window
 //   gradmesh_worker_checkpoint_step                    latest checkpoint (-1: none)
 //   gradmesh_worker_accuracy                           once evaluated
+//   gradmesh_worker_grad_norm / _clipped_fraction      jobs that clip: last log window
 #ifndef GRADMESH_WORKER_WORKER_METRICS_H_
 #define GRADMESH_WORKER_WORKER_METRICS_H_
 

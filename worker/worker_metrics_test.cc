@@ -20,6 +20,8 @@ TEST(WorkerMetricsTest, RanksByStateAndPerRankFigures) {
   EXPECT_EQ(running.index(), 1);
   EXPECT_EQ(running.step(), 120);
   p.accuracy = 0.975;
+  p.grad_norm = 2.5;
+  p.clipped_fraction = 0.25;
   TaskReport done = ReportFromProgress("other", 0, "succeeded", p);
   MetricsWriter w;
   CollectWorkerMetrics({running, done}, &w);
@@ -33,10 +35,14 @@ TEST(WorkerMetricsTest, RanksByStateAndPerRankFigures) {
            "gradmesh_worker_samples_per_second{job_id=\"mnist\",rank=\"1\"} 8000\n",
            "gradmesh_worker_checkpoint_step{job_id=\"mnist\",rank=\"1\"} 100\n",
            "gradmesh_worker_accuracy{job_id=\"other\",rank=\"0\"} 0.97499999999999998\n",
+           "gradmesh_worker_grad_norm{job_id=\"other\",rank=\"0\"} 2.5\n",
+           "gradmesh_worker_clipped_fraction{job_id=\"other\",rank=\"0\"} 0.25\n",
        }) {
     EXPECT_TRUE(absl::StrContains(text, line)) << line << "\nin:\n" << text;
   }
   EXPECT_FALSE(absl::StrContains(text, "gradmesh_worker_accuracy{job_id=\"mnist\"")) << text;
+  // A job that does not clip has no clipping gauges.
+  EXPECT_FALSE(absl::StrContains(text, "gradmesh_worker_grad_norm{job_id=\"mnist\"")) << text;
   // No ranks: the running count is still there (0), so dashboards see the daemon.
   MetricsWriter empty;
   CollectWorkerMetrics({}, &empty);

@@ -251,7 +251,8 @@ model: {name: mlp}
 dataset: {name: mnist}
 optimizer: {name: sgd, lr: 0.05, lr_schedule: constant}
 batch_size: 32
-steps: )", kH * kRounds, R"(
+steps: )",
+                                                            kH * kRounds, R"(
 mode: diloco
 num_workers: 2
 num_shards: 2
@@ -261,9 +262,9 @@ diloco: {inner_steps: 5, outer_optimizer: nesterov, outer_lr: 0.7, outer_momentu
 )"));
   std::vector<std::unique_ptr<Subprocess>> workers;
   for (int r = 0; r < kWorkers; ++r) {
-    workers.push_back(StartWorker(
-        absl::StrCat("worker", r), {ServersFlag(), absl::StrCat("--rank=", r), "--job=" + spec,
-                                    "--evaluate=false", "--data_dir=" + DataDir()}));
+    workers.push_back(StartWorker(absl::StrCat("worker", r),
+                                  {ServersFlag(), absl::StrCat("--rank=", r), "--job=" + spec,
+                                   "--evaluate=false", "--data_dir=" + DataDir()}));
     ASSERT_NE(workers.back(), nullptr);
   }
   const std::vector<int> codes = WaitAll({workers[0].get(), workers[1].get()}, absl::Minutes(3));

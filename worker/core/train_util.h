@@ -37,6 +37,8 @@ struct TrainProgress {
   double test_loss = -1;     // Set once evaluated.
   double perplexity = -1;    // Set once evaluated (sequence models).
   int64_t checkpoint_step = -1;
+  double grad_norm = -1;         // Clipping jobs: mean pre-clip norm over the last window.
+  double clipped_fraction = -1;  // Clipping jobs: fraction of the window's steps clipped.
 };
 
 // Where a rank runs forward and backward (worker flag --device). The modes never see it: they
