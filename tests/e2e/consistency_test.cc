@@ -66,7 +66,8 @@ class ConsistencyTest : public E2eHarness {};
 // With accumulation_steps 2 (#14) each worker runs 2 micro-batches of 16 per step: loader
 // batches 2t and 2t+1 of 16, whose union over both workers is again perm[64t, 64t+64), and
 // the loop's accumulated gradient is the mean over the worker's 32 samples, so the same
-// reference holds.
+// reference holds. k1 also sets lr_scaling (linear, base batch 32) with half the lr: the
+// shards' lr is then exactly the reference's.
 class SyncEquivalenceTest : public ConsistencyTest, public ::testing::WithParamInterface<int> {};
 
 TEST_P(SyncEquivalenceTest, SyncMatchesSingleProcessSgd) {
@@ -85,7 +86,11 @@ TEST_P(SyncEquivalenceTest, SyncMatchesSingleProcessSgd) {
     workers.push_back(StartWorker(
         absl::StrCat("worker", r),
         {ServersFlag(), absl::StrCat("--rank=", r), absl::StrCat("--num_workers=", kWorkers),
-         "--name=" + job, "--mode=sync", "--optimizer=sgd", absl::StrCat("--lr=", kLr),
+         "--name=" + job, "--mode=sync", "--optimizer=sgd",
+         // k1 also runs lr_scaling: linear with base batch 32 doubles lr / 2 for the global
+         // batch of 64, so the shards must apply exactly kLr.
+         absl::StrCat("--lr=", accumulation == 1 ? kLr / 2 : kLr),
+         accumulation == 1 ? "--lr_scaling=linear" : "--lr_scaling=none", "--lr_base_batch_size=32",
          "--lr_schedule=constant", absl::StrCat("--batch_size=", kBatch),
          absl::StrCat("--steps=", kSteps), absl::StrCat("--accumulation_steps=", accumulation),
          "--model=mlp", "--dataset=mnist", absl::StrCat("--seed=", kSeed), "--evaluate=false",
@@ -99,6 +104,14 @@ TEST_P(SyncEquivalenceTest, SyncMatchesSingleProcessSgd) {
     ASSERT_FALSE(done.empty()) << "worker " << r;
     EXPECT_EQ(ToInt(LogField(done, "steps")), kSteps) << done;
     EXPECT_EQ(ToInt(LogField(done, "samples")), kSteps * 32) << done;
+    if (accumulation == 1) {
+      const std::vector<std::string> start =
+          LinesWith(ReadFile(workers[r]->log_path()), "event=train_start");
+      ASSERT_EQ(start.size(), 1u);
+      EXPECT_EQ(LogField(start[0], "lr_scaling"), "linear");
+      EXPECT_EQ(LogField(start[0], "lr"), "0.05");
+      EXPECT_EQ(LogField(start[0], "lr_base"), "0.025");
+    }
     EXPECT_EQ(ToInt(LogField(done, "first_step")), 0) << done;
   }
 
