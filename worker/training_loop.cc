@@ -186,6 +186,7 @@ class TrainingLoop {
   int64_t total_ = 0;
   int64_t epochs_ = 0;
   int accum_ = 1;                 // Micro-batches per step (JobSpec.accumulation_steps).
+  std::vector<char> hooked_;  // Per parameter: the hook fired in the last micro-batch's backward.
   bool hook_live_ = true;         // The gradient hook hands gradients to the mode (last micro).
   bool bf16_ = false;             // JobSpec.precision bf16: forward under autocast.
   ClipOptions clip_;              // Clipping done by the loop (async, ssp, gossip).
@@ -365,6 +366,7 @@ absl::Status TrainingLoop::Setup() {
         // the accumulated gradient: this backward's share plus what .grad holds already (a
         // leaf's hook runs before its gradient is accumulated).
         if (!hook_live_) return;
+        hooked_[index] = 1;
         const torch::Tensor& held = params_[index].grad();
         mode->OnGradient(
             index, GradOut(index, held.defined() ? (grad + held).contiguous() : grad.contiguous()));
@@ -422,6 +424,7 @@ absl::Status TrainingLoop::MicroStep(Batch& batch, int k, double* loss_sum) {
   const bool last = k == accum_ - 1;
   if (last) mode_->BeforeBackward(step_, *loss_sum / accum_, stop_.load());
   hook_live_ = last;
+  if (last) hooked_.assign(params_.size(), 0);
   try {
     (accum_ > 1 ? loss / static_cast<double>(accum_) : loss).backward();
   } catch (const c10::Error& e) {
@@ -458,9 +461,11 @@ absl::Status TrainingLoop::Step(std::vector<Batch>& micro, StepOutcome* outcome)
     torch::Tensor& g = params_[i].mutable_grad();
     // A parameter the forward did not use has no gradient: it counts as zero (and is still
     // exchanged, so every rank's exchange has the same shape).
-    if (!g.defined()) {
-      g = torch::zeros_like(params_[i]);
-      if (mode_->wants_gradient_hook()) mode_->OnGradient(static_cast<int>(i), GradOut(i, g));
+    if (!g.defined()) g = torch::zeros_like(params_[i]);
+    // With the hook, a parameter the last micro-batch's forward did not use (no hook call) is
+    // handed over now: zeros, or what the earlier micro-batches accumulated.
+    if (mode_->wants_gradient_hook() && !hooked_[i]) {
+      mode_->OnGradient(static_cast<int>(i), GradOut(i, g.contiguous()));
     }
     if (!g.is_contiguous()) g = g.contiguous();
     // On a GPU with the hook, the hook has already copied the gradient to the host.
