@@ -260,6 +260,11 @@ absl::Status ValidateTrainingFeatures(const JobSpec& spec) {
   RETURN_IF_ERROR(CheckFloat("diloco.outer_lr", d.outer_lr(), 0, 1e6));
   RETURN_IF_ERROR(CheckFloat("diloco.outer_momentum", d.outer_momentum(), 0, 1, true));
   if (SpecMode(spec) == Mode::kDiloco) {
+    if (!spec.lr_scaling().rule().empty() && spec.lr_scaling().rule() != "none") {
+      return Bad("lr_scaling.rule", absl::StrCat("\"", spec.lr_scaling().rule(), "\""),
+                 "is not supported in mode diloco: the inner steps are each worker's own batch, "
+                 "and the outer step averages pseudo-gradients (set diloco.outer_lr instead)");
+    }
     if (d.outer_optimizer() == "nesterov" && !(d.outer_momentum() > 0)) {
       return Bad("diloco.outer_momentum", Num(d.outer_momentum()),
                  "must be > 0 with outer_optimizer nesterov");
@@ -381,7 +386,13 @@ void ApplyJobSpecDefaults(int num_servers, JobSpec* spec) {
   if (spec->chunk_bytes() == 0) spec->set_chunk_bytes(1 << 20);
   if (spec->seed() == 0) spec->set_seed(1);
   if (spec->log_every() == 0) spec->set_log_every(50);
-  if (spec->barrier_timeout_s() == 0) spec->set_barrier_timeout_s(120);
+  if (spec->barrier_timeout_s() == 0) {
+    // diloco: a round's barrier waits for workers that may drift apart over inner_steps steps.
+    const int32_t inner = spec->mode() == "diloco" && spec->diloco().inner_steps() > 0
+                              ? spec->diloco().inner_steps()
+                              : (spec->mode() == "diloco" ? 50 : 1);
+    spec->set_barrier_timeout_s(std::max(120, 10 * std::min(inner, 1 << 20)));
+  }
   if (spec->mode() == "ps") spec->set_mode("async");
   // diloco averages pseudo-gradients: a smaller group changes no lr.
   if (spec->sync_lr_scaling().empty()) {
@@ -425,7 +436,11 @@ void ApplyJobSpecDefaults(int num_servers, JobSpec* spec) {
       // Clamped so the product cannot overflow; ValidateJobSpec refuses the inputs anyway.
       const int64_t every = std::min(spec->checkpoint().every_steps(), kMaxSpecSteps + 1);
       const int64_t workers = std::clamp<int64_t>(spec->num_workers(), 1, kMaxSpecWorkers + 1);
-      d->set_snapshot_every_updates(every * (mode == Mode::kSync ? 1 : workers));
+      // diloco: one update per round of inner_steps steps.
+      const int64_t inner = std::max(1, spec->diloco().inner_steps());
+      d->set_snapshot_every_updates(mode == Mode::kDiloco
+                                        ? (every + inner - 1) / inner
+                                        : every * (mode == Mode::kSync ? 1 : workers));
     }
   }
   if (d->mode().empty()) d->set_mode("none");
@@ -578,7 +593,12 @@ OptimizerSpec ScaledOptimizer(const JobSpec& spec, int64_t workers) {
   if (k == 1.0 && spec.lr_scaling().warmup_steps() == 0) return o;
   o.set_lr(o.lr() * k);
   if (spec.lr_scaling().warmup_steps() > 0) {
-    o.set_warmup_updates(spec.lr_scaling().warmup_steps());
+    // In updates of the schedule: async/ssp shards count every worker's pushes.
+    const Mode mode = SpecMode(spec);
+    const int64_t per_step =
+        mode == Mode::kAsync || mode == Mode::kSsp ? std::max<int64_t>(1, workers) : 1;
+    o.set_warmup_updates(std::max(
+        o.warmup_updates(), std::min(spec.lr_scaling().warmup_steps(), kMaxSpecSteps) * per_step));
     o.set_warmup_start_fraction(std::min(1.0, 1.0 / k));
   }
   return o;

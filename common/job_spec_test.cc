@@ -210,6 +210,13 @@ TEST(JobSpecTest, ValidationTable) {
        "job spec: lr_scaling: 6.4e+39 makes optimizer.lr out of float32 range"},
       {"optimizer: {warmup_start_fraction: 2}",
        "job spec: optimizer.warmup_start_fraction: 2 is out of range [0, 1]"},
+      {"mode: diloco\nlr_scaling: {rule: linear, base_batch_size: 64}",
+       "lr_scaling.rule: \"linear\" is not supported in mode diloco"},
+      {"mode: diloco\ndiloco: {outer_optimizer: adam}",
+       "job spec: diloco.outer_optimizer: \"adam\" is not one of nesterov, sgd"},
+      {"mode: diloco\ndiloco: {outer_lr: -1}", "diloco.outer_lr: -1 is out of range"},
+      {"mode: diloco\ndiloco: {outer_momentum: 1}", "diloco.outer_momentum: 1 is out of range"},
+      {"mode: diloco\ndiloco: {inner_steps: -5}", "diloco.inner_steps: -5 is out of range"},
       // Counts within limits.
       {"num_workers: 2000", "job spec: num_workers: 2000 is out of range [1, 1024]"},
       {"num_workers: 2147483647", "num_workers: 2147483647 is out of range [1, 1024]"},
@@ -269,6 +276,7 @@ TEST(JobSpecTest, ValidationTable) {
 // A spec that arrives as protobuf bytes may carry fields this binary does not know.
 TEST(JobSpecTest, LrScalingFollowsTheGlobalBatch) {
   JobSpec spec;
+  spec.set_mode("sync");  // One schedule update per step.
   spec.set_batch_size(32);
   spec.set_accumulation_steps(2);
   spec.mutable_optimizer()->set_lr(0.1);
@@ -289,11 +297,33 @@ TEST(JobSpecTest, LrScalingFollowsTheGlobalBatch) {
   EXPECT_NEAR(o.lr() * LrScheduleFactor(o, 0), 0.1 + 0.3 * 0.1, 1e-7);
   EXPECT_NEAR(o.lr() * LrScheduleFactor(o, 9), 0.4, 1e-7);
   EXPECT_NEAR(o.lr() * LrScheduleFactor(o, 100), 0.4, 1e-7);
+  // async: the shards count every worker's pushes, so 10 steps of 4 workers are 40 updates;
+  // a longer warm-up the optimizer already has is kept.
+  spec.set_mode("async");
+  EXPECT_EQ(ScaledOptimizer(spec, 4).warmup_updates(), 40);
+  spec.mutable_optimizer()->set_warmup_updates(100);
+  EXPECT_EQ(ScaledOptimizer(spec, 4).warmup_updates(), 100);
+  spec.mutable_optimizer()->set_warmup_updates(0);
+  spec.set_mode("sync");
   spec.mutable_lr_scaling()->set_rule("sqrt");
   EXPECT_DOUBLE_EQ(LrScalingFactor(spec, 4), 2.0);
   EXPECT_DOUBLE_EQ(LrScalingFactor(spec, 2), std::sqrt(2.0));
   ApplyJobSpecDefaults(1, &spec);
   EXPECT_OK(ValidateJobSpec(spec));
+  // diloco defaults: H 50, Nesterov 0.7 / 0.9, no lr change when the group shrinks, a round
+  // barrier of 10 s per inner step (at least 120 s), checkpoints in rounds.
+  JobSpec dl;
+  dl.set_mode("diloco");
+  dl.mutable_checkpoint()->set_every_steps(120);
+  ApplyJobSpecDefaults(2, &dl);
+  EXPECT_OK(ValidateJobSpec(dl));
+  EXPECT_EQ(dl.diloco().inner_steps(), 50);
+  EXPECT_EQ(dl.diloco().outer_optimizer(), "nesterov");
+  EXPECT_EQ(dl.diloco().outer_lr(), 0.7);
+  EXPECT_EQ(dl.diloco().outer_momentum(), 0.9);
+  EXPECT_EQ(dl.sync_lr_scaling(), "none");
+  EXPECT_EQ(dl.barrier_timeout_s(), 500);
+  EXPECT_EQ(dl.durability().snapshot_every_updates(), 3);  // ceil(120 / 50) rounds.
   JobSpec d;
   ApplyJobSpecDefaults(1, &d);
   EXPECT_EQ(d.precision(), "fp32");

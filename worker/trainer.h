@@ -33,7 +33,10 @@ class Trainer {
   ~Trainer();
 
   absl::StatusOr<TrainResult> Run();
-  void RequestStop() { stop_requested_.store(true); }
+  void RequestStop() {
+    stop_requested_.store(true);
+    mode_->OnStopRequested();  // E.g. a gossip rank lingering after its final leaves.
+  }
 
   // A sync job's barrier group was re-formed by the coordinator while this rank runs: the
   // ranks still in it (empty: all) and whether this rank evaluates at the end (the lowest

@@ -87,10 +87,13 @@ class AutocastGuard {
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
     const at::DeviceType type = cuda_ ? at::kCUDA : at::kCPU;
     was_ = at::autocast::is_autocast_enabled(type);
+    dtype_was_ = at::autocast::get_autocast_dtype(type);
     at::autocast::set_autocast_dtype(type, dtype);
     at::autocast::set_autocast_enabled(type, true);
 #else
     was_ = cuda_ ? at::autocast::is_enabled() : at::autocast::is_cpu_enabled();
+    dtype_was_ =
+        cuda_ ? at::autocast::get_autocast_gpu_dtype() : at::autocast::get_autocast_cpu_dtype();
     if (cuda_) {
       at::autocast::set_autocast_gpu_dtype(dtype);
       at::autocast::set_enabled(true);
@@ -106,11 +109,14 @@ class AutocastGuard {
     if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
     at::autocast::set_autocast_enabled(cuda_ ? at::kCUDA : at::kCPU, was_);
+    at::autocast::set_autocast_dtype(cuda_ ? at::kCUDA : at::kCPU, dtype_was_);
 #else
     if (cuda_) {
       at::autocast::set_enabled(was_);
+      at::autocast::set_autocast_gpu_dtype(dtype_was_);
     } else {
       at::autocast::set_cpu_enabled(was_);
+      at::autocast::set_autocast_cpu_dtype(dtype_was_);
     }
 #endif
   }
@@ -121,6 +127,7 @@ class AutocastGuard {
   const bool on_;
   const bool cuda_;
   bool was_ = false;
+  at::ScalarType dtype_was_ = at::kBFloat16;
 };
 
 class TrainingLoop {
@@ -185,12 +192,12 @@ class TrainingLoop {
   BatchLoader::Options loader_options_;
   int64_t total_ = 0;
   int64_t epochs_ = 0;
-  int accum_ = 1;                 // Micro-batches per step (JobSpec.accumulation_steps).
+  int accum_ = 1;             // Micro-batches per step (JobSpec.accumulation_steps).
   std::vector<char> hooked_;  // Per parameter: the hook fired in the last micro-batch's backward.
-  bool hook_live_ = true;         // The gradient hook hands gradients to the mode (last micro).
-  bool bf16_ = false;             // JobSpec.precision bf16: forward under autocast.
-  ClipOptions clip_;              // Clipping done by the loop (async, ssp, gossip).
-  ClipCounters clip_window_;      // Since the last progress line.
+  bool hook_live_ = true;     // The gradient hook hands gradients to the mode (last micro).
+  bool bf16_ = false;         // JobSpec.precision bf16: forward under autocast.
+  ClipOptions clip_;          // Clipping done by the loop (async, ssp, gossip).
+  ClipCounters clip_window_;  // Since the last progress line.
   double window_grad_norm_ = -1;  // The last progress line's (-1: not clipping).
   double window_clipped_ = -1;
 
@@ -341,6 +348,13 @@ absl::Status TrainingLoop::Setup() {
   loader_options_.max_steps *= accum_;
   ASSIGN_OR_RETURN(loader_, BatchLoader::Create(data_.train.get(), loader_options_));
   total_ = loader_->total_steps() / accum_;
+  if (total_ == 0 && loader_->total_steps() > 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("trainer: accumulation_steps ", accum_,
+                     " needs that many micro-batches per step, but the "
+                     "run has only ",
+                     loader_->total_steps(), " (raise epochs or steps, or lower it)"));
+  }
   const int64_t per_epoch = std::max<int64_t>(1, loader_->steps_per_epoch() / accum_);
   epochs_ = spec_.steps() > 0 ? (total_ + per_epoch - 1) / per_epoch : spec_.epochs();
 
@@ -391,7 +405,7 @@ void TrainingLoop::LogStart() const {
                              Kv("params", view_.numel()),
                              Kv("buffers", view_.size() - view_.num_params),
                              Kv("steps", total_),
-                             Kv("steps_per_epoch", loader_->steps_per_epoch()),
+                             Kv("steps_per_epoch", loader_->steps_per_epoch() / accum_),
                              Kv("epochs", epochs_),
                              Kv("batch", spec_.batch_size()),
                              Kv("workers", spec_.num_workers()),
@@ -494,6 +508,16 @@ void TrainingLoop::Progress(const Batch& batch) {
   result_.final_loss = window_loss_ / window_steps_;
   const double samples_per_s =
       dt > 0 ? static_cast<double>(window_steps_) * spec_.batch_size() * accum_ / dt : 0;
+  // Clipping: the mean pre-clip gradient norm and the fraction of steps clipped in the window
+  // (the loop's for async/ssp/gossip/diloco, the mode's for allreduce).
+  const ClipCounters clip = clip_.enabled() ? clip_window_ : mode_->TakeClipCounters();
+  clip_window_ = ClipCounters{};
+  if (clip.steps > 0) {
+    window_grad_norm_ = clip.norm_sum / static_cast<double>(clip.steps);
+    window_clipped_ = static_cast<double>(clip.clipped) / static_cast<double>(clip.steps);
+    result_.clip_steps += clip.steps;
+    result_.clipped_steps += clip.clipped;
+  }
   if (log_ != nullptr) {
     auto ms = [done](double s) { return absl::StrFormat("%.1f", 1e3 * s / done); };
     std::vector<LogField> f = {Kv("job", spec_.name()),
@@ -510,19 +534,10 @@ void TrainingLoop::Progress(const Batch& batch) {
                                Kv("comm_ms", ms(result_.comm_s)),
                                Kv("bytes_per_step", mode_->bytes_sent() / done)};
     if (checkpoint_step_ >= 0) f.push_back(Kv("checkpoint_step", checkpoint_step_));
-    // Clipping: the mean pre-clip gradient norm and the fraction of steps clipped in the
-    // window (the loop's for async/ssp/gossip, the mode's for allreduce).
-    const ClipCounters clip = clip_.enabled() ? clip_window_ : mode_->TakeClipCounters();
     if (clip.steps > 0) {
-      window_grad_norm_ = clip.norm_sum / static_cast<double>(clip.steps);
-      window_clipped_ = static_cast<double>(clip.clipped) / static_cast<double>(clip.steps);
-      f.push_back(Kv("grad_norm", absl::StrFormat("%.4g", clip.norm_sum / clip.steps)));
-      f.push_back(Kv("clipped", absl::StrFormat("%.3f", static_cast<double>(clip.clipped) /
-                                                            static_cast<double>(clip.steps))));
-      result_.clip_steps += clip.steps;
-      result_.clipped_steps += clip.clipped;
+      f.push_back(Kv("grad_norm", absl::StrFormat("%.4g", window_grad_norm_)));
+      f.push_back(Kv("clipped", absl::StrFormat("%.3f", window_clipped_)));
     }
-    clip_window_ = ClipCounters{};
     for (LogField& e : mode_->ProgressFields(done, window_steps_)) f.push_back(std::move(e));
     log_->Info("progress", f);
   }

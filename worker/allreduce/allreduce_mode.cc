@@ -86,7 +86,11 @@ std::string AllreduceMode::Fingerprint() const {
       "model=", spec_.model().name(), " params=", absl::StrJoin(numels.begin(), buffers_begin, ","),
       " buffers=", absl::StrJoin(buffers_begin, numels.end(), ","), " steps=", total_,
       " batch=", spec_.batch_size(), " seed=", spec_.seed(),
-      " bucket_bytes=", spec_.allreduce().bucket_bytes(), " optimizer=", spec_.optimizer().name());
+      " bucket_bytes=", spec_.allreduce().bucket_bytes(), " optimizer=", spec_.optimizer().name(),
+      " lr=", ScaledOptimizer(spec_, spec_.num_workers()).lr(),
+      " accumulation_steps=", spec_.accumulation_steps(),
+      " clip_grad_norm=", spec_.clip_grad_norm(), " clip_grad_value=", spec_.clip_grad_value(),
+      " precision=", spec_.precision());
 }
 
 absl::Status AllreduceMode::Handshake() {

@@ -23,7 +23,7 @@
 //
 // Thread safety: a mode is used by one training thread, except OnGradient, which LibTorch may
 // call from its autograd thread while backward runs (the loop's thread waits for it), and
-// SetGroup, which may be called from any thread at any time.
+// SetGroup and OnStopRequested, which may be called from any thread at any time.
 #ifndef GRADMESH_WORKER_TRAINING_MODE_H_
 #define GRADMESH_WORKER_TRAINING_MODE_H_
 
@@ -162,6 +162,10 @@ class TrainingMode {
   // A sync job's barrier group was re-formed: the ranks still in it (empty: all) and whether
   // this rank evaluates at the end. Ignored by modes without such a group.
   virtual void SetGroup(std::vector<int32_t> active_ranks, bool evaluate) {}
+
+  // A stop was requested (SIGTERM, cancel) while the mode may be inside Finish: waits there
+  // that are only courtesy to peers should end. Any thread, any time.
+  virtual void OnStopRequested() {}
 };
 
 // Makes a mode for one rank of one job. `options` (with options.mode parsed) outlives the mode.

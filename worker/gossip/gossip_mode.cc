@@ -1,6 +1,7 @@
 #include "worker/gossip/gossip_mode.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -42,11 +43,13 @@ class GossipMode : public TrainingMode {
   int64_t bytes_sent() const override { return gossiper_->stats().bytes_sent; }
   std::vector<LogField> ProgressFields(int64_t done, int64_t window) override;
   absl::StatusOr<bool> Finish(int64_t step, TrainResult* result) override;
+  void OnStopRequested() override { stop_requested_.store(true); }
   std::vector<LogField> EvaluatedFields() const override {
     return {Kv("ranks_averaged", ranks_averaged_)};
   }
 
  private:
+  std::atomic<bool> stop_requested_{false};  // Ends AwaitGathered early.
   // The model's entries (parameters, then buffers) <-> the replica's flat vector.
   void CopyIn(absl::Span<const float> x);
   void CopyOut(float* x) const;
@@ -135,6 +138,7 @@ absl::Status GossipMode::StartGossiper(std::unique_ptr<Topology> topology) {
   go.timeout = absl::Seconds(gs_.timeout_s());
   go.dead_after = std::max(3 * go.timeout, absl::Seconds(5));
   go.max_wait = options_.wait_for_workers;
+  go.cancel = &stop_requested_;
   go.logger = options_.logger;
   ASSIGN_OR_RETURN(gossiper_,
                    Gossiper::Create(go, replica_, std::move(topology), transport_.get()));

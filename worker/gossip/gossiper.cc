@@ -406,6 +406,10 @@ void Gossiper::AwaitGathered() {
       why = "max_wait";
       break;
     }
+    if (options_.cancel != nullptr && options_.cancel->load()) {
+      why = "stop_requested";
+      break;
+    }
     absl::SleepFor(absl::Milliseconds(50));
   }
   LogInfo(options_.logger, "final_linger",

@@ -43,6 +43,7 @@
 #ifndef GRADMESH_WORKER_GOSSIP_GOSSIPER_H_
 #define GRADMESH_WORKER_GOSSIP_GOSSIPER_H_
 
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -79,6 +80,8 @@ struct GossiperOptions {
   // Final round at the root: the longest wait for the finals of live ranks. Default 30 min.
   absl::Duration max_wait = absl::Minutes(30);
   const Logger* logger = nullptr;  // Not owned; may be null.
+  // AwaitGathered returns once this is true (a stop was requested). Not owned; may be null.
+  const std::atomic<bool>* cancel = nullptr;
 };
 
 // What one round did.
@@ -153,9 +156,9 @@ class Gossiper {
   // Non-root, after DeliverFinal: keeps this rank (its replica still registered, refusing new
   // shares with FAILED_PRECONDITION and answering resends as duplicates) until the root
   // reports every final gathered, or its job is gone (NOT_FOUND), or it has been unreachable
-  // for dead_after, or max_wait passes. A peer whose share to this rank is still pending
-  // settles it in its SettlePending before its own final, so it must find this rank there:
-  // had this rank left, the peer could not tell an absorbed share from a lost one.
+  // for dead_after, or max_wait passes, or options.cancel becomes true. A peer whose share to this
+  // rank is still pending settles it in its SettlePending before its own final, so it must find
+  // this rank there: had this rank left, the peer could not tell an absorbed share from a lost one.
   void AwaitGathered();
 
   // Root (after Finish()): waits for every other rank's final until all have arrived, or the

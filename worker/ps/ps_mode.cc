@@ -268,10 +268,9 @@ class DilocoMode : public PsMode {
     int p = 0;
     for (int i = 0; i < model_->size(); ++i) {
       absl::Span<float> x = model_->params[i];
-      if (model_->is_buffer(i)) {
-        for (size_t j = 0; j < x.size(); ++j) x[j] += grads[i][j];
-        continue;
-      }
+      // A buffer's mirror already holds its new local value (the loop wrote it after
+      // backward; grads[i] is that step's delta): nothing to apply.
+      if (model_->is_buffer(i)) continue;
       for (size_t k = 0; k < slot_ptrs_.size(); ++k) slot_ptrs_[k] = slots_[p][k].data();
       inner_->Apply(step + 1 - round_start_, lr_factor, grads[i].data(), x.data(),
                     slot_ptrs_.data(), static_cast<int64_t>(x.size()));
@@ -304,9 +303,12 @@ class DilocoMode : public PsMode {
   }
 
   absl::StatusOr<bool> MaybeCheckpoint(int64_t steps_done) override {
-    // The shards snapshot durably every checkpoint.every_steps rounds' worth of updates.
+    // The shards snapshot durably every ceil(every_steps / inner_steps) rounds (one update per
+    // round; ApplyJobSpecDefaults): at those rounds' last steps.
     const int64_t every = spec_.checkpoint().every_steps();
-    return every > 0 && steps_done % inner_steps_ == 0 && steps_done % every == 0;
+    if (every <= 0) return false;
+    const int64_t rounds = (every + inner_steps_ - 1) / inner_steps_;
+    return steps_done % (rounds * inner_steps_) == 0;
   }
 
   std::vector<LogField> ProgressFields(int64_t done, int64_t window) override {
