@@ -171,37 +171,9 @@ struct WorkerMainOptions {
   std::string node;
 };
 
-// Reads the spec file and flags into options; InvalidArgument on anything unusable.
-absl::StatusOr<WorkerMainOptions> ParseOptions() {
-  WorkerMainOptions o;
-  JobSpec spec;
-  if (!absl::GetFlag(FLAGS_job).empty()) {
-    auto loaded = LoadJobSpecFile(absl::GetFlag(FLAGS_job));
-    if (!loaded.ok()) return loaded.status();
-    spec = *loaded;
-  }
-  if (!absl::GetFlag(FLAGS_name).empty()) spec.set_name(absl::GetFlag(FLAGS_name));
-  if (!absl::GetFlag(FLAGS_model).empty())
-    spec.mutable_model()->set_name(absl::GetFlag(FLAGS_model));
-  if (!absl::GetFlag(FLAGS_model_path).empty()) {
-    spec.mutable_model()->set_path(absl::GetFlag(FLAGS_model_path));
-  }
-  if (!absl::GetFlag(FLAGS_dataset).empty()) {
-    spec.mutable_dataset()->set_name(absl::GetFlag(FLAGS_dataset));
-  }
-  if (!absl::GetFlag(FLAGS_dataset_path).empty()) {
-    spec.mutable_dataset()->set_path(absl::GetFlag(FLAGS_dataset_path));
-  }
-  if (!absl::GetFlag(FLAGS_loss).empty()) spec.set_loss(absl::GetFlag(FLAGS_loss));
-  if (!absl::GetFlag(FLAGS_mode).empty()) spec.set_mode(absl::GetFlag(FLAGS_mode));
-  if (!absl::GetFlag(FLAGS_optimizer).empty()) {
-    spec.mutable_optimizer()->set_name(absl::GetFlag(FLAGS_optimizer));
-  }
-  if (absl::GetFlag(FLAGS_lr) != 0) spec.mutable_optimizer()->set_lr(absl::GetFlag(FLAGS_lr));
-  if (!absl::GetFlag(FLAGS_lr_schedule).empty()) {
-    spec.mutable_optimizer()->set_lr_schedule(absl::GetFlag(FLAGS_lr_schedule));
-  }
-  if (absl::GetFlag(FLAGS_batch_size) != 0) spec.set_batch_size(absl::GetFlag(FLAGS_batch_size));
+// The job-spec overrides of the training guardrails and DiLoCo (flags of the same names).
+void ApplyTrainingFeatureFlags(JobSpec* spec_ptr) {
+  JobSpec& spec = *spec_ptr;
   if (!absl::GetFlag(FLAGS_precision).empty()) spec.set_precision(absl::GetFlag(FLAGS_precision));
   if (absl::GetFlag(FLAGS_accumulation_steps) != 0) {
     spec.set_accumulation_steps(absl::GetFlag(FLAGS_accumulation_steps));
@@ -233,6 +205,40 @@ absl::StatusOr<WorkerMainOptions> ParseOptions() {
   if (absl::GetFlag(FLAGS_lr_warmup_steps) != 0) {
     spec.mutable_lr_scaling()->set_warmup_steps(absl::GetFlag(FLAGS_lr_warmup_steps));
   }
+}
+
+// Reads the spec file and flags into options; InvalidArgument on anything unusable.
+absl::StatusOr<WorkerMainOptions> ParseOptions() {
+  WorkerMainOptions o;
+  JobSpec spec;
+  if (!absl::GetFlag(FLAGS_job).empty()) {
+    auto loaded = LoadJobSpecFile(absl::GetFlag(FLAGS_job));
+    if (!loaded.ok()) return loaded.status();
+    spec = *loaded;
+  }
+  if (!absl::GetFlag(FLAGS_name).empty()) spec.set_name(absl::GetFlag(FLAGS_name));
+  if (!absl::GetFlag(FLAGS_model).empty())
+    spec.mutable_model()->set_name(absl::GetFlag(FLAGS_model));
+  if (!absl::GetFlag(FLAGS_model_path).empty()) {
+    spec.mutable_model()->set_path(absl::GetFlag(FLAGS_model_path));
+  }
+  if (!absl::GetFlag(FLAGS_dataset).empty()) {
+    spec.mutable_dataset()->set_name(absl::GetFlag(FLAGS_dataset));
+  }
+  if (!absl::GetFlag(FLAGS_dataset_path).empty()) {
+    spec.mutable_dataset()->set_path(absl::GetFlag(FLAGS_dataset_path));
+  }
+  if (!absl::GetFlag(FLAGS_loss).empty()) spec.set_loss(absl::GetFlag(FLAGS_loss));
+  if (!absl::GetFlag(FLAGS_mode).empty()) spec.set_mode(absl::GetFlag(FLAGS_mode));
+  if (!absl::GetFlag(FLAGS_optimizer).empty()) {
+    spec.mutable_optimizer()->set_name(absl::GetFlag(FLAGS_optimizer));
+  }
+  if (absl::GetFlag(FLAGS_lr) != 0) spec.mutable_optimizer()->set_lr(absl::GetFlag(FLAGS_lr));
+  if (!absl::GetFlag(FLAGS_lr_schedule).empty()) {
+    spec.mutable_optimizer()->set_lr_schedule(absl::GetFlag(FLAGS_lr_schedule));
+  }
+  if (absl::GetFlag(FLAGS_batch_size) != 0) spec.set_batch_size(absl::GetFlag(FLAGS_batch_size));
+  ApplyTrainingFeatureFlags(&spec);
   if (absl::GetFlag(FLAGS_epochs) != 0) spec.set_epochs(absl::GetFlag(FLAGS_epochs));
   if (absl::GetFlag(FLAGS_steps) != 0) spec.set_steps(absl::GetFlag(FLAGS_steps));
   if (absl::GetFlag(FLAGS_num_workers) != 0) spec.set_num_workers(absl::GetFlag(FLAGS_num_workers));

@@ -317,7 +317,8 @@ absl::StatusOr<std::unique_ptr<RingTransport>> NewGrpcRingTransport(
   if (options.local == nullptr) {
     return absl::InvalidArgumentError("ring: no local CollectiveService");
   }
-  if (!options.rank_token_hashes.empty() && options.rank_token_hashes.size() != n) {
+  if (!options.rank_token_hashes.empty() &&
+      static_cast<int64_t>(options.rank_token_hashes.size()) != static_cast<int64_t>(n)) {
     return absl::InvalidArgumentError(absl::StrCat("ring: ", options.rank_token_hashes.size(),
                                                    " rank token hashes for ", n, " ranks"));
   }
