@@ -178,5 +178,53 @@ TEST_F(PsModeTest, ResumesBuffersFromTheShardsAndPushesTheirDeltas) {
   EXPECT_EQ(m.nbt, (std::vector<float>{8.0f}));
 }
 
+// mode diloco with the fake shards (outer SGD lr 1 in the fake, whatever the layout says):
+// two inner SGD steps (lr 0.5) on the parameter, then one round: the pushed pseudo-gradient is
+// global - local for the parameter and local - global for the buffers, where the buffers'
+// local values are the mirrors the loop wrote (each step's delta is not added again: a
+// regression test for the review's finding), and the pull brings the new global model.
+TEST_F(PsModeTest, DilocoPushesOnePseudoGradientPerRoundWithBuffersCountedOnce) {
+  options_.spec.set_mode("diloco");
+  options_.mode = Mode::kDiloco;
+  options_.spec.mutable_optimizer()->set_lr(0.5);
+  options_.spec.mutable_diloco()->set_inner_steps(2);
+  options_.spec.mutable_diloco()->set_outer_optimizer("sgd");
+  options_.spec.mutable_diloco()->set_outer_lr(1);
+  Model m;
+  std::unique_ptr<TrainingMode> mode = MakeMode();
+  ASSERT_NE(mode, nullptr);
+  LoopInfo info;
+  info.total_steps = 4;
+  info.steps_per_epoch = 4;
+  ASSERT_OK_AND_ASSIGN(int64_t first, mode->Start(&m.view, info));
+  EXPECT_EQ(first, 0);
+  EXPECT_EQ(state_.layout.consistency, "sync");
+  EXPECT_EQ(state_.layout.optimizer.name(), "sgd");
+  EXPECT_EQ(state_.layout.optimizer.lr(), 1);
+  EXPECT_FALSE(state_.layout.optimizer.nesterov());
+  const std::vector<float> gw = {1.0f, -2.0f}, drm = {0.25f, 0.25f}, dnbt = {1.0f};
+  const std::vector<absl::Span<const float>> grads = {gw, drm, dnbt};
+  // Step 0: the loop wrote the buffers' new values (+delta) before the exchange.
+  m.rm = {0.75f, -0.25f};
+  m.nbt = {1.0f};
+  ASSERT_OK(mode->Exchange(0, grads, 0.5, StepTiming()).status());
+  EXPECT_TRUE(state_.pushes.empty());                    // Inside the round: local only.
+  EXPECT_EQ(m.w, (std::vector<float>{0.5f, 3.0f}));      // w -= 0.5 * g.
+  EXPECT_EQ(m.rm, (std::vector<float>{0.75f, -0.25f}));  // Not moved twice.
+  EXPECT_EQ(m.nbt, (std::vector<float>{1.0f}));
+  // Step 1 ends the round.
+  m.rm = {1.0f, 0.0f};
+  m.nbt = {2.0f};
+  ASSERT_OK(mode->Exchange(1, grads, 0.5, StepTiming()).status());
+  ASSERT_EQ(state_.pushes.size(), 1u);
+  EXPECT_EQ(state_.last_step, 0);  // Pushed as round 0.
+  // Parameter: global (1, 2) - local (0, 4); buffers: local - global.
+  EXPECT_EQ(state_.pushes[0], (Values{{1.0f, -2.0f}, {0.5f, 0.5f}, {2.0f}}));
+  // The fake shards applied it with lr 1 (and added the buffer deltas): the workers' model.
+  EXPECT_EQ(m.w, (std::vector<float>{0.0f, 4.0f}));
+  EXPECT_EQ(m.rm, (std::vector<float>{1.0f, 0.0f}));
+  EXPECT_EQ(m.nbt, (std::vector<float>{2.0f}));
+}
+
 }  // namespace
 }  // namespace gradmesh
