@@ -9,6 +9,7 @@
 // tokens a rank cannot send as another.
 #include <grpcpp/grpcpp.h>
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -83,6 +84,45 @@ class RingAuthTest : public ::testing::Test {
     for (auto& n : {node_.get(), other_.get()}) {
       if (n != nullptr) n->server->Shutdown(absl::ToChronoTime(absl::Now()));
     }
+  }
+
+  // Rank 0 on node_ and rank 1 on other_ all-reduce {1, 2, 3} and {10, 20, 30} over
+  // `transport` as `job`, each rank's context shaped by `configure(rank, &context)` (tokens);
+  // returns both ranks' data after the run and their statuses.
+  struct TwoRankRun {
+    std::vector<std::vector<float>> data = {{1, 2, 3}, {10, 20, 30}};
+    std::vector<absl::Status> st = std::vector<absl::Status>(2);
+  };
+  TwoRankRun RunTwoRanks(const std::string& job, const std::string& transport,
+                         const std::function<void(int, CollectiveContext*)>& configure) {
+    TwoRankRun run;
+    std::vector<absl::StatusOr<std::unique_ptr<RingTransport>>> t(2);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < 2; ++r) {
+      threads.emplace_back([&, r] {
+        CollectiveContext c;
+        c.job = job;
+        c.rank = r;
+        c.peers = {node_->address, other_->address};
+        c.local = r == 0 ? node_->service.get() : other_->service.get();
+        c.timeout = absl::Seconds(3);
+        c.transport = transport;
+        configure(r, &c);
+        // The registry outlives the factory it hands out (Find returns a pointer into it).
+        const auto transports = RingTransportsWithBuiltins();
+        auto factory = transports.Find(transport);
+        t[r] = (**factory)(c);
+        if (!t[r].ok()) {
+          run.st[r] = t[r].status();
+          return;
+        }
+        RingOptions ro;
+        ro.timeout = absl::Seconds(3);
+        run.st[r] = RingAllreduce(t[r]->get(), absl::MakeSpan(run.data[r]), ro);
+      });
+    }
+    for (auto& th : threads) th.join();
+    return run;
   }
 
   // One whole Ring call: writes `chunks`, half-closes, returns the server's status.
@@ -201,34 +241,11 @@ TEST_F(RingAuthTest, WholeRingsNeedMatchingTokens) {
   for (const std::string transport : {"grpc", "tcp"}) {
     for (const bool match : {true, false}) {
       const std::string job = absl::StrCat("ring-", transport, match ? "-ok" : "-bad");
-      std::vector<absl::StatusOr<std::unique_ptr<RingTransport>>> t(2);
-      std::vector<std::vector<float>> data = {{1, 2, 3}, {10, 20, 30}};
-      std::vector<absl::Status> st(2);
-      std::vector<std::thread> threads;
-      for (int r = 0; r < 2; ++r) {
-        threads.emplace_back([&, r] {
-          CollectiveContext c;
-          c.job = job;
-          c.rank = r;
-          c.peers = {node_->address, other_->address};
-          c.local = r == 0 ? node_->service.get() : other_->service.get();
-          c.timeout = absl::Seconds(3);
-          c.transport = transport;
-          c.job_token = (r == 1 && !match) ? kTokenB : kTokenA;
-          // The registry outlives the factory it hands out (Find returns a pointer into it).
-          const auto transports = RingTransportsWithBuiltins();
-          auto factory = transports.Find(transport);
-          t[r] = (**factory)(c);
-          if (!t[r].ok()) {
-            st[r] = t[r].status();
-            return;
-          }
-          RingOptions ro;
-          ro.timeout = absl::Seconds(3);
-          st[r] = RingAllreduce(t[r]->get(), absl::MakeSpan(data[r]), ro);
-        });
-      }
-      for (auto& th : threads) th.join();
+      TwoRankRun run = RunTwoRanks(job, transport, [&](int r, CollectiveContext* c) {
+        c->job_token = (r == 1 && !match) ? kTokenB : kTokenA;
+      });
+      const std::vector<std::vector<float>>& data = run.data;
+      const std::vector<absl::Status>& st = run.st;
       if (match) {
         EXPECT_OK(st[0]) << transport;
         EXPECT_OK(st[1]) << transport;
@@ -260,35 +277,13 @@ TEST_F(RingAuthTest, EachRanksStreamMustCarryItsOwnRankToken) {
   for (const std::string transport : {"grpc", "tcp"}) {
     for (const bool honest : {true, false}) {
       const std::string job = absl::StrCat("rank-", transport, honest ? "-ok" : "-posing");
-      std::vector<absl::StatusOr<std::unique_ptr<RingTransport>>> t(2);
-      std::vector<std::vector<float>> data = {{1, 2, 3}, {10, 20, 30}};
-      std::vector<absl::Status> st(2);
-      std::vector<std::thread> threads;
-      for (int r = 0; r < 2; ++r) {
-        threads.emplace_back([&, r] {
-          CollectiveContext c;
-          c.job = job;
-          c.rank = r;
-          c.peers = {node_->address, other_->address};
-          c.local = r == 0 ? node_->service.get() : other_->service.get();
-          c.timeout = absl::Seconds(3);
-          c.transport = transport;
-          c.job_token = kTokenA;
-          c.rank_token = (r == 1 && !honest) ? tokens[0] : tokens[r];
-          c.rank_token_hashes = hashes;
-          const auto transports = RingTransportsWithBuiltins();
-          auto factory = transports.Find(transport);
-          t[r] = (**factory)(c);
-          if (!t[r].ok()) {
-            st[r] = t[r].status();
-            return;
-          }
-          RingOptions ro;
-          ro.timeout = absl::Seconds(3);
-          st[r] = RingAllreduce(t[r]->get(), absl::MakeSpan(data[r]), ro);
-        });
-      }
-      for (auto& th : threads) th.join();
+      TwoRankRun run = RunTwoRanks(job, transport, [&](int r, CollectiveContext* c) {
+        c->job_token = kTokenA;
+        c->rank_token = (r == 1 && !honest) ? tokens[0] : tokens[r];
+        c->rank_token_hashes = hashes;
+      });
+      const std::vector<std::vector<float>>& data = run.data;
+      const std::vector<absl::Status>& st = run.st;
       if (honest) {
         EXPECT_OK(st[0]) << transport;
         EXPECT_OK(st[1]) << transport;
