@@ -49,6 +49,12 @@ std::string ModelUpdater::EntryName(size_t i) const {
   return i < names_.size() ? names_[i] : absl::StrCat("entry ", i);
 }
 
+void ModelUpdater::ApplyBufferMean(int p, int64_t begin, absl::Span<const float> mean) {
+  float* value = entries_[p].data() + begin;
+  float* before = before_[p - num_params_].data() + begin;
+  for (size_t i = 0; i < mean.size(); ++i) value[i] = before[i] = before[i] + mean[i];
+}
+
 absl::Status ModelUpdater::FinishStep(BucketReducer* reducer, int64_t step,
                                       absl::Span<const absl::Span<const float>> grads) {
   // The buffers' deltas exist only now, after backward: their bucket(s) come after every
@@ -62,9 +68,7 @@ absl::Status ModelUpdater::FinishStep(BucketReducer* reducer, int64_t step,
   if (clip_.enabled()) return FinishClippedStep(reducer, step, lr_factor);
   return reducer->FinishStep([&](int p, int64_t begin, absl::Span<const float> mean) {
     if (p >= num_params_) {
-      float* value = entries_[p].data() + begin;
-      float* before = before_[p - num_params_].data() + begin;
-      for (size_t i = 0; i < mean.size(); ++i) value[i] = before[i] = before[i] + mean[i];
+      ApplyBufferMean(p, begin, mean);
       return;
     }
     const absl::Time o0 = absl::Now();
@@ -81,9 +85,7 @@ absl::Status ModelUpdater::FinishClippedStep(BucketReducer* reducer, int64_t ste
   for (int p = 0; p < num_params_; ++p) means_[p].resize(numels_[p]);
   RETURN_IF_ERROR(reducer->FinishStep([&](int p, int64_t begin, absl::Span<const float> mean) {
     if (p >= num_params_) {
-      float* value = entries_[p].data() + begin;
-      float* before = before_[p - num_params_].data() + begin;
-      for (size_t i = 0; i < mean.size(); ++i) value[i] = before[i] = before[i] + mean[i];
+      ApplyBufferMean(p, begin, mean);
       return;
     }
     std::copy(mean.begin(), mean.end(), means_[p].begin() + begin);

@@ -92,6 +92,8 @@ class ModelUpdater {
                int num_params, const OptimizerSpec& optimizer_spec,
                std::unique_ptr<Optimizer> optimizer);
   std::string EntryName(size_t i) const;
+  // Buffer `p`'s piece [begin, begin + mean.size()): value = before = before + mean delta.
+  void ApplyBufferMean(int p, int64_t begin, absl::Span<const float> mean);
   // FinishStep with clipping: the whole mean first, clipped, then the optimizer.
   absl::Status FinishClippedStep(BucketReducer* reducer, int64_t step, float lr_factor);
 
