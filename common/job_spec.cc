@@ -250,6 +250,13 @@ absl::Status ValidateTrainingFeatures(const JobSpec& spec) {
                "to agree on the norm of the averaged gradient; use allreduce (clips the "
                "averaged gradient), or async/ssp (per worker)");
   }
+  RETURN_IF_ERROR(CheckInt("pipeline", spec.pipeline(), 0, 1));
+  if (spec.pipeline() > 0 && SpecMode(spec) != Mode::kAsync && SpecMode(spec) != Mode::kSsp) {
+    return Bad("pipeline", absl::StrCat(spec.pipeline()),
+               absl::StrCat("is not supported in mode ", spec.mode(),
+                            ": only async and ssp may compute a step before the previous "
+                            "step's exchange is done"));
+  }
   const DilocoSpec& d = spec.diloco();
   RETURN_IF_ERROR(CheckInt("diloco.inner_steps", d.inner_steps(), 0, kMaxSpecSteps));
   if (!d.outer_optimizer().empty() && d.outer_optimizer() != "nesterov" &&

@@ -4,6 +4,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "common/optimizer.h"
 #include "common/status_testing.h"
 #include "gtest/gtest.h"
@@ -195,6 +196,11 @@ TEST(JobSpecTest, ValidationTable) {
       {"accumulation_steps: -1", "job spec: accumulation_steps: -1 is out of range [0, 65536]"},
       {"accumulation_steps: 100000", "accumulation_steps: 100000 is out of range"},
       {"clip_grad_norm: -1", "job spec: clip_grad_norm: -1 is out of range [0, 1e+30]"},
+      {"pipeline: 2", "job spec: pipeline: 2 is out of range [0, 1]"},
+      {"mode: sync\npipeline: 1",
+       "job spec: pipeline: 1 is not supported in mode sync: only async and ssp"},
+      {"mode: allreduce\npipeline: 1", "pipeline: 1 is not supported in mode allreduce"},
+      {"mode: diloco\npipeline: 1", "pipeline: 1 is not supported in mode diloco"},
       {R"({"name": "t", "clipGradValue": "NaN"})", "clip_grad_value: nan is not a finite float32"},
       {"mode: sync\nclip_grad_norm: 1",
        "clip_grad_norm: 1 (or clip_grad_value) is not supported in "
@@ -270,7 +276,14 @@ TEST(JobSpecTest, ValidationTable) {
   ASSERT_OK_AND_ASSIGN(JobSpec max, ParseJobSpec("name: t\nnum_workers: 1024\nnum_shards: 256\n"
                                                  "optimizer: {lr: 3e38, beta2: 0.999999}\n"));
   ApplyJobSpecDefaults(1, &max);
-  EXPECT_OK(ValidateJobSpec(max));
+  EXPECT_OK(ValidateJobSpec(
+      max));  // pipeline: 1 where a step may start before the previous step's exchange ends.
+  for (const char* mode : {"async", "ssp:2"}) {
+    ASSERT_OK_AND_ASSIGN(
+        JobSpec p, ParseJobSpec(absl::StrCat("name: t\nmode: \"", mode, "\"\npipeline: 1\n")));
+    ApplyJobSpecDefaults(1, &p);
+    EXPECT_OK(ValidateJobSpec(p)) << mode;
+  }
 }
 
 // A spec that arrives as protobuf bytes may carry fields this binary does not know.

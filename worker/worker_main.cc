@@ -111,6 +111,8 @@ ABSL_FLAG(int32_t, accumulation_steps, 0,
           "Job spec accumulation_steps: micro-batches of --batch_size per optimizer step.");
 ABSL_FLAG(double, clip_grad_norm, 0, "Job spec clip_grad_norm (0: off).");
 ABSL_FLAG(double, clip_grad_value, 0, "Job spec clip_grad_value (0: off).");
+ABSL_FLAG(int32_t, pipeline, 0,
+          "Job spec pipeline (async/ssp): 1 = step t's exchange overlaps step t+1's compute.");
 ABSL_FLAG(std::string, lr_scaling, "",
           "Job spec lr_scaling.rule: none, linear or sqrt (needs --lr_base_batch_size).");
 ABSL_FLAG(int32_t, lr_base_batch_size, 0, "Job spec lr_scaling.base_batch_size.");
@@ -184,6 +186,7 @@ void ApplyTrainingFeatureFlags(JobSpec* spec_ptr) {
   if (absl::GetFlag(FLAGS_clip_grad_value) != 0) {
     spec.set_clip_grad_value(absl::GetFlag(FLAGS_clip_grad_value));
   }
+  if (absl::GetFlag(FLAGS_pipeline) != 0) spec.set_pipeline(absl::GetFlag(FLAGS_pipeline));
   if (!absl::GetFlag(FLAGS_lr_scaling).empty()) {
     spec.mutable_lr_scaling()->set_rule(absl::GetFlag(FLAGS_lr_scaling));
   }

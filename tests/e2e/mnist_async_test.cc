@@ -7,6 +7,8 @@
 // * BadFlagsAndSpecExitTwo: flag and job-spec errors exit 2 and name the problem.
 // * UnknownModelAndModeAgainstServer: bad model / consistency names with a live shard.
 // * Bf16AutocastMatchesFp32AccuracyOnMnist: precision bf16 within 0.3 points of fp32.
+// * PipelinedAsyncAddsExactlyOneStepOfStaleness: pipeline 1 trains, hides part of the
+//   exchange, and every push but the first is exactly one step stale on the shard.
 //
 // MNIST comes from $GRADMESH_DATA_DIR/mnist (set by .bazelrc); tests that need it are skipped
 // only when its files are absent. Every child runs with OPENBLAS_NUM_THREADS=1 and
@@ -302,6 +304,61 @@ TEST_F(E2eTest, Bf16AutocastMatchesFp32AccuracyOnMnist) {
   EXPECT_NEAR(accuracy[1], accuracy[0], 0.003);
   RecordProperty("accuracy_fp32", absl::StrCat(accuracy[0]));
   RecordProperty("accuracy_bf16", absl::StrCat(accuracy[1]));
+  ASSERT_NO_FATAL_FAILURE(StopServers());
+}
+
+// pipeline 1 (#17 item 1, #14 item 2): one worker, one shard, 1 epoch of the MLP. Step t's
+// exchange overlaps step t+1, whose gradient is computed on the values pulled after step t-1
+// and pushed with their versions: so on the shard the first push has staleness 0 and every
+// other exactly 1 (a single worker's pushes are never stale without the pipeline). The
+// progress lines show the timeline (exchange_ms, exposed_ms, hidden).
+TEST_F(E2eTest, PipelinedAsyncAddsExactlyOneStepOfStaleness) {
+  if (!HaveMnist()) GTEST_SKIP() << "MNIST files not found under " << DataDir() << "/mnist";
+  ASSERT_NO_FATAL_FAILURE(StartServers(1));
+  const std::string job = "e2e-pipeline";
+  WorkerRun run =
+      RunWorker("pipeline",
+                {"--servers=" + addresses_[0], "--epochs=1", "--model=mlp", "--dataset=mnist",
+                 "--mode=async", "--lr_schedule=cosine", "--pipeline=1", "--name=" + job,
+                 "--data_dir=" + DataDir(), "--log_every=200"},
+                absl::Minutes(4));
+  ASSERT_EQ(run.exit_code, 0) << run.log;
+  const std::vector<std::string> start = LinesWith(run.log, "event=train_start");
+  ASSERT_EQ(start.size(), 1u);
+  EXPECT_EQ(LogField(start[0], "pipeline"), "1");
+  EXPECT_EQ(LogField(start[0], "added_staleness"), "1");
+  const std::vector<std::string> progress = LinesWith(run.log, "event=progress");
+  ASSERT_FALSE(progress.empty());
+  const double exchange_ms = ToDouble(LogField(progress.back(), "exchange_ms"));
+  const double exposed_ms = ToDouble(LogField(progress.back(), "exposed_ms"));
+  const double hidden = ToDouble(LogField(progress.back(), "hidden"));
+  EXPECT_GT(exchange_ms, 0);
+  EXPECT_GE(hidden, 0);
+  EXPECT_LE(hidden, 1);
+  const std::string done = e2e::DoneLine(run.log);
+  const int64_t steps = ToInt(LogField(done, "steps"));
+  EXPECT_EQ(steps, kTrainImages / kBatch);
+  const double accuracy = ToDouble(LogField(done, "accuracy"));
+  EXPECT_GE(accuracy, 0.95) << done;
+  std::cout << "pipelined MLP 1 epoch: accuracy " << accuracy << " at "
+            << LogField(done, "samples_per_s").value_or("?") << " samples/s; exchange "
+            << exchange_ms << " ms per step, exposed " << exposed_ms << " ms, hidden " << hidden
+            << "\n";
+
+  ASSERT_OK_AND_ASSIGN(JobInfoResponse info, GetJobInfo(addresses_[0], job));
+  int64_t chunks = 0;
+  for (const TensorSpec& t : info.tensors()) {
+    int64_t n = 1;
+    for (int64_t d : t.shape()) n *= d;
+    chunks += (n + info.chunk_elems() - 1) / info.chunk_elems();
+  }
+  EXPECT_EQ(info.pushes_applied(), steps);
+  ASSERT_GE(info.staleness_histogram_size(), 3);
+  EXPECT_EQ(info.staleness_histogram(0), chunks) << "only step 0's push is fresh";
+  EXPECT_EQ(info.staleness_histogram(1), (steps - 1) * chunks);
+  for (int i = 2; i < info.staleness_histogram_size(); ++i) {
+    EXPECT_EQ(info.staleness_histogram(i), 0) << "staleness " << i;
+  }
   ASSERT_NO_FATAL_FAILURE(StopServers());
 }
 

@@ -44,8 +44,18 @@ class ParameterClient {
   // Pushes one gradient per tensor (layout order) computed at `step`.
   virtual absl::Status Push(int64_t step, const std::vector<absl::Span<const float>>& grads) = 0;
 
+  // Push with the base versions given (as PulledVersions returned them after the pull whose
+  // values the gradients were computed on) instead of the last pull's: for callers that pull
+  // again before pushing (the pipelined exchange, worker/ps/ps_mode.cc). INVALID_ARGUMENT
+  // (nothing sent) if `base_versions` is not one entry per chunk.
+  virtual absl::Status PushFrom(int64_t step, const std::vector<absl::Span<const float>>& grads,
+                                const std::vector<int64_t>& base_versions) = 0;
+
   // Overwrites `params` (one span per tensor, layout order) with the shards' current values.
   virtual absl::Status Pull(const std::vector<absl::Span<float>>& params) = 0;
+
+  // The version of every chunk as of the last Pull (one entry per chunk, opaque to callers).
+  virtual std::vector<int64_t> PulledVersions() const = 0;
 
   // Tells every shard this worker is done.
   virtual absl::Status Finish(int64_t step) = 0;

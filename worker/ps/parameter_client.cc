@@ -107,6 +107,27 @@ class GrpcParameterClient final : public ParameterClient {
   }
 
   absl::Status Push(int64_t step, const std::vector<absl::Span<const float>>& grads) override {
+    return PushImpl(step, grads, nullptr);
+  }
+
+  absl::Status PushFrom(int64_t step, const std::vector<absl::Span<const float>>& grads,
+                        const std::vector<int64_t>& base_versions) override {
+    if (base_versions.size() != partition_.chunks().size()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("Push: job ", layout_.job, " step ", step, ": ", base_versions.size(),
+                       " base versions for ", partition_.chunks().size(), " chunks"));
+    }
+    return PushImpl(step, grads, &base_versions);
+  }
+
+  std::vector<int64_t> PulledVersions() const override {
+    absl::MutexLock lock(&mu_);
+    return versions_;
+  }
+
+  // `base` null: the versions of the last pull.
+  absl::Status PushImpl(int64_t step, const std::vector<absl::Span<const float>>& grads,
+                        const std::vector<int64_t>* base) {
     RETURN_IF_ERROR(CheckSpans("Push", grads));
     // Shards reject non-finite gradients, but each only for its own chunks: checking here
     // keeps a bad step from being applied on some shards and not others.
@@ -143,8 +164,8 @@ class GrpcParameterClient final : public ParameterClient {
         std::vector<PushChunkRef> refs;
         for (int64_t idx : partition_.shard_chunks(s)) {
           const ChunkInfo& c = partition_.chunks()[idx];
-          PushChunkRef ref{c.tensor, c.chunk, versions_[idx], grads[c.tensor].data() + c.offset,
-                           c.numel};
+          PushChunkRef ref{c.tensor, c.chunk, base != nullptr ? (*base)[idx] : versions_[idx],
+                           grads[c.tensor].data() + c.offset, c.numel};
           raw += c.numel * static_cast<int64_t>(sizeof(float));
           // Buffers go dense: their deltas are small, and a sparsified or quantised delta
           // (with error feedback lagging behind) would make running statistics and counts

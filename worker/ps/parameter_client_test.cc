@@ -8,6 +8,7 @@
 #include <grpcpp/server.h>
 #include <grpcpp/server_builder.h>
 
+#include <algorithm>
 #include <chrono>
 #include <memory>
 #include <string>
@@ -176,6 +177,40 @@ TEST_F(BufferClientTest, ChangesPullsKeepBuffersExactAcrossSteps) {
     EXPECT_EQ(model[1], want_rm) << "step " << step;
     EXPECT_EQ(model[2], (std::vector<float>{static_cast<float>(step + 1)})) << "step " << step;
   }
+}
+
+// PushFrom: a push computed on an older pull carries that pull's versions, so the shards
+// count its staleness (the pipelined exchange relies on it). A base of the wrong length is
+// refused before anything is sent.
+TEST_F(BufferClientTest, PushFromCarriesTheBaseVersionsItIsGiven) {
+  const Values init = {{0, 0, 0, 0, 0, 0}, {0, 0, 0, 0}, {0.0f}};
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<ParameterClient> client,
+                       NewGrpcParameterClient(layout_, Options("", "")));
+  ASSERT_OK(client->InitJob(Const(init)));
+  Values model = init;
+  ASSERT_OK(client->Pull(Mut(model)));
+  const std::vector<int64_t> first = client->PulledVersions();
+  ASSERT_EQ(first.size(), 4u);  // w's two chunks, rm, nbt.
+  const Values grad = {std::vector<float>(6, 1.0f), std::vector<float>(4, 0.0f), {0.0f}};
+  EXPECT_EQ(client->PushFrom(0, Const(grad), {0, 0}).code(), absl::StatusCode::kInvalidArgument);
+  ASSERT_OK(client->Push(0, Const(grad)));  // Staleness 0.
+  ASSERT_OK(client->Pull(Mut(model)));
+  EXPECT_NE(client->PulledVersions(), first);
+  ASSERT_OK(client->PushFrom(1, Const(grad), first));  // Computed on the first pull: 1.
+  ASSERT_OK(client->Pull(Mut(model)));
+  EXPECT_EQ(model[0], std::vector<float>(6, -2.0f));  // Both applied, once each.
+  ASSERT_OK_AND_ASSIGN(std::vector<JobInfoResponse> infos, client->GetJobInfo());
+  std::vector<int64_t> hist;
+  for (const JobInfoResponse& info : infos) {
+    hist.resize(std::max<size_t>(hist.size(), info.staleness_histogram_size()));
+    for (int i = 0; i < info.staleness_histogram_size(); ++i) {
+      hist[i] += info.staleness_histogram(i);
+    }
+  }
+  ASSERT_GE(hist.size(), 3u);
+  EXPECT_GT(hist[0], 0);
+  EXPECT_EQ(hist[1], hist[0]);  // The same chunks, one step staler.
+  for (size_t i = 2; i < hist.size(); ++i) EXPECT_EQ(hist[i], 0) << "staleness " << i;
 }
 
 }  // namespace

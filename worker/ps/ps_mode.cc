@@ -11,6 +11,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "common/background_task.h"
 #include "common/job_spec.h"
 #include "common/optimizer.h"
 #include "common/status.h"
@@ -45,6 +46,19 @@ class PsMode : public TrainingMode {
   }
 
  protected:
+  // pipeline: 1 (JobSpec.pipeline). Exchange(t) waits for step t-1's exchange, which pulled
+  // into staging_; copies staging_ into the model (the parameters step t+1 computes on);
+  // copies step t's gradients and starts their push (with the versions they were computed
+  // on, model_versions_ before the copy) and the next pull into staging_ in the background.
+  // Finish (and a stop) first waits for the exchange in flight.
+  absl::StatusOr<StepOutcome> PipelinedExchange(int64_t step,
+                                                absl::Span<const absl::Span<const float>> grads,
+                                                double loss, const StepTiming& timing);
+  // Waits for the exchange in flight, if any, and moves its pulled values into the model.
+  absl::Status DrainPipeline();
+  // The background half of a pipelined step: push grad_buf_, pull into staging_.
+  absl::Status BackgroundExchange(int64_t step, std::vector<int64_t> base_versions);
+
   virtual JobLayout Layout(const ModelView& model, int64_t total_steps) const;
   absl::Status MaybeSwitchCodec(int64_t step, double loss, double compute_s, double comm_s);
   // Waits (bounded by options.wait_for_workers) until every worker of the group finished.
@@ -60,6 +74,22 @@ class PsMode : public TrainingMode {
   absl::Mutex group_mu_;
   std::vector<int32_t> active_ranks_ ABSL_GUARDED_BY(group_mu_);
   bool evaluate_ ABSL_GUARDED_BY(group_mu_);
+
+  // pipeline: 1 only. The background exchange owns grad_buf_, staging_, staged_versions_ and
+  // staged_exchange_s_ between BackgroundTask::Start and Wait; the training thread everything
+  // else (it reads those after Wait, which orders them).
+  bool pipelined_ = false;
+  std::vector<std::vector<float>> grad_buf_;  // The gradients of the step in flight.
+  std::vector<std::vector<float>> staging_;   // The pull target: the shards' last values.
+  std::vector<int64_t> staged_versions_;      // Their versions.
+  std::vector<int64_t> model_versions_;       // Versions of the values in the model.
+  double staged_exchange_s_ = 0;              // How long the exchange in flight took.
+  double exchange_s_ = 0;                     // Background exchanges, total seconds.
+  double exposed_s_ = 0;                      // Of which the training thread waited.
+  int64_t exchanges_ = 0;
+  double last_exchange_s_ = 0;  // The last finished background exchange (auto codec).
+  // Last: destroyed (waiting for a running exchange) before the buffers it uses.
+  std::unique_ptr<BackgroundTask> background_;
 };
 
 JobLayout PsMode::Layout(const ModelView& model, int64_t total_steps) const {
@@ -113,15 +143,29 @@ absl::StatusOr<int64_t> PsMode::Start(ModelView* model, const LoopInfo& info) {
             {Kv("job", spec_.name()), Kv("rank", options_.rank),
              Kv("step", std::min(first_step, info.total_steps))});
   }
+  if (spec_.pipeline() > 0) {
+    pipelined_ = true;
+    // staging_ holds what the client last pulled ("changes" pulls update it in place).
+    for (const absl::Span<float>& p : model->params) staging_.emplace_back(p.begin(), p.end());
+    grad_buf_.resize(model->params.size());
+    model_versions_ = client_->PulledVersions();
+    background_ = std::make_unique<BackgroundTask>();
+  }
   return first_step;
 }
 
 std::vector<LogField> PsMode::StartFields() const {
-  return {
+  std::vector<LogField> f = {
       Kv("shards", spec_.num_shards()),
       Kv("push_codec", spec_.compression().push().empty() ? "float32" : spec_.compression().push()),
       Kv("pull_codec",
          spec_.compression().pull().empty() ? "float32" : spec_.compression().pull())};
+  // Every gradient is computed on parameters one exchange older than without the pipeline.
+  if (pipelined_) {
+    f.push_back(Kv("pipeline", 1));
+    f.push_back(Kv("added_staleness", 1));
+  }
+  return f;
 }
 
 absl::Status PsMode::MaybeSwitchCodec(int64_t step, double loss, double compute_s, double comm_s) {
@@ -135,9 +179,54 @@ absl::Status PsMode::MaybeSwitchCodec(int64_t step, double loss, double compute_
   return absl::OkStatus();
 }
 
+absl::Status PsMode::BackgroundExchange(int64_t step, std::vector<int64_t> base_versions) {
+  const absl::Time start = absl::Now();
+  std::vector<absl::Span<const float>> grads(grad_buf_.begin(), grad_buf_.end());
+  RETURN_IF_ERROR(client_->PushFrom(step, grads, base_versions));
+  std::vector<absl::Span<float>> into(staging_.begin(), staging_.end());
+  RETURN_IF_ERROR(client_->Pull(into));
+  staged_versions_ = client_->PulledVersions();
+  staged_exchange_s_ = absl::ToDoubleSeconds(absl::Now() - start);
+  return absl::OkStatus();
+}
+
+absl::Status PsMode::DrainPipeline() {
+  if (!background_->pending()) return absl::OkStatus();
+  const absl::Time start = absl::Now();
+  absl::Status st = background_->Wait();
+  exposed_s_ += absl::ToDoubleSeconds(absl::Now() - start);
+  RETURN_IF_ERROR(st);
+  last_exchange_s_ = staged_exchange_s_;
+  exchange_s_ += staged_exchange_s_;
+  ++exchanges_;
+  for (size_t i = 0; i < staging_.size(); ++i) {
+    std::copy(staging_[i].begin(), staging_[i].end(), model_->params[i].begin());
+  }
+  model_versions_ = staged_versions_;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<StepOutcome> PsMode::PipelinedExchange(
+    int64_t step, absl::Span<const absl::Span<const float>> grads, double loss,
+    const StepTiming& timing) {
+  // The versions step t's gradients were computed on, before the model moves on.
+  std::vector<int64_t> base = model_versions_;
+  RETURN_IF_ERROR(DrainPipeline());
+  if (auto_codec_.has_value() && exchanges_ > 0) {
+    RETURN_IF_ERROR(MaybeSwitchCodec(step, loss, timing.compute_s, last_exchange_s_));
+  }
+  for (size_t i = 0; i < grads.size(); ++i) grad_buf_[i].assign(grads[i].begin(), grads[i].end());
+  RETURN_IF_ERROR(background_->Start(
+      [this, step, base = std::move(base)]() mutable { return BackgroundExchange(step, base); }));
+  StepOutcome out;
+  out.loss = loss;
+  return out;
+}
+
 absl::StatusOr<StepOutcome> PsMode::Exchange(int64_t step,
                                              absl::Span<const absl::Span<const float>> grads,
                                              double loss, const StepTiming& timing) {
+  if (pipelined_) return PipelinedExchange(step, grads, loss, timing);
   const absl::Time start = absl::Now();
   RETURN_IF_ERROR(
       client_->Push(step, std::vector<absl::Span<const float>>(grads.begin(), grads.end())));
@@ -159,11 +248,23 @@ absl::StatusOr<bool> PsMode::MaybeCheckpoint(int64_t steps_done) {
 
 std::vector<LogField> PsMode::ProgressFields(int64_t done, int64_t window) {
   const int64_t pushed = client_->bytes_pushed();
-  return {Kv("codec_ms", absl::StrFormat("%.2f", 1e3 * client_->codec_seconds() / done)),
-          Kv("push_ratio",
-             absl::StrFormat("%.1f", pushed > 0
-                                         ? static_cast<double>(client_->raw_bytes_pushed()) / pushed
-                                         : 1.0))};
+  std::vector<LogField> f = {
+      Kv("codec_ms", absl::StrFormat("%.2f", 1e3 * client_->codec_seconds() / done)),
+      Kv("push_ratio",
+         absl::StrFormat("%.1f", pushed > 0
+                                     ? static_cast<double>(client_->raw_bytes_pushed()) / pushed
+                                     : 1.0))};
+  if (pipelined_ && exchanges_ > 0) {
+    // The timeline: a step's exchange took exchange_ms in the background; the training
+    // thread waited exposed_ms of it; the rest (hidden) overlapped the next step's compute.
+    f.push_back(Kv("exchange_ms", absl::StrFormat("%.2f", 1e3 * exchange_s_ / exchanges_)));
+    f.push_back(Kv("exposed_ms", absl::StrFormat("%.2f", 1e3 * exposed_s_ / exchanges_)));
+    f.push_back(
+        Kv("hidden",
+           absl::StrFormat("%.2f",
+                           exchange_s_ > 0 ? std::max(0.0, 1 - exposed_s_ / exchange_s_) : 0.0)));
+  }
+  return f;
 }
 
 absl::Status PsMode::WaitForWorkers() {
@@ -195,6 +296,8 @@ absl::Status PsMode::WaitForWorkers() {
 }
 
 absl::StatusOr<bool> PsMode::Finish(int64_t step, TrainResult* result) {
+  // The last step's exchange (also after a stop: its push is acknowledged before we go).
+  if (pipelined_) RETURN_IF_ERROR(DrainPipeline());
   result->bytes_pushed = client_->bytes_pushed();
   result->bytes_pulled = client_->bytes_pulled();
   result->raw_bytes_pushed = client_->raw_bytes_pushed();

@@ -13,6 +13,14 @@
 // Exchange: push every gradient and buffer delta to its shards in parallel, then pull fresh
 // values into the model (compression.push "auto" lets AutoCodec switch the push codec as it
 // measures the job).
+// Pipeline (JobSpec.pipeline: 1; async and ssp): step t's push and pull run on a background
+// thread while step t+1 (all its micro-batches) computes on the values pulled after step t-1;
+// the push of step t carries the chunk versions its gradients were computed on, so the
+// shards' staleness (histogram, staleness damping) counts the one step of staleness the
+// pipeline adds. The next Exchange waits for that exchange (the exposed part of its time; the
+// rest is hidden behind compute, reported as exchange_ms / exposed_ms / hidden in progress
+// lines), then copies the pulled values into the model. Finish, and a stop, wait for it
+// first, so every counted step's push is acknowledged.
 // Checkpoints are the shards' durable snapshots (checkpoint.every_steps turns them on, see
 // common/job_spec.h); the loop reports them at those steps.
 // Finish: tell the shards this worker finished (not after a stop request: the shards keep

@@ -4,6 +4,7 @@
 // exchange that pushes buffer deltas and overwrites the mirrors with the pulled values.
 #include "worker/ps/ps_mode.h"
 
+#include <algorithm>
 #include <memory>
 #include <string>
 #include <utility>
@@ -28,6 +29,12 @@ class FakeClient : public ParameterClient {
     std::vector<Values> pushes;  // Every Push's gradients.
     int64_t last_step = -1;      // This rank's last pushed step, as the shards record it.
     Values offered;              // The initial values of the last InitJob.
+    // One version per tensor (= chunk here): the number of pushes applied. PushFrom records
+    // the base versions it was given, Push the last pulled ones.
+    std::vector<int64_t> pulled_versions;
+    std::vector<std::vector<int64_t>> bases;
+    std::vector<int64_t> pull_push_counts;  // Pushes applied when each Pull ran.
+    int64_t fail_step = -1;                 // A push of this step fails (UNAVAILABLE).
   };
   explicit FakeClient(State* state) : s_(state) {}
 
@@ -38,6 +45,12 @@ class FakeClient : public ParameterClient {
     return absl::OkStatus();
   }
   absl::Status Push(int64_t step, const std::vector<absl::Span<const float>>& grads) override {
+    return PushFrom(step, grads, s_->pulled_versions);
+  }
+  absl::Status PushFrom(int64_t step, const std::vector<absl::Span<const float>>& grads,
+                        const std::vector<int64_t>& base) override {
+    if (step == s_->fail_step) return absl::UnavailableError("shard 0 is down");
+    s_->bases.push_back(base);
     Values g;
     for (const auto& t : grads) g.emplace_back(t.begin(), t.end());
     for (size_t t = 0; t < g.size(); ++t) {
@@ -54,8 +67,11 @@ class FakeClient : public ParameterClient {
       if (params[t].size() != s_->values[t].size()) return absl::InvalidArgumentError("size");
       std::copy(s_->values[t].begin(), s_->values[t].end(), params[t].begin());
     }
+    s_->pulled_versions.assign(params.size(), static_cast<int64_t>(s_->pushes.size()));
+    s_->pull_push_counts.push_back(static_cast<int64_t>(s_->pushes.size()));
     return absl::OkStatus();
   }
+  std::vector<int64_t> PulledVersions() const override { return s_->pulled_versions; }
   absl::Status Finish(int64_t step) override { return absl::OkStatus(); }
   absl::StatusOr<std::vector<JobInfoResponse>> GetJobInfo() override {
     JobInfoResponse info;
@@ -224,6 +240,74 @@ TEST_F(PsModeTest, DilocoPushesOnePseudoGradientPerRoundWithBuffersCountedOnce) 
   EXPECT_EQ(m.w, (std::vector<float>{0.0f, 4.0f}));
   EXPECT_EQ(m.rm, (std::vector<float>{1.0f, 0.0f}));
   EXPECT_EQ(m.nbt, (std::vector<float>{2.0f}));
+}
+
+// pipeline: 1 (async). Step t's exchange runs in the background: step t+1 computes on the
+// values pulled after step t-1, each push carries the versions its gradient was computed on
+// (so the shards see exactly one more step of staleness), and Finish waits for the last one.
+TEST_F(PsModeTest, PipelineOverlapsStepTsExchangeWithStepTPlusOneAndPushesItsBaseVersions) {
+  options_.spec.set_pipeline(1);
+  options_.evaluate = false;
+  Model m;
+  std::unique_ptr<TrainingMode> mode = MakeMode();
+  ASSERT_NE(mode, nullptr);
+  LoopInfo info;
+  info.total_steps = 3;
+  info.steps_per_epoch = 3;
+  ASSERT_OK_AND_ASSIGN(int64_t first, mode->Start(&m.view, info));
+  EXPECT_EQ(first, 0);
+  const std::vector<LogField> fields = mode->StartFields();
+  EXPECT_NE(std::find_if(
+                fields.begin(), fields.end(),
+                [](const LogField& f) { return f.first == "added_staleness" && f.second == "1"; }),
+            fields.end());
+  const std::vector<float> g0 = {1, 1}, g1 = {2, 2}, g2 = {4, 4}, drm = {0.25f, 0.25f},
+                           dnbt = {1.0f};
+  // Step 0 computed on the initial values; its exchange starts, the model stays.
+  ASSERT_OK(mode->Exchange(0, {g0, drm, dnbt}, 0.5, StepTiming()).status());
+  EXPECT_EQ(m.w, (std::vector<float>{1.0f, 2.0f}));
+  // Step 1 also computed on the initial values (one step stale); now the model holds the
+  // values pulled after step 0's push.
+  ASSERT_OK(mode->Exchange(1, {g1, drm, dnbt}, 0.5, StepTiming()).status());
+  EXPECT_EQ(m.w, (std::vector<float>{0.0f, 1.0f}));
+  EXPECT_EQ(m.rm, (std::vector<float>{0.75f, -0.25f}));  // The shards' buffer, delta once.
+  ASSERT_OK(mode->Exchange(2, {g2, drm, dnbt}, 0.5, StepTiming()).status());
+  EXPECT_EQ(m.w, (std::vector<float>{-2.0f, -1.0f}));
+  TrainResult result;
+  ASSERT_OK_AND_ASSIGN(bool evaluates, mode->Finish(3, &result));
+  EXPECT_FALSE(evaluates);
+  // Every push arrived, in order, with the gradients as given.
+  ASSERT_EQ(state_.pushes.size(), 3u);
+  EXPECT_EQ(state_.pushes[1], (Values{g1, drm, dnbt}));
+  EXPECT_EQ(state_.last_step, 2);
+  // Base versions: step 0 and 1 on the initial pull (version 0), step 2 on the pull after
+  // step 0 (version 1): staleness 0, 1, 1 as the shards count it (pushes applied - base).
+  EXPECT_EQ(state_.bases, (std::vector<std::vector<int64_t>>{{0, 0, 0}, {0, 0, 0}, {1, 1, 1}}));
+  // Finish waited for step 2's exchange and left its pulled values in the model.
+  EXPECT_EQ(m.w, (std::vector<float>{-6.0f, -5.0f}));
+  EXPECT_EQ(m.rm, (std::vector<float>{1.25f, 0.25f}));
+  EXPECT_EQ(m.nbt, (std::vector<float>{3.0f}));
+}
+
+// A pipelined push that fails is reported by the next exchange (the run ends with it).
+TEST_F(PsModeTest, PipelineReportsAFailedBackgroundPushAtTheNextExchange) {
+  options_.spec.set_pipeline(1);
+  options_.evaluate = false;
+  state_.fail_step = 1;
+  Model m;
+  std::unique_ptr<TrainingMode> mode = MakeMode();
+  ASSERT_NE(mode, nullptr);
+  LoopInfo info;
+  info.total_steps = 3;
+  info.steps_per_epoch = 3;
+  ASSERT_OK(mode->Start(&m.view, info).status());
+  const std::vector<float> g = {1, 1}, drm = {0, 0}, dnbt = {0};
+  ASSERT_OK(mode->Exchange(0, {g, drm, dnbt}, 0.5, StepTiming()).status());
+  ASSERT_OK(mode->Exchange(1, {g, drm, dnbt}, 0.5, StepTiming()).status());
+  const absl::Status st = mode->Exchange(2, {g, drm, dnbt}, 0.5, StepTiming()).status();
+  EXPECT_EQ(st.code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(state_.pushes.size(), 1u);  // Step 2 was not started.
+  EXPECT_EQ(m.w, (std::vector<float>{0.0f, 1.0f}));
 }
 
 }  // namespace
