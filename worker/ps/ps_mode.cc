@@ -60,6 +60,8 @@ class PsMode : public TrainingMode {
   absl::Status BackgroundExchange(int64_t step, std::vector<int64_t> base_versions);
 
   virtual JobLayout Layout(const ModelView& model, int64_t total_steps) const;
+  // Training steps per push (diloco: a round of inner steps).
+  virtual int64_t steps_per_push() const { return 1; }
   absl::Status MaybeSwitchCodec(int64_t step, double loss, double compute_s, double comm_s);
   // Waits (bounded by options.wait_for_workers) until every worker of the group finished.
   absl::Status WaitForWorkers();
@@ -139,9 +141,11 @@ absl::StatusOr<int64_t> PsMode::Start(ModelView* model, const LoopInfo& info) {
     first_step = std::min(first_step, job.workers(options_.rank).last_step() + 1);
   }
   if (first_step > 0) {
+    // The shards count pushes: steps, or rounds of steps_per_push() steps (diloco).
     LogInfo(options_.logger, "resuming",
             {Kv("job", spec_.name()), Kv("rank", options_.rank),
-             Kv("step", std::min(first_step, info.total_steps))});
+             Kv("step", std::min(first_step * steps_per_push(), info.total_steps)),
+             Kv("pushes_done", first_step)});
   }
   if (spec_.pipeline() > 0) {
     pipelined_ = true;
@@ -404,6 +408,8 @@ class DilocoMode : public PsMode {
     ++rounds_;
     return out;
   }
+
+  int64_t steps_per_push() const override { return inner_steps_; }
 
   absl::StatusOr<bool> MaybeCheckpoint(int64_t steps_done) override {
     // The shards snapshot durably every ceil(every_steps / inner_steps) rounds (one update per
