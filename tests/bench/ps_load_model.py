@@ -1,23 +1,23 @@
 #!/usr/bin/python3
 """The shard-count model of docs/scaling.md, fitted to ps_load's JSON lines.
 
-    bazel-bin/tests/bench/ps_load > load.jsonl            # and any other --params sweeps
-    /usr/bin/python3 tests/bench/ps_load_model.py load.jsonl [more.jsonl ...]
-            [--cores 2] [--workers 100] [--params 1e9] [--step_times 1,5] [--link_gbps 25,100]
-            [--cores_per_shard 16] [--util 0.7] [--slots 2] [--shard_mem_gb 64]
+  bazel-bin/tests/bench/ps_load > load.jsonl            # and any other --params sweeps
+  /usr/bin/python3 tests/bench/ps_load_model.py load.jsonl [more.jsonl ...]
+      [--cores 2] [--workers 100] [--params 1e9] [--step_times 1,5] [--link_gbps 25,100]
+      [--cores_per_shard 16] [--util 0.7] [--slots 2] [--shard_mem_gb 64]
 
-Fits, by least squares on the relative error, over every line read (each line is one (shards, workers, params)
-point):
-    shard CPU per update      = a + b * B   (B = bytes pushed to one shard per step = 4P/S; the
-                                                                                      update's pull returns as many)
-    client CPU per shard-call = ac + bc * B (client_cpu_us_per_step / S)
+Fits, by least squares on the relative error, over every line read (each line is one
+(shards, workers, params) point):
+  shard CPU per update      = a + b * B    (B = bytes pushed to one shard per step = 4P/S;
+                                            the update's pull returns as many)
+  client CPU per shard-call = ac + bc * B  (client_cpu_us_per_step / S)
 then prints, per point, the measured shard CPU per update next to the fit, and the measured
 steps/s next to the ceiling the fit predicts for --cores cores shared by clients and shards:
-    steps/s <= cores / (S*(a + b*B) + S*(ac + bc*B)).
+  steps/s <= cores / (S*(a + b*B) + S*(ac + bc*B)).
 Last, the shards S a job of --params parameters, --workers workers and step time T needs:
-    CPU:     S >= (W/T) * b * 4P / (k*u - (W/T) * a)    (k cores per shard, u utilisation)
-    network: S >= 4P * W / (T * u * L/8)               (per direction: pushes in, pulls out)
-    memory:  S >= 4P * (1 + slots) / (u * M)
+  CPU:     S >= (W/T) * b * 4P / (k*u - (W/T) * a)    (k cores per shard, u utilisation)
+  network: S >= 4P * W / (T * u * L/8)               (per direction: pushes in, pulls out)
+  memory:  S >= 4P * (1 + slots) / (u * M)
 Python 3 standard library only.
 """
 
