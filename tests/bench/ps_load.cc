@@ -33,6 +33,7 @@
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <memory>
 #include <string>
@@ -66,7 +67,9 @@ ABSL_FLAG(double, seconds, 3.0, "Measurement window per configuration.");
 ABSL_FLAG(double, warmup_s, 1.0, "Unmeasured seconds before each window.");
 ABSL_FLAG(std::string, server_binary, "",
           "gradmesh_server to start (default: from the runfiles, or bazel-bin).");
-ABSL_FLAG(std::string, log_dir, "", "Where the shards' logs go (default: a new /tmp directory).");
+ABSL_FLAG(std::string, log_dir, "",
+          "Where the shards' logs go (default: a new /tmp directory, removed after a run that "
+          "succeeded).");
 
 namespace gradmesh {
 namespace {
@@ -447,7 +450,8 @@ absl::Status RunShards(const std::string& binary, const std::string& dir, int nu
 int Run(const char* argv0) {
   const std::string binary = FindServerBinary(argv0);
   std::string dir = absl::GetFlag(FLAGS_log_dir);
-  if (dir.empty()) {
+  const bool own_dir = dir.empty();  // Removed after a successful run; kept on failure.
+  if (own_dir) {
     std::string tmpl = "/tmp/gradmesh-ps-load.XXXXXX";
     if (mkdtemp(tmpl.data()) == nullptr) {
       std::fprintf(stderr, "event=mkdtemp_failed\n");
@@ -469,6 +473,10 @@ int Run(const char* argv0) {
                    st.ToString().c_str(), dir.c_str());
       return 1;
     }
+  }
+  if (own_dir) {
+    std::error_code ec;
+    std::filesystem::remove_all(dir, ec);
   }
   return 0;
 }
