@@ -14,7 +14,8 @@ Fits, by least squares on the relative error, over every line read (each line is
 then prints, per point, the measured shard CPU per update next to the fit, and the measured
 steps/s next to the ceiling the fit predicts for --cores cores shared by clients and shards:
   steps/s <= cores / (S*(a + b*B) + S*(ac + bc*B)).
-Last, the shards S a job of --params parameters, --workers workers and step time T needs:
+Last, the shard hosts S a job of --params parameters, --workers workers and step time T needs
+(k = --cores_per_shard usable cores, one NIC of L bits/s and M bytes of memory per host):
   CPU:     S >= (W/T) * b * 4P / (k*u - (W/T) * a)    (k cores per shard, u utilisation)
   network: S >= 4P * W / (T * u * L/8)               (per direction: pushes in, pulls out)
   memory:  S >= 4P * (1 + slots) / (u * M)
@@ -74,7 +75,10 @@ def main():
     ap.add_argument("--params", type=float, default=1e9)
     ap.add_argument("--step_times", default="1,5")
     ap.add_argument("--link_gbps", default="25,100")
-    ap.add_argument("--cores_per_shard", type=float, default=16)
+    ap.add_argument("--cores_per_shard", type=float, default=16,
+                    help="Usable cores per shard host: its cores, but at most clamp(cores/2, "
+                    "2, 16) per gradmesh_server (gRPC's callback threads), so 16 means a "
+                    "16-core host running two servers. S counts such hosts.")
     ap.add_argument("--util", type=float, default=0.7)
     ap.add_argument("--slots", type=int, default=2, help="Optimizer slots (Adam: 2).")
     ap.add_argument("--shard_mem_gb", type=float, default=64)
