@@ -229,17 +229,42 @@ absl::Status ValidateOptimizerSpec(const OptimizerSpec& o) {
   return absl::OkStatus();
 }
 
+// precision and loss_scale (after ApplyJobSpecDefaults: fp16 has mode dynamic).
+absl::Status ValidatePrecision(const JobSpec& spec) {
+  const std::string& precision = spec.precision();
+  if (!precision.empty() && precision != "fp32" && precision != "bf16" && precision != "fp16") {
+    return Bad("precision", absl::StrCat("\"", precision, "\""), "is not one of fp32, bf16, fp16");
+  }
+  const LossScaleSpec& ls = spec.loss_scale();
+  if (!ls.mode().empty() && ls.mode() != "none" && ls.mode() != "dynamic") {
+    return Bad("loss_scale.mode", absl::StrCat("\"", ls.mode(), "\""),
+               "is not one of dynamic, none");
+  }
+  if (ls.mode() != "dynamic") return absl::OkStatus();
+  if (SpecMode(spec) == Mode::kSync) {
+    return Bad("loss_scale.mode", "\"dynamic\"",
+               absl::StrCat("(precision ", precision.empty() ? "fp32" : precision,
+                            ") is not supported in mode sync: every shard would have to skip "
+                            "a step whose averaged gradient is not finite together; use "
+                            "allreduce (checks the averaged gradient), async or ssp"));
+  }
+  RETURN_IF_ERROR(CheckFloat("loss_scale.init_scale", ls.init_scale(), 0, FLT_MAX));
+  if (!(ls.init_scale() > 0))
+    return Bad("loss_scale.init_scale", Num(ls.init_scale()), "must be > 0");
+  RETURN_IF_ERROR(CheckFloat("loss_scale.growth_factor", ls.growth_factor(), 1, 1e6));
+  if (!(ls.growth_factor() > 1)) {
+    return Bad("loss_scale.growth_factor", Num(ls.growth_factor()), "must be > 1");
+  }
+  RETURN_IF_ERROR(CheckFloat("loss_scale.backoff_factor", ls.backoff_factor(), 0, 1, true));
+  if (!(ls.backoff_factor() > 0)) {
+    return Bad("loss_scale.backoff_factor", Num(ls.backoff_factor()), "must be > 0");
+  }
+  return CheckInt("loss_scale.growth_interval", ls.growth_interval(), 1, kMaxSpecSteps);
+}
+
 // The training guardrails (precision, accumulation, clipping, lr scaling).
 absl::Status ValidateTrainingFeatures(const JobSpec& spec) {
-  const std::string& precision = spec.precision();
-  if (precision == "fp16") {
-    return Bad("precision", "\"fp16\"",
-               "is not supported yet (it needs dynamic loss scaling with a step skipped "
-               "consistently on every rank and shard); use bf16");
-  }
-  if (!precision.empty() && precision != "fp32" && precision != "bf16") {
-    return Bad("precision", absl::StrCat("\"", precision, "\""), "is not one of fp32, bf16");
-  }
+  RETURN_IF_ERROR(ValidatePrecision(spec));
   RETURN_IF_ERROR(CheckInt("accumulation_steps", spec.accumulation_steps(), 0, 1 << 16));
   RETURN_IF_ERROR(CheckFloat("clip_grad_norm", spec.clip_grad_norm(), 0, 1e30));
   RETURN_IF_ERROR(CheckFloat("clip_grad_value", spec.clip_grad_value(), 0, 1e30));
@@ -406,6 +431,14 @@ void ApplyJobSpecDefaults(int num_servers, JobSpec* spec) {
     spec->set_sync_lr_scaling(spec->mode() == "diloco" ? "none" : "linear");
   }
   if (spec->precision().empty()) spec->set_precision("fp32");
+  LossScaleSpec* ls = spec->mutable_loss_scale();
+  if (ls->mode().empty()) ls->set_mode(spec->precision() == "fp16" ? "dynamic" : "none");
+  if (ls->mode() == "dynamic") {
+    if (ls->init_scale() == 0) ls->set_init_scale(65536);
+    if (ls->growth_factor() == 0) ls->set_growth_factor(2);
+    if (ls->backoff_factor() == 0) ls->set_backoff_factor(0.5);
+    if (ls->growth_interval() == 0) ls->set_growth_interval(2000);
+  }
   if (spec->mode() == "diloco") {
     DilocoSpec* d = spec->mutable_diloco();
     if (d->inner_steps() == 0) d->set_inner_steps(50);

@@ -191,8 +191,17 @@ TEST(JobSpecTest, ValidationTable) {
       {"optimizer: {name: sgd, nesterov: true}",
        "optimizer.nesterov: true needs momentum > 0 and dampening 0"},
       // Training guardrails (#14).
-      {"precision: fp16", "job spec: precision: \"fp16\" is not supported yet"},
-      {"precision: int8", "job spec: precision: \"int8\" is not one of fp32, bf16"},
+      {"precision: int8", "job spec: precision: \"int8\" is not one of fp32, bf16, fp16"},
+      {"mode: sync\nprecision: fp16",
+       "job spec: loss_scale.mode: \"dynamic\" (precision fp16) is not supported in mode sync"},
+      {"loss_scale: {mode: static}", "loss_scale.mode: \"static\" is not one of dynamic, none"},
+      {"loss_scale: {mode: dynamic, growth_factor: 0.5}",
+       "loss_scale.growth_factor: 0.5 is out of range [1, 1e+06]"},
+      {"loss_scale: {mode: dynamic, backoff_factor: 1}",
+       "loss_scale.backoff_factor: 1 is out of range [0, 1)"},
+      {"loss_scale: {mode: dynamic, init_scale: -2}", "loss_scale.init_scale: -2 is out of range"},
+      {"loss_scale: {mode: dynamic, growth_interval: -1}",
+       "loss_scale.growth_interval: -1 is out of range"},
       {"accumulation_steps: -1", "job spec: accumulation_steps: -1 is out of range [0, 65536]"},
       {"accumulation_steps: 100000", "accumulation_steps: 100000 is out of range"},
       {"clip_grad_norm: -1", "job spec: clip_grad_norm: -1 is out of range [0, 1e+30]"},
@@ -276,8 +285,22 @@ TEST(JobSpecTest, ValidationTable) {
   ASSERT_OK_AND_ASSIGN(JobSpec max, ParseJobSpec("name: t\nnum_workers: 1024\nnum_shards: 256\n"
                                                  "optimizer: {lr: 3e38, beta2: 0.999999}\n"));
   ApplyJobSpecDefaults(1, &max);
-  EXPECT_OK(ValidateJobSpec(
-      max));  // pipeline: 1 where a step may start before the previous step's exchange ends.
+  EXPECT_OK(
+      ValidateJobSpec(max));  // fp16 turns dynamic loss scaling on, with GradScaler's defaults.
+  {
+    ASSERT_OK_AND_ASSIGN(JobSpec h, ParseJobSpec("name: t\nmode: allreduce\nprecision: fp16\n"));
+    ApplyJobSpecDefaults(1, &h);
+    EXPECT_OK(ValidateJobSpec(h));
+    EXPECT_EQ(h.loss_scale().mode(), "dynamic");
+    EXPECT_EQ(h.loss_scale().init_scale(), 65536);
+    EXPECT_EQ(h.loss_scale().growth_factor(), 2);
+    EXPECT_EQ(h.loss_scale().backoff_factor(), 0.5);
+    EXPECT_EQ(h.loss_scale().growth_interval(), 2000);
+    ASSERT_OK_AND_ASSIGN(JobSpec f, ParseJobSpec("name: t\n"));
+    ApplyJobSpecDefaults(1, &f);
+    EXPECT_EQ(f.loss_scale().mode(), "none");
+  }
+  // pipeline: 1 where a step may start before the previous step's exchange ends.
   for (const char* mode : {"async", "ssp:2"}) {
     ASSERT_OK_AND_ASSIGN(
         JobSpec p, ParseJobSpec(absl::StrCat("name: t\nmode: \"", mode, "\"\npipeline: 1\n")));

@@ -17,6 +17,7 @@
 #include "worker/core/dataset.h"
 #include "worker/core/examples.h"
 #include "worker/core/grad_clip.h"
+#include "worker/core/loss_scaler.h"
 #include "worker/model.h"
 
 namespace gradmesh {
@@ -164,6 +165,9 @@ class TrainingLoop {
   // async, ssp, gossip: the clipping of this worker's gradient (allreduce clips the averaged
   // one itself; sync refuses clipping).
   void ClipLocal();
+  // Loss scaling where the loop unscales (not allreduce): the parameters' gradients divided
+  // by the scale in place; false if one is not finite (the step is skipped).
+  bool UnscaleLocal();
   void Progress(const Batch& batch);
   absl::Status EvaluateAndSave();
   void Report(double samples_per_s, double accuracy) const;
@@ -195,10 +199,12 @@ class TrainingLoop {
   int accum_ = 1;             // Micro-batches per step (JobSpec.accumulation_steps).
   std::vector<char> hooked_;  // Per parameter: the hook fired in the last micro-batch's backward.
   bool hook_live_ = true;     // The gradient hook hands gradients to the mode (last micro).
-  bool bf16_ = false;         // JobSpec.precision bf16: forward under autocast.
-  ClipOptions clip_;          // Clipping done by the loop (async, ssp, gossip).
-  ClipCounters clip_window_;  // Since the last progress line.
-  double window_grad_norm_ = -1;  // The last progress line's (-1: not clipping).
+  bool autocast_ = false;     // JobSpec.precision bf16 or fp16: forward under autocast.
+  at::ScalarType autocast_dtype_ = at::kBFloat16;
+  LossScaler scaler_{LossScaleSpec()};  // JobSpec.loss_scale (off unless dynamic).
+  ClipOptions clip_;                    // Clipping done by the loop (async, ssp, gossip).
+  ClipCounters clip_window_;            // Since the last progress line.
+  double window_grad_norm_ = -1;        // The last progress line's (-1: not clipping).
   double window_clipped_ = -1;
 
   TrainResult result_;
@@ -337,7 +343,14 @@ absl::Status TrainingLoop::Setup() {
   RETURN_IF_ERROR(MakeModelView());
   RETURN_IF_ERROR(CheckFit());
   accum_ = std::max(1, spec_.accumulation_steps());
-  bf16_ = spec_.precision() == "bf16";
+  autocast_ = spec_.precision() == "bf16" || spec_.precision() == "fp16";
+  autocast_dtype_ = spec_.precision() == "fp16" ? at::kHalf : at::kBFloat16;
+  if (spec_.precision() == "fp16" && !on_gpu_) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("trainer: precision fp16 needs a CUDA device, and this worker computes on ",
+                     device_.str(), " (LibTorch's CPU autocast has no fp16); use bf16"));
+  }
+  scaler_ = LossScaler(spec_.loss_scale());
   if (options_.mode == Mode::kAsync || options_.mode == Mode::kSsp ||
       options_.mode == Mode::kGossip || options_.mode == Mode::kDiloco) {
     clip_.max_norm = spec_.clip_grad_norm();
@@ -392,25 +405,30 @@ absl::Status TrainingLoop::Setup() {
 
 void TrainingLoop::LogStart() const {
   if (log_ == nullptr) return;
-  std::vector<LogField> f = {Kv("job", spec_.name()),
-                             Kv("rank", options_.rank),
-                             Kv("mode", spec_.mode()),
-                             Kv("model", spec_.model().name()),
-                             Kv("dataset", spec_.dataset().name()),
-                             Kv("loss", LossName(loss_kind_)),
-                             Kv("device", device_.str()),
-                             Kv("train_samples", data_.train->size()),
-                             Kv("x", data_.train->x().Describe()),
-                             Kv("y", data_.train->y().Describe()),
-                             Kv("params", view_.numel()),
-                             Kv("buffers", view_.size() - view_.num_params),
-                             Kv("steps", total_),
-                             Kv("steps_per_epoch", loader_->steps_per_epoch() / accum_),
-                             Kv("epochs", epochs_),
-                             Kv("batch", spec_.batch_size()),
-                             Kv("workers", spec_.num_workers()),
-                             Kv("accumulation_steps", accum_),
-                             Kv("precision", bf16_ ? "bf16" : "fp32")};
+  std::vector<LogField> f = {
+      Kv("job", spec_.name()),
+      Kv("rank", options_.rank),
+      Kv("mode", spec_.mode()),
+      Kv("model", spec_.model().name()),
+      Kv("dataset", spec_.dataset().name()),
+      Kv("loss", LossName(loss_kind_)),
+      Kv("device", device_.str()),
+      Kv("train_samples", data_.train->size()),
+      Kv("x", data_.train->x().Describe()),
+      Kv("y", data_.train->y().Describe()),
+      Kv("params", view_.numel()),
+      Kv("buffers", view_.size() - view_.num_params),
+      Kv("steps", total_),
+      Kv("steps_per_epoch", loader_->steps_per_epoch() / accum_),
+      Kv("epochs", epochs_),
+      Kv("batch", spec_.batch_size()),
+      Kv("workers", spec_.num_workers()),
+      Kv("accumulation_steps", accum_),
+      Kv("precision", spec_.precision().empty() ? "fp32" : spec_.precision())};
+  if (scaler_.enabled()) {
+    f.push_back(Kv("loss_scale", "dynamic"));
+    f.push_back(Kv("init_scale", absl::StrFormat("%g", scaler_.scale())));
+  }
   if (spec_.clip_grad_norm() > 0) f.push_back(Kv("clip_grad_norm", spec_.clip_grad_norm()));
   if (spec_.clip_grad_value() > 0) f.push_back(Kv("clip_grad_value", spec_.clip_grad_value()));
   if (spec_.lr_scaling().rule() != "none" && !spec_.lr_scaling().rule().empty()) {
@@ -429,7 +447,7 @@ absl::Status TrainingLoop::MicroStep(Batch& batch, int k, double* loss_sum) {
   torch::Tensor y = OnDevice(FieldTensor(batch.y, batch.size, data_.train->y()));
   torch::Tensor loss;
   {
-    AutocastGuard autocast(bf16_, device_, at::kBFloat16);
+    AutocastGuard autocast(autocast_, device_, autocast_dtype_);
     ASSIGN_OR_RETURN(loss, ComputeLoss(model_.get(), loss_kind_, x, y));
   }
   if (loss.scalar_type() != torch::kFloat) loss = loss.to(torch::kFloat);
@@ -440,7 +458,9 @@ absl::Status TrainingLoop::MicroStep(Batch& batch, int k, double* loss_sum) {
   hook_live_ = last;
   if (last) hooked_.assign(params_.size(), 0);
   try {
-    (accum_ > 1 ? loss / static_cast<double>(accum_) : loss).backward();
+    torch::Tensor scaled = accum_ > 1 ? loss / static_cast<double>(accum_) : loss;
+    if (scaler_.enabled()) scaled = scaled * scaler_.scale();
+    scaled.backward();
   } catch (const c10::Error& e) {
     hook_live_ = true;
     if (last) mode_->AbortStep();
@@ -460,6 +480,15 @@ void TrainingLoop::ClipLocal() {
     g.emplace_back(const_cast<float*>(grads_[i].data()), grads_[i].size());
   }
   clip_window_.Add(ClipGradients(g, clip_));
+}
+
+bool TrainingLoop::UnscaleLocal() {
+  // The spans point into this loop's gradient tensors (or their host copies): ours to write.
+  std::vector<absl::Span<float>> g;
+  for (int i = 0; i < view_.num_params; ++i) {
+    g.emplace_back(const_cast<float*>(grads_[i].data()), grads_[i].size());
+  }
+  return scaler_.Unscale(g);
 }
 
 absl::Status TrainingLoop::Step(std::vector<Batch>& micro, StepOutcome* outcome) {
@@ -487,7 +516,9 @@ absl::Status TrainingLoop::Step(std::vector<Batch>& micro, StepOutcome* outcome)
                     ? absl::Span<const float>(host_grads_[i].data_ptr<float>(), g.numel())
                     : GradOut(i, g);
   }
-  ClipLocal();
+  // Loss scaling (GradScaler order): unscale, skip a non-finite step, then clip.
+  const bool skip = scaler_.enabled() && !mode_->unscales_gradients() && !UnscaleLocal();
+  if (!skip) ClipLocal();
   BuffersOut();
   StepTiming timing;
   timing.compute_s = SecondsSince(compute_start);
@@ -495,10 +526,22 @@ absl::Status TrainingLoop::Step(std::vector<Batch>& micro, StepOutcome* outcome)
 
   const absl::Time comm_start = absl::Now();
   torch::NoGradGuard no_grad;
-  absl::StatusOr<StepOutcome> out = mode_->Exchange(step_, grads_, loss_value, timing);
+  if (scaler_.enabled()) mode_->SetLossScale(scaler_.scale());
+  absl::StatusOr<StepOutcome> out = skip ? mode_->SkipStep(step_, loss_value)
+                                         : mode_->Exchange(step_, grads_, loss_value, timing);
   if (!out.ok()) return Annotate(out.status(), absl::StrCat("step ", step_));
   *outcome = *out;
   result_.comm_s += SecondsSince(comm_start);
+  if (scaler_.enabled()) {
+    const float was = scaler_.scale();
+    scaler_.Update(out->skipped);
+    if (out->skipped && log_ != nullptr) {
+      log_->Info("step_skipped",
+                 {Kv("job", spec_.name()), Kv("rank", options_.rank), Kv("step", step_),
+                  Kv("reason", "non_finite_gradient"), Kv("loss_scale", absl::StrFormat("%g", was)),
+                  Kv("next_scale", absl::StrFormat("%g", scaler_.scale()))});
+    }
+  }
   return absl::OkStatus();
 }
 
@@ -538,6 +581,10 @@ void TrainingLoop::Progress(const Batch& batch) {
       f.push_back(Kv("grad_norm", absl::StrFormat("%.4g", window_grad_norm_)));
       f.push_back(Kv("clipped", absl::StrFormat("%.3f", window_clipped_)));
     }
+    if (scaler_.enabled()) {
+      f.push_back(Kv("loss_scale", absl::StrFormat("%g", scaler_.scale())));
+      f.push_back(Kv("skipped", scaler_.skipped_steps()));
+    }
     for (LogField& e : mode_->ProgressFields(done, window_steps_)) f.push_back(std::move(e));
     log_->Info("progress", f);
   }
@@ -561,6 +608,10 @@ void TrainingLoop::Report(double samples_per_s, double accuracy) const {
   p.checkpoint_step = checkpoint_step_;
   p.grad_norm = window_grad_norm_;
   p.clipped_fraction = window_clipped_;
+  if (scaler_.enabled()) {
+    p.skipped_steps = scaler_.skipped_steps();
+    p.loss_scale = scaler_.scale();
+  }
   options_.on_progress(p);
 }
 
@@ -636,6 +687,8 @@ absl::StatusOr<TrainResult> TrainingLoop::Run() {
   }
   if (window_steps_ > 0) result_.final_loss = window_loss_ / window_steps_;
   result_.steps = step_ - result_.first_step;
+  result_.skipped_steps = scaler_.skipped_steps();
+  result_.loss_scale = scaler_.scale();
   result_.wall_s = SecondsSince(start);
   result_.samples_per_s = result_.wall_s > 0 ? result_.samples / result_.wall_s : 0;
 

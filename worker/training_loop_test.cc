@@ -383,6 +383,7 @@ TEST_P(DeviceTest, UpdatesThroughTheViewGiveTheCpusModel) {
 struct RefOptions {
   double clip_norm = 0;
   double clip_value = 0;
+  int64_t skip_first = 0;  // Loss scaling: these first steps are skipped (batch consumed).
 };
 
 std::vector<std::vector<float>> ReferenceSgd(const TrainerOptions& o, int64_t batch, int64_t steps,
@@ -412,6 +413,7 @@ std::vector<std::vector<float>> ReferenceSgd(const TrainerOptions& o, int64_t ba
     auto loss = ComputeLoss(model->get(), LossKind::kCrossEntropy, x, y);
     EXPECT_OK(loss.status());
     losses->push_back(loss->item<double>());
+    if (s < ref.skip_first) continue;
     loss->backward();
     torch::NoGradGuard no_grad;
     if (ref.clip_value > 0) {
@@ -506,6 +508,65 @@ TEST(TrainingFeaturesTest, ClippingMatchesTorchSemantics) {
   SgdMode free;
   ASSERT_OK(RunTrainingLoop(plain, &free, stop).status());
   EXPECT_GT(std::fabs(free.final_params[4][0] - mode.final_params[4][0]), 1e-4);
+}
+
+// Dynamic loss scaling (GradScaler semantics) with an initial scale of 2^120: the first
+// steps overflow and are skipped (the scale halves each time, the batch is consumed), then
+// every step is exactly the unscaled SGD step (scaling by a power of two is exact in
+// float32), so the model equals the reference that skips the same first steps.
+TEST(TrainingFeaturesTest, LossScalingSkipsOverflowingStepsAndOtherwiseEqualsUnscaledSgd) {
+  std::FILE* out = std::tmpfile();
+  Logger logger({}, out);
+  TrainerOptions o = Options(8);
+  o.logger = &logger;
+  LossScaleSpec* ls = o.spec.mutable_loss_scale();
+  ls->set_mode("dynamic");
+  ls->set_init_scale(std::ldexp(1.0, 120));
+  ls->set_growth_factor(2);
+  ls->set_backoff_factor(0.5);
+  ls->set_growth_interval(1000);
+  std::vector<TrainProgress> reports;
+  o.on_progress = [&reports](const TrainProgress& p) { reports.push_back(p); };
+  SgdMode mode;
+  std::atomic<bool> stop{false};
+  ASSERT_OK_AND_ASSIGN(TrainResult r, RunTrainingLoop(o, &mode, stop));
+  EXPECT_EQ(r.steps, 8);
+  const int64_t k = r.skipped_steps;
+  ASSERT_GE(k, 1) << "2^120 times the loss must overflow";
+  ASSERT_LT(k, 8);
+  EXPECT_EQ(r.loss_scale, std::ldexp(1.0, 120 - static_cast<int>(k)));
+  EXPECT_EQ(mode.losses.size(), static_cast<size_t>(8 - k));  // Exchange only when finite.
+  // The skipped steps are the first k, each logged.
+  std::vector<std::string> skips;
+  for (const std::string& line : Lines(out)) {
+    if (line.find("event=step_skipped") != std::string::npos) skips.push_back(line);
+  }
+  ASSERT_EQ(skips.size(), static_cast<size_t>(k));
+  for (int64_t i = 0; i < k; ++i) {
+    EXPECT_NE(skips[i].find(absl::StrCat(" step=", i, " ")), std::string::npos) << skips[i];
+  }
+  std::vector<double> ref_losses;
+  RefOptions ref;
+  ref.skip_first = k;
+  const auto want = ReferenceSgd(o, 16, 8, ref, &ref_losses);
+  ExpectSameModel(mode.final_params, want, 1e-6);
+  ASSERT_FALSE(reports.empty());
+  EXPECT_EQ(reports.back().skipped_steps, k);
+  EXPECT_EQ(reports.back().loss_scale, r.loss_scale);
+}
+
+// fp16 autocast exists only on CUDA in LibTorch: a CPU worker says so before training.
+TEST(TrainingFeaturesTest, Fp16OnTheCpuFailsBeforeTraining) {
+  TrainerOptions o = Options(2);
+  o.spec.set_precision("fp16");
+  o.spec.mutable_loss_scale()->set_mode("dynamic");
+  o.spec.mutable_loss_scale()->set_init_scale(65536);
+  SgdMode mode;
+  std::atomic<bool> stop{false};
+  absl::StatusOr<TrainResult> r = RunTrainingLoop(o, &mode, stop);
+  EXPECT_STATUS_MSG(r.status(), absl::StatusCode::kFailedPrecondition,
+                    "precision fp16 needs a CUDA device");
+  EXPECT_TRUE(mode.losses.empty());
 }
 
 TEST(TrainingFeaturesTest, Bf16AutocastTrainsAndKeepsFloat32Parameters) {

@@ -143,6 +143,8 @@ void WorkerAgent::Execute(Run* run) {
     }
     run->report.set_grad_norm(p.grad_norm);
     run->report.set_clipped_fraction(p.clipped_fraction);
+    run->report.set_skipped_steps(p.skipped_steps);
+    run->report.set_loss_scale(p.loss_scale);
     if (p.checkpoint_step >= 0) run->report.set_checkpoint_step(p.checkpoint_step);
   };
   WirePublishing(task, run->logger.get(), &to);

@@ -534,22 +534,26 @@ int Run() {
     return 1;
   }
   const TrainResult& r = *result;
-  logger.Info(
-      "done",
-      {Kv("job", o.trainer.spec.name()), Kv("steps", r.steps), Kv("samples", r.samples),
-       Kv("wall_s", absl::StrFormat("%.2f", r.wall_s)),
-       Kv("samples_per_s", absl::StrFormat("%.1f", r.samples_per_s)),
-       Kv("loss", absl::StrFormat("%.4f", r.final_loss)),
-       Kv("accuracy", absl::StrFormat("%.4f", r.test_accuracy)),
-       Kv("test_loss", absl::StrFormat("%.4f", r.test_loss)),
-       Kv("perplexity", absl::StrFormat("%.3f", r.perplexity)),
-       Kv("data_s", absl::StrFormat("%.2f", r.data_s)),
-       Kv("compute_s", absl::StrFormat("%.2f", r.compute_s)),
-       Kv("comm_s", absl::StrFormat("%.2f", r.comm_s)), Kv("bytes_pushed", r.bytes_pushed),
-       Kv("bytes_pulled", r.bytes_pulled), Kv("raw_bytes_pushed", r.raw_bytes_pushed),
-       Kv("raw_bytes_pulled", r.raw_bytes_pulled),
-       Kv("codec_s", absl::StrFormat("%.2f", r.codec_s)),
-       Kv("stopped_early", r.stopped_early ? "true" : "false"), Kv("first_step", r.first_step)});
+  logger.Info("done", {Kv("job", o.trainer.spec.name()),
+                       Kv("steps", r.steps),
+                       Kv("samples", r.samples),
+                       Kv("wall_s", absl::StrFormat("%.2f", r.wall_s)),
+                       Kv("samples_per_s", absl::StrFormat("%.1f", r.samples_per_s)),
+                       Kv("loss", absl::StrFormat("%.4f", r.final_loss)),
+                       Kv("accuracy", absl::StrFormat("%.4f", r.test_accuracy)),
+                       Kv("test_loss", absl::StrFormat("%.4f", r.test_loss)),
+                       Kv("perplexity", absl::StrFormat("%.3f", r.perplexity)),
+                       Kv("data_s", absl::StrFormat("%.2f", r.data_s)),
+                       Kv("compute_s", absl::StrFormat("%.2f", r.compute_s)),
+                       Kv("comm_s", absl::StrFormat("%.2f", r.comm_s)),
+                       Kv("bytes_pushed", r.bytes_pushed),
+                       Kv("bytes_pulled", r.bytes_pulled),
+                       Kv("raw_bytes_pushed", r.raw_bytes_pushed),
+                       Kv("raw_bytes_pulled", r.raw_bytes_pulled),
+                       Kv("codec_s", absl::StrFormat("%.2f", r.codec_s)),
+                       Kv("stopped_early", r.stopped_early ? "true" : "false"),
+                       Kv("first_step", r.first_step),
+                       Kv("skipped_steps", r.skipped_steps)});
   return 0;
 }
 

@@ -35,6 +35,13 @@ void CollectWorkerMetrics(const std::vector<TaskReport>& reports, MetricsWriter*
       w->Gauge("gradmesh_worker_clipped_fraction", "Fraction of steps clipped, last log window.", l,
                r.clipped_fraction());
     }
+    // Only jobs with dynamic loss scaling (a scale is > 0).
+    if (r.loss_scale() > 0) {
+      w->Gauge("gradmesh_worker_loss_scale", "Current dynamic loss scale.", l, r.loss_scale());
+      w->Gauge("gradmesh_worker_skipped_steps",
+               "Steps skipped for a non-finite gradient (loss scaling), this run.", l,
+               static_cast<double>(r.skipped_steps()));
+    }
   }
 }
 
@@ -53,6 +60,8 @@ TaskReport ReportFromProgress(const std::string& job, int32_t rank, const std::s
   r.set_checkpoint_step(progress.checkpoint_step);
   r.set_grad_norm(progress.grad_norm);
   r.set_clipped_fraction(progress.clipped_fraction);
+  r.set_skipped_steps(progress.skipped_steps);
+  r.set_loss_scale(progress.loss_scale);
   return r;
 }
 

@@ -9,6 +9,7 @@
 //   gradmesh_worker_checkpoint_step                    latest checkpoint (-1: none)
 //   gradmesh_worker_accuracy                           once evaluated
 //   gradmesh_worker_grad_norm / _clipped_fraction      jobs that clip: last log window
+//   gradmesh_worker_loss_scale / _skipped_steps        jobs with dynamic loss scaling
 #ifndef GRADMESH_WORKER_WORKER_METRICS_H_
 #define GRADMESH_WORKER_WORKER_METRICS_H_
 

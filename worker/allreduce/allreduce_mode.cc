@@ -44,6 +44,9 @@ class AllreduceMode : public TrainingMode {
   }
   void AbortStep() override { (void)reducer_->FinishStep(); }
   ClipCounters TakeClipCounters() override { return updater_->TakeClipCounters(); }
+  // Loss scaling: the averaged gradient is unscaled and checked (model_updater.h).
+  bool unscales_gradients() const override { return true; }
+  void SetLossScale(float scale) override { updater_->set_loss_scale(scale); }
   absl::StatusOr<StepOutcome> Exchange(int64_t step,
                                        absl::Span<const absl::Span<const float>> grads, double loss,
                                        const StepTiming& timing) override;
@@ -190,6 +193,7 @@ absl::StatusOr<StepOutcome> AllreduceMode::Exchange(int64_t step,
   StepOutcome out;
   out.stop = extras[0] > 0;
   out.loss = extras[1] / spec_.num_workers();
+  out.skipped = updater_->last_step_skipped();
   return out;
 }
 

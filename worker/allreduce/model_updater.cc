@@ -65,7 +65,8 @@ absl::Status ModelUpdater::FinishStep(BucketReducer* reducer, int64_t step,
   // Same update on every rank, from bit-identical averages, applied piece by piece as the
   // all-reduce finishes them.
   const float lr_factor = LrScheduleFactor(optimizer_spec_, step);
-  if (clip_.enabled()) return FinishClippedStep(reducer, step, lr_factor);
+  skipped_ = false;
+  if (clip_.enabled() || scaling_) return FinishGatheredStep(reducer, step, lr_factor);
   return reducer->FinishStep([&](int p, int64_t begin, absl::Span<const float> mean) {
     if (p >= num_params_) {
       ApplyBufferMean(p, begin, mean);
@@ -79,8 +80,8 @@ absl::Status ModelUpdater::FinishStep(BucketReducer* reducer, int64_t step,
   });
 }
 
-absl::Status ModelUpdater::FinishClippedStep(BucketReducer* reducer, int64_t step,
-                                             float lr_factor) {
+absl::Status ModelUpdater::FinishGatheredStep(BucketReducer* reducer, int64_t step,
+                                              float lr_factor) {
   means_.resize(num_params_);
   for (int p = 0; p < num_params_; ++p) means_[p].resize(numels_[p]);
   RETURN_IF_ERROR(reducer->FinishStep([&](int p, int64_t begin, absl::Span<const float> mean) {
@@ -91,7 +92,11 @@ absl::Status ModelUpdater::FinishClippedStep(BucketReducer* reducer, int64_t ste
     std::copy(mean.begin(), mean.end(), means_[p].begin() + begin);
   }));
   std::vector<absl::Span<float>> spans(means_.begin(), means_.end());
-  clip_counters_.Add(ClipGradients(spans, clip_));
+  if (scaling_ && !UnscaleAndCheck(spans, loss_scale_)) {
+    skipped_ = true;  // GradScaler: no optimizer step (the buffers are averaged already).
+    return absl::OkStatus();
+  }
+  if (clip_.enabled()) clip_counters_.Add(ClipGradients(spans, clip_));
   const absl::Time o0 = absl::Now();
   for (int p = 0; p < num_params_; ++p) {
     for (int k = 0; k < num_slots_; ++k) slot_ptrs_[k] = slots_[p][k].data();

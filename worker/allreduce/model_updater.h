@@ -36,6 +36,7 @@
 #include "worker/allreduce/bucket_reducer.h"
 #include "worker/allreduce/checkpoint.h"
 #include "worker/core/grad_clip.h"
+#include "worker/core/loss_scaler.h"
 
 namespace gradmesh {
 
@@ -68,6 +69,17 @@ class ModelUpdater {
   // norm, bit-identical on every rank. With it on, FinishStep gathers the whole mean gradient
   // before the optimizer runs (the all-reduce still overlaps backward). Default off.
   void set_clip(const ClipOptions& clip) { clip_ = clip; }
+  // Dynamic loss scaling (JobSpec.loss_scale): the gradients of the next FinishStep are
+  // multiplied by `scale`. FinishStep then gathers the whole mean, divides it by the scale
+  // and, if any element is not finite, skips the optimizer (the buffers are still averaged):
+  // the same verdict on every rank, since every rank checks the same bit-identical mean.
+  void set_loss_scale(float scale) {
+    scaling_ = true;
+    loss_scale_ = scale;
+  }
+  // Whether the last FinishStep skipped the optimizer (loss scaling found a non-finite mean).
+  bool last_step_skipped() const { return skipped_; }
+
   // The clipping counters since the last call (reset).
   ClipCounters TakeClipCounters() {
     ClipCounters c = clip_counters_;
@@ -94,8 +106,9 @@ class ModelUpdater {
   std::string EntryName(size_t i) const;
   // Buffer `p`'s piece [begin, begin + mean.size()): value = before = before + mean delta.
   void ApplyBufferMean(int p, int64_t begin, absl::Span<const float> mean);
-  // FinishStep with clipping: the whole mean first, clipped, then the optimizer.
-  absl::Status FinishClippedStep(BucketReducer* reducer, int64_t step, float lr_factor);
+  // FinishStep with clipping or loss scaling: the whole mean first, unscaled and checked,
+  // clipped, then the optimizer.
+  absl::Status FinishGatheredStep(BucketReducer* reducer, int64_t step, float lr_factor);
 
   const std::vector<absl::Span<float>> entries_;
   const std::vector<std::string> names_;
@@ -107,6 +120,9 @@ class ModelUpdater {
   std::vector<std::vector<std::vector<float>>> slots_;  // [param][slot][element].
   std::vector<float*> slot_ptrs_;
   std::vector<std::vector<float>> before_;  // [buffer][element]: before the step's forward.
+  bool scaling_ = false;
+  float loss_scale_ = 1;
+  bool skipped_ = false;
   double opt_s_ = 0;
   ClipOptions clip_;
   ClipCounters clip_counters_;

@@ -4,6 +4,7 @@
 // Every value is exact in float32, so the expectations are exact.
 #include "worker/allreduce/model_updater.h"
 
+#include <limits>
 #include <string>
 #include <thread>
 #include <vector>
@@ -104,6 +105,62 @@ TEST(ModelUpdaterTest, OptimizerOnMeanGradientBuffersBecomeBeforePlusMeanDelta) 
     EXPECT_EQ(slots[r][1], (std::vector<float>{0.25f, -0.25f})) << r;
     // Three entries and one slot array per parameter: none for the buffer.
     EXPECT_EQ(arrays[r], 5u) << r;
+  }
+}
+
+// Dynamic loss scaling: the gradients arrive multiplied by the scale (8). Step 0: finite, so
+// the mean is divided by 8 and applied. Step 1: only rank 1's gradient overflowed (inf), yet
+// both ranks see a non-finite mean and both skip the optimizer (slots untouched), while the
+// buffers are still averaged: the consistent skip GradScaler gives under DDP.
+TEST(ModelUpdaterTest, LossScalingUnscalesTheMeanAndEveryRankSkipsAnOverflowTogether) {
+  constexpr int n = 2;
+  auto ring = NewLocalRing(n);
+  std::vector<std::unique_ptr<Collective>> coll;
+  for (auto& t : ring) coll.push_back(NewRingCollective(std::move(t), RingOptions()));
+  std::vector<TinyModel> models(n);
+  std::vector<std::vector<bool>> skipped(n);
+  std::vector<std::vector<float>> slot_w(n);
+  std::vector<absl::Status> st(n, absl::UnknownError("not run"));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r) {
+    threads.emplace_back([&, r] {
+      TinyModel& m = models[r];
+      absl::StatusOr<std::unique_ptr<ModelUpdater>> u =
+          ModelUpdater::Create(m.entries(), TinyModel::names(), 2, SgdMomentum());
+      if (!u.ok()) {
+        st[r] = u.status();
+        return;
+      }
+      BucketReducer reducer(coll[r].get(), (*u)->numels(), 8, (*u)->num_params());
+      const float k = r + 1.0f;
+      for (int step = 0; step < 2; ++step) {
+        // Unscaled: w k*(1, 2, 4), b (r, -r); the loop hands them over times 8.
+        std::vector<float> gw = {8 * k, 16 * k, 32 * k}, gb = {8.0f * r, -8.0f * r};
+        if (step == 1 && r == 1) gw[1] = std::numeric_limits<float>::infinity();
+        std::vector<float> delta = {0.5f * k, -0.25f * k};
+        (*u)->set_loss_scale(8);
+        reducer.StartStep({0.0f, 0.0f});
+        reducer.ParamReady(1, gb.data(), 2);
+        reducer.ParamReady(0, gw.data(), 3);
+        for (int i = 0; i < 2; ++i) m.running_mean[i] += delta[i];
+        const std::vector<absl::Span<const float>> grads = {gw, gb, delta};
+        st[r] = (*u)->FinishStep(&reducer, step, grads);
+        if (!st[r].ok()) return;
+        skipped[r].push_back((*u)->last_step_skipped());
+      }
+      slot_w[r] = (*u)->slots(0)[0];
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < n; ++r) {
+    ASSERT_OK(st[r]);
+    EXPECT_EQ(skipped[r], (std::vector<bool>{false, true})) << r;
+    // Step 0 as without scaling: w (1, 2, 3) - 0.5 * (1.5, 3, 6); step 1 changed nothing.
+    EXPECT_EQ(models[r].w, (std::vector<float>{0.25f, 0.5f, 0.0f})) << r;
+    EXPECT_EQ(models[r].b, (std::vector<float>{-0.25f, 0.25f})) << r;
+    EXPECT_EQ(slot_w[r], (std::vector<float>{1.5f, 3.0f, 6.0f})) << r;
+    // The buffers were averaged both times: (1, 2) + 2 * (0.75, -0.375).
+    EXPECT_EQ(models[r].running_mean, (std::vector<float>{2.5f, 1.25f})) << r;
   }
 }
 

@@ -39,6 +39,8 @@ struct TrainProgress {
   int64_t checkpoint_step = -1;
   double grad_norm = -1;         // Clipping jobs: mean pre-clip norm over the last window.
   double clipped_fraction = -1;  // Clipping jobs: fraction of the window's steps clipped.
+  int64_t skipped_steps = -1;    // Loss scaling: steps skipped so far in this run (-1: off).
+  double loss_scale = -1;        // Loss scaling: the current scale (-1: off).
 };
 
 // Where a rank runs forward and backward (worker flag --device). The modes never see it: they
@@ -139,6 +141,9 @@ struct TrainResult {
   // Gradient clipping (clip_grad_norm / clip_grad_value): steps clipped at, and of those the
   // steps where something was clipped (as logged in progress lines).
   int64_t clip_steps = 0, clipped_steps = 0;
+  // Dynamic loss scaling: steps skipped for a non-finite gradient, and the final scale.
+  int64_t skipped_steps = 0;
+  double loss_scale = 1;
 };
 
 // Opens the job's dataset from spec.dataset.path, or <data_dir>/<dataset name>: IDX files for

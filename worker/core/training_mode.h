@@ -87,6 +87,9 @@ struct LoopInfo {
 struct StepOutcome {
   double loss = 0;    // The step's training loss as reported (allreduce: mean over ranks).
   bool stop = false;  // Every rank stops after this step (a stop decided collectively).
+  // Loss scaling: the step's gradient was not finite, so nothing was updated (modes that
+  // unscale themselves, and SkipStep, set it).
+  bool skipped = false;
 };
 
 // How the step's time went so far (seconds), for modes that adapt to it (auto codec).
@@ -135,6 +138,25 @@ class TrainingMode {
   virtual absl::StatusOr<StepOutcome> Exchange(int64_t step,
                                                absl::Span<const absl::Span<const float>> grads,
                                                double loss, const StepTiming& timing) = 0;
+
+  // Dynamic loss scaling (JobSpec loss_scale, worker/core/loss_scaler.h). The gradients the
+  // mode gets (OnGradient, Exchange) are then multiplied by the loss scale. A mode that
+  // returns true here unscales and checks them itself (allreduce: the averaged gradient, so
+  // every rank skips the same steps): the loop calls SetLossScale before every Exchange and
+  // reads StepOutcome.skipped. Otherwise the loop unscales the gradient before Exchange and,
+  // when it is not finite, calls SkipStep instead of Exchange.
+  virtual bool unscales_gradients() const { return false; }
+  virtual void SetLossScale(float scale) {}
+
+  // A step whose gradient was not finite: no update and no exchange of that gradient. The
+  // default does nothing else (async/ssp: no push; gossip: no local step, no round); a mode
+  // whose step must still happen overrides it (diloco: a round that ends at this step).
+  virtual absl::StatusOr<StepOutcome> SkipStep(int64_t step, double loss) {
+    StepOutcome out;
+    out.loss = loss;
+    out.skipped = true;
+    return out;
+  }
 
   // After `steps_done` steps (absolute): writes a checkpoint if one is due. True if written.
   virtual absl::StatusOr<bool> MaybeCheckpoint(int64_t steps_done) { return false; }

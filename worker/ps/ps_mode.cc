@@ -383,11 +383,27 @@ class DilocoMode : public PsMode {
                     slot_ptrs_.data(), static_cast<int64_t>(x.size()));
       ++p;
     }
+    RETURN_IF_ERROR(MaybeRound(step));
     StepOutcome out;
     out.loss = loss;
+    return out;
+  }
+
+  // Loss scaling found the step's gradient not finite: no inner step, but a round that ends
+  // here still happens (with the local progress so far).
+  absl::StatusOr<StepOutcome> SkipStep(int64_t step, double loss) override {
+    RETURN_IF_ERROR(MaybeRound(step));
+    StepOutcome out;
+    out.loss = loss;
+    out.skipped = true;
+    return out;
+  }
+
+  // After step `step`: if it ends a round (or the run), the round's pseudo-gradients out and
+  // the new global model in.
+  absl::Status MaybeRound(int64_t step) {
     const int64_t done = step + 1;
-    if (done % inner_steps_ != 0 && done != total_) return out;
-    // The round: pseudo-gradients out, the new global model in.
+    if (done % inner_steps_ != 0 && done != total_) return absl::OkStatus();
     const int64_t round = step / inner_steps_;
     for (int i = 0; i < model_->size(); ++i) {
       const absl::Span<const float> x = model_->params[i];
@@ -406,7 +422,7 @@ class DilocoMode : public PsMode {
       std::copy(model_->params[i].begin(), model_->params[i].end(), global_[i].begin());
     }
     ++rounds_;
-    return out;
+    return absl::OkStatus();
   }
 
   int64_t steps_per_push() const override { return inner_steps_; }
