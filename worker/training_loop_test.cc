@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <limits>
 #include <optional>
 #include <string>
 #include <vector>
@@ -383,7 +384,7 @@ TEST_P(DeviceTest, UpdatesThroughTheViewGiveTheCpusModel) {
 struct RefOptions {
   double clip_norm = 0;
   double clip_value = 0;
-  int64_t skip_first = 0;  // Loss scaling: these first steps are skipped (batch consumed).
+  int64_t skip_step = -1;  // Loss scaling: this step is skipped (its batch consumed).
 };
 
 std::vector<std::vector<float>> ReferenceSgd(const TrainerOptions& o, int64_t batch, int64_t steps,
@@ -413,7 +414,7 @@ std::vector<std::vector<float>> ReferenceSgd(const TrainerOptions& o, int64_t ba
     auto loss = ComputeLoss(model->get(), LossKind::kCrossEntropy, x, y);
     EXPECT_OK(loss.status());
     losses->push_back(loss->item<double>());
-    if (s < ref.skip_first) continue;
+    if (s == ref.skip_step) continue;
     loss->backward();
     torch::NoGradGuard no_grad;
     if (ref.clip_value > 0) {
@@ -510,49 +511,68 @@ TEST(TrainingFeaturesTest, ClippingMatchesTorchSemantics) {
   EXPECT_GT(std::fabs(free.final_params[4][0] - mode.final_params[4][0]), 1e-4);
 }
 
-// Dynamic loss scaling (GradScaler semantics) with an initial scale of 2^120: the first
-// steps overflow and are skipped (the scale halves each time, the batch is consumed), then
-// every step is exactly the unscaled SGD step (scaling by a power of two is exact in
-// float32), so the model equals the reference that skips the same first steps.
-TEST(TrainingFeaturesTest, LossScalingSkipsOverflowingStepsAndOtherwiseEqualsUnscaledSgd) {
+// Dynamic loss scaling (GradScaler semantics), scale 2^16, growth every 4 good steps. At step
+// 5 the mode poisons a weight before the forward (NaN), so that step's gradient is not finite:
+// the loop must skip it (no Exchange, the batch consumed), halve the scale and log it; the
+// mode then restores the weight. Every other step is exactly the unscaled SGD step (scaling
+// by a power of two is exact in float32), so the model equals the reference that skips step 5.
+class PoisonMode : public SgdMode {
+ public:
+  int64_t poison_step = 5;
+  float saved = 0;
+  std::vector<int64_t> skipped;
+  absl::Status BeforeForward(int64_t step) override {
+    if (step == poison_step) {
+      saved = view->params[0][0];
+      view->params[0][0] = std::numeric_limits<float>::quiet_NaN();
+    }
+    return SgdMode::BeforeForward(step);
+  }
+  absl::StatusOr<StepOutcome> SkipStep(int64_t step, double loss) override {
+    skipped.push_back(step);
+    if (step == poison_step) view->params[0][0] = saved;
+    return SgdMode::SkipStep(step, loss);
+  }
+};
+
+TEST(TrainingFeaturesTest, LossScalingSkipsANonFiniteStepAndOtherwiseEqualsUnscaledSgd) {
   std::FILE* out = std::tmpfile();
   Logger logger({}, out);
   TrainerOptions o = Options(8);
   o.logger = &logger;
   LossScaleSpec* ls = o.spec.mutable_loss_scale();
   ls->set_mode("dynamic");
-  ls->set_init_scale(std::ldexp(1.0, 120));
+  ls->set_init_scale(65536);
   ls->set_growth_factor(2);
   ls->set_backoff_factor(0.5);
-  ls->set_growth_interval(1000);
+  ls->set_growth_interval(4);
   std::vector<TrainProgress> reports;
   o.on_progress = [&reports](const TrainProgress& p) { reports.push_back(p); };
-  SgdMode mode;
+  PoisonMode mode;
   std::atomic<bool> stop{false};
   ASSERT_OK_AND_ASSIGN(TrainResult r, RunTrainingLoop(o, &mode, stop));
   EXPECT_EQ(r.steps, 8);
-  const int64_t k = r.skipped_steps;
-  ASSERT_GE(k, 1) << "2^120 times the loss must overflow";
-  ASSERT_LT(k, 8);
-  EXPECT_EQ(r.loss_scale, std::ldexp(1.0, 120 - static_cast<int>(k)));
-  EXPECT_EQ(mode.losses.size(), static_cast<size_t>(8 - k));  // Exchange only when finite.
-  // The skipped steps are the first k, each logged.
+  EXPECT_EQ(r.skipped_steps, 1);
+  EXPECT_EQ(mode.skipped, (std::vector<int64_t>{5}));
+  EXPECT_EQ(mode.losses.size(), 7u);  // Exchange only for finite steps.
+  // Steps 0-3 good: 2^16 -> 2^17; step 4 good; step 5 skipped: 2^16 (the count restarts);
+  // steps 6, 7 good: still 2^16.
+  EXPECT_EQ(r.loss_scale, 65536.0);
   std::vector<std::string> skips;
   for (const std::string& line : Lines(out)) {
     if (line.find("event=step_skipped") != std::string::npos) skips.push_back(line);
   }
-  ASSERT_EQ(skips.size(), static_cast<size_t>(k));
-  for (int64_t i = 0; i < k; ++i) {
-    EXPECT_NE(skips[i].find(absl::StrCat(" step=", i, " ")), std::string::npos) << skips[i];
-  }
+  ASSERT_EQ(skips.size(), 1u);
+  EXPECT_NE(skips[0].find(" step=5 "), std::string::npos) << skips[0];
+  EXPECT_NE(skips[0].find(" loss_scale=131072 next_scale=65536"), std::string::npos) << skips[0];
   std::vector<double> ref_losses;
   RefOptions ref;
-  ref.skip_first = k;
+  ref.skip_step = 5;
   const auto want = ReferenceSgd(o, 16, 8, ref, &ref_losses);
   ExpectSameModel(mode.final_params, want, 1e-6);
   ASSERT_FALSE(reports.empty());
-  EXPECT_EQ(reports.back().skipped_steps, k);
-  EXPECT_EQ(reports.back().loss_scale, r.loss_scale);
+  EXPECT_EQ(reports.back().skipped_steps, 1);
+  EXPECT_EQ(reports.back().loss_scale, 65536.0);
 }
 
 // fp16 autocast exists only on CUDA in LibTorch: a CPU worker says so before training.

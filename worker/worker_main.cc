@@ -111,6 +111,8 @@ ABSL_FLAG(int32_t, accumulation_steps, 0,
           "Job spec accumulation_steps: micro-batches of --batch_size per optimizer step.");
 ABSL_FLAG(double, clip_grad_norm, 0, "Job spec clip_grad_norm (0: off).");
 ABSL_FLAG(double, clip_grad_value, 0, "Job spec clip_grad_value (0: off).");
+ABSL_FLAG(std::string, loss_scale, "",
+          "Job spec loss_scale.mode: dynamic (default with --precision=fp16) or none.");
 ABSL_FLAG(int32_t, pipeline, 0,
           "Job spec pipeline (async/ssp): 1 = step t's exchange overlaps step t+1's compute.");
 ABSL_FLAG(std::string, lr_scaling, "",
@@ -187,6 +189,9 @@ void ApplyTrainingFeatureFlags(JobSpec* spec_ptr) {
     spec.set_clip_grad_value(absl::GetFlag(FLAGS_clip_grad_value));
   }
   if (absl::GetFlag(FLAGS_pipeline) != 0) spec.set_pipeline(absl::GetFlag(FLAGS_pipeline));
+  if (!absl::GetFlag(FLAGS_loss_scale).empty()) {
+    spec.mutable_loss_scale()->set_mode(absl::GetFlag(FLAGS_loss_scale));
+  }
   if (!absl::GetFlag(FLAGS_lr_scaling).empty()) {
     spec.mutable_lr_scaling()->set_rule(absl::GetFlag(FLAGS_lr_scaling));
   }
