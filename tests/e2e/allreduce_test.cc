@@ -214,6 +214,7 @@ optimizer: {name: sgd, lr: 0.05, momentum: 0.9}
 batch_size: 16
 accumulation_steps: 2
 clip_grad_norm: 0.5
+loss_scale: {mode: dynamic, init_scale: 1024, growth_interval: 10}
 steps: 50
 mode: allreduce
 num_workers: 2
@@ -229,6 +230,9 @@ allreduce: {bucket_bytes: 262144}
 // micro-batch's loss is divided by 2, so the accumulated gradient is the rank's mean over 32,
 // the all-reduce averages the two ranks, and the allreduce mode clips that average (the
 // global norm) before its optimizer. The run must also differ from the unclipped reference.
+// With dynamic loss scaling on (scale 2^10, doubling every 10 good steps: exact in float32)
+// the gradients travel scaled and the allreduce mode unscales the averaged one, so the result
+// is the same; no step overflows, and the scale ends at 2^15 on both ranks.
 TEST_F(AllreduceTest, AccumulationAndGlobalClippingEqualOneProcessWithTheWholeBatch) {
   if (!HaveMnist()) GTEST_SKIP() << "MNIST files not found under " << DataDir() << "/mnist";
   constexpr int64_t kSteps = 50;
@@ -246,11 +250,15 @@ TEST_F(AllreduceTest, AccumulationAndGlobalClippingEqualOneProcessWithTheWholeBa
     EXPECT_EQ(ToInt(LogField(done, "samples")), kSteps * 32) << done;
     // One all-reduce of the gradients per step, not per micro-batch.
     EXPECT_LT(ToInt(LogField(done, "bytes_pushed")), kSteps * 269322 * 4 + 4096);
+    EXPECT_EQ(ToInt(LogField(done, "skipped_steps")), 0) << done;
+    std::string last_progress;
     for (const std::string& line : std::vector<std::string>(absl::StrSplit(log, "\n"))) {
       if (line.find("event=progress") == std::string::npos) continue;
+      last_progress = line;
       clipped_sum += ToDouble(LogField(line, "clipped"));
       ++progress_lines;
     }
+    EXPECT_EQ(LogField(last_progress, "loss_scale"), "32768") << last_progress;
   }
   EXPECT_GT(progress_lines, 0);
   EXPECT_GT(clipped_sum, 0) << "the bound must bite for the test to mean anything";

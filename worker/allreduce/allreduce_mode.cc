@@ -93,7 +93,9 @@ std::string AllreduceMode::Fingerprint() const {
       " lr=", ScaledOptimizer(spec_, spec_.num_workers()).lr(),
       " accumulation_steps=", spec_.accumulation_steps(),
       " clip_grad_norm=", spec_.clip_grad_norm(), " clip_grad_value=", spec_.clip_grad_value(),
-      " precision=", spec_.precision());
+      " precision=", spec_.precision(), " loss_scale=", spec_.loss_scale().mode(), ":",
+      spec_.loss_scale().init_scale(), ":", spec_.loss_scale().growth_factor(), ":",
+      spec_.loss_scale().backoff_factor(), ":", spec_.loss_scale().growth_interval());
 }
 
 absl::Status AllreduceMode::Handshake() {
