@@ -166,10 +166,15 @@ TEST(UpdateLogTest, RotateDeletesTheSegmentsASnapshotCovers) {
   EXPECT_EQ(Files(root + "/j"),
             (std::vector<std::string>{"0000000000000001.log", "0000000000000004.log"}));
   ExpectRecords(Read(root), rs, 5);
-  ASSERT_OK(log->Rotate(5));
-  EXPECT_TRUE(Files(root + "/j").empty());
+  ASSERT_OK(log->Rotate(5));  // Both are covered, and kept as spares.
+  EXPECT_EQ(Files(root + "/j"), (std::vector<std::string>{"spare.0", "spare.1"}));
+  EXPECT_TRUE(Read(root).empty());
+  // Segment 6 is written over segment 4's file: the reader stops at 4's records after it.
   ASSERT_OK(log->Append(6, absl::MakeConstSpan(p).subspan(5)));
-  EXPECT_EQ(Files(root + "/j"), std::vector<std::string>{"0000000000000006.log"});
+  EXPECT_EQ(Files(root + "/j"), (std::vector<std::string>{"0000000000000006.log", "spare.0"}));
+  const std::vector<state::UpdateRecord> got = Read(root);
+  ASSERT_EQ(got.size(), 1u);
+  EXPECT_EQ(got[0].SerializeAsString(), rs[5]->full.SerializeAsString());
   ASSERT_OK(UpdateLog::Remove(root, "j"));
   EXPECT_FALSE(std::filesystem::exists(root + "/j"));
 }
@@ -193,11 +198,13 @@ TEST(UpdateLogTest, OpenKeepsReplayedSegmentsAndDropsTheRest) {
     ASSERT_OK(log->Append(3, absl::MakeConstSpan(p).subspan(2, 2)));
     ExpectRecords(Read(root), rs, 4);
     ASSERT_OK(log->Rotate(2));
-    EXPECT_EQ(Files(root + "/j"), std::vector<std::string>{"0000000000000003.log"});
+    EXPECT_EQ(Files(root + "/j"), (std::vector<std::string>{"0000000000000003.log", "spare.0"}));
   }
-  // A new job of the same name starts from nothing.
+  // A new job of the same name starts from nothing (the spare could hold its first seqs).
   ASSERT_OK_AND_ASSIGN(auto log, UpdateLog::Open(root, "j", 1, true, false));
   EXPECT_TRUE(Files(root + "/j").empty());
+  ASSERT_OK(log->Append(1, absl::MakeConstSpan(p).subspan(0, 1)));
+  ExpectRecords(Read(root), rs, 1);
 }
 
 TEST(UpdateLogTest, AFailedWriteLeavesNothingOfItsBatch) {
