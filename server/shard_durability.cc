@@ -161,7 +161,7 @@ bool ShardDurability::StartSnapshot(bool force) {
   }
   const int64_t updates = ledger_->updates_applied();
   const bool by_count = updates - snapshot_update_ >= d.snapshot_every_updates();
-  // Log records deleted before RocksDB flushes its memtable never reach an SST file.
+  // Bounds the log files and replay (see kLogBytesPerSnapshot).
   const bool by_bytes = logged_bytes_ >= kLogBytesPerSnapshot;
   // Time-based snapshots would differ between shards of a sync job: count only there.
   const bool by_time = !job_->sync_mode() && d.snapshot_every_seconds() > 0 &&

@@ -63,9 +63,11 @@
 
 namespace gradmesh {
 
-// every_update: snapshot once this much has been logged, which bounds the log files (about
-// twice this: a segment is deleted by the snapshot after the one that rotated it) and replay.
-inline constexpr int64_t kLogBytesPerSnapshot = 32ll << 20;
+// every_update: snapshot once this much has been logged. It bounds replay and the log's files
+// (about 4x this per job: the live segment, the previous one until the next snapshot, and two
+// spares), and amortises snapshots: at 4 MiB pushes, one snapshot (a RocksDB write of every
+// chunk) per 32 pushes instead of per 8 (at 32 MiB) costs ~6% less CPU per push.
+inline constexpr int64_t kLogBytesPerSnapshot = 128ll << 20;
 
 // Thread safety: every method may be called concurrently (Restore before the job is shared);
 // lock order apply_mu_ > Chunk::mu > mu_ > the ledger's lock; log_mu_ and order_mu_ are
