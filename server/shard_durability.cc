@@ -26,10 +26,7 @@ absl::Status ShardDurability::Apply(const ChunkUpdate& u, bool replay,
     // Write-ahead: the update is in the log before anything changes or is acknowledged.
     const std::vector<absl::string_view> data = GradientBytes(u);
     const EncodedRecord record(Record(u), data);  // Outside every lock.
-    const absl::StatusOr<int64_t> seq = Commit(record);
-    if (!seq.ok()) return seq.status();
-    ApplyInOrder(*seq, apply);
-    return absl::OkStatus();
+    return Commit(record, apply);
   }
   absl::ReaderMutexLock lock(&apply_mu_);
   apply();
@@ -64,20 +61,19 @@ state::UpdateRecord ShardDurability::Record(const ChunkUpdate& u) const {
   return rec;
 }
 
-absl::StatusOr<int64_t> ShardDurability::Commit(const EncodedRecord& record) {
-  Pending p;
-  p.record = &record;
+absl::Status ShardDurability::Commit(const EncodedRecord& record, absl::FunctionRef<void()> apply) {
+  Pending p{&record, &apply};
   log_mu_.Lock();
   queue_.push_back(&p);
-  // Either a leader writes our record, or we lead: first in the queue while no one writes.
+  // Either a leader logs and applies our update, or we lead: first in the queue while no one
+  // writes.
   auto done_or_lead = [this, &p]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(log_mu_) {
-    return p.done || (!writing_ && queue_.front() == &p);
+    return p.done || (!writing_ && !queue_.empty() && queue_.front() == &p);
   };
   log_mu_.Await(absl::Condition(&done_or_lead));
   if (!p.done) LeadBatch();
   log_mu_.Unlock();
-  if (!p.status.ok()) return p.status;
-  return p.seq;
+  return p.status;
 }
 
 void ShardDurability::LeadBatch() {
@@ -87,6 +83,24 @@ void ShardDurability::LeadBatch() {
   const int64_t first = next_seq_;
   const bool fresh = !log_restored_;
   log_mu_.Unlock();
+  absl::Status st = WriteBatch(first, batch, fresh);
+  log_mu_.Lock();
+  writing_ = false;  // The next leader may write the next batch while we apply this one.
+  // A failed batch takes no seqs: the next one reuses them, so the log has no holes.
+  if (st.ok()) {
+    next_seq_ += static_cast<int64_t>(batch.size());
+    log_mu_.Unlock();
+    ApplyBatch(first, batch);
+    log_mu_.Lock();
+  }
+  for (Pending* p : batch) {
+    p->status = st;
+    p->done = true;
+  }
+}
+
+absl::Status ShardDurability::WriteBatch(int64_t first, const std::vector<Pending*>& batch,
+                                         bool fresh) {
   std::vector<const EncodedRecord*> records;
   int64_t bytes = 0;
   for (const Pending* p : batch) {
@@ -100,40 +114,30 @@ void ShardDurability::LeadBatch() {
     st = log.status();
   }
   if (st.ok()) st = log_->Append(first, records);
-  st = Annotate(st, absl::StrCat("Push: job ", job_->name(), " not applied"));
-  if (st.ok()) {
-    absl::MutexLock lock(&mu_);
-    logged_bytes_ += bytes;
-    log_records_ += static_cast<int64_t>(batch.size());
-    ++log_writes_;
-  }
-  log_mu_.Lock();
-  writing_ = false;
-  // A failed batch takes no seqs: the next one reuses them, so the log has no holes.
-  if (st.ok()) next_seq_ += static_cast<int64_t>(batch.size());
-  for (size_t i = 0; i < batch.size(); ++i) {
-    batch[i]->seq = first + static_cast<int64_t>(i);
-    batch[i]->status = st;
-    batch[i]->done = true;
-  }
+  RETURN_IF_ERROR(Annotate(st, absl::StrCat("Push: job ", job_->name(), " not applied")));
+  absl::MutexLock lock(&mu_);
+  logged_bytes_ += bytes;
+  log_records_ += static_cast<int64_t>(batch.size());
+  ++log_writes_;
+  return absl::OkStatus();
 }
 
-void ShardDurability::ApplyInOrder(int64_t seq, absl::FunctionRef<void()> apply) {
+void ShardDurability::ApplyBatch(int64_t first, const std::vector<Pending*>& batch) {
   {
-    // Not under apply_mu_: a snapshot waiting for it exclusively would block the update
+    // Not under apply_mu_: a snapshot waiting for it exclusively would block the batch
     // before us, which we wait for.
     absl::MutexLock lock(&order_mu_);
-    auto our_turn = [this, seq]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(order_mu_) {
-      return applied_seq_ == seq - 1;
+    auto our_turn = [this, first]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(order_mu_) {
+      return applied_seq_ == first - 1;
     };
     order_mu_.Await(absl::Condition(&our_turn));
   }
   {
     absl::ReaderMutexLock lock(&apply_mu_);
-    apply();
+    for (Pending* p : batch) (*p->apply)();  // In seq order.
   }
   absl::MutexLock lock(&order_mu_);
-  applied_seq_ = seq;
+  applied_seq_ = first + static_cast<int64_t>(batch.size()) - 1;
 }
 
 absl::Status ShardDurability::RotateLog(int64_t snapshot_seq) {

@@ -12,10 +12,11 @@
 //                      one fdatasync with fsync); the others wait for it. A failed write keeps
 //                      nothing of the batch and takes no seqs: those updates fail, none is
 //                      applied or acknowledged;
-//                   3. each thread applies its update (apply lock shared) when the update
-//                      before it in seq order has been applied, so the apply order is the log
-//                      order and replay over the snapshot is exact. The next batch is written
-//                      while this one is applied.
+//                   3. the leader then applies the batch's updates in seq order (apply lock
+//                      shared; the callers' `apply`, which stay valid while they wait), once
+//                      the batch before has been applied, so the apply order is the log order
+//                      and replay over the snapshot is exact, and completes them: each waiting
+//                      thread is woken once. The next leader writes the next batch meanwhile.
 //                 Otherwise it takes the apply lock shared and updates run concurrently
 //                 (per-chunk locks).
 //   MaybeSnapshot takes the apply lock exclusively, copies every chunk and the ledger, releases
@@ -33,7 +34,7 @@
 // Lock order: apply_mu_ (shared by updates, exclusive for snapshots), then one Chunk::mu at a
 // time (JobState), then mu_ (snapshot bookkeeping), then the RequestLedger's lock. log_mu_
 // (the group-commit queue) and order_mu_ (whose turn it is to apply) are leaves, never held
-// while another lock is taken; an update waits for its turn before taking apply_mu_. mu_ is
+// while another lock is taken; a batch waits for its turn before taking apply_mu_. mu_ is
 // never held while apply_mu_ is taken or the store is written. log_ is used only by the
 // thread that set writing_ (the leader, or a snapshot rotating the log).
 #ifndef GRADMESH_SERVER_SHARD_DURABILITY_H_
@@ -115,23 +116,28 @@ class ShardDurability {
   Stats stats() const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
-  // A record waiting in the group-commit queue (on its thread's stack).
+  // An update waiting in the group-commit queue (on its thread's stack).
   struct Pending {
-    const EncodedRecord* record = nullptr;
-    bool done = false;  // Written (status ok, seq set) or failed.
+    const EncodedRecord* record;
+    const absl::FunctionRef<void()>* apply;
+    bool done = false;  // Logged and applied, or failed (status).
     absl::Status status;
-    int64_t seq = 0;
   };
   static std::vector<absl::string_view> GradientBytes(const ChunkUpdate& u);
   // `u` as an UpdateRecord without seq and gradient bytes.
   state::UpdateRecord Record(const ChunkUpdate& u) const;
-  // Writes `record` to the log (group commit); returns its seq.
-  absl::StatusOr<int64_t> Commit(const EncodedRecord& record) ABSL_LOCKS_EXCLUDED(log_mu_);
-  // The leader: writes every queued record (releasing log_mu_ meanwhile) and completes them.
+  // Logs `record` and runs `apply` (group commit: by whichever thread leads its batch).
+  absl::Status Commit(const EncodedRecord& record, absl::FunctionRef<void()> apply)
+      ABSL_LOCKS_EXCLUDED(log_mu_);
+  // The leader: writes every queued record and applies the batch (releasing log_mu_
+  // meanwhile), then completes them.
   void LeadBatch() ABSL_EXCLUSIVE_LOCKS_REQUIRED(log_mu_);
-  // Runs `apply` once the update with seq - 1 has been applied.
-  void ApplyInOrder(int64_t seq, absl::FunctionRef<void()> apply)
-      ABSL_LOCKS_EXCLUDED(order_mu_, apply_mu_);
+  // Writes `batch` as records first, first + 1, ... (opening the log if needed).
+  absl::Status WriteBatch(int64_t first, const std::vector<Pending*>& batch, bool fresh)
+      ABSL_LOCKS_EXCLUDED(log_mu_, mu_);
+  // Applies `batch` in order once the update with seq first - 1 has been applied.
+  void ApplyBatch(int64_t first, const std::vector<Pending*>& batch)
+      ABSL_LOCKS_EXCLUDED(order_mu_, apply_mu_, log_mu_);
   // After a snapshot at `snapshot_seq`: a new log segment, the covered ones deleted.
   absl::Status RotateLog(int64_t snapshot_seq) ABSL_LOCKS_EXCLUDED(log_mu_);
   // Before a new job's first snapshot: deletes log files left under its name.
