@@ -13,10 +13,11 @@
 //   none          memory only.
 //   periodic      snapshots (values, slots, versions, worker progress, recent request ids)
 //                 every N updates or T seconds; a crash loses the updates since the last one.
-//   every_update  each update is appended to the store's log (RocksDB WAL) before it is
-//                 applied and acknowledged, under a per-job lock that also fixes the order of
-//                 updates, so replaying the log over the last snapshot reproduces the state
-//                 exactly; snapshots bound the replay.
+//   every_update  each update is appended to the store's log (append-only files beside the
+//                 RocksDB, concurrent updates written together) before it is applied and
+//                 acknowledged, and updates are applied in log order, so replaying the log
+//                 over the last snapshot reproduces the state exactly; snapshots bound the
+//                 replay.
 // Create() restores every job found in the store (snapshot, then log replay), so a shard
 // restarted on the same --data_dir carries on, and replayed request ids are still recognised
 // as duplicates.

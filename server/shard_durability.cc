@@ -9,6 +9,7 @@
 #include "absl/time/clock.h"
 #include "common/status.h"
 #include "server/push_decoding.h"
+#include "server/update_log.h"
 
 namespace gradmesh {
 
@@ -22,29 +23,33 @@ ShardDurability::ShardDurability(const JobState* job, RequestLedger* ledger, Sha
 absl::Status ShardDurability::Apply(const ChunkUpdate& u, bool replay,
                                     absl::FunctionRef<void()> apply) {
   if (job_->durability() == Durability::kEveryUpdate && !replay) {
-    absl::WriterMutexLock lock(&apply_mu_);
     // Write-ahead: the update is in the log before anything changes or is acknowledged.
-    RETURN_IF_ERROR(AppendToLog(u));
-    apply();
-    return absl::OkStatus();
+    const std::vector<absl::string_view> data = GradientBytes(u);
+    const EncodedRecord record(Record(u), data);  // Outside every lock.
+    return Commit(record, apply);
   }
   absl::ReaderMutexLock lock(&apply_mu_);
   apply();
   return absl::OkStatus();
 }
 
-absl::Status ShardDurability::AppendToLog(const ChunkUpdate& u) {
-  state::UpdateRecord rec;
-  // Stable: every update runs under apply_mu_, which we hold exclusively.
-  rec.set_seq(ledger_->updates_applied() + 1);
+std::vector<absl::string_view> ShardDurability::GradientBytes(const ChunkUpdate& u) {
+  std::vector<absl::string_view> data;
+  for (size_t i = 0; i < u.chunks.size(); ++i) {
+    data.emplace_back(reinterpret_cast<const char*>(u.grads[i]),
+                      static_cast<size_t>(u.numels[i]) * sizeof(float));
+  }
+  return data;
+}
+
+state::UpdateRecord ShardDurability::Record(const ChunkUpdate& u) const {
+  state::UpdateRecord rec;  // Without seq and gradient bytes: EncodedRecord adds them.
   for (size_t i = 0; i < u.chunks.size(); ++i) {
     const ChunkInfo& info = job_->partition().chunks()[u.chunks[i]];
     ChunkData* g = rec.add_grads();
     g->set_tensor(info.tensor);
     g->set_chunk(info.chunk);
     g->set_version(u.base_versions[i]);
-    g->set_data(reinterpret_cast<const char*>(u.grads[i]),
-                static_cast<size_t>(u.numels[i]) * sizeof(float));
   }
   for (const RequestRef& r : u.requests) {
     state::RequestRef* out = rec.add_requests();
@@ -53,11 +58,99 @@ absl::Status ShardDurability::AppendToLog(const ChunkUpdate& u) {
     out->set_request_id(r.request_id);
   }
   if (u.lr_scale != 1.0f) rec.set_lr_scale(u.lr_scale);
-  RETURN_IF_ERROR(Annotate(store_->AppendUpdate(job_->name(), rec),
-                           absl::StrCat("Push: job ", job_->name(), " not applied")));
+  return rec;
+}
+
+absl::Status ShardDurability::Commit(const EncodedRecord& record, absl::FunctionRef<void()> apply) {
+  Pending p{&record, &apply};
+  log_mu_.Lock();
+  queue_.push_back(&p);
+  // Either a leader logs and applies our update, or we lead: first in the queue while no one
+  // writes.
+  auto done_or_lead = [this, &p]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(log_mu_) {
+    return p.done || (!writing_ && !queue_.empty() && queue_.front() == &p);
+  };
+  log_mu_.Await(absl::Condition(&done_or_lead));
+  if (!p.done) LeadBatch();
+  log_mu_.Unlock();
+  return p.status;
+}
+
+void ShardDurability::LeadBatch() {
+  std::vector<Pending*> batch(queue_.begin(), queue_.end());
+  queue_.clear();
+  writing_ = true;
+  const int64_t first = next_seq_;
+  const bool fresh = !log_restored_;
+  log_mu_.Unlock();
+  absl::Status st = WriteBatch(first, batch, fresh);
+  log_mu_.Lock();
+  writing_ = false;  // The next leader may write the next batch while we apply this one.
+  // A failed batch takes no seqs: the next one reuses them, so the log has no holes.
+  if (st.ok()) {
+    next_seq_ += static_cast<int64_t>(batch.size());
+    log_mu_.Unlock();
+    ApplyBatch(first, batch);
+    log_mu_.Lock();
+  }
+  for (Pending* p : batch) {
+    p->status = st;
+    p->done = true;
+  }
+}
+
+absl::Status ShardDurability::WriteBatch(int64_t first, const std::vector<Pending*>& batch,
+                                         bool fresh) {
+  std::vector<const EncodedRecord*> records;
+  int64_t bytes = 0;
+  for (const Pending* p : batch) {
+    records.push_back(p->record);
+    bytes += p->record->payload_bytes();
+  }
+  absl::Status st;
+  if (log_ == nullptr) {
+    auto log = store_->OpenLog(job_->name(), first, fresh);
+    if (log.ok()) log_ = *std::move(log);
+    st = log.status();
+  }
+  if (st.ok()) st = log_->Append(first, records);
+  RETURN_IF_ERROR(Annotate(st, absl::StrCat("Push: job ", job_->name(), " not applied")));
   absl::MutexLock lock(&mu_);
-  logged_bytes_ += static_cast<int64_t>(rec.ByteSizeLong());
+  logged_bytes_ += bytes;
+  log_records_ += static_cast<int64_t>(batch.size());
+  ++log_writes_;
   return absl::OkStatus();
+}
+
+void ShardDurability::ApplyBatch(int64_t first, const std::vector<Pending*>& batch) {
+  {
+    // Not under apply_mu_: a snapshot waiting for it exclusively would block the batch
+    // before us, which we wait for.
+    absl::MutexLock lock(&order_mu_);
+    auto our_turn = [this, first]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(order_mu_) {
+      return applied_seq_ == first - 1;
+    };
+    order_mu_.Await(absl::Condition(&our_turn));
+  }
+  {
+    absl::ReaderMutexLock lock(&apply_mu_);
+    for (Pending* p : batch) (*p->apply)();  // In seq order.
+  }
+  absl::MutexLock lock(&order_mu_);
+  applied_seq_ = first + static_cast<int64_t>(batch.size()) - 1;
+}
+
+absl::Status ShardDurability::RotateLog(int64_t snapshot_seq) {
+  log_mu_.Lock();
+  auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(log_mu_) { return !writing_; };
+  log_mu_.Await(absl::Condition(&idle));
+  writing_ = true;  // Keeps leaders away from log_.
+  log_mu_.Unlock();
+  absl::Status st = log_ != nullptr ? log_->Rotate(snapshot_seq) : absl::OkStatus();
+  log_mu_.Lock();
+  writing_ = false;
+  log_mu_.Unlock();
+  return st;
 }
 
 bool ShardDurability::StartSnapshot(bool force) {
@@ -72,7 +165,7 @@ bool ShardDurability::StartSnapshot(bool force) {
   }
   const int64_t updates = ledger_->updates_applied();
   const bool by_count = updates - snapshot_update_ >= d.snapshot_every_updates();
-  // Log records deleted before RocksDB flushes its memtable never reach an SST file.
+  // Bounds the log files and replay (see kLogBytesPerSnapshot).
   const bool by_bytes = logged_bytes_ >= kLogBytesPerSnapshot;
   // Time-based snapshots would differ between shards of a sync job: count only there.
   const bool by_time = !job_->sync_mode() && d.snapshot_every_seconds() > 0 &&
@@ -103,12 +196,22 @@ void ShardDurability::Capture(std::map<int64_t, state::ChunkState>* chunks,
 absl::Status ShardDurability::MaybeSnapshot(bool force) {
   if (job_->durability() == Durability::kNone) return absl::OkStatus();
   if (!StartSnapshot(force)) return absl::OkStatus();
+  if (absl::Status st = RemoveStaleLog(); !st.ok()) {
+    absl::MutexLock lock(&mu_);
+    snapshot_running_ = false;
+    return st;
+  }
   const absl::Time start = absl::Now();
   std::map<int64_t, state::ChunkState> chunks;
   state::JobSnapshot snap;
   Capture(&chunks, &snap);
   // A forced snapshot (job creation, job end) also (re)writes the layout: the first one must.
   auto bytes = store_->WriteSnapshot(job_->name(), force ? &job_->layout() : nullptr, chunks, snap);
+  // Before the next snapshot may start (snapshot_running_), so that no later snapshot's
+  // segments are deleted under an earlier one.
+  const absl::Status rotated = bytes.ok() && job_->durability() == Durability::kEveryUpdate
+                                   ? RotateLog(snap.seq())
+                                   : absl::OkStatus();
   const double secs = absl::ToDoubleSeconds(absl::Now() - start);
   absl::MutexLock lock(&mu_);
   snapshot_running_ = false;
@@ -128,7 +231,23 @@ absl::Status ShardDurability::MaybeSnapshot(bool force) {
   LogInfo(logger_, "snapshot",
           {Kv("job", job_->name()), Kv("update", snap.seq()), Kv("bytes", *bytes),
            Kv("ms", absl::StrFormat("%.1f", secs * 1e3))});
-  return absl::OkStatus();
+  if (!rotated.ok()) {
+    // The snapshot stands; the segments it covers are deleted by a later one.
+    LogError(logger_, "log_rotation_failed",
+             {Kv("job", job_->name()), Kv("error", rotated.ToString())});
+  }
+  return rotated;
+}
+
+absl::Status ShardDurability::RemoveStaleLog() {
+  {
+    absl::MutexLock lock(&mu_);
+    if (restored_ || snapshots_ > 0) return absl::OkStatus();
+  }
+  // The first snapshot of a new job: log files under its name are a deleted job's (whose
+  // deletion did not finish), and must be gone before this job's layout makes them readable.
+  return Annotate(store_->RemoveLog(job_->name()),
+                  absl::StrCat("job ", job_->name(), ": deleting a previous job's update log"));
 }
 
 absl::Status ShardDurability::RestoreChunks(const ShardStore::StoredJob& s) const {
@@ -198,6 +317,17 @@ absl::Status ShardDurability::Restore(
   }
   // Replay logged updates in order, through the same code that applied them.
   RETURN_IF_ERROR(ReplayLog(s, replay));
+  const int64_t applied = ledger_->updates_applied();
+  {
+    // New records continue the log; its files hold the replayed ones until a snapshot.
+    absl::MutexLock lock(&log_mu_);
+    next_seq_ = applied + 1;
+    log_restored_ = true;
+  }
+  {
+    absl::MutexLock lock(&order_mu_);
+    applied_seq_ = applied;
+  }
   absl::MutexLock lock(&mu_);
   replayed_ = static_cast<int64_t>(s.log.size());
   return absl::OkStatus();
@@ -212,6 +342,8 @@ ShardDurability::Stats ShardDurability::stats() const {
   s.snapshot_update = snapshot_update_;
   s.restored = restored_;
   s.replayed = replayed_;
+  s.log_records = log_records_;
+  s.log_writes = log_writes_;
   return s;
 }
 

@@ -1,9 +1,15 @@
+#include <signal.h>
+#include <sys/resource.h>
+
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/status_testing.h"
 #include "gtest/gtest.h"
@@ -19,8 +25,8 @@ std::string TempDir() {
   return tmpl;
 }
 
-// Job "j": one tensor a[8] in two chunks of 4 on one shard, SGD lr 0.5, two workers.
-InitJobRequest Layout(const std::string& mode, int64_t every_updates) {
+// Job "j": one tensor a[8] in two chunks of 4 on one shard, SGD lr 0.5 (or Adam), two workers.
+InitJobRequest Layout(const std::string& mode, int64_t every_updates, bool adam = false) {
   InitJobRequest r;
   r.set_job("j");
   auto* a = r.add_tensors();
@@ -31,6 +37,10 @@ InitJobRequest Layout(const std::string& mode, int64_t every_updates) {
   r.set_shard_index(0);
   r.mutable_optimizer()->set_name("sgd");
   r.mutable_optimizer()->set_lr(0.5);
+  if (adam) {
+    r.mutable_optimizer()->set_name("adam");
+    r.mutable_optimizer()->set_lr(0.01);
+  }
   r.set_num_workers(2);
   r.mutable_durability()->set_mode(mode);
   r.mutable_durability()->set_snapshot_every_updates(every_updates);
@@ -77,10 +87,54 @@ struct Parts {
     return out;
   }
 
+  // Every chunk's version, values and slots, bit for bit.
+  std::string ChunkBytes() {
+    std::string out;
+    for (int64_t idx : job->owned_indices()) {
+      Chunk* c = job->chunk(idx);
+      absl::MutexLock lock(&c->mu);
+      out += absl::StrCat("chunk ", idx, " v", c->version, ":");
+      out.append(reinterpret_cast<const char*>(c->values.data()), c->values.size() * 4);
+      out.append(reinterpret_cast<const char*>(c->slots.data()), c->slots.size() * 4);
+    }
+    return out;
+  }
+  std::string LedgerBytes() {
+    state::JobSnapshot snap;
+    ledger.SaveTo(&snap);
+    return snap.SerializeAsString();
+  }
+
   std::unique_ptr<JobState> job;
   RequestLedger ledger;
   ShardDurability durability;
 };
+
+// Thread t's push i: worker t % 2, a step and request id no other push has, a gradient that
+// depends on (t, i, element), on chunk 0, chunk 1 or both.
+absl::Status ThreadPush(Parts* p, int t, int i, bool replay = false) {
+  std::vector<float> g0(4), g1(4);
+  for (int e = 0; e < 4; ++e) {
+    g0[e] = 0.01f * static_cast<float>((t * 31 + i * 7 + e) % 13 - 6);
+    g1[e] = 0.02f * static_cast<float>((t * 17 + i * 5 + e) % 11 - 5);
+  }
+  ChunkUpdate u;
+  const int which = (t + i) % 3;
+  if (which != 1) {
+    u.chunks.push_back(0);
+    u.grads.push_back(g0.data());
+  }
+  if (which != 0) {
+    u.chunks.push_back(1);
+    u.grads.push_back(g1.data());
+  }
+  for (size_t k = 0; k < u.chunks.size(); ++k) {
+    u.numels.push_back(4);
+    u.base_versions.push_back(i);
+  }
+  u.requests = {{t % 2, int64_t{i} * 8 + t / 2, static_cast<uint64_t>(1000 * t + i)}};
+  return p->Apply(u, replay);
+}
 
 class ShardDurabilityTest : public ::testing::Test {
  protected:
@@ -218,6 +272,131 @@ TEST_F(ShardDurabilityTest, RestoreRefusesMissingChunksAndForeignLogRecords) {
             absl::DataLossError("restoring job j: log record 1 names a chunk this shard does not "
                                 "own or has the wrong size"));
   EXPECT_EQ(replayed, 0);
+}
+
+TEST_F(ShardDurabilityTest, ConcurrentEveryUpdatePushesRestoreExactly) {
+  constexpr int kThreads = 8, kPushes = 60;
+  // Snapshots (and log rotations) every 7 updates, taken by the pushing threads meanwhile.
+  Parts p(Layout("every_update", 7, /*adam=*/true), store_.get());
+  p.SetValues(1.0f);
+  ASSERT_OK(p.durability.MaybeSnapshot(/*force=*/true));
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&p, t] {
+      for (int i = 0; i < kPushes; ++i) {
+        EXPECT_OK(ThreadPush(&p, t, i));
+        EXPECT_OK(p.durability.MaybeSnapshot(/*force=*/false));
+      }
+    });
+  }
+  for (std::thread& th : threads) th.join();
+  EXPECT_EQ(p.ledger.updates_applied(), kThreads * kPushes);
+  const ShardDurability::Stats st = p.durability.stats();
+  EXPECT_EQ(st.log_records, kThreads * kPushes);
+  EXPECT_GE(st.log_writes, 1);
+  EXPECT_LE(st.log_writes, st.log_records);
+  EXPECT_GT(st.snapshots, 1);
+
+  const ShardStore::StoredJob s = Load();
+  EXPECT_EQ(s.snapshot.seq() + static_cast<int64_t>(s.log.size()), kThreads * kPushes);
+  Parts r(s.layout, store_.get());
+  ASSERT_OK(
+      r.durability.Restore(s, [&r](const ChunkUpdate& u) { return r.Apply(u, /*replay=*/true); }));
+  EXPECT_EQ(r.ChunkBytes(), p.ChunkBytes());    // Values, Adam slots and versions.
+  EXPECT_EQ(r.LedgerBytes(), p.LedgerBytes());  // Progress, recent ids, counters.
+  EXPECT_EQ(r.ledger.updates_applied(), kThreads * kPushes);
+  // An id applied before the restart is still a duplicate after it.
+  EXPECT_EQ(r.ledger.BeginPush(1, int64_t{kPushes - 1} * 8 + 3, 1000 * 7 + kPushes - 1).value(),
+            RequestLedger::Admission::kDuplicate);
+  // The restored job logs on after the replayed records (the live one, sharing the store,
+  // applies the same update without logging it).
+  ASSERT_OK(ThreadPush(&r, 0, kPushes));
+  ASSERT_OK(ThreadPush(&p, 0, kPushes, /*replay=*/true));
+  EXPECT_EQ(r.ChunkBytes(), p.ChunkBytes());
+  const ShardStore::StoredJob again = Load();
+  EXPECT_EQ(again.snapshot.seq() + static_cast<int64_t>(again.log.size()), kThreads * kPushes + 1);
+}
+
+TEST_F(ShardDurabilityTest, AFailedLogWriteAcknowledgesAndAppliesNothing) {
+  Parts p(Layout("every_update", 1000), store_.get());
+  p.SetValues(1.0f);
+  ASSERT_OK(p.durability.MaybeSnapshot(/*force=*/true));
+  ASSERT_OK(p.Push(2.0f, 0, 0));
+  const std::vector<float> before = p.Values();
+  const std::string segment = dir_ + "/updates/j/0000000000000001.log";
+  const auto size = std::filesystem::file_size(segment);
+  // Files may grow by 10 bytes only: the next record is cut short and the write fails.
+  signal(SIGXFSZ, SIG_IGN);
+  rlimit old;
+  ASSERT_EQ(getrlimit(RLIMIT_FSIZE, &old), 0);
+  rlimit small = old;
+  small.rlim_cur = size + 10;
+  ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &small), 0);
+  const absl::Status st = p.Push(4.0f, 1, 1);
+  ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &old), 0);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInternal) << st;
+  EXPECT_TRUE(absl::StartsWith(st.message(),
+                               "Push: job j not applied: cannot write log segment " + segment))
+      << st;
+  EXPECT_EQ(p.Values(), before);
+  EXPECT_EQ(p.ledger.updates_applied(), 1);
+  EXPECT_EQ(std::filesystem::file_size(segment), size);
+  // The next update takes seq 2, and a restore replays exactly the two applied ones.
+  ASSERT_OK(p.Push(8.0f, 1, 2));
+  const ShardStore::StoredJob s = Load();
+  ASSERT_EQ(s.log.size(), 2u);
+  EXPECT_EQ(s.log[1].seq(), 2);
+  EXPECT_EQ(s.log[1].requests(0).step(), 2);
+  Parts r(s.layout, store_.get());
+  ASSERT_OK(
+      r.durability.Restore(s, [&r](const ChunkUpdate& u) { return r.Apply(u, /*replay=*/true); }));
+  EXPECT_EQ(r.ChunkBytes(), p.ChunkBytes());
+  EXPECT_EQ(r.LedgerBytes(), p.LedgerBytes());
+}
+
+TEST_F(ShardDurabilityTest, OldStoresWithTheLogInRocksDbStillRestore) {
+  // A store written before the log files: records as RocksDB keys (ShardStore::AppendUpdate).
+  std::vector<float> want;
+  std::string want_ledger;
+  {
+    Parts p(Layout("periodic", 1000), store_.get());  // periodic: the live job logs nothing.
+    p.SetValues(1.0f);
+    ASSERT_OK(p.durability.MaybeSnapshot(/*force=*/true));
+    for (int step = 0; step < 3; ++step) {
+      ASSERT_OK(p.Push(0.5f * (step + 1), step % 2, step));
+      state::UpdateRecord rec;
+      rec.set_seq(step + 1);
+      for (int c = 0; c < 2; ++c) {
+        ChunkData* g = rec.add_grads();
+        g->set_tensor(0);
+        g->set_chunk(c);
+        g->set_version(step);
+        std::vector<float> grad(4, 0.5f * (step + 1));
+        g->set_data(std::string(reinterpret_cast<const char*>(grad.data()), 16));
+      }
+      state::RequestRef* req = rec.add_requests();
+      req->set_worker(step % 2);
+      req->set_step(step);
+      req->set_request_id(100 + step);
+      ASSERT_OK(store_->AppendUpdate("j", rec));
+    }
+    want = p.Values();
+    want_ledger = p.LedgerBytes();
+  }
+  ShardStore::StoredJob s = Load();
+  ASSERT_EQ(s.log.size(), 3u);
+  s.layout.mutable_durability()->set_mode("every_update");
+  Parts r(s.layout, store_.get());
+  ASSERT_OK(
+      r.durability.Restore(s, [&r](const ChunkUpdate& u) { return r.Apply(u, /*replay=*/true); }));
+  EXPECT_EQ(r.Values(), want);
+  EXPECT_EQ(r.LedgerBytes(), want_ledger);
+  // New records go to the log files after the old ones, and both restore.
+  ASSERT_OK(r.Push(1.0f, 1, 3));
+  const ShardStore::StoredJob after = Load();
+  ASSERT_EQ(after.log.size(), 4u);
+  EXPECT_EQ(after.log[3].seq(), 4);
+  EXPECT_EQ(after.log[3].requests(0).request_id(), 103u);
 }
 
 TEST_F(ShardDurabilityTest, PeriodicDoesNotLogAndNoneDoesNothing) {

@@ -6,6 +6,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/status.h"
+#include "server/update_log.h"
 
 namespace gradmesh {
 namespace {
@@ -56,6 +58,22 @@ absl::Status ShardStore::AppendUpdate(const std::string& job, const state::Updat
                    absl::StrCat("log append for job ", job, " in ", dir_));
 }
 
+std::string ShardStore::log_root() const { return absl::StrCat(dir_, "/updates"); }
+
+absl::StatusOr<std::unique_ptr<UpdateLog>> ShardStore::OpenLog(const std::string& job,
+                                                               int64_t next_seq, bool fresh) {
+  auto log = UpdateLog::Open(log_root(), job, next_seq, fresh, options_.fsync);
+  if (!log.ok()) {
+    return absl::Status(log.status().code(), absl::StrCat("opening the update log of job ", job,
+                                                          ": ", log.status().message()));
+  }
+  return log;
+}
+
+absl::Status ShardStore::RemoveLog(const std::string& job) {
+  return UpdateLog::Remove(log_root(), job);
+}
+
 absl::Status ShardStore::DeleteJob(const std::string& job) {
   // Keys of the job's chunks and log records run from PREFIX up to (not including) the
   // prefix with its last byte, '/', replaced by the next one, '0'.
@@ -70,7 +88,12 @@ absl::Status ShardStore::DeleteJob(const std::string& job) {
   batch.DeleteRange(LogPrefix(job), end_of(LogPrefix(job)));
   rocksdb::WriteOptions w;
   w.sync = options_.fsync;
-  return FromRocks(db_->Write(w, &batch), absl::StrCat("deleting job ", job, " in ", dir_));
+  absl::Status st =
+      FromRocks(db_->Write(w, &batch), absl::StrCat("deleting job ", job, " in ", dir_));
+  if (!st.ok()) return st;
+  // After the layout is gone: leftover segments of a job without layout are never read (and
+  // a job created under the name again deletes them before its first snapshot).
+  return RemoveLog(job);
 }
 
 absl::StatusOr<int64_t> ShardStore::WriteSnapshot(
@@ -135,8 +158,30 @@ absl::StatusOr<std::vector<ShardStore::StoredJob>> ShardStore::LoadAll() {
       if (rec.seq() > job.snapshot.seq()) job.log.push_back(std::move(rec));
     }
     if (!it->status().ok()) return FromRocks(it->status(), "scan");
+    RETURN_IF_ERROR(LoadLogFiles(&job));
   }
   return jobs;
+}
+
+absl::Status ShardStore::LoadLogFiles(StoredJob* job) const {
+  const std::string& name = job->layout.job();
+  std::vector<state::UpdateRecord> records;
+  RETURN_IF_ERROR(UpdateLog::ReadSegments(log_root(), name, &records));
+  for (state::UpdateRecord& rec : records) {
+    if (rec.seq() > job->snapshot.seq()) job->log.push_back(std::move(rec));
+  }
+  // Records in RocksDB (written before the log files) come first; replay needs every seq
+  // after the snapshot's, once each, in order.
+  int64_t want = job->snapshot.seq() + 1;
+  for (const state::UpdateRecord& rec : job->log) {
+    if (rec.seq() != want) {
+      return absl::DataLossError(
+          absl::StrCat("the update log of job ", name, " in ", dir_, " has record ", rec.seq(),
+                       " where ", want, " should be (after snapshot ", job->snapshot.seq(), ")"));
+    }
+    ++want;
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace gradmesh

@@ -10,14 +10,21 @@
 //   m/<job>            InitJobRequest without initial values
 //   s/<job>            state::JobSnapshot
 //   c/<job>/<idx:16x>  state::ChunkState of partition chunk idx
-//   l/<job>/<seq:16x>  state::UpdateRecord, seq > snapshot seq
+//   l/<job>/<seq:16x>  state::UpdateRecord, seq > snapshot seq: the log as stores written
+//                      before the log files kept it (still read, and dropped by snapshots)
+// and beside them, the every_update log as files (server/update_log.h):
+//   <dir>/updates/<job>/<first seq:16x>.log
+// RocksDB's write-ahead log, CRC and memtable cost several copies of every gradient and
+// serialised the pushes; an append-only file written with one writev per group of
+// concurrent records references the gradients' bytes where they are (see README.md,
+// "Durability cost").
 //
-// Writes go through RocksDB's write-ahead log. With fsync=false (default) a write survives
-// the process dying (kill -9) but not the machine; fsync=true survives both and costs an
-// fsync per write.
+// Writes go through RocksDB's write-ahead log, or the log file's write. With fsync=false
+// (default) a write survives the process dying (kill -9) but not the machine; fsync=true
+// survives both and costs an fsync per write (per group of records for the log files).
 //
-// Thread safety: all methods may be called concurrently (RocksDB is thread-safe); callers
-// order log appends themselves.
+// Thread safety: all methods may be called concurrently (RocksDB is thread-safe); each
+// UpdateLog is its caller's to serialise (ShardDurability orders log appends).
 #ifndef GRADMESH_SERVER_SHARD_STORE_H_
 #define GRADMESH_SERVER_SHARD_STORE_H_
 
@@ -37,6 +44,8 @@ class DB;
 
 namespace gradmesh {
 
+class UpdateLog;
+
 class ShardStore {
  public:
   struct Options {
@@ -50,8 +59,17 @@ class ShardStore {
 
   const std::string& dir() const { return dir_; }
 
-  // Appends an update record to the job's log.
+  // Appends an update record to the job's log in RocksDB (key l/<job>/<seq>): the format
+  // before UpdateLog, still read by LoadAll; ShardDurability writes through OpenLog instead.
   absl::Status AppendUpdate(const std::string& job, const state::UpdateRecord& record);
+
+  // The job's update log files (server/update_log.h) under <dir>/updates, whose next record
+  // is `next_seq` (`fresh`: a new job, delete whatever segments are there). Syncs as
+  // Options.fsync says.
+  absl::StatusOr<std::unique_ptr<UpdateLog>> OpenLog(const std::string& job, int64_t next_seq,
+                                                     bool fresh);
+  // Deletes the job's update log files.
+  absl::Status RemoveLog(const std::string& job);
 
   // Atomically writes a snapshot (and the layout, when `layout` is non-null, as InitJob does)
   // and drops log records with seq <= snapshot.seq(). Returns the bytes written.
@@ -69,11 +87,15 @@ class ShardStore {
     std::vector<state::UpdateRecord> log;  // seq > snapshot.seq, ascending.
   };
 
-  // Every job in the store. DataLoss naming the key if a value cannot be parsed.
+  // Every job in the store: its log is the RocksDB records, then the log files' (each segment
+  // up to a torn tail). DataLoss naming the key or file if a value cannot be parsed, or if the
+  // log does not hold every seq after the snapshot's exactly once, in order.
   absl::StatusOr<std::vector<StoredJob>> LoadAll();
 
  private:
   ShardStore(std::string dir, Options options, std::unique_ptr<rocksdb::DB> db);
+  std::string log_root() const;
+  absl::Status LoadLogFiles(StoredJob* job) const;
 
   const std::string dir_;
   const Options options_;

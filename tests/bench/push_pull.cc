@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdio>
+#include <filesystem>
 #include <memory>
 #include <string>
 #include <thread>
@@ -95,11 +96,13 @@ int Run() {
       const int num_shards = std::stoi(std::string(shards_s));
       std::vector<std::unique_ptr<ShardServer>> servers;
       std::vector<std::string> addresses;
+      std::vector<std::string> dirs;
       for (int s = 0; s < num_shards; ++s) {
         std::string dir;
         if (durability != "none") {
           std::string tmpl = "/tmp/gradmesh-bench.XXXXXX";
           dir = mkdtemp(tmpl.data());
+          dirs.push_back(dir);
         }
         servers.push_back(StartShard(rpc, dir));
         addresses.push_back(servers.back()->address);
@@ -177,6 +180,13 @@ int Run() {
         }
       }
       for (auto& s : servers) s->server->Shutdown();
+      servers.clear();
+      // Left behind, the state (log files, RocksDB) of every run would be written back to
+      // disk meanwhile, and dirty pages would throttle later runs' writes.
+      for (const std::string& dir : dirs) {
+        std::error_code ec;
+        std::filesystem::remove_all(dir, ec);
+      }
     }
   }
   return 0;
