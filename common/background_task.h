@@ -10,7 +10,7 @@
 // changes). Wait with nothing started returns OK. The destructor waits for a running
 // task (discarding its status) and joins the thread.
 //
-// Thread safety: Start and Wait from one thread at a time (the owner); running() from any.
+// Thread safety: Start and Wait from one thread at a time (the owner); pending() from any.
 #ifndef GRADMESH_COMMON_BACKGROUND_TASK_H_
 #define GRADMESH_COMMON_BACKGROUND_TASK_H_
 

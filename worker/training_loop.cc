@@ -4,6 +4,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <cmath>
 #include <memory>
 #include <optional>
 #include <string>
@@ -166,8 +167,11 @@ class TrainingLoop {
   // one itself; sync refuses clipping).
   void ClipLocal();
   // Loss scaling where the loop unscales (not allreduce): the parameters' gradients divided
-  // by the scale in place; false if one is not finite (the step is skipped).
+  // by the scale in place; false if one of them or a buffer delta is not finite (the step is
+  // skipped). Call after BuffersOut.
   bool UnscaleLocal();
+  // A skipped step leaves the buffers as they were before its forward (zero deltas).
+  void RestoreBuffers();
   void Progress(const Batch& batch);
   absl::Status EvaluateAndSave();
   void Report(double samples_per_s, double accuracy) const;
@@ -214,6 +218,7 @@ class TrainingLoop {
   absl::Time window_start_;
   double window_loss_ = 0;
   int64_t window_steps_ = 0;
+  int64_t window_loss_steps_ = 0;  // Steps in window_loss_ (skipped steps' losses are not).
   std::vector<absl::Span<const float>> grads_;
 };
 
@@ -488,7 +493,20 @@ bool TrainingLoop::UnscaleLocal() {
   for (int i = 0; i < view_.num_params; ++i) {
     g.emplace_back(const_cast<float*>(grads_[i].data()), grads_[i].size());
   }
-  return scaler_.Unscale(g);
+  bool finite = scaler_.Unscale(g);
+  // Buffer deltas are not scaled (the forward made them), but an overflowing forward can
+  // make them Inf/NaN too: such a step must not reach the mode either.
+  for (const std::vector<float>& d : deltas_) {
+    for (float v : d) finite &= std::isfinite(v);
+  }
+  return finite;
+}
+
+void TrainingLoop::RestoreBuffers() {
+  for (size_t i = 0; i < mirrors_.size(); ++i) {
+    mirrors_[i] = before_[i];
+    std::fill(deltas_[i].begin(), deltas_[i].end(), 0.0f);
+  }
 }
 
 absl::Status TrainingLoop::Step(std::vector<Batch>& micro, StepOutcome* outcome) {
@@ -516,10 +534,11 @@ absl::Status TrainingLoop::Step(std::vector<Batch>& micro, StepOutcome* outcome)
                     ? absl::Span<const float>(host_grads_[i].data_ptr<float>(), g.numel())
                     : GradOut(i, g);
   }
+  BuffersOut();
   // Loss scaling (GradScaler order): unscale, skip a non-finite step, then clip.
   const bool skip = scaler_.enabled() && !mode_->unscales_gradients() && !UnscaleLocal();
+  if (skip) RestoreBuffers();
   if (!skip) ClipLocal();
-  BuffersOut();
   StepTiming timing;
   timing.compute_s = SecondsSince(compute_start);
   result_.compute_s += timing.compute_s;
@@ -548,7 +567,8 @@ absl::Status TrainingLoop::Step(std::vector<Batch>& micro, StepOutcome* outcome)
 void TrainingLoop::Progress(const Batch& batch) {
   const double dt = SecondsSince(window_start_);
   const int64_t done = step_ - result_.first_step;
-  result_.final_loss = window_loss_ / window_steps_;
+  result_.final_loss =
+      window_loss_steps_ > 0 ? window_loss_ / window_loss_steps_ : result_.final_loss;
   const double samples_per_s =
       dt > 0 ? static_cast<double>(window_steps_) * spec_.batch_size() * accum_ / dt : 0;
   // Clipping: the mean pre-clip gradient norm and the fraction of steps clipped in the window
@@ -592,6 +612,7 @@ void TrainingLoop::Progress(const Batch& batch) {
   window_start_ = absl::Now();
   window_loss_ = 0;
   window_steps_ = 0;
+  window_loss_steps_ = 0;
 }
 
 void TrainingLoop::Report(double samples_per_s, double accuracy) const {
@@ -669,7 +690,11 @@ absl::StatusOr<TrainResult> TrainingLoop::Run() {
     const Batch* batch = &micro.back();
     epoch_ = static_cast<int32_t>(batch->epoch + 1);
     for (const Batch& m : micro) result_.samples += m.size;
-    window_loss_ += outcome.loss;
+    // A skipped step's loss is Inf/NaN when its forward overflowed: not in the mean.
+    if (!outcome.skipped) {
+      window_loss_ += outcome.loss;
+      ++window_loss_steps_;
+    }
     ++window_steps_;
     ASSIGN_OR_RETURN(const bool checkpointed, mode_->MaybeCheckpoint(step_));
     if (checkpointed) checkpoint_step_ = step_;
@@ -685,7 +710,7 @@ absl::StatusOr<TrainResult> TrainingLoop::Run() {
       break;
     }
   }
-  if (window_steps_ > 0) result_.final_loss = window_loss_ / window_steps_;
+  if (window_loss_steps_ > 0) result_.final_loss = window_loss_ / window_loss_steps_;
   result_.steps = step_ - result_.first_step;
   result_.skipped_steps = scaler_.skipped_steps();
   result_.loss_scale = scaler_.scale();

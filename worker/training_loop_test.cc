@@ -575,6 +575,42 @@ TEST(TrainingFeaturesTest, LossScalingSkipsANonFiniteStepAndOtherwiseEqualsUnsca
   EXPECT_EQ(reports.back().loss_scale, 65536.0);
 }
 
+// A skipped step must not keep what its forward did to the buffers: a NaN conv weight makes
+// BatchNorm's running statistics NaN, and the loop puts them back (and num_batches_tracked
+// does not count the skipped step), so the next steps and the final model stay finite.
+class BnPoisonMode : public PoisonMode {
+ public:
+  std::vector<std::vector<float>> final_entries;
+  absl::StatusOr<bool> Finish(int64_t step, TrainResult* result) override {
+    for (const absl::Span<float>& e : view->params) final_entries.emplace_back(e.begin(), e.end());
+    return PoisonMode::Finish(step, result);
+  }
+};
+
+TEST(TrainingFeaturesTest, ASkippedStepLeavesTheBuffersAsTheyWere) {
+  TrainerOptions o = Options(4);
+  o.spec.mutable_model()->set_name("torchscript");
+  o.spec.mutable_model()->set_path("worker/testdata/bn_mnist.pt");
+  LossScaleSpec* ls = o.spec.mutable_loss_scale();
+  ls->set_mode("dynamic");
+  ls->set_init_scale(1024);
+  ls->set_growth_factor(2);
+  ls->set_backoff_factor(0.5);
+  ls->set_growth_interval(1000);
+  BnPoisonMode mode;
+  mode.poison_step = 1;
+  std::atomic<bool> stop{false};
+  ASSERT_OK_AND_ASSIGN(TrainResult r, RunTrainingLoop(o, &mode, stop));
+  EXPECT_EQ(r.skipped_steps, 1);
+  EXPECT_EQ(mode.skipped, (std::vector<int64_t>{1}));
+  ASSERT_EQ(mode.final_entries.size(), 9u);  // 6 parameters, 3 buffers.
+  for (const auto& e : mode.final_entries) {
+    for (float v : e) ASSERT_TRUE(std::isfinite(v));
+  }
+  EXPECT_EQ(mode.final_entries[8], (std::vector<float>{3.0f}));  // num_batches_tracked: 4 - 1.
+  EXPECT_TRUE(std::isfinite(r.final_loss));  // The skipped step's NaN loss is not in it.
+}
+
 // fp16 autocast exists only on CUDA in LibTorch: a CPU worker says so before training.
 TEST(TrainingFeaturesTest, Fp16OnTheCpuFailsBeforeTraining) {
   TrainerOptions o = Options(2);

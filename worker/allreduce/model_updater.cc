@@ -2,6 +2,7 @@
 #include "worker/allreduce/model_updater.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <utility>
 
@@ -82,19 +83,34 @@ absl::Status ModelUpdater::FinishStep(BucketReducer* reducer, int64_t step,
 
 absl::Status ModelUpdater::FinishGatheredStep(BucketReducer* reducer, int64_t step,
                                               float lr_factor) {
-  means_.resize(num_params_);
-  for (int p = 0; p < num_params_; ++p) means_[p].resize(numels_[p]);
+  // With loss scaling the buffers' mean deltas wait too: a skipped step leaves them as they
+  // were before its forward (an overflowing forward may have made them Inf/NaN).
+  const int gathered = scaling_ ? static_cast<int>(numels_.size()) : num_params_;
+  means_.resize(gathered);
+  for (int p = 0; p < gathered; ++p) means_[p].resize(numels_[p]);
   RETURN_IF_ERROR(reducer->FinishStep([&](int p, int64_t begin, absl::Span<const float> mean) {
-    if (p >= num_params_) {
+    if (p >= gathered) {
       ApplyBufferMean(p, begin, mean);
       return;
     }
     std::copy(mean.begin(), mean.end(), means_[p].begin() + begin);
   }));
-  std::vector<absl::Span<float>> spans(means_.begin(), means_.end());
-  if (scaling_ && !UnscaleAndCheck(spans, loss_scale_)) {
-    skipped_ = true;  // GradScaler: no optimizer step (the buffers are averaged already).
-    return absl::OkStatus();
+  std::vector<absl::Span<float>> spans(means_.begin(), means_.begin() + num_params_);
+  if (scaling_) {
+    bool finite = UnscaleAndCheck(spans, loss_scale_);
+    for (int p = num_params_; p < gathered; ++p) {
+      for (float v : means_[p]) finite &= std::isfinite(v);
+    }
+    if (!finite) {
+      // GradScaler: no optimizer step; the buffers go back to their values before the step.
+      skipped_ = true;
+      for (int p = num_params_; p < gathered; ++p) {
+        const std::vector<float>& before = before_[p - num_params_];
+        std::copy(before.begin(), before.end(), entries_[p].begin());
+      }
+      return absl::OkStatus();
+    }
+    for (int p = num_params_; p < gathered; ++p) ApplyBufferMean(p, 0, means_[p]);
   }
   if (clip_.enabled()) clip_counters_.Add(ClipGradients(spans, clip_));
   const absl::Time o0 = absl::Now();

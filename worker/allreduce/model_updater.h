@@ -70,9 +70,10 @@ class ModelUpdater {
   // before the optimizer runs (the all-reduce still overlaps backward). Default off.
   void set_clip(const ClipOptions& clip) { clip_ = clip; }
   // Dynamic loss scaling (JobSpec.loss_scale): the gradients of the next FinishStep are
-  // multiplied by `scale`. FinishStep then gathers the whole mean, divides it by the scale
-  // and, if any element is not finite, skips the optimizer (the buffers are still averaged):
-  // the same verdict on every rank, since every rank checks the same bit-identical mean.
+  // multiplied by `scale`. FinishStep then gathers the whole mean (buffer deltas too),
+  // divides the gradient by the scale and, if any element of it or of the buffers' mean
+  // deltas is not finite, skips the step: no optimizer, buffers back to their values before
+  // it. The same verdict on every rank, since every rank checks the same bit-identical mean.
   void set_loss_scale(float scale) {
     scaling_ = true;
     loss_scale_ = scale;

@@ -36,6 +36,18 @@ class GossipMode : public TrainingMode {
   absl::StatusOr<int64_t> Start(ModelView* model, const LoopInfo& info) override;
   std::vector<LogField> StartFields() const override;
   absl::Status BeforeForward(int64_t step) override;
+  // Loss scaling skipped the step (non-finite gradient): no local update, but the step is
+  // still counted and a round due now still mixes (mixing needs no gradient).
+  absl::StatusOr<StepOutcome> SkipStep(int64_t step, double loss) override {
+    EndStep(step);
+    StepOutcome out;
+    out.loss = loss;
+    out.skipped = true;
+    return out;
+  }
+  // The step's bookkeeping after its (possibly skipped) local update: the replica's step and
+  // the gossip round at every_steps boundaries.
+  void EndStep(int64_t step);
   absl::StatusOr<StepOutcome> Exchange(int64_t step,
                                        absl::Span<const absl::Span<const float>> grads, double loss,
                                        const StepTiming& timing) override;
@@ -211,13 +223,17 @@ absl::StatusOr<StepOutcome> GossipMode::Exchange(int64_t step,
   replica_->Update([&](absl::Span<float> xs) {
     ApplyLocalStep(*optimizer_, step + 1, lr_scale, grad_, param_numel_, slot_ptrs_.data(), xs);
   });
+  EndStep(step);
+  StepOutcome out;
+  out.loss = loss;
+  return out;
+}
+
+void GossipMode::EndStep(int64_t step) {
   replica_->set_step(step + 1);
   if ((step + 1) % gs_.every_steps() == 0) {
     gossiper_->RequestRound((step + 1) / gs_.every_steps(), step + 1);
   }
-  StepOutcome out;
-  out.loss = loss;
-  return out;
 }
 
 absl::Status GossipMode::WriteCheckpoint(ReplicaSnapshot snap, int64_t step) {

@@ -89,7 +89,7 @@ class PsMode : public TrainingMode {
   double exchange_s_ = 0;                     // Background exchanges, total seconds.
   double exposed_s_ = 0;                      // Of which the training thread waited.
   int64_t exchanges_ = 0;
-  double last_exchange_s_ = 0;  // The last finished background exchange (auto codec).
+  double last_wait_s_ = 0;  // What the last drain waited (the exposed part; auto codec).
   // Last: destroyed (waiting for a running exchange) before the buffers it uses.
   std::unique_ptr<BackgroundTask> background_;
 };
@@ -186,9 +186,11 @@ absl::Status PsMode::MaybeSwitchCodec(int64_t step, double loss, double compute_
 absl::Status PsMode::BackgroundExchange(int64_t step, std::vector<int64_t> base_versions) {
   const absl::Time start = absl::Now();
   std::vector<absl::Span<const float>> grads(grad_buf_.begin(), grad_buf_.end());
-  RETURN_IF_ERROR(client_->PushFrom(step, grads, base_versions));
+  // Named with its own step: it is reported by the next step's exchange.
+  const std::string where = absl::StrCat("pipelined exchange of step ", step);
+  RETURN_IF_ERROR(Annotate(client_->PushFrom(step, grads, base_versions), where));
   std::vector<absl::Span<float>> into(staging_.begin(), staging_.end());
-  RETURN_IF_ERROR(client_->Pull(into));
+  RETURN_IF_ERROR(Annotate(client_->Pull(into), where));
   staged_versions_ = client_->PulledVersions();
   staged_exchange_s_ = absl::ToDoubleSeconds(absl::Now() - start);
   return absl::OkStatus();
@@ -198,9 +200,9 @@ absl::Status PsMode::DrainPipeline() {
   if (!background_->pending()) return absl::OkStatus();
   const absl::Time start = absl::Now();
   absl::Status st = background_->Wait();
-  exposed_s_ += absl::ToDoubleSeconds(absl::Now() - start);
+  last_wait_s_ = absl::ToDoubleSeconds(absl::Now() - start);
+  exposed_s_ += last_wait_s_;
   RETURN_IF_ERROR(st);
-  last_exchange_s_ = staged_exchange_s_;
   exchange_s_ += staged_exchange_s_;
   ++exchanges_;
   for (size_t i = 0; i < staging_.size(); ++i) {
@@ -216,8 +218,9 @@ absl::StatusOr<StepOutcome> PsMode::PipelinedExchange(
   // The versions step t's gradients were computed on, before the model moves on.
   std::vector<int64_t> base = model_versions_;
   RETURN_IF_ERROR(DrainPipeline());
+  // The auto codec weighs what the step waited for, not the exchange hidden behind compute.
   if (auto_codec_.has_value() && exchanges_ > 0) {
-    RETURN_IF_ERROR(MaybeSwitchCodec(step, loss, timing.compute_s, last_exchange_s_));
+    RETURN_IF_ERROR(MaybeSwitchCodec(step, loss, timing.compute_s, last_wait_s_));
   }
   for (size_t i = 0; i < grads.size(); ++i) grad_buf_[i].assign(grads[i].begin(), grads[i].end());
   RETURN_IF_ERROR(background_->Start(

@@ -10,6 +10,8 @@
 #include <utility>
 #include <vector>
 
+#include "absl/synchronization/notification.h"
+#include "absl/time/time.h"
 #include "common/status_testing.h"
 #include "gtest/gtest.h"
 
@@ -35,6 +37,9 @@ class FakeClient : public ParameterClient {
     std::vector<std::vector<int64_t>> bases;
     std::vector<int64_t> pull_push_counts;  // Pushes applied when each Pull ran.
     int64_t fail_step = -1;                 // A push of this step fails (UNAVAILABLE).
+    // Set: every push first waits (at most 5 s) for it, and records whether it was released.
+    absl::Notification* gate = nullptr;
+    std::vector<bool> released;
   };
   explicit FakeClient(State* state) : s_(state) {}
 
@@ -49,6 +54,9 @@ class FakeClient : public ParameterClient {
   }
   absl::Status PushFrom(int64_t step, const std::vector<absl::Span<const float>>& grads,
                         const std::vector<int64_t>& base) override {
+    if (s_->gate != nullptr) {
+      s_->released.push_back(s_->gate->WaitForNotificationWithTimeout(absl::Seconds(5)));
+    }
     if (step == s_->fail_step) return absl::UnavailableError("shard 0 is down");
     s_->bases.push_back(base);
     Values g;
@@ -308,6 +316,36 @@ TEST_F(PsModeTest, PipelineReportsAFailedBackgroundPushAtTheNextExchange) {
   EXPECT_EQ(st.code(), absl::StatusCode::kUnavailable);
   EXPECT_EQ(state_.pushes.size(), 1u);  // Step 2 was not started.
   EXPECT_EQ(m.w, (std::vector<float>{0.0f, 1.0f}));
+}
+
+// The overlap itself: Exchange(0) returns while step 0's push is still held by the shard (the
+// gate), and the gradients it pushes are its own copy: the loop reuses its gradient buffers
+// for the next step, which must not change what is in flight.
+TEST_F(PsModeTest, PipelinedExchangeReturnsBeforeItsPushEndsAndOwnsItsGradients) {
+  options_.spec.set_pipeline(1);
+  options_.evaluate = false;
+  absl::Notification gate;
+  state_.gate = &gate;
+  Model m;
+  std::unique_ptr<TrainingMode> mode = MakeMode();
+  ASSERT_NE(mode, nullptr);
+  LoopInfo info;
+  info.total_steps = 2;
+  info.steps_per_epoch = 2;
+  ASSERT_OK(mode->Start(&m.view, info).status());
+  std::vector<float> g = {1, 2}, drm = {0, 0}, dnbt = {0};
+  ASSERT_OK(mode->Exchange(0, {g, drm, dnbt}, 0.5, StepTiming()).status());
+  // Step 1's backward overwrites the loop's gradient buffers while step 0's push waits.
+  g = {100, 200};
+  gate.Notify();
+  ASSERT_OK(mode->Exchange(1, {g, drm, dnbt}, 0.5, StepTiming()).status());
+  TrainResult result;
+  ASSERT_OK(mode->Finish(2, &result).status());
+  ASSERT_EQ(state_.pushes.size(), 2u);
+  EXPECT_EQ(state_.pushes[0][0], (std::vector<float>{1, 2}));
+  EXPECT_EQ(state_.pushes[1][0], (std::vector<float>{100, 200}));
+  // Step 0's push was still waiting when Exchange(0) returned: released, not timed out.
+  EXPECT_EQ(state_.released, (std::vector<bool>{true, true}));
 }
 
 }  // namespace
