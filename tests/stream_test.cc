@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <memory>
 #include <string>
 #include <thread>
@@ -86,14 +87,20 @@ grpc::ByteBuffer Encode(const google::protobuf::MessageLite& m) {
 
 using StreamTest = TwoShardFixture;
 
-// The default (stream) and unary transports produce bit-identical values, versions and shard
-// state for the same pushes.
+// The default (stream) and unary transports, and a mix (one shard's messages over its stream,
+// the other's too large for it), produce bit-identical values, versions and shard state.
 TEST_F(StreamTest, StreamAndUnaryGiveExactlyTheSameResults) {
   std::vector<std::unique_ptr<ParameterClient>> clients;
   std::vector<Values> pulled;
-  for (const std::string transport : {"stream", "unary"}) {
+  int64_t shard_bytes[2] = {0, 0};
+  const Partition p = MakePartition(Layout("x"), 2);
+  for (const ChunkInfo& c : p.chunks()) shard_bytes[c.shard] += c.numel * 4;
+  ASSERT_GT(std::abs(shard_bytes[0] - shard_bytes[1]), 200);
+  for (const std::string transport : {"stream", "unary", "mixed"}) {
     const JobLayout l = Layout("same-" + transport);
-    clients.push_back(Client(l, Options(Addrs(), transport)));
+    GrpcParameterClientOptions o = Options(Addrs(), transport == "unary" ? "unary" : "stream");
+    if (transport == "mixed") o.stream_max_bytes = std::min(shard_bytes[0], shard_bytes[1]) + 100;
+    clients.push_back(Client(l, o));
     ASSERT_NE(clients.back(), nullptr);
     ParameterClient& c = *clients.back();
     ASSERT_OK(c.InitJob(ConstSpans(OddInit(l))));
@@ -105,12 +112,16 @@ TEST_F(StreamTest, StreamAndUnaryGiveExactlyTheSameResults) {
     ASSERT_OK(c.Pull(Spans(v)));
     pulled.push_back(v);
   }
-  EXPECT_TRUE(SameBits(pulled[0], pulled[1]));
-  EXPECT_EQ(clients[0]->PulledVersions(), clients[1]->PulledVersions());
-  for (auto& stub : stubs_)
+  for (int i = 1; i < 3; ++i) {
+    EXPECT_TRUE(SameBits(pulled[0], pulled[i]));
+    EXPECT_EQ(clients[0]->PulledVersions(), clients[i]->PulledVersions());
+    EXPECT_EQ(clients[0]->bytes_pushed(), clients[i]->bytes_pushed());
+    EXPECT_EQ(clients[0]->bytes_pulled(), clients[i]->bytes_pulled());
+  }
+  for (auto& stub : stubs_) {
     EXPECT_EQ(Snapshot(stub.get(), "same-stream"), Snapshot(stub.get(), "same-unary"));
-  EXPECT_EQ(clients[0]->bytes_pushed(), clients[1]->bytes_pushed());
-  EXPECT_EQ(clients[0]->bytes_pulled(), clients[1]->bytes_pulled());
+    EXPECT_EQ(Snapshot(stub.get(), "same-stream"), Snapshot(stub.get(), "same-mixed"));
+  }
 }
 
 // Many threads share one client (one stream per shard): a pushing thread (as a pipelined

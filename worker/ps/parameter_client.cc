@@ -57,6 +57,11 @@ class GrpcParameterClient final : public ParameterClient {
         held_(partition_.chunks().size(), -1) {
     absl::MutexLock lock(&mu_);
     ResetFeedbackLocked();
+    for (int32_t s = 0; s < static_cast<int32_t>(options_.servers.size()); ++s) {
+      int64_t bytes = 0;
+      for (int64_t idx : partition_.shard_chunks(s)) bytes += partition_.chunks()[idx].numel * 4;
+      shard_bytes_.push_back(bytes);
+    }
     for (const std::string& addr : options_.servers) {
       auto channel = MakeChannel(addr, options_.rpc);
       stubs_.push_back(ParameterService::NewStub(channel));
@@ -210,7 +215,7 @@ class GrpcParameterClient final : public ParameterClient {
         "Push", reqs, &resps,
         [this](int32_t shard, grpc::ClientContext* ctx, const grpc::ByteBuffer* req,
                grpc::ByteBuffer* resp, std::function<void(grpc::Status)> done) {
-          if (!streams_.empty()) {
+          if (Streamed(static_cast<int64_t>(req->Length()))) {
             streams_[shard]->Call(StreamOp::kPush, *req, resp, std::move(done));
             return;
           }
@@ -250,7 +255,7 @@ class GrpcParameterClient final : public ParameterClient {
         "Pull", reqs, &resps,
         [this](int32_t shard, grpc::ClientContext* ctx, const grpc::ByteBuffer* req,
                grpc::ByteBuffer* resp, std::function<void(grpc::Status)> done) {
-          if (!streams_.empty()) {
+          if (Streamed(shard_bytes_[shard])) {
             streams_[shard]->Call(StreamOp::kPull, *req, resp, std::move(done));
             return;
           }
@@ -366,6 +371,10 @@ class GrpcParameterClient final : public ParameterClient {
 
  private:
   int32_t NumShards() const { return static_cast<int32_t>(stubs_.size()); }
+  // Whether an operation carrying `bytes` of tensor data to or from a shard takes its stream.
+  bool Streamed(int64_t bytes) const {
+    return !streams_.empty() && bytes <= options_.stream_max_bytes;
+  }
 
   absl::Status CheckSpans(const char* what, const std::vector<absl::Span<const float>>& spans) {
     if (spans.size() != layout_.tensors.size()) {
@@ -487,6 +496,7 @@ class GrpcParameterClient final : public ParameterClient {
   std::vector<std::unique_ptr<ParameterService::Stub>> stubs_;
   // Push and Pull go through generic stubs to avoid copying tensor data.
   std::vector<std::unique_ptr<grpc::GenericStub>> generic_stubs_;
+  std::vector<int64_t> shard_bytes_;  // Dense float32 bytes each shard owns (a full pull).
   // transport "stream": one per shard (after the stubs they use, so destroyed first).
   std::vector<std::unique_ptr<OpStream>> streams_;
   // Error feedback per chunk for a biased push codec (none otherwise), from zero.
