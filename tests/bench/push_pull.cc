@@ -53,6 +53,11 @@ ABSL_FLAG(int64_t, snapshot_every_updates, 1000, "Snapshot interval for durable 
 ABSL_FLAG(bool, fsync, false, "fsync the RocksDB WAL on every write.");
 ABSL_FLAG(std::string, transports, "stream,unary",
           "Client transports to measure (GrpcParameterClientOptions.transport), in turn.");
+ABSL_FLAG(int64_t, stream_max_bytes, -1,
+          "GrpcParameterClientOptions.stream_max_bytes (-1: the client's default).");
+ABSL_FLAG(double, warmup_seconds, 0.5,
+          "Untimed run of each configuration before it is measured (first-touch page faults, "
+          "allocator and connection warm-up would otherwise favour whatever runs second).");
 
 namespace gradmesh {
 namespace {
@@ -179,6 +184,9 @@ int Run() {
             co.worker = w;
             co.rpc = rpc;
             co.transport = transports[t];
+            if (absl::GetFlag(FLAGS_stream_max_bytes) >= 0) {
+              co.stream_max_bytes = absl::GetFlag(FLAGS_stream_max_bytes);
+            }
             clients[t].push_back(std::move(NewGrpcParameterClient(layout, co).value()));
           }
         }
@@ -190,6 +198,10 @@ int Run() {
         }
         for (absl::string_view op : absl::StrSplit(absl::GetFlag(FLAGS_ops), ',')) {
           for (size_t t = 0; t < transports.size(); ++t) {
+            if (Measure(clients[t], op, n, absl::GetFlag(FLAGS_warmup_seconds)).failed) {
+              std::fprintf(stderr, "operation %s failed\n", std::string(op).c_str());
+              return 1;
+            }
             const Measured m = Measure(clients[t], op, n, seconds);
             if (m.failed) {
               std::fprintf(stderr, "operation %s failed\n", std::string(op).c_str());

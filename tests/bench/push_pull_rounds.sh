@@ -5,7 +5,7 @@
 # "round N <impl> ".
 #
 #   bazel build -c opt //tests/bench:push_pull
-#   bash tests/bench/push_pull_rounds.sh            # ROUNDS=3 SECONDS_PER=2 PEERS=../shared/peers
+#   bash tests/bench/push_pull_rounds.sh [push_pull flags]   # ROUNDS=3 SECONDS_PER=2
 #
 # env: ROUNDS (3), SECONDS_PER (push_pull --seconds, 2), SHARDS (1,2), LONE (1: also a
 # --inflight=1 4 KiB run per round, the lone-operation latency), PIN (passed to ps-lite).
@@ -21,11 +21,13 @@ LONE=${LONE:-1}
 [ -x "$BIN" ] || { echo "build it first: bazel build -c opt //tests/bench:push_pull" >&2; exit 1; }
 for r in $(seq 1 "$ROUNDS"); do
   echo "round $r uptime $(uptime)"
-  "$BIN" --seconds="$SECONDS_PER" --shards="$SHARDS" --transports=stream,unary |
+  # Which transport runs first alternates between rounds.
+  if [ $((r % 2)) = 1 ]; then ORDER=stream,unary; else ORDER=unary,stream; fi
+  "$BIN" --seconds="$SECONDS_PER" --shards="$SHARDS" --transports=$ORDER "$@" |
     sed "s/^/round $r gradmesh /"
   if [ "$LONE" = 1 ]; then
     "$BIN" --seconds="$SECONDS_PER" --shards=1 --sizes=4096 --ops=push,pull --inflight=1 \
-      --transports=stream,unary | sed "s/^/round $r gradmesh-lone /"
+      --transports=$ORDER "$@" | sed "s/^/round $r gradmesh-lone /"
   fi
   PIN=${PIN:-0} bash "$PEERS/pslite_bench.sh" 2>/dev/null | sed "s/^/round $r ps-lite /"
 done
