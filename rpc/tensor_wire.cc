@@ -4,6 +4,7 @@
 #include <google/protobuf/wire_format_lite.h>
 #include <grpcpp/support/proto_buffer_reader.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "absl/status/statusor.h"
@@ -34,7 +35,83 @@ void PutIntField(uint32_t field, int64_t v, std::string* out) {
   PutVarint(static_cast<uint64_t>(v), out);
 }
 
+// Bytes [begin, begin + size) of `buffer` (which holds them), sharing its slices.
+grpc::ByteBuffer SubBuffer(const grpc::ByteBuffer& buffer, size_t begin, size_t size) {
+  std::vector<grpc::Slice> all, part;
+  if (size == 0 || !buffer.Dump(&all).ok()) {
+    grpc::Slice empty;
+    return grpc::ByteBuffer(&empty, 1);  // A valid, empty buffer (decoders can read it).
+  }
+  size_t pos = 0;  // Offset of the current slice in the buffer.
+  for (const grpc::Slice& s : all) {
+    const size_t from = std::max(begin, pos), to = std::min(begin + size, pos + s.size());
+    if (from < to) part.push_back(s.sub(from - pos, to - pos));
+    pos += s.size();
+  }
+  return grpc::ByteBuffer(part.data(), part.size());
+}
+
 }  // namespace
+
+grpc::ByteBuffer FrameStreamRequest(uint64_t call, StreamOp op, const grpc::ByteBuffer& body) {
+  std::string head;
+  if (call != 0) {
+    PutVarint(Tag(1, kVarint), &head);
+    PutVarint(call, &head);
+  }
+  PutVarint(Tag(static_cast<uint32_t>(op), kLengthDelimited), &head);
+  PutVarint(body.Length(), &head);
+  std::vector<grpc::Slice> slices;
+  slices.emplace_back(head.data(), head.size());  // Copies the small header.
+  std::vector<grpc::Slice> rest;
+  if (body.Length() > 0 && body.Dump(&rest).ok()) {
+    for (grpc::Slice& s : rest) slices.push_back(std::move(s));
+  }
+  return grpc::ByteBuffer(slices.data(), slices.size());
+}
+
+absl::Status SplitStreamResponse(const grpc::ByteBuffer& buffer, StreamResponseHead* head,
+                                 grpc::ByteBuffer* body) {
+  *head = StreamResponseHead();
+  *body = grpc::ByteBuffer();
+  grpc::ByteBuffer copy(buffer);  // Shares slices (refcounted); the reader consumes it.
+  grpc::ProtoBufferReader reader(&copy);
+  CodedInputStream in(&reader);
+  in.SetTotalBytesLimit(INT32_MAX);
+  size_t body_begin = 0, body_size = 0;
+  while (true) {
+    const uint32_t tag = in.ReadTag();
+    if (tag == 0) break;
+    const uint32_t field = tag >> 3;
+    uint64_t v;
+    if (tag == Tag(1, kVarint) || tag == Tag(2, kVarint)) {
+      if (!in.ReadVarint64(&v)) return absl::DataLossError("StreamResponse: bad varint");
+      if (field == 1) head->call = v;
+      if (field == 2) head->code = static_cast<int32_t>(v);
+    } else if (tag == Tag(3, kLengthDelimited)) {
+      uint32_t size;
+      if (!in.ReadVarint32(&size) || size > (1u << 20) ||
+          !in.ReadString(&head->message, static_cast<int>(size))) {
+        return absl::DataLossError("StreamResponse: bad message field");
+      }
+    } else if (tag == Tag(4, kLengthDelimited) || tag == Tag(5, kLengthDelimited)) {
+      uint32_t size;
+      if (!in.ReadVarint32(&size)) return absl::DataLossError("StreamResponse: bad length");
+      body_begin = static_cast<size_t>(in.CurrentPosition());
+      body_size = size;
+      if (!in.Skip(static_cast<int>(size))) {
+        return absl::DataLossError(absl::StrCat("StreamResponse: response of ", size,
+                                                " bytes is longer than the message"));
+      }
+      head->op = static_cast<int32_t>(field);
+    } else if (!google::protobuf::internal::WireFormatLite::SkipField(&in, tag)) {
+      return absl::DataLossError("StreamResponse: malformed field");
+    }
+  }
+  if (!in.ConsumedEntireMessage()) return absl::DataLossError("StreamResponse: malformed");
+  *body = SubBuffer(buffer, body_begin, body_size);
+  return absl::OkStatus();
+}
 
 grpc::ByteBuffer EncodePushRequest(const std::string& job, int32_t worker, int64_t step,
                                    uint64_t request_id, const std::vector<PushChunkRef>& chunks) {

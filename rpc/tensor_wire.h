@@ -11,6 +11,12 @@
 //     chosen by the caller.
 // The bytes of a "changes" chunk (compression/changes.h) are not framing and are not here.
 //
+// ParameterService.Stream messages wrap those encodings: FrameStreamRequest puts a small
+// header before an encoded PushRequest or PullRequest (sharing its slices), and
+// SplitStreamResponse finds the encoded PushResponse or PullResponse inside a StreamResponse
+// (sharing gRPC's slices), so a streamed gradient or pulled chunk is copied no more than a
+// unary one.
+//
 // Thread safety: pure functions.
 #ifndef GRADMESH_RPC_TENSOR_WIRE_H_
 #define GRADMESH_RPC_TENSOR_WIRE_H_
@@ -57,6 +63,27 @@ using PullChunkSink =
 // data, as protobuf's encoder does (fields in number order); otherwise, or on any malformed
 // input, returns DataLoss naming the problem.
 absl::Status DecodePullResponse(const grpc::ByteBuffer& buffer, const PullChunkSink& sink);
+
+// Which operation a StreamRequest carries: its oneof field number.
+enum class StreamOp : int32_t { kPush = 2, kPull = 3 };
+
+// Encodes StreamRequest{call, push or pull = the message encoded in `body`}, referencing
+// `body`'s slices (static ones included: the memory they point to must stay as required for
+// `body` itself).
+grpc::ByteBuffer FrameStreamRequest(uint64_t call, StreamOp op, const grpc::ByteBuffer& body);
+
+// The fields of a StreamResponse other than its push or pull response.
+struct StreamResponseHead {
+  uint64_t call = 0;
+  int32_t code = 0;  // grpc::StatusCode.
+  std::string message;
+  int32_t op = 0;  // 4 (push), 5 (pull) or 0 (neither was present).
+};
+
+// Decodes a StreamResponse: the head, and in `body` the encoded PushResponse or PullResponse
+// (empty when neither is present), sharing `buffer`'s slices. DataLoss on malformed input.
+absl::Status SplitStreamResponse(const grpc::ByteBuffer& buffer, StreamResponseHead* head,
+                                 grpc::ByteBuffer* body);
 
 // "changes" pull payloads: the codec lives in compression/changes.h (EncodeChanges on spans,
 // DecodeChanges), which this header includes so that its users keep compiling. Transitional:

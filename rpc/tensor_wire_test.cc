@@ -1,5 +1,6 @@
 #include "rpc/tensor_wire.h"
 
+#include <algorithm>
 #include <cstring>
 #include <limits>
 #include <vector>
@@ -251,6 +252,76 @@ TEST(TensorWireTest, MalformedChangesChangeNothing) {
   EXPECT_EQ(target, (std::vector<float>{9, 9, 9, 9}));
   ASSERT_OK(DecodeChanges(good, absl::MakeSpan(target)));
   EXPECT_EQ(target, (std::vector<float>{1, 9, 3, 9}));
+}
+
+// A framed push is byte for byte the StreamRequest protobuf would write, and shares the
+// gradient's memory (no copy).
+TEST(TensorWireTest, StreamRequestFramingIsWhatProtobufWrites) {
+  const std::vector<float> g = {1.5f, -2.0f, 0.25f, 8.0f};
+  const grpc::ByteBuffer push = EncodePushRequest("job", 1, 7, 42, {{0, 0, 3, g.data(), 4}});
+  const grpc::ByteBuffer framed = FrameStreamRequest(9, StreamOp::kPush, push);
+  StreamRequest parsed;
+  ASSERT_TRUE(parsed.ParseFromString(Flatten(framed)));
+  EXPECT_EQ(parsed.call(), 9u);
+  ASSERT_TRUE(parsed.has_push());
+  EXPECT_EQ(parsed.push().SerializeAsString(), Flatten(push));
+  EXPECT_EQ(Flatten(framed), parsed.SerializeAsString());
+  std::vector<grpc::Slice> slices;
+  ASSERT_TRUE(framed.Dump(&slices).ok());
+  bool shared = false;
+  for (const grpc::Slice& s : slices) {
+    shared |= s.begin() == reinterpret_cast<const uint8_t*>(g.data());
+  }
+  EXPECT_TRUE(shared);
+
+  PullRequest pull;
+  pull.set_job("job");
+  const std::string wire = pull.SerializeAsString();
+  grpc::Slice slice(wire.data(), wire.size());
+  StreamRequest want;
+  want.set_call(1ull << 40);
+  *want.mutable_pull() = pull;
+  EXPECT_EQ(Flatten(FrameStreamRequest(1ull << 40, StreamOp::kPull, grpc::ByteBuffer(&slice, 1))),
+            want.SerializeAsString());
+}
+
+TEST(TensorWireTest, StreamResponseSplitsIntoHeadAndBody) {
+  StreamResponse r;
+  r.set_call(77);
+  ChunkData* c = r.mutable_pull()->add_chunks();
+  c->set_tensor(2);
+  c->set_data(std::string(64, 'x'));
+  const std::string wire = r.SerializeAsString();
+  // Split across slices, as gRPC may deliver it.
+  std::vector<grpc::Slice> parts;
+  for (size_t i = 0; i < wire.size(); i += 5) {
+    parts.emplace_back(wire.data() + i, std::min<size_t>(5, wire.size() - i));
+  }
+  StreamResponseHead head;
+  grpc::ByteBuffer body;
+  ASSERT_OK(SplitStreamResponse(grpc::ByteBuffer(parts.data(), parts.size()), &head, &body));
+  EXPECT_EQ(head.call, 77u);
+  EXPECT_EQ(head.code, 0);
+  EXPECT_EQ(head.op, 5);
+  EXPECT_EQ(Flatten(body), r.pull().SerializeAsString());
+
+  StreamResponse err;
+  err.set_call(3);
+  err.set_code(7);
+  err.set_message("no");
+  const std::string ew = err.SerializeAsString();
+  grpc::Slice es(ew.data(), ew.size());
+  ASSERT_OK(SplitStreamResponse(grpc::ByteBuffer(&es, 1), &head, &body));
+  EXPECT_EQ(head.call, 3u);
+  EXPECT_EQ(head.code, 7);
+  EXPECT_EQ(head.message, "no");
+  EXPECT_EQ(head.op, 0);
+  EXPECT_EQ(body.Length(), 0u);
+
+  const std::string bad = wire.substr(0, wire.size() - 3);  // Truncated body.
+  grpc::Slice bs(bad.data(), bad.size());
+  EXPECT_EQ(SplitStreamResponse(grpc::ByteBuffer(&bs, 1), &head, &body).code(),
+            absl::StatusCode::kDataLoss);
 }
 
 }  // namespace

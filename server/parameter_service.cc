@@ -1,7 +1,13 @@
 #include "server/parameter_service.h"
 
+#include <deque>
+#include <memory>
 #include <utility>
+#include <vector>
 
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "common/status.h"
 #include "common/token_hash.h"
 #include "rpc/grpc_status.h"
@@ -32,16 +38,241 @@ class WaitingReactor final : public grpc::ServerUnaryReactor {
   WaitCancel cancel_;
 };
 
-}  // namespace
-
-absl::Status ParameterServiceImpl::CheckToken(grpc::ServerContextBase* ctx,
-                                              const std::string& job) const {
-  if (tokens_ == nullptr) return absl::OkStatus();
+absl::Status CheckJobToken(const JobTokens* tokens, grpc::ServerContextBase* ctx,
+                           const std::string& job) {
+  if (tokens == nullptr) return absl::OkStatus();
   absl::string_view presented;
   const auto& md = ctx->client_metadata();
   auto it = md.find("x-gradmesh-job-token");
   if (it != md.end()) presented = absl::string_view(it->second.data(), it->second.size());
-  return tokens_->Check(job, presented);
+  return tokens->Check(job, presented);
+}
+
+// One ParameterService.Stream call: reads StreamRequests, starts each on the shard as the
+// unary Push or Pull would (token check included), and writes each StreamResponse when its
+// operation completes (completion order). Operations in flight are bounded: at kMaxInFlight
+// it stops reading until one completes (gRPC's flow control then holds the client back).
+// A cancelled stream withdraws its waiting operations; the call finishes once every operation
+// has completed and every response is written (or the client is gone). Deletes itself when
+// gRPC is done with it.
+class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
+ public:
+  static constexpr size_t kMaxInFlight = 256;
+
+  StreamReactor(Shard* shard, const JobTokens* tokens, grpc::CallbackServerContext* ctx)
+      : shard_(shard), tokens_(tokens), ctx_(ctx) {
+    absl::MutexLock lock(&mu_);
+    reading_ = true;
+    StartRead(&in_);
+  }
+
+  void OnReadDone(bool ok) override;
+  void OnWriteDone(bool ok) override;
+  void OnCancel() override;
+  void OnDone() override { delete this; }
+
+ private:
+  struct Op {
+    StreamRequest request;
+    StreamResponse response;
+    WaitCancel cancel;
+  };
+
+  // Starts `op` (in ops_) on the shard; its completion calls Complete.
+  void Begin(std::shared_ptr<Op> op);
+  // Queues the response of `op` with `status` and forgets the operation.
+  void Complete(const std::shared_ptr<Op>& op, const absl::Status& status);
+  // Ends the stream with `status` (malformed input): no more reads, waiting operations
+  // withdrawn.
+  void Fail(const absl::Status& status);
+  void CancelAll();
+  // Starts the next read or write if one is due; true if the call should finish now.
+  bool ProceedLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Proceed() {
+    bool finish;
+    grpc::Status status;
+    {
+      absl::MutexLock lock(&mu_);
+      finish = ProceedLocked();
+      status = ToGrpcStatus(error_);
+    }
+    if (finish) Finish(status);  // May run OnDone inline: nothing touches `this` after it.
+  }
+
+  Shard* const shard_;
+  const JobTokens* const tokens_;
+  grpc::CallbackServerContext* const ctx_;
+  absl::Mutex mu_;
+  grpc::ByteBuffer in_ ABSL_GUARDED_BY(mu_);   // The read in progress.
+  grpc::ByteBuffer out_ ABSL_GUARDED_BY(mu_);  // The write in progress.
+  std::deque<grpc::ByteBuffer> queued_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<uint64_t, std::shared_ptr<Op>> ops_ ABSL_GUARDED_BY(mu_);
+  int64_t received_ ABSL_GUARDED_BY(mu_) = 0;  // Messages read (for error messages).
+  bool reading_ ABSL_GUARDED_BY(mu_) = false;
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;
+  bool reads_done_ ABSL_GUARDED_BY(mu_) = false;  // No more reads: client half-closed or error.
+  bool gone_ ABSL_GUARDED_BY(mu_) = false;        // Cancelled or a write failed: write no more.
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Status error_ ABSL_GUARDED_BY(mu_);
+};
+
+void StreamReactor::OnReadDone(bool ok) {
+  auto op = std::make_shared<Op>();
+  {
+    absl::MutexLock lock(&mu_);
+    reading_ = false;
+    if (!ok) {
+      reads_done_ = true;
+      op.reset();
+    } else {
+      ++received_;
+      grpc::Status parsed =
+          grpc::GenericDeserialize<grpc::ProtoBufferReader, StreamRequest>(&in_, &op->request);
+      if (!parsed.ok()) {
+        error_ = absl::InvalidArgumentError(
+            absl::StrCat("Stream: message ", received_, " is not a StreamRequest"));
+      } else if (ops_.contains(op->request.call())) {
+        error_ = absl::InvalidArgumentError(absl::StrCat("Stream: message ", received_,
+                                                         " reuses call id ", op->request.call(),
+                                                         " of an operation still in flight"));
+      } else {
+        ops_[op->request.call()] = op;
+      }
+      if (!error_.ok()) {
+        reads_done_ = true;
+        op.reset();
+      }
+    }
+  }
+  if (op != nullptr) Begin(std::move(op));
+  bool failed;
+  {
+    absl::MutexLock lock(&mu_);
+    failed = !error_.ok();
+  }
+  if (failed) CancelAll();
+  Proceed();
+}
+
+void StreamReactor::Begin(std::shared_ptr<Op> op) {
+  const StreamRequest& r = op->request;
+  if (r.op_case() == StreamRequest::OP_NOT_SET) {
+    Complete(op, absl::InvalidArgumentError(absl::StrCat("Stream: call ", r.call(),
+                                                         " carries neither a push nor a pull")));
+    return;
+  }
+  const std::string& job = r.has_push() ? r.push().job() : r.pull().job();
+  if (absl::Status st = CheckJobToken(tokens_, ctx_, job); !st.ok()) {
+    Complete(op, st);
+    return;
+  }
+  if (r.has_push()) {
+    shard_->PushAsync(
+        r.push(),
+        [this, op](absl::StatusOr<PushResponse> result) {
+          if (result.ok()) *op->response.mutable_push() = std::move(result).value();
+          Complete(op, result.status());
+        },
+        &op->cancel);
+  } else {
+    PullResponse* response = op->response.mutable_pull();
+    shard_->PullAsync(
+        r.pull(), response, [this, op](absl::Status st) { Complete(op, st); }, &op->cancel);
+  }
+}
+
+void StreamReactor::Complete(const std::shared_ptr<Op>& op, const absl::Status& status) {
+  StreamResponse& response = op->response;
+  response.set_call(op->request.call());
+  if (!status.ok()) {
+    response.Clear();
+    response.set_call(op->request.call());
+    response.set_code(static_cast<int32_t>(status.code()));
+    response.set_message(std::string(status.message()));
+  } else if (op->request.has_push() && !response.has_push()) {
+    response.mutable_push();  // The oneof says which operation this answers.
+  }
+  grpc::ByteBuffer encoded;
+  bool own_buffer;
+  grpc::Status st = grpc::GenericSerialize<grpc::ProtoBufferWriter, StreamResponse>(
+      response, &encoded, &own_buffer);
+  bool finish;
+  grpc::Status end;
+  {
+    // Forgetting the operation and deciding whether to finish happen under one lock: once the
+    // last operation is gone, another thread may finish the call (and delete this).
+    absl::MutexLock lock(&mu_);
+    ops_.erase(op->request.call());
+    if (!st.ok() && error_.ok()) {
+      error_ = absl::InternalError(absl::StrCat(
+          "Stream: call ", op->request.call(), " response not serialisable: ", st.error_message()));
+      reads_done_ = true;
+    } else if (!gone_) {
+      queued_.push_back(std::move(encoded));
+    }
+    finish = ProceedLocked();
+    end = ToGrpcStatus(error_);
+  }
+  if (finish) Finish(end);
+}
+
+bool StreamReactor::ProceedLocked() {
+  if (finished_) return false;
+  if (!gone_ && !writing_ && !queued_.empty()) {
+    out_ = std::move(queued_.front());
+    queued_.pop_front();
+    writing_ = true;
+    StartWrite(&out_);  // Never runs OnWriteDone inline.
+  }
+  if (!reading_ && !reads_done_ && !gone_ && ops_.size() < kMaxInFlight) {
+    reading_ = true;
+    StartRead(&in_);
+  }
+  const bool ended = reads_done_ || gone_;
+  if (ended && ops_.empty() && !writing_ && (queued_.empty() || gone_)) {
+    finished_ = true;
+    return true;
+  }
+  return false;
+}
+
+void StreamReactor::OnWriteDone(bool ok) {
+  {
+    absl::MutexLock lock(&mu_);
+    writing_ = false;
+    if (!ok) {
+      gone_ = true;
+      queued_.clear();
+    }
+  }
+  Proceed();
+}
+
+void StreamReactor::OnCancel() {
+  {
+    absl::MutexLock lock(&mu_);
+    gone_ = true;
+    queued_.clear();
+  }
+  CancelAll();
+  Proceed();
+}
+
+void StreamReactor::CancelAll() {
+  std::vector<std::shared_ptr<Op>> ops;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [call, op] : ops_) ops.push_back(op);
+  }
+  // Outside mu_: a cancelled wait completes (Complete takes mu_) on this thread.
+  for (const auto& op : ops) op->cancel.Cancel();
+}
+
+}  // namespace
+
+absl::Status ParameterServiceImpl::CheckToken(grpc::ServerContextBase* ctx,
+                                              const std::string& job) const {
+  return CheckJobToken(tokens_, ctx, job);
 }
 
 std::string ParameterServiceImpl::Incarnation(grpc::ServerContextBase* ctx) const {
@@ -89,6 +320,11 @@ grpc::ServerUnaryReactor* ParameterServiceImpl::Pull(grpc::CallbackServerContext
   shard_->PullAsync(
       *request, response, [reactor](absl::Status st) { reactor->Complete(st); }, reactor->cancel());
   return reactor;
+}
+
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* ParameterServiceImpl::Stream(
+    grpc::CallbackServerContext* ctx) {
+  return new StreamReactor(shard_, tokens_, ctx);
 }
 
 grpc::Status ParameterServiceImpl::Finish(grpc::ServerContext* ctx, const FinishRequest* request,

@@ -9,6 +9,13 @@
 // messages, responses) is that of Shard::Push and Shard::Pull. InitJob, Finish and GetJobInfo
 // never wait for other workers and stay on gRPC's synchronous thread pool.
 //
+// Stream carries many pushes and pulls over one call (a worker keeps one per shard): each is
+// checked and handled exactly as the unary Push or Pull, waits the same way without a thread
+// (a waiting push holds up none of the stream's other operations) and is answered by call id
+// in completion order. It reads raw bytes and parses them itself, so a message that is not a
+// StreamRequest ends the stream with INVALID_ARGUMENT (operations in flight are withdrawn).
+// Cancelling the stream withdraws its waiting operations, as cancelling unary calls would.
+//
 // Thread safety: as Shard; gRPC calls the methods from its threads.
 #ifndef GRADMESH_SERVER_PARAMETER_SERVICE_H_
 #define GRADMESH_SERVER_PARAMETER_SERVICE_H_
@@ -20,8 +27,9 @@
 namespace gradmesh {
 
 class ParameterServiceImpl final
-    : public ParameterService::WithCallbackMethod_Push<
-          ParameterService::WithCallbackMethod_Pull<ParameterService::Service>> {
+    : public ParameterService::WithRawCallbackMethod_Stream<
+          ParameterService::WithCallbackMethod_Push<
+              ParameterService::WithCallbackMethod_Pull<ParameterService::Service>>> {
  public:
   // `shard` and `tokens` are not owned and must outlive the service; null `tokens` means no
   // per-job access check (every call's job is checked against it otherwise).
@@ -34,6 +42,8 @@ class ParameterServiceImpl final
                                  PushResponse* response) override;
   grpc::ServerUnaryReactor* Pull(grpc::CallbackServerContext* context, const PullRequest* request,
                                  PullResponse* response) override;
+  grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* Stream(
+      grpc::CallbackServerContext* context) override;
   grpc::Status Finish(grpc::ServerContext*, const FinishRequest* request,
                       FinishResponse* response) override;
   grpc::Status GetJobInfo(grpc::ServerContext*, const JobInfoRequest* request,

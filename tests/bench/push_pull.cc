@@ -1,6 +1,7 @@
 // Push/pull goodput and latency of the parameter service on loopback.
 //
-//   bazel run -c opt //tests/bench:push_pull [-- --seconds=2 --inflight=4]
+//   bazel run -c opt //tests/bench:push_pull [-- --seconds=2 --inflight=4
+//   --transports=stream,unary]
 //
 // Starts 1 and 2 in-process shards on 127.0.0.1 (real gRPC over TCP), registers a job with one
 // float32 tensor of each size (4 KiB, 256 KiB, 4 MiB; with 2 shards the tensor is split
@@ -9,8 +10,11 @@
 //   push:     gradients applied with SGD on the shard(s)
 //   pull:     current values fetched
 //   pushpull: a push followed by a pull (one training step's exchange)
-// Prints one JSON object per line: op, bytes (payload per op), shards, durability, inflight,
-// ops, gb_per_s (payload GB/s, 1e9 bytes, summed over clients), p50_us, p99_us (per op).
+// Each configuration is measured with each client transport of --transports (stream: one
+// ParameterService.Stream per client and shard; unary: one call per operation), in turn.
+// Prints one JSON object per line: op, bytes (payload per op), shards, durability, transport,
+// inflight, ops, gb_per_s (payload GB/s, 1e9 bytes, summed over clients), p50_us, p99_us (per
+// op).
 //
 // Durability cost: --durability=none,periodic,every_update --ops=push
 #include <grpcpp/server.h>
@@ -48,6 +52,13 @@ ABSL_FLAG(std::string, durability, "none",
           "Durable shards keep RocksDB state in a temporary directory.");
 ABSL_FLAG(int64_t, snapshot_every_updates, 1000, "Snapshot interval for durable settings.");
 ABSL_FLAG(bool, fsync, false, "fsync the RocksDB WAL on every write.");
+ABSL_FLAG(std::string, transports, "stream,unary",
+          "Client transports to measure (GrpcParameterClientOptions.transport), in turn.");
+ABSL_FLAG(int64_t, stream_max_bytes, -1,
+          "GrpcParameterClientOptions.stream_max_bytes (-1: the client's default).");
+ABSL_FLAG(double, warmup_seconds, 0.5,
+          "Untimed run of each configuration before it is measured (first-touch page faults, "
+          "allocator and connection warm-up would otherwise favour whatever runs second).");
 
 namespace gradmesh {
 namespace {
@@ -83,6 +94,50 @@ double Percentile(std::vector<double>* v, double q) {
   if (v->empty()) return 0;
   std::sort(v->begin(), v->end());
   return (*v)[std::min(v->size() - 1, static_cast<size_t>(q * v->size()))];
+}
+
+struct Measured {
+  int64_t ops = 0;
+  double wall_s = 0;
+  double p50_us = 0, p99_us = 0;
+  bool failed = false;
+};
+
+// Runs `op` back to back on every client for `seconds`.
+Measured Measure(const std::vector<std::unique_ptr<ParameterClient>>& clients, absl::string_view op,
+                 int64_t n, double seconds) {
+  const bool do_push = op == "push" || op == "pushpull";
+  const bool do_pull = op == "pull" || op == "pushpull";
+  const int inflight = static_cast<int>(clients.size());
+  std::vector<std::vector<double>> lat(inflight);
+  std::atomic<bool> failed{false};
+  std::vector<std::thread> threads;
+  const absl::Time start = absl::Now();
+  const absl::Time end = start + absl::Seconds(seconds);
+  for (int w = 0; w < inflight; ++w) {
+    threads.emplace_back([&, w] {
+      std::vector<float> grad(n, 0.5f), params(n);
+      int64_t step = 0;
+      while (absl::Now() < end && !failed.load()) {
+        const absl::Time t0 = absl::Now();
+        if (do_push && !clients[w]->Push(step++, {absl::Span<const float>(grad)}).ok()) {
+          failed = true;
+        }
+        if (do_pull && !clients[w]->Pull({absl::Span<float>(params)}).ok()) failed = true;
+        lat[w].push_back(absl::ToDoubleMicroseconds(absl::Now() - t0));
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  Measured m;
+  m.wall_s = absl::ToDoubleSeconds(absl::Now() - start);
+  m.failed = failed;
+  std::vector<double> all;
+  for (auto& l : lat) all.insert(all.end(), l.begin(), l.end());
+  m.ops = static_cast<int64_t>(all.size());
+  m.p50_us = Percentile(&all, 0.5);
+  m.p99_us = Percentile(&all, 0.99);
+  return m;
 }
 
 int Run() {
@@ -123,60 +178,48 @@ int Run() {
         layout.durability.set_mode(durability);
         layout.durability.set_snapshot_every_updates(absl::GetFlag(FLAGS_snapshot_every_updates));
         layout.durability.set_snapshot_every_seconds(30);
-        std::vector<std::unique_ptr<ParameterClient>> clients;
-        for (int w = 0; w < inflight; ++w) {
-          GrpcParameterClientOptions co;
-          co.servers = addresses;
-          co.worker = w;
-          co.rpc = rpc;
-          clients.push_back(std::move(NewGrpcParameterClient(layout, co).value()));
+        std::vector<std::string> transports = absl::StrSplit(absl::GetFlag(FLAGS_transports), ',');
+        std::vector<std::vector<std::unique_ptr<ParameterClient>>> clients(transports.size());
+        for (size_t t = 0; t < transports.size(); ++t) {
+          for (int w = 0; w < inflight; ++w) {
+            GrpcParameterClientOptions co;
+            co.servers = addresses;
+            co.worker = w;
+            co.rpc = rpc;
+            co.transport = transports[t];
+            if (absl::GetFlag(FLAGS_stream_max_bytes) >= 0) {
+              co.stream_max_bytes = absl::GetFlag(FLAGS_stream_max_bytes);
+            }
+            clients[t].push_back(std::move(NewGrpcParameterClient(layout, co).value()));
+          }
         }
         std::vector<float> init(n, 1.0f);
-        absl::Status st = clients[0]->InitJob({absl::Span<const float>(init)});
+        absl::Status st = clients[0][0]->InitJob({absl::Span<const float>(init)});
         if (!st.ok()) {
           std::fprintf(stderr, "InitJob failed: %s\n", st.ToString().c_str());
           return 1;
         }
         for (absl::string_view op : absl::StrSplit(absl::GetFlag(FLAGS_ops), ',')) {
-          const bool do_push = op == "push" || op == "pushpull";
-          const bool do_pull = op == "pull" || op == "pushpull";
-          std::vector<std::vector<double>> lat(inflight);
-          std::atomic<bool> failed{false};
-          std::vector<std::thread> threads;
-          const absl::Time start = absl::Now();
-          const absl::Time end = start + absl::Seconds(seconds);
-          for (int w = 0; w < inflight; ++w) {
-            threads.emplace_back([&, w] {
-              std::vector<float> grad(n, 0.5f), params(n);
-              int64_t step = 0;
-              while (absl::Now() < end && !failed.load()) {
-                const absl::Time t0 = absl::Now();
-                if (do_push && !clients[w]->Push(step++, {absl::Span<const float>(grad)}).ok()) {
-                  failed = true;
-                }
-                if (do_pull && !clients[w]->Pull({absl::Span<float>(params)}).ok()) failed = true;
-                lat[w].push_back(absl::ToDoubleMicroseconds(absl::Now() - t0));
-              }
-            });
+          for (size_t t = 0; t < transports.size(); ++t) {
+            if (Measure(clients[t], op, n, absl::GetFlag(FLAGS_warmup_seconds)).failed) {
+              std::fprintf(stderr, "operation %s failed\n", std::string(op).c_str());
+              return 1;
+            }
+            const Measured m = Measure(clients[t], op, n, seconds);
+            if (m.failed) {
+              std::fprintf(stderr, "operation %s failed\n", std::string(op).c_str());
+              return 1;
+            }
+            const double payload = static_cast<double>(m.ops) * bytes * (op == "pushpull" ? 2 : 1);
+            std::printf(
+                "{\"op\":\"%s\",\"bytes\":%lld,\"shards\":%d,\"durability\":\"%s\","
+                "\"transport\":\"%s\",\"inflight\":%d,\"ops\":%lld,"
+                "\"gb_per_s\":%.3f,\"p50_us\":%.1f,\"p99_us\":%.1f}\n",
+                std::string(op).c_str(), static_cast<long long>(bytes), num_shards,
+                durability.c_str(), transports[t].c_str(), inflight, static_cast<long long>(m.ops),
+                payload / m.wall_s / 1e9, m.p50_us, m.p99_us);
+            std::fflush(stdout);
           }
-          for (auto& th : threads) th.join();
-          const double wall = absl::ToDoubleSeconds(absl::Now() - start);
-          if (failed) {
-            std::fprintf(stderr, "operation %s failed\n", std::string(op).c_str());
-            return 1;
-          }
-          std::vector<double> all;
-          for (auto& l : lat) all.insert(all.end(), l.begin(), l.end());
-          const int64_t ops = static_cast<int64_t>(all.size());
-          const double payload = static_cast<double>(ops) * bytes * (op == "pushpull" ? 2 : 1);
-          std::printf(
-              "{\"op\":\"%s\",\"bytes\":%lld,\"shards\":%d,\"durability\":\"%s\","
-              "\"inflight\":%d,\"ops\":%lld,"
-              "\"gb_per_s\":%.3f,\"p50_us\":%.1f,\"p99_us\":%.1f}\n",
-              std::string(op).c_str(), static_cast<long long>(bytes), num_shards,
-              durability.c_str(), inflight, static_cast<long long>(ops), payload / wall / 1e9,
-              Percentile(&all, 0.5), Percentile(&all, 0.99));
-          std::fflush(stdout);
         }
       }
       for (auto& s : servers) s->server->Shutdown();

@@ -10,7 +10,6 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
-#include "absl/synchronization/blocking_counter.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "common/numeric.h"
@@ -21,6 +20,7 @@
 #include "compression/error_feedback.h"
 #include "proto/gradmesh.grpc.pb.h"
 #include "rpc/grpc_status.h"
+#include "rpc/op_stream.h"
 #include "rpc/tensor_wire.h"
 #include "rpc/token_transport.h"
 
@@ -56,10 +56,22 @@ class GrpcParameterClient final : public ParameterClient {
         held_(partition_.chunks().size(), -1) {
     absl::MutexLock lock(&mu_);
     ResetFeedbackLocked();
+    for (int32_t s = 0; s < static_cast<int32_t>(options_.servers.size()); ++s) {
+      int64_t bytes = 0;
+      for (int64_t idx : partition_.shard_chunks(s)) bytes += partition_.chunks()[idx].numel * 4;
+      shard_bytes_.push_back(bytes);
+    }
     for (const std::string& addr : options_.servers) {
       auto channel = MakeChannel(addr, options_.rpc);
       stubs_.push_back(ParameterService::NewStub(channel));
       generic_stubs_.push_back(std::make_unique<grpc::GenericStub>(channel));
+      if (options_.transport == "stream") {
+        std::vector<std::pair<std::string, std::string>> md;
+        if (!options_.job_token.empty())
+          md.emplace_back("x-gradmesh-job-token", options_.job_token);
+        streams_.push_back(std::make_unique<OpStream>(
+            generic_stubs_.back().get(), "/gradmesh.ParameterService/Stream", std::move(md)));
+      }
     }
   }
 
@@ -202,6 +214,10 @@ class GrpcParameterClient final : public ParameterClient {
         "Push", reqs, &resps,
         [this](int32_t shard, grpc::ClientContext* ctx, const grpc::ByteBuffer* req,
                grpc::ByteBuffer* resp, std::function<void(grpc::Status)> done) {
+          if (Streamed(static_cast<int64_t>(req->Length()))) {
+            streams_[shard]->Call(StreamOp::kPush, *req, resp, std::move(done));
+            return;
+          }
           generic_stubs_[shard]->UnaryCall(ctx, "/gradmesh.ParameterService/Push",
                                            grpc::StubOptions(), req, resp, std::move(done));
         })));
@@ -238,6 +254,10 @@ class GrpcParameterClient final : public ParameterClient {
         "Pull", reqs, &resps,
         [this](int32_t shard, grpc::ClientContext* ctx, const grpc::ByteBuffer* req,
                grpc::ByteBuffer* resp, std::function<void(grpc::Status)> done) {
+          if (Streamed(shard_bytes_[shard])) {
+            streams_[shard]->Call(StreamOp::kPull, *req, resp, std::move(done));
+            return;
+          }
           generic_stubs_[shard]->UnaryCall(ctx, "/gradmesh.ParameterService/Pull",
                                            grpc::StubOptions(), req, resp, std::move(done));
         })));
@@ -350,6 +370,10 @@ class GrpcParameterClient final : public ParameterClient {
 
  private:
   int32_t NumShards() const { return static_cast<int32_t>(stubs_.size()); }
+  // Whether an operation carrying `bytes` of tensor data to or from a shard takes its stream.
+  bool Streamed(int64_t bytes) const {
+    return !streams_.empty() && bytes <= options_.stream_max_bytes;
+  }
 
   absl::Status CheckSpans(const char* what, const std::vector<absl::Span<const float>>& spans) {
     if (spans.size() != layout_.tensors.size()) {
@@ -375,8 +399,32 @@ class GrpcParameterClient final : public ParameterClient {
                 static_cast<size_t>(c.numel) * sizeof(float));
   }
 
+  // Waits until `*left` (guarded by `mu`, as `finished`) is 0. Past `deadline` (plus a
+  // second, so that a unary call's own deadline fires first), breaks the streams of the
+  // shards still unanswered (pending[i] with !finished[i]), which completes their operations.
+  void WaitAll(absl::Mutex* mu, const size_t* left, const std::vector<bool>* finished,
+               absl::Time deadline, const std::vector<int32_t>& pending) {
+    absl::MutexLock lock(mu);
+    const absl::Condition all_done(
+        +[](const size_t* n) { return *n == 0; }, left);
+    if (streams_.empty() || mu->AwaitWithDeadline(all_done, deadline + absl::Seconds(1))) {
+      mu->Await(all_done);
+      return;
+    }
+    std::vector<int32_t> late;
+    for (size_t i = 0; i < pending.size(); ++i) {
+      if (!(*finished)[i]) late.push_back(pending[i]);
+    }
+    mu->Unlock();
+    for (int32_t s : late) streams_[s]->Abort();
+    mu->Lock();
+    mu->Await(all_done);
+  }
+
   // Sends reqs[s] to shard s for every shard, in parallel; retries retryable failures with
   // backoff. Fills resps. Returns the first non-retryable error, annotated with the shard.
+  // Streamed pushes and pulls (whose `ctx` carries no deadline) past the deadline break their
+  // shard's stream, which fails them UNAVAILABLE.
   template <typename Req, typename Resp, typename Fn>
   absl::Status CallAll(const char* what, const std::vector<Req>& reqs, std::vector<Resp>* resps,
                        Fn call) {
@@ -393,7 +441,10 @@ class GrpcParameterClient final : public ParameterClient {
     for (int32_t attempt = 1;; ++attempt) {
       std::vector<grpc::Status> results(pending.size());
       std::vector<std::unique_ptr<grpc::ClientContext>> contexts(pending.size());
-      absl::BlockingCounter done(static_cast<int>(pending.size()));
+      absl::Mutex done_mu;
+      std::vector<bool> finished(pending.size(), false);
+      size_t left = pending.size();
+      const absl::Time attempt_deadline = absl::Now() + deadline;
       for (size_t i = 0; i < pending.size(); ++i) {
         const int32_t s = pending[i];
         contexts[i] = std::make_unique<grpc::ClientContext>();
@@ -402,12 +453,15 @@ class GrpcParameterClient final : public ParameterClient {
         }
         contexts[i]->set_deadline(absl::ToChronoTime(absl::Now() + deadline));
         (*resps)[s].Clear();
-        call(s, contexts[i].get(), &reqs[s], &(*resps)[s], [&results, &done, i](grpc::Status st) {
-          results[i] = std::move(st);
-          done.DecrementCount();
-        });
+        call(s, contexts[i].get(), &reqs[s], &(*resps)[s],
+             [&results, &done_mu, &finished, &left, i](grpc::Status st) {
+               absl::MutexLock lock(&done_mu);
+               results[i] = std::move(st);
+               finished[i] = true;
+               --left;
+             });
       }
-      done.Wait();
+      WaitAll(&done_mu, &left, &finished, attempt_deadline, pending);
       std::vector<int32_t> retry;
       absl::Status last;
       for (size_t i = 0; i < pending.size(); ++i) {
@@ -441,6 +495,9 @@ class GrpcParameterClient final : public ParameterClient {
   std::vector<std::unique_ptr<ParameterService::Stub>> stubs_;
   // Push and Pull go through generic stubs to avoid copying tensor data.
   std::vector<std::unique_ptr<grpc::GenericStub>> generic_stubs_;
+  std::vector<int64_t> shard_bytes_;  // Dense float32 bytes each shard owns (a full pull).
+  // transport "stream": one per shard (after the stubs they use, so destroyed first).
+  std::vector<std::unique_ptr<OpStream>> streams_;
   // Error feedback per chunk for a biased push codec (none otherwise), from zero.
   void ResetFeedbackLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     feedback_.clear();
@@ -495,6 +552,10 @@ absl::StatusOr<std::unique_ptr<ParameterClient>> NewGrpcParameterClient(
   if (options.worker < 0 || options.worker >= layout.num_workers) {
     return absl::InvalidArgumentError(absl::StrCat("parameter client: worker ", options.worker,
                                                    " not in [0, ", layout.num_workers, ")"));
+  }
+  if (options.transport != "stream" && options.transport != "unary") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "parameter client: transport \"", options.transport, "\" is not one of stream, unary"));
   }
   if (options.max_attempts < 1) {
     return absl::InvalidArgumentError("parameter client: max_attempts must be >= 1");

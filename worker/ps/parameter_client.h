@@ -13,6 +13,14 @@
 // buffer tensors (TensorSpec.buffer) are always pushed and pulled dense float32 (the shards
 // send them dense whatever the pull codec), so buffer deltas and values travel exactly.
 //
+// Transport: by default each shard's pushes and pulls go over one long-lived
+// ParameterService.Stream call (rpc/op_stream.h), shared by concurrent callers, which costs
+// far less per operation than a unary call; options.transport = "unary" uses one unary call
+// per operation instead, and so do large messages (options.stream_max_bytes). Other RPCs are unary
+// either way. A stream that breaks fails its operations UNAVAILABLE (retried below, over a new
+// stream); an operation past its deadline breaks its stream (the other operations on it are retried
+// too).
+//
 // Retries: UNAVAILABLE, DEADLINE_EXCEEDED and ABORTED are retried with exponential backoff
 // (bounded and logged); a retried push reuses its request id, so a shard that already applied
 // it acknowledges without applying it again.
@@ -58,6 +66,14 @@ struct GrpcParameterClientOptions {
   uint64_t seed = 1;           // Stochastic codecs: mixed with worker, step and chunk.
   // Per-job secret the shards check (metadata x-gradmesh-job-token; server/job_tokens.h).
   std::string job_token;
+  // How pushes and pulls travel: "stream" (one ParameterService.Stream per shard) or "unary".
+  std::string transport = "stream";
+  // With "stream": a push or pull whose tensor payload for a shard exceeds this many bytes
+  // takes a unary call instead. A call's fixed cost is small next to such a message (both
+  // transports measure the same at 4 MiB, within noise), and a message over the size limit
+  // (RpcOptions.max_message_bytes) then fails only its own call, not every operation on the
+  // shared stream.
+  int64_t stream_max_bytes = 1 << 20;
 };
 
 // Sets the codec, error-feedback and seed fields of `options` from `spec` (compression.push

@@ -1,0 +1,212 @@
+#include "rpc/op_stream.h"
+
+#include <grpcpp/client_context.h>
+#include <grpcpp/support/client_callback.h>
+
+#include <deque>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
+
+namespace gradmesh {
+
+// One open call. Owns itself until gRPC is done with it (OnDone); OpStream holds a reference
+// to the current one. A read is always outstanding; writes go one at a time from a queue.
+// Writes are started from callers' threads, so the call holds a hold (AddHold) until it
+// closes (a read or write failed): after that no write is started.
+class OpStream::Conn final : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
+ public:
+  static std::shared_ptr<Conn> Open(grpc::GenericStub* stub, const std::string& method,
+                                    const std::vector<std::pair<std::string, std::string>>& md) {
+    std::shared_ptr<Conn> conn(new Conn());
+    for (const auto& [key, value] : md) conn->ctx_.AddMetadata(key, value);
+    conn->self_ = conn;
+    stub->PrepareBidiStreamingCall(&conn->ctx_, method, grpc::StubOptions(), conn.get());
+    conn->AddHold();
+    conn->StartRead(&conn->in_);
+    conn->StartCall();
+    return conn;
+  }
+
+  // Queues one framed operation. False (nothing taken from `done`) if the call has closed.
+  bool Send(uint64_t call, grpc::ByteBuffer framed, grpc::ByteBuffer* response, Done* done) {
+    absl::MutexLock lock(&mu_);
+    if (closing_) return false;
+    pending_.emplace(call, Pending{response, std::move(*done)});
+    if (writing_) {
+      queued_.push_back(std::move(framed));
+    } else {
+      writing_ = true;
+      out_ = std::move(framed);
+      StartWrite(&out_);  // The client API never runs OnWriteDone inline.
+    }
+    return true;
+  }
+
+  bool closing() const {
+    absl::MutexLock lock(&mu_);
+    return closing_;
+  }
+  void Cancel() { ctx_.TryCancel(); }
+  void WaitDone() { ended_.WaitForNotification(); }
+
+  void OnWriteDone(bool ok) override {
+    bool close = false;
+    {
+      absl::MutexLock lock(&mu_);
+      writing_ = false;
+      if (!ok) {
+        queued_.clear();  // Their operations fail in OnDone.
+        close = CloseLocked();
+      } else if (!queued_.empty()) {
+        out_ = std::move(queued_.front());
+        queued_.pop_front();
+        writing_ = true;
+        StartWrite(&out_);
+      }
+    }
+    if (close) RemoveHold();
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) {
+      bool close;
+      {
+        absl::MutexLock lock(&mu_);
+        close = CloseLocked();
+      }
+      if (close) RemoveHold();
+      return;
+    }
+    StreamResponseHead head;
+    grpc::ByteBuffer body;
+    Pending op;
+    bool close = false;
+    {
+      absl::MutexLock lock(&mu_);
+      absl::Status st = SplitStreamResponse(in_, &head, &body);
+      auto it = st.ok() ? pending_.find(head.call) : pending_.end();
+      if (it != pending_.end()) {
+        op = std::move(it->second);
+        pending_.erase(it);
+        StartRead(&in_);  // `body` holds its own references to the slices read.
+      } else {
+        error_ = st.ok() ? absl::StrCat("response to call ", head.call, ", which is not in flight")
+                         : st.ToString();
+        ctx_.TryCancel();  // No more reads; OnDone fails the operations in flight.
+        close = CloseLocked();
+      }
+    }
+    if (op.response == nullptr) {
+      if (close) RemoveHold();
+      return;
+    }
+    *op.response = std::move(body);
+    op.done(grpc::Status(static_cast<grpc::StatusCode>(head.code), head.message));
+  }
+
+  void OnDone(const grpc::Status& status) override {
+    absl::flat_hash_map<uint64_t, Pending> pending;
+    std::string why;
+    {
+      absl::MutexLock lock(&mu_);
+      closing_ = true;
+      pending.swap(pending_);
+      why = error_.empty() ? status.error_message() : error_;
+    }
+    // A stream that ended (cancelled, server gone, or ended OK with operations unanswered)
+    // loses its operations: retryable. An error the server gave the stream itself (e.g.
+    // INVALID_ARGUMENT for a message it could not parse) is passed on.
+    grpc::StatusCode code = status.error_code();
+    if (code == grpc::StatusCode::OK || code == grpc::StatusCode::CANCELLED) {
+      code = grpc::StatusCode::UNAVAILABLE;
+    }
+    const grpc::Status lost(code, absl::StrCat("stream ended before the answer came: ", why));
+    for (auto& [call, op] : pending) {
+      *op.response = grpc::ByteBuffer();
+      op.done(lost);
+    }
+    std::shared_ptr<Conn> keep = std::move(self_);  // May be the last reference.
+    ended_.Notify();
+  }
+
+ private:
+  struct Pending {
+    grpc::ByteBuffer* response = nullptr;
+    Done done;
+  };
+
+  Conn() = default;
+
+  // Marks the call closed; true the first time (the caller then removes the hold).
+  bool CloseLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (closing_) return false;
+    closing_ = true;
+    return true;
+  }
+
+  grpc::ClientContext ctx_;
+  std::shared_ptr<Conn> self_;  // Until OnDone.
+  absl::Notification ended_;
+  mutable absl::Mutex mu_;
+  grpc::ByteBuffer in_ ABSL_GUARDED_BY(mu_);
+  grpc::ByteBuffer out_ ABSL_GUARDED_BY(mu_);
+  std::deque<grpc::ByteBuffer> queued_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<uint64_t, Pending> pending_ ABSL_GUARDED_BY(mu_);
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;
+  bool closing_ ABSL_GUARDED_BY(mu_) = false;
+  std::string error_ ABSL_GUARDED_BY(mu_);  // Why the client ended the call, if it did.
+};
+
+OpStream::OpStream(grpc::GenericStub* stub, std::string method,
+                   std::vector<std::pair<std::string, std::string>> metadata)
+    : stub_(stub), method_(std::move(method)), metadata_(std::move(metadata)) {}
+
+OpStream::~OpStream() {
+  std::shared_ptr<Conn> conn;
+  {
+    absl::MutexLock lock(&mu_);
+    conn = std::move(conn_);
+  }
+  if (conn == nullptr) return;
+  conn->Cancel();
+  conn->WaitDone();
+}
+
+void OpStream::Call(StreamOp op, const grpc::ByteBuffer& body, grpc::ByteBuffer* response,
+                    Done done) {
+  // Twice at most: a call found closed is replaced once.
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    std::shared_ptr<Conn> conn;
+    uint64_t id;
+    {
+      absl::MutexLock lock(&mu_);
+      if (conn_ == nullptr || conn_->closing()) {
+        conn_ = Conn::Open(stub_, method_, metadata_);
+        ++opened_;
+      }
+      conn = conn_;
+      id = next_call_++;
+    }
+    if (conn->Send(id, FrameStreamRequest(id, op, body), response, &done)) return;
+  }
+  *response = grpc::ByteBuffer();
+  done(grpc::Status(grpc::StatusCode::UNAVAILABLE, "stream closed as it was opened"));
+}
+
+void OpStream::Abort() {
+  std::shared_ptr<Conn> conn;
+  {
+    absl::MutexLock lock(&mu_);
+    conn = conn_;
+  }
+  if (conn != nullptr) conn->Cancel();
+}
+
+int64_t OpStream::opened() const {
+  absl::MutexLock lock(&mu_);
+  return opened_;
+}
+
+}  // namespace gradmesh

@@ -1,0 +1,72 @@
+// OpStream: the client side of one ParameterService.Stream per shard. Many callers share it:
+// each Call frames its already-encoded PushRequest or PullRequest (rpc/tensor_wire.h, no copy
+// of the tensor bytes) with a fresh call id, queues it on the long-lived call and is completed
+// when the response with that id arrives (in any order), with the status the unary call would
+// have returned and the encoded PushResponse or PullResponse.
+//
+// The call is opened on first use and reopened by the next Call after it breaks. When it
+// breaks (server restart, network, Abort), every operation in flight fails UNAVAILABLE and
+// the caller retries it (with the same request id: the shard applies a push once). An
+// operation's request buffer (and the memory its static slices point to) is no longer used
+// once its completion has run.
+//
+// Thread safety: all methods may be called concurrently; completions run on gRPC's threads
+// and must not block.
+#ifndef GRADMESH_RPC_OP_STREAM_H_
+#define GRADMESH_RPC_OP_STREAM_H_
+
+#include <grpcpp/generic/generic_stub.h>
+#include <grpcpp/support/byte_buffer.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+#include "rpc/tensor_wire.h"
+
+namespace gradmesh {
+
+class OpStream {
+ public:
+  using Done = std::function<void(grpc::Status)>;
+
+  // `stub` is not owned and must outlive this object. `metadata` is sent when a call opens.
+  OpStream(grpc::GenericStub* stub, std::string method,
+           std::vector<std::pair<std::string, std::string>> metadata);
+  // Cancels the open call and waits until gRPC is done with it.
+  ~OpStream();
+  OpStream(const OpStream&) = delete;
+  OpStream& operator=(const OpStream&) = delete;
+
+  // Sends `body` (an encoded PushRequest or PullRequest, as `op` says) and, when its answer
+  // arrives, fills `*response` (encoded PushResponse or PullResponse; empty on error) and runs
+  // `done` with its status. `body`'s memory must stay valid until then.
+  void Call(StreamOp op, const grpc::ByteBuffer& body, grpc::ByteBuffer* response, Done done);
+
+  // Breaks the open call (e.g. an operation is past its deadline): its operations fail
+  // UNAVAILABLE; the next Call opens a new one.
+  void Abort();
+
+  // Calls opened so far (1 after first use; each reopen adds 1).
+  int64_t opened() const;
+
+ private:
+  class Conn;
+
+  grpc::GenericStub* const stub_;
+  const std::string method_;
+  const std::vector<std::pair<std::string, std::string>> metadata_;
+  mutable absl::Mutex mu_;
+  std::shared_ptr<Conn> conn_ ABSL_GUARDED_BY(mu_);  // The open call (may have broken).
+  uint64_t next_call_ ABSL_GUARDED_BY(mu_) = 1;
+  int64_t opened_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+}  // namespace gradmesh
+
+#endif  // GRADMESH_RPC_OP_STREAM_H_

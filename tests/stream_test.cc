@@ -1,0 +1,417 @@
+// ParameterService.Stream over real gRPC on 127.0.0.1: the streamed transport of the worker's
+// client gives exactly the unary results; operations on one stream complete out of order (a
+// push waiting at a barrier holds up nothing else); a stream broken mid-push is retried and
+// the push applied once; a retried push on a new stream is acknowledged, not reapplied; the
+// per-job token check applies to every streamed operation; malformed messages are refused
+// without harm.
+#include <grpcpp/generic/generic_stub.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/synchronization/notification.h"
+#include "common/status_testing.h"
+#include "rpc/op_stream.h"
+#include "rpc/tensor_wire.h"
+#include "server/job_tokens.h"
+#include "tests/testing/loopback.h"
+
+namespace gradmesh {
+namespace {
+
+using namespace loopback;  // NOLINT: test helpers.
+
+constexpr char kStream[] = "/gradmesh.ParameterService/Stream";
+
+JobLayout Layout(const std::string& job, int32_t num_workers = 1,
+                 const std::string& consistency = "async") {
+  JobLayout l;
+  l.job = job;
+  l.tensors = {Tensor("a", {10}), Tensor("b", {1}), Tensor("c", {3001}), Tensor("d", {3, 7})};
+  l.chunk_elems = 1000;
+  l.optimizer.set_name("adam");
+  l.optimizer.set_lr(0.01);
+  l.num_workers = num_workers;
+  l.consistency = consistency;
+  l.barrier_timeout_s = 60;
+  return l;
+}
+
+// Gradient of step `step`: distinct, non-trivial values per element.
+Values Grad(const JobLayout& l, int64_t step, float scale = 1) {
+  Values g = Zeros(l);
+  for (size_t t = 0; t < g.size(); ++t) {
+    for (size_t i = 0; i < g[t].size(); ++i) {
+      g[t][i] = scale * (static_cast<float>((i * 7 + t * 3 + step * 11) % 17) - 8.0f) / 16.0f;
+    }
+  }
+  return g;
+}
+
+GrpcParameterClientOptions Options(std::vector<std::string> servers, const std::string& transport,
+                                   int32_t worker = 0) {
+  GrpcParameterClientOptions o = ClientOptions(std::move(servers), worker);
+  o.transport = transport;
+  return o;
+}
+
+std::unique_ptr<ParameterClient> Client(const JobLayout& l, GrpcParameterClientOptions o) {
+  auto c = NewGrpcParameterClient(l, std::move(o));
+  EXPECT_TRUE(c.ok()) << c.status();
+  return c.ok() ? std::move(c).value() : nullptr;
+}
+
+// Pushes and pulls on a raw OpStream; waits for the answer.
+grpc::Status StreamCall(OpStream* stream, StreamOp op, const grpc::ByteBuffer& body,
+                        grpc::ByteBuffer* response) {
+  absl::Notification done;
+  grpc::Status result;
+  stream->Call(op, body, response, [&](grpc::Status st) {
+    result = std::move(st);
+    done.Notify();
+  });
+  done.WaitForNotification();
+  return result;
+}
+
+grpc::ByteBuffer Encode(const google::protobuf::MessageLite& m) {
+  const std::string wire = m.SerializeAsString();
+  grpc::Slice slice(wire.data(), wire.size());
+  return grpc::ByteBuffer(&slice, 1);
+}
+
+using StreamTest = TwoShardFixture;
+
+// The default (stream) and unary transports, and a mix (one shard's messages over its stream,
+// the other's too large for it), produce bit-identical values, versions and shard state.
+TEST_F(StreamTest, StreamAndUnaryGiveExactlyTheSameResults) {
+  std::vector<std::unique_ptr<ParameterClient>> clients;
+  std::vector<Values> pulled;
+  int64_t shard_bytes[2] = {0, 0};
+  const Partition p = MakePartition(Layout("x"), 2);
+  for (const ChunkInfo& c : p.chunks()) shard_bytes[c.shard] += c.numel * 4;
+  ASSERT_GT(std::abs(shard_bytes[0] - shard_bytes[1]), 200);
+  for (const std::string transport : {"stream", "unary", "mixed"}) {
+    const JobLayout l = Layout("same-" + transport);
+    GrpcParameterClientOptions o = Options(Addrs(), transport == "unary" ? "unary" : "stream");
+    if (transport == "mixed") o.stream_max_bytes = std::min(shard_bytes[0], shard_bytes[1]) + 100;
+    clients.push_back(Client(l, o));
+    ASSERT_NE(clients.back(), nullptr);
+    ParameterClient& c = *clients.back();
+    ASSERT_OK(c.InitJob(ConstSpans(OddInit(l))));
+    Values v = Zeros(l);
+    for (int64_t step = 0; step < 5; ++step) {
+      ASSERT_OK(c.Pull(Spans(v)));
+      ASSERT_OK(c.Push(step, ConstSpans(Grad(l, step))));
+    }
+    ASSERT_OK(c.Pull(Spans(v)));
+    pulled.push_back(v);
+  }
+  for (int i = 1; i < 3; ++i) {
+    EXPECT_TRUE(SameBits(pulled[0], pulled[i]));
+    EXPECT_EQ(clients[0]->PulledVersions(), clients[i]->PulledVersions());
+    EXPECT_EQ(clients[0]->bytes_pushed(), clients[i]->bytes_pushed());
+    EXPECT_EQ(clients[0]->bytes_pulled(), clients[i]->bytes_pulled());
+  }
+  for (auto& stub : stubs_) {
+    EXPECT_EQ(Snapshot(stub.get(), "same-stream"), Snapshot(stub.get(), "same-unary"));
+    EXPECT_EQ(Snapshot(stub.get(), "same-stream"), Snapshot(stub.get(), "same-mixed"));
+  }
+}
+
+// Many threads share one client (one stream per shard): a pushing thread (as a pipelined
+// worker's) and pulling threads, all at once; every push is applied once, and the values are
+// those of the same pushes made one by one over unary calls.
+TEST_F(StreamTest, ManyConcurrentOperationsShareOneStream) {
+  constexpr int kPullers = 7, kSteps = 40;
+  Values result[2];
+  for (int t = 0; t < 2; ++t) {
+    const JobLayout l = Layout(t == 0 ? "many" : "many-ref");
+    auto client = Client(l, Options(Addrs(), t == 0 ? "stream" : "unary"));
+    ASSERT_NE(client, nullptr);
+    ASSERT_OK(client->InitJob(ConstSpans(OddInit(l))));
+    std::atomic<int> failures{0};
+    std::atomic<bool> pushing{true};
+    std::vector<std::thread> threads;
+    threads.emplace_back([&] {
+      for (int step = 0; step < kSteps; ++step) {
+        if (!client->Push(step, ConstSpans(Grad(l, step))).ok()) ++failures;
+      }
+      pushing = false;
+    });
+    for (int p = 0; p < (t == 0 ? kPullers : 0); ++p) {
+      threads.emplace_back([&] {
+        Values v = Zeros(l);
+        while (pushing.load()) {
+          if (!client->Pull(Spans(v)).ok()) ++failures;
+        }
+      });
+    }
+    for (auto& th : threads) th.join();
+    EXPECT_EQ(failures.load(), 0);
+    result[t] = Zeros(l);
+    ASSERT_OK(client->Pull(Spans(result[t])));
+    for (auto& stub : stubs_) {
+      const JobInfoResponse info = RawInfo(stub.get(), l.job);
+      EXPECT_EQ(info.pushes_applied(), kSteps);
+      EXPECT_EQ(info.duplicates_dropped(), 0);
+    }
+  }
+  EXPECT_TRUE(SameBits(result[0], result[1]));
+}
+
+// On one stream, a sync push waits at the barrier while later pulls are answered; the push is
+// answered when the other worker arrives. Responses come by call id, out of order.
+TEST_F(StreamTest, AWaitingPushHoldsUpNothingElseOnItsStream) {
+  const JobLayout l = Layout("order", /*num_workers=*/2, "sync");
+  auto c0 = Client(l, Options({servers_[0]->addr}, "unary"));
+  ASSERT_NE(c0, nullptr);
+  ASSERT_OK(c0->InitJob(ConstSpans(OddInit(l))));
+  auto ctx = Ctx();
+  ctx->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+  auto stream = stubs_[0]->Stream(ctx.get());
+  const Partition p = MakePartition(l, 1);
+  PushRequest push;
+  push.set_job("order");
+  push.set_worker(0);
+  push.set_request_id(99);
+  const Values g = Grad(l, 0);
+  for (const ChunkInfo& c : p.chunks()) {
+    ChunkData* d = push.add_chunks();
+    d->set_tensor(c.tensor);
+    d->set_chunk(c.chunk);
+    d->set_dtype(FLOAT32);
+    d->set_data(Bytes(g[c.tensor].data() + c.offset, c.numel));
+  }
+  StreamRequest req;
+  req.set_call(1);
+  *req.mutable_push() = push;
+  ASSERT_TRUE(stream->Write(req));
+  for (uint64_t call = 2; call <= 4; ++call) {
+    StreamRequest pull;
+    pull.set_call(call);
+    pull.mutable_pull()->set_job("order");
+    pull.mutable_pull()->set_worker(1);
+    ASSERT_TRUE(stream->Write(pull));
+  }
+  StreamRequest empty;  // Neither push nor pull: refused, the stream goes on.
+  empty.set_call(5);
+  ASSERT_TRUE(stream->Write(empty));
+  std::vector<uint64_t> order;
+  for (int i = 0; i < 4; ++i) {
+    StreamResponse resp;
+    ASSERT_TRUE(stream->Read(&resp));
+    order.push_back(resp.call());
+    if (resp.call() == 5) {
+      EXPECT_EQ(resp.code(), grpc::StatusCode::INVALID_ARGUMENT) << resp.message();
+    } else {
+      EXPECT_EQ(resp.code(), 0) << resp.message();
+      EXPECT_EQ(resp.pull().chunks_size(), static_cast<int>(p.chunks().size()));
+    }
+  }
+  EXPECT_EQ(servers_[0]->shard->waiting(), 1);  // The push, still at the barrier.
+  // Worker 1 completes the step; only then is call 1 answered.
+  PushRequest other = push;
+  other.set_worker(1);
+  other.set_request_id(100);
+  ASSERT_TRUE(RawPush(stubs_[0].get(), other).ok());
+  StreamResponse resp;
+  ASSERT_TRUE(stream->Read(&resp));
+  EXPECT_EQ(resp.call(), 1u);
+  EXPECT_EQ(resp.code(), 0) << resp.message();
+  EXPECT_TRUE(resp.has_push());
+  EXPECT_EQ(std::count(order.begin(), order.end(), 1u), 0);
+  ASSERT_TRUE(stream->WritesDone());
+  EXPECT_TRUE(stream->Finish().ok());
+  EXPECT_EQ(RawInfo(stubs_[0].get(), "order").updates_applied(), 1);
+}
+
+// A retried push on a new stream (same request id) is acknowledged and not applied again.
+TEST_F(StreamTest, APushRetriedOnANewStreamIsAppliedOnce) {
+  const JobLayout l = Layout("dedupe");
+  auto c = Client(l, Options({servers_[0]->addr}, "unary"));
+  ASSERT_NE(c, nullptr);
+  ASSERT_OK(c->InitJob(ConstSpans(OddInit(l))));
+  const Partition p = MakePartition(l, 1);
+  const Values g = Grad(l, 3);
+  std::vector<PushChunkRef> refs;
+  for (const ChunkInfo& ci : p.chunks()) {
+    refs.push_back({ci.tensor, ci.chunk, 0, g[ci.tensor].data() + ci.offset, ci.numel});
+  }
+  const grpc::ByteBuffer body = EncodePushRequest("dedupe", 0, 0, 0x1234567, refs);
+  grpc::GenericStub generic(MakeChannel(servers_[0]->addr, RpcOptions()));
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    OpStream stream(&generic, kStream, {});  // A new stream each time.
+    grpc::ByteBuffer resp;
+    grpc::Status st = StreamCall(&stream, StreamOp::kPush, body, &resp);
+    ASSERT_TRUE(st.ok()) << st.error_message();
+  }
+  const JobInfoResponse info = RawInfo(stubs_[0].get(), "dedupe");
+  EXPECT_EQ(info.pushes_applied(), 1);
+  EXPECT_EQ(info.duplicates_dropped(), 1);
+}
+
+// A sync push waiting at the barrier when its server restarts (same shard state, as a durable
+// shard would recover it) is withdrawn, retried by the client over a new stream with the same
+// request id, and applied exactly once when the other worker arrives.
+TEST(StreamRestartTest, AStreamBrokenMidPushIsRetriedAndThePushAppliedOnce) {
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Shard> shard, Shard::Create(ShardOptions()));
+  auto serve = [&](int port, int* bound) {
+    auto service = std::make_unique<ParameterServiceImpl>(shard.get());
+    grpc::ServerBuilder builder;
+    builder.AddListeningPort(absl::StrCat("127.0.0.1:", port), grpc::InsecureServerCredentials(),
+                             bound);
+    builder.RegisterService(service.get());
+    auto server = builder.BuildAndStart();
+    return std::make_pair(std::move(service), std::move(server));
+  };
+  int port = 0;
+  auto [service, server] = serve(0, &port);
+  ASSERT_NE(server, nullptr);
+  const std::string addr = absl::StrCat("127.0.0.1:", port);
+  const JobLayout l = Layout("restart", /*num_workers=*/2, "sync");
+  GrpcParameterClientOptions o0 = Options({addr}, "stream", 0);
+  o0.max_attempts = 20;
+  o0.initial_backoff = absl::Milliseconds(20);
+  o0.max_backoff = absl::Milliseconds(100);
+  auto c0 = Client(l, o0);
+  auto c1 = Client(l, Options({addr}, "stream", 1));
+  ASSERT_NE(c0, nullptr);
+  ASSERT_NE(c1, nullptr);
+  ASSERT_OK(c0->InitJob(ConstSpans(OddInit(l))));
+  absl::Status pushed0;
+  std::thread t0([&] { pushed0 = c0->Push(0, ConstSpans(Grad(l, 0))); });
+  auto wait_for = [&](int64_t n) {
+    for (int i = 0; i < 1000 && shard->waiting() != n; ++i) absl::SleepFor(absl::Milliseconds(5));
+    return shard->waiting();
+  };
+  ASSERT_EQ(wait_for(1), 1);
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(100));
+  server->Wait();
+  EXPECT_EQ(shard->waiting(), 0);  // Withdrawn with its stream.
+  int again = 0;
+  auto [service2, server2] = serve(port, &again);
+  ASSERT_NE(server2, nullptr);
+  ASSERT_EQ(again, port);
+  ASSERT_EQ(wait_for(1), 1);  // The retry, waiting again.
+  ASSERT_OK(c1->Push(0, ConstSpans(Grad(l, 0, 2))));
+  t0.join();
+  ASSERT_OK(pushed0);
+  auto stub = ParameterService::NewStub(MakeChannel(addr, RpcOptions()));
+  const JobInfoResponse info = RawInfo(stub.get(), "restart");
+  EXPECT_EQ(info.pushes_applied(), 2);
+  EXPECT_EQ(info.updates_applied(), 1);
+
+  // The same step without a restart, unary, on a fresh job: the same values.
+  const JobLayout r = Layout("reference", 2, "sync");
+  auto r0 = Client(r, Options({addr}, "unary", 0));
+  auto r1 = Client(r, Options({addr}, "unary", 1));
+  ASSERT_OK(r0->InitJob(ConstSpans(OddInit(r))));
+  absl::Status ref0;
+  std::thread u0([&] { ref0 = r0->Push(0, ConstSpans(Grad(r, 0))); });
+  ASSERT_EQ(wait_for(1), 1);
+  ASSERT_OK(r1->Push(0, ConstSpans(Grad(r, 0, 2))));
+  u0.join();
+  ASSERT_OK(ref0);
+  Values got = Zeros(l), want = Zeros(r);
+  ASSERT_OK(c0->Pull(Spans(got)));
+  ASSERT_OK(r0->Pull(Spans(want)));
+  EXPECT_TRUE(SameBits(got, want));
+  c0.reset();
+  c1.reset();
+  r0.reset();
+  r1.reset();
+  server2->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
+}
+
+// With per-job tokens, a streamed push or pull with a wrong or missing token fails with the
+// code the unary call gives, and changes nothing.
+TEST(StreamTokenTest, AnUnauthorisedJobIsRefusedAsUnaryRefusesIt) {
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Shard> shard, Shard::Create(ShardOptions()));
+  JobTokens tokens(/*required=*/true);
+  tokens.Set("secret", "good-token");
+  ParameterServiceImpl service(shard.get(), &tokens);
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  ASSERT_NE(server, nullptr);
+  const std::string addr = absl::StrCat("127.0.0.1:", port);
+  const JobLayout l = Layout("secret");
+  GrpcParameterClientOptions good = Options({addr}, "stream");
+  good.job_token = "good-token";
+  auto owner = Client(l, good);
+  ASSERT_NE(owner, nullptr);
+  ASSERT_OK(owner->InitJob(ConstSpans(OddInit(l))));
+  auto stub = ParameterService::NewStub(MakeChannel(addr, RpcOptions()));
+  auto snapshot = [&] {
+    PullRequest req;
+    req.set_job("secret");
+    PullResponse resp;
+    auto ctx = Ctx();
+    ctx->AddMetadata("x-gradmesh-job-token", "good-token");
+    EXPECT_TRUE(stub->Pull(ctx.get(), req, &resp).ok());
+    return resp.SerializeAsString();
+  };
+  const std::string before = snapshot();
+  for (const std::string token : {"bad-token", ""}) {
+    absl::StatusCode codes[2][2];
+    for (int t = 0; t < 2; ++t) {
+      GrpcParameterClientOptions o = Options({addr}, t == 0 ? "stream" : "unary");
+      o.job_token = token;
+      o.max_attempts = 1;
+      auto c = Client(l, o);
+      ASSERT_NE(c, nullptr);
+      Values v = Zeros(l);
+      codes[t][0] = c->Push(0, ConstSpans(Grad(l, 0))).code();
+      codes[t][1] = c->Pull(Spans(v)).code();
+    }
+    for (int op = 0; op < 2; ++op) {
+      EXPECT_TRUE(codes[0][op] == absl::StatusCode::kPermissionDenied ||
+                  codes[0][op] == absl::StatusCode::kUnauthenticated)
+          << "token '" << token << "' op " << op << ": " << codes[0][op];
+      EXPECT_EQ(codes[0][op], codes[1][op]) << "token '" << token << "' op " << op;
+    }
+  }
+  EXPECT_EQ(snapshot(), before);
+  JobInfoRequest info;
+  info.set_job("secret");
+  ASSERT_OK_AND_ASSIGN(JobInfoResponse state, shard->GetJobInfo(info));
+  EXPECT_EQ(state.pushes_applied(), 0);
+  owner.reset();
+  server->Shutdown();
+}
+
+// Bytes that are not a StreamRequest end the stream with INVALID_ARGUMENT; the server keeps
+// serving (a new stream works).
+TEST_F(StreamTest, AMalformedMessageEndsItsStreamWithInvalidArgument) {
+  const JobLayout l = Layout("malformed");
+  auto c = Client(l, Options({servers_[0]->addr}, "unary"));
+  ASSERT_NE(c, nullptr);
+  ASSERT_OK(c->InitJob(ConstSpans(OddInit(l))));
+  const std::string before = Snapshot(stubs_[0].get(), "malformed");
+  grpc::GenericStub generic(MakeChannel(servers_[0]->addr, RpcOptions()));
+  OpStream stream(&generic, kStream, {});
+  for (const std::string garbage : {std::string("\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff", 11),
+                                    std::string("\x0a\x40ab", 4), std::string("\x0f", 1)}) {
+    grpc::Slice slice(garbage.data(), garbage.size());
+    grpc::ByteBuffer resp;
+    grpc::Status st = StreamCall(&stream, StreamOp::kPush, grpc::ByteBuffer(&slice, 1), &resp);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << st.error_message();
+    PullRequest pull;  // The next operation opens a new stream and succeeds.
+    pull.set_job("malformed");
+    st = StreamCall(&stream, StreamOp::kPull, Encode(pull), &resp);
+    EXPECT_TRUE(st.ok()) << st.error_message();
+  }
+  EXPECT_EQ(stream.opened(), 4);
+  EXPECT_EQ(Snapshot(stubs_[0].get(), "malformed"), before);
+}
+
+}  // namespace
+}  // namespace gradmesh
