@@ -172,6 +172,8 @@ class TrainingLoop {
   bool UnscaleLocal();
   // A skipped step leaves the buffers as they were before its forward (zero deltas).
   void RestoreBuffers();
+  // The parameters' gradients of the step (grads_[0, num_params)) as writable spans.
+  std::vector<absl::Span<float>> ParamGrads();
   void Progress(const Batch& batch);
   absl::Status EvaluateAndSave();
   void Report(double samples_per_s, double accuracy) const;
@@ -479,21 +481,20 @@ absl::Status TrainingLoop::MicroStep(Batch& batch, int k, double* loss_sum) {
 
 void TrainingLoop::ClipLocal() {
   if (!clip_.enabled()) return;
+  clip_window_.Add(ClipGradients(ParamGrads(), clip_));
+}
+
+std::vector<absl::Span<float>> TrainingLoop::ParamGrads() {
   // The spans point into this loop's gradient tensors (or their host copies): ours to write.
   std::vector<absl::Span<float>> g;
   for (int i = 0; i < view_.num_params; ++i) {
     g.emplace_back(const_cast<float*>(grads_[i].data()), grads_[i].size());
   }
-  clip_window_.Add(ClipGradients(g, clip_));
+  return g;
 }
 
 bool TrainingLoop::UnscaleLocal() {
-  // The spans point into this loop's gradient tensors (or their host copies): ours to write.
-  std::vector<absl::Span<float>> g;
-  for (int i = 0; i < view_.num_params; ++i) {
-    g.emplace_back(const_cast<float*>(grads_[i].data()), grads_[i].size());
-  }
-  bool finite = scaler_.Unscale(g);
+  bool finite = scaler_.Unscale(ParamGrads());
   // Buffer deltas are not scaled (the forward made them), but an overflowing forward can
   // make them Inf/NaN too: such a step must not reach the mode either.
   for (const std::vector<float>& d : deltas_) {

@@ -137,6 +137,14 @@ class PsModeTest : public ::testing::Test {
     return mode.ok() ? std::move(mode).value() : nullptr;
   }
 
+  // A run of `steps` steps in one epoch.
+  static LoopInfo Steps(int64_t steps) {
+    LoopInfo info;
+    info.total_steps = steps;
+    info.steps_per_epoch = steps;
+    return info;
+  }
+
   TrainerOptions options_;
   FakeClient::State state_;
 };
@@ -145,9 +153,7 @@ TEST_F(PsModeTest, LayoutHasTheBuffersAfterTheParametersWithTheirDTypes) {
   Model m;
   std::unique_ptr<TrainingMode> mode = MakeMode();
   ASSERT_NE(mode, nullptr);
-  LoopInfo info;
-  info.total_steps = 10;
-  info.steps_per_epoch = 10;
+  const LoopInfo info = Steps(10);
   ASSERT_OK_AND_ASSIGN(int64_t first, mode->Start(&m.view, info));
   EXPECT_EQ(first, 0);
   const std::vector<TensorSpec>& t = state_.layout.tensors;
@@ -174,9 +180,7 @@ TEST_F(PsModeTest, ResumesBuffersFromTheShardsAndPushesTheirDeltas) {
   Model m;
   std::unique_ptr<TrainingMode> mode = MakeMode();
   ASSERT_NE(mode, nullptr);
-  LoopInfo info;
-  info.total_steps = 10;
-  info.steps_per_epoch = 10;
+  const LoopInfo info = Steps(10);
   ASSERT_OK_AND_ASSIGN(int64_t first, mode->Start(&m.view, info));
   EXPECT_EQ(first, 5);
   EXPECT_EQ(m.w, (std::vector<float>{3.0f, 4.0f}));
@@ -217,9 +221,7 @@ TEST_F(PsModeTest, DilocoPushesOnePseudoGradientPerRoundWithBuffersCountedOnce) 
   Model m;
   std::unique_ptr<TrainingMode> mode = MakeMode();
   ASSERT_NE(mode, nullptr);
-  LoopInfo info;
-  info.total_steps = 4;
-  info.steps_per_epoch = 4;
+  const LoopInfo info = Steps(4);
   ASSERT_OK_AND_ASSIGN(int64_t first, mode->Start(&m.view, info));
   EXPECT_EQ(first, 0);
   EXPECT_EQ(state_.layout.consistency, "sync");
@@ -259,9 +261,7 @@ TEST_F(PsModeTest, PipelineOverlapsStepTsExchangeWithStepTPlusOneAndPushesItsBas
   Model m;
   std::unique_ptr<TrainingMode> mode = MakeMode();
   ASSERT_NE(mode, nullptr);
-  LoopInfo info;
-  info.total_steps = 3;
-  info.steps_per_epoch = 3;
+  const LoopInfo info = Steps(3);
   ASSERT_OK_AND_ASSIGN(int64_t first, mode->Start(&m.view, info));
   EXPECT_EQ(first, 0);
   const std::vector<LogField> fields = mode->StartFields();
@@ -305,9 +305,7 @@ TEST_F(PsModeTest, PipelineReportsAFailedBackgroundPushAtTheNextExchange) {
   Model m;
   std::unique_ptr<TrainingMode> mode = MakeMode();
   ASSERT_NE(mode, nullptr);
-  LoopInfo info;
-  info.total_steps = 3;
-  info.steps_per_epoch = 3;
+  const LoopInfo info = Steps(3);
   ASSERT_OK(mode->Start(&m.view, info).status());
   const std::vector<float> g = {1, 1}, drm = {0, 0}, dnbt = {0};
   ASSERT_OK(mode->Exchange(0, {g, drm, dnbt}, 0.5, StepTiming()).status());
@@ -329,9 +327,7 @@ TEST_F(PsModeTest, PipelinedExchangeReturnsBeforeItsPushEndsAndOwnsItsGradients)
   Model m;
   std::unique_ptr<TrainingMode> mode = MakeMode();
   ASSERT_NE(mode, nullptr);
-  LoopInfo info;
-  info.total_steps = 2;
-  info.steps_per_epoch = 2;
+  const LoopInfo info = Steps(2);
   ASSERT_OK(mode->Start(&m.view, info).status());
   std::vector<float> g = {1, 2}, drm = {0, 0}, dnbt = {0};
   ASSERT_OK(mode->Exchange(0, {g, drm, dnbt}, 0.5, StepTiming()).status());
