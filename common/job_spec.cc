@@ -241,13 +241,6 @@ absl::Status ValidatePrecision(const JobSpec& spec) {
                "is not one of dynamic, none");
   }
   if (ls.mode() != "dynamic") return absl::OkStatus();
-  if (SpecMode(spec) == Mode::kSync) {
-    return Bad("loss_scale.mode", "\"dynamic\"",
-               absl::StrCat("(precision ", precision.empty() ? "fp32" : precision,
-                            ") is not supported in mode sync: every shard would have to skip "
-                            "a step whose averaged gradient is not finite together; use "
-                            "allreduce (checks the averaged gradient), async or ssp"));
-  }
   RETURN_IF_ERROR(CheckFloat("loss_scale.init_scale", ls.init_scale(), 0, FLT_MAX));
   if (!(ls.init_scale() > 0))
     return Bad("loss_scale.init_scale", Num(ls.init_scale()), "must be > 0");
@@ -268,13 +261,6 @@ absl::Status ValidateTrainingFeatures(const JobSpec& spec) {
   RETURN_IF_ERROR(CheckInt("accumulation_steps", spec.accumulation_steps(), 0, 1 << 16));
   RETURN_IF_ERROR(CheckFloat("clip_grad_norm", spec.clip_grad_norm(), 0, 1e30));
   RETURN_IF_ERROR(CheckFloat("clip_grad_value", spec.clip_grad_value(), 0, 1e30));
-  if ((spec.clip_grad_norm() > 0 || spec.clip_grad_value() > 0) && SpecMode(spec) == Mode::kSync) {
-    return Bad("clip_grad_norm",
-               Num(spec.clip_grad_norm() > 0 ? spec.clip_grad_norm() : spec.clip_grad_value()),
-               "(or clip_grad_value) is not supported in mode sync: the shards would first have "
-               "to agree on the norm of the averaged gradient; use allreduce (clips the "
-               "averaged gradient), or async/ssp (per worker)");
-  }
   RETURN_IF_ERROR(CheckInt("pipeline", spec.pipeline(), 0, 1));
   if (spec.pipeline() > 0 && SpecMode(spec) != Mode::kAsync && SpecMode(spec) != Mode::kSsp) {
     return Bad("pipeline", absl::StrCat(spec.pipeline()),

@@ -114,7 +114,8 @@ absl::Status SplitStreamResponse(const grpc::ByteBuffer& buffer, StreamResponseH
 }
 
 grpc::ByteBuffer EncodePushRequest(const std::string& job, int32_t worker, int64_t step,
-                                   uint64_t request_id, const std::vector<PushChunkRef>& chunks) {
+                                   uint64_t request_id, const std::vector<PushChunkRef>& chunks,
+                                   bool nonfinite) {
   std::vector<grpc::Slice> slices;
   std::string head;
   if (!job.empty()) {
@@ -157,11 +158,14 @@ grpc::ByteBuffer EncodePushRequest(const std::string& job, int32_t worker, int64
       slices.emplace_back(payload, bytes, grpc::Slice::STATIC_SLICE);
     }
   }
+  if (nonfinite) PutIntField(6, 1, &head);
   if (!head.empty()) slices.emplace_back(head.data(), head.size());
   return grpc::ByteBuffer(slices.data(), slices.size());
 }
 
-absl::Status DecodePullResponse(const grpc::ByteBuffer& buffer, const PullChunkSink& sink) {
+absl::Status DecodePullResponse(const grpc::ByteBuffer& buffer, const PullChunkSink& sink,
+                                bool* commit_missing) {
+  if (commit_missing != nullptr) *commit_missing = false;
   grpc::ByteBuffer copy(buffer);  // Shares slices (refcounted); the reader consumes it.
   grpc::ProtoBufferReader reader(&copy);
   CodedInputStream in(&reader);
@@ -171,6 +175,12 @@ absl::Status DecodePullResponse(const grpc::ByteBuffer& buffer, const PullChunkS
   while (true) {
     const uint32_t tag = in.ReadTag();
     if (tag == 0) break;  // End of message.
+    if (tag == Tag(2, kVarint)) {
+      uint64_t v;
+      if (!in.ReadVarint64(&v)) return absl::DataLossError("PullResponse: bad commit_missing");
+      if (commit_missing != nullptr) *commit_missing = v != 0;
+      continue;
+    }
     if (tag != Tag(1, kLengthDelimited)) {
       if (!google::protobuf::internal::WireFormatLite::SkipField(&in, tag)) {
         return absl::DataLossError("PullResponse: malformed field");

@@ -48,9 +48,11 @@ struct PushChunkRef {
   absl::string_view encoded;
 };
 
-// Encodes PushRequest{job, worker, step, request_id, chunks (dtype FLOAT32, codec "")}.
+// Encodes PushRequest{job, worker, step, request_id, chunks (dtype FLOAT32, codec ""),
+// nonfinite}.
 grpc::ByteBuffer EncodePushRequest(const std::string& job, int32_t worker, int64_t step,
-                                   uint64_t request_id, const std::vector<PushChunkRef>& chunks);
+                                   uint64_t request_id, const std::vector<PushChunkRef>& chunks,
+                                   bool nonfinite = false);
 
 // Called for each chunk of a PullResponse once its header is known (tensor, chunk, version,
 // dtype, codec and the data size in bytes). Returns where to copy the data (exactly `bytes`
@@ -62,7 +64,9 @@ using PullChunkSink =
 // Decodes a PullResponse. Chunks must serialise (tensor, chunk, version, dtype, codec) before
 // data, as protobuf's encoder does (fields in number order); otherwise, or on any malformed
 // input, returns DataLoss naming the problem.
-absl::Status DecodePullResponse(const grpc::ByteBuffer& buffer, const PullChunkSink& sink);
+// `commit_missing` (may be null) receives PullResponse.commit_missing.
+absl::Status DecodePullResponse(const grpc::ByteBuffer& buffer, const PullChunkSink& sink,
+                                bool* commit_missing = nullptr);
 
 // Which operation a StreamRequest carries: its oneof field number.
 enum class StreamOp : int32_t { kPush = 2, kPull = 3 };

@@ -51,6 +51,34 @@ TEST(TensorWireTest, PushEncodingIsWhatProtobufParses) {
   EXPECT_EQ(Flatten(bb), parsed.SerializeAsString());
 }
 
+TEST(TensorWireTest, PushNonFiniteFlagIsWhatProtobufParses) {
+  std::vector<float> zeros(4, 0.0f);
+  PushRequest flagged, plain;
+  ASSERT_TRUE(flagged.ParseFromString(
+      Flatten(EncodePushRequest("j", 1, 9, 3, {{0, 0, 0, zeros.data(), 4}}, true))));
+  ASSERT_TRUE(plain.ParseFromString(
+      Flatten(EncodePushRequest("j", 1, 9, 3, {{0, 0, 0, zeros.data(), 4}}))));
+  EXPECT_TRUE(flagged.nonfinite());
+  EXPECT_FALSE(plain.nonfinite());
+  EXPECT_EQ(flagged.chunks_size(), 1);
+}
+
+TEST(TensorWireTest, PullDecodingReportsCommitMissing) {
+  PullResponse missing;
+  missing.set_commit_missing(true);
+  auto never = [](int32_t, int32_t, int64_t, int32_t, absl::string_view,
+                  int64_t) -> absl::StatusOr<char*> {
+    return absl::InternalError("no chunk expected");
+  };
+  bool flag = false;
+  ASSERT_OK(DecodePullResponse(FromString(missing.SerializeAsString()), never, &flag));
+  EXPECT_TRUE(flag);
+  ASSERT_OK(DecodePullResponse(FromString(PullResponse().SerializeAsString()), never, &flag));
+  EXPECT_FALSE(flag);
+  // Without an out-parameter the field is read and ignored.
+  ASSERT_OK(DecodePullResponse(FromString(missing.SerializeAsString()), never));
+}
+
 TEST(TensorWireTest, EncodedPushChunksCarryTheirCodec) {
   std::vector<float> a = {1, 2};
   const std::string payload = "\x01\x02payload";

@@ -291,6 +291,7 @@ class SyncPolicy final : public ConsistencyPolicy {
       Contribution c;
       c.request = me;
       c.base_versions = push.base_versions;
+      c.nonfinite = push.nonfinite;
       for (size_t i = 0; i < push.chunks.size(); ++i) {
         c.grads.emplace_back(push.grads[i], push.grads[i] + push.numels[i]);
       }
@@ -348,6 +349,7 @@ class SyncPolicy final : public ConsistencyPolicy {
     RequestRef request;
     std::vector<int64_t> base_versions;
     std::vector<std::vector<float>> grads;  // Per chunk.
+    bool nonfinite = false;
   };
   // A member's push that is in its step: its completion, and, while parked, its wait's id,
   // deadline timer and canceller.
@@ -573,7 +575,10 @@ void SyncPolicy::CompleteStep(int64_t number, const std::shared_ptr<Step>& step)
     for (float& v : sum) v *= inv;
     avg.grads.push_back(sum.data());
   }
-  for (const Contribution* c : in) avg.requests.push_back(c->request);
+  for (const Contribution* c : in) {
+    avg.requests.push_back(c->request);
+    avg.nonfinite = avg.nonfinite || c->nonfinite;
+  }
   // The log write of durable jobs happens here, with no policy lock held.
   const absl::Status result = step->apply(avg);
   Completions completions;

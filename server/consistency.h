@@ -90,6 +90,9 @@ struct ChunkUpdate {
   std::vector<RequestRef> requests;    // Pushes this update completes.
   // Factor on the optimizer's learning rate (sync: the barrier group's lr_scale); in (0, 1].
   float lr_scale = 1.0f;
+  // commit_steps jobs (PushRequest.nonfinite): a worker's gradient was not finite, so its
+  // values here are placeholders; the sync average carries it if any contribution did.
+  bool nonfinite = false;
 };
 
 // Applies an update to the shard's chunks (and logs it, for durable jobs).

@@ -153,6 +153,17 @@ absl::Status CheckStrategies(const InitJobRequest& r, const OptimizerRegistry& o
   config.barrier_timeout = absl::Seconds(r.barrier_timeout_s() == 0 ? 120 : r.barrier_timeout_s());
   auto policy = consistency.Create(config);
   if (!policy.ok()) return Annotate(policy.status(), absl::StrCat("InitJob: job ", r.job()));
+  if (r.commit_steps() && (*policy)->mode() != "sync") {
+    return Invalid(r, absl::StrCat("commit_steps applies to sync mode only (mode is ",
+                                   (*policy)->mode(), ")"));
+  }
+  const double v = r.clip_grad_value();
+  if (!(std::isfinite(v) && v >= 0 && v <= 1e30)) {
+    return Invalid(r, absl::StrCat("clip_grad_value ", v, " is not a finite number in [0, 1e30]"));
+  }
+  if (v > 0 && !r.commit_steps()) {
+    return Invalid(r, "clip_grad_value is applied by the shards only with commit_steps");
+  }
   if (r.staleness_damping() && (*policy)->mode() != "async") {
     return Invalid(r, absl::StrCat("staleness_damping applies to async mode only (mode is ",
                                    (*policy)->mode(), ")"));

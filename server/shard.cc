@@ -18,6 +18,7 @@
 #include "server/pull_encoder.h"
 #include "server/request_ledger.h"
 #include "server/shard_durability.h"
+#include "server/sync_commits.h"
 
 namespace gradmesh {
 
@@ -32,7 +33,15 @@ struct Shard::Job {
         ledger(state->name(), state->num_workers(), options.dedupe_window,
                options.staleness_buckets),
         pulls(state->num_workers(), state->owned_indices(), budget),
-        durability(state.get(), &ledger, options.store.get(), options.logger) {}
+        durability(state.get(), &ledger, options.store.get(), options.logger) {
+    if (state->layout().commit_steps()) {
+      const JobState* st = state.get();
+      commits = std::make_unique<SyncCommits>(
+          st->name(), st->layout().clip_grad_value(), [st](int64_t idx) {
+            return !st->is_buffer(st->partition().chunks()[idx].tensor);
+          });
+    }
+  }
 
   // Declared first, so it is released last, after everything it accounts for is freed.
   const MemoryReservation memory;
@@ -40,6 +49,8 @@ struct Shard::Job {
   RequestLedger ledger;
   PullEncoder pulls;
   ShardDurability durability;
+  // commit_steps jobs only (two-phase apply; server/sync_commits.h); null otherwise.
+  std::unique_ptr<SyncCommits> commits;
 };
 
 namespace {
@@ -326,6 +337,24 @@ absl::Status Shard::StartPush(const PushRequest& request, PushDone* done, WaitCa
   const int32_t worker = request.worker();
   const int64_t step = request.step();
   const uint64_t id = request.request_id();
+  SyncCommits* commits = job->commits.get();
+  if (commits == nullptr && request.nonfinite()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "Push: job ", request.job(), " worker ", worker, " step ", step,
+        " is flagged nonfinite, but the job does not commit its steps (commit_steps)"));
+  }
+  update.nonfinite = request.nonfinite();
+  // commit_steps: a push of a step held here that this worker contributed to (a retry, or a
+  // restarted worker) is a duplicate, answered with the step's figures.
+  if (commits != nullptr) {
+    if (std::optional<PreparedStep> held = commits->Find(step, worker); held.has_value()) {
+      PushResponse response;
+      response.set_duplicate(true);
+      *response.mutable_prepared() = *held;
+      (*done)(std::move(response));
+      return absl::OkStatus();
+    }
+  }
   ASSIGN_OR_RETURN(const RequestLedger::Admission admission,
                    job->ledger.BeginPush(worker, step, id));
   if (admission == RequestLedger::Admission::kDuplicate) {
@@ -335,17 +364,31 @@ absl::Status Shard::StartPush(const PushRequest& request, PushDone* done, WaitCa
     return absl::OkStatus();
   }
   // The policy copies what it keeps of `update` (whose buffers die with this call).
+  // commit_steps: the completed step is held for its commit instead of applied.
   ApplyFn apply = [this, job](const ChunkUpdate& u) {
+    if (job->commits != nullptr) return job->commits->Prepare(u);
     return ApplyUpdate(job.get(), u, /*replay=*/false);
   };
   WaitDone finish = [job, worker, step, id, targets = std::move(targets),
                      done = std::move(*done)](absl::Status st) {
-    job->ledger.EndPush(worker, step, id, st.ok());
+    // A prepared push is not applied yet: its id is not remembered (retries are answered from
+    // the held step), and its commit records it.
+    job->ledger.EndPush(worker, step, id, st.ok() && job->commits == nullptr);
     if (!st.ok()) {
       done(std::move(st));
       return;
     }
     PushResponse response;
+    if (job->commits != nullptr) {
+      std::optional<PreparedStep> held = job->commits->Find(step, worker);
+      if (!held.has_value()) {
+        // Committed and forgotten before this answer went out (kRemembered steps later).
+        done(absl::AbortedError(absl::StrCat("Push: job ", job->state->name(), " step ", step,
+                                             " was committed before its answer was sent")));
+        return;
+      }
+      *response.mutable_prepared() = *held;
+    }
     for (Chunk* chunk : targets) {
       absl::MutexLock lock(&chunk->mu);
       response.add_new_versions(chunk->version);
@@ -416,6 +459,14 @@ absl::Status Shard::StartPull(const PullRequest& request, PullResponse* response
   }
   ASSIGN_OR_RETURN(const PullFormat format,
                    PullEncoder::ParseFormat(request.job(), request.codec(), codecs_));
+  if (request.has_commit()) {
+    ASSIGN_OR_RETURN(const bool committed, CommitStep(job, request));
+    if (!committed) {
+      response->set_commit_missing(true);
+      (*done)(absl::OkStatus());
+      return absl::OkStatus();
+    }
+  }
   // Runs when the policy lets the pull proceed (at once unless an ssp bound holds it).
   WaitDone encode = [job, targets = std::move(targets), held = std::move(held), format,
                      dense = PullFormat(), worker = request.worker(), response,
@@ -447,6 +498,32 @@ absl::Status Shard::StartPull(const PullRequest& request, PullResponse* response
   };
   job->state->policy().StartPull(request.worker(), std::move(encode), cancel);
   return absl::OkStatus();
+}
+
+absl::StatusOr<bool> Shard::CommitStep(const std::shared_ptr<Job>& job,
+                                       const PullRequest& request) {
+  if (job->commits == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("Pull: job ", request.job(), " worker ", request.worker(),
+                     " commits sync step ", request.commit().step(),
+                     ", but the job does not commit its steps (commit_steps)"));
+  }
+  const int32_t worker = request.worker();
+  ASSIGN_OR_RETURN(
+      const SyncCommits::Outcome outcome,
+      job->commits->Commit(
+          request.commit(), worker,
+          [this, &job](const ChunkUpdate& u) { return ApplyUpdate(job.get(), u, false); },
+          // After a restart the shard may have applied (replayed) the step with no figures
+          // left: the worker's own progress says so.
+          [&job, worker](int64_t step) {
+            return job->ledger.stats().workers[worker].last_step >= step;
+          }));
+  if (outcome == SyncCommits::Outcome::kApplied) {
+    // As after an applied push: a failed periodic snapshot is logged, the step stands.
+    (void)job->durability.MaybeSnapshot(/*force=*/false);
+  }
+  return outcome != SyncCommits::Outcome::kMissing;
 }
 
 void Shard::PullAsync(const PullRequest& request, PullResponse* response, PullDone done,
@@ -528,6 +605,10 @@ absl::StatusOr<JobInfoResponse> Shard::GetJobInfo(const JobInfoRequest& request)
   const auto [active, lr_scale] = job->state->SyncGroup();
   for (int32_t w : active) r.add_active_workers(w);
   r.set_lr_scale(lr_scale);
+  if (job->commits != nullptr) {
+    r.set_steps_committed(job->commits->committed());
+    r.set_steps_skipped(job->commits->skipped());
+  }
   const RequestLedger::Stats ls = job->ledger.stats();
   for (size_t i = 0; i < ls.workers.size(); ++i) {
     WorkerState* w = r.add_workers();

@@ -22,6 +22,13 @@
 // restarted on the same --data_dir carries on, and replayed request ids are still recognised
 // as duplicates.
 //
+// Two-phase sync (InitJobRequest.commit_steps; server/sync_commits.h): a sync step whose
+// barrier completes is held, not applied; its pushes are answered with this shard's part of
+// the averaged gradient's squared norm, and the first pull that commits the step
+// (PullRequest.commit: the workers' clip coefficient, or skip) applies it through the same
+// log-and-apply path as any update. That is how sync clips by the global norm and skips a
+// non-finite step on every shard alike.
+//
 // Elastic sync (SetSyncGroup): a sync job's barrier group and learning-rate factor can be
 // changed while it runs (see server/consistency.h for steps in progress). Each update carries
 // the factor it was applied with, and every_update logs it, so log replay is exact. The group
@@ -205,6 +212,10 @@ class Shard {
   absl::Status StartPush(const PushRequest& request, PushDone* done, WaitCancel* cancel);
   absl::Status StartPull(const PullRequest& request, PullResponse* response, PullDone* done,
                          WaitCancel* cancel);
+  // commit_steps jobs: commits request.commit() (server/sync_commits.h). False if the shard
+  // does not hold the step (the pull answers commit_missing); INVALID_ARGUMENT if the job does
+  // not commit its steps or the commit is malformed.
+  absl::StatusOr<bool> CommitStep(const std::shared_ptr<Job>& job, const PullRequest& request);
 
   const ShardOptions options_;
   CodecCache codecs_{&options_.compressors};               // Codecs of pushes and fp16/bf16 pulls.

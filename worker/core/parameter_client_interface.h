@@ -31,6 +31,17 @@ struct JobLayout {
   DurabilitySpec durability;       // Default: none.
   bool staleness_damping = false;  // async only.
   double barrier_timeout_s = 0;    // 0: the shard's default (120 s).
+  // sync only: two-phase apply (InitJobRequest.commit_steps): PushPrepared, PullCommitted.
+  bool commit_steps = false;
+  double clip_grad_value = 0;  // With commit_steps: the shards clamp the averaged gradient.
+};
+
+// What the shards hold of a prepared step of a commit_steps job (proto PreparedStep), over all
+// shards: squared norms added in shard order (so every worker gets the same bits), flags OR-ed.
+struct PreparedFigures {
+  double grad_sq_norm = 0;
+  bool nonfinite = false;
+  bool value_clipped = false;
 };
 
 class ParameterClient {
@@ -56,6 +67,21 @@ class ParameterClient {
 
   // The version of every chunk as of the last Pull (one entry per chunk, opaque to callers).
   virtual std::vector<int64_t> PulledVersions() const = 0;
+
+  // commit_steps jobs (server/sync_commits.h). Pushes step `step` and returns, once its
+  // barrier completed on every shard, what the shards hold of it. `nonfinite`: this worker's
+  // gradient of the step was not finite; `grads` then holds finite placeholders (zeros).
+  virtual absl::StatusOr<PreparedFigures> PushPrepared(
+      int64_t step, const std::vector<absl::Span<const float>>& grads, bool nonfinite) {
+    return absl::UnimplementedError("PushPrepared: this client does not commit sync steps");
+  }
+  // A Pull that first commits `commit` on every shard. False if some shard did not hold the
+  // step (it restarted between the phases): push the step again with PushPrepared, then
+  // commit again (`params` are then not all fresh).
+  virtual absl::StatusOr<bool> PullCommitted(const SyncCommit& commit,
+                                             const std::vector<absl::Span<float>>& params) {
+    return absl::UnimplementedError("PullCommitted: this client does not commit sync steps");
+  }
 
   // Tells every shard this worker is done.
   virtual absl::Status Finish(int64_t step) = 0;

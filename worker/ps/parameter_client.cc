@@ -91,6 +91,8 @@ class GrpcParameterClient final : public ParameterClient {
       *r.mutable_durability() = layout_.durability;
       r.set_staleness_damping(layout_.staleness_damping);
       r.set_barrier_timeout_s(layout_.barrier_timeout_s);
+      r.set_commit_steps(layout_.commit_steps);
+      r.set_clip_grad_value(layout_.clip_grad_value);
       for (int64_t idx : partition_.shard_chunks(s)) {
         const ChunkInfo& c = partition_.chunks()[idx];
         FillChunk(c, initial[c.tensor].data(), r.add_initial());
@@ -122,6 +124,40 @@ class GrpcParameterClient final : public ParameterClient {
     return PushImpl(step, grads, nullptr);
   }
 
+  absl::StatusOr<PreparedFigures> PushPrepared(int64_t step,
+                                               const std::vector<absl::Span<const float>>& grads,
+                                               bool nonfinite) override {
+    std::vector<grpc::ByteBuffer> resps;
+    RETURN_IF_ERROR(PushImpl(step, grads, nullptr, nonfinite, &resps));
+    PreparedFigures f;
+    for (int32_t s = 0; s < NumShards(); ++s) {
+      std::vector<grpc::Slice> slices;
+      std::string bytes;
+      if (resps[s].Dump(&slices).ok()) {
+        for (const grpc::Slice& sl : slices) {
+          bytes.append(reinterpret_cast<const char*>(sl.begin()), sl.size());
+        }
+      }
+      PushResponse r;
+      if (!r.ParseFromString(bytes) || !r.has_prepared()) {
+        return absl::InternalError(absl::StrCat(
+            "Push: job ", layout_.job, " step ", step, ": shard ", s, " (", options_.servers[s],
+            ") answered without the step's figures; does it hold the job with commit_steps?"));
+      }
+      f.grad_sq_norm += r.prepared().grad_sq_norm();
+      f.nonfinite = f.nonfinite || r.prepared().nonfinite();
+      f.value_clipped = f.value_clipped || r.prepared().value_clipped();
+    }
+    return f;
+  }
+
+  absl::StatusOr<bool> PullCommitted(const SyncCommit& commit,
+                                     const std::vector<absl::Span<float>>& params) override {
+    bool missing = false;
+    RETURN_IF_ERROR(PullImpl(params, &commit, &missing));
+    return !missing;
+  }
+
   absl::Status PushFrom(int64_t step, const std::vector<absl::Span<const float>>& grads,
                         const std::vector<int64_t>& base_versions) override {
     if (base_versions.size() != partition_.chunks().size()) {
@@ -138,8 +174,10 @@ class GrpcParameterClient final : public ParameterClient {
   }
 
   // `base` null: the versions of the last pull.
+  // `nonfinite`: PushRequest.nonfinite; `responses` (may be null) receives each shard's answer.
   absl::Status PushImpl(int64_t step, const std::vector<absl::Span<const float>>& grads,
-                        const std::vector<int64_t>* base) {
+                        const std::vector<int64_t>* base, bool nonfinite = false,
+                        std::vector<grpc::ByteBuffer>* responses = nullptr) {
     RETURN_IF_ERROR(CheckSpans("Push", grads));
     // Shards reject non-finite gradients, but each only for its own chunks: checking here
     // keeps a bad step from being applied on some shards and not others.
@@ -204,7 +242,7 @@ class GrpcParameterClient final : public ParameterClient {
           refs.push_back(std::move(ref));
         }
         reqs[s] = EncodePushRequest(layout_.job, options_.worker, step,
-                                    incarnation_ | next_request_++, refs);
+                                    incarnation_ | next_request_++, refs, nonfinite);
       }
       codec_seconds_ += absl::ToDoubleSeconds(absl::Now() - t0);
     }
@@ -223,10 +261,18 @@ class GrpcParameterClient final : public ParameterClient {
         })));
     bytes_pushed_ += wire;
     raw_bytes_pushed_ += raw;
+    if (responses != nullptr) *responses = std::move(resps);
     return absl::OkStatus();
   }
 
   absl::Status Pull(const std::vector<absl::Span<float>>& params) override {
+    return PullImpl(params, nullptr, nullptr);
+  }
+
+  // `commit` (may be null): PullRequest.commit; then *missing says whether a shard answered
+  // commit_missing (its chunks are not written).
+  absl::Status PullImpl(const std::vector<absl::Span<float>>& params, const SyncCommit* commit,
+                        bool* missing) {
     std::vector<absl::Span<const float>> views(params.begin(), params.end());
     RETURN_IF_ERROR(CheckSpans("Pull", views));
     std::vector<grpc::ByteBuffer> reqs(NumShards());
@@ -235,6 +281,7 @@ class GrpcParameterClient final : public ParameterClient {
       r.set_job(layout_.job);
       r.set_worker(options_.worker);
       r.set_codec(options_.pull_codec);
+      if (commit != nullptr) *r.mutable_commit() = *commit;
       if (changes_) {
         // Name every owned chunk with the version held, so the shard can send only changes.
         absl::MutexLock lock(&mu_);
@@ -271,6 +318,7 @@ class GrpcParameterClient final : public ParameterClient {
         size_t i = 0;
         // Encoded chunks land here first, then are decoded into the tensors.
         std::vector<std::pair<const ChunkInfo*, std::string>> encoded;
+        bool shard_missing = false;
         absl::Status st = DecodePullResponse(
             resps[s],
             [&](int32_t tensor, int32_t chunk, int64_t version, int32_t dtype,
@@ -302,7 +350,16 @@ class GrpcParameterClient final : public ParameterClient {
               if (codec.empty()) return reinterpret_cast<char*>(params[c.tensor].data() + c.offset);
               encoded.emplace_back(&c, std::string(static_cast<size_t>(size), '\0'));
               return encoded.back().second.data();
-            });
+            },
+            &shard_missing);
+        if (st.ok() && shard_missing) {
+          if (commit == nullptr || i != 0) {
+            st = absl::InternalError("answered commit_missing to a pull that committed nothing");
+          } else {
+            *missing = true;
+            continue;
+          }
+        }
         if (st.ok() && i != owned.size()) {
           st =
               absl::InternalError(absl::StrCat("returned ", i, " chunks, expected ", owned.size()));

@@ -1,6 +1,7 @@
 #include "worker/ps/ps_mode.h"
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
 #include <optional>
 #include <string>
@@ -16,6 +17,7 @@
 #include "common/optimizer.h"
 #include "common/status.h"
 #include "worker/core/auto_codec.h"
+#include "worker/core/loss_scaler.h"
 
 namespace gradmesh {
 namespace {
@@ -38,6 +40,12 @@ class PsMode : public TrainingMode {
   int64_t bytes_sent() const override { return client_->bytes_pushed(); }
   std::vector<LogField> ProgressFields(int64_t done, int64_t window) override;
   absl::StatusOr<bool> Finish(int64_t step, TrainResult* result) override;
+
+  // commit_steps (sync with clipping or dynamic loss scaling): the mode unscales, checks and
+  // clips through the shards' two-phase apply (CommittedExchange).
+  bool unscales_gradients() const override { return commit_ && scaling_; }
+  void SetLossScale(float scale) override { loss_scale_ = scale; }
+  ClipCounters TakeClipCounters() override { return std::exchange(clip_counters_, {}); }
 
   void SetGroup(std::vector<int32_t> active_ranks, bool evaluate) override {
     absl::MutexLock lock(&group_mu_);
@@ -63,6 +71,16 @@ class PsMode : public TrainingMode {
   // Training steps per push (diloco: a round of inner steps).
   virtual int64_t steps_per_push() const { return 1; }
   absl::Status MaybeSwitchCodec(int64_t step, double loss, double compute_s, double comm_s);
+  // commit_steps: unscale and check the step's gradient, push it (zeros, flagged, if it is
+  // not finite), decide the clip coefficient or a skip from every shard's figures, and pull
+  // with the commit; again if a shard lost the step to a restart.
+  absl::StatusOr<StepOutcome> CommittedExchange(int64_t step,
+                                                absl::Span<const absl::Span<const float>> grads,
+                                                double loss);
+  // The spans CommittedExchange pushes: the gradient unscaled into grad_buf_ (or as given),
+  // or zeros; sets *finite.
+  std::vector<absl::Span<const float>> CommitPayload(
+      absl::Span<const absl::Span<const float>> grads, bool* finite);
   // Waits (bounded by options.wait_for_workers) until every worker of the group finished.
   absl::Status WaitForWorkers();
 
@@ -90,6 +108,13 @@ class PsMode : public TrainingMode {
   double exposed_s_ = 0;                      // Of which the training thread waited.
   int64_t exchanges_ = 0;
   double last_wait_s_ = 0;  // What the last drain waited (the exposed part; auto codec).
+  // commit_steps (sync jobs that clip or scale the loss; JobLayout.commit_steps).
+  bool commit_ = false;
+  bool scaling_ = false;   // Dynamic loss scaling: the mode unscales.
+  float loss_scale_ = 1;   // The loop's scale for the current step.
+  double clip_norm_ = 0;   // clip_grad_norm (0: off).
+  ClipCounters clip_counters_;
+  std::vector<std::vector<float>> zeros_;  // The payload of a non-finite step.
   // Last: destroyed (waiting for a running exchange) before the buffers it uses.
   std::unique_ptr<BackgroundTask> background_;
 };
@@ -109,6 +134,8 @@ JobLayout PsMode::Layout(const ModelView& model, int64_t total_steps) const {
   layout.durability = spec_.durability();
   layout.staleness_damping = spec_.staleness_damping();
   layout.barrier_timeout_s = spec_.barrier_timeout_s();
+  layout.commit_steps = commit_;
+  if (commit_) layout.clip_grad_value = spec_.clip_grad_value();
   // Parameters, then the buffers: stored on the shards beside them, pushed as the deltas the
   // forward passes made and pulled back into the mirrors like parameters (TensorSpec.buffer).
   for (int i = 0; i < model.size(); ++i) {
@@ -127,6 +154,10 @@ JobLayout PsMode::Layout(const ModelView& model, int64_t total_steps) const {
 
 absl::StatusOr<int64_t> PsMode::Start(ModelView* model, const LoopInfo& info) {
   model_ = model;
+  scaling_ = spec_.loss_scale().mode() == "dynamic";
+  clip_norm_ = spec_.clip_grad_norm();
+  commit_ = options_.mode == Mode::kSync &&
+            (scaling_ || spec_.clip_grad_norm() > 0 || spec_.clip_grad_value() > 0);
   ASSIGN_OR_RETURN(client_, client_factory_(Layout(*model, info.total_steps)));
   if (spec_.compression().push() == "auto") auto_codec_.emplace();
   // Every worker offers the same seeded initial values; the first InitJob wins, the rest see
@@ -164,6 +195,7 @@ std::vector<LogField> PsMode::StartFields() const {
       Kv("push_codec", spec_.compression().push().empty() ? "float32" : spec_.compression().push()),
       Kv("pull_codec",
          spec_.compression().pull().empty() ? "float32" : spec_.compression().pull())};
+  if (commit_) f.push_back(Kv("commit_steps", 1));
   // Every gradient is computed on parameters one exchange older than without the pipeline.
   if (pipelined_) {
     f.push_back(Kv("pipeline", 1));
@@ -234,6 +266,7 @@ absl::StatusOr<StepOutcome> PsMode::Exchange(int64_t step,
                                              absl::Span<const absl::Span<const float>> grads,
                                              double loss, const StepTiming& timing) {
   if (pipelined_) return PipelinedExchange(step, grads, loss, timing);
+  if (commit_) return CommittedExchange(step, grads, loss);
   const absl::Time start = absl::Now();
   RETURN_IF_ERROR(
       client_->Push(step, std::vector<absl::Span<const float>>(grads.begin(), grads.end())));
@@ -245,6 +278,73 @@ absl::StatusOr<StepOutcome> PsMode::Exchange(int64_t step,
   StepOutcome out;
   out.loss = loss;
   return out;
+}
+
+std::vector<absl::Span<const float>> PsMode::CommitPayload(
+    absl::Span<const absl::Span<const float>> grads, bool* finite) {
+  std::vector<absl::Span<const float>> push(grads.begin(), grads.end());
+  *finite = true;
+  if (!scaling_) return push;  // The client refuses a non-finite gradient, as in plain sync.
+  grad_buf_.resize(grads.size());
+  std::vector<absl::Span<float>> params;
+  for (size_t i = 0; i < grads.size(); ++i) {
+    if (model_->is_buffer(static_cast<int>(i))) {
+      // Buffer deltas come from the forward, unscaled; an overflowing forward can still make
+      // them non-finite.
+      for (float v : grads[i]) *finite &= std::isfinite(v);
+      continue;
+    }
+    grad_buf_[i].assign(grads[i].begin(), grads[i].end());
+    params.emplace_back(grad_buf_[i].data(), grad_buf_[i].size());
+    push[i] = grad_buf_[i];
+  }
+  *finite &= UnscaleAndCheck(params, loss_scale_);
+  if (*finite) return push;
+  if (zeros_.empty()) {
+    for (const absl::Span<const float>& g : grads) zeros_.emplace_back(g.size(), 0.0f);
+  }
+  return std::vector<absl::Span<const float>>(zeros_.begin(), zeros_.end());
+}
+
+absl::StatusOr<StepOutcome> PsMode::CommittedExchange(
+    int64_t step, absl::Span<const absl::Span<const float>> grads, double loss) {
+  bool finite = true;
+  const std::vector<absl::Span<const float>> push = CommitPayload(grads, &finite);
+  constexpr int kAttempts = 4;
+  for (int attempt = 1;; ++attempt) {
+    ASSIGN_OR_RETURN(const PreparedFigures f, client_->PushPrepared(step, push, !finite));
+    // Every worker adds the same figures in the same order, so all decide alike.
+    const double norm = std::sqrt(f.grad_sq_norm);
+    SyncCommit commit;
+    commit.set_step(step);
+    commit.set_skip(f.nonfinite || !std::isfinite(norm));
+    double coef = 1;
+    // torch.nn.utils.clip_grad_norm_: scaled by max_norm / (norm + 1e-6) when that is < 1.
+    if (!commit.skip() && clip_norm_ > 0 && clip_norm_ / (norm + 1e-6) < 1) {
+      coef = clip_norm_ / (norm + 1e-6);
+    }
+    commit.set_clip_coef(coef);
+    ASSIGN_OR_RETURN(const bool committed, client_->PullCommitted(commit, model_->params));
+    if (committed) {
+      if (!commit.skip() && (clip_norm_ > 0 || spec_.clip_grad_value() > 0)) {
+        clip_counters_.Add(ClipStats{norm, coef < 1 || f.value_clipped});
+      }
+      StepOutcome out;
+      out.loss = loss;
+      out.skipped = commit.skip();
+      return out;
+    }
+    if (attempt == kAttempts) {
+      return absl::UnavailableError(
+          absl::StrCat("sync step ", step, " of job ", spec_.name(), ": ", kAttempts,
+                       " commits found a shard that no longer held the step (restarting?)"));
+    }
+    // A shard restarted between the phases: push the step again (shards that applied it
+    // answer duplicate) and commit again.
+    LogWarning(options_.logger, "step_recommit",
+               {Kv("job", spec_.name()), Kv("rank", options_.rank), Kv("step", step),
+                Kv("attempt", attempt)});
+  }
 }
 
 absl::StatusOr<bool> PsMode::MaybeCheckpoint(int64_t steps_done) {

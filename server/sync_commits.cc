@@ -1,0 +1,148 @@
+#include "server/sync_commits.h"
+
+#include <algorithm>
+#include <cmath>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+
+namespace gradmesh {
+
+SyncCommits::SyncCommits(std::string job, double clip_value,
+                         std::function<bool(int64_t)> is_param_chunk)
+    : job_(std::move(job)), clip_value_(clip_value), is_param_chunk_(std::move(is_param_chunk)) {}
+
+bool SyncCommits::Contributed(const std::vector<RequestRef>& requests, int32_t worker) {
+  return std::any_of(requests.begin(), requests.end(),
+                     [worker](const RequestRef& r) { return r.worker == worker; });
+}
+
+absl::Status SyncCommits::Prepare(const ChunkUpdate& avg) {
+  const int64_t step = avg.requests.empty() ? -1 : avg.requests.front().step;
+  Held held;
+  held.update = avg;
+  held.update.grads.clear();
+  held.figures.set_nonfinite(avg.nonfinite);
+  const float v = static_cast<float>(clip_value_);
+  double sq = 0;
+  bool finite = true, clamped = false;
+  for (size_t i = 0; i < avg.chunks.size(); ++i) {
+    std::vector<float> g(avg.grads[i], avg.grads[i] + avg.numels[i]);
+    const bool param = is_param_chunk_(avg.chunks[i]);
+    if (param) {
+      for (float& x : g) {
+        if (v > 0 && (x > v || x < -v)) {
+          x = x > v ? v : -v;
+          clamped = true;
+        }
+        finite &= std::isfinite(x);
+        sq += static_cast<double>(x) * x;
+      }
+    } else {
+      for (float x : g) finite &= std::isfinite(x);
+    }
+    held.param_chunk.push_back(param);
+    held.grads.push_back(std::move(g));
+  }
+  held.figures.set_nonfinite(avg.nonfinite || !finite);
+  held.figures.set_grad_sq_norm(std::isfinite(sq) ? sq : 0);
+  if (!std::isfinite(sq)) held.figures.set_nonfinite(true);
+  held.figures.set_value_clipped(clamped);
+  absl::MutexLock lock(&mu_);
+  if (static_cast<int>(prepared_.size()) >= kMaxPrepared) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("sync step ", step, " of job ", job_, ": ", prepared_.size(),
+                     " earlier steps (from ", prepared_.begin()->first,
+                     ") still wait for their commit; nothing was applied"));
+  }
+  prepared_[step] = std::move(held);
+  return absl::OkStatus();
+}
+
+std::optional<PreparedStep> SyncCommits::Find(int64_t step, int32_t worker) const {
+  absl::MutexLock lock(&mu_);
+  if (auto it = prepared_.find(step);
+      it != prepared_.end() && Contributed(it->second.update.requests, worker)) {
+    return it->second.figures;
+  }
+  if (auto it = committed_.find(step); it != committed_.end()) {
+    const std::vector<int32_t>& w = it->second.workers;
+    if (std::find(w.begin(), w.end(), worker) != w.end()) return it->second.figures;
+  }
+  return std::nullopt;
+}
+
+absl::StatusOr<SyncCommits::Outcome> SyncCommits::Commit(
+    const SyncCommit& commit, int32_t worker, const ApplyFn& apply,
+    const std::function<bool(int64_t)>& applied_before) {
+  const int64_t step = commit.step();
+  const std::string where = absl::StrCat("Pull: job ", job_, " worker ", worker,
+                                         " commit of sync step ", step);
+  if (!commit.skip() && !(commit.clip_coef() > 0 && commit.clip_coef() <= 1)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ": clip_coef ", commit.clip_coef(), " is not in (0, 1]"));
+  }
+  if (step < 0) return absl::InvalidArgumentError(absl::StrCat(where, ": negative step"));
+  absl::MutexLock commit_lock(&commit_mu_);
+  Held held;
+  {
+    absl::MutexLock lock(&mu_);
+    if (auto it = committed_.find(step); it != committed_.end()) {
+      const Done& d = it->second;
+      if (d.skip != commit.skip() || (!d.skip && d.clip_coef != commit.clip_coef())) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            where, " says ", commit.skip() ? "skip" : absl::StrCat("clip_coef ", commit.clip_coef()),
+            ", but the step was committed with ",
+            d.skip ? "skip" : absl::StrCat("clip_coef ", d.clip_coef),
+            " (the workers must add the shards' figures in shard order)"));
+      }
+      return Outcome::kAlreadyApplied;
+    }
+    auto it = prepared_.find(step);
+    if (it == prepared_.end()) {
+      return applied_before(step) ? Outcome::kAlreadyApplied : Outcome::kMissing;
+    }
+    held = std::move(it->second);
+    // Orphans before it (see the file comment) go with it.
+    prepared_.erase(prepared_.begin(), std::next(it));
+  }
+  ChunkUpdate u = held.update;
+  if (commit.skip()) {
+    u.chunks.clear();
+    u.numels.clear();
+    u.base_versions.clear();
+  } else {
+    const float coef = static_cast<float>(commit.clip_coef());
+    for (size_t i = 0; i < held.grads.size(); ++i) {
+      if (coef != 1.0f && held.param_chunk[i]) {
+        for (float& x : held.grads[i]) x *= coef;
+      }
+      u.grads.push_back(held.grads[i].data());
+    }
+  }
+  if (absl::Status st = apply(u); !st.ok()) {
+    return absl::Status(st.code(), absl::StrCat(where, ": ", st.message()));
+  }
+  absl::MutexLock lock(&mu_);
+  Done& d = committed_[step];
+  d.figures = held.figures;
+  for (const RequestRef& r : held.update.requests) d.workers.push_back(r.worker);
+  d.skip = commit.skip();
+  d.clip_coef = commit.clip_coef();
+  while (static_cast<int>(committed_.size()) > kRemembered) committed_.erase(committed_.begin());
+  ++commits_;
+  skips_ += commit.skip() ? 1 : 0;
+  return Outcome::kApplied;
+}
+
+int64_t SyncCommits::committed() const {
+  absl::MutexLock lock(&mu_);
+  return commits_;
+}
+
+int64_t SyncCommits::skipped() const {
+  absl::MutexLock lock(&mu_);
+  return skips_;
+}
+
+}  // namespace gradmesh
