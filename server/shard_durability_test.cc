@@ -12,6 +12,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "common/partitioner.h"
+#include "common/status.h"
 #include "common/status_testing.h"
 #include "gtest/gtest.h"
 #include "server/shard.h"
@@ -55,6 +56,7 @@ struct JobOptions {
   int32_t num_workers = 2;
   bool damping = false;
   double barrier_timeout_s = 0;
+  bool commit_steps = false;  // sync two-phase apply (server/sync_commits.h).
 };
 
 InitJobRequest MakeInit(const JobOptions& o) {
@@ -86,6 +88,7 @@ InitJobRequest MakeInit(const JobOptions& o) {
   r.set_num_workers(o.num_workers);
   r.set_staleness_damping(o.damping);
   r.set_barrier_timeout_s(o.barrier_timeout_s);
+  r.set_commit_steps(o.commit_steps);
   r.mutable_durability()->set_mode(o.durability);
   r.mutable_durability()->set_snapshot_every_updates(o.snapshot_every_updates);
   r.mutable_durability()->set_snapshot_every_seconds(o.snapshot_every_seconds);
@@ -1021,6 +1024,257 @@ TEST_F(DurabilityTest, BufferValuesSurviveRestartFromSnapshotAndLog) {
   ASSERT_OK(shard_->Push(next));
   ASSERT_OK(twin->Push(next));
   EXPECT_EQ(PullAll(shard_.get()), PullAll(twin.get()));
+}
+
+}  // namespace
+}  // namespace gradmesh
+
+namespace gradmesh {
+namespace {
+
+// commit_steps (two-phase sync): worker w's push of `step` over every chunk, gradient element e
+// of chunk k = ((w + 1) * (k + 2) + e + step) % 7 - 3, times `scale`.
+PushRequest CommitPush(int32_t worker, int64_t step, uint64_t id, float scale = 1) {
+  const Partition& p = TestPartition();
+  PushRequest r;
+  r.set_job("j");
+  r.set_worker(worker);
+  r.set_step(step);
+  r.set_request_id(id);
+  const auto& owned = p.shard_chunks(0);
+  for (size_t k = 0; k < owned.size(); ++k) {
+    const ChunkInfo& c = p.chunks()[owned[k]];
+    std::vector<float> g(c.numel);
+    for (int64_t e = 0; e < c.numel; ++e) {
+      g[e] = scale * static_cast<float>(((worker + 1) * (static_cast<int>(k) + 2) + e + step) % 7 - 3);
+    }
+    ChunkData* d = r.add_chunks();
+    d->set_tensor(c.tensor);
+    d->set_chunk(c.chunk);
+    d->set_dtype(FLOAT32);
+    d->set_data(Bytes(g));
+  }
+  return r;
+}
+
+// The squared norm of the average of workers 0 and 1's CommitPush of `step`.
+double AverageSquaredNorm(int64_t step) {
+  const PushRequest a = CommitPush(0, step, 1), b = CommitPush(1, step, 2);
+  double sq = 0;
+  for (int i = 0; i < a.chunks_size(); ++i) {
+    const std::vector<float> x = Floats(a.chunks(i).data()), y = Floats(b.chunks(i).data());
+    for (size_t e = 0; e < x.size(); ++e) {
+      const float m = (x[e] + y[e]) * 0.5f;
+      sq += static_cast<double>(m) * m;
+    }
+  }
+  return sq;
+}
+
+// Both workers' pushes of one sync step, concurrently (the barrier needs both).
+std::vector<absl::StatusOr<PushResponse>> PushBoth(Shard* shard, const PushRequest& a,
+                                                   const PushRequest& b) {
+  std::vector<absl::StatusOr<PushResponse>> out(2, absl::UnknownError("not run"));
+  std::thread t([&] { out[1] = shard->Push(b); });
+  out[0] = shard->Push(a);
+  t.join();
+  return out;
+}
+
+// A pull of worker `worker` that commits `step`.
+absl::StatusOr<PullResponse> CommitPull(Shard* shard, int32_t worker, int64_t step, double coef,
+                                        bool skip = false) {
+  PullRequest req;
+  req.set_job("j");
+  req.set_worker(worker);
+  req.mutable_commit()->set_step(step);
+  req.mutable_commit()->set_clip_coef(coef);
+  req.mutable_commit()->set_skip(skip);
+  PullResponse resp;
+  RETURN_IF_ERROR(shard->Pull(req, &resp));
+  return resp;
+}
+
+std::vector<PulledChunk> Chunks(const PullResponse& resp) {
+  std::vector<PulledChunk> out;
+  for (const ChunkData& c : resp.chunks()) out.push_back({c.tensor(), c.chunk(), c.version(), c.data()});
+  return out;
+}
+
+JobOptions CommitJob() {
+  JobOptions o;
+  o.consistency = "sync";
+  o.optimizer = "sgd_momentum";
+  o.commit_steps = true;
+  return o;
+}
+
+// The step is held until a commit applies it, scaled: the result equals plain sync fed the
+// gradients times the coefficient (power-of-two coefficients: bit for bit). The second commit
+// applies nothing; the log replays the committed (scaled) step exactly, and a commit of it
+// after the restart finds it applied.
+TEST_F(DurabilityTest, CommitStepsApplyTheHeldStepOnceScaledByTheCoefficient) {
+  std::unique_ptr<Shard> twin = MemoryShard();
+  JobOptions plain = CommitJob();
+  plain.commit_steps = false;
+  plain.durability = "none";
+  ASSERT_OK(twin->InitJob(MakeInit(plain)));
+  ASSERT_OK(shard_->InitJob(MakeInit(CommitJob())));
+  const auto initial = PullAll(shard_.get());
+  for (int64_t step = 0; step < 3; ++step) {
+    const float coef = step == 1 ? 1.0f : 0.25f;
+    auto r = PushBoth(shard_.get(), CommitPush(0, step, 10 + step), CommitPush(1, step, 20 + step));
+    for (int w = 0; w < 2; ++w) {
+      ASSERT_OK(r[w]);
+      EXPECT_FALSE(r[w]->duplicate());
+      ASSERT_TRUE(r[w]->has_prepared());
+      EXPECT_DOUBLE_EQ(r[w]->prepared().grad_sq_norm(), AverageSquaredNorm(step)) << step;
+      EXPECT_FALSE(r[w]->prepared().nonfinite());
+    }
+    // Held, not applied: a plain pull still sees the last step.
+    if (step == 0) {
+      EXPECT_EQ(PullAll(shard_.get()), initial);
+    }
+    // A retried push (any request id) of the held step is a duplicate with the same figures.
+    ASSERT_OK_AND_ASSIGN(PushResponse again, shard_->Push(CommitPush(1, step, 99 + step)));
+    EXPECT_TRUE(again.duplicate());
+    EXPECT_DOUBLE_EQ(again.prepared().grad_sq_norm(), AverageSquaredNorm(step));
+    auto t = PushBoth(twin.get(), CommitPush(0, step, 10 + step, coef),
+                      CommitPush(1, step, 20 + step, coef));
+    ASSERT_OK(t[0]);
+    ASSERT_OK(t[1]);
+    ASSERT_OK_AND_ASSIGN(PullResponse first, CommitPull(shard_.get(), 1, step, coef));
+    ASSERT_OK_AND_ASSIGN(PullResponse second, CommitPull(shard_.get(), 0, step, coef));
+    EXPECT_FALSE(first.commit_missing());
+    EXPECT_EQ(Chunks(first), PullAll(twin.get())) << "step " << step;
+    EXPECT_EQ(Chunks(second), Chunks(first));
+    // A commit that contradicts the one applied is refused and changes nothing.
+    EXPECT_STATUS_MSG(CommitPull(shard_.get(), 0, step, coef / 2), absl::StatusCode::kInvalidArgument,
+                      "but the step was committed with clip_coef");
+  }
+  ASSERT_OK_AND_ASSIGN(const JobInfoResponse info, Info(shard_.get()));
+  EXPECT_EQ(info.updates_applied(), 3);
+  EXPECT_EQ(info.pushes_applied(), 6);
+  EXPECT_EQ(info.steps_committed(), 3);
+  EXPECT_EQ(info.steps_skipped(), 0);
+  EXPECT_EQ(info.workers(1).last_step(), 2);
+  const auto before = PullAll(shard_.get());
+  Restart();
+  EXPECT_EQ(PullAll(shard_.get()), before);
+  ASSERT_OK_AND_ASSIGN(PullResponse late, CommitPull(shard_.get(), 0, 2, 0.25));
+  EXPECT_FALSE(late.commit_missing());
+  EXPECT_EQ(Chunks(late), before);
+}
+
+// A worker flags its step non-finite (zeros as values): the figures say so on every push, the
+// skip applies nothing (values, versions, momentum) but counts the pushes and steps, also
+// after a restart; the next step then trains as if the skipped one never happened.
+TEST_F(DurabilityTest, CommitStepsSkipANonFiniteStepEverywhereAlike) {
+  ASSERT_OK(shard_->InitJob(MakeInit(CommitJob())));
+  const auto initial = PullAll(shard_.get());
+  PushRequest bad = CommitPush(0, 0, 10, 0.0f);
+  bad.set_nonfinite(true);
+  auto r = PushBoth(shard_.get(), bad, CommitPush(1, 0, 20));
+  for (int w = 0; w < 2; ++w) {
+    ASSERT_OK(r[w]);
+    EXPECT_TRUE(r[w]->prepared().nonfinite()) << w;
+  }
+  ASSERT_OK_AND_ASSIGN(PullResponse skipped, CommitPull(shard_.get(), 1, 0, 1, /*skip=*/true));
+  EXPECT_EQ(Chunks(skipped), initial);
+  ASSERT_OK_AND_ASSIGN(const JobInfoResponse info, Info(shard_.get()));
+  EXPECT_EQ(info.steps_skipped(), 1);
+  EXPECT_EQ(info.pushes_applied(), 2);
+  EXPECT_EQ(info.workers(0).last_step(), 0);
+  Restart();
+  EXPECT_EQ(PullAll(shard_.get()), initial);
+  ASSERT_OK_AND_ASSIGN(const JobInfoResponse restored, Info(shard_.get()));
+  EXPECT_EQ(restored.workers(0).last_step(), 0);
+  // Step 1 from the initial values (and zero momentum) equals a fresh job's step 0 with the
+  // same gradients: nothing of the skipped step leaked.
+  std::unique_ptr<Shard> twin = MemoryShard();
+  JobOptions plain = CommitJob();
+  plain.commit_steps = false;
+  plain.durability = "none";
+  ASSERT_OK(twin->InitJob(MakeInit(plain)));
+  PushRequest a = CommitPush(0, 1, 11), b = CommitPush(1, 1, 21);
+  ASSERT_OK(PushBoth(shard_.get(), a, b)[0]);
+  a.set_step(0);
+  b.set_step(0);
+  ASSERT_OK(PushBoth(twin.get(), a, b)[0]);
+  ASSERT_OK_AND_ASSIGN(PullResponse next, CommitPull(shard_.get(), 0, 1, 1));
+  std::vector<PulledChunk> want = PullAll(twin.get());
+  EXPECT_EQ(Chunks(next), want);
+}
+
+// A restart between the phases loses the held step (nothing of it was applied or logged): the
+// commit answers commit_missing with no chunks, the workers push the step again, and its
+// commit then applies it.
+TEST_F(DurabilityTest, CommitStepsRestartBetweenThePhasesAnswersCommitMissing) {
+  ASSERT_OK(shard_->InitJob(MakeInit(CommitJob())));
+  const auto initial = PullAll(shard_.get());
+  ASSERT_OK(PushBoth(shard_.get(), CommitPush(0, 0, 10), CommitPush(1, 0, 20))[0]);
+  Restart();
+  ASSERT_OK_AND_ASSIGN(PullResponse missing, CommitPull(shard_.get(), 0, 0, 1));
+  EXPECT_TRUE(missing.commit_missing());
+  EXPECT_EQ(missing.chunks_size(), 0);
+  EXPECT_EQ(PullAll(shard_.get()), initial);
+  auto again = PushBoth(shard_.get(), CommitPush(0, 0, 11), CommitPush(1, 0, 21));
+  ASSERT_OK(again[0]);
+  EXPECT_FALSE(again[0]->duplicate());
+  ASSERT_OK_AND_ASSIGN(PullResponse done, CommitPull(shard_.get(), 0, 0, 1));
+  EXPECT_FALSE(done.commit_missing());
+  EXPECT_NE(Chunks(done), initial);
+  ASSERT_OK_AND_ASSIGN(const JobInfoResponse info, Info(shard_.get()));
+  EXPECT_EQ(info.updates_applied(), 1);
+}
+
+TEST_F(DurabilityTest, CommitStepsBadRequestsChangeNothing) {
+  // commit_steps is for sync, and the shards clamp values only for it.
+  JobOptions async_commit;
+  async_commit.commit_steps = true;
+  EXPECT_STATUS_MSG(shard_->InitJob(MakeInit(async_commit)), absl::StatusCode::kInvalidArgument,
+                    "commit_steps applies to sync mode only");
+  InitJobRequest value_only = MakeInit(JobOptions());
+  value_only.set_clip_grad_value(1);
+  EXPECT_STATUS_MSG(shard_->InitJob(value_only), absl::StatusCode::kInvalidArgument,
+                    "clip_grad_value is applied by the shards only with commit_steps");
+  // A plain job neither takes the flag nor a commit.
+  ASSERT_OK(shard_->InitJob(MakeInit(JobOptions())));
+  PushRequest flagged = CommitPush(0, 0, 1);
+  flagged.set_nonfinite(true);
+  EXPECT_STATUS_MSG(shard_->Push(flagged), absl::StatusCode::kInvalidArgument,
+                    "does not commit its steps");
+  EXPECT_STATUS_MSG(CommitPull(shard_.get(), 0, 0, 1), absl::StatusCode::kInvalidArgument,
+                    "does not commit its steps");
+  ASSERT_OK_AND_ASSIGN(const JobInfoResponse plain, Info(shard_.get()));
+  EXPECT_EQ(plain.updates_applied(), 0);
+  // A coefficient outside (0, 1] applies nothing; the step stays held for a good commit.
+  JobOptions o = CommitJob();
+  o.job = "k";
+  InitJobRequest k = MakeInit(o);
+  k.set_job("k");
+  ASSERT_OK(shard_->InitJob(k));
+  PushRequest a = CommitPush(0, 0, 1), b = CommitPush(1, 0, 2);
+  a.set_job("k");
+  b.set_job("k");
+  ASSERT_OK(PushBoth(shard_.get(), a, b)[0]);
+  PullRequest pull;
+  pull.set_job("k");
+  pull.mutable_commit()->set_step(0);
+  PullResponse resp;
+  for (double bad : {0.0, 1.5, -0.5}) {
+    pull.mutable_commit()->set_clip_coef(bad);
+    EXPECT_STATUS_MSG(shard_->Pull(pull, &resp), absl::StatusCode::kInvalidArgument,
+                      "is not in (0, 1]");
+  }
+  ASSERT_OK_AND_ASSIGN(const JobInfoResponse held, Info(shard_.get(), "k"));
+  EXPECT_EQ(held.updates_applied(), 0);
+  pull.mutable_commit()->set_clip_coef(1);
+  resp.Clear();
+  ASSERT_OK(shard_->Pull(pull, &resp));
+  EXPECT_FALSE(resp.commit_missing());
+  ASSERT_OK_AND_ASSIGN(const JobInfoResponse applied, Info(shard_.get(), "k"));
+  EXPECT_EQ(applied.updates_applied(), 1);
 }
 
 }  // namespace

@@ -105,6 +105,13 @@ absl::StatusOr<SyncCommits::Outcome> SyncCommits::Commit(
     held = std::move(it->second);
     // Orphans before it (see the file comment) go with it.
     prepared_.erase(prepared_.begin(), std::next(it));
+    // Recorded before it is applied, so that the step's pushes still being answered (and
+    // their retries) find its figures meanwhile; undone if the apply fails.
+    Done& d = committed_[step];
+    d.figures = held.figures;
+    for (const RequestRef& r : held.update.requests) d.workers.push_back(r.worker);
+    d.skip = commit.skip();
+    d.clip_coef = commit.clip_coef();
   }
   ChunkUpdate u = held.update;
   if (commit.skip()) {
@@ -120,15 +127,12 @@ absl::StatusOr<SyncCommits::Outcome> SyncCommits::Commit(
       u.grads.push_back(held.grads[i].data());
     }
   }
-  if (absl::Status st = apply(u); !st.ok()) {
+  const absl::Status st = apply(u);
+  absl::MutexLock lock(&mu_);
+  if (!st.ok()) {
+    committed_.erase(step);
     return absl::Status(st.code(), absl::StrCat(where, ": ", st.message()));
   }
-  absl::MutexLock lock(&mu_);
-  Done& d = committed_[step];
-  d.figures = held.figures;
-  for (const RequestRef& r : held.update.requests) d.workers.push_back(r.worker);
-  d.skip = commit.skip();
-  d.clip_coef = commit.clip_coef();
   while (static_cast<int>(committed_.size()) > kRemembered) committed_.erase(committed_.begin());
   ++commits_;
   skips_ += commit.skip() ? 1 : 0;

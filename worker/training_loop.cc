@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <string>
@@ -536,6 +537,10 @@ absl::Status TrainingLoop::Step(std::vector<Batch>& micro, StepOutcome* outcome)
                     : GradOut(i, g);
   }
   BuffersOut();
+  const std::vector<int64_t>& poison = options_.nonfinite_steps;
+  if (view_.num_params > 0 && std::find(poison.begin(), poison.end(), step_) != poison.end()) {
+    ParamGrads()[0][0] = std::numeric_limits<float>::quiet_NaN();  // Fault injection.
+  }
   // Loss scaling (GradScaler order): unscale, skip a non-finite step, then clip.
   const bool skip = scaler_.enabled() && !mode_->unscales_gradients() && !UnscaleLocal();
   if (skip) RestoreBuffers();

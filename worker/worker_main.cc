@@ -23,6 +23,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/numbers.h"
 #include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -150,6 +151,9 @@ ABSL_FLAG(double, link_mbit, 0,
           "(measurements on loopback; 0 = unlimited).");
 ABSL_FLAG(int64_t, step_delay_ms, 0,
           "Fault injection for tests: sleep this long before every step (a slow worker).");
+ABSL_FLAG(std::vector<std::string>, fault_nonfinite_steps, {},
+          "Fault injection for tests: steps (comma-separated) after whose backward this rank's "
+          "gradient holds a NaN, as an fp16 overflow would leave it.");
 ABSL_FLAG(std::string, tls_cert_file, "",
           "PEM certificate chain this daemon presents (TLS on with it or --tls_ca_file).");
 ABSL_FLAG(std::string, tls_key_file, "", "PEM private key of --tls_cert_file.");
@@ -314,6 +318,14 @@ absl::StatusOr<WorkerMainOptions> ParseOptions() {
   o.trainer.gpu = absl::GetFlag(FLAGS_gpu);
   o.trainer.evaluate = absl::GetFlag(FLAGS_evaluate) && o.trainer.rank == 0;
   o.trainer.step_delay = absl::Milliseconds(absl::GetFlag(FLAGS_step_delay_ms));
+  for (const std::string& s : absl::GetFlag(FLAGS_fault_nonfinite_steps)) {
+    int64_t step = 0;
+    if (!absl::SimpleAtoi(s, &step) || step < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--fault_nonfinite_steps: \"", s, "\" is not a step number"));
+    }
+    o.trainer.nonfinite_steps.push_back(step);
+  }
   o.client.worker = o.trainer.rank;
   SetClientOptionsFromSpec(spec, &o.client);
   o.client.rpc.max_message_bytes = absl::GetFlag(FLAGS_max_message_mb) << 20;

@@ -7,6 +7,9 @@
 //   also with accumulation_steps 2 (2 micro-batches of 16 per worker per step).
 // * DilocoMatchesLocalSgdWithANesterovOuterStep: mode diloco against local SGD + an outer
 //   Nesterov step written with torch::optim.
+// * SyncGlobalClippingAndLossScalingMatchOneProcess: sync with clip_grad_norm and dynamic loss
+//   scaling (the shards' two-phase apply) against one process with clip_grad_norm_, skipping
+//   the same overflowed steps.
 // * SspBoundsClockLead: with a slow worker (--step_delay_ms), ssp:2 lets the fast worker run
 //   exactly 2 clocks ahead and never more; ssp:0 is lock-step (lead 0).
 #include <torch/torch.h>
@@ -44,7 +47,40 @@ using testutil::ReadFile;
 constexpr int kShards = 2;
 constexpr int kWorkers = 2;
 
-class ConsistencyTest : public E2eHarness {};
+class ConsistencyTest : public E2eHarness {
+ protected:
+  // The shards' current values of job `job`'s tensors `names`, shaped like `like` (the
+  // default 1 MiB chunks), pulled with the real client (the job exists: no InitJob).
+  std::vector<torch::Tensor> PullFromShards(const std::string& job,
+                                            const std::vector<std::string>& names,
+                                            const std::vector<torch::Tensor>& like) {
+    JobLayout layout;
+    layout.job = job;
+    layout.chunk_elems = (int64_t{1} << 20) / 4;
+    layout.consistency = "sync";
+    layout.num_workers = kWorkers;
+    for (size_t i = 0; i < like.size(); ++i) {
+      TensorSpec t;
+      t.set_name(names[i]);
+      for (int64_t d : like[i].sizes()) t.add_shape(d);
+      layout.tensors.push_back(t);
+    }
+    GrpcParameterClientOptions client_options;
+    client_options.servers = addresses_;
+    absl::StatusOr<std::unique_ptr<ParameterClient>> client =
+        NewGrpcParameterClient(layout, client_options);
+    EXPECT_OK(client.status());
+    if (!client.ok()) return {};
+    std::vector<torch::Tensor> pulled;
+    std::vector<absl::Span<float>> spans;
+    for (const torch::Tensor& g : like) {
+      pulled.push_back(torch::full_like(g.detach(), std::nanf("")));
+      spans.emplace_back(pulled.back().data_ptr<float>(), pulled.back().numel());
+    }
+    EXPECT_OK((*client)->Pull(spans));
+    return pulled;
+  }
+};
 
 // Why a 2-worker sync run equals one process with batch 64:
 // * Data: BatchLoader shards like PyTorch's DistributedSampler (worker/dataset.h). Both the
@@ -349,28 +385,8 @@ diloco: {inner_steps: 5, outer_optimizer: nesterov, outer_lr: 0.7, outer_momentu
   }
 
   // The shards' final values.
-  JobLayout layout;
-  layout.job = job;
-  layout.chunk_elems = (int64_t{1} << 20) / 4;
-  layout.consistency = "sync";
-  layout.num_workers = kWorkers;
-  for (size_t i = 0; i < global.size(); ++i) {
-    TensorSpec t;
-    t.set_name(names[i]);
-    for (int64_t d : global[i].sizes()) t.add_shape(d);
-    layout.tensors.push_back(t);
-  }
-  GrpcParameterClientOptions client_options;
-  client_options.servers = addresses_;
-  ASSERT_OK_AND_ASSIGN(std::unique_ptr<ParameterClient> client,
-                       NewGrpcParameterClient(layout, client_options));
-  std::vector<torch::Tensor> pulled;
-  std::vector<absl::Span<float>> spans;
-  for (const torch::Tensor& g : global) {
-    pulled.push_back(torch::full_like(g.detach(), std::nanf("")));
-    spans.emplace_back(pulled.back().data_ptr<float>(), pulled.back().numel());
-  }
-  ASSERT_OK(client->Pull(spans));
+  const std::vector<torch::Tensor> pulled = PullFromShards(job, names, global);
+  ASSERT_EQ(pulled.size(), global.size());
   double max_rel = 0;
   for (size_t i = 0; i < global.size(); ++i) {
     const torch::Tensor ref = global[i].detach().to(torch::kDouble);
@@ -380,6 +396,137 @@ diloco: {inner_steps: 5, outer_optimizer: nesterov, outer_lr: 0.7, outer_momentu
     max_rel = std::max(max_rel, rel);
   }
   std::cout << "diloco vs local-SGD + Nesterov reference: max relative error " << max_rel << "\n";
+  ASSERT_NO_FATAL_FAILURE(StopServers());
+}
+
+// Sync guardrails (#14) through the shards' two-phase apply (server/sync_commits.h): 2 workers
+// x 2 micro-batches of 16 on 2 shards, clip_grad_norm 0.5 and dynamic loss scaling (2^10,
+// growing every 10 good steps), against one process with batch 64 written here with
+// torch::nn::utils::clip_grad_norm_ and torch::optim::SGD (momentum 0.9). Fault injection
+// leaves a NaN in rank 1's gradient at steps 3 and 17 and in rank 0's at step 30, as an fp16
+// overflow would: every worker must skip exactly those steps (the shards answer the non-finite
+// flag, every worker commits skip), and the scales must stay identical. The reference skips the
+// same steps (data consumed, no optimizer step, no momentum) and clips the others by the norm
+// of the whole averaged gradient, which no single shard holds. Power-of-two scaling is exact,
+// so the shards' final values must agree to 1e-5, and differ from the unclipped reference.
+TEST_F(ConsistencyTest, SyncGlobalClippingAndLossScalingMatchOneProcess) {
+  if (!HaveMnist()) GTEST_SKIP() << "MNIST files not found under " << DataDir() << "/mnist";
+  constexpr int64_t kSteps = 50;
+  constexpr uint64_t kSeed = 7;
+  constexpr double kTolerance = 1e-5;
+  const std::string job = "e2e-sync-guard";
+  ASSERT_NO_FATAL_FAILURE(StartServers(kShards));
+  const std::string spec = WriteYaml("sync-guard", absl::StrCat(R"(
+name: e2e-sync-guard
+model: {name: mlp}
+dataset: {name: mnist}
+optimizer: {name: sgd, lr: 0.05, momentum: 0.9, lr_schedule: constant}
+batch_size: 16
+accumulation_steps: 2
+clip_grad_norm: 0.5
+loss_scale: {mode: dynamic, init_scale: 1024, growth_interval: 10}
+steps: )",
+                                                                kSteps, R"(
+mode: sync
+num_workers: 2
+num_shards: 2
+seed: 7
+log_every: 10
+)"));
+  std::vector<std::unique_ptr<Subprocess>> workers;
+  const char* kFaults[kWorkers] = {"--fault_nonfinite_steps=30", "--fault_nonfinite_steps=3,17"};
+  for (int r = 0; r < kWorkers; ++r) {
+    workers.push_back(StartWorker(
+        absl::StrCat("worker", r), {ServersFlag(), absl::StrCat("--rank=", r), "--job=" + spec,
+                                    "--evaluate=false", "--data_dir=" + DataDir(), kFaults[r]}));
+    ASSERT_NE(workers.back(), nullptr);
+  }
+  const std::vector<int> codes = WaitAll({workers[0].get(), workers[1].get()}, absl::Minutes(3));
+  std::vector<std::vector<int64_t>> skipped(kWorkers);
+  std::vector<std::string> last_scale(kWorkers);
+  double clipped_sum = 0;
+  for (int r = 0; r < kWorkers; ++r) {
+    ASSERT_EQ(codes[r], 0) << "worker " << r;
+    const std::string log = ReadFile(workers[r]->log_path());
+    const std::string done = DoneLine(log);
+    EXPECT_EQ(ToInt(LogField(done, "steps")), kSteps) << done;
+    for (const std::string& line : LinesWith(log, "event=step_skipped")) {
+      skipped[r].push_back(ToInt(LogField(line, "step")));
+    }
+    EXPECT_EQ(ToInt(LogField(done, "skipped_steps")), static_cast<int64_t>(skipped[r].size()));
+    for (const std::string& line : LinesWith(log, "event=progress")) {
+      clipped_sum += ToDouble(LogField(line, "clipped"));
+      last_scale[r] = LogField(line, "loss_scale").value_or("");
+    }
+    const std::vector<std::string> start = LinesWith(log, "event=train_start");
+    ASSERT_EQ(start.size(), 1u);
+    EXPECT_EQ(LogField(start[0], "commit_steps"), "1");
+  }
+  EXPECT_EQ(skipped[0], (std::vector<int64_t>{3, 17, 30}));
+  EXPECT_EQ(skipped[1], skipped[0]) << "every worker must skip the same steps";
+  // Steps 0-49: 1024, 512 after 3, 1024 after 13, 512 after 17, 1024 after 27, 512 after 30,
+  // 1024 after 40 (steps 41-49 are only 9 good ones).
+  EXPECT_EQ(last_scale[0], "1024");
+  EXPECT_EQ(last_scale[1], last_scale[0]);
+  EXPECT_GT(clipped_sum, 0) << "the bound must bite for the test to mean anything";
+  for (int s = 0; s < kShards; ++s) {
+    ASSERT_OK_AND_ASSIGN(JobInfoResponse info, GetJobInfo(addresses_[s], job));
+    EXPECT_EQ(info.steps_committed(), kSteps) << "shard " << s;
+    EXPECT_EQ(info.steps_skipped(), static_cast<int64_t>(skipped[0].size())) << "shard " << s;
+    EXPECT_EQ(info.pushes_applied(), kWorkers * kSteps) << "shard " << s;
+    EXPECT_EQ(info.workers(1).last_step(), kSteps - 1) << "shard " << s;
+  }
+
+  torch::set_num_threads(1);
+  ModelSpec model_spec;
+  model_spec.set_name("mlp");
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Model> ref, CreateModel(model_spec, kSeed));
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Model> unclipped, CreateModel(model_spec, kSeed));
+  const std::vector<std::string> names = ref->ParameterNames();
+  ASSERT_OK_AND_ASSIGN(JobData data, LoadDataset("mnist", DataDir() + "/mnist"));
+  BatchLoader::Options lo;
+  lo.batch_size = kWorkers * 32;
+  lo.max_steps = kSteps;
+  lo.seed = kSeed;
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<BatchLoader> loader,
+                       BatchLoader::Create(data.train.get(), lo));
+  torch::optim::SGD sgd(ref->Parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+  torch::optim::SGD sgd_free(unclipped->Parameters(),
+                             torch::optim::SGDOptions(0.05).momentum(0.9));
+  for (int64_t t = 0; t < kSteps; ++t) {
+    std::optional<Batch> batch = loader->Next();
+    ASSERT_TRUE(batch.has_value());
+    if (std::find(skipped[0].begin(), skipped[0].end(), t) != skipped[0].end()) continue;
+    torch::Tensor x = torch::from_blob(batch->x.data(), {64, 1, 28, 28}, torch::kFloat);
+    torch::Tensor y = torch::from_blob(batch->y.data(), {64}, torch::kLong);
+    sgd.zero_grad();
+    ASSERT_OK_AND_ASSIGN(torch::Tensor loss, CrossEntropyLoss(ref.get(), x, y));
+    loss.backward();
+    torch::nn::utils::clip_grad_norm_(ref->Parameters(), 0.5);
+    sgd.step();
+    sgd_free.zero_grad();
+    ASSERT_OK_AND_ASSIGN(torch::Tensor l2, CrossEntropyLoss(unclipped.get(), x, y));
+    l2.backward();
+    sgd_free.step();
+  }
+  const std::vector<torch::Tensor> want = ref->Parameters();
+  const std::vector<torch::Tensor> got = PullFromShards(job, names, want);
+  ASSERT_EQ(got.size(), want.size());
+  const std::vector<torch::Tensor> free = unclipped->Parameters();
+  double err = 0, err_free = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    const torch::Tensor g = got[i].to(torch::kDouble);
+    const torch::Tensor w = want[i].detach().to(torch::kDouble);
+    const torch::Tensor f = free[i].detach().to(torch::kDouble);
+    err = std::max(err, (g - w).norm().item<double>() / w.norm().item<double>());
+    err_free = std::max(err_free, (g - f).norm().item<double>() / f.norm().item<double>());
+  }
+  std::cout << absl::StrFormat(
+      "sync clip 0.5 + loss scaling (%d skipped steps): max rel. error vs clipped batch-64 "
+      "reference %.3e, vs unclipped %.3e\n",
+      skipped[0].size(), err, err_free);
+  EXPECT_LE(err, kTolerance);
+  EXPECT_GT(err_free, 100 * kTolerance) << "the comparison could not tell clipping from none";
   ASSERT_NO_FATAL_FAILURE(StopServers());
 }
 

@@ -92,6 +92,9 @@ struct TrainerOptions {
   absl::Duration wait_for_workers = absl::Minutes(30);  // Bound on the final wait (ps modes).
   // Fault injection for tests: sleep this long before every step (a slow worker).
   absl::Duration step_delay = absl::ZeroDuration();
+  // Fault injection for tests: after backward of these steps (absolute), this rank's gradient
+  // holds a NaN, as an fp16 overflow would leave it (exercises the loss-scaling skips).
+  std::vector<int64_t> nonfinite_steps;
   // gossip/allreduce: peer-service address (host:port) of every rank, in rank order.
   std::vector<std::string> peers;
   // gossip/allreduce: options of the channels to the peers' services (limits, TLS).
