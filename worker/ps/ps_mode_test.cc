@@ -5,6 +5,7 @@
 #include "worker/ps/ps_mode.h"
 
 #include <algorithm>
+#include <limits>
 #include <memory>
 #include <string>
 #include <utility>
@@ -12,6 +13,7 @@
 
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
+#include "common/status.h"
 #include "common/status_testing.h"
 #include "gtest/gtest.h"
 
@@ -40,6 +42,11 @@ class FakeClient : public ParameterClient {
     // Set: every push first waits (at most 5 s) for it, and records whether it was released.
     absl::Notification* gate = nullptr;
     std::vector<bool> released;
+    // commit_steps: the flags and commits seen; the first `missing_commits` commits answer
+    // that a shard lost the step.
+    std::vector<bool> nonfinite;
+    std::vector<SyncCommit> commits;
+    int missing_commits = 0;
   };
   explicit FakeClient(State* state) : s_(state) {}
 
@@ -78,6 +85,41 @@ class FakeClient : public ParameterClient {
     s_->pulled_versions.assign(params.size(), static_cast<int64_t>(s_->pushes.size()));
     s_->pull_push_counts.push_back(static_cast<int64_t>(s_->pushes.size()));
     return absl::OkStatus();
+  }
+  // commit_steps: one shard holding the whole model; the figures are the pushed parameters'.
+  absl::StatusOr<PreparedFigures> PushPrepared(int64_t step,
+                                               const std::vector<absl::Span<const float>>& grads,
+                                               bool nonfinite) override {
+    Values g;
+    PreparedFigures f;
+    f.nonfinite = nonfinite;
+    for (size_t t = 0; t < grads.size(); ++t) {
+      g.emplace_back(grads[t].begin(), grads[t].end());
+      if (s_->layout.tensors[t].buffer()) continue;
+      for (float v : grads[t]) f.grad_sq_norm += static_cast<double>(v) * v;
+    }
+    s_->pushes.push_back(std::move(g));
+    s_->nonfinite.push_back(nonfinite);
+    return f;
+  }
+  absl::StatusOr<bool> PullCommitted(const SyncCommit& commit,
+                                     const std::vector<absl::Span<float>>& params) override {
+    s_->commits.push_back(commit);
+    if (s_->missing_commits > 0) {
+      --s_->missing_commits;
+      return false;
+    }
+    const Values& g = s_->pushes.back();
+    for (size_t t = 0; t < g.size() && !commit.skip(); ++t) {
+      const bool buffer = s_->layout.tensors[t].buffer();
+      const float c = buffer ? 1.0f : static_cast<float>(commit.clip_coef());
+      for (size_t i = 0; i < g[t].size(); ++i) {
+        s_->values[t][i] += (buffer ? 1.0f : -1.0f) * c * g[t][i];
+      }
+    }
+    s_->last_step = commit.step();
+    RETURN_IF_ERROR(Pull(params));
+    return true;
   }
   std::vector<int64_t> PulledVersions() const override { return s_->pulled_versions; }
   absl::Status Finish(int64_t step) override { return absl::OkStatus(); }
@@ -342,6 +384,96 @@ TEST_F(PsModeTest, PipelinedExchangeReturnsBeforeItsPushEndsAndOwnsItsGradients)
   EXPECT_EQ(state_.pushes[1][0], (std::vector<float>{100, 200}));
   // Step 0's push was still waiting when Exchange(0) returned: released, not timed out.
   EXPECT_EQ(state_.released, (std::vector<bool>{true, true}));
+}
+
+}  // namespace
+}  // namespace gradmesh
+
+namespace gradmesh {
+namespace {
+
+// sync with clip_grad_norm and dynamic loss scaling commits its steps (JobLayout.commit_steps):
+// the mode unscales the loss-scaled gradient itself, pushes it, clips by the norm the shards
+// report (torch's max_norm / (norm + 1e-6)), skips a non-finite step on the shards' word
+// (pushing zeros flagged non-finite), and pushes and commits again when a shard lost the step.
+TEST_F(PsModeTest, SyncCommitsClipsByTheShardsNormAndSkipsNonFiniteSteps) {
+  options_.spec.set_mode("sync");
+  options_.mode = Mode::kSync;
+  options_.spec.set_clip_grad_norm(1);
+  options_.spec.mutable_loss_scale()->set_mode("dynamic");
+  Model m;
+  std::unique_ptr<TrainingMode> mode = MakeMode();
+  ASSERT_NE(mode, nullptr);
+  ASSERT_OK(mode->Start(&m.view, Steps(10)).status());
+  EXPECT_TRUE(state_.layout.commit_steps);
+  EXPECT_TRUE(mode->unscales_gradients());
+
+  // Loss scale 4: the gradient {3, 4} (norm 5) arrives as {12, 16}; buffer deltas unscaled.
+  mode->SetLossScale(4);
+  std::vector<float> gw = {12.0f, 16.0f}, drm = {0.25f, 0.25f}, dnbt = {1.0f};
+  std::vector<absl::Span<const float>> grads = {gw, drm, dnbt};
+  ASSERT_OK_AND_ASSIGN(StepOutcome out, mode->Exchange(0, grads, 0.5, StepTiming()));
+  EXPECT_FALSE(out.skipped);
+  ASSERT_EQ(state_.pushes.size(), 1u);
+  EXPECT_EQ(state_.pushes[0], (Values{{3.0f, 4.0f}, {0.25f, 0.25f}, {1.0f}}));
+  EXPECT_EQ(state_.nonfinite, std::vector<bool>{false});
+  ASSERT_EQ(state_.commits.size(), 1u);
+  EXPECT_EQ(state_.commits[0].step(), 0);
+  EXPECT_FALSE(state_.commits[0].skip());
+  EXPECT_DOUBLE_EQ(state_.commits[0].clip_coef(), 1.0 / (5.0 + 1e-6));
+  const float c = static_cast<float>(1.0 / (5.0 + 1e-6));
+  EXPECT_EQ(m.w, (std::vector<float>{1.0f - c * 3.0f, 2.0f - c * 4.0f}));
+  EXPECT_EQ(m.rm, (std::vector<float>{0.75f, -0.25f}));
+  const ClipCounters clip = mode->TakeClipCounters();
+  EXPECT_EQ(clip.steps, 1);
+  EXPECT_EQ(clip.clipped, 1);
+  EXPECT_DOUBLE_EQ(clip.norm_sum, 5.0);
+
+  // A NaN (an overflow): zeros go out flagged, the shards say skip, nothing changes.
+  const std::vector<float> w_before = m.w, rm_before = m.rm;
+  gw = {std::numeric_limits<float>::quiet_NaN(), 1.0f};
+  ASSERT_OK_AND_ASSIGN(StepOutcome skipped, mode->Exchange(1, grads, 0.5, StepTiming()));
+  EXPECT_TRUE(skipped.skipped);
+  EXPECT_EQ(state_.pushes[1], (Values{{0.0f, 0.0f}, {0.0f, 0.0f}, {0.0f}}));
+  EXPECT_EQ(state_.nonfinite.back(), true);
+  EXPECT_TRUE(state_.commits.back().skip());
+  EXPECT_EQ(m.w, w_before);
+  EXPECT_EQ(m.rm, rm_before);
+  EXPECT_EQ(mode->TakeClipCounters().steps, 0);  // A skipped step is not clipped.
+
+  // A shard restarted between the phases: the step is pushed and committed again.
+  state_.missing_commits = 1;
+  gw = {0.0f, 2.0f};  // Unscaled {0, 0.5}: norm 0.5, not clipped.
+  ASSERT_OK_AND_ASSIGN(StepOutcome again, mode->Exchange(2, grads, 0.5, StepTiming()));
+  EXPECT_FALSE(again.skipped);
+  EXPECT_EQ(state_.pushes.size(), 4u);
+  ASSERT_EQ(state_.commits.size(), 4u);
+  EXPECT_EQ(state_.commits[2].step(), 2);
+  EXPECT_EQ(state_.commits[3].step(), 2);
+  EXPECT_EQ(state_.commits[3].clip_coef(), 1.0);
+  EXPECT_EQ(mode->TakeClipCounters().clipped, 0);
+
+  // A shard that keeps losing the step fails the step after a few tries.
+  state_.missing_commits = 100;
+  EXPECT_EQ(mode->Exchange(3, grads, 0.5, StepTiming()).status().code(),
+            absl::StatusCode::kUnavailable);
+}
+
+// Plain sync (no clipping, no dynamic scaling) keeps the one-phase apply.
+TEST_F(PsModeTest, PlainSyncDoesNotCommitSteps) {
+  options_.spec.set_mode("sync");
+  options_.mode = Mode::kSync;
+  Model m;
+  std::unique_ptr<TrainingMode> mode = MakeMode();
+  ASSERT_NE(mode, nullptr);
+  ASSERT_OK(mode->Start(&m.view, Steps(10)).status());
+  EXPECT_FALSE(state_.layout.commit_steps);
+  EXPECT_FALSE(mode->unscales_gradients());
+  const std::vector<float> gw = {1.0f, 1.0f}, drm = {0.0f, 0.0f}, dnbt = {0.0f};
+  const std::vector<absl::Span<const float>> grads = {gw, drm, dnbt};
+  ASSERT_OK(mode->Exchange(0, grads, 0.5, StepTiming()).status());
+  EXPECT_TRUE(state_.commits.empty());
+  EXPECT_EQ(state_.pushes.size(), 1u);
 }
 
 }  // namespace
