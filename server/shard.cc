@@ -37,9 +37,8 @@ struct Shard::Job {
     if (state->layout().commit_steps()) {
       const JobState* st = state.get();
       commits = std::make_unique<SyncCommits>(
-          st->name(), st->layout().clip_grad_value(), [st](int64_t idx) {
-            return !st->is_buffer(st->partition().chunks()[idx].tensor);
-          });
+          st->name(), st->layout().clip_grad_value(),
+          [st](int64_t idx) { return !st->is_buffer(st->partition().chunks()[idx].tensor); });
     }
   }
 
@@ -503,10 +502,9 @@ absl::Status Shard::StartPull(const PullRequest& request, PullResponse* response
 absl::StatusOr<bool> Shard::CommitStep(const std::shared_ptr<Job>& job,
                                        const PullRequest& request) {
   if (job->commits == nullptr) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("Pull: job ", request.job(), " worker ", request.worker(),
-                     " commits sync step ", request.commit().step(),
-                     ", but the job does not commit its steps (commit_steps)"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "Pull: job ", request.job(), " worker ", request.worker(), " commits sync step ",
+        request.commit().step(), ", but the job does not commit its steps (commit_steps)"));
   }
   const int32_t worker = request.worker();
   ASSIGN_OR_RETURN(

@@ -1046,7 +1046,8 @@ PushRequest CommitPush(int32_t worker, int64_t step, uint64_t id, float scale = 
     const ChunkInfo& c = p.chunks()[owned[k]];
     std::vector<float> g(c.numel);
     for (int64_t e = 0; e < c.numel; ++e) {
-      g[e] = scale * static_cast<float>(((worker + 1) * (static_cast<int>(k) + 2) + e + step) % 7 - 3);
+      g[e] =
+          scale * static_cast<float>(((worker + 1) * (static_cast<int>(k) + 2) + e + step) % 7 - 3);
     }
     ChunkData* d = r.add_chunks();
     d->set_tensor(c.tensor);
@@ -1097,7 +1098,8 @@ absl::StatusOr<PullResponse> CommitPull(Shard* shard, int32_t worker, int64_t st
 
 std::vector<PulledChunk> Chunks(const PullResponse& resp) {
   std::vector<PulledChunk> out;
-  for (const ChunkData& c : resp.chunks()) out.push_back({c.tensor(), c.chunk(), c.version(), c.data()});
+  for (const ChunkData& c : resp.chunks())
+    out.push_back({c.tensor(), c.chunk(), c.version(), c.data()});
   return out;
 }
 
@@ -1149,7 +1151,8 @@ TEST_F(DurabilityTest, CommitStepsApplyTheHeldStepOnceScaledByTheCoefficient) {
     EXPECT_EQ(Chunks(first), PullAll(twin.get())) << "step " << step;
     EXPECT_EQ(Chunks(second), Chunks(first));
     // A commit that contradicts the one applied is refused and changes nothing.
-    EXPECT_STATUS_MSG(CommitPull(shard_.get(), 0, step, coef / 2), absl::StatusCode::kInvalidArgument,
+    EXPECT_STATUS_MSG(CommitPull(shard_.get(), 0, step, coef / 2),
+                      absl::StatusCode::kInvalidArgument,
                       "but the step was committed with clip_coef");
   }
   ASSERT_OK_AND_ASSIGN(const JobInfoResponse info, Info(shard_.get()));

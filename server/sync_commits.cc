@@ -50,10 +50,9 @@ absl::Status SyncCommits::Prepare(const ChunkUpdate& avg) {
   held.figures.set_value_clipped(clamped);
   absl::MutexLock lock(&mu_);
   if (static_cast<int>(prepared_.size()) >= kMaxPrepared) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("sync step ", step, " of job ", job_, ": ", prepared_.size(),
-                     " earlier steps (from ", prepared_.begin()->first,
-                     ") still wait for their commit; nothing was applied"));
+    return absl::FailedPreconditionError(absl::StrCat(
+        "sync step ", step, " of job ", job_, ": ", prepared_.size(), " earlier steps (from ",
+        prepared_.begin()->first, ") still wait for their commit; nothing was applied"));
   }
   prepared_[step] = std::move(held);
   return absl::OkStatus();
@@ -76,8 +75,8 @@ absl::StatusOr<SyncCommits::Outcome> SyncCommits::Commit(
     const SyncCommit& commit, int32_t worker, const ApplyFn& apply,
     const std::function<bool(int64_t)>& applied_before) {
   const int64_t step = commit.step();
-  const std::string where = absl::StrCat("Pull: job ", job_, " worker ", worker,
-                                         " commit of sync step ", step);
+  const std::string where =
+      absl::StrCat("Pull: job ", job_, " worker ", worker, " commit of sync step ", step);
   if (!commit.skip() && !(commit.clip_coef() > 0 && commit.clip_coef() <= 1)) {
     return absl::InvalidArgumentError(
         absl::StrCat(where, ": clip_coef ", commit.clip_coef(), " is not in (0, 1]"));
@@ -90,11 +89,12 @@ absl::StatusOr<SyncCommits::Outcome> SyncCommits::Commit(
     if (auto it = committed_.find(step); it != committed_.end()) {
       const Done& d = it->second;
       if (d.skip != commit.skip() || (!d.skip && d.clip_coef != commit.clip_coef())) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            where, " says ", commit.skip() ? "skip" : absl::StrCat("clip_coef ", commit.clip_coef()),
-            ", but the step was committed with ",
-            d.skip ? "skip" : absl::StrCat("clip_coef ", d.clip_coef),
-            " (the workers must add the shards' figures in shard order)"));
+        return absl::InvalidArgumentError(
+            absl::StrCat(where, " says ",
+                         commit.skip() ? "skip" : absl::StrCat("clip_coef ", commit.clip_coef()),
+                         ", but the step was committed with ",
+                         d.skip ? "skip" : absl::StrCat("clip_coef ", d.clip_coef),
+                         " (the workers must add the shards' figures in shard order)"));
       }
       return Outcome::kAlreadyApplied;
     }

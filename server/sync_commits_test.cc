@@ -59,15 +59,15 @@ TEST(SyncCommitsTest, ValueClippingComesBeforeTheNormAndSparesBuffers) {
   EXPECT_TRUE(commits.Find(0, 0)->value_clipped());
   std::vector<std::vector<float>> applied;
   ASSERT_OK_AND_ASSIGN(SyncCommits::Outcome out,
-                       commits.Commit(Decide(0, 1.0), 0,
-                                      [&](const ChunkUpdate& u) {
-                                        for (size_t i = 0; i < u.chunks.size(); ++i) {
-                                          applied.emplace_back(u.grads[i],
-                                                               u.grads[i] + u.numels[i]);
-                                        }
-                                        return absl::OkStatus();
-                                      },
-                                      Never));
+                       commits.Commit(
+                           Decide(0, 1.0), 0,
+                           [&](const ChunkUpdate& u) {
+                             for (size_t i = 0; i < u.chunks.size(); ++i) {
+                               applied.emplace_back(u.grads[i], u.grads[i] + u.numels[i]);
+                             }
+                             return absl::OkStatus();
+                           },
+                           Never));
   EXPECT_EQ(out, SyncCommits::Outcome::kApplied);
   EXPECT_EQ(applied, (std::vector<std::vector<float>>{{3, -3.5f}, {100}}));
 }
@@ -131,12 +131,13 @@ TEST(SyncCommitsTest, SkipAppliesAnUpdateWithTheRequestsAndNoChunks) {
   ASSERT_OK(commits.Prepare(Avg().Update(0)));
   ChunkUpdate seen;
   ASSERT_OK(commits
-                .Commit(Decide(0, 0, /*skip=*/true), 0,
-                        [&](const ChunkUpdate& u) {
-                          seen = u;
-                          return absl::OkStatus();
-                        },
-                        Never)
+                .Commit(
+                    Decide(0, 0, /*skip=*/true), 0,
+                    [&](const ChunkUpdate& u) {
+                      seen = u;
+                      return absl::OkStatus();
+                    },
+                    Never)
                 .status());
   EXPECT_TRUE(seen.chunks.empty());
   EXPECT_TRUE(seen.grads.empty());
@@ -172,17 +173,18 @@ TEST(SyncCommitsTest, MissingUnlessTheShardAppliedItBeforeARestart) {
 TEST(SyncCommitsTest, AFailedApplyDropsTheStepSoItIsPushedAgain) {
   SyncCommits commits = Make();
   ASSERT_OK(commits.Prepare(Avg().Update(0)));
-  absl::Status st =
-      commits
-          .Commit(Decide(0, 1), 0, [](const ChunkUpdate&) { return absl::DataLossError("disk"); },
-                  Never)
-          .status();
+  absl::Status st = commits
+                        .Commit(
+                            Decide(0, 1), 0,
+                            [](const ChunkUpdate&) { return absl::DataLossError("disk"); }, Never)
+                        .status();
   EXPECT_EQ(st.code(), absl::StatusCode::kDataLoss);
   EXPECT_NE(st.message().find("commit of sync step 0"), std::string::npos) << st;
   EXPECT_FALSE(commits.Find(0, 0).has_value());
   ASSERT_OK_AND_ASSIGN(
       SyncCommits::Outcome out,
-      commits.Commit(Decide(0, 1), 1, [](const ChunkUpdate&) { return absl::OkStatus(); }, Never));
+      commits.Commit(
+          Decide(0, 1), 1, [](const ChunkUpdate&) { return absl::OkStatus(); }, Never));
   EXPECT_EQ(out, SyncCommits::Outcome::kMissing);
 }
 
@@ -194,8 +196,8 @@ TEST(SyncCommitsTest, BoundedPreparedStepsAndOrphansGoWithALaterCommit) {
   EXPECT_EQ(commits.Prepare(Avg().Update(SyncCommits::kMaxPrepared)).code(),
             absl::StatusCode::kFailedPrecondition);
   ASSERT_OK(commits
-                .Commit(Decide(2, 1), 0, [](const ChunkUpdate&) { return absl::OkStatus(); },
-                        Never)
+                .Commit(
+                    Decide(2, 1), 0, [](const ChunkUpdate&) { return absl::OkStatus(); }, Never)
                 .status());
   EXPECT_FALSE(commits.Find(0, 0).has_value());
   EXPECT_FALSE(commits.Find(1, 0).has_value());

@@ -165,7 +165,7 @@ class TrainingLoop {
   // Forward and backward of micro-batch `k` of the step; its loss into *loss_sum.
   absl::Status MicroStep(Batch& batch, int k, double* loss_sum);
   // async, ssp, gossip: the clipping of this worker's gradient (allreduce clips the averaged
-  // one itself; sync refuses clipping).
+  // one itself; sync clips through the shards' two-phase apply).
   void ClipLocal();
   // Loss scaling where the loop unscales (not allreduce): the parameters' gradients divided
   // by the scale in place; false if one of them or a buffer delta is not finite (the step is

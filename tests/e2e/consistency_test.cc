@@ -436,9 +436,9 @@ log_every: 10
   std::vector<std::unique_ptr<Subprocess>> workers;
   const char* kFaults[kWorkers] = {"--fault_nonfinite_steps=30", "--fault_nonfinite_steps=3,17"};
   for (int r = 0; r < kWorkers; ++r) {
-    workers.push_back(StartWorker(
-        absl::StrCat("worker", r), {ServersFlag(), absl::StrCat("--rank=", r), "--job=" + spec,
-                                    "--evaluate=false", "--data_dir=" + DataDir(), kFaults[r]}));
+    workers.push_back(StartWorker(absl::StrCat("worker", r),
+                                  {ServersFlag(), absl::StrCat("--rank=", r), "--job=" + spec,
+                                   "--evaluate=false", "--data_dir=" + DataDir(), kFaults[r]}));
     ASSERT_NE(workers.back(), nullptr);
   }
   const std::vector<int> codes = WaitAll({workers[0].get(), workers[1].get()}, absl::Minutes(3));
@@ -491,8 +491,7 @@ log_every: 10
   ASSERT_OK_AND_ASSIGN(std::unique_ptr<BatchLoader> loader,
                        BatchLoader::Create(data.train.get(), lo));
   torch::optim::SGD sgd(ref->Parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
-  torch::optim::SGD sgd_free(unclipped->Parameters(),
-                             torch::optim::SGDOptions(0.05).momentum(0.9));
+  torch::optim::SGD sgd_free(unclipped->Parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
   for (int64_t t = 0; t < kSteps; ++t) {
     std::optional<Batch> batch = loader->Next();
     ASSERT_TRUE(batch.has_value());

@@ -5,7 +5,8 @@
 //                         c / (total + 1e-6) < 1, every element is multiplied by it.
 // Values first, then the norm (as a script calling both in that order). Where it runs: the
 // training loop for async, ssp and gossip (each worker's own gradient), the allreduce mode on
-// the averaged gradient (so it is the global norm, identical on every rank); sync refuses it.
+// the averaged gradient (so it is the global norm, identical on every rank); sync through the
+// shards (server/sync_commits.h: the shards' parts of the norm, the workers' coefficient).
 //
 // Thread safety: pure functions of their arguments.
 #ifndef GRADMESH_WORKER_CORE_GRAD_CLIP_H_

@@ -110,9 +110,9 @@ class PsMode : public TrainingMode {
   double last_wait_s_ = 0;  // What the last drain waited (the exposed part; auto codec).
   // commit_steps (sync jobs that clip or scale the loss; JobLayout.commit_steps).
   bool commit_ = false;
-  bool scaling_ = false;   // Dynamic loss scaling: the mode unscales.
-  float loss_scale_ = 1;   // The loop's scale for the current step.
-  double clip_norm_ = 0;   // clip_grad_norm (0: off).
+  bool scaling_ = false;  // Dynamic loss scaling: the mode unscales.
+  float loss_scale_ = 1;  // The loop's scale for the current step.
+  double clip_norm_ = 0;  // clip_grad_norm (0: off).
   ClipCounters clip_counters_;
   std::vector<std::vector<float>> zeros_;  // The payload of a non-finite step.
   // Last: destroyed (waiting for a running exchange) before the buffers it uses.
