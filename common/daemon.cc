@@ -7,6 +7,7 @@
 #include <cstdio>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 
 namespace gradmesh {
 
@@ -32,6 +33,10 @@ std::string WaitForTerminationSignal() {
 void TuneAllocatorForLargeMessages() {
   mallopt(M_MMAP_THRESHOLD, 256 << 20);
   mallopt(M_TRIM_THRESHOLD, 1 << 30);
+}
+
+void DisableMutexDeadlockDetection() {
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
 }
 
 std::string HostName() {

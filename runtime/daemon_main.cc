@@ -13,6 +13,7 @@ namespace gradmesh {
 
 void InitDaemonProcess(int argc, char** argv, const ProcessOptions& options) {
   BlockTerminationSignals();
+  DisableMutexDeadlockDetection();
   if (options.tune_allocator_for_large_messages) TuneAllocatorForLargeMessages();
   absl::ParseCommandLine(argc, argv);
 }

@@ -58,7 +58,8 @@ struct ProcessOptions {
 };
 
 // The start of main(): blocks SIGTERM/SIGINT for every thread started later (they are taken
-// synchronously by WaitForTerminationSignal), optionally tunes the allocator, then parses
+// synchronously by WaitForTerminationSignal), turns off absl::Mutex deadlock detection
+// (DisableMutexDeadlockDetection, common/daemon.h), optionally tunes the allocator, then parses
 // the command line (absl flags; the flags themselves are defined in the main file). Exits
 // the process with absl's usage message on an unknown flag, as absl::ParseCommandLine does.
 void InitDaemonProcess(int argc, char** argv, const ProcessOptions& options = {});

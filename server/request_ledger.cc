@@ -101,6 +101,11 @@ int64_t RequestLedger::updates_applied() const {
   return updates_applied_;
 }
 
+int64_t RequestLedger::last_step(int32_t worker) const {
+  absl::MutexLock lock(&mu_);
+  return workers_[worker].progress.last_step;
+}
+
 RequestLedger::Stats RequestLedger::stats() const {
   absl::MutexLock lock(&mu_);
   Stats s;

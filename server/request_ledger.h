@@ -71,6 +71,8 @@ class RequestLedger {
   bool AllFinished(const std::vector<bool>& counted) const ABSL_LOCKS_EXCLUDED(mu_);
 
   int64_t updates_applied() const ABSL_LOCKS_EXCLUDED(mu_);
+  // The last step an update applied for `worker` (in range, checked by the caller); -1 if none.
+  int64_t last_step(int32_t worker) const ABSL_LOCKS_EXCLUDED(mu_);
 
   struct WorkerProgress {
     int64_t last_step = -1;

@@ -39,6 +39,8 @@ TEST(RequestLedgerTest, AppliedPushesAreCountedPerWorker) {
   // Staleness 0, 2 and 9 (>= buckets - 1 lands in the last bucket).
   EXPECT_EQ(s.staleness, (std::vector<int64_t>{1, 0, 1, 1}));
   EXPECT_EQ(l.updates_applied(), 3);
+  EXPECT_EQ(l.last_step(0), 1);
+  EXPECT_EQ(l.last_step(1), 5);
 }
 
 TEST(RequestLedgerTest, RetriesAndOldStepsAreDuplicates) {

@@ -514,9 +514,7 @@ absl::StatusOr<bool> Shard::CommitStep(const std::shared_ptr<Job>& job,
           [this, &job](const ChunkUpdate& u) { return ApplyUpdate(job.get(), u, false); },
           // After a restart the shard may have applied (replayed) the step with no figures
           // left: the worker's own progress says so.
-          [&job, worker](int64_t step) {
-            return job->ledger.stats().workers[worker].last_step >= step;
-          }));
+          [&job, worker](int64_t step) { return job->ledger.last_step(worker) >= step; }));
   if (outcome == SyncCommits::Outcome::kApplied) {
     // As after an applied push: a failed periodic snapshot is logged, the step stands.
     (void)job->durability.MaybeSnapshot(/*force=*/false);

@@ -22,7 +22,6 @@ absl::Status SyncCommits::Prepare(const ChunkUpdate& avg) {
   Held held;
   held.update = avg;
   held.update.grads.clear();
-  held.figures.set_nonfinite(avg.nonfinite);
   const float v = static_cast<float>(clip_value_);
   double sq = 0;
   bool finite = true, clamped = false;
@@ -44,9 +43,9 @@ absl::Status SyncCommits::Prepare(const ChunkUpdate& avg) {
     held.param_chunk.push_back(param);
     held.grads.push_back(std::move(g));
   }
-  held.figures.set_nonfinite(avg.nonfinite || !finite);
+  // A finite sum of squares can still overflow to Inf: that step is as unusable as a NaN.
+  held.figures.set_nonfinite(avg.nonfinite || !finite || !std::isfinite(sq));
   held.figures.set_grad_sq_norm(std::isfinite(sq) ? sq : 0);
-  if (!std::isfinite(sq)) held.figures.set_nonfinite(true);
   held.figures.set_value_clipped(clamped);
   absl::MutexLock lock(&mu_);
   if (static_cast<int>(prepared_.size()) >= kMaxPrepared) {

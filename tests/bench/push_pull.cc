@@ -16,6 +16,10 @@
 // inflight, ops, gb_per_s (payload GB/s, 1e9 bytes, summed over clients), p50_us, p99_us (per
 // op).
 //
+// --keys=K makes each operation one step of a K-tensor model (K x size bytes, fused into one
+// message per shard by the client, as in training): the same payload as one round of
+// ps-lite's benchmark (40 keys issued, then awaited), so --keys=40 compares round for round.
+//
 // Durability cost: --durability=none,periodic,every_update --ops=push
 #include <grpcpp/server.h>
 #include <grpcpp/server_builder.h>
@@ -44,7 +48,11 @@
 
 ABSL_FLAG(double, seconds, 2.0, "Measurement time per configuration.");
 ABSL_FLAG(int, inflight, 4, "Concurrent clients (operations in flight).");
-ABSL_FLAG(std::string, sizes, "4096,262144,4194304", "Payload sizes in bytes.");
+ABSL_FLAG(std::string, sizes, "4096,262144,4194304", "Payload sizes in bytes (per tensor).");
+ABSL_FLAG(int, keys, 1,
+          "Tensors in the job, each `size` bytes; one operation pushes or pulls all of them (one "
+          "training step of a K-layer model, fused into one message per shard as the worker "
+          "does; ps-lite's benchmark issues its 40 keys as 40 messages, then waits for all).");
 ABSL_FLAG(std::string, ops, "push,pull,pushpull", "Operations to measure.");
 ABSL_FLAG(std::string, shards, "1,2", "Shard counts to measure.");
 ABSL_FLAG(std::string, durability, "none",
@@ -56,6 +64,8 @@ ABSL_FLAG(std::string, transports, "stream,unary",
           "Client transports to measure (GrpcParameterClientOptions.transport), in turn.");
 ABSL_FLAG(int64_t, stream_max_bytes, -1,
           "GrpcParameterClientOptions.stream_max_bytes (-1: the client's default).");
+ABSL_FLAG(bool, mutex_deadlock_detection, false,
+          "Leave absl::Mutex deadlock detection on (the daemons turn it off; for an A/B run).");
 ABSL_FLAG(double, warmup_seconds, 0.5,
           "Untimed run of each configuration before it is measured (first-touch page faults, "
           "allocator and connection warm-up would otherwise favour whatever runs second).");
@@ -105,7 +115,7 @@ struct Measured {
 
 // Runs `op` back to back on every client for `seconds`.
 Measured Measure(const std::vector<std::unique_ptr<ParameterClient>>& clients, absl::string_view op,
-                 int64_t n, double seconds) {
+                 int64_t n, int keys, double seconds) {
   const bool do_push = op == "push" || op == "pushpull";
   const bool do_pull = op == "pull" || op == "pushpull";
   const int inflight = static_cast<int>(clients.size());
@@ -116,14 +126,18 @@ Measured Measure(const std::vector<std::unique_ptr<ParameterClient>>& clients, a
   const absl::Time end = start + absl::Seconds(seconds);
   for (int w = 0; w < inflight; ++w) {
     threads.emplace_back([&, w] {
-      std::vector<float> grad(n, 0.5f), params(n);
+      std::vector<float> grad(n * keys, 0.5f), params(n * keys);
+      std::vector<absl::Span<const float>> grads;
+      std::vector<absl::Span<float>> outs;
+      for (int k = 0; k < keys; ++k) {
+        grads.emplace_back(grad.data() + k * n, n);
+        outs.emplace_back(params.data() + k * n, n);
+      }
       int64_t step = 0;
       while (absl::Now() < end && !failed.load()) {
         const absl::Time t0 = absl::Now();
-        if (do_push && !clients[w]->Push(step++, {absl::Span<const float>(grad)}).ok()) {
-          failed = true;
-        }
-        if (do_pull && !clients[w]->Pull({absl::Span<float>(params)}).ok()) failed = true;
+        if (do_push && !clients[w]->Push(step++, grads).ok()) failed = true;
+        if (do_pull && !clients[w]->Pull(outs).ok()) failed = true;
         lat[w].push_back(absl::ToDoubleMicroseconds(absl::Now() - t0));
       }
     });
@@ -144,6 +158,11 @@ int Run() {
   RpcOptions rpc;
   const double seconds = absl::GetFlag(FLAGS_seconds);
   const int inflight = absl::GetFlag(FLAGS_inflight);
+  const int keys = absl::GetFlag(FLAGS_keys);
+  if (keys < 1) {
+    std::fprintf(stderr, "--keys must be >= 1\n");
+    return 2;
+  }
   int job_id = 0;
   for (absl::string_view durability_s : absl::StrSplit(absl::GetFlag(FLAGS_durability), ',')) {
     const std::string durability(durability_s);
@@ -167,10 +186,12 @@ int Run() {
         const int64_t n = bytes / 4;
         JobLayout layout;
         layout.job = absl::StrCat("bench", job_id++);
-        TensorSpec t;
-        t.set_name("w");
-        t.add_shape(n);
-        layout.tensors.push_back(t);
+        for (int k = 0; k < keys; ++k) {
+          TensorSpec t;
+          t.set_name(keys == 1 ? "w" : absl::StrCat("w", k));
+          t.add_shape(n);
+          layout.tensors.push_back(t);
+        }
         layout.chunk_elems = (n + num_shards - 1) / num_shards;
         layout.optimizer.set_name("sgd");
         layout.optimizer.set_lr(1e-6);
@@ -194,30 +215,32 @@ int Run() {
           }
         }
         std::vector<float> init(n, 1.0f);
-        absl::Status st = clients[0][0]->InitJob({absl::Span<const float>(init)});
+        absl::Status st = clients[0][0]->InitJob(
+            std::vector<absl::Span<const float>>(keys, absl::Span<const float>(init)));
         if (!st.ok()) {
           std::fprintf(stderr, "InitJob failed: %s\n", st.ToString().c_str());
           return 1;
         }
         for (absl::string_view op : absl::StrSplit(absl::GetFlag(FLAGS_ops), ',')) {
           for (size_t t = 0; t < transports.size(); ++t) {
-            if (Measure(clients[t], op, n, absl::GetFlag(FLAGS_warmup_seconds)).failed) {
+            if (Measure(clients[t], op, n, keys, absl::GetFlag(FLAGS_warmup_seconds)).failed) {
               std::fprintf(stderr, "operation %s failed\n", std::string(op).c_str());
               return 1;
             }
-            const Measured m = Measure(clients[t], op, n, seconds);
+            const Measured m = Measure(clients[t], op, n, keys, seconds);
             if (m.failed) {
               std::fprintf(stderr, "operation %s failed\n", std::string(op).c_str());
               return 1;
             }
-            const double payload = static_cast<double>(m.ops) * bytes * (op == "pushpull" ? 2 : 1);
+            const double payload =
+                static_cast<double>(m.ops) * keys * bytes * (op == "pushpull" ? 2 : 1);
             std::printf(
                 "{\"op\":\"%s\",\"bytes\":%lld,\"shards\":%d,\"durability\":\"%s\","
-                "\"transport\":\"%s\",\"inflight\":%d,\"ops\":%lld,"
+                "\"transport\":\"%s\",\"inflight\":%d,\"keys\":%d,\"ops\":%lld,"
                 "\"gb_per_s\":%.3f,\"p50_us\":%.1f,\"p99_us\":%.1f}\n",
                 std::string(op).c_str(), static_cast<long long>(bytes), num_shards,
-                durability.c_str(), transports[t].c_str(), inflight, static_cast<long long>(m.ops),
-                payload / m.wall_s / 1e9, m.p50_us, m.p99_us);
+                durability.c_str(), transports[t].c_str(), inflight, keys,
+                static_cast<long long>(m.ops), payload / m.wall_s / 1e9, m.p50_us, m.p99_us);
             std::fflush(stdout);
           }
         }
@@ -241,5 +264,6 @@ int Run() {
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
   gradmesh::TuneAllocatorForLargeMessages();  // As the daemons do.
+  if (!absl::GetFlag(FLAGS_mutex_deadlock_detection)) gradmesh::DisableMutexDeadlockDetection();
   return gradmesh::Run();
 }

@@ -21,6 +21,7 @@
 #include "common/status_testing.h"
 #include "gtest/gtest.h"
 #include "tests/e2e/e2e_harness.h"
+#include "tests/e2e/torch_reference.h"
 #include "tests/testing/subprocess.h"
 #include "worker/core/dataset.h"
 #include "worker/model.h"
@@ -67,35 +68,6 @@ class AllreduceTest : public E2eHarness {
 
   std::vector<std::string> addresses_;
 };
-
-// Reads the tensors a built-in model saved with torch::save (one archive per submodule).
-std::vector<torch::Tensor> LoadSaved(const std::string& path,
-                                     const std::vector<std::string>& names) {
-  torch::serialize::InputArchive archive;
-  archive.load_from(path);
-  std::vector<torch::Tensor> out;
-  for (const std::string& name : names) {
-    const size_t dot = name.find('.');
-    torch::serialize::InputArchive child;
-    torch::Tensor t;
-    if (!archive.try_read(name.substr(0, dot), child) || !child.try_read(name.substr(dot + 1), t)) {
-      ADD_FAILURE() << "no " << name << " in " << path;
-      return {};
-    }
-    out.push_back(t);
-  }
-  return out;
-}
-
-// Max over tensors of ||a - b|| / ||b||.
-double MaxRelError(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
-  double worst = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    const torch::Tensor x = a[i].to(torch::kDouble), y = b[i].to(torch::kDouble);
-    worst = std::max(worst, (x - y).norm().item<double>() / y.norm().item<double>());
-  }
-  return worst;
-}
 
 constexpr char kEquivalenceJob[] = R"(
 name: e2e-allreduce-eq
@@ -263,39 +235,13 @@ TEST_F(AllreduceTest, AccumulationAndGlobalClippingEqualOneProcessWithTheWholeBa
   EXPECT_GT(progress_lines, 0);
   EXPECT_GT(clipped_sum, 0) << "the bound must bite for the test to mean anything";
 
-  torch::set_num_threads(1);
-  ModelSpec spec;
-  spec.set_name("mlp");
-  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Model> ref, CreateModel(spec, 7));
-  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Model> unclipped, CreateModel(spec, 7));
-  const std::vector<std::string> names = ref->ParameterNames();
-  ASSERT_OK_AND_ASSIGN(JobData data, LoadDataset("mnist", DataDir() + "/mnist"));
-  BatchLoader::Options lo;
-  lo.batch_size = 64;
-  lo.max_steps = kSteps;
-  lo.seed = 7;
-  ASSERT_OK_AND_ASSIGN(std::unique_ptr<BatchLoader> loader,
-                       BatchLoader::Create(data.train.get(), lo));
-  torch::optim::SGD sgd(ref->Parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
-  torch::optim::SGD sgd_free(unclipped->Parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
-  for (int64_t t = 0; t < kSteps; ++t) {
-    std::optional<Batch> batch = loader->Next();
-    ASSERT_TRUE(batch.has_value());
-    torch::Tensor x = torch::from_blob(batch->x.data(), {64, 1, 28, 28}, torch::kFloat);
-    torch::Tensor y = torch::from_blob(batch->y.data(), {64}, torch::kLong);
-    sgd.zero_grad();
-    ASSERT_OK_AND_ASSIGN(torch::Tensor loss, CrossEntropyLoss(ref.get(), x, y));
-    loss.backward();
-    torch::nn::utils::clip_grad_norm_(ref->Parameters(), 0.5);
-    sgd.step();
-    sgd_free.zero_grad();
-    ASSERT_OK_AND_ASSIGN(torch::Tensor l2, CrossEntropyLoss(unclipped.get(), x, y));
-    l2.backward();
-    sgd_free.step();
-  }
-  std::vector<torch::Tensor> want, want_free;
-  for (const auto& p : ref->Parameters()) want.push_back(p.detach());
-  for (const auto& p : unclipped->Parameters()) want_free.push_back(p.detach());
+  ClippedReferenceOptions ro;
+  ro.mnist_dir = DataDir() + "/mnist";
+  ro.steps = kSteps;
+  ASSERT_OK_AND_ASSIGN(const ClippedReference ref, TrainClippedMlpReference(ro));
+  const std::vector<std::string>& names = ref.names;
+  const std::vector<torch::Tensor>& want = ref.clipped;
+  const std::vector<torch::Tensor>& want_free = ref.unclipped;
   std::vector<torch::Tensor> got = LoadSaved(output, names);
   ASSERT_EQ(got.size(), names.size());
   const double err = MaxRelError(got, want);

@@ -31,6 +31,7 @@
 #include "gtest/gtest.h"
 #include "proto/gradmesh.pb.h"
 #include "tests/e2e/e2e_harness.h"
+#include "tests/e2e/torch_reference.h"
 #include "tests/testing/subprocess.h"
 #include "worker/core/dataset.h"
 #include "worker/model.h"
@@ -477,49 +478,17 @@ log_every: 10
     EXPECT_EQ(info.workers(1).last_step(), kSteps - 1) << "shard " << s;
   }
 
-  torch::set_num_threads(1);
-  ModelSpec model_spec;
-  model_spec.set_name("mlp");
-  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Model> ref, CreateModel(model_spec, kSeed));
-  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Model> unclipped, CreateModel(model_spec, kSeed));
-  const std::vector<std::string> names = ref->ParameterNames();
-  ASSERT_OK_AND_ASSIGN(JobData data, LoadDataset("mnist", DataDir() + "/mnist"));
-  BatchLoader::Options lo;
-  lo.batch_size = kWorkers * 32;
-  lo.max_steps = kSteps;
-  lo.seed = kSeed;
-  ASSERT_OK_AND_ASSIGN(std::unique_ptr<BatchLoader> loader,
-                       BatchLoader::Create(data.train.get(), lo));
-  torch::optim::SGD sgd(ref->Parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
-  torch::optim::SGD sgd_free(unclipped->Parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
-  for (int64_t t = 0; t < kSteps; ++t) {
-    std::optional<Batch> batch = loader->Next();
-    ASSERT_TRUE(batch.has_value());
-    if (std::find(skipped[0].begin(), skipped[0].end(), t) != skipped[0].end()) continue;
-    torch::Tensor x = torch::from_blob(batch->x.data(), {64, 1, 28, 28}, torch::kFloat);
-    torch::Tensor y = torch::from_blob(batch->y.data(), {64}, torch::kLong);
-    sgd.zero_grad();
-    ASSERT_OK_AND_ASSIGN(torch::Tensor loss, CrossEntropyLoss(ref.get(), x, y));
-    loss.backward();
-    torch::nn::utils::clip_grad_norm_(ref->Parameters(), 0.5);
-    sgd.step();
-    sgd_free.zero_grad();
-    ASSERT_OK_AND_ASSIGN(torch::Tensor l2, CrossEntropyLoss(unclipped.get(), x, y));
-    l2.backward();
-    sgd_free.step();
-  }
-  const std::vector<torch::Tensor> want = ref->Parameters();
-  const std::vector<torch::Tensor> got = PullFromShards(job, names, want);
-  ASSERT_EQ(got.size(), want.size());
-  const std::vector<torch::Tensor> free = unclipped->Parameters();
-  double err = 0, err_free = 0;
-  for (size_t i = 0; i < want.size(); ++i) {
-    const torch::Tensor g = got[i].to(torch::kDouble);
-    const torch::Tensor w = want[i].detach().to(torch::kDouble);
-    const torch::Tensor f = free[i].detach().to(torch::kDouble);
-    err = std::max(err, (g - w).norm().item<double>() / w.norm().item<double>());
-    err_free = std::max(err_free, (g - f).norm().item<double>() / f.norm().item<double>());
-  }
+  ClippedReferenceOptions ro;
+  ro.mnist_dir = DataDir() + "/mnist";
+  ro.seed = kSeed;
+  ro.batch_size = kWorkers * 32;
+  ro.steps = kSteps;
+  ro.skip_steps = skipped[0];
+  ASSERT_OK_AND_ASSIGN(const ClippedReference ref, TrainClippedMlpReference(ro));
+  const std::vector<torch::Tensor> got = PullFromShards(job, ref.names, ref.clipped);
+  ASSERT_EQ(got.size(), ref.clipped.size());
+  const double err = MaxRelError(got, ref.clipped);
+  const double err_free = MaxRelError(got, ref.unclipped);
   std::cout << absl::StrFormat(
       "sync clip 0.5 + loss scaling (%d skipped steps): max rel. error vs clipped batch-64 "
       "reference %.3e, vs unclipped %.3e\n",

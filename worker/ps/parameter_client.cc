@@ -131,15 +131,9 @@ class GrpcParameterClient final : public ParameterClient {
     RETURN_IF_ERROR(PushImpl(step, grads, nullptr, nonfinite, &resps));
     PreparedFigures f;
     for (int32_t s = 0; s < NumShards(); ++s) {
-      std::vector<grpc::Slice> slices;
-      std::string bytes;
-      if (resps[s].Dump(&slices).ok()) {
-        for (const grpc::Slice& sl : slices) {
-          bytes.append(reinterpret_cast<const char*>(sl.begin()), sl.size());
-        }
-      }
       PushResponse r;
-      if (!r.ParseFromString(bytes) || !r.has_prepared()) {
+      const bool parsed = grpc::SerializationTraits<PushResponse>::Deserialize(&resps[s], &r).ok();
+      if (!parsed || !r.has_prepared()) {
         return absl::InternalError(absl::StrCat(
             "Push: job ", layout_.job, " step ", step, ": shard ", s, " (", options_.servers[s],
             ") answered without the step's figures; does it hold the job with commit_steps?"));
