@@ -87,7 +87,14 @@ PIDS=()
 cleanup() { for p in "${PIDS[@]:-}"; do [ -n "$p" ] && kill "$p" 2>/dev/null || true; done; }
 trap cleanup EXIT
 
-free_port() { "$PYTHON" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+# N distinct free ports as 127.0.0.1:P,... (all bound at once: one at a time, the kernel may
+# hand out the same port twice, and two ranks would then share an address).
+free_peers() {
+  "$PYTHON" -c 'import socket, sys
+ss = [socket.socket() for _ in range(int(sys.argv[1]))]
+for s in ss: s.bind(("127.0.0.1", 0))
+print(",".join("127.0.0.1:%d" % s.getsockname()[1] for s in ss))' "$1"
+}
 field() { sed -n "s/.* $1=\([^ ]*\).*/\1/p" <<<"$2" | tr -d '"'; }
 
 # run_workers MODE EXTRA_FLAGS...: starts WORKERS workers, waits, prints the JSON line.
@@ -95,7 +102,7 @@ run_workers() {
   local mode="$1"; shift
   local wpids=() r peers=""
   if [ "$mode" != ps ]; then
-    for ((r = 0; r < WORKERS; r++)); do peers="${peers:+$peers,}127.0.0.1:$(free_port)"; done
+    peers="$(free_peers "$WORKERS")"
   fi
   for ((r = 0; r < WORKERS; r++)); do
     "$BIN/worker/gradmesh_worker" --rank=$r --num_workers="$WORKERS" --name="bench-$mode" \
@@ -104,7 +111,7 @@ run_workers() {
       2>"$RUN_DIR/$mode-w$r.log" &
     wpids+=($!)
   done
-  for p in "${wpids[@]}"; do wait "$p" || { tail -5 "$RUN_DIR/$mode-w"*.log >&2; return 1; }; done
+  for p in "${wpids[@]}"; do wait "$p" || { tail -n 5 "$RUN_DIR/$mode-w"*.log >&2; return 1; }; done
   local samples=0 wall=0 acc="" tl="" ppl="" line s w bytes=0 prog="" cms="" xms="" hid=""
   for ((r = 0; r < WORKERS; r++)); do
     line="$(grep 'event=done' "$RUN_DIR/$mode-w$r.log" | tail -1)"

@@ -10,6 +10,8 @@
 #   * the small decoder-only transformer (examples/kjv_transformer --small) on KJV text in
 #     ssp:1, allreduce and gossip mode: the exported model's perplexity must match the
 #     reported one within 1%;
+#   * bf16 autocast against fp32: the allreduce CNN and transformer jobs again under
+#     `precision: bf16`, accuracy within 0.3 pt and perplexity within 3% of fp32;
 #   * bad input fails at job start with the file named: x/y length mismatch, a module without
 #     loss() for `loss: module`, a model whose output does not fit the loss.
 set -euo pipefail
@@ -70,9 +72,10 @@ reported() { grep -h "event=evaluated" "$tmp"/worker*.log | grep " job=$1 " | gr
   tail -n 1 | sed -n "s/.* $2=\([^ ]*\).*/\1/p"; }
 json_field() { "$PY" -c 'import json,sys; print(json.loads(sys.stdin.readline())[sys.argv[1]])' "$1"; }
 
-run_job() {  # run_job NAME MODE MODEL_DIR STEPS BATCH EXTRA...
+run_job() {  # run_job NAME MODE MODEL_DIR STEPS BATCH [EXTRA_SPEC_LINE...]
   local name="$1" mode="$2" dir="$3" steps="$4" batch="$5"
-  cat >"$tmp/$name.yaml" <<SPEC
+  shift 5
+  { cat <<SPEC
 name: $name
 model: {name: torchscript, path: $dir/model.pt}
 dataset: {name: tensors, path: $dir/data}
@@ -84,6 +87,8 @@ num_workers: 2
 num_shards: 1
 log_every: 50
 SPEC
+    if [ "$#" -gt 0 ]; then printf '%s\n' "$@"; fi
+  } >"$tmp/$name.yaml"
   submit "$tmp/$name.yaml"
   cli/gradmesh watch "$name" >"$tmp/watch-$name.log" 2>&1 ||
     fail "job $name did not succeed: $(tail -n 3 "$tmp/watch-$name.log")"
@@ -133,6 +138,24 @@ for mode in ssp:1 allreduce gossip; do
     fail "$name: exported model has perplexity $got independently, the job reported $want"
   echo "ok: $name reported perplexity $want, exported $got"
 done
+
+# --- bf16 autocast (#14) against fp32 on both workloads: the allreduce jobs above (the same
+# mathematics as one process, so the runs differ only by precision) again under
+# `precision: bf16`. The CNN's accuracy must stay within 0.3 points of fp32 and the
+# transformer's perplexity within 3%; the start line must say bf16.
+bf16_vs_fp32() {  # bf16_vs_fp32 FP32_JOB MODEL_DIR STEPS BATCH METRIC TOLERANCE
+  local fp32_job="$1" dir="$2" steps="$3" batch="$4" metric="$5" tol="$6" fp32 bf16
+  local name="$fp32_job-bf16"
+  run_job "$name" allreduce "$dir" "$steps" "$batch" "precision: bf16"
+  grep -h "event=train_start" "$tmp"/worker*.log | grep " job=$name " |
+    grep -q " precision=bf16 " || fail "$name: the start line does not say precision=bf16"
+  fp32="$(reported "$fp32_job" "$metric")" bf16="$(reported "$name" "$metric")"
+  [ -n "$fp32" ] && [ -n "$bf16" ] || fail "$name: no $metric reported"
+  within "$fp32" "$bf16" "$tol" || fail "$name: bf16 $metric $bf16 is not within $tol of fp32's $fp32"
+  echo "ok: $fp32_job $metric fp32 $fp32, bf16 $bf16"
+}
+bf16_vs_fp32 resnet-allreduce "$tmp/resnet" 150 64 accuracy 0.003
+bf16_vs_fp32 kjv-allreduce "$tmp/kjv" 60 16 perplexity 0.03*w
 
 # --- Bad input: the job fails at start, and the reason says what is wrong.
 # expect_failure NAME PATTERN WHAT SPEC_LINES...: job NAME (allreduce, 2 workers, 5 steps, the
