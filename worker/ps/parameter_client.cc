@@ -220,7 +220,9 @@ class GrpcParameterClient final : public ParameterClient {
             const uint64_t seed = options_.seed ^ (static_cast<uint64_t>(options_.worker) << 48) ^
                                   (static_cast<uint64_t>(step) * 0x9E3779B97F4A7C15ull) ^
                                   static_cast<uint64_t>(idx);
-            absl::Status st = feedback_.empty()
+            // A non-finite step's zeros are discarded by every shard (the step is skipped):
+            // going through error feedback they would spend the residual on nothing.
+            absl::Status st = feedback_.empty() || nonfinite
                                   ? codec->Encode(g, seed, &encoded[idx])
                                   : feedback_[idx]->Compress(*codec, g, seed, &encoded[idx]);
             RETURN_IF_ERROR(

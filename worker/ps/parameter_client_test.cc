@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/status.h"
 #include "common/status_testing.h"
 #include "compression/compressor.h"
 #include "gtest/gtest.h"
@@ -211,6 +212,45 @@ TEST_F(BufferClientTest, PushFromCarriesTheBaseVersionsItIsGiven) {
   EXPECT_GT(hist[0], 0);
   EXPECT_EQ(hist[1], hist[0]);  // The same chunks, one step staler.
   for (size_t i = 2; i < hist.size(); ++i) EXPECT_EQ(hist[i], 0) << "staleness " << i;
+}
+
+// A sync step flagged non-finite (PushPrepared with zeros, then a skip) is skipped by every
+// shard, so it must leave the error-feedback residual as it was: job A (steps g1, skipped,
+// g2) ends with the same values as job B (steps g1, g2). top-k keeps 1 of each chunk's
+// elements, so after g1 the residual holds 3, 2, 1 and 5; spending it on the skipped step
+// would lose the 3 and the 5.
+TEST_F(BufferClientTest, SkippedSyncStepLeavesTheErrorFeedbackResidualAlone) {
+  layout_.consistency = "sync";
+  layout_.commit_steps = true;
+  const Values zeros = {std::vector<float>(6, 0.0f), std::vector<float>(4, 0.0f), {0.0f}};
+  const Values g1 = {{4, 3, 2, 1, 5, 6}, std::vector<float>(4, 0.0f), {0.0f}};
+  auto run = [&](const std::string& job, bool with_skip) -> absl::StatusOr<Values> {
+    layout_.job = job;
+    ASSIGN_OR_RETURN(std::unique_ptr<ParameterClient> client,
+                     NewGrpcParameterClient(layout_, Options("topk:0.25", "")));
+    RETURN_IF_ERROR(client->InitJob(Const(zeros)));
+    Values model = zeros;
+    int64_t step = 0;
+    auto exchange = [&](const Values& grad, bool skip) -> absl::Status {
+      ASSIGN_OR_RETURN(PreparedFigures f, client->PushPrepared(step, Const(grad), skip));
+      if (f.nonfinite != skip) return absl::InternalError("the shards' nonfinite flag differs");
+      SyncCommit commit;
+      commit.set_step(step++);
+      commit.set_clip_coef(1.0);
+      commit.set_skip(skip);
+      ASSIGN_OR_RETURN(const bool held, client->PullCommitted(commit, Mut(model)));
+      return held ? absl::OkStatus() : absl::InternalError("the shards lost the step");
+    };
+    RETURN_IF_ERROR(exchange(g1, false));
+    if (with_skip) RETURN_IF_ERROR(exchange(zeros, true));
+    RETURN_IF_ERROR(exchange(zeros, false));  // Sends the residual's largest elements.
+    return model;
+  };
+  ASSERT_OK_AND_ASSIGN(const Values with_skip, run("ef-skip", true));
+  ASSERT_OK_AND_ASSIGN(const Values without, run("ef-plain", false));
+  // lr 1: w = -(4 + 3) in chunk 0's first two elements, -(6 + 5) in chunk 1.
+  EXPECT_EQ(without[0], (std::vector<float>{-4, -3, 0, 0, -5, -6}));
+  EXPECT_EQ(with_skip[0], without[0]);
 }
 
 }  // namespace
