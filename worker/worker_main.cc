@@ -40,6 +40,7 @@
 #include "runtime/metrics_http.h"
 #include "runtime/node_agent.h"
 #include "worker/allreduce/collective_service.h"
+#include "worker/blas_core.h"
 #include "worker/gossip/gossip_service.h"
 #include "worker/model_publisher.h"
 #include "worker/modes.h"
@@ -347,12 +348,22 @@ MetricsEndpointOptions MetricsFlags() {
   return m;
 }
 
+// Which OpenBLAS kernels the workers' matrix products run on (worker/blas_core.h), and what
+// OpenBLAS had chosen by itself when main() replaced it.
+void LogBlasCore(const Logger& logger) {
+  const BlasCoreReport blas = ReportBlasCore();
+  if (blas.core.empty()) return;
+  logger.Info("blas", {Kv("core", blas.core),
+                       Kv("detected", blas.detected.empty() ? blas.core : blas.detected)});
+}
+
 int RunService() {
   // The node name is the daemon's identity in the coordinator; by default its advertised
   // peer address (host:port), known once the peer service is bound below.
   std::string node = absl::GetFlag(FLAGS_node);
   Logger boot_logger({Kv("node", node.empty() ? HostName() : node), Kv("role", "worker")});
   Logger* log = &boot_logger;
+  LogBlasCore(boot_logger);
   std::string token;
   if (!absl::GetFlag(FLAGS_auth_token_file).empty()) {
     auto t = ReadTokenFile(absl::GetFlag(FLAGS_auth_token_file));
@@ -478,6 +489,7 @@ int Run() {
   auto shared_logger =
       std::make_shared<Logger>(std::vector<LogField>{Kv("node", o.node), Kv("role", "worker")});
   Logger& logger = *shared_logger;
+  LogBlasCore(logger);
   o.trainer.logger = &logger;
   o.client.logger = &logger;
   // Metrics: the latest progress of this rank, as a service-mode daemon would report it.
@@ -578,6 +590,8 @@ int Run() {
 }  // namespace gradmesh
 
 int main(int argc, char** argv) {
+  // Before anything else (no threads yet): OpenBLAS chose its kernels when it loaded.
+  gradmesh::ReexecWithBetterBlasCore(argv);
   gradmesh::ProcessOptions process;
   process.tune_allocator_for_large_messages = true;
   gradmesh::InitDaemonProcess(argc, argv, process);

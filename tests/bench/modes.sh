@@ -150,6 +150,15 @@ cleanup; PIDS=()
 fi
 want gossip && run_workers gossip --mode=gossip ${GOSSIP_FLAGS:-}
 want allreduce && run_workers allreduce --mode=allreduce ${ALLREDUCE_FLAGS:-}
+# The PyTorch peers load the same OpenBLAS: give them the kernels the gradmesh workers chose
+# (worker/blas_core.h: a worker re-executes itself with OPENBLAS_CORETYPE when OpenBLAS fell
+# back to pre-AVX2 kernels; its `event=blas` line names the core), so that the comparison is
+# of the frameworks, not of their BLAS kernels.
+if [ -z "${OPENBLAS_CORETYPE:-}" ]; then
+  core="$(grep -h 'event=blas' "$RUN_DIR"/*.log 2>/dev/null | head -n 1 |
+    sed -n 's/.* core=\([^ ]*\).*/\1/p')"
+  if [ -n "$core" ]; then export OPENBLAS_CORETYPE="$core"; fi
+fi
 for ref in torch_1thread torch_gpu; do
   want "$ref" || continue
   device=cpu; [ "$ref" = torch_gpu ] && device=cuda
