@@ -38,6 +38,7 @@
 #include "proto/gradmesh.pb.h"
 #include "tests/e2e/e2e_harness.h"
 #include "tests/testing/subprocess.h"
+#include "worker/blas_core.h"
 
 namespace gradmesh {
 namespace {
@@ -180,6 +181,11 @@ TEST_F(E2eTest, MlpAsyncTwoShardsTwoWorkers) {
     EXPECT_EQ(ToInt(LogField(done[0], "steps")), kStepsPerWorker);
     EXPECT_EQ(ToInt(LogField(done[0], "samples")), kStepsPerWorker * kBatch);
     EXPECT_EQ(LogField(done[0], "stopped_early"), "false");
+    // The matrix products run on kernels as new as the CPU allows (worker/blas_core.h): on a
+    // CPU where OpenBLAS falls back to Prescott, the worker must have re-executed itself.
+    const std::vector<std::string> blas = LinesWith(ReadFile(workers[r]->log_path()), "event=blas");
+    ASSERT_EQ(blas.size(), 1u) << "the worker links OpenBLAS through LibTorch";
+    EXPECT_EQ(BetterBlasCore(LogField(blas[0], "core").value_or(""), ThisCpu()), "") << blas[0];
     wall[r] = ToDouble(LogField(done[0], "wall_s"));
     rate[r] = ToDouble(LogField(done[0], "samples_per_s"));
     EXPECT_GT(wall[r], 0);

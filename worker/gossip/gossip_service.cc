@@ -98,7 +98,7 @@ grpc::ServerUnaryReactor* GossipServiceImpl::GetState(grpc::CallbackServerContex
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   auto replica = Find(context, "GetState", request->job(), request->rank(), std::nullopt);
   if (replica.ok()) {
-    const ReplicaState s = (*replica)->State();
+    const ReplicaState s = (*replica)->StateForPeer();
     response->set_step(s.step);
     response->set_total_steps(s.total_steps);
     response->set_finished(s.finished);

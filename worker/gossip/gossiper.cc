@@ -456,8 +456,16 @@ FinalAverage Gossiper::GatherFinal() {
     }
     absl::SleepFor(absl::Milliseconds(20));
   }
-  FinalAverage avg = AverageFinals(replica_->Finals());
+  const std::map<int32_t, ReplicaSnapshot> finals = replica_->Finals();
+  FinalAverage avg = AverageFinals(finals);
   replica_->MarkGathered();
+  // Every rank that delivered a final lingers until it sees this; stay until they have (a
+  // dead one costs at most the timeout).
+  const int64_t lingering = static_cast<int64_t>(finals.size()) - (finals.count(rank_) ? 1 : 0);
+  if (!replica_->AwaitGatheredSeen(lingering, options_.timeout)) {
+    LogWarning(options_.logger, "final_gathered_unseen",
+               {Kv("job", job), Kv("rank", rank_), Kv("peers", lingering)});
+  }
   LogInfo(options_.logger, "final_average",
           {Kv("job", job), Kv("rank", rank_), Kv("ranks", absl::StrJoin(avg.ranks, ",")),
            Kv("weight_sum", absl::StrFormat("%.6g", avg.weight_sum)),

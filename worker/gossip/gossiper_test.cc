@@ -59,7 +59,7 @@ class LocalTransport : public GossipTransport {
     if (down_.count(peer) > 0 || replicas_.count(peer) == 0) {
       return absl::UnavailableError("peer down");
     }
-    return replicas_[peer]->State();
+    return replicas_[peer]->StateForPeer();  // As GossipServiceImpl::GetState.
   }
 
   void Add(std::shared_ptr<GossipReplica> r) {

@@ -266,6 +266,19 @@ void GossipReplica::MarkGathered() {
   gathered_ = true;
 }
 
+ReplicaState GossipReplica::StateForPeer() {
+  absl::MutexLock lock(&mu_);
+  if (gathered_) ++gathered_seen_;
+  return ReplicaState{step_, options_.total_steps, finished_, w_, gathered_};
+}
+
+bool GossipReplica::AwaitGatheredSeen(int64_t peers, absl::Duration timeout) {
+  absl::MutexLock lock(&mu_);
+  auto seen = [this, peers]()
+                  ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return gathered_seen_ >= peers; };
+  return mu_.AwaitWithTimeout(absl::Condition(&seen), timeout);
+}
+
 std::map<int32_t, ReplicaSnapshot> GossipReplica::Finals() const {
   absl::MutexLock lock(&mu_);
   return finals_;

@@ -164,6 +164,13 @@ class GossipReplica {
   std::map<int32_t, ReplicaSnapshot> Finals() const;
   // Root: every final is in (or given up); reported by State().gathered.
   void MarkGathered();
+  // State() for a peer's GetState: once gathered, also counts the answer. A lingering peer
+  // stops asking at its first answer that says gathered, so the count is the peers that know.
+  ReplicaState StateForPeer();
+  // Root: waits until `peers` GetState answers said gathered, or `timeout`; true if they did.
+  // Keeps the root (and its peer service) up until the lingering peers have seen it gather:
+  // a root that evaluates and exits quickly would otherwise leave them polling a dead address.
+  bool AwaitGatheredSeen(int64_t peers, absl::Duration timeout);
 
   // Squared distances recorded since the last call; resets them.
   ConsensusSample TakeConsensus();
@@ -192,9 +199,10 @@ class GossipReplica {
   // incarnation (id >> 32) with a sequence (low 32 bits) not above it is a duplicate.
   std::map<int32_t, uint64_t> last_share_ ABSL_GUARDED_BY(mu_);
   int64_t step_ ABSL_GUARDED_BY(mu_);
-  bool finished_ ABSL_GUARDED_BY(mu_) = false;  // Finish() was called.
-  bool stopped_ ABSL_GUARDED_BY(mu_) = false;   // Finish() or Stop() was called.
-  bool gathered_ ABSL_GUARDED_BY(mu_) = false;  // MarkGathered() was called.
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;      // Finish() was called.
+  bool stopped_ ABSL_GUARDED_BY(mu_) = false;       // Finish() or Stop() was called.
+  bool gathered_ ABSL_GUARDED_BY(mu_) = false;      // MarkGathered() was called.
+  int64_t gathered_seen_ ABSL_GUARDED_BY(mu_) = 0;  // GetState answers that said gathered.
   std::map<int32_t, ReplicaSnapshot> finals_ ABSL_GUARDED_BY(mu_);  // Root only.
   ConsensusSample consensus_ ABSL_GUARDED_BY(mu_);
 };
