@@ -1,6 +1,7 @@
 #include "worker/blas_core.h"
 
 #include <dlfcn.h>
+#include <limits.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -47,9 +48,15 @@ void ReexecWithBetterBlasCore(char** argv) {
   const std::string detected = LoadedBlasCore();
   const std::string better = BetterBlasCore(detected, ThisCpu());
   if (better.empty()) return;
+  // Exec the binary's real path, not /proc/self/exe: the process name (comm, what ps, top
+  // and pkill show) is taken from the path's last component.
+  char self[PATH_MAX];
+  const ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
+  if (n <= 0) return;
+  self[n] = '\0';
   setenv("OPENBLAS_CORETYPE", better.c_str(), 1);
   setenv("GRADMESH_BLAS_DETECTED", detected.c_str(), 1);
-  execv("/proc/self/exe", argv);
+  execv(self, argv);
   // exec failed: go on with the kernels we have (the start log shows which).
   std::fprintf(stderr, "gradmesh_worker: could not re-exec with OPENBLAS_CORETYPE=%s\n",
                better.c_str());

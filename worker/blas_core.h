@@ -41,7 +41,8 @@ std::string LoadedBlasCore();
 
 // If OPENBLAS_CORETYPE and GRADMESH_BLAS_CORE are unset and BetterBlasCore names a core:
 // sets OPENBLAS_CORETYPE to it and GRADMESH_BLAS_DETECTED to the loaded core, then execv's
-// /proc/self/exe with `argv`. Returns only if nothing was to be done or exec failed.
+// this binary (the path /proc/self/exe points to, so the process keeps its name) with
+// `argv`. Returns only if nothing was to be done or exec failed.
 void ReexecWithBetterBlasCore(char** argv);
 
 // For the start log: "core=<loaded> detected=<what OpenBLAS chose itself>" fields, or the
