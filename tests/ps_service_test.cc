@@ -661,6 +661,35 @@ TEST(PsServiceTest, OversizedMessagesAreResourceExhaustedAndServerKeepsServing) 
 }
 
 // 5a. The client retries UNAVAILABLE until the shard comes up.
+// One shard, dense pushes: the client leaves the finiteness check to the shard (it checks the
+// whole push before applying any of it), so a NaN comes back as the shard's INVALID_ARGUMENT,
+// named by the shard, and nothing changes.
+TEST(PsServiceTest, OneShardRefusesANonFinitePushWholeAndChangesNothing) {
+  std::unique_ptr<TestServer> server = StartServer(RpcOptions());
+  ASSERT_NE(server, nullptr);
+  auto stub = ParameterService::NewStub(MakeChannel(server->addr, RpcOptions()));
+  const JobLayout layout = MakeLayout("one", {Tensor("a", {10}), Tensor("b", {6})}, 4, 0.5);
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<ParameterClient> client,
+                       NewGrpcParameterClient(layout, ClientOptions({server->addr})));
+  Values v = Zeros(layout);
+  ASSERT_OK(client->InitJob(ConstSpans(v)));
+  const std::string before = Snapshot(stub.get(), layout.job);
+  Values g = Zeros(layout);
+  g[0][1] = 1.0f;  // A valid chunk first: it must not be applied either.
+  g[1][5] = std::numeric_limits<float>::infinity();
+  EXPECT_TRUE(AbslHas(client->Push(0, ConstSpans(g)), absl::StatusCode::kInvalidArgument,
+                      {"Push to shard 0", "tensor 1 (b) chunk 1: element 1 is not finite (inf)",
+                       "nothing was applied"}));
+  EXPECT_TRUE(Snapshot(stub.get(), layout.job) == before);
+  EXPECT_EQ(RawInfo(stub.get(), layout.job).pushes_applied(), 0);
+  // The same step with finite values is then applied (the refused one left no trace).
+  g[1][5] = 2.0f;
+  ASSERT_OK(client->Push(0, ConstSpans(g)));
+  ASSERT_OK(client->Pull(Spans(v)));
+  EXPECT_EQ(v[0][1], -0.5f);
+  EXPECT_EQ(v[1][5], -1.0f);
+}
+
 TEST(PsServiceTest, ClientRetriesUntilServerStarts) {
   const int port = PickFreePort();
   ASSERT_NE(port, 0);

@@ -173,9 +173,17 @@ class GrpcParameterClient final : public ParameterClient {
                         const std::vector<int64_t>* base, bool nonfinite = false,
                         std::vector<grpc::ByteBuffer>* responses = nullptr) {
     RETURN_IF_ERROR(CheckSpans("Push", grads));
-    // Shards reject non-finite gradients, but each only for its own chunks: checking here
-    // keeps a bad step from being applied on some shards and not others.
-    for (size_t t = 0; t < grads.size(); ++t) {
+    // Shards reject non-finite gradients, but each only for its own chunks: with several
+    // shards, checking here keeps a bad step from being applied on some shards and not
+    // others; with a push codec it keeps NaNs out of the error-feedback residual. A single
+    // shard with dense pushes checks the whole push before applying any of it, so there the
+    // scan would only repeat the shard's (12% of the cycles of a 4 MiB push).
+    bool scan = NumShards() > 1;
+    if (!scan) {
+      absl::MutexLock lock(&mu_);
+      scan = push_codec_ != nullptr;
+    }
+    for (size_t t = 0; scan && t < grads.size(); ++t) {
       const int64_t bad = FirstNonFinite(grads[t].data(), static_cast<int64_t>(grads[t].size()));
       if (bad >= 0) {
         return absl::InvalidArgumentError(absl::StrCat(
