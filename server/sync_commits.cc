@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/numeric.h"
 
 namespace gradmesh {
 
@@ -38,7 +39,7 @@ absl::Status SyncCommits::Prepare(const ChunkUpdate& avg) {
         sq += static_cast<double>(x) * x;
       }
     } else {
-      for (float x : g) finite &= std::isfinite(x);
+      finite &= FirstNonFinite(g.data(), static_cast<int64_t>(g.size())) < 0;
     }
     held.param_chunk.push_back(param);
     held.grads.push_back(std::move(g));

@@ -144,19 +144,21 @@ done
 # 0.5 points of fp32 and the transformer's perplexity within 3%; the start line must say
 # bf16. The CNN runs 300 steps here, not the 150 above: at 150 steps fp32 alone moves by
 # 0.9 points between two BLAS kernel sets (rounding), at 300 by 0.1 (README, bf16 section).
-bf16_vs_fp32() {  # bf16_vs_fp32 NAME MODEL_DIR STEPS BATCH METRIC TOLERANCE
-  local name="$1" dir="$2" steps="$3" batch="$4" metric="$5" tol="$6" fp32 bf16
-  run_job "$name-fp32" allreduce "$dir" "$steps" "$batch"
-  run_job "$name-bf16" allreduce "$dir" "$steps" "$batch" "precision: bf16"
-  grep -h "event=train_start" "$tmp"/worker*.log | grep " job=$name-bf16 " |
-    grep -q " precision=bf16 " || fail "$name-bf16: the start line does not say precision=bf16"
-  fp32="$(reported "$name-fp32" "$metric")" bf16="$(reported "$name-bf16" "$metric")"
+bf16_vs_fp32() {  # bf16_vs_fp32 FP32_JOB NAME MODEL_DIR STEPS BATCH METRIC TOLERANCE
+  # FP32_JOB: an allreduce job already run with the same model, steps and batch in fp32.
+  local fp32_job="$1" name="$2" dir="$3" steps="$4" batch="$5" metric="$6" tol="$7" fp32 bf16
+  run_job "$name" allreduce "$dir" "$steps" "$batch" "precision: bf16"
+  grep -h "event=train_start" "$tmp"/worker*.log | grep " job=$name " |
+    grep -q " precision=bf16 " || fail "$name: the start line does not say precision=bf16"
+  fp32="$(reported "$fp32_job" "$metric")" bf16="$(reported "$name" "$metric")"
   [ -n "$fp32" ] && [ -n "$bf16" ] || fail "$name: no $metric reported"
   within "$fp32" "$bf16" "$tol" || fail "$name: bf16 $metric $bf16 is not within $tol of fp32's $fp32"
   echo "ok: $name $metric fp32 $fp32, bf16 $bf16"
 }
-bf16_vs_fp32 resnet-prec "$tmp/resnet" 300 64 accuracy 0.005
-bf16_vs_fp32 kjv-prec "$tmp/kjv" 60 16 perplexity 0.03*w
+run_job resnet-prec-fp32 allreduce "$tmp/resnet" 300 64
+bf16_vs_fp32 resnet-prec-fp32 resnet-prec-bf16 "$tmp/resnet" 300 64 accuracy 0.005
+# The transformer's fp32 run is kjv-allreduce above (60 steps of 16).
+bf16_vs_fp32 kjv-allreduce kjv-prec-bf16 "$tmp/kjv" 60 16 perplexity 0.03*w
 
 # --- Bad input: the job fails at start, and the reason says what is wrong.
 # expect_failure NAME PATTERN WHAT SPEC_LINES...: job NAME (allreduce, 2 workers, 5 steps, the

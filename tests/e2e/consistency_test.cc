@@ -50,14 +50,13 @@ constexpr int kWorkers = 2;
 
 class ConsistencyTest : public E2eHarness {
  protected:
-  // The shards' current values of job `job`'s tensors `names`, shaped like `like` (the
-  // default 1 MiB chunks), pulled with the real client (the job exists: no InitJob).
-  std::vector<torch::Tensor> PullFromShards(const std::string& job,
-                                            const std::vector<std::string>& names,
-                                            const std::vector<torch::Tensor>& like) {
+  // The layout the workers register for job `job`'s tensors `names`, shaped like `like`
+  // (sync, the default 1 MiB chunks).
+  static JobLayout ShardLayout(const std::string& job, const std::vector<std::string>& names,
+                               const std::vector<torch::Tensor>& like) {
     JobLayout layout;
     layout.job = job;
-    layout.chunk_elems = (int64_t{1} << 20) / 4;
+    layout.chunk_elems = (int64_t{1} << 20) / 4;  // The default 1 MiB chunk_bytes.
     layout.consistency = "sync";
     layout.num_workers = kWorkers;
     for (size_t i = 0; i < like.size(); ++i) {
@@ -66,6 +65,15 @@ class ConsistencyTest : public E2eHarness {
       for (int64_t d : like[i].sizes()) t.add_shape(d);
       layout.tensors.push_back(t);
     }
+    return layout;
+  }
+
+  // The shards' current values of job `job`'s tensors `names`, shaped like `like`, pulled with
+  // the real client (the job exists: no InitJob).
+  std::vector<torch::Tensor> PullFromShards(const std::string& job,
+                                            const std::vector<std::string>& names,
+                                            const std::vector<torch::Tensor>& like) {
+    const JobLayout layout = ShardLayout(job, names, like);
     GrpcParameterClientOptions client_options;
     client_options.servers = addresses_;
     absl::StatusOr<std::unique_ptr<ParameterClient>> client =
@@ -195,18 +203,9 @@ TEST_P(SyncEquivalenceTest, SyncMatchesSingleProcessSgd) {
   std::vector<torch::Tensor> initial;
   for (const torch::Tensor& p : params) initial.push_back(p.detach().clone());
 
-  // The shards' final values, pulled with the real client (the job exists: no InitJob).
-  JobLayout layout;
-  layout.job = job;
-  layout.chunk_elems = (int64_t{1} << 20) / 4;  // The default 1 MiB chunk_bytes.
-  layout.consistency = "sync";
-  layout.num_workers = kWorkers;
-  for (size_t i = 0; i < params.size(); ++i) {
-    TensorSpec t;
-    t.set_name(names[i]);
-    for (int64_t d : params[i].sizes()) t.add_shape(d);
-    layout.tensors.push_back(t);
-  }
+  // The shards' final values, pulled with the real client (the job exists: no InitJob), in
+  // the layout the workers registered.
+  const JobLayout layout = ShardLayout(job, names, params);
   {
     ASSERT_OK_AND_ASSIGN(JobInfoResponse info, GetJobInfo(addresses_[0], job));
     EXPECT_EQ(info.chunk_elems(), layout.chunk_elems);
@@ -215,18 +214,8 @@ TEST_P(SyncEquivalenceTest, SyncMatchesSingleProcessSgd) {
       EXPECT_EQ(info.tensors(t).DebugString(), layout.tensors[t].DebugString()) << "tensor " << t;
     }
   }
-  GrpcParameterClientOptions client_options;
-  client_options.servers = addresses_;
-  client_options.worker = 0;
-  ASSERT_OK_AND_ASSIGN(std::unique_ptr<ParameterClient> client,
-                       NewGrpcParameterClient(layout, client_options));
-  std::vector<torch::Tensor> pulled;
-  std::vector<absl::Span<float>> spans;
-  for (const torch::Tensor& p : params) {
-    pulled.push_back(torch::full_like(p.detach(), std::nanf("")));
-    spans.emplace_back(pulled.back().data_ptr<float>(), pulled.back().numel());
-  }
-  ASSERT_OK(client->Pull(spans));
+  const std::vector<torch::Tensor> pulled = PullFromShards(job, names, params);
+  ASSERT_EQ(pulled.size(), params.size());
 
   ASSERT_OK_AND_ASSIGN(JobData data, LoadDataset("mnist", DataDir() + "/mnist"));
   BatchLoader::Options lo;

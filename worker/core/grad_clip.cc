@@ -6,6 +6,12 @@
 
 namespace gradmesh {
 
+double ClipCoefficient(double max_norm, double norm) {
+  if (!(max_norm > 0) || !std::isfinite(norm)) return 1;
+  const double coef = max_norm / (norm + 1e-6);
+  return coef < 1 ? coef : 1;
+}
+
 ClipStats ClipGradients(absl::Span<const absl::Span<float>> grads, const ClipOptions& options) {
   ClipStats s;
   if (options.max_value > 0) {
@@ -23,15 +29,12 @@ ClipStats ClipGradients(absl::Span<const absl::Span<float>> grads, const ClipOpt
     for (float x : g) sq += static_cast<double>(x) * x;
   }
   s.norm = std::sqrt(sq);
-  if (options.max_norm > 0 && std::isfinite(s.norm)) {
-    const double coef = options.max_norm / (s.norm + 1e-6);
-    if (coef < 1) {
-      const float f = static_cast<float>(coef);
-      for (absl::Span<float> g : grads) {
-        for (float& x : g) x *= f;
-      }
-      s.clipped = true;
+  if (const double coef = ClipCoefficient(options.max_norm, s.norm); coef < 1) {
+    const float f = static_cast<float>(coef);
+    for (absl::Span<float> g : grads) {
+      for (float& x : g) x *= f;
     }
+    s.clipped = true;
   }
   return s;
 }

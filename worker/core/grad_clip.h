@@ -29,6 +29,10 @@ struct ClipStats {
   bool clipped = false;  // Some value was clamped or the norm was scaled.
 };
 
+// torch's clip_grad_norm_ coefficient for a gradient of L2 norm `norm`: max_norm / (norm +
+// 1e-6) when that is below 1, else 1 (also when max_norm <= 0 or the norm is not finite).
+double ClipCoefficient(double max_norm, double norm);
+
 // Clips `grads` in place. A non-finite norm is left alone (reported, not scaled), as torch does
 // with error_if_nonfinite=False: the mode's own checks then see it.
 ClipStats ClipGradients(absl::Span<const absl::Span<float>> grads, const ClipOptions& options);

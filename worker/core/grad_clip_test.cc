@@ -54,5 +54,15 @@ TEST(GradClipTest, OffAndNonFinite) {
   EXPECT_EQ(a[1], -100);  // Left for the mode's own checks.
 }
 
+// The coefficient the sync mode sends with its commit (worker/ps/ps_mode.cc) and ClipGradients
+// applies: torch's max_norm / (norm + 1e-6) below 1, else 1.
+TEST(GradClipTest, ClipCoefficientIsTorchsAndNeverAboveOne) {
+  EXPECT_DOUBLE_EQ(ClipCoefficient(0.5, 5.0), 0.5 / (5.0 + 1e-6));
+  EXPECT_EQ(ClipCoefficient(0.5, 0.25), 1.0);
+  EXPECT_EQ(ClipCoefficient(0.0, 5.0), 1.0);  // Off.
+  EXPECT_EQ(ClipCoefficient(0.5, std::numeric_limits<double>::infinity()), 1.0);
+  EXPECT_EQ(ClipCoefficient(0.5, std::nan("")), 1.0);
+}
+
 }  // namespace
 }  // namespace gradmesh

@@ -14,9 +14,11 @@
 #include "absl/time/clock.h"
 #include "common/background_task.h"
 #include "common/job_spec.h"
+#include "common/numeric.h"
 #include "common/optimizer.h"
 #include "common/status.h"
 #include "worker/core/auto_codec.h"
+#include "worker/core/grad_clip.h"
 #include "worker/core/loss_scaler.h"
 
 namespace gradmesh {
@@ -291,7 +293,7 @@ std::vector<absl::Span<const float>> PsMode::CommitPayload(
     if (model_->is_buffer(static_cast<int>(i))) {
       // Buffer deltas come from the forward, unscaled; an overflowing forward can still make
       // them non-finite.
-      for (float v : grads[i]) *finite &= std::isfinite(v);
+      *finite &= FirstNonFinite(grads[i].data(), static_cast<int64_t>(grads[i].size())) < 0;
       continue;
     }
     grad_buf_[i].assign(grads[i].begin(), grads[i].end());
@@ -318,11 +320,7 @@ absl::StatusOr<StepOutcome> PsMode::CommittedExchange(
     SyncCommit commit;
     commit.set_step(step);
     commit.set_skip(f.nonfinite || !std::isfinite(norm));
-    double coef = 1;
-    // torch.nn.utils.clip_grad_norm_: scaled by max_norm / (norm + 1e-6) when that is < 1.
-    if (!commit.skip() && clip_norm_ > 0 && clip_norm_ / (norm + 1e-6) < 1) {
-      coef = clip_norm_ / (norm + 1e-6);
-    }
+    const double coef = commit.skip() ? 1 : ClipCoefficient(clip_norm_, norm);
     commit.set_clip_coef(coef);
     ASSIGN_OR_RETURN(const bool committed, client_->PullCommitted(commit, model_->params));
     if (committed) {
