@@ -115,7 +115,7 @@ absl::Status SplitStreamResponse(const grpc::ByteBuffer& buffer, StreamResponseH
 
 grpc::ByteBuffer EncodePushRequest(const std::string& job, int32_t worker, int64_t step,
                                    uint64_t request_id, const std::vector<PushChunkRef>& chunks,
-                                   bool nonfinite) {
+                                   bool nonfinite, absl::string_view pull) {
   std::vector<grpc::Slice> slices;
   std::string head;
   if (!job.empty()) {
@@ -159,8 +159,44 @@ grpc::ByteBuffer EncodePushRequest(const std::string& job, int32_t worker, int64
     }
   }
   if (nonfinite) PutIntField(6, 1, &head);
+  if (!pull.empty()) {
+    PutVarint(Tag(7, kLengthDelimited), &head);
+    PutVarint(pull.size(), &head);
+    head.append(pull.data(), pull.size());
+  }
   if (!head.empty()) slices.emplace_back(head.data(), head.size());
   return grpc::ByteBuffer(slices.data(), slices.size());
+}
+
+absl::Status FindMessageField(const grpc::ByteBuffer& buffer, uint32_t field, grpc::ByteBuffer* out,
+                              bool* found) {
+  *found = false;
+  *out = grpc::ByteBuffer();
+  grpc::ByteBuffer copy(buffer);  // Shares slices (refcounted); the reader consumes it.
+  grpc::ProtoBufferReader reader(&copy);
+  CodedInputStream in(&reader);
+  in.SetTotalBytesLimit(INT32_MAX);
+  size_t begin = 0, size = 0;
+  while (true) {
+    const uint32_t tag = in.ReadTag();
+    if (tag == 0) break;
+    if (tag == Tag(field, kLengthDelimited)) {
+      uint32_t len;
+      if (!in.ReadVarint32(&len)) return absl::DataLossError("bad length of a message field");
+      begin = static_cast<size_t>(in.CurrentPosition());
+      size = len;
+      if (!in.Skip(static_cast<int>(len))) {
+        return absl::DataLossError(
+            absl::StrCat("field ", field, " of ", len, " bytes is longer than the message"));
+      }
+      *found = true;
+    } else if (!google::protobuf::internal::WireFormatLite::SkipField(&in, tag)) {
+      return absl::DataLossError("malformed field");
+    }
+  }
+  if (!in.ConsumedEntireMessage()) return absl::DataLossError("malformed message");
+  if (*found) *out = SubBuffer(buffer, begin, size);
+  return absl::OkStatus();
 }
 
 absl::Status DecodePullResponse(const grpc::ByteBuffer& buffer, const PullChunkSink& sink,

@@ -49,10 +49,17 @@ struct PushChunkRef {
 };
 
 // Encodes PushRequest{job, worker, step, request_id, chunks (dtype FLOAT32, codec ""),
-// nonfinite}.
+// nonfinite, pull}; `pull` is an encoded PullRequest (copied; empty: none).
 grpc::ByteBuffer EncodePushRequest(const std::string& job, int32_t worker, int64_t step,
                                    uint64_t request_id, const std::vector<PushChunkRef>& chunks,
-                                   bool nonfinite = false);
+                                   bool nonfinite = false, absl::string_view pull = {});
+
+// The encoded bytes of length-delimited field `field` of the message in `buffer` (its last
+// occurrence, as protobuf merges), sharing `buffer`'s slices: e.g. PushResponse.pulled (4),
+// for DecodePullResponse. *found says whether the field was present (else `out` is empty).
+// DataLoss on malformed input.
+absl::Status FindMessageField(const grpc::ByteBuffer& buffer, uint32_t field, grpc::ByteBuffer* out,
+                              bool* found);
 
 // Called for each chunk of a PullResponse once its header is known (tensor, chunk, version,
 // dtype, codec and the data size in bytes). Returns where to copy the data (exactly `bytes`

@@ -63,6 +63,51 @@ TEST(TensorWireTest, PushNonFiniteFlagIsWhatProtobufParses) {
   EXPECT_EQ(flagged.chunks_size(), 1);
 }
 
+TEST(TensorWireTest, PushWithAPullIsWhatProtobufWrites) {
+  std::vector<float> g = {0.5f, -1.0f};
+  PullRequest pull;
+  pull.set_job("j");
+  pull.set_worker(2);
+  pull.set_codec("fp16");
+  grpc::ByteBuffer bb =
+      EncodePushRequest("j", 2, 7, 11, {{0, 0, 3, g.data(), 2}}, false, pull.SerializeAsString());
+  PushRequest parsed;
+  ASSERT_TRUE(parsed.ParseFromString(Flatten(bb)));
+  ASSERT_TRUE(parsed.has_pull());
+  EXPECT_EQ(parsed.pull().worker(), 2);
+  EXPECT_EQ(parsed.pull().codec(), "fp16");
+  EXPECT_EQ(Flatten(bb), parsed.SerializeAsString());
+}
+
+TEST(TensorWireTest, FindMessageFieldSharesTheFieldsBytes) {
+  PushResponse r;
+  r.set_duplicate(true);
+  r.add_new_versions(4);
+  r.mutable_prepared()->set_grad_sq_norm(2.5);
+  ChunkData* c = r.mutable_pulled()->add_chunks();
+  c->set_tensor(1);
+  c->set_version(9);
+  c->set_data(std::string(4000, 'x'));
+  grpc::ByteBuffer sub;
+  bool found = false;
+  ASSERT_OK(FindMessageField(FromString(r.SerializeAsString()), 4, &sub, &found));
+  EXPECT_TRUE(found);
+  EXPECT_EQ(Flatten(sub), r.pulled().SerializeAsString());
+  ASSERT_OK(FindMessageField(FromString(r.SerializeAsString()), 3, &sub, &found));
+  EXPECT_TRUE(found);
+  EXPECT_EQ(Flatten(sub), r.prepared().SerializeAsString());
+
+  PushResponse none;
+  none.add_new_versions(1);
+  ASSERT_OK(FindMessageField(FromString(none.SerializeAsString()), 4, &sub, &found));
+  EXPECT_FALSE(found);
+  EXPECT_EQ(sub.Length(), 0u);
+
+  std::string cut = r.SerializeAsString();
+  cut.resize(cut.size() - 10);
+  EXPECT_EQ(FindMessageField(FromString(cut), 4, &sub, &found).code(), absl::StatusCode::kDataLoss);
+}
+
 TEST(TensorWireTest, PullDecodingReportsCommitMissing) {
   PullResponse missing;
   missing.set_commit_missing(true);

@@ -402,7 +402,52 @@ absl::Status Shard::StartPush(const PushRequest& request, PushDone* done, WaitCa
 }
 
 void Shard::PushAsync(const PushRequest& request, PushDone done, WaitCancel* cancel) {
+  if (request.has_pull()) {
+    // The pull is checked whole before the push can change anything.
+    if (absl::Status st = CheckFusedPull(request); !st.ok()) {
+      done(std::move(st));
+      return;
+    }
+    done = [this, pull = request.pull(), done = std::move(done),
+            cancel](absl::StatusOr<PushResponse> pushed) mutable {
+      if (!pushed.ok()) {
+        done(std::move(pushed));
+        return;
+      }
+      auto response = std::make_shared<PushResponse>(std::move(pushed).value());
+      PullAsync(
+          pull, response->mutable_pulled(),
+          [response, done = std::move(done)](absl::Status st) {
+            if (!st.ok()) {
+              done(Annotate(st, "the push was applied, its pull failed"));
+              return;
+            }
+            done(std::move(*response));
+          },
+          cancel);
+    };
+  }
   if (absl::Status st = StartPush(request, &done, cancel); !st.ok()) done(std::move(st));
+}
+
+absl::Status Shard::CheckFusedPull(const PushRequest& request) {
+  const PullRequest& pull = request.pull();
+  if (pull.job() != request.job() || pull.worker() != request.worker()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("Push: job ", request.job(), " worker ", request.worker(), " step ",
+                     request.step(), ": its pull names job ", pull.job(), " worker ", pull.worker(),
+                     "; a push's pull must name the push's own"));
+  }
+  if (pull.has_commit()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("Push: job ", request.job(), " worker ", request.worker(), " step ",
+                     request.step(), ": its pull commits a step; commit with a Pull of its own"));
+  }
+  ASSIGN_OR_RETURN(std::shared_ptr<Job> job, FindJob(pull.job()));
+  for (const ChunkData& c : pull.chunks()) {
+    RETURN_IF_ERROR(job->state->OwnedChunk("Pull", c.tensor(), c.chunk()).status());
+  }
+  return PullEncoder::ParseFormat(pull.job(), pull.codec(), codecs_).status();
 }
 
 namespace {

@@ -139,6 +139,8 @@ class Shard {
   // changes) when options.limits.max_waiting_pushes calls already wait on this shard. With
   // `cancel` (may be null; see WaitCancel), a waiting push can be withdrawn: nothing of it is
   // applied, its request id is forgotten, and `done` gets CANCELLED.
+  // With PushRequest.pull, the pull runs once the push completed OK and its values land in
+  // PushResponse.pulled; the request is refused whole (nothing applied) if the pull is bad.
   void PushAsync(const PushRequest& request, PushDone done, WaitCancel* cancel = nullptr);
   // A pull the same way (an ssp pull waits for the slowest worker). Fills `response` (passed in
   // so large payloads are written once, in place); `request` and `response` must stay valid
@@ -210,6 +212,9 @@ class Shard {
   // PushAsync and PullAsync up to the policy: an error before the call reaches it is returned
   // (the caller completes with it); otherwise `*done` has been handed on.
   absl::Status StartPush(const PushRequest& request, PushDone* done, WaitCancel* cancel);
+  // PushRequest.pull: InvalidArgument unless it names the push's job and worker, commits
+  // nothing, names only owned chunks and a known codec (what StartPull would refuse).
+  absl::Status CheckFusedPull(const PushRequest& request);
   absl::Status StartPull(const PullRequest& request, PullResponse* response, PullDone* done,
                          WaitCancel* cancel);
   // commit_steps jobs: commits request.commit() (server/sync_commits.h). False if the shard

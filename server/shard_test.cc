@@ -165,6 +165,68 @@ TEST_F(ShardTest, RetriedPushIsAppliedOnce) {
   EXPECT_EQ(info.workers(1).pushes_applied(), 1);
 }
 
+TEST_F(ShardTest, FusedPushAnswersWithTheValuesAfterItsUpdate) {
+  const ChunkInfo c = Owned();
+  PushRequest p = MakePush(c, 2.0f, 5);
+  p.mutable_pull()->set_job("j");
+  ASSERT_OK_AND_ASSIGN(PushResponse r, shard_->Push(p));
+  EXPECT_FALSE(r.duplicate());
+  ASSERT_TRUE(r.has_pulled());
+  // Exactly what a Pull of every owned chunk answers after the push.
+  const auto after = PullAllOwned();
+  ASSERT_EQ(r.pulled().chunks_size(), static_cast<int>(after.size()));
+  for (int i = 0; i < r.pulled().chunks_size(); ++i) {
+    EXPECT_EQ(Floats(r.pulled().chunks(i).data()), after[i]) << "chunk " << i;
+  }
+  EXPECT_EQ(r.pulled().chunks(0).version(), 1);
+  EXPECT_EQ(after[0][0], 100 * c.tensor + c.offset - 1.0f);  // lr 0.5 x 2.
+  // A retry is acknowledged as a duplicate and still answers with the values.
+  ASSERT_OK_AND_ASSIGN(PushResponse again, shard_->Push(p));
+  EXPECT_TRUE(again.duplicate());
+  ASSERT_EQ(again.pulled().chunks_size(), static_cast<int>(after.size()));
+  EXPECT_EQ(Floats(again.pulled().chunks(0).data()), after[0]);
+  // The pull's own choices hold: one named chunk, narrowed to bf16.
+  PushRequest q = MakePush(c, 0.0f, 6);
+  q.mutable_pull()->set_job("j");
+  q.mutable_pull()->set_codec("bf16");
+  ChunkData* want = q.mutable_pull()->add_chunks();
+  want->set_tensor(c.tensor);
+  want->set_chunk(c.chunk);
+  ASSERT_OK_AND_ASSIGN(PushResponse narrow, shard_->Push(q));
+  ASSERT_EQ(narrow.pulled().chunks_size(), 1);
+  EXPECT_EQ(narrow.pulled().chunks(0).codec(), "bf16");
+}
+
+TEST_F(ShardTest, FusedPushWithABadPullIsRefusedWholeAndChangesNothing) {
+  const auto before = PullAllOwned();
+  const ChunkInfo c = Owned();
+  auto fused = [&](const std::function<void(PullRequest*)>& edit) {
+    PushRequest p = MakePush(c, 1.0f, 9);
+    p.mutable_pull()->set_job("j");
+    edit(p.mutable_pull());
+    return shard_->Push(p);
+  };
+  EXPECT_STATUS_MSG(fused([](PullRequest* r) { r->set_worker(1); }),
+                    absl::StatusCode::kInvalidArgument, "its pull names job j worker 1");
+  EXPECT_STATUS_MSG(fused([](PullRequest* r) { r->set_job("other"); }),
+                    absl::StatusCode::kInvalidArgument, "its pull names job other");
+  EXPECT_STATUS_MSG(fused([](PullRequest* r) { r->mutable_commit()->set_step(9); }),
+                    absl::StatusCode::kInvalidArgument, "its pull commits a step");
+  EXPECT_STATUS_MSG(fused([](PullRequest* r) { r->set_codec("topk:0.1"); }),
+                    absl::StatusCode::kInvalidArgument, "codec");
+  const ChunkInfo other = NotOwned();
+  EXPECT_STATUS_MSG(fused([&](PullRequest* r) {
+                      ChunkData* d = r->add_chunks();
+                      d->set_tensor(other.tensor);
+                      d->set_chunk(other.chunk);
+                    }),
+                    absl::StatusCode::kFailedPrecondition, "belongs to shard 1, not shard 0");
+  EXPECT_EQ(PullAllOwned(), before);
+  // Nothing was recorded either: the same request id is then applied, not a duplicate.
+  ASSERT_OK_AND_ASSIGN(PushResponse r, fused([](PullRequest*) {}));
+  EXPECT_FALSE(r.duplicate());
+}
+
 TEST_F(ShardTest, BadPushesAreRejectedAndChangeNothing) {
   const auto before = PullAllOwned();
   const ChunkInfo c = Owned();

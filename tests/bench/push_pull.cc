@@ -9,7 +9,9 @@
 // concurrently, each doing back-to-back operations:
 //   push:     gradients applied with SGD on the shard(s)
 //   pull:     current values fetched
-//   pushpull: a push followed by a pull (one training step's exchange)
+//   pushpull: a push followed by a pull (two round trips)
+//   fused:    a push that asks for the values after it (PushRequest.pull, ParameterClient::
+//             PushPull: one round trip; a training step's exchange in the ps modes)
 // Each configuration is measured with each client transport of --transports (stream: one
 // ParameterService.Stream per client and shard; unary: one call per operation), in turn.
 // Prints one JSON object per line: op, bytes (payload per op), shards, durability, transport,
@@ -53,7 +55,7 @@ ABSL_FLAG(int, keys, 1,
           "Tensors in the job, each `size` bytes; one operation pushes or pulls all of them (one "
           "training step of a K-layer model, fused into one message per shard as the worker "
           "does; ps-lite's benchmark issues its 40 keys as 40 messages, then waits for all).");
-ABSL_FLAG(std::string, ops, "push,pull,pushpull", "Operations to measure.");
+ABSL_FLAG(std::string, ops, "push,pull,pushpull,fused", "Operations to measure.");
 ABSL_FLAG(std::string, shards, "1,2", "Shard counts to measure.");
 ABSL_FLAG(std::string, durability, "none",
           "Durability settings to measure: none, periodic, every_update (comma-separated). "
@@ -118,6 +120,7 @@ Measured Measure(const std::vector<std::unique_ptr<ParameterClient>>& clients, a
                  int64_t n, int keys, double seconds) {
   const bool do_push = op == "push" || op == "pushpull";
   const bool do_pull = op == "pull" || op == "pushpull";
+  const bool do_fused = op == "fused";
   const int inflight = static_cast<int>(clients.size());
   std::vector<std::vector<double>> lat(inflight);
   std::atomic<bool> failed{false};
@@ -138,6 +141,7 @@ Measured Measure(const std::vector<std::unique_ptr<ParameterClient>>& clients, a
         const absl::Time t0 = absl::Now();
         if (do_push && !clients[w]->Push(step++, grads).ok()) failed = true;
         if (do_pull && !clients[w]->Pull(outs).ok()) failed = true;
+        if (do_fused && !clients[w]->PushPull(step++, grads, outs, nullptr).ok()) failed = true;
         lat[w].push_back(absl::ToDoubleMicroseconds(absl::Now() - t0));
       }
     });
@@ -232,8 +236,8 @@ int Run() {
               std::fprintf(stderr, "operation %s failed\n", std::string(op).c_str());
               return 1;
             }
-            const double payload =
-                static_cast<double>(m.ops) * keys * bytes * (op == "pushpull" ? 2 : 1);
+            const double payload = static_cast<double>(m.ops) * keys * bytes *
+                                   (op == "pushpull" || op == "fused" ? 2 : 1);
             std::printf(
                 "{\"op\":\"%s\",\"bytes\":%lld,\"shards\":%d,\"durability\":\"%s\","
                 "\"transport\":\"%s\",\"inflight\":%d,\"keys\":%d,\"ops\":%lld,"

@@ -65,6 +65,19 @@ class ParameterClient {
   // Overwrites `params` (one span per tensor, layout order) with the shards' current values.
   virtual absl::Status Pull(const std::vector<absl::Span<float>>& params) = 0;
 
+  // Push (PushFrom when `base_versions` is not null) and then Pull, as one round trip to each
+  // shard where the client can (PushRequest.pull; ps-lite's ZPushPull): every shard applies
+  // the push and answers with its values after it. On error nothing of `params` can be relied
+  // on; a retried push is applied once (request ids), as with Push.
+  virtual absl::Status PushPull(int64_t step, const std::vector<absl::Span<const float>>& grads,
+                                const std::vector<absl::Span<float>>& params,
+                                const std::vector<int64_t>* base_versions) {
+    absl::Status pushed =
+        base_versions != nullptr ? PushFrom(step, grads, *base_versions) : Push(step, grads);
+    if (!pushed.ok()) return pushed;
+    return Pull(params);
+  }
+
   // The version of every chunk as of the last Pull (one entry per chunk, opaque to callers).
   virtual std::vector<int64_t> PulledVersions() const = 0;
 

@@ -3,6 +3,7 @@
 #include <grpcpp/client_context.h>
 #include <grpcpp/generic/generic_stub.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <functional>
@@ -169,9 +170,12 @@ class GrpcParameterClient final : public ParameterClient {
 
   // `base` null: the versions of the last pull.
   // `nonfinite`: PushRequest.nonfinite; `responses` (may be null) receives each shard's answer.
+  // `pulls` (may be null): each shard's encoded PullRequest, sent inside its push
+  // (PushRequest.pull); the responses then carry the pulled values.
   absl::Status PushImpl(int64_t step, const std::vector<absl::Span<const float>>& grads,
                         const std::vector<int64_t>* base, bool nonfinite = false,
-                        std::vector<grpc::ByteBuffer>* responses = nullptr) {
+                        std::vector<grpc::ByteBuffer>* responses = nullptr,
+                        const std::vector<std::string>* pulls = nullptr) {
     RETURN_IF_ERROR(CheckSpans("Push", grads));
     // Shards reject non-finite gradients, but each only for its own chunks: with several
     // shards, checking here keeps a bad step from being applied on some shards and not
@@ -246,7 +250,8 @@ class GrpcParameterClient final : public ParameterClient {
           refs.push_back(std::move(ref));
         }
         reqs[s] = EncodePushRequest(layout_.job, options_.worker, step,
-                                    incarnation_ | next_request_++, refs, nonfinite);
+                                    incarnation_ | next_request_++, refs, nonfinite,
+                                    pulls != nullptr ? absl::string_view((*pulls)[s]) : "");
       }
       codec_seconds_ += absl::ToDoubleSeconds(absl::Now() - t0);
     }
@@ -254,9 +259,13 @@ class GrpcParameterClient final : public ParameterClient {
     std::vector<grpc::ByteBuffer> resps(NumShards());
     RETURN_IF_ERROR((CallAll<grpc::ByteBuffer, grpc::ByteBuffer>(
         "Push", reqs, &resps,
-        [this](int32_t shard, grpc::ClientContext* ctx, const grpc::ByteBuffer* req,
-               grpc::ByteBuffer* resp, std::function<void(grpc::Status)> done) {
-          if (Streamed(static_cast<int64_t>(req->Length()))) {
+        [this, fused = pulls != nullptr](int32_t shard, grpc::ClientContext* ctx,
+                                         const grpc::ByteBuffer* req, grpc::ByteBuffer* resp,
+                                         std::function<void(grpc::Status)> done) {
+          // A fused push's answer carries the shard's values.
+          const int64_t bytes = std::max(static_cast<int64_t>(req->Length()),
+                                         fused ? shard_bytes_[shard] : int64_t{0});
+          if (Streamed(bytes)) {
             streams_[shard]->Call(StreamOp::kPush, *req, resp, std::move(done));
             return;
           }
@@ -281,22 +290,7 @@ class GrpcParameterClient final : public ParameterClient {
     RETURN_IF_ERROR(CheckSpans("Pull", views));
     std::vector<grpc::ByteBuffer> reqs(NumShards());
     for (int32_t s = 0; s < NumShards(); ++s) {
-      PullRequest r;
-      r.set_job(layout_.job);
-      r.set_worker(options_.worker);
-      r.set_codec(options_.pull_codec);
-      if (commit != nullptr) *r.mutable_commit() = *commit;
-      if (changes_) {
-        // Name every owned chunk with the version held, so the shard can send only changes.
-        absl::MutexLock lock(&mu_);
-        for (int64_t idx : partition_.shard_chunks(s)) {
-          ChunkData* c = r.add_chunks();
-          c->set_tensor(partition_.chunks()[idx].tensor);
-          c->set_chunk(partition_.chunks()[idx].chunk);
-          c->set_version(held_[idx]);
-        }
-      }
-      const std::string wire = r.SerializeAsString();
+      const std::string wire = PullWire(s, commit);
       grpc::Slice slice(wire.data(), wire.size());
       reqs[s] = grpc::ByteBuffer(&slice, 1);
     }
@@ -312,6 +306,62 @@ class GrpcParameterClient final : public ParameterClient {
           generic_stubs_[shard]->UnaryCall(ctx, "/gradmesh.ParameterService/Pull",
                                            grpc::StubOptions(), req, resp, std::move(done));
         })));
+    return DecodePulled(resps, params, commit, missing);
+  }
+
+  absl::Status PushPull(int64_t step, const std::vector<absl::Span<const float>>& grads,
+                        const std::vector<absl::Span<float>>& params,
+                        const std::vector<int64_t>* base_versions) override {
+    if (base_versions != nullptr && base_versions->size() != partition_.chunks().size()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("Push: job ", layout_.job, " step ", step, ": ", base_versions->size(),
+                       " base versions for ", partition_.chunks().size(), " chunks"));
+    }
+    std::vector<absl::Span<const float>> views(params.begin(), params.end());
+    RETURN_IF_ERROR(CheckSpans("Pull", views));
+    std::vector<std::string> pulls(NumShards());
+    for (int32_t s = 0; s < NumShards(); ++s) pulls[s] = PullWire(s, nullptr);
+    std::vector<grpc::ByteBuffer> resps;
+    RETURN_IF_ERROR(PushImpl(step, grads, base_versions, false, &resps, &pulls));
+    std::vector<grpc::ByteBuffer> pulled(NumShards());
+    for (int32_t s = 0; s < NumShards(); ++s) {
+      bool found = false;
+      absl::Status st = FindMessageField(resps[s], 4, &pulled[s], &found);  // PushResponse.pulled
+      if (st.ok() && !found) {
+        st = absl::InternalError("answered the push without the values it asked for");
+      }
+      if (!st.ok()) {
+        return Annotate(st, absl::StrCat("Push: job ", layout_.job, " step ", step, ": shard ", s,
+                                         " (", options_.servers[s], ")"));
+      }
+    }
+    return DecodePulled(pulled, params, nullptr, nullptr);
+  }
+
+  // The encoded PullRequest for shard `s` (commit: may be null).
+  std::string PullWire(int32_t s, const SyncCommit* commit) {
+    PullRequest r;
+    r.set_job(layout_.job);
+    r.set_worker(options_.worker);
+    r.set_codec(options_.pull_codec);
+    if (commit != nullptr) *r.mutable_commit() = *commit;
+    if (changes_) {
+      // Name every owned chunk with the version held, so the shard can send only changes.
+      absl::MutexLock lock(&mu_);
+      for (int64_t idx : partition_.shard_chunks(s)) {
+        ChunkData* c = r.add_chunks();
+        c->set_tensor(partition_.chunks()[idx].tensor);
+        c->set_chunk(partition_.chunks()[idx].chunk);
+        c->set_version(held_[idx]);
+      }
+    }
+    return r.SerializeAsString();
+  }
+
+  // Decodes each shard's encoded PullResponse (shard order) into `params`.
+  absl::Status DecodePulled(const std::vector<grpc::ByteBuffer>& resps,
+                            const std::vector<absl::Span<float>>& params, const SyncCommit* commit,
+                            bool* missing) {
     // Each shard answers with its owned chunks in partition order; values are copied from
     // gRPC's buffers straight into the caller's tensors.
     int64_t raw = 0, wire = 0;

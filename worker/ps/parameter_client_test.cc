@@ -214,6 +214,66 @@ TEST_F(BufferClientTest, PushFromCarriesTheBaseVersionsItIsGiven) {
   for (size_t i = 2; i < hist.size(); ++i) EXPECT_EQ(hist[i], 0) << "staleness " << i;
 }
 
+// PushPull (one round trip per shard: PushRequest.pull) leaves the client, the model and the
+// shards exactly as Push then Pull does: the same values, versions and staleness, over the
+// stream and unary transports, dense, narrowed (buffers dense) and "changes" pulls, with and
+// without base versions; the pulled values are those after the push.
+TEST_F(BufferClientTest, PushPullEqualsPushThenPull) {
+  const Values init = {{0.1f, 0.2f, 0.3f, 0.4f, 0.7f, 0.9f}, {0.1f, 0.2f, 0.3f, 0.4f}, {3.0f}};
+  const Values g1 = {
+      {1.0f, 0.5f, 0.25f, 0.125f, 2.0f, 0.0625f}, {0.01f, 0.02f, 0.03f, 0.04f}, {1.0f}};
+  const Values g2 = {{0.3f, 0.1f, -0.7f, 0.2f, 0.0f, 1.5f}, {0.5f, 0.0f, 0.25f, 0.0f}, {1.0f}};
+  int n = 0;
+  for (const std::string transport : {"stream", "unary"}) {
+    for (const std::string pull_codec : {"", "bf16", "changes"}) {
+      SCOPED_TRACE(absl::StrCat(transport, " pull codec \"", pull_codec, "\""));
+      Values fused_model = init, plain_model = init;
+      std::vector<int64_t> fused_versions, plain_versions;
+      for (const bool fused : {true, false}) {
+        JobLayout layout = layout_;
+        layout.job = absl::StrCat("pp", n++);
+        GrpcParameterClientOptions o = Options("", pull_codec);
+        o.transport = transport;
+        ASSERT_OK_AND_ASSIGN(std::unique_ptr<ParameterClient> client,
+                             NewGrpcParameterClient(layout, o));
+        ASSERT_OK(client->InitJob(Const(init)));
+        Values& model = fused ? fused_model : plain_model;
+        ASSERT_OK(client->Pull(Mut(model)));
+        const std::vector<int64_t> base = client->PulledVersions();
+        if (fused) {
+          ASSERT_OK(client->PushPull(0, Const(g1), Mut(model), nullptr));
+          // Computed on the first pull's values: staleness 1 on every chunk.
+          ASSERT_OK(client->PushPull(1, Const(g2), Mut(model), &base));
+          const std::vector<int64_t> short_base = {0};
+          EXPECT_EQ(client->PushPull(2, Const(g2), Mut(model), &short_base).code(),
+                    absl::StatusCode::kInvalidArgument);
+        } else {
+          ASSERT_OK(client->Push(0, Const(g1)));
+          ASSERT_OK(client->Pull(Mut(model)));
+          ASSERT_OK(client->PushFrom(1, Const(g2), base));
+          ASSERT_OK(client->Pull(Mut(model)));
+        }
+        (fused ? fused_versions : plain_versions) = client->PulledVersions();
+        ASSERT_OK_AND_ASSIGN(std::vector<JobInfoResponse> infos, client->GetJobInfo());
+        int64_t stale1 = 0, applied = 0;
+        for (const JobInfoResponse& info : infos) {
+          applied += info.pushes_applied();
+          if (info.staleness_histogram_size() > 1) stale1 += info.staleness_histogram(1);
+        }
+        EXPECT_EQ(applied, 4);  // Two pushes on each of two shards, none twice.
+        EXPECT_EQ(stale1, 4);   // The second push's four chunks.
+      }
+      EXPECT_EQ(fused_model, plain_model);
+      EXPECT_EQ(fused_versions, plain_versions);
+      // SGD lr 1: w = init - g1 - g2 (up to bf16 rounding of the pulled values).
+      for (size_t i = 0; i < 6; ++i) {
+        EXPECT_NEAR(fused_model[0][i], init[0][i] - g1[0][i] - g2[0][i], 0.01) << i;
+      }
+      EXPECT_EQ(fused_model[2][0], 5.0f);  // Buffer deltas added exactly, pulled dense.
+    }
+  }
+}
+
 // A sync step flagged non-finite (PushPrepared with zeros, then a skip) is skipped by every
 // shard, so it must leave the error-feedback residual as it was: job A (steps g1, skipped,
 // g2) ends with the same values as job B (steps g1, g2). top-k keeps 1 of each chunk's

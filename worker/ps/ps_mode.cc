@@ -222,9 +222,8 @@ absl::Status PsMode::BackgroundExchange(int64_t step, std::vector<int64_t> base_
   std::vector<absl::Span<const float>> grads(grad_buf_.begin(), grad_buf_.end());
   // Named with its own step: it is reported by the next step's exchange.
   const std::string where = absl::StrCat("pipelined exchange of step ", step);
-  RETURN_IF_ERROR(Annotate(client_->PushFrom(step, grads, base_versions), where));
   std::vector<absl::Span<float>> into(staging_.begin(), staging_.end());
-  RETURN_IF_ERROR(Annotate(client_->Pull(into), where));
+  RETURN_IF_ERROR(Annotate(client_->PushPull(step, grads, into, &base_versions), where));
   staged_versions_ = client_->PulledVersions();
   staged_exchange_s_ = absl::ToDoubleSeconds(absl::Now() - start);
   return absl::OkStatus();
@@ -271,8 +270,8 @@ absl::StatusOr<StepOutcome> PsMode::Exchange(int64_t step,
   if (commit_) return CommittedExchange(step, grads, loss);
   const absl::Time start = absl::Now();
   RETURN_IF_ERROR(
-      client_->Push(step, std::vector<absl::Span<const float>>(grads.begin(), grads.end())));
-  RETURN_IF_ERROR(client_->Pull(model_->params));
+      client_->PushPull(step, std::vector<absl::Span<const float>>(grads.begin(), grads.end()),
+                        model_->params, nullptr));
   if (auto_codec_.has_value()) {
     RETURN_IF_ERROR(
         MaybeSwitchCodec(step, loss, timing.compute_s, absl::ToDoubleSeconds(absl::Now() - start)));
@@ -517,8 +516,7 @@ class DilocoMode : public PsMode {
       }
     }
     std::vector<absl::Span<const float>> push(pseudo_.begin(), pseudo_.end());
-    RETURN_IF_ERROR(client_->Push(round, push));
-    RETURN_IF_ERROR(client_->Pull(model_->params));
+    RETURN_IF_ERROR(client_->PushPull(round, push, model_->params, nullptr));
     for (int i = 0; i < model_->size(); ++i) {
       std::copy(model_->params[i].begin(), model_->params[i].end(), global_[i].begin());
     }
