@@ -4,6 +4,7 @@
 #include <torch/torch.h>
 
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #include "common/status_testing.h"
@@ -120,6 +121,45 @@ TEST(OptimizerTest, AdamWMatchesTorch) {
     return std::make_unique<torch::optim::AdamW>(
         ps, torch::optim::AdamWOptions(1e-3).weight_decay(0.05));
   });
+}
+
+// The Adam kernel runs as the CPU's widest version (AVX-512 / AVX2 / baseline); whichever it
+// is, every element must be bit-identical to the scalar formula (no fused multiply-add, same
+// operation order), tails included (n not a multiple of any vector width).
+TEST(OptimizerTest, AdamIsBitIdenticalToTheScalarFormula) {
+  for (const bool decoupled : {false, true}) {
+    OptimizerSpec s;
+    s.set_name(decoupled ? "adamw" : "adam");
+    s.set_lr(3e-3);
+    s.set_weight_decay(0.02);
+    ASSERT_OK_AND_ASSIGN(auto opt, OptimizerRegistry::WithBuiltins().Create(s));
+    constexpr int64_t n = 1037;
+    std::vector<float> p(n), m(n, 0.0f), v(n, 0.0f), g(n);
+    for (int64_t i = 0; i < n; ++i) p[i] = std::sin(0.37f * static_cast<float>(i)) * 3;
+    std::vector<float> rp = p, rm = m, rv = v;
+    for (int step = 1; step <= 5; ++step) {
+      for (int64_t i = 0; i < n; ++i) g[i] = std::cos(0.11f * static_cast<float>(i * step)) / 7;
+      std::vector<float*> slots = {m.data(), v.data()};
+      opt->Apply(step, 1.0f, g.data(), p.data(), slots.data(), n);
+      // The scalar formula (this test is built for the baseline: no FMA contraction).
+      const double lr = 3e-3, b1 = 0.9, b2 = 0.999;
+      const float step_size = static_cast<float>(lr / (1 - std::pow(b1, step)));
+      const float sqrt_bias2 = static_cast<float>(std::sqrt(1 - std::pow(b2, step)));
+      const float keep = decoupled ? static_cast<float>(1 - lr * 0.02f) : 1.0f;
+      const float wd = decoupled ? 0.0f : 0.02f;
+      for (int64_t i = 0; i < n; ++i) {
+        const float pk = rp[i] * keep;
+        const float gi = g[i] + wd * rp[i];
+        rm[i] = rm[i] * 0.9f + static_cast<float>(1 - b1) * gi;
+        rv[i] = rv[i] * 0.999f + static_cast<float>(1 - b2) * gi * gi;
+        const float denom = std::sqrt(rv[i]) / sqrt_bias2 + 1e-8f;
+        rp[i] = pk - step_size * (rm[i] / denom);
+      }
+      ASSERT_EQ(0, std::memcmp(p.data(), rp.data(), n * sizeof(float))) << s.name() << step;
+      ASSERT_EQ(0, std::memcmp(m.data(), rm.data(), n * sizeof(float))) << s.name() << step;
+      ASSERT_EQ(0, std::memcmp(v.data(), rv.data(), n * sizeof(float))) << s.name() << step;
+    }
+  }
 }
 
 TEST(OptimizerTest, SubnormalStateIsFlushedToZero) {

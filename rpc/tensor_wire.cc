@@ -9,6 +9,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "proto/gradmesh.pb.h"
 
 namespace gradmesh {
 namespace {
@@ -51,7 +52,113 @@ grpc::ByteBuffer SubBuffer(const grpc::ByteBuffer& buffer, size_t begin, size_t 
   return grpc::ByteBuffer(part.data(), part.size());
 }
 
+// Builds a message as gRPC slices: small bytes gathered and copied, large strings moved into
+// slices of their own (no copy).
+class SliceWriter {
+ public:
+  void Bytes(absl::string_view b) {
+    pending_.append(b.data(), b.size());
+    size_ += b.size();
+  }
+  void Varint(uint64_t v) {
+    std::string b;
+    PutVarint(v, &b);
+    Bytes(b);
+  }
+  // Takes `s`'s bytes without copying them.
+  void Owned(std::string s) {
+    if (s.empty()) return;
+    Flush();
+    auto* held = new std::string(std::move(s));
+    size_ += held->size();
+    slices_.emplace_back(
+        held->data(), held->size(), [](void* p) { delete static_cast<std::string*>(p); }, held);
+  }
+  void Append(SliceWriter&& w) {
+    w.Flush();
+    Flush();
+    for (grpc::Slice& slice : w.slices_) slices_.push_back(std::move(slice));
+    size_ += w.size_;
+  }
+  size_t size() const { return size_; }
+  grpc::ByteBuffer Finish() {
+    Flush();
+    if (slices_.empty()) slices_.emplace_back();
+    return grpc::ByteBuffer(slices_.data(), slices_.size());
+  }
+
+ private:
+  void Flush() {
+    if (pending_.empty()) return;
+    slices_.emplace_back(pending_.data(), pending_.size());  // Copies the small bytes.
+    pending_.clear();
+  }
+  std::string pending_;
+  std::vector<grpc::Slice> slices_;
+  size_t size_ = 0;
+};
+
+// A PullResponse's encoding, each chunk's data moved out of `r` into its own slice.
+SliceWriter EncodePullBody(PullResponse* r) {
+  SliceWriter w;
+  for (ChunkData& c : *r->mutable_chunks()) {
+    std::string data;
+    data.swap(*c.mutable_data());
+    const std::string head = c.SerializeAsString();  // Fields 1-5: data is now empty.
+    std::string data_head;
+    if (!data.empty()) {
+      PutVarint(Tag(6, kLengthDelimited), &data_head);
+      PutVarint(data.size(), &data_head);
+    }
+    w.Varint(Tag(1, kLengthDelimited));
+    w.Varint(head.size() + data_head.size() + data.size());
+    w.Bytes(head);
+    w.Bytes(data_head);
+    w.Owned(std::move(data));
+  }
+  if (r->commit_missing()) {
+    w.Varint(Tag(2, kVarint));
+    w.Varint(1);
+  }
+  return w;
+}
+
 }  // namespace
+
+grpc::ByteBuffer EncodeStreamResponse(StreamResponse* response) {
+  StreamResponse head;  // Fields 1-3.
+  head.set_call(response->call());
+  head.set_code(response->code());
+  head.set_message(response->message());
+  SliceWriter out;
+  out.Bytes(head.SerializeAsString());
+  if (response->has_pull()) {
+    SliceWriter body = EncodePullBody(response->mutable_pull());
+    out.Varint(Tag(5, kLengthDelimited));
+    out.Varint(body.size());
+    out.Append(std::move(body));
+  } else if (response->has_push()) {
+    PushResponse* push = response->mutable_push();
+    SliceWriter pulled;
+    const bool fused = push->has_pulled();
+    if (fused) pulled = EncodePullBody(push->mutable_pulled());
+    push->clear_pulled();
+    const std::string push_head = push->SerializeAsString();  // Fields 1-3.
+    size_t push_size = push_head.size();
+    std::string pulled_head;
+    if (fused) {
+      PutVarint(Tag(4, kLengthDelimited), &pulled_head);
+      PutVarint(pulled.size(), &pulled_head);
+      push_size += pulled_head.size() + pulled.size();
+    }
+    out.Varint(Tag(4, kLengthDelimited));
+    out.Varint(push_size);
+    out.Bytes(push_head);
+    out.Bytes(pulled_head);
+    out.Append(std::move(pulled));
+  }
+  return out.Finish();
+}
 
 grpc::ByteBuffer FrameStreamRequest(uint64_t call, StreamOp op, const grpc::ByteBuffer& body) {
   std::string head;

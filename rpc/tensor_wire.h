@@ -36,6 +36,8 @@
 
 namespace gradmesh {
 
+class StreamResponse;  // proto/gradmesh.proto
+
 // One chunk of a push: dense float32 values at `data` (numel elements), or, when `codec` is
 // not empty, the encoded payload `encoded` (referenced too: it must outlive the RPC).
 struct PushChunkRef {
@@ -82,6 +84,11 @@ enum class StreamOp : int32_t { kPush = 2, kPull = 3 };
 // `body`'s slices (static ones included: the memory they point to must stay as required for
 // `body` itself).
 grpc::ByteBuffer FrameStreamRequest(uint64_t call, StreamOp op, const grpc::ByteBuffer& body);
+
+// Encodes `response` exactly as protobuf would, but moves the data of its pulled chunks
+// (StreamResponse.pull, or StreamResponse.push.pulled) into the buffer's slices instead of
+// copying them: `response` keeps everything else and loses those strings.
+grpc::ByteBuffer EncodeStreamResponse(StreamResponse* response);
 
 // The fields of a StreamResponse other than its push or pull response.
 struct StreamResponseHead {

@@ -108,6 +108,50 @@ TEST(TensorWireTest, FindMessageFieldSharesTheFieldsBytes) {
   EXPECT_EQ(FindMessageField(FromString(cut), 4, &sub, &found).code(), absl::StatusCode::kDataLoss);
 }
 
+// EncodeStreamResponse writes protobuf's bytes while moving the pulled data into slices.
+TEST(TensorWireTest, StreamResponseEncodingIsWhatProtobufWrites) {
+  auto chunk = [](PullResponse* r, int32_t tensor, int64_t version, const std::string& data,
+                  const std::string& codec) {
+    ChunkData* c = r->add_chunks();
+    c->set_tensor(tensor);
+    c->set_chunk(1);
+    c->set_version(version);
+    c->set_dtype(FLOAT32);
+    c->set_codec(codec);
+    c->set_data(data);
+  };
+  std::vector<StreamResponse> cases(5);
+  cases[0].set_call(7);  // A pull: chunks (one empty), commit_missing.
+  chunk(cases[0].mutable_pull(), 0, 3, std::string(70000, 'a'), "");
+  chunk(cases[0].mutable_pull(), 2, 0, "", "");
+  chunk(cases[0].mutable_pull(), 5, 1 << 20, "xyz", "bf16");
+  cases[1].set_call(8);  // A fused push: head fields, then the pulled values.
+  cases[1].mutable_push()->set_duplicate(true);
+  cases[1].mutable_push()->add_new_versions(4);
+  cases[1].mutable_push()->add_new_versions(9);
+  chunk(cases[1].mutable_push()->mutable_pulled(), 1, 2, std::string(5000, 'b'), "");
+  cases[2].set_call(9);  // A plain push.
+  cases[2].mutable_push()->add_new_versions(1);
+  cases[3].set_call(10);  // An error.
+  cases[3].set_code(5);
+  cases[3].set_message("job nope is not held");
+  cases[4].mutable_pull()->set_commit_missing(true);
+  for (size_t i = 0; i < cases.size(); ++i) {
+    StreamResponse r = cases[i];
+    const std::string want = r.SerializeAsString();
+    EXPECT_EQ(Flatten(EncodeStreamResponse(&r)), want) << "case " << i;
+  }
+  // The 70000 data bytes were moved, not copied: the response no longer holds them.
+  StreamResponse r = cases[0];
+  grpc::ByteBuffer bb = EncodeStreamResponse(&r);
+  EXPECT_TRUE(r.pull().chunks(0).data().empty());
+  EXPECT_EQ(r.pull().chunks(0).version(), 3);
+  std::vector<grpc::Slice> slices;
+  ASSERT_TRUE(bb.Dump(&slices).ok());
+  EXPECT_TRUE(std::any_of(slices.begin(), slices.end(),
+                          [](const grpc::Slice& s) { return s.size() == 70000; }));
+}
+
 TEST(TensorWireTest, PullDecodingReportsCommitMissing) {
   PullResponse missing;
   missing.set_commit_missing(true);

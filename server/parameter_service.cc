@@ -11,6 +11,7 @@
 #include "common/status.h"
 #include "common/token_hash.h"
 #include "rpc/grpc_status.h"
+#include "rpc/tensor_wire.h"
 
 namespace gradmesh {
 namespace {
@@ -192,10 +193,8 @@ void StreamReactor::Complete(const std::shared_ptr<Op>& op, const absl::Status& 
   } else if (op->request.has_push() && !response.has_push()) {
     response.mutable_push();  // The oneof says which operation this answers.
   }
-  grpc::ByteBuffer encoded;
-  bool own_buffer;
-  grpc::Status st = grpc::GenericSerialize<grpc::ProtoBufferWriter, StreamResponse>(
-      response, &encoded, &own_buffer);
+  // The pulled values move into the encoded buffer's slices rather than being copied again.
+  grpc::ByteBuffer encoded = EncodeStreamResponse(&response);
   bool finish;
   grpc::Status end;
   {
@@ -203,11 +202,7 @@ void StreamReactor::Complete(const std::shared_ptr<Op>& op, const absl::Status& 
     // last operation is gone, another thread may finish the call (and delete this).
     absl::MutexLock lock(&mu_);
     ops_.erase(op->request.call());
-    if (!st.ok() && error_.ok()) {
-      error_ = absl::InternalError(absl::StrCat(
-          "Stream: call ", op->request.call(), " response not serialisable: ", st.error_message()));
-      reads_done_ = true;
-    } else if (!gone_) {
+    if (!gone_) {
       queued_.push_back(std::move(encoded));
     }
     finish = ProceedLocked();
