@@ -123,7 +123,31 @@ SliceWriter EncodePullBody(PullResponse* r) {
   return w;
 }
 
+// A PushResponse's encoding, the data of its pulled chunks moved out of `r`.
+SliceWriter EncodePushBody(PushResponse* r) {
+  SliceWriter w;
+  SliceWriter pulled;
+  const bool fused = r->has_pulled();
+  if (fused) pulled = EncodePullBody(r->mutable_pulled());
+  r->clear_pulled();
+  w.Bytes(r->SerializeAsString());  // Fields 1-3.
+  if (fused) {
+    w.Varint(Tag(4, kLengthDelimited));
+    w.Varint(pulled.size());
+    w.Append(std::move(pulled));
+  }
+  return w;
+}
+
 }  // namespace
+
+grpc::ByteBuffer EncodePullResponse(PullResponse* response) {
+  return EncodePullBody(response).Finish();
+}
+
+grpc::ByteBuffer EncodePushResponse(PushResponse* response) {
+  return EncodePushBody(response).Finish();
+}
 
 grpc::ByteBuffer EncodeStreamResponse(StreamResponse* response) {
   StreamResponse head;  // Fields 1-3.
@@ -132,30 +156,13 @@ grpc::ByteBuffer EncodeStreamResponse(StreamResponse* response) {
   head.set_message(response->message());
   SliceWriter out;
   out.Bytes(head.SerializeAsString());
-  if (response->has_pull()) {
-    SliceWriter body = EncodePullBody(response->mutable_pull());
-    out.Varint(Tag(5, kLengthDelimited));
+  if (response->has_pull() || response->has_push()) {
+    const bool pull = response->has_pull();
+    SliceWriter body =
+        pull ? EncodePullBody(response->mutable_pull()) : EncodePushBody(response->mutable_push());
+    out.Varint(Tag(pull ? 5 : 4, kLengthDelimited));
     out.Varint(body.size());
     out.Append(std::move(body));
-  } else if (response->has_push()) {
-    PushResponse* push = response->mutable_push();
-    SliceWriter pulled;
-    const bool fused = push->has_pulled();
-    if (fused) pulled = EncodePullBody(push->mutable_pulled());
-    push->clear_pulled();
-    const std::string push_head = push->SerializeAsString();  // Fields 1-3.
-    size_t push_size = push_head.size();
-    std::string pulled_head;
-    if (fused) {
-      PutVarint(Tag(4, kLengthDelimited), &pulled_head);
-      PutVarint(pulled.size(), &pulled_head);
-      push_size += pulled_head.size() + pulled.size();
-    }
-    out.Varint(Tag(4, kLengthDelimited));
-    out.Varint(push_size);
-    out.Bytes(push_head);
-    out.Bytes(pulled_head);
-    out.Append(std::move(pulled));
   }
   return out.Finish();
 }

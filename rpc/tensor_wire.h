@@ -36,7 +36,9 @@
 
 namespace gradmesh {
 
-class StreamResponse;  // proto/gradmesh.proto
+class PullResponse;  // proto/gradmesh.proto
+class PushResponse;
+class StreamResponse;
 
 // One chunk of a push: dense float32 values at `data` (numel elements), or, when `codec` is
 // not empty, the encoded payload `encoded` (referenced too: it must outlive the RPC).
@@ -85,9 +87,11 @@ enum class StreamOp : int32_t { kPush = 2, kPull = 3 };
 // `body` itself).
 grpc::ByteBuffer FrameStreamRequest(uint64_t call, StreamOp op, const grpc::ByteBuffer& body);
 
-// Encodes `response` exactly as protobuf would, but moves the data of its pulled chunks
-// (StreamResponse.pull, or StreamResponse.push.pulled) into the buffer's slices instead of
-// copying them: `response` keeps everything else and loses those strings.
+// Encode `response` exactly as protobuf would, but move the data of its pulled chunks
+// (PullResponse.chunks, PushResponse.pulled, StreamResponse.pull or .push) into the buffer's
+// slices instead of copying them: `response` keeps everything else and loses those strings.
+grpc::ByteBuffer EncodePullResponse(PullResponse* response);
+grpc::ByteBuffer EncodePushResponse(PushResponse* response);
 grpc::ByteBuffer EncodeStreamResponse(StreamResponse* response);
 
 // The fields of a StreamResponse other than its push or pull response.

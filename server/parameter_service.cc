@@ -23,13 +23,18 @@ grpc::Status Reply(absl::StatusOr<T> result, T* response) {
   return grpc::Status::OK;
 }
 
-// One Push or Pull in the callback API. It finishes when the shard completes the call; if
-// gRPC cancels the call first (client cancellation, deadline, server shutdown), the shard
-// withdraws its wait and completes it then. Deletes itself when gRPC is done with it.
-class WaitingReactor final : public grpc::ServerUnaryReactor {
+// One Push or Pull in the callback API, on raw bytes: the parsed request and the response
+// live with the call. It finishes when the shard completes the call; if gRPC cancels the call
+// first (client cancellation, deadline, server shutdown), the shard withdraws its wait and
+// completes it then. Deletes itself when gRPC is done with it.
+template <typename Request, typename Response>
+class RawUnaryReactor final : public grpc::ServerUnaryReactor {
  public:
+  Request request;
+  Response response;
+
   WaitCancel* cancel() { return &cancel_; }
-  // Finishes the call; the reactor (and the call's response) may be gone when this returns.
+  // Finishes the call; the reactor may be gone when this returns.
   void Complete(const absl::Status& status) { Finish(ToGrpcStatus(status)); }
 
   void OnCancel() override { cancel_.Cancel(); }
@@ -38,6 +43,17 @@ class WaitingReactor final : public grpc::ServerUnaryReactor {
  private:
   WaitCancel cancel_;
 };
+
+// Parses a unary call's request bytes (which stay gRPC's: the parse reads a shared copy).
+template <typename Request>
+absl::Status ParseRequest(const grpc::ByteBuffer& bytes, const char* rpc, Request* request) {
+  grpc::ByteBuffer copy(bytes);
+  if (!grpc::GenericDeserialize<grpc::ProtoBufferReader, Request>(&copy, request).ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(rpc, ": the request is not a ", Request::descriptor()->name()));
+  }
+  return absl::OkStatus();
+}
 
 absl::Status CheckJobToken(const JobTokens* tokens, grpc::ServerContextBase* ctx,
                            const std::string& job) {
@@ -286,35 +302,47 @@ grpc::Status ParameterServiceImpl::InitJob(grpc::ServerContext* ctx, const InitJ
 }
 
 grpc::ServerUnaryReactor* ParameterServiceImpl::Push(grpc::CallbackServerContext* ctx,
-                                                     const PushRequest* request,
-                                                     PushResponse* response) {
-  auto* reactor = new WaitingReactor();
-  if (absl::Status st = CheckToken(ctx, request->job()); !st.ok()) {
-    reactor->Complete(st);
-    return reactor;
+                                                     const grpc::ByteBuffer* request,
+                                                     grpc::ByteBuffer* response) {
+  auto* call = new RawUnaryReactor<PushRequest, PushResponse>();
+  absl::Status st = ParseRequest(*request, "Push", &call->request);
+  if (st.ok()) st = CheckToken(ctx, call->request.job());
+  if (!st.ok()) {
+    call->Complete(st);
+    return call;
   }
   shard_->PushAsync(
-      *request,
-      [reactor, response](absl::StatusOr<PushResponse> result) {
-        if (result.ok()) *response = std::move(result).value();
-        reactor->Complete(result.status());
+      call->request,
+      [call, response](absl::StatusOr<PushResponse> result) {
+        if (result.ok()) {
+          call->response = std::move(result).value();
+          *response = EncodePushResponse(&call->response);
+        }
+        call->Complete(result.status());
       },
-      reactor->cancel());
-  return reactor;
+      call->cancel());
+  return call;
 }
 
 grpc::ServerUnaryReactor* ParameterServiceImpl::Pull(grpc::CallbackServerContext* ctx,
-                                                     const PullRequest* request,
-                                                     PullResponse* response) {
-  auto* reactor = new WaitingReactor();
-  if (absl::Status st = CheckToken(ctx, request->job()); !st.ok()) {
-    reactor->Complete(st);
-    return reactor;
+                                                     const grpc::ByteBuffer* request,
+                                                     grpc::ByteBuffer* response) {
+  auto* call = new RawUnaryReactor<PullRequest, PullResponse>();
+  absl::Status st = ParseRequest(*request, "Pull", &call->request);
+  if (st.ok()) st = CheckToken(ctx, call->request.job());
+  if (!st.ok()) {
+    call->Complete(st);
+    return call;
   }
-  // `request` and `response` live until the reactor finishes.
+  // The call's request and response live until it finishes.
   shard_->PullAsync(
-      *request, response, [reactor](absl::Status st) { reactor->Complete(st); }, reactor->cancel());
-  return reactor;
+      call->request, &call->response,
+      [call, response](absl::Status st) {
+        if (st.ok()) *response = EncodePullResponse(&call->response);
+        call->Complete(st);
+      },
+      call->cancel());
+  return call;
 }
 
 grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* ParameterServiceImpl::Stream(

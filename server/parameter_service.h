@@ -28,8 +28,8 @@ namespace gradmesh {
 
 class ParameterServiceImpl final
     : public ParameterService::WithRawCallbackMethod_Stream<
-          ParameterService::WithCallbackMethod_Push<
-              ParameterService::WithCallbackMethod_Pull<ParameterService::Service>>> {
+          ParameterService::WithRawCallbackMethod_Push<
+              ParameterService::WithRawCallbackMethod_Pull<ParameterService::Service>>> {
  public:
   // `shard` and `tokens` are not owned and must outlive the service; null `tokens` means no
   // per-job access check (every call's job is checked against it otherwise).
@@ -38,10 +38,15 @@ class ParameterServiceImpl final
 
   grpc::Status InitJob(grpc::ServerContext*, const InitJobRequest* request,
                        InitJobResponse* response) override;
-  grpc::ServerUnaryReactor* Push(grpc::CallbackServerContext* context, const PushRequest* request,
-                                 PushResponse* response) override;
-  grpc::ServerUnaryReactor* Pull(grpc::CallbackServerContext* context, const PullRequest* request,
-                                 PullResponse* response) override;
+  // Push and Pull on raw bytes: the request is parsed here (INVALID_ARGUMENT if it does not
+  // parse), and the pulled values move into the response's slices without a second copy
+  // (rpc/tensor_wire.h); the bytes on the wire are protobuf's.
+  grpc::ServerUnaryReactor* Push(grpc::CallbackServerContext* context,
+                                 const grpc::ByteBuffer* request,
+                                 grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* Pull(grpc::CallbackServerContext* context,
+                                 const grpc::ByteBuffer* request,
+                                 grpc::ByteBuffer* response) override;
   grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* Stream(
       grpc::CallbackServerContext* context) override;
   grpc::Status Finish(grpc::ServerContext*, const FinishRequest* request,

@@ -413,5 +413,63 @@ TEST_F(StreamTest, AMalformedMessageEndsItsStreamWithInvalidArgument) {
   EXPECT_EQ(Snapshot(stubs_[0].get(), "malformed"), before);
 }
 
+// The unary Push and Pull take raw bytes (so that pulled values are not copied twice): bytes
+// that do not parse are INVALID_ARGUMENT naming the message, and change nothing; a push that
+// carries its pull (PushRequest.pull) answers with the values after it, over the typed stub
+// as over the stream.
+TEST_F(StreamTest, UnaryCallsRefuseUnparsableBytesAndAnswerFusedPushes) {
+  const JobLayout l = Layout("raw");
+  auto c = Client(l, Options({servers_[0]->addr, servers_[1]->addr}, "unary"));
+  ASSERT_NE(c, nullptr);
+  ASSERT_OK(c->InitJob(ConstSpans(OddInit(l))));
+  const std::string before = Snapshot(stubs_[0].get(), "raw");
+  grpc::GenericStub generic(MakeChannel(servers_[0]->addr, RpcOptions()));
+  for (const std::string method : {"Push", "Pull"}) {
+    const std::string garbage("\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff", 11);
+    grpc::Slice slice(garbage.data(), garbage.size());
+    const grpc::ByteBuffer req(&slice, 1);
+    grpc::ByteBuffer resp;
+    grpc::ClientContext ctx;
+    absl::Notification done;
+    grpc::Status st;
+    generic.UnaryCall(&ctx, "/gradmesh.ParameterService/" + method, grpc::StubOptions(), &req,
+                      &resp, [&](grpc::Status s) {
+                        st = std::move(s);
+                        done.Notify();
+                      });
+    done.WaitForNotification();
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << method;
+    EXPECT_EQ(st.error_message(), method + ": the request is not a " + method + "Request");
+  }
+  EXPECT_EQ(Snapshot(stubs_[0].get(), "raw"), before);
+
+  // A fused push over the typed stub: its pulled chunks are exactly a Pull's after it.
+  const Partition p = MakePartition(l, 2);
+  PushRequest push;
+  push.set_job("raw");
+  push.set_step(1);
+  push.set_request_id(77);
+  for (int64_t idx : p.shard_chunks(0)) {
+    const ChunkInfo& ci = p.chunks()[idx];
+    ChunkData* d = push.add_chunks();
+    d->set_tensor(ci.tensor);
+    d->set_chunk(ci.chunk);
+    d->set_dtype(FLOAT32);
+    const std::vector<float> g(static_cast<size_t>(ci.numel), 0.5f);
+    d->set_data(std::string(reinterpret_cast<const char*>(g.data()), g.size() * sizeof(float)));
+  }
+  push.mutable_pull()->set_job("raw");
+  PushResponse fused;
+  ASSERT_TRUE(RawPush(stubs_[0].get(), push, &fused).ok());
+  PullRequest pull;
+  pull.set_job("raw");
+  PullResponse after;
+  ASSERT_TRUE(RawPull(stubs_[0].get(), pull, &after).ok());
+  EXPECT_EQ(fused.pulled().SerializeAsString(), after.SerializeAsString());
+  EXPECT_NE(Snapshot(stubs_[0].get(), "raw"), before);
+  ASSERT_GT(after.chunks_size(), 0);
+  EXPECT_EQ(after.chunks(0).version(), 1);
+}
+
 }  // namespace
 }  // namespace gradmesh
