@@ -85,10 +85,13 @@ struct AdamScalars {
 // on the baseline's 4-wide SSE. Every lane computes what the scalar loop does, in the same
 // order (no fused multiply-add: -ffp-contract=off), so the results are bit-identical
 // whichever version runs.
-__attribute__((target_clones("avx512f", "avx2", "default"))) void AdamKernel(const AdamScalars& k,
-                                                                             const float* grad,
-                                                                             float* param, float* m,
-                                                                             float* v, int64_t n) {
+#if defined(__x86_64__) && defined(__GNUC__)
+#define GRADMESH_X86_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define GRADMESH_X86_CLONES
+#endif
+GRADMESH_X86_CLONES void AdamKernel(const AdamScalars& k, const float* grad, float* param, float* m,
+                                    float* v, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
     const float p = param[i] * k.keep;
     const float g = grad[i] + k.wd * param[i];

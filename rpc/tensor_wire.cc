@@ -295,6 +295,10 @@ absl::Status FindMessageField(const grpc::ByteBuffer& buffer, uint32_t field, gr
     const uint32_t tag = in.ReadTag();
     if (tag == 0) break;
     if (tag == Tag(field, kLengthDelimited)) {
+      if (*found) {
+        *found = false;
+        return absl::DataLossError(absl::StrCat("field ", field, " occurs twice"));
+      }
       uint32_t len;
       if (!in.ReadVarint32(&len)) return absl::DataLossError("bad length of a message field");
       begin = static_cast<size_t>(in.CurrentPosition());

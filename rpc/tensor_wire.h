@@ -58,10 +58,10 @@ grpc::ByteBuffer EncodePushRequest(const std::string& job, int32_t worker, int64
                                    uint64_t request_id, const std::vector<PushChunkRef>& chunks,
                                    bool nonfinite = false, absl::string_view pull = {});
 
-// The encoded bytes of length-delimited field `field` of the message in `buffer` (its last
-// occurrence, as protobuf merges), sharing `buffer`'s slices: e.g. PushResponse.pulled (4),
-// for DecodePullResponse. *found says whether the field was present (else `out` is empty).
-// DataLoss on malformed input.
+// The encoded bytes of length-delimited field `field` of the message in `buffer`, sharing
+// `buffer`'s slices: e.g. PushResponse.pulled (4), for DecodePullResponse. *found says whether
+// the field was present (else `out` is empty). DataLoss on malformed input, and when the field
+// occurs more than once (protobuf would merge the occurrences; no encoder here writes two).
 absl::Status FindMessageField(const grpc::ByteBuffer& buffer, uint32_t field, grpc::ByteBuffer* out,
                               bool* found);
 

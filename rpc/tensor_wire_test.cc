@@ -106,6 +106,29 @@ TEST(TensorWireTest, FindMessageFieldSharesTheFieldsBytes) {
   std::string cut = r.SerializeAsString();
   cut.resize(cut.size() - 10);
   EXPECT_EQ(FindMessageField(FromString(cut), 4, &sub, &found).code(), absl::StatusCode::kDataLoss);
+  // Twice (protobuf would merge them): refused rather than half-read.
+  const std::string twice = r.SerializeAsString() + r.SerializeAsString();
+  EXPECT_EQ(FindMessageField(FromString(twice), 4, &sub, &found).code(),
+            absl::StatusCode::kDataLoss);
+  EXPECT_FALSE(found);
+}
+
+// The copy-free encoders (EncodeStreamResponse & co.) and the decoders write and read these
+// messages field by field: a field added to any of them must be added there too (this test
+// then fails until it is).
+TEST(TensorWireTest, HandEncodedMessagesHaveTheFieldsTheEncodersKnow) {
+  auto numbers = [](const google::protobuf::Descriptor* d) {
+    std::vector<int> n;
+    for (int i = 0; i < d->field_count(); ++i) n.push_back(d->field(i)->number());
+    std::sort(n.begin(), n.end());
+    return n;
+  };
+  EXPECT_EQ(numbers(StreamResponse::descriptor()), (std::vector<int>{1, 2, 3, 4, 5}));
+  EXPECT_EQ(numbers(PushResponse::descriptor()), (std::vector<int>{1, 2, 3, 4}));
+  EXPECT_EQ(numbers(PullResponse::descriptor()), (std::vector<int>{1, 2}));
+  EXPECT_EQ(numbers(ChunkData::descriptor()), (std::vector<int>{1, 2, 3, 4, 5, 6}));
+  EXPECT_EQ(ChunkData::descriptor()->FindFieldByNumber(6)->name(), "data");
+  EXPECT_EQ(numbers(PushRequest::descriptor()), (std::vector<int>{1, 2, 3, 4, 5, 6, 7}));
 }
 
 // EncodeStreamResponse writes protobuf's bytes while moving the pulled data into slices.

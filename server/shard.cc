@@ -444,6 +444,12 @@ absl::Status Shard::CheckFusedPull(const PushRequest& request) {
                      request.step(), ": its pull commits a step; commit with a Pull of its own"));
   }
   ASSIGN_OR_RETURN(std::shared_ptr<Job> job, FindJob(pull.job()));
+  if (job->commits != nullptr) {
+    // Its push only prepares the step: the values after it come with the commit.
+    return absl::FailedPreconditionError(
+        absl::StrCat("Push: job ", request.job(), " commits its steps (commit_steps); its pushes ",
+                     "cannot carry a pull: commit with a Pull of its own"));
+  }
   for (const ChunkData& c : pull.chunks()) {
     RETURN_IF_ERROR(job->state->OwnedChunk("Pull", c.tensor(), c.chunk()).status());
   }

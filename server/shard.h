@@ -213,7 +213,8 @@ class Shard {
   // (the caller completes with it); otherwise `*done` has been handed on.
   absl::Status StartPush(const PushRequest& request, PushDone* done, WaitCancel* cancel);
   // PushRequest.pull: InvalidArgument unless it names the push's job and worker, commits
-  // nothing, names only owned chunks and a known codec (what StartPull would refuse).
+  // nothing and names a known codec; FailedPrecondition for a commit_steps job or a chunk this
+  // shard does not own (NotFound: no such chunk), as StartPull would answer.
   absl::Status CheckFusedPull(const PushRequest& request);
   absl::Status StartPull(const PullRequest& request, PullResponse* response, PullDone* done,
                          WaitCancel* cancel);

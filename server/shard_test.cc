@@ -222,6 +222,21 @@ TEST_F(ShardTest, FusedPushWithABadPullIsRefusedWholeAndChangesNothing) {
                     }),
                     absl::StatusCode::kFailedPrecondition, "belongs to shard 1, not shard 0");
   EXPECT_EQ(PullAllOwned(), before);
+  // A commit_steps job's push only prepares its step: it cannot carry a pull.
+  InitJobRequest commits = MakeInit(0, 1);
+  commits.set_job("jc");
+  commits.set_consistency("sync");
+  commits.set_commit_steps(true);
+  ASSERT_OK(shard_->InitJob(commits));
+  PushRequest pc = MakePush(c, 1.0f, 3);
+  pc.set_job("jc");
+  pc.mutable_pull()->set_job("jc");
+  EXPECT_STATUS_MSG(shard_->Push(pc), absl::StatusCode::kFailedPrecondition,
+                    "commits its steps (commit_steps)");
+  pc.clear_pull();  // The same push alone is the job's first push of step 3 (not a duplicate).
+  ASSERT_OK_AND_ASSIGN(PushResponse prepared, shard_->Push(pc));
+  EXPECT_FALSE(prepared.duplicate());
+  EXPECT_TRUE(prepared.has_prepared());
   // Nothing was recorded either: the same request id is then applied, not a duplicate.
   ASSERT_OK_AND_ASSIGN(PushResponse r, fused([](PullRequest*) {}));
   EXPECT_FALSE(r.duplicate());

@@ -67,7 +67,9 @@ class ParameterClient {
 
   // Push (PushFrom when `base_versions` is not null) and then Pull, as one round trip to each
   // shard where the client can (PushRequest.pull; ps-lite's ZPushPull): every shard applies
-  // the push and answers with its values after it. On error nothing of `params` can be relied
+  // the push and answers with its values after it. The gRPC client makes two calls for sync
+  // jobs (the shard completing a step would otherwise run every worker's pull in turn) and
+  // for shards that do not answer with values. On error nothing of `params` can be relied
   // on; a retried push is applied once (request ids), as with Push.
   virtual absl::Status PushPull(int64_t step, const std::vector<absl::Span<const float>>& grads,
                                 const std::vector<absl::Span<float>>& params,

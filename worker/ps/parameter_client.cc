@@ -319,6 +319,13 @@ class GrpcParameterClient final : public ParameterClient {
     }
     std::vector<absl::Span<const float>> views(params.begin(), params.end());
     RETURN_IF_ERROR(CheckSpans("Pull", views));
+    // sync: the shard that completes a step would run every worker's pull in turn on one
+    // thread; two calls let the pulls run in parallel. And a shard that answered a fused push
+    // without values (a binary older than PushRequest.pull) gets two calls from then on.
+    if (layout_.consistency == "sync" || !fused_.load()) {
+      RETURN_IF_ERROR(PushImpl(step, grads, base_versions));
+      return PullImpl(params, nullptr, nullptr);
+    }
     std::vector<std::string> pulls(NumShards());
     for (int32_t s = 0; s < NumShards(); ++s) pulls[s] = PullWire(s, nullptr);
     std::vector<grpc::ByteBuffer> resps;
@@ -328,7 +335,12 @@ class GrpcParameterClient final : public ParameterClient {
       bool found = false;
       absl::Status st = FindMessageField(resps[s], 4, &pulled[s], &found);  // PushResponse.pulled
       if (st.ok() && !found) {
-        st = absl::InternalError("answered the push without the values it asked for");
+        // The push was applied (or was a duplicate); only the values are missing.
+        fused_ = false;
+        LogWarning(options_.logger, "fused_pull_unsupported",
+                   {Kv("job", layout_.job), Kv("shard", s), Kv("server", options_.servers[s]),
+                    Kv("then", "push_and_pull_calls")});
+        return PullImpl(params, nullptr, nullptr);
       }
       if (!st.ok()) {
         return Annotate(st, absl::StrCat("Push: job ", layout_.job, " step ", step, ": shard ", s,
@@ -337,6 +349,9 @@ class GrpcParameterClient final : public ParameterClient {
     }
     return DecodePulled(pulled, params, nullptr, nullptr);
   }
+
+  // Whether shards answer PushRequest.pull (false once one did not).
+  std::atomic<bool> fused_{true};
 
   // The encoded PullRequest for shard `s` (commit: may be null).
   std::string PullWire(int32_t s, const SyncCommit* commit) {

@@ -15,10 +15,13 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "common/logging.h"
 #include "common/status.h"
 #include "common/status_testing.h"
 #include "compression/compressor.h"
 #include "gtest/gtest.h"
+#include "rpc/grpc_status.h"
 #include "rpc/grpc_util.h"
 #include "server/parameter_service.h"
 #include "server/shard.h"
@@ -224,6 +227,13 @@ TEST_F(BufferClientTest, PushPullEqualsPushThenPull) {
       {1.0f, 0.5f, 0.25f, 0.125f, 2.0f, 0.0625f}, {0.01f, 0.02f, 0.03f, 0.04f}, {1.0f}};
   const Values g2 = {{0.3f, 0.1f, -0.7f, 0.2f, 0.0f, 1.5f}, {0.5f, 0.0f, 0.25f, 0.0f}, {1.0f}};
   int n = 0;
+  // The client logs event=fused_pull_unsupported when it falls back to two calls: none here.
+  std::vector<std::string> lines;
+  absl::Mutex lines_mu;
+  const Logger logger({}, nullptr, LogLevel::kInfo, [&](const std::string& line) {
+    absl::MutexLock lock(&lines_mu);
+    lines.push_back(line);
+  });
   for (const std::string transport : {"stream", "unary"}) {
     for (const std::string pull_codec : {"", "bf16", "changes"}) {
       SCOPED_TRACE(absl::StrCat(transport, " pull codec \"", pull_codec, "\""));
@@ -234,6 +244,7 @@ TEST_F(BufferClientTest, PushPullEqualsPushThenPull) {
         layout.job = absl::StrCat("pp", n++);
         GrpcParameterClientOptions o = Options("", pull_codec);
         o.transport = transport;
+        o.logger = &logger;
         ASSERT_OK_AND_ASSIGN(std::unique_ptr<ParameterClient> client,
                              NewGrpcParameterClient(layout, o));
         ASSERT_OK(client->InitJob(Const(init)));
@@ -272,6 +283,88 @@ TEST_F(BufferClientTest, PushPullEqualsPushThenPull) {
       EXPECT_EQ(fused_model[2][0], 5.0f);  // Buffer deltas added exactly, pulled dense.
     }
   }
+  absl::MutexLock lock(&lines_mu);
+  for (const std::string& line : lines)
+    EXPECT_EQ(line.find("fused_pull_unsupported"), std::string::npos) << line;
+}
+
+// A shard built before PushRequest.pull: it ignores the field (unknown to it), applies the
+// push and answers without values.
+class PrePullShardService final : public ParameterService::Service {
+ public:
+  explicit PrePullShardService(Shard* shard) : shard_(shard) {}
+  grpc::Status InitJob(grpc::ServerContext*, const InitJobRequest* req,
+                       InitJobResponse* resp) override {
+    absl::StatusOr<InitJobResponse> r = shard_->InitJob(*req);
+    if (r.ok()) *resp = *r;
+    return ToGrpcStatus(r.status());
+  }
+  grpc::Status Push(grpc::ServerContext*, const PushRequest* req, PushResponse* resp) override {
+    PushRequest old = *req;
+    old.clear_pull();
+    absl::StatusOr<PushResponse> r = shard_->Push(old);
+    if (r.ok()) *resp = *r;
+    return ToGrpcStatus(r.status());
+  }
+  grpc::Status Pull(grpc::ServerContext*, const PullRequest* req, PullResponse* resp) override {
+    return ToGrpcStatus(shard_->Pull(*req, resp));
+  }
+  grpc::Status GetJobInfo(grpc::ServerContext*, const JobInfoRequest* req,
+                          JobInfoResponse* resp) override {
+    absl::StatusOr<JobInfoResponse> r = shard_->GetJobInfo(*req);
+    if (r.ok()) *resp = *r;
+    return ToGrpcStatus(r.status());
+  }
+
+ private:
+  Shard* const shard_;
+};
+
+// Against such a shard, PushPull's push is applied once and the values come from a Pull of
+// their own (every later step too): a mixed-version job keeps training.
+TEST(PushPullFallbackTest, AShardWithoutFusedPullsGetsAPullOfItsOwn) {
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Shard> shard, Shard::Create(ShardOptions()));
+  PrePullShardService service(shard.get());
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  ASSERT_NE(server, nullptr);
+  JobLayout layout;
+  layout.job = "old";
+  layout.tensors = {Spec("w", {6})};
+  layout.chunk_elems = 4;
+  layout.optimizer.set_name("sgd");
+  layout.optimizer.set_lr(1);
+  std::vector<std::string> lines;
+  absl::Mutex lines_mu;
+  const Logger logger({}, nullptr, LogLevel::kInfo, [&](const std::string& line) {
+    absl::MutexLock lock(&lines_mu);
+    lines.push_back(line);
+  });
+  GrpcParameterClientOptions o;
+  o.logger = &logger;
+  o.servers = {absl::StrCat("127.0.0.1:", port)};
+  o.transport = "unary";  // It has no Stream either.
+  o.rpc_deadline = absl::Seconds(10);
+  o.max_attempts = 2;
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<ParameterClient> client, NewGrpcParameterClient(layout, o));
+  std::vector<float> w(6, 1.0f);
+  ASSERT_OK(client->InitJob({absl::MakeConstSpan(w)}));
+  const std::vector<float> g = {1, 2, 3, 4, 5, 6};
+  for (int step = 0; step < 2; ++step) {
+    std::vector<float> got(6, -9.0f);
+    ASSERT_OK(client->PushPull(step, {absl::MakeConstSpan(g)}, {absl::MakeSpan(got)}, nullptr));
+    for (int i = 0; i < 6; ++i) EXPECT_EQ(got[i], 1.0f - (step + 1) * g[i]) << step << " " << i;
+  }
+  ASSERT_OK_AND_ASSIGN(std::vector<JobInfoResponse> infos, client->GetJobInfo());
+  EXPECT_EQ(infos[0].pushes_applied(), 2);  // Each step's push applied once.
+  EXPECT_EQ(infos[0].duplicates_dropped(), 0);
+  absl::MutexLock lock(&lines_mu);
+  ASSERT_EQ(lines.size(), 1u);  // Said once; the second step made two calls straight away.
+  EXPECT_NE(lines[0].find("event=fused_pull_unsupported"), std::string::npos) << lines[0];
+  server->Shutdown();
 }
 
 // A sync step flagged non-finite (PushPrepared with zeros, then a skip) is skipped by every
