@@ -23,6 +23,16 @@ grpc::Status Reply(absl::StatusOr<T> result, T* response) {
   return grpc::Status::OK;
 }
 
+absl::Status CheckJobToken(const JobTokens* tokens, grpc::ServerContextBase* ctx,
+                           const std::string& job) {
+  if (tokens == nullptr) return absl::OkStatus();
+  absl::string_view presented;
+  const auto& md = ctx->client_metadata();
+  auto it = md.find("x-gradmesh-job-token");
+  if (it != md.end()) presented = absl::string_view(it->second.data(), it->second.size());
+  return tokens->Check(job, presented);
+}
+
 // One Push or Pull in the callback API, on raw bytes: the parsed request and the response
 // live with the call. It finishes when the shard completes the call; if gRPC cancels the call
 // first (client cancellation, deadline, server shutdown), the shard withdraws its wait and
@@ -32,6 +42,20 @@ class RawUnaryReactor final : public grpc::ServerUnaryReactor {
  public:
   Request request;
   Response response;
+
+  // Parses the request bytes (which stay gRPC's: the parse reads a shared copy) for `rpc` and
+  // checks its job's token. False if either fails: the call is then completed with the error.
+  bool Accept(const JobTokens* tokens, grpc::CallbackServerContext* ctx,
+              const grpc::ByteBuffer& bytes, const char* rpc) {
+    grpc::ByteBuffer copy(bytes);
+    absl::Status st =
+        grpc::GenericDeserialize<grpc::ProtoBufferReader, Request>(&copy, &request).ok()
+            ? CheckJobToken(tokens, ctx, request.job())
+            : absl::InvalidArgumentError(
+                  absl::StrCat(rpc, ": the request is not a ", Request::descriptor()->name()));
+    if (!st.ok()) Complete(st);
+    return st.ok();
+  }
 
   WaitCancel* cancel() { return &cancel_; }
   // Finishes the call; the reactor may be gone when this returns.
@@ -43,27 +67,6 @@ class RawUnaryReactor final : public grpc::ServerUnaryReactor {
  private:
   WaitCancel cancel_;
 };
-
-// Parses a unary call's request bytes (which stay gRPC's: the parse reads a shared copy).
-template <typename Request>
-absl::Status ParseRequest(const grpc::ByteBuffer& bytes, const char* rpc, Request* request) {
-  grpc::ByteBuffer copy(bytes);
-  if (!grpc::GenericDeserialize<grpc::ProtoBufferReader, Request>(&copy, request).ok()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(rpc, ": the request is not a ", Request::descriptor()->name()));
-  }
-  return absl::OkStatus();
-}
-
-absl::Status CheckJobToken(const JobTokens* tokens, grpc::ServerContextBase* ctx,
-                           const std::string& job) {
-  if (tokens == nullptr) return absl::OkStatus();
-  absl::string_view presented;
-  const auto& md = ctx->client_metadata();
-  auto it = md.find("x-gradmesh-job-token");
-  if (it != md.end()) presented = absl::string_view(it->second.data(), it->second.size());
-  return tokens->Check(job, presented);
-}
 
 // One ParameterService.Stream call: reads StreamRequests, starts each on the shard as the
 // unary Push or Pull would (token check included), and writes each StreamResponse when its
@@ -305,12 +308,7 @@ grpc::ServerUnaryReactor* ParameterServiceImpl::Push(grpc::CallbackServerContext
                                                      const grpc::ByteBuffer* request,
                                                      grpc::ByteBuffer* response) {
   auto* call = new RawUnaryReactor<PushRequest, PushResponse>();
-  absl::Status st = ParseRequest(*request, "Push", &call->request);
-  if (st.ok()) st = CheckToken(ctx, call->request.job());
-  if (!st.ok()) {
-    call->Complete(st);
-    return call;
-  }
+  if (!call->Accept(tokens_, ctx, *request, "Push")) return call;
   shard_->PushAsync(
       call->request,
       [call, response](absl::StatusOr<PushResponse> result) {
@@ -328,12 +326,7 @@ grpc::ServerUnaryReactor* ParameterServiceImpl::Pull(grpc::CallbackServerContext
                                                      const grpc::ByteBuffer* request,
                                                      grpc::ByteBuffer* response) {
   auto* call = new RawUnaryReactor<PullRequest, PullResponse>();
-  absl::Status st = ParseRequest(*request, "Pull", &call->request);
-  if (st.ok()) st = CheckToken(ctx, call->request.job());
-  if (!st.ok()) {
-    call->Complete(st);
-    return call;
-  }
+  if (!call->Accept(tokens_, ctx, *request, "Pull")) return call;
   // The call's request and response live until it finishes.
   shard_->PullAsync(
       call->request, &call->response,

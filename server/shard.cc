@@ -401,22 +401,33 @@ absl::Status Shard::StartPush(const PushRequest& request, PushDone* done, WaitCa
   return absl::OkStatus();
 }
 
+// What a pull reads, checked: its job (held, so its chunks stay valid), the chunks with the
+// version the worker holds of each (-1: unknown), and the format.
+struct Shard::PullPlan {
+  std::shared_ptr<Job> job;
+  int32_t worker = 0;
+  std::vector<std::pair<int64_t, Chunk*>> targets;
+  std::vector<int64_t> held;
+  PullFormat format;
+};
+
 void Shard::PushAsync(const PushRequest& request, PushDone done, WaitCancel* cancel) {
   if (request.has_pull()) {
     // The pull is checked whole before the push can change anything.
-    if (absl::Status st = CheckFusedPull(request); !st.ok()) {
-      done(std::move(st));
+    absl::StatusOr<PullPlan> plan = PlanFusedPull(request);
+    if (!plan.ok()) {
+      done(plan.status());
       return;
     }
-    done = [this, pull = request.pull(), done = std::move(done),
+    done = [this, plan = std::move(plan).value(), done = std::move(done),
             cancel](absl::StatusOr<PushResponse> pushed) mutable {
       if (!pushed.ok()) {
         done(std::move(pushed));
         return;
       }
       auto response = std::make_shared<PushResponse>(std::move(pushed).value());
-      PullAsync(
-          pull, response->mutable_pulled(),
+      ReadPull(
+          std::move(plan), response->mutable_pulled(),
           [response, done = std::move(done)](absl::Status st) {
             if (!st.ok()) {
               done(Annotate(st, "the push was applied, its pull failed"));
@@ -430,7 +441,7 @@ void Shard::PushAsync(const PushRequest& request, PushDone done, WaitCancel* can
   if (absl::Status st = StartPush(request, &done, cancel); !st.ok()) done(std::move(st));
 }
 
-absl::Status Shard::CheckFusedPull(const PushRequest& request) {
+absl::StatusOr<Shard::PullPlan> Shard::PlanFusedPull(const PushRequest& request) {
   const PullRequest& pull = request.pull();
   if (pull.job() != request.job() || pull.worker() != request.worker()) {
     return absl::InvalidArgumentError(
@@ -443,17 +454,15 @@ absl::Status Shard::CheckFusedPull(const PushRequest& request) {
         absl::StrCat("Push: job ", request.job(), " worker ", request.worker(), " step ",
                      request.step(), ": its pull commits a step; commit with a Pull of its own"));
   }
-  ASSIGN_OR_RETURN(std::shared_ptr<Job> job, FindJob(pull.job()));
-  if (job->commits != nullptr) {
+  // The worker is the push's: a bad one is reported as the push's.
+  ASSIGN_OR_RETURN(PullPlan plan, PlanPull(pull, "Push"));
+  if (plan.job->commits != nullptr) {
     // Its push only prepares the step: the values after it come with the commit.
     return absl::FailedPreconditionError(
         absl::StrCat("Push: job ", request.job(), " commits its steps (commit_steps); its pushes ",
                      "cannot carry a pull: commit with a Pull of its own"));
   }
-  for (const ChunkData& c : pull.chunks()) {
-    RETURN_IF_ERROR(job->state->OwnedChunk("Pull", c.tensor(), c.chunk()).status());
-  }
-  return PullEncoder::ParseFormat(pull.job(), pull.codec(), codecs_).status();
+  return plan;
 }
 
 namespace {
@@ -488,46 +497,58 @@ absl::StatusOr<PushResponse> Shard::Push(const PushRequest& request) {
   return outcome->Wait();
 }
 
-absl::Status Shard::StartPull(const PullRequest& request, PullResponse* response, PullDone* done,
-                              WaitCancel* cancel) {
-  ASSIGN_OR_RETURN(std::shared_ptr<Job> job, FindJob(request.job()));
-  const JobState& state = *job->state;
-  RETURN_IF_ERROR(state.CheckWorker("Pull", request.worker()));
-  std::vector<std::pair<int64_t, Chunk*>> targets;
-  std::vector<int64_t> held;  // Version the worker holds of each target (-1: unknown).
+absl::StatusOr<Shard::PullPlan> Shard::PlanPull(const PullRequest& request,
+                                                const char* worker_rpc) {
+  PullPlan plan;
+  ASSIGN_OR_RETURN(plan.job, FindJob(request.job()));
+  const JobState& state = *plan.job->state;
+  RETURN_IF_ERROR(state.CheckWorker(worker_rpc, request.worker()));
+  plan.worker = request.worker();
   if (request.chunks_size() == 0) {
     for (int64_t idx : state.owned_indices()) {
-      targets.emplace_back(idx, state.chunk(idx));
-      held.push_back(-1);
+      plan.targets.emplace_back(idx, state.chunk(idx));
+      plan.held.push_back(-1);
     }
   } else {
     for (const ChunkData& c : request.chunks()) {
       ASSIGN_OR_RETURN(auto owned, state.OwnedChunk("Pull", c.tensor(), c.chunk()));
-      targets.push_back(owned);
-      held.push_back(c.version());
+      plan.targets.push_back(owned);
+      plan.held.push_back(c.version());
     }
   }
-  ASSIGN_OR_RETURN(const PullFormat format,
-                   PullEncoder::ParseFormat(request.job(), request.codec(), codecs_));
+  ASSIGN_OR_RETURN(plan.format, PullEncoder::ParseFormat(request.job(), request.codec(), codecs_));
+  return plan;
+}
+
+absl::Status Shard::StartPull(const PullRequest& request, PullResponse* response, PullDone* done,
+                              WaitCancel* cancel) {
+  ASSIGN_OR_RETURN(PullPlan plan, PlanPull(request, "Pull"));
   if (request.has_commit()) {
-    ASSIGN_OR_RETURN(const bool committed, CommitStep(job, request));
+    ASSIGN_OR_RETURN(const bool committed, CommitStep(plan.job, request));
     if (!committed) {
       response->set_commit_missing(true);
       (*done)(absl::OkStatus());
       return absl::OkStatus();
     }
   }
+  ReadPull(std::move(plan), response, std::move(*done), cancel);
+  return absl::OkStatus();
+}
+
+void Shard::ReadPull(PullPlan plan, PullResponse* response, PullDone done, WaitCancel* cancel) {
+  ConsistencyPolicy& policy = plan.job->state->policy();
+  const int32_t worker = plan.worker;
   // Runs when the policy lets the pull proceed (at once unless an ssp bound holds it).
-  WaitDone encode = [job, targets = std::move(targets), held = std::move(held), format,
-                     dense = PullFormat(), worker = request.worker(), response,
-                     done = std::move(*done)](absl::Status st) {
+  WaitDone encode = [plan = std::move(plan), dense = PullFormat(), response,
+                     done = std::move(done)](absl::Status st) {
     if (!st.ok()) {
       done(std::move(st));
       return;
     }
-    response->mutable_chunks()->Reserve(static_cast<int>(targets.size()));
-    for (size_t t = 0; t < targets.size() && st.ok(); ++t) {
-      const auto [idx, chunk] = targets[t];
+    Job& job = *plan.job;
+    response->mutable_chunks()->Reserve(static_cast<int>(plan.targets.size()));
+    for (size_t t = 0; t < plan.targets.size() && st.ok(); ++t) {
+      const auto [idx, chunk] = plan.targets[t];
       ChunkData* out = response->add_chunks();
       out->set_tensor(chunk->info.tensor);
       out->set_chunk(chunk->info.chunk);
@@ -537,17 +558,17 @@ absl::Status Shard::StartPull(const PullRequest& request, PullResponse* response
       // Buffers are never narrowed: fp16/bf16 would round counts such as num_batches_tracked
       // (bf16 is exact only up to 256); "changes" is lossless and stays.
       const PullFormat& f =
-          format.kind == PullFormat::Kind::kNarrow && job->state->is_buffer(chunk->info.tensor)
+          plan.format.kind == PullFormat::Kind::kNarrow && job.state->is_buffer(chunk->info.tensor)
               ? dense
-              : format;
-      st = Annotate(job->pulls.Encode(f, idx, worker, held[t], chunk->values, chunk->version, out),
-                    absl::StrCat("Pull: job ", job->state->name(), " chunk (", chunk->info.tensor,
-                                 ",", chunk->info.chunk, ")"));
+              : plan.format;
+      st = Annotate(
+          job.pulls.Encode(f, idx, plan.worker, plan.held[t], chunk->values, chunk->version, out),
+          absl::StrCat("Pull: job ", job.state->name(), " chunk (", chunk->info.tensor, ",",
+                       chunk->info.chunk, ")"));
     }
     done(std::move(st));
   };
-  job->state->policy().StartPull(request.worker(), std::move(encode), cancel);
-  return absl::OkStatus();
+  policy.StartPull(worker, std::move(encode), cancel);
 }
 
 absl::StatusOr<bool> Shard::CommitStep(const std::shared_ptr<Job>& job,

@@ -212,12 +212,18 @@ class Shard {
   // PushAsync and PullAsync up to the policy: an error before the call reaches it is returned
   // (the caller completes with it); otherwise `*done` has been handed on.
   absl::Status StartPush(const PushRequest& request, PushDone* done, WaitCancel* cancel);
-  // PushRequest.pull: InvalidArgument unless it names the push's job and worker, commits
-  // nothing and names a known codec; FailedPrecondition for a commit_steps job or a chunk this
-  // shard does not own (NotFound: no such chunk), as StartPull would answer.
-  absl::Status CheckFusedPull(const PushRequest& request);
+  struct PullPlan;
+  // Checks a pull completely (job, worker, chunks, codec) and says what it reads. A bad worker
+  // is reported for `worker_rpc` ("Pull", or "Push" for a push's own pull).
+  absl::StatusOr<PullPlan> PlanPull(const PullRequest& request, const char* worker_rpc);
+  // PushRequest.pull, planned: InvalidArgument unless it names the push's job and worker and
+  // commits nothing; FailedPrecondition for a commit_steps job; otherwise what PlanPull says.
+  absl::StatusOr<PullPlan> PlanFusedPull(const PushRequest& request);
   absl::Status StartPull(const PullRequest& request, PullResponse* response, PullDone* done,
                          WaitCancel* cancel);
+  // Hands a planned pull to its job's policy, which encodes it into `response` (valid until
+  // `done` has run) when the pull may proceed.
+  void ReadPull(PullPlan plan, PullResponse* response, PullDone done, WaitCancel* cancel);
   // commit_steps jobs: commits request.commit() (server/sync_commits.h). False if the shard
   // does not hold the step (the pull answers commit_missing); INVALID_ARGUMENT if the job does
   // not commit its steps or the commit is malformed.

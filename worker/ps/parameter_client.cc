@@ -155,11 +155,7 @@ class GrpcParameterClient final : public ParameterClient {
 
   absl::Status PushFrom(int64_t step, const std::vector<absl::Span<const float>>& grads,
                         const std::vector<int64_t>& base_versions) override {
-    if (base_versions.size() != partition_.chunks().size()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("Push: job ", layout_.job, " step ", step, ": ", base_versions.size(),
-                       " base versions for ", partition_.chunks().size(), " chunks"));
-    }
+    RETURN_IF_ERROR(CheckBaseVersions(step, base_versions));
     return PushImpl(step, grads, &base_versions);
   }
 
@@ -312,11 +308,7 @@ class GrpcParameterClient final : public ParameterClient {
   absl::Status PushPull(int64_t step, const std::vector<absl::Span<const float>>& grads,
                         const std::vector<absl::Span<float>>& params,
                         const std::vector<int64_t>* base_versions) override {
-    if (base_versions != nullptr && base_versions->size() != partition_.chunks().size()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("Push: job ", layout_.job, " step ", step, ": ", base_versions->size(),
-                       " base versions for ", partition_.chunks().size(), " chunks"));
-    }
+    if (base_versions != nullptr) RETURN_IF_ERROR(CheckBaseVersions(step, *base_versions));
     std::vector<absl::Span<const float>> views(params.begin(), params.end());
     RETURN_IF_ERROR(CheckSpans("Pull", views));
     // sync: the shard that completes a step would run every worker's pull in turn on one
@@ -349,9 +341,6 @@ class GrpcParameterClient final : public ParameterClient {
     }
     return DecodePulled(pulled, params, nullptr, nullptr);
   }
-
-  // Whether shards answer PushRequest.pull (false once one did not).
-  std::atomic<bool> fused_{true};
 
   // The encoded PullRequest for shard `s` (commit: may be null).
   std::string PullWire(int32_t s, const SyncCommit* commit) {
@@ -501,6 +490,14 @@ class GrpcParameterClient final : public ParameterClient {
     return !streams_.empty() && bytes <= options_.stream_max_bytes;
   }
 
+  // InvalidArgument (nothing sent) unless `base` has one version per chunk.
+  absl::Status CheckBaseVersions(int64_t step, const std::vector<int64_t>& base) const {
+    if (base.size() == partition_.chunks().size()) return absl::OkStatus();
+    return absl::InvalidArgumentError(absl::StrCat("Push: job ", layout_.job, " step ", step, ": ",
+                                                   base.size(), " base versions for ",
+                                                   partition_.chunks().size(), " chunks"));
+  }
+
   absl::Status CheckSpans(const char* what, const std::vector<absl::Span<const float>>& spans) {
     if (spans.size() != layout_.tensors.size()) {
       return absl::InvalidArgumentError(absl::StrCat(what, ": job ", layout_.job, " has ",
@@ -642,7 +639,8 @@ class GrpcParameterClient final : public ParameterClient {
   std::atomic<int64_t> bytes_pulled_{0};
   std::atomic<int64_t> raw_bytes_pushed_{0};
   std::atomic<int64_t> raw_bytes_pulled_{0};
-  RateLimiter send_link_;  // Unlimited unless options_.rpc.link_bits_per_s > 0.
+  std::atomic<bool> fused_{true};  // Whether shards answer PushRequest.pull (false once not).
+  RateLimiter send_link_;          // Unlimited unless options_.rpc.link_bits_per_s > 0.
   RateLimiter receive_link_;
 
   mutable absl::Mutex mu_;

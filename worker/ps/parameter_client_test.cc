@@ -55,6 +55,18 @@ TensorSpec Spec(const std::string& name, std::vector<int64_t> shape, bool buffer
   return t;
 }
 
+// Serves `service` on a free port of 127.0.0.1; sets *addr to it.
+std::unique_ptr<grpc::Server> Serve(grpc::Service* service, std::string* addr) {
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  ConfigureServerBuilder(RpcOptions(), &builder);
+  builder.RegisterService(service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  *addr = absl::StrCat("127.0.0.1:", port);
+  return server;
+}
+
 class BufferClientTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -62,14 +74,8 @@ class BufferClientTest : public ::testing::Test {
       auto ps = std::make_unique<InProcessShard>();
       ASSERT_OK_AND_ASSIGN(ps->shard, Shard::Create(ShardOptions()));
       ps->service = std::make_unique<ParameterServiceImpl>(ps->shard.get());
-      grpc::ServerBuilder builder;
-      int port = 0;
-      builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-      ConfigureServerBuilder(RpcOptions(), &builder);
-      builder.RegisterService(ps->service.get());
-      ps->server = builder.BuildAndStart();
+      ps->server = Serve(ps->service.get(), &ps->addr);
       ASSERT_NE(ps->server, nullptr);
-      ps->addr = absl::StrCat("127.0.0.1:", port);
       shards_.push_back(std::move(ps));
     }
     // Parameter w[6] (chunks of 4 and 2), buffers rm[4] and nbt (int64 scalar); sgd lr 1, so
@@ -325,11 +331,8 @@ class PrePullShardService final : public ParameterService::Service {
 TEST(PushPullFallbackTest, AShardWithoutFusedPullsGetsAPullOfItsOwn) {
   ASSERT_OK_AND_ASSIGN(std::unique_ptr<Shard> shard, Shard::Create(ShardOptions()));
   PrePullShardService service(shard.get());
-  grpc::ServerBuilder builder;
-  int port = 0;
-  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-  builder.RegisterService(&service);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  std::string addr;
+  std::unique_ptr<grpc::Server> server = Serve(&service, &addr);
   ASSERT_NE(server, nullptr);
   JobLayout layout;
   layout.job = "old";
@@ -345,7 +348,7 @@ TEST(PushPullFallbackTest, AShardWithoutFusedPullsGetsAPullOfItsOwn) {
   });
   GrpcParameterClientOptions o;
   o.logger = &logger;
-  o.servers = {absl::StrCat("127.0.0.1:", port)};
+  o.servers = {addr};
   o.transport = "unary";  // It has no Stream either.
   o.rpc_deadline = absl::Seconds(10);
   o.max_attempts = 2;
