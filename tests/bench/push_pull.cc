@@ -66,6 +66,8 @@ ABSL_FLAG(std::string, transports, "stream,unary",
           "Client transports to measure (GrpcParameterClientOptions.transport), in turn.");
 ABSL_FLAG(int64_t, stream_max_bytes, -1,
           "GrpcParameterClientOptions.stream_max_bytes (-1: the client's default).");
+ABSL_FLAG(int64_t, spin_wait_us, -1,
+          "GrpcParameterClientOptions.spin_wait in µs (-1: the client's default; 0: never spin).");
 ABSL_FLAG(bool, mutex_deadlock_detection, false,
           "Leave absl::Mutex deadlock detection on (the daemons turn it off; for an A/B run).");
 ABSL_FLAG(double, warmup_seconds, 0.5,
@@ -212,6 +214,9 @@ int Run() {
             co.worker = w;
             co.rpc = rpc;
             co.transport = transports[t];
+            if (absl::GetFlag(FLAGS_spin_wait_us) >= 0) {
+              co.spin_wait = absl::Microseconds(absl::GetFlag(FLAGS_spin_wait_us));
+            }
             if (absl::GetFlag(FLAGS_stream_max_bytes) >= 0) {
               co.stream_max_bytes = absl::GetFlag(FLAGS_stream_max_bytes);
             }

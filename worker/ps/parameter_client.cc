@@ -16,6 +16,7 @@
 #include "common/numeric.h"
 #include "common/partitioner.h"
 #include "common/rate_limiter.h"
+#include "common/spin_wait.h"
 #include "common/status.h"
 #include "compression/compressor.h"
 #include "compression/error_feedback.h"
@@ -525,13 +526,23 @@ class GrpcParameterClient final : public ParameterClient {
   // Waits until `*left` (guarded by `mu`, as `finished`) is 0. Past `deadline` (plus a
   // second, so that a unary call's own deadline fires first), breaks the streams of the
   // shards still unanswered (pending[i] with !finished[i]), which completes their operations.
+  // While recent waits were short it first spins (common/spin_wait.h): a small operation's
+  // answer then finds this thread running instead of asleep.
   void WaitAll(absl::Mutex* mu, const size_t* left, const std::vector<bool>* finished,
                absl::Time deadline, const std::vector<int32_t>& pending) {
+    const absl::Time start = absl::Now();
     absl::MutexLock lock(mu);
+    const absl::Time spin_until = start + spin_.SpinFor();
+    while (*left != 0 && absl::Now() < spin_until) {
+      mu->Unlock();
+      SpinYield();
+      mu->Lock();
+    }
     const absl::Condition all_done(
         +[](const size_t* n) { return *n == 0; }, left);
     if (streams_.empty() || mu->AwaitWithDeadline(all_done, deadline + absl::Seconds(1))) {
       mu->Await(all_done);
+      spin_.Record(absl::Now() - start);
       return;
     }
     std::vector<int32_t> late;
@@ -542,6 +553,7 @@ class GrpcParameterClient final : public ParameterClient {
     for (int32_t s : late) streams_[s]->Abort();
     mu->Lock();
     mu->Await(all_done);
+    spin_.Record(absl::Now() - start);
   }
 
   // Sends reqs[s] to shard s for every shard, in parallel; retries retryable failures with
@@ -615,6 +627,7 @@ class GrpcParameterClient final : public ParameterClient {
   const GrpcParameterClientOptions options_;
   const Partition partition_;
   const uint64_t incarnation_;  // High bits of request ids: distinct per client instance.
+  AdaptiveSpin spin_{options_.spin_wait};  // WaitAll: spin first while answers come fast.
   std::vector<std::unique_ptr<ParameterService::Stub>> stubs_;
   // Push and Pull go through generic stubs to avoid copying tensor data.
   std::vector<std::unique_ptr<grpc::GenericStub>> generic_stubs_;
