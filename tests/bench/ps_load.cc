@@ -9,14 +9,17 @@
 // float32 parameters in all, cut into --chunk_bytes chunks), and then, for each worker count,
 // runs that many simulated workers: threads, each with its own ParameterClient (own gRPC
 // connections), doing training steps without training. A step pushes a gradient for the whole
-// model (one fused message per shard) and then pulls the whole model, paced to --step_rate
+// model (one fused message per shard) and then pulls the whole model: one PushPull call, the
+// push carrying its pull as an async worker's exchange does (--fused=false: a Push, then a
+// Pull, as before PushRequest.pull), paced to --step_rate
 // steps/s per worker (0 = back to back; a worker that falls behind does not catch up in a
 // burst). After --warmup_s the window of --seconds is measured:
 //
 //   steps_per_s        steps completed in the window, all workers together
 //   updates_per_s      pushes applied by the shards (sum of the shards' pushes_applied, read
 //                      with GetJobInfo before and after; one push to one shard = one update)
-//   step_p50/p99_ms    latency of a step (push + pull), and of its push and its pull
+//   step_p50/p99_ms    latency of a step (push + pull), and of its push and its pull (fused:
+//                      push = the whole step, pull = 0)
 //   shard_cpu_*        utime+stime of the shard processes (/proc/<pid>/stat) over the window:
 //                      cores busy, us per update (the update's push apply plus the pull that
 //                      goes with it), us per MB of payload (pushed + pulled, 1e6 bytes)
@@ -62,6 +65,8 @@ ABSL_FLAG(int, layers, 4,
           "The model is this many layers, each a weight tensor and a bias tensor (1/250 of "
           "the layer, at most 1024 elements).");
 ABSL_FLAG(int64_t, chunk_bytes, 65536, "Chunk size of the job's layout, bytes of float32.");
+ABSL_FLAG(bool, fused, true,
+          "A step is one PushPull (the push carries its pull); false: Push, then Pull.");
 ABSL_FLAG(double, step_rate, 0, "Steps/s per simulated worker; 0 = as fast as possible.");
 ABSL_FLAG(double, seconds, 3.0, "Measurement window per configuration.");
 ABSL_FLAG(double, warmup_s, 1.0, "Unmeasured seconds before each window.");
@@ -273,6 +278,7 @@ struct WorkerShared {
   absl::Span<const float> grad;  // At least as long as the largest tensor.
   int num_workers = 1;
   double step_rate = 0;
+  bool fused = true;
   // Shards take a worker's steps in increasing order only (a lower step is a duplicate), so
   // each configuration's workers number their steps from here.
   int64_t first_step = 0;
@@ -307,9 +313,10 @@ void WorkerLoop(const WorkerShared& sh, ParameterClient* client, int rank, Worke
       if (next < absl::Now() - period) next = absl::Now();
     }
     const absl::Time t0 = absl::Now();
-    absl::Status st = client->Push(step, push_spans);
+    absl::Status st = sh.fused ? client->PushPull(step, push_spans, pull_spans, nullptr)
+                               : client->Push(step, push_spans);
     const absl::Time t1 = absl::Now();
-    if (st.ok()) st = client->Pull(pull_spans);
+    if (st.ok() && !sh.fused) st = client->Pull(pull_spans);
     const absl::Time t2 = absl::Now();
     if (!st.ok()) {
       std::fprintf(stderr, "event=step_failed worker=%d error=\"%s\"\n", rank,
@@ -348,7 +355,7 @@ void PrintResult(const Config& cfg, const Snapshot& a, const Snapshot& b,
   const double mb = static_cast<double>(b.bytes - a.bytes) / 1e6;
   const double per_update = updates > 0 ? shard_cpu / static_cast<double>(updates) * 1e6 : 0;
   std::printf(
-      "{\"shards\":%d,\"workers\":%d,\"params\":%lld,\"bytes_per_update\":%lld,"
+      "{\"fused\":%s,\"shards\":%d,\"workers\":%d,\"params\":%lld,\"bytes_per_update\":%lld,"
       "\"step_rate\":%g,\"seconds\":%.2f,\"steps\":%lld,\"steps_per_s\":%.1f,"
       "\"updates\":%lld,\"updates_per_s\":%.1f,\"payload_mb_per_s\":%.1f,"
       "\"step_p50_ms\":%.2f,\"step_p99_ms\":%.2f,\"push_p50_ms\":%.2f,\"push_p99_ms\":%.2f,"
@@ -356,15 +363,16 @@ void PrintResult(const Config& cfg, const Snapshot& a, const Snapshot& b,
       "\"shard_cpu_s\":%.2f,\"shard_cores\":%.2f,\"shard_cpu_us_per_update\":%.1f,"
       "\"shard_cpu_us_per_mb\":%.1f,\"client_cpu_s\":%.2f,\"client_cores\":%.2f,"
       "\"client_cpu_us_per_step\":%.1f,\"cores\":%u,\"loadavg\":%.2f}\n",
-      cfg.shards, cfg.workers, static_cast<long long>(cfg.params),
-      static_cast<long long>(cfg.params * 4 / cfg.shards), absl::GetFlag(FLAGS_step_rate), wall,
-      static_cast<long long>(steps), static_cast<double>(steps) / wall,
-      static_cast<long long>(updates), static_cast<double>(updates) / wall, mb / wall,
-      Percentile(all.step_us, 0.5) / 1e3, Percentile(all.step_us, 0.99) / 1e3,
-      Percentile(all.push_us, 0.5) / 1e3, Percentile(all.push_us, 0.99) / 1e3,
-      Percentile(all.pull_us, 0.5) / 1e3, Percentile(all.pull_us, 0.99) / 1e3, shard_cpu,
-      shard_cpu / wall, per_update, mb > 0 ? shard_cpu / mb * 1e6 : 0, client_cpu,
-      client_cpu / wall, steps > 0 ? client_cpu / static_cast<double>(steps) * 1e6 : 0,
+      absl::GetFlag(FLAGS_fused) ? "true" : "false", cfg.shards, cfg.workers,
+      static_cast<long long>(cfg.params), static_cast<long long>(cfg.params * 4 / cfg.shards),
+      absl::GetFlag(FLAGS_step_rate), wall, static_cast<long long>(steps),
+      static_cast<double>(steps) / wall, static_cast<long long>(updates),
+      static_cast<double>(updates) / wall, mb / wall, Percentile(all.step_us, 0.5) / 1e3,
+      Percentile(all.step_us, 0.99) / 1e3, Percentile(all.push_us, 0.5) / 1e3,
+      Percentile(all.push_us, 0.99) / 1e3, Percentile(all.pull_us, 0.5) / 1e3,
+      Percentile(all.pull_us, 0.99) / 1e3, shard_cpu, shard_cpu / wall, per_update,
+      mb > 0 ? shard_cpu / mb * 1e6 : 0, client_cpu, client_cpu / wall,
+      steps > 0 ? client_cpu / static_cast<double>(steps) * 1e6 : 0,
       std::thread::hardware_concurrency(), LoadAverage1());
   std::fflush(stdout);
 }
@@ -389,6 +397,7 @@ absl::Status RunConfig(const Fleet& fleet, const JobLayout& layout, const Config
   sh.grad = grad;
   sh.num_workers = cfg.workers;
   sh.step_rate = absl::GetFlag(FLAGS_step_rate);
+  sh.fused = absl::GetFlag(FLAGS_fused);
   sh.first_step = cfg.first_step;
   sh.window = &window;
   sh.stop = &stop;
