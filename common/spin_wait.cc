@@ -7,7 +7,7 @@
 namespace gradmesh {
 
 AdaptiveSpin::AdaptiveSpin(absl::Duration budget)
-    : budget_ns_(std::max<int64_t>(0, absl::ToInt64Nanoseconds(budget))) {}
+    : budget_ns_(std::clamp<int64_t>(absl::ToInt64Nanoseconds(budget), 0, 1'000'000'000)) {}
 
 absl::Duration AdaptiveSpin::SpinFor() const {
   if (budget_ns_ == 0 || 2 * mean_ns_.load(std::memory_order_relaxed) >= budget_ns_) {

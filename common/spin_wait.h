@@ -25,7 +25,7 @@ namespace gradmesh {
 
 class AdaptiveSpin {
  public:
-  // `budget` <= 0: never spin.
+  // `budget` <= 0: never spin; more than 1 s counts as 1 s.
   explicit AdaptiveSpin(absl::Duration budget);
 
   // How long the next wait should spin before blocking (zero: block at once).

@@ -47,5 +47,13 @@ TEST(AdaptiveSpinTest, AZeroBudgetNeverSpins) {
   EXPECT_EQ(negative.SpinFor(), absl::ZeroDuration());
 }
 
+TEST(AdaptiveSpinTest, AnEndlessBudgetIsOneSecond) {
+  AdaptiveSpin spin(absl::InfiniteDuration());
+  EXPECT_EQ(spin.SpinFor(), absl::Seconds(1));
+  spin.Record(absl::InfiniteDuration());  // Counts as 4 budgets: no overflow.
+  EXPECT_EQ(spin.mean(), absl::Seconds(1));
+  EXPECT_EQ(spin.SpinFor(), absl::ZeroDuration());
+}
+
 }  // namespace
 }  // namespace gradmesh
