@@ -150,6 +150,10 @@ ABSL_FLAG(int64_t, warmup_steps, 0, "DGC sparsity warm-up steps (0: off).");
 ABSL_FLAG(double, link_mbit, 0,
           "Model a link of this many Mbit/s per direction for this worker's tensor traffic "
           "(measurements on loopback; 0 = unlimited).");
+ABSL_FLAG(int64_t, ps_spin_wait_us, 300,
+          "ps modes: waiting for its shards' answers, the worker first spins (yielding the CPU) "
+          "for up to this many µs while its recent waits were under half of it; 0 = always "
+          "block (GrpcParameterClientOptions.spin_wait).");
 ABSL_FLAG(int64_t, step_delay_ms, 0,
           "Fault injection for tests: sleep this long before every step (a slow worker).");
 ABSL_FLAG(std::vector<std::string>, fault_nonfinite_steps, {},
@@ -172,6 +176,16 @@ absl::StatusOr<TlsOptions> TlsFlags() {
   return MakeTlsOptions(absl::GetFlag(FLAGS_tls_cert_file), absl::GetFlag(FLAGS_tls_key_file),
                         absl::GetFlag(FLAGS_tls_ca_file), absl::GetFlag(FLAGS_tls_client_auth),
                         absl::GetFlag(FLAGS_allow_insecure));
+}
+
+// --ps_spin_wait_us, checked: InvalidArgument if negative.
+absl::StatusOr<absl::Duration> SpinWaitFlag() {
+  const int64_t us = absl::GetFlag(FLAGS_ps_spin_wait_us);
+  if (us < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--ps_spin_wait_us must be >= 0 (0: always block), got ", us));
+  }
+  return absl::Microseconds(us);
 }
 
 struct WorkerMainOptions {
@@ -329,6 +343,7 @@ absl::StatusOr<WorkerMainOptions> ParseOptions() {
   }
   o.client.worker = o.trainer.rank;
   SetClientOptionsFromSpec(spec, &o.client);
+  ASSIGN_OR_RETURN(o.client.spin_wait, SpinWaitFlag());
   o.client.rpc.max_message_bytes = absl::GetFlag(FLAGS_max_message_mb) << 20;
   o.client.rpc.link_bits_per_s = absl::GetFlag(FLAGS_link_mbit) * 1e6;
   ASSIGN_OR_RETURN(o.client.rpc.tls, TlsFlags());
@@ -381,6 +396,8 @@ int RunService() {
       tls.ok() ? CheckTokenTransport(absl::GetFlag(FLAGS_coordinator), *tls, token, "node token")
                : tls.status();
   if (transport.ok() && !node.empty()) transport = CheckName("--node", node);
+  absl::StatusOr<absl::Duration> spin_wait = SpinWaitFlag();
+  if (transport.ok() && !spin_wait.ok()) transport = spin_wait.status();
   absl::StatusOr<ComputeDevice> device = ParseComputeDevice(absl::GetFlag(FLAGS_device));
   if (transport.ok() && !device.ok()) transport = Annotate(device.status(), "--device");
   if (!transport.ok()) {
@@ -424,6 +441,7 @@ int RunService() {
   wo.base.peer_rpc.link_bits_per_s = 0;
   wo.client.rpc = rpc;
   wo.client.logger = &logger;
+  wo.client.spin_wait = *spin_wait;
   // A shard that is down pauses the job (the coordinator says PAUSED) until it is back: keep
   // retrying for about half an hour (5 s apart) instead of failing the rank after ~11 s.
   wo.client.max_attempts = 400;

@@ -415,6 +415,13 @@ TEST_F(E2eTest, BadFlagsAndSpecExitTwo) {
         << run.log;
   }
   {
+    WorkerRun run = RunWorker("bad_spin", {"--servers=127.0.0.1:1", "--ps_spin_wait_us=-1", data});
+    EXPECT_EQ(run.exit_code, 2);
+    EXPECT_NE(run.error.find("--ps_spin_wait_us must be >= 0 (0: always block), got -1"),
+              std::string::npos)
+        << run.log;
+  }
+  {
     WorkerRun run = RunWorker("missing_spec",
                               {"--servers=127.0.0.1:1", "--job=" + dir_ + "/no_such.yaml", data});
     EXPECT_EQ(run.exit_code, 2);
