@@ -372,6 +372,28 @@ void LogBlasCore(const Logger& logger) {
                        Kv("detected", blas.detected.empty() ? blas.core : blas.detected)});
 }
 
+// What service mode takes from the flags, checked before anything starts.
+struct ServiceFlags {
+  RpcOptions rpc;
+  ComputeDevice device = ComputeDevice::kCpu;
+  absl::Duration spin_wait;
+};
+
+absl::StatusOr<ServiceFlags> CheckServiceFlags(const std::string& node, const std::string& token) {
+  ServiceFlags f;
+  f.rpc.max_message_bytes = absl::GetFlag(FLAGS_max_message_mb) << 20;
+  f.rpc.link_bits_per_s = absl::GetFlag(FLAGS_link_mbit) * 1e6;
+  ASSIGN_OR_RETURN(f.rpc.tls, TlsFlags());
+  RETURN_IF_ERROR(
+      CheckTokenTransport(absl::GetFlag(FLAGS_coordinator), f.rpc.tls, token, "node token"));
+  if (!node.empty()) RETURN_IF_ERROR(CheckName("--node", node));
+  absl::StatusOr<ComputeDevice> device = ParseComputeDevice(absl::GetFlag(FLAGS_device));
+  if (!device.ok()) return Annotate(device.status(), "--device");
+  f.device = *device;
+  ASSIGN_OR_RETURN(f.spin_wait, SpinWaitFlag());
+  return f;
+}
+
 int RunService() {
   // The node name is the daemon's identity in the coordinator; by default its advertised
   // peer address (host:port), known once the peer service is bound below.
@@ -388,23 +410,12 @@ int RunService() {
     }
     token = *t;
   }
-  RpcOptions rpc;
-  rpc.max_message_bytes = absl::GetFlag(FLAGS_max_message_mb) << 20;
-  rpc.link_bits_per_s = absl::GetFlag(FLAGS_link_mbit) * 1e6;
-  absl::StatusOr<TlsOptions> tls = TlsFlags();
-  absl::Status transport =
-      tls.ok() ? CheckTokenTransport(absl::GetFlag(FLAGS_coordinator), *tls, token, "node token")
-               : tls.status();
-  if (transport.ok() && !node.empty()) transport = CheckName("--node", node);
-  absl::StatusOr<absl::Duration> spin_wait = SpinWaitFlag();
-  if (transport.ok() && !spin_wait.ok()) transport = spin_wait.status();
-  absl::StatusOr<ComputeDevice> device = ParseComputeDevice(absl::GetFlag(FLAGS_device));
-  if (transport.ok() && !device.ok()) transport = Annotate(device.status(), "--device");
-  if (!transport.ok()) {
-    log->Error("bad_arguments", {Kv("error", transport.ToString())});
+  absl::StatusOr<ServiceFlags> flags = CheckServiceFlags(node, token);
+  if (!flags.ok()) {
+    log->Error("bad_arguments", {Kv("error", flags.status().ToString())});
     return 2;
   }
-  rpc.tls = *tls;
+  const RpcOptions rpc = flags->rpc;
   CollectiveServiceImpl collective;
   GossipServiceImpl gossip;
   const std::string host = absl::GetFlag(FLAGS_host);
@@ -432,7 +443,7 @@ int RunService() {
   WorkerAgentOptions wo;
   wo.base.data_dir = absl::GetFlag(FLAGS_data_dir);
   wo.base.intra_op_threads = absl::GetFlag(FLAGS_threads);
-  wo.base.device = *device;
+  wo.base.device = flags->device;
   wo.base.gpu = absl::GetFlag(FLAGS_gpu);
   wo.base.checkpoint_dir = absl::GetFlag(FLAGS_checkpoint_dir);
   wo.base.step_delay = absl::Milliseconds(absl::GetFlag(FLAGS_step_delay_ms));
@@ -441,7 +452,7 @@ int RunService() {
   wo.base.peer_rpc.link_bits_per_s = 0;
   wo.client.rpc = rpc;
   wo.client.logger = &logger;
-  wo.client.spin_wait = *spin_wait;
+  wo.client.spin_wait = flags->spin_wait;
   // A shard that is down pauses the job (the coordinator says PAUSED) until it is back: keep
   // retrying for about half an hour (5 s apart) instead of failing the rank after ~11 s.
   wo.client.max_attempts = 400;
