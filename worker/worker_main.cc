@@ -178,6 +178,16 @@ absl::StatusOr<TlsOptions> TlsFlags() {
                         absl::GetFlag(FLAGS_allow_insecure));
 }
 
+// The gRPC options of this worker's channels and servers (--max_message_mb, --link_mbit, TLS),
+// checked.
+absl::StatusOr<RpcOptions> RpcFlags() {
+  RpcOptions rpc;
+  rpc.max_message_bytes = absl::GetFlag(FLAGS_max_message_mb) << 20;
+  rpc.link_bits_per_s = absl::GetFlag(FLAGS_link_mbit) * 1e6;
+  ASSIGN_OR_RETURN(rpc.tls, TlsFlags());
+  return rpc;
+}
+
 // --ps_spin_wait_us, checked: InvalidArgument if negative.
 absl::StatusOr<absl::Duration> SpinWaitFlag() {
   const int64_t us = absl::GetFlag(FLAGS_ps_spin_wait_us);
@@ -344,9 +354,7 @@ absl::StatusOr<WorkerMainOptions> ParseOptions() {
   o.client.worker = o.trainer.rank;
   SetClientOptionsFromSpec(spec, &o.client);
   ASSIGN_OR_RETURN(o.client.spin_wait, SpinWaitFlag());
-  o.client.rpc.max_message_bytes = absl::GetFlag(FLAGS_max_message_mb) << 20;
-  o.client.rpc.link_bits_per_s = absl::GetFlag(FLAGS_link_mbit) * 1e6;
-  ASSIGN_OR_RETURN(o.client.rpc.tls, TlsFlags());
+  ASSIGN_OR_RETURN(o.client.rpc, RpcFlags());
   o.trainer.peer_rpc = o.client.rpc;
   o.trainer.peer_rpc.link_bits_per_s = 0;
   o.node = NodeNameOrHostName(absl::GetFlag(FLAGS_node));
@@ -381,9 +389,7 @@ struct ServiceFlags {
 
 absl::StatusOr<ServiceFlags> CheckServiceFlags(const std::string& node, const std::string& token) {
   ServiceFlags f;
-  f.rpc.max_message_bytes = absl::GetFlag(FLAGS_max_message_mb) << 20;
-  f.rpc.link_bits_per_s = absl::GetFlag(FLAGS_link_mbit) * 1e6;
-  ASSIGN_OR_RETURN(f.rpc.tls, TlsFlags());
+  ASSIGN_OR_RETURN(f.rpc, RpcFlags());
   RETURN_IF_ERROR(
       CheckTokenTransport(absl::GetFlag(FLAGS_coordinator), f.rpc.tls, token, "node token"));
   if (!node.empty()) RETURN_IF_ERROR(CheckName("--node", node));

@@ -67,6 +67,26 @@ std::unique_ptr<grpc::Server> Serve(grpc::Service* service, std::string* addr) {
   return server;
 }
 
+// A Logger whose lines the test reads back.
+class CapturedLog {
+ public:
+  CapturedLog()
+      : logger_({}, nullptr, LogLevel::kInfo, [this](const std::string& line) {
+          absl::MutexLock lock(&mu_);
+          lines_.push_back(line);
+        }) {}
+  const Logger* logger() const { return &logger_; }
+  std::vector<std::string> lines() {
+    absl::MutexLock lock(&mu_);
+    return lines_;
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::vector<std::string> lines_ ABSL_GUARDED_BY(mu_);
+  const Logger logger_;
+};
+
 class BufferClientTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -234,12 +254,7 @@ TEST_F(BufferClientTest, PushPullEqualsPushThenPull) {
   const Values g2 = {{0.3f, 0.1f, -0.7f, 0.2f, 0.0f, 1.5f}, {0.5f, 0.0f, 0.25f, 0.0f}, {1.0f}};
   int n = 0;
   // The client logs event=fused_pull_unsupported when it falls back to two calls: none here.
-  std::vector<std::string> lines;
-  absl::Mutex lines_mu;
-  const Logger logger({}, nullptr, LogLevel::kInfo, [&](const std::string& line) {
-    absl::MutexLock lock(&lines_mu);
-    lines.push_back(line);
-  });
+  CapturedLog log;
   for (const std::string transport : {"stream", "unary"}) {
     for (const std::string pull_codec : {"", "bf16", "changes"}) {
       SCOPED_TRACE(absl::StrCat(transport, " pull codec \"", pull_codec, "\""));
@@ -250,7 +265,7 @@ TEST_F(BufferClientTest, PushPullEqualsPushThenPull) {
         layout.job = absl::StrCat("pp", n++);
         GrpcParameterClientOptions o = Options("", pull_codec);
         o.transport = transport;
-        o.logger = &logger;
+        o.logger = log.logger();
         ASSERT_OK_AND_ASSIGN(std::unique_ptr<ParameterClient> client,
                              NewGrpcParameterClient(layout, o));
         ASSERT_OK(client->InitJob(Const(init)));
@@ -289,8 +304,7 @@ TEST_F(BufferClientTest, PushPullEqualsPushThenPull) {
       EXPECT_EQ(fused_model[2][0], 5.0f);  // Buffer deltas added exactly, pulled dense.
     }
   }
-  absl::MutexLock lock(&lines_mu);
-  for (const std::string& line : lines)
+  for (const std::string& line : log.lines())
     EXPECT_EQ(line.find("fused_pull_unsupported"), std::string::npos) << line;
 }
 
@@ -340,14 +354,9 @@ TEST(PushPullFallbackTest, AShardWithoutFusedPullsGetsAPullOfItsOwn) {
   layout.chunk_elems = 4;
   layout.optimizer.set_name("sgd");
   layout.optimizer.set_lr(1);
-  std::vector<std::string> lines;
-  absl::Mutex lines_mu;
-  const Logger logger({}, nullptr, LogLevel::kInfo, [&](const std::string& line) {
-    absl::MutexLock lock(&lines_mu);
-    lines.push_back(line);
-  });
+  CapturedLog log;
   GrpcParameterClientOptions o;
-  o.logger = &logger;
+  o.logger = log.logger();
   o.servers = {addr};
   o.transport = "unary";  // It has no Stream either.
   o.rpc_deadline = absl::Seconds(10);
@@ -364,7 +373,7 @@ TEST(PushPullFallbackTest, AShardWithoutFusedPullsGetsAPullOfItsOwn) {
   ASSERT_OK_AND_ASSIGN(std::vector<JobInfoResponse> infos, client->GetJobInfo());
   EXPECT_EQ(infos[0].pushes_applied(), 2);  // Each step's push applied once.
   EXPECT_EQ(infos[0].duplicates_dropped(), 0);
-  absl::MutexLock lock(&lines_mu);
+  const std::vector<std::string> lines = log.lines();
   ASSERT_EQ(lines.size(), 1u);  // Said once; the second step made two calls straight away.
   EXPECT_NE(lines[0].find("event=fused_pull_unsupported"), std::string::npos) << lines[0];
   server->Shutdown();
