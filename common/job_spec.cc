@@ -315,7 +315,7 @@ absl::Status ValidateLimits(const JobSpec& spec) {
   RETURN_IF_ERROR(CheckInt("batch_size", spec.batch_size(), 1, kMaxSpecBatchSize));
   RETURN_IF_ERROR(CheckInt("steps", spec.steps(), 0, kMaxSpecSteps));
   RETURN_IF_ERROR(CheckInt("epochs", spec.epochs(), 0, kMaxSpecEpochs));
-  RETURN_IF_ERROR(CheckInt("chunk_bytes", spec.chunk_bytes(), 4, kMaxSpecChunkBytes));
+  RETURN_IF_ERROR(CheckInt("chunk_bytes", spec.chunk_bytes(), 0, kMaxSpecChunkBytes));
   RETURN_IF_ERROR(
       CheckInt("allreduce.bucket_bytes", spec.allreduce().bucket_bytes(), 0, kMaxSpecChunkBytes));
   RETURN_IF_ERROR(
@@ -401,7 +401,6 @@ void ApplyJobSpecDefaults(int num_servers, JobSpec* spec) {
   if (spec->mode().empty()) spec->set_mode("async");
   if (spec->num_workers() == 0) spec->set_num_workers(1);
   if (spec->num_shards() == 0) spec->set_num_shards(num_servers > 0 ? num_servers : 1);
-  if (spec->chunk_bytes() == 0) spec->set_chunk_bytes(1 << 20);
   if (spec->seed() == 0) spec->set_seed(1);
   if (spec->log_every() == 0) spec->set_log_every(50);
   if (spec->barrier_timeout_s() == 0) {
@@ -519,9 +518,10 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
     return absl::InvalidArgumentError(
         absl::StrCat("job spec: num_shards must be > 0, got ", spec.num_shards()));
   }
-  if (spec.chunk_bytes() < 4 || spec.chunk_bytes() % 4 != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "job spec: chunk_bytes must be a positive multiple of 4, got ", spec.chunk_bytes()));
+  if (spec.chunk_bytes() < 0 || spec.chunk_bytes() % 4 != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("job spec: chunk_bytes must be 0 (auto) or a positive multiple of 4, got ",
+                     spec.chunk_bytes()));
   }
   if (!(spec.optimizer().lr() > 0)) {
     return absl::InvalidArgumentError(

@@ -100,7 +100,7 @@ TEST(JobSpecTest, DefaultsAndValidation) {
   EXPECT_EQ(spec.epochs(), 1);
   EXPECT_EQ(spec.mode(), "async");
   EXPECT_EQ(spec.num_shards(), 2);
-  EXPECT_EQ(spec.chunk_bytes(), 1 << 20);
+  EXPECT_EQ(spec.chunk_bytes(), 0);  // Auto: common/partitioner.h AutoChunkElems.
   EXPECT_OK(ValidateJobSpec(spec));
 
   JobSpec bad = spec;
@@ -124,7 +124,11 @@ TEST(JobSpecTest, DefaultsAndValidation) {
                     "compression.momentum must be in [0, 1), got 1.5");
   bad = spec;
   bad.set_chunk_bytes(6);
-  EXPECT_STATUS_MSG(ValidateJobSpec(bad), absl::StatusCode::kInvalidArgument, "chunk_bytes");
+  EXPECT_STATUS_MSG(ValidateJobSpec(bad), absl::StatusCode::kInvalidArgument,
+                    "chunk_bytes must be 0 (auto) or a positive multiple of 4, got 6");
+  bad.set_chunk_bytes(-4);
+  EXPECT_STATUS_MSG(ValidateJobSpec(bad), absl::StatusCode::kInvalidArgument,
+                    "chunk_bytes must be 0 (auto) or a positive multiple of 4, got -4");
 }
 
 TEST(JobSpecTest, AllreduceDefaultsAndValidation) {
@@ -233,7 +237,7 @@ TEST(JobSpecTest, ValidationTable) {
       {"batch_size: 2097152", "batch_size: 2097152 is out of range [1, 1048576]"},
       {"steps: 2199023255553", "steps: 2199023255553 is out of range [0, 1099511627776]"},
       {"epochs: 2000000", "epochs: 2000000 is out of range [0, 1000000]"},
-      {"chunk_bytes: 2147483648", "chunk_bytes: 2147483648 is out of range [4, 1073741824]"},
+      {"chunk_bytes: 2147483648", "chunk_bytes: 2147483648 is out of range [0, 1073741824]"},
       {"checkpoint: {every_steps: 2199023255553}", "checkpoint.every_steps: 2199023255553"},
       {"allreduce: {bucket_bytes: 2147483648}",
        "allreduce.bucket_bytes: 2147483648 is out of range"},

@@ -8,6 +8,16 @@
 
 namespace gradmesh {
 
+int64_t AutoChunkElems(const std::vector<int64_t>& tensor_numels, int32_t num_shards) {
+  if (num_shards <= 1) return kMaxAutoChunkElems;
+  int64_t total = 0;
+  for (int64_t n : tensor_numels) total += std::max<int64_t>(n, 0);
+  const int64_t chunks = int64_t{8} * num_shards;
+  int64_t elems = (total + chunks - 1) / chunks;
+  elems = (elems + 1023) / 1024 * 1024;
+  return std::clamp(elems, kMinAutoChunkElems, kMaxAutoChunkElems);
+}
+
 absl::StatusOr<Partition> Partition::Create(const std::vector<int64_t>& tensor_numels,
                                             int64_t chunk_elems, int32_t num_shards) {
   if (chunk_elems <= 0) {

@@ -26,6 +26,19 @@ struct ChunkInfo {
   int32_t shard = 0;   // Owning shard.
 };
 
+// Bounds of AutoChunkElems, in float32 elements (64 KiB and 1 MiB).
+inline constexpr int64_t kMinAutoChunkElems = int64_t{1} << 14;
+inline constexpr int64_t kMaxAutoChunkElems = int64_t{1} << 18;
+
+// The chunk size a job gets when its spec leaves chunk_bytes at 0 (auto): with one shard,
+// kMaxAutoChunkElems (1 MiB, the fixed default before auto existed); otherwise the total size
+// over 8 chunks per shard, rounded up to a multiple of 1024 elements and clamped to
+// [kMinAutoChunkElems, kMaxAutoChunkElems]. Greedy placement then keeps every shard within one
+// chunk (about 1/8 of its share, or 1 MiB for large jobs) of the others, where one chunk per
+// large tensor could leave e.g. a 784-256-256-10 MLP 75/25 across 2 shards. Depends only on
+// the sizes and the shard count, so every worker derives the same value.
+int64_t AutoChunkElems(const std::vector<int64_t>& tensor_numels, int32_t num_shards);
+
 class Partition {
  public:
   // InvalidArgument if chunk_elems <= 0, num_shards <= 0, a size is negative, or a tensor

@@ -50,6 +50,29 @@ TEST(PartitionerTest, MlpLayoutOnTwoShards) {
   CheckInvariants({200704, 256, 65536, 256, 2560, 10}, 65536, 2);
 }
 
+TEST(PartitionerTest, AutoChunkElemsBalancesSmallJobs) {
+  const std::vector<int64_t> mlp = {200704, 256, 65536, 256, 2560, 10};  // 269,322 elements.
+  // One shard: 1 MiB, as before auto existed.
+  EXPECT_EQ(AutoChunkElems(mlp, 1), 262144);
+  // 2 shards: ceil(269322 / 16) = 16833, rounded up to 17 x 1024.
+  EXPECT_EQ(AutoChunkElems(mlp, 2), 17408);
+  EXPECT_EQ(AutoChunkElems(mlp, 4), kMinAutoChunkElems);  // 8417 -> the 64 KiB floor.
+  EXPECT_EQ(AutoChunkElems({10}, 2), kMinAutoChunkElems);
+  EXPECT_EQ(AutoChunkElems({}, 3), kMinAutoChunkElems);
+  EXPECT_EQ(AutoChunkElems({int64_t{100} << 20}, 4), kMaxAutoChunkElems);  // 400 MB: 1 MiB.
+  // The MLP on 2 shards: 1 MiB chunks leave it 200,704 / 68,618; auto chunks balance it.
+  ASSERT_OK_AND_ASSIGN(Partition fixed, Partition::Create(mlp, 262144, 2));
+  EXPECT_EQ(fixed.shard_elements(0), 200704);
+  EXPECT_EQ(fixed.shard_elements(1), 68618);
+  ASSERT_OK_AND_ASSIGN(Partition balanced, Partition::Create(mlp, AutoChunkElems(mlp, 2), 2));
+  EXPECT_EQ(balanced.shard_elements(0), 135168);
+  EXPECT_EQ(balanced.shard_elements(1), 134154);
+  ASSERT_OK_AND_ASSIGN(Partition four, Partition::Create(mlp, AutoChunkElems(mlp, 4), 4));
+  EXPECT_EQ(four.shard_elements(0), 69632);
+  EXPECT_EQ(four.shard_elements(3), 65792);
+  CheckInvariants(mlp, AutoChunkElems(mlp, 3), 3);
+}
+
 TEST(PartitionerTest, RandomLayouts) {
   std::mt19937 rng(7);
   for (int trial = 0; trial < 50; ++trial) {

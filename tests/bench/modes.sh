@@ -4,7 +4,8 @@
 # `ps` (async, 2 shards), `gossip` and `allreduce`, then PyTorch DDP over gloo on the same
 # settings (tests/bench/ddp_baseline.py with Debian's "$PYTHON"). One JSON line each:
 #   {"bench":"modes","mode":"allreduce","workers":2,"samples_per_s":...,"accuracy":...,"wall_s":...}
-# samples_per_s = every worker's samples / the slowest worker's training wall time.
+# samples_per_s = every worker's samples / the slowest worker's training wall time. The ps run
+# also prints each shard's CPU seconds: {"bench":"modes_shard_cpu","label":...,"shard":0,...}.
 #
 #   bash tests/bench/modes.sh            # EPOCHS=3 WORKERS=2 by default
 #   MODES="allreduce ddp_gloo" ALLREDUCE_FLAGS="--job=/tmp/ar.yaml" bash tests/bench/modes.sh
@@ -136,16 +137,23 @@ run_workers() {
 # ps (async by default; PS_FLAGS="--mode=diloco --inner_steps=50" for DiLoCo) through 2 shards.
 if want ps; then
 SERVERS=""
+SHARD_PIDS=()
 for s in 0 1; do
   "$BIN/server/gradmesh_server" --host=127.0.0.1 --port=0 --port_file="$RUN_DIR/port$s" \
     --node="shard$s" 2>"$RUN_DIR/server$s.log" &
   PIDS+=($!)
+  SHARD_PIDS+=($!)
 done
 for s in 0 1; do
   for _ in $(seq 100); do [ -s "$RUN_DIR/port$s" ] && break; sleep 0.1; done
   SERVERS="${SERVERS:+$SERVERS,}127.0.0.1:$(cat "$RUN_DIR/port$s")"
 done
 run_workers ps --mode=async --servers="$SERVERS" ${PS_FLAGS:-}
+# Each shard's CPU time over the run (user + system): how evenly the job's chunks split.
+for s in 0 1; do
+  read -r -a st <"/proc/${SHARD_PIDS[$s]}/stat"
+  echo "{\"bench\":\"modes_shard_cpu\",\"label\":\"${LABEL:-ps}\",\"shard\":$s,\"cpu_s\":$(((st[13] + st[14]) * 1000 / $(getconf CLK_TCK)))e-3}"
+done
 cleanup; PIDS=()
 fi
 want gossip && run_workers gossip --mode=gossip ${GOSSIP_FLAGS:-}

@@ -224,8 +224,12 @@ TEST_F(E2eTest, MlpAsyncTwoShardsTwoWorkers) {
     total_numel += n;
   }
   EXPECT_EQ(total_numel, kMlpParams);
+  // chunk_bytes left at auto: ~8 chunks per shard, so the shards hold 135,168 and 134,154
+  // elements (1 MiB chunks would leave them 200,704 / 68,618: the first layer whole on one).
+  EXPECT_EQ(infos[0].chunk_elems(), 17408);
   ASSERT_OK_AND_ASSIGN(Partition partition,
                        Partition::Create(numels, infos[0].chunk_elems(), kShards));
+  EXPECT_LE(std::abs(infos[0].owned_elements() - infos[1].owned_elements()), 17408);
   int64_t chunks_seen = 0, elements_seen = 0;
   for (int s = 0; s < kShards; ++s) {
     SCOPED_TRACE(absl::StrCat("shard ", s));

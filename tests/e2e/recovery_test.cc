@@ -273,26 +273,30 @@ TEST_F(RecoveryTest, SyncRestartResumesAtSnapshotStep) {
   ASSERT_NO_FATAL_FAILURE(StartDurableServers());
   // --step_delay_ms slows the steps (~6 ms each otherwise) so that the kill lands a few steps
   // after kKillAfterStep, far from the next snapshot boundary at 40.
-  auto worker_args = [&](int r) {
-    return std::vector<std::string>{ServersFlag(),
-                                    absl::StrCat("--rank=", r),
-                                    absl::StrCat("--num_workers=", kWorkers),
-                                    "--name=" + job,
-                                    "--mode=sync",
-                                    absl::StrCat("--steps=", kSteps),
-                                    "--durability=periodic",
-                                    absl::StrCat("--snapshot_every_updates=", kSnapshotEvery),
-                                    "--optimizer=sgd",
-                                    "--lr=0.05",
-                                    "--log_every=5",
-                                    "--evaluate=false",
-                                    "--step_delay_ms=20",
-                                    "--data_dir=" + DataDir()};
+  // The first run gives 1 MiB chunks explicitly, as binaries before chunk_bytes auto did by
+  // default; the restarted workers leave chunk_bytes at auto and must adopt the job's.
+  auto worker_args = [&](int r, bool first_run) {
+    std::vector<std::string> args{ServersFlag(),
+                                  absl::StrCat("--rank=", r),
+                                  absl::StrCat("--num_workers=", kWorkers),
+                                  "--name=" + job,
+                                  "--mode=sync",
+                                  absl::StrCat("--steps=", kSteps),
+                                  "--durability=periodic",
+                                  absl::StrCat("--snapshot_every_updates=", kSnapshotEvery),
+                                  "--optimizer=sgd",
+                                  "--lr=0.05",
+                                  "--log_every=5",
+                                  "--evaluate=false",
+                                  "--step_delay_ms=20",
+                                  "--data_dir=" + DataDir()};
+    if (first_run) args.push_back("--chunk_bytes=1048576");
+    return args;
   };
   {
     std::vector<std::unique_ptr<Subprocess>> workers;
     for (int r = 0; r < kWorkers; ++r) {
-      workers.push_back(StartWorker(absl::StrCat("worker", r), worker_args(r)));
+      workers.push_back(StartWorker(absl::StrCat("worker", r), worker_args(r, true)));
       ASSERT_NE(workers.back(), nullptr);
     }
     ASSERT_TRUE(WaitForLog(
@@ -347,7 +351,7 @@ TEST_F(RecoveryTest, SyncRestartResumesAtSnapshotStep) {
   // Restarted workers with the same flags resume exactly there and finish the job.
   std::vector<std::unique_ptr<Subprocess>> workers;
   for (int r = 0; r < kWorkers; ++r) {
-    workers.push_back(StartWorker(absl::StrCat("worker", r, "-resumed"), worker_args(r)));
+    workers.push_back(StartWorker(absl::StrCat("worker", r, "-resumed"), worker_args(r, false)));
     ASSERT_NE(workers.back(), nullptr);
   }
   const std::vector<int> codes = WaitAll({workers[0].get(), workers[1].get()}, absl::Minutes(2));
@@ -358,6 +362,12 @@ TEST_F(RecoveryTest, SyncRestartResumesAtSnapshotStep) {
     const std::vector<std::string> resuming = LinesWith(log, "event=resuming");
     ASSERT_EQ(resuming.size(), 1u);
     EXPECT_EQ(ToInt(LogField(resuming[0], "step")), resume) << resuming[0];
+    // Auto would cut the MLP (269,322 elements, 2 shards) into 17,408-element chunks; the
+    // job keeps the 262,144 it was made with.
+    const std::vector<std::string> adopted = LinesWith(log, "event=chunking_adopted");
+    ASSERT_EQ(adopted.size(), 1u) << log;
+    EXPECT_EQ(ToInt(LogField(adopted[0], "auto_chunk_elems")), 17408) << adopted[0];
+    EXPECT_EQ(ToInt(LogField(adopted[0], "stored_chunk_elems")), 262144) << adopted[0];
     const std::string done = DoneLine(log);
     ASSERT_FALSE(done.empty());
     EXPECT_EQ(ToInt(LogField(done, "first_step")), resume) << done;
@@ -369,6 +379,7 @@ TEST_F(RecoveryTest, SyncRestartResumesAtSnapshotStep) {
     EXPECT_EQ(info.updates_applied(), kSteps);
     EXPECT_EQ(info.pushes_applied(), kWorkers * kSteps);
     EXPECT_EQ(info.duplicates_dropped(), 0);
+    EXPECT_EQ(info.chunk_elems(), 262144);
     for (int w = 0; w < kWorkers; ++w) {
       EXPECT_EQ(info.workers(w).last_step(), kSteps - 1) << "worker " << w;
       EXPECT_EQ(info.workers(w).pushes_applied(), kSteps) << "worker " << w;

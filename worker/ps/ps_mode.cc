@@ -16,6 +16,7 @@
 #include "common/job_spec.h"
 #include "common/numeric.h"
 #include "common/optimizer.h"
+#include "common/partitioner.h"
 #include "common/status.h"
 #include "worker/core/auto_codec.h"
 #include "worker/core/grad_clip.h"
@@ -85,6 +86,10 @@ class PsMode : public TrainingMode {
       absl::Span<const absl::Span<const float>> grads, bool* finite);
   // Waits (bounded by options.wait_for_workers) until every worker of the group finished.
   absl::Status WaitForWorkers();
+  // chunk_bytes 0 (auto): a job the shards already hold (e.g. made by a binary whose default
+  // was 1 MiB chunks) keeps its chunking: if its shards report another chunk_elems than
+  // `layout`'s, client_ is rebuilt with theirs. A job they do not hold keeps `layout`.
+  absl::Status AdoptStoredChunking(JobLayout layout);
 
   const TrainerOptions& options_;
   const JobSpec& spec_;
@@ -124,7 +129,11 @@ class PsMode : public TrainingMode {
 JobLayout PsMode::Layout(const ModelView& model, int64_t total_steps) const {
   JobLayout layout;
   layout.job = spec_.name();
-  layout.chunk_elems = spec_.chunk_bytes() / static_cast<int64_t>(sizeof(float));
+  std::vector<int64_t> numels;
+  for (const absl::Span<float>& p : model.params) numels.push_back(static_cast<int64_t>(p.size()));
+  layout.chunk_elems = spec_.chunk_bytes() > 0
+                           ? spec_.chunk_bytes() / static_cast<int64_t>(sizeof(float))
+                           : AutoChunkElems(numels, spec_.num_shards());
   // Every worker derives the same schedule length: chunk updates over the whole job (one per
   // step in sync mode, where a step's pushes are averaged; one per push of any worker
   // otherwise).
@@ -154,13 +163,30 @@ JobLayout PsMode::Layout(const ModelView& model, int64_t total_steps) const {
   return layout;
 }
 
+absl::Status PsMode::AdoptStoredChunking(JobLayout layout) {
+  absl::StatusOr<std::vector<JobInfoResponse>> infos = client_->GetJobInfo();
+  if (absl::IsNotFound(infos.status())) return absl::OkStatus();  // A new job.
+  RETURN_IF_ERROR(Annotate(infos.status(), "reading the job's layout from its shards"));
+  int64_t stored = 0;
+  for (const JobInfoResponse& info : *infos) stored = std::max(stored, info.chunk_elems());
+  if (stored <= 0 || stored == layout.chunk_elems) return absl::OkStatus();
+  LogInfo(options_.logger, "chunking_adopted",
+          {Kv("job", spec_.name()), Kv("auto_chunk_elems", layout.chunk_elems),
+           Kv("stored_chunk_elems", stored)});
+  layout.chunk_elems = stored;
+  ASSIGN_OR_RETURN(client_, client_factory_(std::move(layout)));
+  return absl::OkStatus();
+}
+
 absl::StatusOr<int64_t> PsMode::Start(ModelView* model, const LoopInfo& info) {
   model_ = model;
   scaling_ = spec_.loss_scale().mode() == "dynamic";
   clip_norm_ = spec_.clip_grad_norm();
   commit_ = options_.mode == Mode::kSync &&
             (scaling_ || spec_.clip_grad_norm() > 0 || spec_.clip_grad_value() > 0);
-  ASSIGN_OR_RETURN(client_, client_factory_(Layout(*model, info.total_steps)));
+  JobLayout layout = Layout(*model, info.total_steps);
+  ASSIGN_OR_RETURN(client_, client_factory_(layout));
+  if (spec_.chunk_bytes() == 0) RETURN_IF_ERROR(AdoptStoredChunking(std::move(layout)));
   if (spec_.compression().push() == "auto") auto_codec_.emplace();
   // Every worker offers the same seeded initial values; the first InitJob wins, the rest see
   // the job already exists. Then everyone starts from the shards' values.

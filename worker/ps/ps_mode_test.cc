@@ -47,6 +47,11 @@ class FakeClient : public ParameterClient {
     std::vector<bool> nonfinite;
     std::vector<SyncCommit> commits;
     int missing_commits = 0;
+    // GetJobInfo: the chunk_elems the shards report, and the error it fails with (if set)
+    // while the job does not exist yet.
+    int64_t stored_chunk_elems = 0;
+    absl::Status info_error_while_new;
+    std::vector<int64_t> chunk_elems_made;  // The layout's chunk_elems of every client made.
   };
   explicit FakeClient(State* state) : s_(state) {}
 
@@ -124,7 +129,9 @@ class FakeClient : public ParameterClient {
   std::vector<int64_t> PulledVersions() const override { return s_->pulled_versions; }
   absl::Status Finish(int64_t step) override { return absl::OkStatus(); }
   absl::StatusOr<std::vector<JobInfoResponse>> GetJobInfo() override {
+    if (s_->values.empty() && !s_->info_error_while_new.ok()) return s_->info_error_while_new;
     JobInfoResponse info;
+    info.set_chunk_elems(s_->stored_chunk_elems);
     WorkerState* w = info.add_workers();
     w->set_worker(0);
     w->set_last_step(s_->last_step);
@@ -172,6 +179,7 @@ class PsModeTest : public ::testing::Test {
   std::unique_ptr<TrainingMode> MakeMode() {
     auto mode = NewPsMode(options_, [this](JobLayout layout) {
       state_.layout = layout;
+      state_.chunk_elems_made.push_back(layout.chunk_elems);
       return absl::StatusOr<std::unique_ptr<ParameterClient>>(
           std::make_unique<FakeClient>(&state_));
     });
@@ -213,6 +221,51 @@ TEST_F(PsModeTest, LayoutHasTheBuffersAfterTheParametersWithTheirDTypes) {
   EXPECT_EQ(state_.layout.chunk_elems, 4);
   // The initial values offered are the model's, buffer mirrors included.
   EXPECT_EQ(state_.offered, (Values{{1.0f, 2.0f}, {0.5f, -0.5f}, {0.0f}}));
+}
+
+TEST_F(PsModeTest, AutoChunkingForANewJobAndTheStoredChunkingForAnExistingOne) {
+  options_.spec.set_chunk_bytes(0);  // Auto.
+  options_.spec.set_num_shards(2);
+  {
+    // A new job: the shards answer NOT_FOUND; the auto size (5 elements: the 64 KiB floor).
+    state_.info_error_while_new = absl::NotFoundError("job bn not found");
+    Model m;
+    std::unique_ptr<TrainingMode> mode = MakeMode();
+    ASSERT_NE(mode, nullptr);
+    ASSERT_OK(mode->Start(&m.view, Steps(10)).status());
+    EXPECT_EQ(state_.chunk_elems_made, (std::vector<int64_t>{16384}));
+  }
+  {
+    // The job exists with 1 MiB chunks (a binary before auto): the client is made again.
+    state_.chunk_elems_made.clear();
+    state_.stored_chunk_elems = 262144;
+    Model m;
+    std::unique_ptr<TrainingMode> mode = MakeMode();
+    ASSERT_NE(mode, nullptr);
+    ASSERT_OK(mode->Start(&m.view, Steps(10)).status());
+    EXPECT_EQ(state_.chunk_elems_made, (std::vector<int64_t>{16384, 262144}));
+    EXPECT_EQ(state_.layout.chunk_elems, 262144);
+  }
+  {
+    // Other errors end the start, saying what was being done.
+    state_ = FakeClient::State();
+    state_.info_error_while_new = absl::PermissionDeniedError("bad token");
+    Model m;
+    std::unique_ptr<TrainingMode> mode = MakeMode();
+    ASSERT_NE(mode, nullptr);
+    EXPECT_STATUS_MSG(mode->Start(&m.view, Steps(10)).status(), absl::StatusCode::kPermissionDenied,
+                      "reading the job's layout from its shards");
+  }
+  // An explicit chunk_bytes is used as given, whatever the shards hold.
+  state_ = FakeClient::State();
+  state_.values = {{3.0f, 4.0f}, {0.25f, 0.75f}, {5.0f}};
+  state_.stored_chunk_elems = 262144;
+  options_.spec.set_chunk_bytes(8);
+  Model m;
+  std::unique_ptr<TrainingMode> mode = MakeMode();
+  ASSERT_NE(mode, nullptr);
+  ASSERT_OK(mode->Start(&m.view, Steps(10)).status());
+  EXPECT_EQ(state_.chunk_elems_made, (std::vector<int64_t>{2}));
 }
 
 TEST_F(PsModeTest, ResumesBuffersFromTheShardsAndPushesTheirDeltas) {
