@@ -1,6 +1,7 @@
 #include "rpc/tensor_wire.h"
 
 #include <google/protobuf/io/coded_stream.h>
+#include <google/protobuf/io/zero_copy_stream_impl_lite.h>
 #include <google/protobuf/wire_format_lite.h>
 #include <grpcpp/support/proto_buffer_reader.h>
 
@@ -9,12 +10,16 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "common/numeric.h"
 #include "proto/gradmesh.pb.h"
 
 namespace gradmesh {
 namespace {
 
+using google::protobuf::internal::WireFormatLite;
 using google::protobuf::io::CodedInputStream;
+using google::protobuf::io::CodedOutputStream;
+using google::protobuf::io::StringOutputStream;
 
 // Field numbers and wire types of proto/gradmesh.proto.
 constexpr uint32_t kVarint = 0, kLengthDelimited = 2;
@@ -405,6 +410,167 @@ absl::Status DecodePullResponse(const grpc::ByteBuffer& buffer, const PullChunkS
   }
   if (!in.ConsumedEntireMessage()) return absl::DataLossError("PullResponse: malformed");
   return absl::OkStatus();
+}
+
+namespace {
+
+// DenseData is filled and scanned in blocks of this size (a multiple of 4: blocks hold whole
+// floats), each scanned while it is still in cache.
+constexpr int64_t kDenseBlockBytes = int64_t{64} << 10;
+
+// Reads a data field's `bytes` bytes (known to be within the message) into `d`.
+bool ReadDense(CodedInputStream* in, int64_t bytes, DenseData* d) {
+  d->present = true;
+  d->bytes = bytes;
+  d->first_nonfinite = -1;
+  const int64_t floats = (bytes + 3) / 4;
+  d->values.reset(floats > 0 ? new float[floats] : nullptr);
+  if (floats > 0) d->values[floats - 1] = 0.0f;  // The padding after a partial last float.
+  char* dst = reinterpret_cast<char*>(d->values.get());
+  for (int64_t off = 0; off < bytes; off += kDenseBlockBytes) {
+    const int64_t n = std::min(kDenseBlockBytes, bytes - off);
+    if (!in->ReadRaw(dst + off, static_cast<int>(n))) return false;
+    if (d->first_nonfinite < 0) {
+      const int64_t bad = FirstNonFinite(d->values.get() + off / 4, n / 4);
+      if (bad >= 0) d->first_nonfinite = off / 4 + bad;
+    }
+  }
+  return true;
+}
+
+// Reads a length prefix that must fit in what is left of the current limit.
+bool ReadLength(CodedInputStream* in, uint32_t* len) {
+  return in->ReadVarint32(len) && static_cast<int64_t>(*len) <= in->BytesUntilLimit();
+}
+
+// One ChunkData (the stream limited to it), written to `out` without its data when that is raw
+// (then in `d`), with it when the chunk has a codec.
+bool StripChunk(CodedInputStream* in, std::string* out, DenseData* d) {
+  std::string codec;
+  DenseData data;
+  bool has_data = false;
+  {
+    StringOutputStream stream(out);
+    CodedOutputStream os(&stream);
+    while (true) {
+      const uint32_t tag = in->ReadTag();
+      if (tag == 0) break;
+      uint32_t len;
+      if (tag == Tag(6, kLengthDelimited)) {  // data: protobuf keeps the last one.
+        if (!ReadLength(in, &len) || !ReadDense(in, len, &data)) return false;
+        has_data = true;
+      } else if (tag == Tag(5, kLengthDelimited)) {  // codec: kept, and remembered.
+        if (!ReadLength(in, &len) || !in->ReadString(&codec, static_cast<int>(len))) return false;
+        os.WriteTag(tag);
+        os.WriteVarint32(len);
+        os.WriteString(codec);
+      } else if (!WireFormatLite::SkipField(in, tag, &os)) {
+        return false;
+      }
+    }
+    if (!in->ConsumedEntireMessage()) return false;
+    if (has_data && !codec.empty()) {  // An encoded payload stays in the message.
+      os.WriteTag(Tag(6, kLengthDelimited));
+      os.WriteVarint32(static_cast<uint32_t>(data.bytes));
+      if (data.bytes > 0) os.WriteRaw(data.values.get(), static_cast<int>(data.bytes));
+      has_data = false;
+    }
+    if (os.HadError()) return false;
+  }
+  if (has_data) *d = std::move(data);
+  return true;
+}
+
+// The PushRequest fields up to the current limit, written to `out` with each chunk stripped by
+// StripChunk; appends one DenseData per chunk to `dense`.
+bool StripPush(CodedInputStream* in, std::string* out, DenseChunks* dense) {
+  StringOutputStream stream(out);
+  CodedOutputStream os(&stream);
+  while (true) {
+    const uint32_t tag = in->ReadTag();
+    if (tag == 0) break;
+    if (tag != Tag(5, kLengthDelimited)) {  // Not a chunk: copied as it is.
+      if (!WireFormatLite::SkipField(in, tag, &os)) return false;
+      continue;
+    }
+    uint32_t len;
+    if (!ReadLength(in, &len)) return false;
+    const auto limit = in->PushLimit(static_cast<int>(len));
+    std::string chunk;
+    DenseData d;
+    if (!StripChunk(in, &chunk, &d) || in->BytesUntilLimit() != 0) return false;
+    in->PopLimit(limit);
+    os.WriteTag(tag);
+    os.WriteVarint32(static_cast<uint32_t>(chunk.size()));
+    os.WriteString(chunk);
+    dense->push_back(std::move(d));
+  }
+  return in->ConsumedEntireMessage() && !os.HadError();
+}
+
+// Decodes `buffer` with `strip` (which writes the message without its raw chunk data) and
+// parses the result into `message` with protobuf.
+template <typename Message, typename Strip>
+absl::Status DecodeStripped(const grpc::ByteBuffer& buffer, const char* what, Message* message,
+                            DenseChunks* dense, Strip strip) {
+  message->Clear();
+  dense->clear();
+  const size_t total = buffer.Length();
+  if (total > static_cast<size_t>(INT32_MAX)) {
+    return absl::DataLossError(absl::StrCat(what, ": ", total, " bytes is too long"));
+  }
+  grpc::ByteBuffer copy(buffer);  // Shares slices (refcounted); the reader consumes it.
+  grpc::ProtoBufferReader reader(&copy);
+  CodedInputStream in(&reader);
+  in.SetTotalBytesLimit(INT32_MAX);
+  in.PushLimit(static_cast<int>(total));
+  std::string stripped;
+  if (!strip(&in, &stripped) || in.BytesUntilLimit() != 0 || !message->ParseFromString(stripped)) {
+    message->Clear();
+    dense->clear();
+    return absl::DataLossError(absl::StrCat(what, ": malformed"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status DecodePushRequest(const grpc::ByteBuffer& buffer, PushRequest* request,
+                               DenseChunks* dense) {
+  return DecodeStripped(
+      buffer, "PushRequest", request, dense,
+      [dense](CodedInputStream* in, std::string* out) { return StripPush(in, out, dense); });
+}
+
+absl::Status DecodeStreamRequest(const grpc::ByteBuffer& buffer, StreamRequest* request,
+                                 DenseChunks* dense) {
+  return DecodeStripped(
+      buffer, "StreamRequest", request, dense, [dense](CodedInputStream* in, std::string* out) {
+        StringOutputStream stream(out);
+        CodedOutputStream os(&stream);
+        while (true) {
+          const uint32_t tag = in->ReadTag();
+          if (tag == 0) break;
+          if (tag == Tag(static_cast<uint32_t>(StreamOp::kPush), kLengthDelimited)) {
+            // A second push merges into the first (protobuf): its chunks follow.
+            uint32_t len;
+            if (!ReadLength(in, &len)) return false;
+            const auto limit = in->PushLimit(static_cast<int>(len));
+            std::string push;
+            if (!StripPush(in, &push, dense) || in->BytesUntilLimit() != 0) return false;
+            in->PopLimit(limit);
+            os.WriteTag(tag);
+            os.WriteVarint32(static_cast<uint32_t>(push.size()));
+            os.WriteString(push);
+            continue;
+          }
+          // A pull replaces the oneof's push, chunks and all (a field 3 of another wire type
+          // is an unknown field to protobuf, and replaces nothing).
+          if (tag == Tag(static_cast<uint32_t>(StreamOp::kPull), kLengthDelimited)) dense->clear();
+          if (!WireFormatLite::SkipField(in, tag, &os)) return false;
+        }
+        return in->ConsumedEntireMessage() && !os.HadError();
+      });
 }
 
 }  // namespace gradmesh

@@ -9,6 +9,9 @@
 //     sends the buffer has completed.
 //   * DecodePullResponse: copying each chunk's data straight from gRPC's slices into memory
 //     chosen by the caller.
+//   * DecodePushRequest / DecodeStreamRequest (the shard's side): copying each raw gradient
+//     once, from gRPC's slices into aligned memory, scanning it for NaN/Inf as it lands, where
+//     protobuf would copy it into a std::string and the shard then scan it in a pass of its own.
 // The bytes of a "changes" chunk (compression/changes.h) are not framing and are not here.
 //
 // ParameterService.Stream messages wrap those encodings: FrameStreamRequest puts a small
@@ -32,12 +35,15 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
+#include "common/dense_data.h"
 #include "compression/changes.h"
 
 namespace gradmesh {
 
 class PullResponse;  // proto/gradmesh.proto
+class PushRequest;
 class PushResponse;
+class StreamRequest;
 class StreamResponse;
 
 // One chunk of a push: dense float32 values at `data` (numel elements), or, when `codec` is
@@ -78,6 +84,22 @@ using PullChunkSink =
 // `commit_missing` (may be null) receives PullResponse.commit_missing.
 absl::Status DecodePullResponse(const grpc::ByteBuffer& buffer, const PullChunkSink& sink,
                                 bool* commit_missing = nullptr);
+
+// Decodes a PushRequest as protobuf would, except for each chunk's raw data (codec ""): that is
+// not copied into `request` (its ChunkData.data stays empty) but once, straight from gRPC's
+// slices, into (*dense)[i] (aligned floats, one per chunk of `request`), each 64 KiB block
+// scanned for NaN/Inf while it is in cache. A shard then validates and applies those values
+// without another copy or pass of its own (server/push_decoding.h). A chunk with a codec keeps
+// its payload in `data` ((*dense)[i].present is false). Whatever protobuf's parser accepts
+// decodes to the same message (once the data is put back); what it refuses is DataLoss, except
+// a few encodings that CodedInputStream reads and protobuf does not (an overlong tag varint).
+// Checked against protobuf by tensor_wire_test and //tests/fuzz:push_request_fuzz.
+absl::Status DecodePushRequest(const grpc::ByteBuffer& buffer, PushRequest* request,
+                               DenseChunks* dense);
+// The same for a StreamRequest: its push's chunks as DecodePushRequest decodes them (none for
+// a pull).
+absl::Status DecodeStreamRequest(const grpc::ByteBuffer& buffer, StreamRequest* request,
+                                 DenseChunks* dense);
 
 // Which operation a StreamRequest carries: its oneof field number.
 enum class StreamOp : int32_t { kPush = 2, kPull = 3 };

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 #include <limits>
+#include <random>
 #include <vector>
 
 #include "common/status_testing.h"
@@ -462,6 +463,240 @@ TEST(TensorWireTest, StreamResponseSplitsIntoHeadAndBody) {
   grpc::Slice bs(bad.data(), bad.size());
   EXPECT_EQ(SplitStreamResponse(grpc::ByteBuffer(&bs, 1), &head, &body).code(),
             absl::StatusCode::kDataLoss);
+}
+
+// `s` cut into slices at the given offsets (as gRPC delivers a message: in pieces).
+grpc::ByteBuffer Cut(const std::string& s, std::vector<size_t> cuts) {
+  std::vector<grpc::Slice> slices;
+  size_t at = 0;
+  cuts.push_back(s.size());
+  for (size_t c : cuts) {
+    c = std::min(c, s.size());
+    if (c > at) slices.emplace_back(s.data() + at, c - at);
+    at = std::max(at, c);
+  }
+  if (slices.empty()) slices.emplace_back();
+  return grpc::ByteBuffer(slices.data(), slices.size());
+}
+
+// What DecodePushRequest gave, with each raw chunk's data put back where protobuf keeps it.
+PushRequest Restored(const PushRequest& request, const DenseChunks& dense) {
+  PushRequest r = request;
+  for (int i = 0; i < r.chunks_size(); ++i) {
+    if (!dense[i].present) continue;
+    EXPECT_TRUE(r.chunks(i).data().empty()) << "chunk " << i;
+    r.mutable_chunks(i)->set_data(
+        std::string(reinterpret_cast<const char*>(dense[i].values.get()), dense[i].bytes));
+  }
+  return r;
+}
+
+std::string Bytes(const std::vector<float>& v) {
+  return std::string(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(float));
+}
+
+PushRequest SamplePush() {
+  PushRequest p;
+  p.set_job("job-é");
+  p.set_worker(2);
+  p.set_step(77);
+  p.set_request_id(9);
+  std::vector<float> big(40000);  // 160,000 bytes: three scan blocks, the NaN in the second.
+  for (size_t i = 0; i < big.size(); ++i) big[i] = static_cast<float>(i);
+  big[20000] = std::numeric_limits<float>::quiet_NaN();
+  big[30000] = std::numeric_limits<float>::infinity();
+  ChunkData* c = p.add_chunks();
+  c->set_tensor(1);
+  c->set_version(5);
+  c->set_data(Bytes(big));
+  c = p.add_chunks();  // An encoded payload: it stays in the message.
+  c->set_tensor(2);
+  c->set_codec("fp16");
+  c->set_data(std::string("\x01\x02\x03", 3));
+  c = p.add_chunks();  // Five bytes: one whole float, then one byte.
+  c->set_tensor(3);
+  c->set_data(std::string("\x00\x00\x80\x3f\x07", 5));
+  c = p.add_chunks();  // No data at all.
+  c->set_tensor(4);
+  p.mutable_pull()->set_job("job-é");
+  p.mutable_pull()->set_codec("fp16");
+  return p;
+}
+
+TEST(TensorWireTest, PushDecodingIsProtobufsParseWithTheRawDataAside) {
+  const PushRequest sent = SamplePush();
+  const std::string wire = sent.SerializeAsString();
+  for (const std::vector<size_t>& cuts : std::vector<std::vector<size_t>>{
+           {}, {1, 2, 3}, {50, 65536 + 7, 100001}, {wire.size() - 1}}) {
+    PushRequest got;
+    DenseChunks dense;
+    ASSERT_OK(DecodePushRequest(Cut(wire, cuts), &got, &dense));
+    ASSERT_EQ(dense.size(), 4u);
+    EXPECT_TRUE(dense[0].present);
+    EXPECT_EQ(dense[0].bytes, 160000);
+    EXPECT_EQ(dense[0].first_nonfinite, 20000);
+    EXPECT_EQ(dense[0].values[39999], 39999.0f);
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(dense[0].values.get()) % alignof(float), 0u);
+    EXPECT_FALSE(dense[1].present);
+    EXPECT_EQ(got.chunks(1).data(), std::string("\x01\x02\x03", 3));
+    EXPECT_TRUE(dense[2].present);
+    EXPECT_EQ(dense[2].bytes, 5);
+    EXPECT_EQ(dense[2].values[0], 1.0f);
+    EXPECT_EQ(dense[2].first_nonfinite, -1);
+    EXPECT_FALSE(dense[3].present);
+    EXPECT_EQ(Restored(got, dense).SerializeAsString(), wire);
+  }
+}
+
+TEST(TensorWireTest, PushDecodingKeepsTheLastDataAndCodecAsProtobufDoes) {
+  ChunkData first, second;
+  first.set_tensor(1);
+  first.set_data(Bytes({1, 2}));
+  first.set_codec("fp16");
+  second.set_data(Bytes({3, 4, 5}));
+  second.set_codec("");  // Explicitly empty: not emitted, so "fp16" stays.
+  PushRequest p;
+  p.set_job("j");
+  // One ChunkData sent as two concatenated halves: protobuf merges them.
+  const std::string chunk = first.SerializeAsString() + second.SerializeAsString();
+  std::string wire = p.SerializeAsString();
+  wire += '\x2a';  // Field 5, length-delimited.
+  wire += static_cast<char>(chunk.size());
+  wire += chunk;
+  PushRequest want;
+  ASSERT_TRUE(want.ParseFromString(wire));
+  ASSERT_EQ(want.chunks(0).codec(), "fp16");
+  PushRequest got;
+  DenseChunks dense;
+  ASSERT_OK(DecodePushRequest(FromString(wire), &got, &dense));
+  ASSERT_EQ(dense.size(), 1u);
+  EXPECT_FALSE(dense[0].present);  // It has a codec: the payload stays in the message.
+  EXPECT_EQ(got.SerializeAsString(), want.SerializeAsString());
+}
+
+TEST(TensorWireTest, PushDecodingKeepsAnEmptyEncodedPayload) {
+  // codec "fp16" and a data field of length 0, written out (found by push_request_fuzz).
+  const std::string chunk = std::string("\x2a\x04", 2) + "fp16" + std::string("\x32\x00", 2);
+  const std::string wire = std::string("\x2a", 1) + static_cast<char>(chunk.size()) + chunk;
+  PushRequest want, got;
+  ASSERT_TRUE(want.ParseFromString(wire));
+  DenseChunks dense;
+  ASSERT_OK(DecodePushRequest(FromString(wire), &got, &dense));
+  ASSERT_EQ(dense.size(), 1u);
+  EXPECT_FALSE(dense[0].present);
+  EXPECT_EQ(got.SerializeAsString(), want.SerializeAsString());
+}
+
+TEST(TensorWireTest, StreamDecodingFollowsTheOneof) {
+  const PushRequest push = SamplePush();
+  StreamRequest r;
+  r.set_call(12);
+  *r.mutable_push() = push;
+  StreamRequest got;
+  DenseChunks dense;
+  ASSERT_OK(DecodeStreamRequest(FromString(r.SerializeAsString()), &got, &dense));
+  EXPECT_EQ(got.call(), 12u);
+  ASSERT_TRUE(got.has_push());
+  ASSERT_EQ(dense.size(), 4u);
+  EXPECT_EQ(Restored(got.push(), dense).SerializeAsString(), push.SerializeAsString());
+
+  // A push sent in two parts merges: the second part's chunks follow the first's.
+  StreamRequest part;
+  part.mutable_push()->add_chunks()->set_data(Bytes({7}));
+  std::string wire = r.SerializeAsString() + part.SerializeAsString();
+  ASSERT_OK(DecodeStreamRequest(FromString(wire), &got, &dense));
+  ASSERT_EQ(got.push().chunks_size(), 5);
+  ASSERT_EQ(dense.size(), 5u);
+  EXPECT_EQ(dense[4].values[0], 7.0f);
+
+  // A pull after the push replaces it, chunks and all.
+  StreamRequest pull;
+  pull.mutable_pull()->set_job("j");
+  wire = r.SerializeAsString() + pull.SerializeAsString();
+  ASSERT_OK(DecodeStreamRequest(FromString(wire), &got, &dense));
+  EXPECT_TRUE(got.has_pull());
+  EXPECT_TRUE(dense.empty());
+  // And a push after that starts afresh.
+  wire += part.SerializeAsString();
+  ASSERT_OK(DecodeStreamRequest(FromString(wire), &got, &dense));
+  ASSERT_TRUE(got.has_push());
+  EXPECT_EQ(got.push().chunks_size(), 1);
+  EXPECT_EQ(dense.size(), 1u);
+}
+
+TEST(TensorWireTest, PushDecodingRefusesWhatProtobufRefuses) {
+  const std::string wire = SamplePush().SerializeAsString();
+  PushRequest got;
+  DenseChunks dense;
+  // Truncated anywhere (every prefix protobuf refuses).
+  for (size_t n = 0; n < wire.size(); n += 997) {
+    PushRequest pb;
+    const bool protobuf_ok = pb.ParseFromString(wire.substr(0, n));
+    EXPECT_EQ(DecodePushRequest(FromString(wire.substr(0, n)), &got, &dense).ok(), protobuf_ok)
+        << n;
+  }
+  // A chunk claiming more bytes than the message holds.
+  std::string longer = "\x2a\xff\xff\xff\x07";
+  EXPECT_STATUS_MSG(DecodePushRequest(FromString(longer), &got, &dense),
+                    absl::StatusCode::kDataLoss, "PushRequest: malformed");
+  // Data claiming more bytes than its chunk holds (the chunk itself fits).
+  std::string data_longer = std::string("\x2a\x04\x32\x7f\x00\x00", 6);
+  EXPECT_FALSE(DecodePushRequest(FromString(data_longer), &got, &dense).ok());
+  EXPECT_TRUE(dense.empty());
+  EXPECT_EQ(got.chunks_size(), 0);
+  // Invalid UTF-8 in a string field: protobuf refuses it, and so does the decoder.
+  PushRequest bad;
+  bad.add_chunks()->set_data(Bytes({1}));
+  std::string bad_wire = bad.SerializeAsString() + std::string("\x0a\x02\xc3\x28", 4);
+  EXPECT_FALSE(bad.ParseFromString(bad_wire));
+  EXPECT_FALSE(DecodePushRequest(FromString(bad_wire), &got, &dense).ok());
+}
+
+// Random corruptions of real messages: the decoder accepts exactly what protobuf accepts, and
+// what it accepts is the same message.
+TEST(TensorWireTest, PushDecodingAgreesWithProtobufOnCorruptedMessages) {
+  PushRequest small;
+  small.set_job("j");
+  small.set_step(3);
+  for (int i = 0; i < 3; ++i) {
+    ChunkData* c = small.add_chunks();
+    c->set_tensor(i);
+    c->set_data(Bytes({1.0f * i, 2, 3}));
+    if (i == 1) c->set_codec("fp16");
+  }
+  small.mutable_pull()->set_job("j");
+  const std::string wire = small.SerializeAsString();
+  std::mt19937 rng(11);
+  int accepted = 0;
+  for (int trial = 0; trial < 20000; ++trial) {
+    std::string w = wire;
+    const int edits = 1 + static_cast<int>(rng() % 3);
+    for (int e = 0; e < edits; ++e) {
+      const size_t at = rng() % w.size();
+      switch (rng() % 3) {
+        case 0:
+          w[at] = static_cast<char>(rng());
+          break;
+        case 1:
+          w.erase(at, 1 + rng() % 4);
+          break;
+        default:
+          w.insert(at, 1, static_cast<char>(rng()));
+          break;
+      }
+      if (w.empty()) w = "x";
+    }
+    PushRequest pb, got;
+    DenseChunks dense;
+    const bool protobuf_ok = pb.ParseFromString(w);
+    const bool ours = DecodePushRequest(Cut(w, {rng() % w.size()}), &got, &dense).ok();
+    ASSERT_EQ(ours, protobuf_ok) << "trial " << trial;
+    if (!ours) continue;
+    ++accepted;
+    ASSERT_EQ(dense.size(), static_cast<size_t>(got.chunks_size()));
+    ASSERT_EQ(Restored(got, dense).SerializeAsString(), pb.SerializeAsString()) << trial;
+  }
+  EXPECT_GT(accepted, 1000);  // The corruptions reach past the refusals.
 }
 
 }  // namespace

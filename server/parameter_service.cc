@@ -33,6 +33,16 @@ absl::Status CheckJobToken(const JobTokens* tokens, grpc::ServerContextBase* ctx
   return tokens->Check(job, presented);
 }
 
+// Parses a request's bytes: a push with its raw chunk data decoded outside protobuf (copied
+// once and scanned as it lands: rpc/tensor_wire.h), a pull with protobuf.
+bool ParseRequest(const grpc::ByteBuffer& bytes, PushRequest* request, DenseChunks* dense) {
+  return DecodePushRequest(bytes, request, dense).ok();
+}
+bool ParseRequest(const grpc::ByteBuffer& bytes, PullRequest* request, DenseChunks* /*dense*/) {
+  grpc::ByteBuffer copy(bytes);  // Shares gRPC's slices: the parse reads a shared copy.
+  return grpc::GenericDeserialize<grpc::ProtoBufferReader, PullRequest>(&copy, request).ok();
+}
+
 // One Push or Pull in the callback API, on raw bytes: the parsed request and the response
 // live with the call. It finishes when the shard completes the call; if gRPC cancels the call
 // first (client cancellation, deadline, server shutdown), the shard withdraws its wait and
@@ -41,18 +51,17 @@ template <typename Request, typename Response>
 class RawUnaryReactor final : public grpc::ServerUnaryReactor {
  public:
   Request request;
+  DenseChunks dense;  // A push's raw chunk data (ParseRequest).
   Response response;
 
-  // Parses the request bytes (which stay gRPC's: the parse reads a shared copy) for `rpc` and
-  // checks its job's token. False if either fails: the call is then completed with the error.
+  // Parses the request bytes (which stay gRPC's) for `rpc` and checks its job's token. False
+  // if either fails: the call is then completed with the error.
   bool Accept(const JobTokens* tokens, grpc::CallbackServerContext* ctx,
               const grpc::ByteBuffer& bytes, const char* rpc) {
-    grpc::ByteBuffer copy(bytes);
-    absl::Status st =
-        grpc::GenericDeserialize<grpc::ProtoBufferReader, Request>(&copy, &request).ok()
-            ? CheckJobToken(tokens, ctx, request.job())
-            : absl::InvalidArgumentError(
-                  absl::StrCat(rpc, ": the request is not a ", Request::descriptor()->name()));
+    absl::Status st = ParseRequest(bytes, &request, &dense)
+                          ? CheckJobToken(tokens, ctx, request.job())
+                          : absl::InvalidArgumentError(absl::StrCat(rpc, ": the request is not a ",
+                                                                    Request::descriptor()->name()));
     if (!st.ok()) Complete(st);
     return st.ok();
   }
@@ -94,6 +103,7 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
  private:
   struct Op {
     StreamRequest request;
+    DenseChunks dense;  // Its push's raw chunk data (rpc/tensor_wire.h DecodeStreamRequest).
     StreamResponse response;
     WaitCancel cancel;
   };
@@ -146,9 +156,9 @@ void StreamReactor::OnReadDone(bool ok) {
       op.reset();
     } else {
       ++received_;
-      grpc::Status parsed =
-          grpc::GenericDeserialize<grpc::ProtoBufferReader, StreamRequest>(&in_, &op->request);
-      if (!parsed.ok()) {
+      const bool parsed = DecodeStreamRequest(in_, &op->request, &op->dense).ok();
+      in_.Clear();  // Everything needed was copied out: gRPC's buffers can go now.
+      if (!parsed) {
         error_ = absl::InvalidArgumentError(
             absl::StrCat("Stream: message ", received_, " is not a StreamRequest"));
       } else if (ops_.contains(op->request.call())) {
@@ -193,7 +203,7 @@ void StreamReactor::Begin(std::shared_ptr<Op> op) {
           if (result.ok()) *op->response.mutable_push() = std::move(result).value();
           Complete(op, result.status());
         },
-        &op->cancel);
+        &op->cancel, &op->dense);
   } else {
     PullResponse* response = op->response.mutable_pull();
     shard_->PullAsync(
@@ -318,7 +328,7 @@ grpc::ServerUnaryReactor* ParameterServiceImpl::Push(grpc::CallbackServerContext
         }
         call->Complete(result.status());
       },
-      call->cancel());
+      call->cancel(), &call->dense);
   return call;
 }
 

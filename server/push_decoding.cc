@@ -22,7 +22,11 @@ absl::StatusOr<std::shared_ptr<const Compressor>> CodecCache::Get(const std::str
   return shared;
 }
 
-absl::Status CheckDenseFloats(const ChunkData& c, int64_t numel, const std::string& where) {
+namespace {
+
+// dtype, codec and length of raw float32 data of `bytes` bytes.
+absl::Status CheckDenseLayout(const ChunkData& c, int64_t bytes, int64_t numel,
+                              const std::string& where) {
   if (c.dtype() != FLOAT32 && c.dtype() != DTYPE_UNSPECIFIED) {
     return absl::InvalidArgumentError(
         absl::StrCat(where, ": dtype ", DType_Name(c.dtype()), " is not supported; use FLOAT32"));
@@ -32,23 +36,31 @@ absl::Status CheckDenseFloats(const ChunkData& c, int64_t numel, const std::stri
         absl::StrCat(where, ": codec \"", c.codec(), "\" is not supported by this shard"));
   }
   const int64_t want = numel * static_cast<int64_t>(sizeof(float));
-  if (static_cast<int64_t>(c.data().size()) != want) {
+  if (bytes != want) {
     return absl::InvalidArgumentError(absl::StrCat(where, ": expected ", numel, " float32 values (",
-                                                   want, " bytes), got ", c.data().size(),
-                                                   " bytes"));
+                                                   want, " bytes), got ", bytes, " bytes"));
   }
+  return absl::OkStatus();
+}
+
+absl::Status NonFinite(const std::string& where, int64_t index, float value) {
+  return absl::InvalidArgumentError(absl::StrCat(where, ": element ", index, " is not finite (",
+                                                 value, "); nothing was applied"));
+}
+
+}  // namespace
+
+absl::Status CheckDenseFloats(const ChunkData& c, int64_t numel, const std::string& where) {
+  RETURN_IF_ERROR(CheckDenseLayout(c, static_cast<int64_t>(c.data().size()), numel, where));
   std::vector<float> aligned;
   const float* x = reinterpret_cast<const float*>(c.data().data());
   if (reinterpret_cast<uintptr_t>(x) % alignof(float) != 0) {
     aligned.resize(numel);
-    std::memcpy(aligned.data(), c.data().data(), want);
+    std::memcpy(aligned.data(), c.data().data(), c.data().size());
     x = aligned.data();
   }
   const int64_t bad = FirstNonFinite(x, numel);
-  if (bad >= 0) {
-    return absl::InvalidArgumentError(absl::StrCat(where, ": element ", bad, " is not finite (",
-                                                   x[bad], "); nothing was applied"));
-  }
+  if (bad >= 0) return NonFinite(where, bad, x[bad]);
   return absl::OkStatus();
 }
 
@@ -61,8 +73,17 @@ const float* FloatView(const std::string& data, std::vector<float>* scratch) {
 }
 
 absl::StatusOr<const float*> DecodePushedChunk(CodecCache& codecs, const ChunkData& c,
-                                               int64_t numel, const std::string& where,
+                                               const DenseData* dense, int64_t numel,
+                                               const std::string& where,
                                                std::vector<float>* scratch) {
+  if (dense != nullptr && dense->present) {
+    // Copied and scanned as it was received (rpc/tensor_wire.h DecodePushRequest).
+    RETURN_IF_ERROR(CheckDenseLayout(c, dense->bytes, numel, where));
+    if (dense->first_nonfinite >= 0) {
+      return NonFinite(where, dense->first_nonfinite, dense->values[dense->first_nonfinite]);
+    }
+    return static_cast<const float*>(dense->values.get());
+  }
   if (c.codec().empty()) {
     RETURN_IF_ERROR(CheckDenseFloats(c, numel, where));
     return FloatView(c.data(), scratch);

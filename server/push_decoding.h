@@ -16,6 +16,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "common/dense_data.h"
 #include "compression/compressor.h"
 #include "proto/gradmesh.pb.h"
 
@@ -44,11 +45,13 @@ absl::Status CheckDenseFloats(const ChunkData& c, int64_t numel, const std::stri
 // Float view of validated raw float32 bytes (copied into `scratch` only if misaligned).
 const float* FloatView(const std::string& data, std::vector<float>* scratch);
 
-// The dense float32 gradient of a pushed chunk: its raw data, or its payload decoded by the
-// codec named in `c.codec()` into `scratch`; validated (dtype, length, codec, finiteness).
-// InvalidArgument prefixed by `where`.
+// The dense float32 gradient of a pushed chunk: its raw data (in `dense` when the transport
+// decoded it there, which may be null; else in `c.data()`), or its payload decoded by the codec
+// named in `c.codec()` into `scratch`; validated (dtype, length, codec, finiteness), with the
+// same errors whichever holds the data. InvalidArgument prefixed by `where`.
 absl::StatusOr<const float*> DecodePushedChunk(CodecCache& codecs, const ChunkData& c,
-                                               int64_t numel, const std::string& where,
+                                               const DenseData* dense, int64_t numel,
+                                               const std::string& where,
                                                std::vector<float>* scratch);
 
 }  // namespace gradmesh

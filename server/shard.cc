@@ -289,8 +289,8 @@ absl::Status Shard::RestoreJob(const ShardStore::StoredJob& s) {
   return absl::OkStatus();
 }
 
-absl::Status Shard::PushUpdate(const Job& job, const PushRequest& request, ChunkUpdate* update,
-                               std::vector<Chunk*>* targets,
+absl::Status Shard::PushUpdate(const Job& job, const PushRequest& request, const DenseChunks* dense,
+                               ChunkUpdate* update, std::vector<Chunk*>* targets,
                                std::vector<std::vector<float>>* scratch) {
   const JobState& state = *job.state;
   absl::flat_hash_set<int64_t> seen;
@@ -307,9 +307,12 @@ absl::Status Shard::PushUpdate(const Job& job, const PushRequest& request, Chunk
     if (!seen.insert(idx).second) {
       return absl::InvalidArgumentError(absl::StrCat("Push: ", where, " appears twice"));
     }
-    ASSIGN_OR_RETURN(const float* grad,
-                     DecodePushedChunk(codecs_, c, chunk->info.numel, absl::StrCat("Push: ", where),
-                                       &(*scratch)[i]));
+    ASSIGN_OR_RETURN(
+        const float* grad,
+        DecodePushedChunk(
+            codecs_, c,
+            dense != nullptr && static_cast<size_t>(i) < dense->size() ? &(*dense)[i] : nullptr,
+            chunk->info.numel, absl::StrCat("Push: ", where), &(*scratch)[i]));
     targets->push_back(chunk);
     update->chunks.push_back(idx);
     update->numels.push_back(chunk->info.numel);
@@ -320,7 +323,8 @@ absl::Status Shard::PushUpdate(const Job& job, const PushRequest& request, Chunk
   return absl::OkStatus();
 }
 
-absl::Status Shard::StartPush(const PushRequest& request, PushDone* done, WaitCancel* cancel) {
+absl::Status Shard::StartPush(const PushRequest& request, const DenseChunks* dense, PushDone* done,
+                              WaitCancel* cancel) {
   ASSIGN_OR_RETURN(std::shared_ptr<Job> job, FindJob(request.job()));
   RETURN_IF_ERROR(job->state->CheckWorker("Push", request.worker()));
   if (request.step() < 0 || request.step() >= (int64_t{1} << 62)) {
@@ -331,7 +335,7 @@ absl::Status Shard::StartPush(const PushRequest& request, PushDone* done, WaitCa
   ChunkUpdate update;
   std::vector<Chunk*> targets;
   std::vector<std::vector<float>> scratch;
-  RETURN_IF_ERROR(PushUpdate(*job, request, &update, &targets, &scratch));
+  RETURN_IF_ERROR(PushUpdate(*job, request, dense, &update, &targets, &scratch));
 
   const int32_t worker = request.worker();
   const int64_t step = request.step();
@@ -411,7 +415,8 @@ struct Shard::PullPlan {
   PullFormat format;
 };
 
-void Shard::PushAsync(const PushRequest& request, PushDone done, WaitCancel* cancel) {
+void Shard::PushAsync(const PushRequest& request, PushDone done, WaitCancel* cancel,
+                      const DenseChunks* dense) {
   if (request.has_pull()) {
     // The pull is checked whole before the push can change anything.
     absl::StatusOr<PullPlan> plan = PlanFusedPull(request);
@@ -438,7 +443,7 @@ void Shard::PushAsync(const PushRequest& request, PushDone done, WaitCancel* can
           cancel);
     };
   }
-  if (absl::Status st = StartPush(request, &done, cancel); !st.ok()) done(std::move(st));
+  if (absl::Status st = StartPush(request, dense, &done, cancel); !st.ok()) done(std::move(st));
 }
 
 absl::StatusOr<Shard::PullPlan> Shard::PlanFusedPull(const PushRequest& request) {

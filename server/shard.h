@@ -141,7 +141,11 @@ class Shard {
   // applied, its request id is forgotten, and `done` gets CANCELLED.
   // With PushRequest.pull, the pull runs once the push completed OK and its values land in
   // PushResponse.pulled; the request is refused whole (nothing applied) if the pull is bad.
-  void PushAsync(const PushRequest& request, PushDone done, WaitCancel* cancel = nullptr);
+  // `dense` (may be null): the raw data of request.chunks(i), decoded by the transport
+  // (rpc/tensor_wire.h DecodePushRequest), used where (*dense)[i].present; like `request`, it
+  // need only stay valid until PushAsync returns.
+  void PushAsync(const PushRequest& request, PushDone done, WaitCancel* cancel = nullptr,
+                 const DenseChunks* dense = nullptr);
   // A pull the same way (an ssp pull waits for the slowest worker). Fills `response` (passed in
   // so large payloads are written once, in place); `request` and `response` must stay valid
   // until `done` has run.
@@ -205,13 +209,15 @@ class Shard {
   absl::Status RestoreJob(const ShardStore::StoredJob& stored);
   // Validates a push completely and turns it into an update of `targets`; gradients that
   // need decoding or realignment live in `scratch`.
-  absl::Status PushUpdate(const Job& job, const PushRequest& request, ChunkUpdate* update,
-                          std::vector<Chunk*>* targets, std::vector<std::vector<float>>* scratch);
+  absl::Status PushUpdate(const Job& job, const PushRequest& request, const DenseChunks* dense,
+                          ChunkUpdate* update, std::vector<Chunk*>* targets,
+                          std::vector<std::vector<float>>* scratch);
   // After a worker's first Finish: logs the job's statistics if every worker has finished.
   void MaybeLogJobStats(const Job& job);
   // PushAsync and PullAsync up to the policy: an error before the call reaches it is returned
   // (the caller completes with it); otherwise `*done` has been handed on.
-  absl::Status StartPush(const PushRequest& request, PushDone* done, WaitCancel* cancel);
+  absl::Status StartPush(const PushRequest& request, const DenseChunks* dense, PushDone* done,
+                         WaitCancel* cancel);
   struct PullPlan;
   // Checks a pull completely (job, worker, chunks, codec) and says what it reads. A bad worker
   // is reported for `worker_rpc` ("Pull", or "Push" for a push's own pull).

@@ -2,6 +2,7 @@
 // files written by hand): valid inputs made by the real encoders, each with the fuzz target's
 // leading selector bytes. Run once when a format changes:
 //   bazel run //tests/fuzz:make_seeds -- $PWD/tests/fuzz/corpus
+#include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <string>
@@ -73,6 +74,34 @@ void WireSeeds() {
     c->set_data(std::string(8, static_cast<char>(i + 1)));
   }
   Write("tensor_wire_fuzz", "two_chunks", std::string(1, '\x25') + r.SerializeAsString());
+
+  // A push with a raw chunk (a NaN in it), an encoded one, an odd-length one and a pull; as a
+  // PushRequest and inside a StreamRequest, cut into slices at bytes 7 and 7 + 19.
+  PushRequest p;
+  p.set_job("j");
+  p.set_worker(1);
+  p.set_step(4);
+  p.set_request_id(99);
+  std::vector<float> raw = Ramp(12);
+  raw[5] = std::nanf("");
+  ChunkData* c = p.add_chunks();
+  c->set_tensor(0);
+  c->set_data(std::string(reinterpret_cast<const char*>(raw.data()), raw.size() * sizeof(float)));
+  c = p.add_chunks();
+  c->set_tensor(1);
+  c->set_codec("fp16");
+  c->set_data(std::string(6, '\x3c'));
+  c = p.add_chunks();
+  c->set_tensor(2);
+  c->set_data(std::string(5, '\x01'));
+  p.mutable_pull()->set_job("j");
+  Write("push_request_fuzz", "push", std::string("\x0e\x13", 2) + p.SerializeAsString());
+  StreamRequest s;
+  s.set_call(3);
+  *s.mutable_push() = p;
+  Write("push_request_fuzz", "stream_push", std::string("\x0f\x13", 2) + s.SerializeAsString());
+  s.mutable_pull()->set_job("j");
+  Write("push_request_fuzz", "stream_pull", std::string("\x01\x00", 2) + s.SerializeAsString());
 }
 
 void CheckpointSeeds(const std::string& tmp) {

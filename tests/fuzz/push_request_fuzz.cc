@@ -1,0 +1,99 @@
+// Fuzz target: the shard's push decoders (rpc/tensor_wire.h DecodePushRequest and
+// DecodeStreamRequest), which a shard runs on every push straight out of gRPC's buffers.
+//
+// Input: byte 0 picks the message (bit 0: StreamRequest, else PushRequest) and, with byte 1,
+// where the rest is cut into up to 3 slices (as gRPC may deliver them); the rest is the
+// serialised message. Checked against protobuf's own parser: whatever protobuf parses, the
+// decoder parses to the same message once each raw chunk's data is put back from its
+// DenseData (whose first_nonfinite is the first NaN/Inf among the whole floats). Refusals are
+// DATA_LOSS and leave nothing behind. The decoder may accept a little more than protobuf (an
+// overlong tag varint, which CodedInputStream reads): harmless, the result is still a valid
+// message.
+#include <grpcpp/grpcpp.h>
+
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "proto/gradmesh.pb.h"
+#include "rpc/tensor_wire.h"
+#include "tests/fuzz/fuzz_util.h"
+
+namespace gradmesh {
+namespace {
+
+void CheckDense(const DenseData& d) {
+  if (!d.present) return;
+  int64_t first = -1;
+  for (int64_t i = 0; i < d.bytes / 4 && first < 0; ++i) {
+    if (!std::isfinite(d.values[i])) first = i;
+  }
+  FUZZ_CHECK(d.first_nonfinite == first,
+             absl::StrCat("first_nonfinite ", d.first_nonfinite, ", scan says ", first));
+}
+
+void Restore(const DenseChunks& dense, PushRequest* r) {
+  FUZZ_CHECK(dense.size() == static_cast<size_t>(r->chunks_size()),
+             absl::StrCat(dense.size(), " dense entries for ", r->chunks_size(), " chunks"));
+  for (int i = 0; i < r->chunks_size(); ++i) {
+    CheckDense(dense[i]);
+    if (!dense[i].present) continue;
+    FUZZ_CHECK(r->chunks(i).data().empty(), "a raw chunk's data stayed in the message");
+    r->mutable_chunks(i)->set_data(
+        std::string(reinterpret_cast<const char*>(dense[i].values.get()), dense[i].bytes));
+  }
+}
+
+}  // namespace
+}  // namespace gradmesh
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  using namespace gradmesh;
+  FuzzInput in(data, size);
+  const uint8_t mode = in.Byte();
+  const uint8_t cuts = in.Byte();
+  const std::string bytes(in.Rest());
+  std::vector<grpc::Slice> slices;
+  size_t at = 0;
+  for (int i = 0; i < 2 && at < bytes.size(); ++i) {
+    const size_t len = std::min(bytes.size() - at, static_cast<size_t>(i == 0 ? mode >> 1 : cuts));
+    if (len == 0) continue;
+    slices.emplace_back(bytes.data() + at, len);
+    at += len;
+  }
+  if (at < bytes.size() || slices.empty())
+    slices.emplace_back(bytes.data() + at, bytes.size() - at);
+  grpc::ByteBuffer buffer(slices.data(), slices.size());
+  DenseChunks dense;
+  if (mode & 1) {
+    StreamRequest got, want;
+    const absl::Status st = DecodeStreamRequest(buffer, &got, &dense);
+    if (!st.ok()) {
+      FUZZ_CHECK(st.code() == absl::StatusCode::kDataLoss, st.ToString());
+      FUZZ_CHECK(dense.empty() && got.ByteSizeLong() == 0, "a refusal left a result behind");
+      FUZZ_CHECK(!want.ParseFromString(bytes), "protobuf parses what the decoder refused");
+      return 0;
+    }
+    if (got.has_push()) Restore(dense, got.mutable_push());
+    if (!got.has_push()) FUZZ_CHECK(dense.empty(), "dense data without a push");
+    if (!want.ParseFromString(bytes)) return 0;
+    FUZZ_CHECK(got.SerializeAsString() == want.SerializeAsString(),
+               "the decoded StreamRequest differs from protobuf's");
+    return 0;
+  }
+  PushRequest got, want;
+  const absl::Status st = DecodePushRequest(buffer, &got, &dense);
+  if (!st.ok()) {
+    FUZZ_CHECK(st.code() == absl::StatusCode::kDataLoss, st.ToString());
+    FUZZ_CHECK(dense.empty() && got.ByteSizeLong() == 0, "a refusal left a result behind");
+    FUZZ_CHECK(!want.ParseFromString(bytes), "protobuf parses what the decoder refused");
+    return 0;
+  }
+  Restore(dense, &got);
+  if (!want.ParseFromString(bytes)) return 0;
+  FUZZ_CHECK(got.SerializeAsString() == want.SerializeAsString(),
+             "the decoded PushRequest differs from protobuf's");
+  return 0;
+}
