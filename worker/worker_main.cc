@@ -107,6 +107,7 @@ ABSL_FLAG(std::string, mode, "",
           "Training mode: async (or ps), ssp:<s>, sync, gossip or allreduce.");
 ABSL_FLAG(std::string, optimizer, "", "Optimizer: sgd, adam or adamw.");
 ABSL_FLAG(double, lr, 0, "Learning rate.");
+ABSL_FLAG(double, momentum, 0, "SGD momentum (optimizer.momentum; 0: the spec's).");
 ABSL_FLAG(std::string, lr_schedule, "", "Learning-rate schedule: constant or cosine.");
 ABSL_FLAG(std::string, precision, "", "Job spec precision: fp32 or bf16 (autocast forward).");
 ABSL_FLAG(int32_t, accumulation_steps, 0,
@@ -271,6 +272,9 @@ absl::StatusOr<WorkerMainOptions> ParseOptions() {
     spec.mutable_optimizer()->set_name(absl::GetFlag(FLAGS_optimizer));
   }
   if (absl::GetFlag(FLAGS_lr) != 0) spec.mutable_optimizer()->set_lr(absl::GetFlag(FLAGS_lr));
+  if (absl::GetFlag(FLAGS_momentum) != 0) {
+    spec.mutable_optimizer()->set_momentum(absl::GetFlag(FLAGS_momentum));
+  }
   if (!absl::GetFlag(FLAGS_lr_schedule).empty()) {
     spec.mutable_optimizer()->set_lr_schedule(absl::GetFlag(FLAGS_lr_schedule));
   }

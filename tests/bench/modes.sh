@@ -13,6 +13,14 @@
 #     case, e.g. ALLREDUCE_FLAGS): extra worker flags for that mode.
 #   LABEL names the run in the JSON lines; bytes_per_sample = all workers' bytes pushed +
 #   pulled (on the wire) / all their samples.
+#   MODES="ps torch_rpcps" SHARDS=1 PS_FLAGS="--optimizer=sgd --lr=0.05 --momentum=0.9
+#     --lr_schedule=constant" bash tests/bench/modes.sh
+#     torch_rpcps: the peer parameter server (../shared/peers/torch_baseline.py --mode rpcps
+#     --ps-sync 0: torch.distributed.rpc, one PS process applying each gradient as it arrives
+#     and answering with the weights, WORKERS trainers, 1 thread each) on the same MLP, data,
+#     batch and epochs, with its optimizer (SGD lr 0.05, momentum 0.9): PS_FLAGS above gives
+#     gradmesh's ps the same. SHARDS (2) is the number of gradmesh shards; PEERS the peers'
+#     directory.
 #   GRADMESH_BIN=/path bash tests/bench/modes.sh
 #     runs prebuilt binaries (<path>/server/gradmesh_server, <path>/worker/gradmesh_worker),
 #     e.g. another commit's, for a before/after comparison in one session.
@@ -138,19 +146,19 @@ run_workers() {
 if want ps; then
 SERVERS=""
 SHARD_PIDS=()
-for s in 0 1; do
+for s in $(seq 0 $((${SHARDS:-2} - 1))); do
   "$BIN/server/gradmesh_server" --host=127.0.0.1 --port=0 --port_file="$RUN_DIR/port$s" \
     --node="shard$s" 2>"$RUN_DIR/server$s.log" &
   PIDS+=($!)
   SHARD_PIDS+=($!)
 done
-for s in 0 1; do
+for s in "${!SHARD_PIDS[@]}"; do
   for _ in $(seq 100); do [ -s "$RUN_DIR/port$s" ] && break; sleep 0.1; done
   SERVERS="${SERVERS:+$SERVERS,}127.0.0.1:$(cat "$RUN_DIR/port$s")"
 done
 run_workers ps --mode=async --servers="$SERVERS" ${PS_FLAGS:-}
 # Each shard's CPU time over the run (user + system): how evenly the job's chunks split.
-for s in 0 1; do
+for s in "${!SHARD_PIDS[@]}"; do
   read -r -a st <"/proc/${SHARD_PIDS[$s]}/stat"
   echo "{\"bench\":\"modes_shard_cpu\",\"label\":\"${LABEL:-ps}\",\"shard\":$s,\"cpu_s\":$(((st[13] + st[14]) * 1000 / $(getconf CLK_TCK)))e-3}"
 done
@@ -180,6 +188,16 @@ print(json.dumps({'bench': 'modes', 'workload': '$WORKLOAD', 'mode': '$ref', 'wo
                   'test_loss': r.get('test_loss'), 'perplexity': r.get('perplexity'),
                   'steps_or_epochs': '$STEPS', 'batch': $BATCH}))"
 done
+if want torch_rpcps; then
+  "$PYTHON" "${PEERS:-../shared/peers}/torch_baseline.py" --mode rpcps --ps-sync 0 \
+    --world "$WORKERS" --threads 1 --batch 64 --data "$DATA_DIR/mnist" \
+    2>"$RUN_DIR/torch_rpcps.log" | sed -n 's/^RESULT //p' | "$PYTHON" -c "
+import json, sys
+r = json.loads(sys.stdin.read())
+print(json.dumps({'bench': 'modes', 'workload': 'mlp', 'mode': 'torch_rpcps', 'workers': $WORKERS,
+                  'samples_per_s': round(r['samples_per_s_train'], 1), 'accuracy': r['acc'],
+                  'ps_updates': r.get('ps_updates'), 'steps_or_epochs': '1', 'batch': 64}))"
+fi
 want ddp_gloo && "$PYTHON" tests/bench/ddp_baseline.py --workers "$WORKERS" --epochs "$EPOCHS" \
   --data_dir "$DATA_DIR/mnist"
 echo "logs: $RUN_DIR" >&2

@@ -51,20 +51,23 @@ constexpr int kWorkers = 2;
 class ConsistencyTest : public E2eHarness {
  protected:
   // The layout the workers register for job `job`'s tensors `names`, shaped like `like`
-  // (sync, the default 1 MiB chunks).
+  // (sync, the default chunk size: auto).
   static JobLayout ShardLayout(const std::string& job, const std::vector<std::string>& names,
                                const std::vector<torch::Tensor>& like) {
     JobLayout layout;
     layout.job = job;
-    layout.chunk_elems = (int64_t{1} << 20) / 4;  // The default 1 MiB chunk_bytes.
     layout.consistency = "sync";
     layout.num_workers = kWorkers;
+    std::vector<int64_t> numels;
     for (size_t i = 0; i < like.size(); ++i) {
       TensorSpec t;
       t.set_name(names[i]);
       for (int64_t d : like[i].sizes()) t.add_shape(d);
       layout.tensors.push_back(t);
+      numels.push_back(like[i].numel());
     }
+    // The default chunk_bytes: auto (17,408 elements for the MLP on 2 shards).
+    layout.chunk_elems = AutoChunkElems(numels, kShards);
     return layout;
   }
 

@@ -386,6 +386,18 @@ TEST_F(E2eTest, BadFlagsAndSpecExitTwo) {
     EXPECT_NE(run.error.find("batch_size must be > 0, got -1"), std::string::npos) << run.log;
   }
   {
+    WorkerRun run = RunWorker("bad_momentum", {"--servers=127.0.0.1:1", "--momentum=1.5", data});
+    EXPECT_EQ(run.exit_code, 2);
+    EXPECT_NE(run.error.find("optimizer.momentum"), std::string::npos) << run.log;
+  }
+  {
+    WorkerRun run = RunWorker("bad_chunk", {"--servers=127.0.0.1:1", "--chunk_bytes=6", data});
+    EXPECT_EQ(run.exit_code, 2);
+    EXPECT_NE(run.error.find("chunk_bytes must be 0 (auto) or a positive multiple of 4, got 6"),
+              std::string::npos)
+        << run.log;
+  }
+  {
     WorkerRun run = RunWorker("rank_out_of_range",
                               {"--servers=127.0.0.1:1", "--rank=2", "--num_workers=2", data});
     EXPECT_EQ(run.exit_code, 2);
