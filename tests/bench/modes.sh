@@ -171,7 +171,7 @@ want allreduce && run_workers allreduce --mode=allreduce ${ALLREDUCE_FLAGS:-}
 # back to pre-AVX2 kernels; its `event=blas` line names the core), so that the comparison is
 # of the frameworks, not of their BLAS kernels.
 if [ -z "${OPENBLAS_CORETYPE:-}" ]; then
-  core="$(grep -h 'event=blas' "$RUN_DIR"/*.log 2>/dev/null | head -n 1 |
+  core="$( (grep -h 'event=blas' "$RUN_DIR"/*.log 2>/dev/null || true) | head -n 1 |
     sed -n 's/.* core=\([^ ]*\).*/\1/p')"
   if [ -n "$core" ]; then export OPENBLAS_CORETYPE="$core"; fi
 fi
