@@ -89,10 +89,11 @@ absl::Status DecodePullResponse(const grpc::ByteBuffer& buffer, const PullChunkS
 // not copied into `request` (its ChunkData.data stays empty) but once, straight from gRPC's
 // slices, into (*dense)[i] (aligned floats, one per chunk of `request`), each 64 KiB block
 // scanned for NaN/Inf while it is in cache. A shard then validates and applies those values
-// without another copy or pass of its own (server/push_decoding.h). A chunk with a codec keeps
-// its payload in `data` ((*dense)[i].present is false). Whatever protobuf's parser accepts
-// decodes to the same message (once the data is put back); what it refuses is DataLoss, except
-// a few encodings that CodedInputStream reads and protobuf does not (an overlong tag varint).
+// without another copy or pass of its own (server/push_decoding.h). A message with an encoded
+// chunk (a codec) is parsed whole by protobuf, every payload in its `data`, and `dense` left
+// empty. Whatever protobuf's parser accepts decodes to the same message (once the data is put
+// back); what it refuses is DataLoss, except a few encodings that CodedInputStream reads and
+// protobuf does not (overlong tag or length varints; the result is still a valid message).
 // Checked against protobuf by tensor_wire_test and //tests/fuzz:push_request_fuzz.
 absl::Status DecodePushRequest(const grpc::ByteBuffer& buffer, PushRequest* request,
                                DenseChunks* dense);

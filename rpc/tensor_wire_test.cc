@@ -480,8 +480,11 @@ grpc::ByteBuffer Cut(const std::string& s, std::vector<size_t> cuts) {
 }
 
 // What DecodePushRequest gave, with each raw chunk's data put back where protobuf keeps it.
+// (An empty `dense`: protobuf parsed it whole, every payload in its place.)
 PushRequest Restored(const PushRequest& request, const DenseChunks& dense) {
   PushRequest r = request;
+  if (dense.empty()) return r;
+  EXPECT_EQ(dense.size(), static_cast<size_t>(r.chunks_size()));
   for (int i = 0; i < r.chunks_size(); ++i) {
     if (!dense[i].present) continue;
     EXPECT_TRUE(r.chunks(i).data().empty()) << "chunk " << i;
@@ -509,10 +512,6 @@ PushRequest SamplePush() {
   c->set_tensor(1);
   c->set_version(5);
   c->set_data(Bytes(big));
-  c = p.add_chunks();  // An encoded payload: it stays in the message.
-  c->set_tensor(2);
-  c->set_codec("fp16");
-  c->set_data(std::string("\x01\x02\x03", 3));
   c = p.add_chunks();  // Five bytes: one whole float, then one byte.
   c->set_tensor(3);
   c->set_data(std::string("\x00\x00\x80\x3f\x07", 5));
@@ -531,21 +530,39 @@ TEST(TensorWireTest, PushDecodingIsProtobufsParseWithTheRawDataAside) {
     PushRequest got;
     DenseChunks dense;
     ASSERT_OK(DecodePushRequest(Cut(wire, cuts), &got, &dense));
-    ASSERT_EQ(dense.size(), 4u);
+    ASSERT_EQ(dense.size(), 3u);
     EXPECT_TRUE(dense[0].present);
     EXPECT_EQ(dense[0].bytes, 160000);
     EXPECT_EQ(dense[0].first_nonfinite, 20000);
     EXPECT_EQ(dense[0].values[39999], 39999.0f);
     EXPECT_EQ(reinterpret_cast<uintptr_t>(dense[0].values.get()) % alignof(float), 0u);
-    EXPECT_FALSE(dense[1].present);
-    EXPECT_EQ(got.chunks(1).data(), std::string("\x01\x02\x03", 3));
-    EXPECT_TRUE(dense[2].present);
-    EXPECT_EQ(dense[2].bytes, 5);
-    EXPECT_EQ(dense[2].values[0], 1.0f);
-    EXPECT_EQ(dense[2].first_nonfinite, -1);
-    EXPECT_FALSE(dense[3].present);
+    EXPECT_TRUE(dense[1].present);
+    EXPECT_EQ(dense[1].bytes, 5);
+    EXPECT_EQ(dense[1].values[0], 1.0f);
+    EXPECT_EQ(dense[1].first_nonfinite, -1);
+    EXPECT_FALSE(dense[2].present);
     EXPECT_EQ(Restored(got, dense).SerializeAsString(), wire);
   }
+}
+
+TEST(TensorWireTest, PushWithAnEncodedChunkIsParsedWholeByProtobuf) {
+  PushRequest p = SamplePush();
+  ChunkData* c = p.add_chunks();  // An encoded payload (and a raw buffer chunk beside it).
+  c->set_tensor(2);
+  c->set_codec("fp16");
+  c->set_data(std::string("\x01\x02\x03", 3));
+  const std::string wire = p.SerializeAsString();
+  PushRequest got;
+  DenseChunks dense;
+  ASSERT_OK(DecodePushRequest(Cut(wire, {9, 70000}), &got, &dense));
+  EXPECT_TRUE(dense.empty());
+  EXPECT_EQ(got.SerializeAsString(), wire);
+  StreamRequest r;
+  *r.mutable_push() = p;
+  StreamRequest sgot;
+  ASSERT_OK(DecodeStreamRequest(FromString(r.SerializeAsString()), &sgot, &dense));
+  EXPECT_TRUE(dense.empty());
+  EXPECT_EQ(sgot.SerializeAsString(), r.SerializeAsString());
 }
 
 TEST(TensorWireTest, PushDecodingKeepsTheLastDataAndCodecAsProtobufDoes) {
@@ -569,9 +586,22 @@ TEST(TensorWireTest, PushDecodingKeepsTheLastDataAndCodecAsProtobufDoes) {
   PushRequest got;
   DenseChunks dense;
   ASSERT_OK(DecodePushRequest(FromString(wire), &got, &dense));
-  ASSERT_EQ(dense.size(), 1u);
-  EXPECT_FALSE(dense[0].present);  // It has a codec: the payload stays in the message.
+  EXPECT_TRUE(dense.empty());  // It has a codec: protobuf parses it, payload and all.
   EXPECT_EQ(got.SerializeAsString(), want.SerializeAsString());
+
+  // Raw after all: a codec, then an explicitly empty one (the last wins).
+  ChunkData raw;
+  raw.set_data(Bytes({3, 4, 5}));
+  const std::string raw_chunk =
+      std::string("\x2a\x04", 2) + "fp16" + std::string("\x2a\x00", 2) + raw.SerializeAsString();
+  wire = p.SerializeAsString() + std::string("\x2a", 1) + static_cast<char>(raw_chunk.size()) +
+         raw_chunk;
+  ASSERT_TRUE(want.ParseFromString(wire));
+  ASSERT_EQ(want.chunks(0).codec(), "");
+  ASSERT_OK(DecodePushRequest(FromString(wire), &got, &dense));
+  ASSERT_EQ(dense.size(), 1u);
+  EXPECT_TRUE(dense[0].present);
+  EXPECT_EQ(Restored(got, dense).SerializeAsString(), want.SerializeAsString());
 }
 
 TEST(TensorWireTest, PushDecodingKeepsAnEmptyEncodedPayload) {
@@ -582,8 +612,7 @@ TEST(TensorWireTest, PushDecodingKeepsAnEmptyEncodedPayload) {
   ASSERT_TRUE(want.ParseFromString(wire));
   DenseChunks dense;
   ASSERT_OK(DecodePushRequest(FromString(wire), &got, &dense));
-  ASSERT_EQ(dense.size(), 1u);
-  EXPECT_FALSE(dense[0].present);
+  EXPECT_TRUE(dense.empty());
   EXPECT_EQ(got.SerializeAsString(), want.SerializeAsString());
 }
 
@@ -597,7 +626,7 @@ TEST(TensorWireTest, StreamDecodingFollowsTheOneof) {
   ASSERT_OK(DecodeStreamRequest(FromString(r.SerializeAsString()), &got, &dense));
   EXPECT_EQ(got.call(), 12u);
   ASSERT_TRUE(got.has_push());
-  ASSERT_EQ(dense.size(), 4u);
+  ASSERT_EQ(dense.size(), 3u);
   EXPECT_EQ(Restored(got.push(), dense).SerializeAsString(), push.SerializeAsString());
 
   // A push sent in two parts merges: the second part's chunks follow the first's.
@@ -605,9 +634,9 @@ TEST(TensorWireTest, StreamDecodingFollowsTheOneof) {
   part.mutable_push()->add_chunks()->set_data(Bytes({7}));
   std::string wire = r.SerializeAsString() + part.SerializeAsString();
   ASSERT_OK(DecodeStreamRequest(FromString(wire), &got, &dense));
-  ASSERT_EQ(got.push().chunks_size(), 5);
-  ASSERT_EQ(dense.size(), 5u);
-  EXPECT_EQ(dense[4].values[0], 7.0f);
+  ASSERT_EQ(got.push().chunks_size(), 4);
+  ASSERT_EQ(dense.size(), 4u);
+  EXPECT_EQ(dense[3].values[0], 7.0f);
 
   // A pull after the push replaces it, chunks and all.
   StreamRequest pull;
@@ -693,7 +722,7 @@ TEST(TensorWireTest, PushDecodingAgreesWithProtobufOnCorruptedMessages) {
     ASSERT_EQ(ours, protobuf_ok) << "trial " << trial;
     if (!ours) continue;
     ++accepted;
-    ASSERT_EQ(dense.size(), static_cast<size_t>(got.chunks_size()));
+    ASSERT_TRUE(dense.empty() || dense.size() == static_cast<size_t>(got.chunks_size()));
     ASSERT_EQ(Restored(got, dense).SerializeAsString(), pb.SerializeAsString()) << trial;
   }
   EXPECT_GT(accepted, 1000);  // The corruptions reach past the refusals.

@@ -13,12 +13,12 @@
 #     case, e.g. ALLREDUCE_FLAGS): extra worker flags for that mode.
 #   LABEL names the run in the JSON lines; bytes_per_sample = all workers' bytes pushed +
 #   pulled (on the wire) / all their samples.
-#   MODES="ps torch_rpcps" SHARDS=1 PS_FLAGS="--optimizer=sgd --lr=0.05 --momentum=0.9
-#     --lr_schedule=constant" bash tests/bench/modes.sh
+#   MODES="ps torch_rpcps" EPOCHS=1 SHARDS=1 PS_FLAGS="--optimizer=sgd --lr=0.05
+#     --momentum=0.9 --lr_schedule=constant" bash tests/bench/modes.sh
 #     torch_rpcps: the peer parameter server (../shared/peers/torch_baseline.py --mode rpcps
 #     --ps-sync 0: torch.distributed.rpc, one PS process applying each gradient as it arrives
 #     and answering with the weights, WORKERS trainers, 1 thread each) on the same MLP, data,
-#     batch and epochs, with its optimizer (SGD lr 0.05, momentum 0.9): PS_FLAGS above gives
+#     batch and 1 epoch (the peer's only length: EPOCHS must be 1), with its optimizer (SGD lr 0.05, momentum 0.9): PS_FLAGS above gives
 #     gradmesh's ps the same. SHARDS (2) is the number of gradmesh shards; PEERS the peers'
 #     directory.
 #   GRADMESH_BIN=/path bash tests/bench/modes.sh
@@ -50,6 +50,10 @@ else
   MODES="${MODES:-ps gossip allreduce torch_1thread}"
 fi
 want() { [[ " $MODES " == *" $1 "* ]]; }
+if want torch_rpcps && [ "$EPOCHS" != 1 ]; then
+  echo "modes.sh: torch_rpcps trains 1 epoch; run it with EPOCHS=1 (got $EPOCHS)" >&2
+  exit 2
+fi
 DATA_DIR="${GRADMESH_DATA_DIR:-/var/lib/gradmesh/data}"
 RUN_DIR="$(mktemp -d /tmp/gradmesh-modes.XXXXXX)"
 if [ -n "${GRADMESH_BIN:-}" ]; then

@@ -5,10 +5,11 @@
 // where the rest is cut into up to 3 slices (as gRPC may deliver them); the rest is the
 // serialised message. Checked against protobuf's own parser: whatever protobuf parses, the
 // decoder parses to the same message once each raw chunk's data is put back from its
-// DenseData (whose first_nonfinite is the first NaN/Inf among the whole floats). Refusals are
-// DATA_LOSS and leave nothing behind. The decoder may accept a little more than protobuf (an
-// overlong tag varint, which CodedInputStream reads): harmless, the result is still a valid
-// message.
+// DenseData (whose first_nonfinite is the first NaN/Inf among the whole floats; none at all
+// when the message has an encoded chunk, which protobuf parses whole). Refusals are
+// DATA_LOSS and leave nothing behind. The decoder may accept a little more than protobuf
+// (overlong tag or length varints, which CodedInputStream reads): harmless, the result is still
+// a valid message.
 #include <grpcpp/grpcpp.h>
 
 #include <cmath>
@@ -35,6 +36,7 @@ void CheckDense(const DenseData& d) {
 }
 
 void Restore(const DenseChunks& dense, PushRequest* r) {
+  if (dense.empty()) return;  // Parsed whole by protobuf (an encoded chunk), or no chunks.
   FUZZ_CHECK(dense.size() == static_cast<size_t>(r->chunks_size()),
              absl::StrCat(dense.size(), " dense entries for ", r->chunks_size(), " chunks"));
   for (int i = 0; i < r->chunks_size(); ++i) {

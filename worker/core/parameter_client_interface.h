@@ -103,6 +103,9 @@ class ParameterClient {
 
   // Job state as seen by each shard, in shard order.
   virtual absl::StatusOr<std::vector<JobInfoResponse>> GetJobInfo() = 0;
+  // The same, except that a shard that does not hold the job answers an empty
+  // JobInfoResponse (job "") instead of failing the call with NOT_FOUND.
+  virtual absl::StatusOr<std::vector<JobInfoResponse>> GetJobInfoWhereHeld() = 0;
 
   // Bytes of tensor payload sent and received so far by Push and Pull (excluding protocol
   // overhead), as on the wire (after compression) and as float32 (before).

@@ -463,16 +463,10 @@ class GrpcParameterClient final : public ParameterClient {
   }
 
   absl::StatusOr<std::vector<JobInfoResponse>> GetJobInfo() override {
-    std::vector<JobInfoRequest> reqs(NumShards());
-    for (auto& r : reqs) r.set_job(layout_.job);
-    std::vector<JobInfoResponse> resps(NumShards());
-    RETURN_IF_ERROR((CallAll<JobInfoRequest, JobInfoResponse>(
-        "GetJobInfo", reqs, &resps,
-        [this](int32_t shard, grpc::ClientContext* ctx, const JobInfoRequest* req,
-               JobInfoResponse* resp, std::function<void(grpc::Status)> done) {
-          stubs_[shard]->async()->GetJobInfo(ctx, req, resp, std::move(done));
-        })));
-    return resps;
+    return JobInfoFromShards(/*absent_ok=*/false);
+  }
+  absl::StatusOr<std::vector<JobInfoResponse>> GetJobInfoWhereHeld() override {
+    return JobInfoFromShards(/*absent_ok=*/true);
   }
 
   int64_t bytes_pushed() const override { return bytes_pushed_.load(); }
@@ -489,6 +483,27 @@ class GrpcParameterClient final : public ParameterClient {
   // Whether an operation carrying `bytes` of tensor data to or from a shard takes its stream.
   bool Streamed(int64_t bytes) const {
     return !streams_.empty() && bytes <= options_.stream_max_bytes;
+  }
+
+  // GetJobInfo of every shard; with `absent_ok` a shard's NOT_FOUND is an empty answer.
+  absl::StatusOr<std::vector<JobInfoResponse>> JobInfoFromShards(bool absent_ok) {
+    std::vector<JobInfoRequest> reqs(NumShards());
+    for (auto& r : reqs) r.set_job(layout_.job);
+    std::vector<JobInfoResponse> resps(NumShards());
+    RETURN_IF_ERROR((CallAll<JobInfoRequest, JobInfoResponse>(
+        "GetJobInfo", reqs, &resps,
+        [this, absent_ok](int32_t shard, grpc::ClientContext* ctx, const JobInfoRequest* req,
+                          JobInfoResponse* resp, std::function<void(grpc::Status)> done) {
+          stubs_[shard]->async()->GetJobInfo(
+              ctx, req, resp, [absent_ok, resp, done = std::move(done)](grpc::Status st) {
+                if (absent_ok && st.error_code() == grpc::StatusCode::NOT_FOUND) {
+                  resp->Clear();
+                  st = grpc::Status::OK;
+                }
+                done(std::move(st));
+              });
+        })));
+    return resps;
   }
 
   // InvalidArgument (nothing sent) unless `base` has one version per chunk.

@@ -190,6 +190,23 @@ TEST_F(BufferClientTest, BuffersTravelDenseWhateverTheCodecs) {
   }
 }
 
+TEST_F(BufferClientTest, JobInfoWhereHeldAnswersForShardsWithoutTheJob) {
+  const Values init = {{0, 0, 0, 0, 0, 0}, {0.5f, 0.5f, 0.5f, 0.5f}, {0.0f}};
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<ParameterClient> client,
+                       NewGrpcParameterClient(layout_, Options("", "")));
+  EXPECT_EQ(client->GetJobInfo().status().code(), absl::StatusCode::kNotFound);
+  ASSERT_OK_AND_ASSIGN(std::vector<JobInfoResponse> none, client->GetJobInfoWhereHeld());
+  ASSERT_EQ(none.size(), 2u);
+  for (const JobInfoResponse& info : none) EXPECT_EQ(info.job(), "");
+  ASSERT_OK(client->InitJob(Const(init)));
+  ASSERT_OK_AND_ASSIGN(std::vector<JobInfoResponse> held, client->GetJobInfoWhereHeld());
+  ASSERT_EQ(held.size(), 2u);
+  for (const JobInfoResponse& info : held) {
+    EXPECT_EQ(info.job(), layout_.job);
+    EXPECT_EQ(info.chunk_elems(), layout_.chunk_elems);
+  }
+}
+
 TEST_F(BufferClientTest, ChangesPullsKeepBuffersExactAcrossSteps) {
   const Values init = {{0, 0, 0, 0, 0, 0}, {0.5f, 0.5f, 0.5f, 0.5f}, {0.0f}};
   ASSERT_OK_AND_ASSIGN(std::unique_ptr<ParameterClient> client,

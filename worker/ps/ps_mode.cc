@@ -87,8 +87,10 @@ class PsMode : public TrainingMode {
   // Waits (bounded by options.wait_for_workers) until every worker of the group finished.
   absl::Status WaitForWorkers();
   // chunk_bytes 0 (auto): a job the shards already hold (e.g. made by a binary whose default
-  // was 1 MiB chunks) keeps its chunking: if its shards report another chunk_elems than
-  // `layout`'s, client_ is rebuilt with theirs. A job they do not hold keeps `layout`.
+  // was 1 MiB chunks) keeps its chunking: if the shards that hold it report another
+  // chunk_elems than `layout`'s, client_ is rebuilt with theirs (shards that lost it get it
+  // back with that chunking). A job no shard holds keeps `layout`; shards that disagree are
+  // FAILED_PRECONDITION.
   absl::Status AdoptStoredChunking(JobLayout layout);
 
   const TrainerOptions& options_;
@@ -164,15 +166,27 @@ JobLayout PsMode::Layout(const ModelView& model, int64_t total_steps) const {
 }
 
 absl::Status PsMode::AdoptStoredChunking(JobLayout layout) {
-  absl::StatusOr<std::vector<JobInfoResponse>> infos = client_->GetJobInfo();
-  if (absl::IsNotFound(infos.status())) return absl::OkStatus();  // A new job.
-  RETURN_IF_ERROR(Annotate(infos.status(), "reading the job's layout from its shards"));
+  absl::StatusOr<std::vector<JobInfoResponse>> got = client_->GetJobInfoWhereHeld();
+  RETURN_IF_ERROR(Annotate(got.status(), "reading the job's layout from its shards"));
+  const std::vector<JobInfoResponse>& infos = *got;
   int64_t stored = 0;
-  for (const JobInfoResponse& info : *infos) stored = std::max(stored, info.chunk_elems());
-  if (stored <= 0 || stored == layout.chunk_elems) return absl::OkStatus();
+  int held_by = -1;
+  for (size_t s = 0; s < infos.size(); ++s) {
+    if (infos[s].job().empty()) continue;  // This shard does not hold the job.
+    if (held_by >= 0 && infos[s].chunk_elems() != stored) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "job ", spec_.name(), ": its shards hold it with different chunk sizes (shard ", held_by,
+          ": chunk_elems ", stored, ", shard ", s, ": ", infos[s].chunk_elems(),
+          "); remove the job from the shards or set chunk_bytes to the size it was made with"));
+    }
+    held_by = static_cast<int>(s);
+    stored = infos[s].chunk_elems();
+  }
+  // A shard that lost the job (no durability) gets it again with the others' chunking.
+  if (held_by < 0 || stored <= 0 || stored == layout.chunk_elems) return absl::OkStatus();
   LogInfo(options_.logger, "chunking_adopted",
           {Kv("job", spec_.name()), Kv("auto_chunk_elems", layout.chunk_elems),
-           Kv("stored_chunk_elems", stored)});
+           Kv("stored_chunk_elems", stored), Kv("from_shard", held_by)});
   layout.chunk_elems = stored;
   ASSIGN_OR_RETURN(client_, client_factory_(std::move(layout)));
   return absl::OkStatus();

@@ -48,8 +48,11 @@ class FakeClient : public ParameterClient {
     std::vector<SyncCommit> commits;
     int missing_commits = 0;
     // GetJobInfo: the chunk_elems the shards report, and the error it fails with (if set)
-    // while the job does not exist yet.
+    // while the job does not exist yet. GetJobInfoWhereHeld answers for a second shard too when
+    // second_shard is set: "lost" (it does not hold the job) or "other" (it holds it with
+    // chunk_elems 1000).
     int64_t stored_chunk_elems = 0;
+    std::string second_shard;
     absl::Status info_error_while_new;
     std::vector<int64_t> chunk_elems_made;  // The layout's chunk_elems of every client made.
   };
@@ -136,6 +139,24 @@ class FakeClient : public ParameterClient {
     w->set_worker(0);
     w->set_last_step(s_->last_step);
     return std::vector<JobInfoResponse>{info};
+  }
+  absl::StatusOr<std::vector<JobInfoResponse>> GetJobInfoWhereHeld() override {
+    std::vector<JobInfoResponse> infos(1);
+    if (s_->values.empty()) {
+      if (!s_->info_error_while_new.ok() && !absl::IsNotFound(s_->info_error_while_new)) {
+        return s_->info_error_while_new;
+      }
+    } else {
+      infos[0].set_job(s_->layout.job);
+      infos[0].set_chunk_elems(s_->stored_chunk_elems);
+    }
+    if (s_->second_shard == "lost") infos.emplace_back();
+    if (s_->second_shard == "other") {
+      infos.push_back(infos[0]);
+      infos[1].set_job(s_->layout.job);
+      infos[1].set_chunk_elems(1000);
+    }
+    return infos;
   }
   int64_t bytes_pushed() const override { return 0; }
   int64_t bytes_pulled() const override { return 0; }
@@ -227,7 +248,7 @@ TEST_F(PsModeTest, AutoChunkingForANewJobAndTheStoredChunkingForAnExistingOne) {
   options_.spec.set_chunk_bytes(0);  // Auto.
   options_.spec.set_num_shards(2);
   {
-    // A new job: the shards answer NOT_FOUND; the auto size (5 elements: the 64 KiB floor).
+    // A new job: the shards answer NOT_FOUND; the auto size (5 elements: the floor, 16,384).
     state_.info_error_while_new = absl::NotFoundError("job bn not found");
     Model m;
     std::unique_ptr<TrainingMode> mode = MakeMode();
@@ -245,6 +266,30 @@ TEST_F(PsModeTest, AutoChunkingForANewJobAndTheStoredChunkingForAnExistingOne) {
     ASSERT_OK(mode->Start(&m.view, Steps(10)).status());
     EXPECT_EQ(state_.chunk_elems_made, (std::vector<int64_t>{16384, 262144}));
     EXPECT_EQ(state_.layout.chunk_elems, 262144);
+  }
+  {
+    // A second shard lost the job (no durability): it gets it back with the job's chunking.
+    state_.chunk_elems_made.clear();
+    state_.second_shard = "lost";
+    Model m;
+    std::unique_ptr<TrainingMode> mode = MakeMode();
+    ASSERT_NE(mode, nullptr);
+    ASSERT_OK(mode->Start(&m.view, Steps(10)).status());
+    EXPECT_EQ(state_.chunk_elems_made, (std::vector<int64_t>{16384, 262144}));
+  }
+  {
+    // Shards that disagree: nothing is guessed.
+    state_.chunk_elems_made.clear();
+    state_.second_shard = "other";
+    Model m;
+    std::unique_ptr<TrainingMode> mode = MakeMode();
+    ASSERT_NE(mode, nullptr);
+    EXPECT_STATUS_MSG(mode->Start(&m.view, Steps(10)).status(),
+                      absl::StatusCode::kFailedPrecondition,
+                      "its shards hold it with different chunk sizes (shard 0: chunk_elems "
+                      "262144, shard 1: 1000)");
+    EXPECT_EQ(state_.chunk_elems_made, (std::vector<int64_t>{16384}));
+    state_.second_shard.clear();
   }
   {
     // Other errors end the start, saying what was being done.
