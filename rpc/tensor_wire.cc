@@ -443,12 +443,24 @@ bool ReadLength(CodedInputStream* in, uint32_t* len) {
   return in->ReadVarint32(len) && static_cast<int64_t>(*len) <= in->BytesUntilLimit();
 }
 
-// One ChunkData (the stream limited to it), written to `out` without its data when that is raw
-// (then in `d`), with it when the chunk has a codec.
+// Reads a length-delimited field's length and runs `body` on its contents (the stream limited
+// to them). False if the length does not fit, `body` fails, or it leaves bytes unread.
+template <typename Body>
+bool InField(CodedInputStream* in, Body body) {
+  uint32_t len;
+  if (!ReadLength(in, &len)) return false;
+  const auto limit = in->PushLimit(static_cast<int>(len));
+  if (!body() || in->BytesUntilLimit() != 0) return false;
+  in->PopLimit(limit);
+  return true;
+}
+
+// One ChunkData (the stream limited to it), written to `out` without its raw data, which goes
+// to `d`. Only raw chunks come here: a push with an encoded chunk is parsed by protobuf
+// (PushHasCodec), and a codec found here anyway refuses the message.
 bool StripChunk(CodedInputStream* in, std::string* out, DenseData* d) {
   std::string codec;
   DenseData data;
-  bool has_data = false;
   {
     StringOutputStream stream(out);
     CodedOutputStream os(&stream);
@@ -458,26 +470,16 @@ bool StripChunk(CodedInputStream* in, std::string* out, DenseData* d) {
       uint32_t len;
       if (tag == Tag(6, kLengthDelimited)) {  // data: protobuf keeps the last one.
         if (!ReadLength(in, &len) || !ReadDense(in, len, &data)) return false;
-        has_data = true;
       } else if (tag == Tag(5, kLengthDelimited)) {  // codec: kept, and remembered.
         if (!ReadLength(in, &len) || !in->ReadString(&codec, static_cast<int>(len))) return false;
-        os.WriteTag(tag);
-        os.WriteVarint32(len);
-        os.WriteString(codec);
+        WireFormatLite::WriteString(5, codec, &os);
       } else if (!WireFormatLite::SkipField(in, tag, &os)) {
         return false;
       }
     }
-    if (!in->ConsumedEntireMessage()) return false;
-    if (has_data && !codec.empty()) {  // An encoded payload stays in the message.
-      os.WriteTag(Tag(6, kLengthDelimited));
-      os.WriteVarint32(static_cast<uint32_t>(data.bytes));
-      if (data.bytes > 0) os.WriteRaw(data.values.get(), static_cast<int>(data.bytes));
-      has_data = false;
-    }
-    if (os.HadError()) return false;
+    if (!in->ConsumedEntireMessage() || !codec.empty() || os.HadError()) return false;
   }
-  if (has_data) *d = std::move(data);
+  if (data.present) *d = std::move(data);
   return true;
 }
 
@@ -493,16 +495,10 @@ bool StripPush(CodedInputStream* in, std::string* out, DenseChunks* dense) {
       if (!WireFormatLite::SkipField(in, tag, &os)) return false;
       continue;
     }
-    uint32_t len;
-    if (!ReadLength(in, &len)) return false;
-    const auto limit = in->PushLimit(static_cast<int>(len));
     std::string chunk;
     DenseData d;
-    if (!StripChunk(in, &chunk, &d) || in->BytesUntilLimit() != 0) return false;
-    in->PopLimit(limit);
-    os.WriteTag(tag);
-    os.WriteVarint32(static_cast<uint32_t>(chunk.size()));
-    os.WriteString(chunk);
+    if (!InField(in, [&] { return StripChunk(in, &chunk, &d); })) return false;
+    WireFormatLite::WriteBytes(5, chunk, &os);
     dense->push_back(std::move(d));
   }
   return in->ConsumedEntireMessage() && !os.HadError();
@@ -519,21 +515,20 @@ bool PushHasCodec(CodedInputStream* in) {
       if (!WireFormatLite::SkipField(in, tag)) return false;
       continue;
     }
-    uint32_t len;
-    if (!ReadLength(in, &len)) return false;
-    const auto limit = in->PushLimit(static_cast<int>(len));
     std::string codec;
-    while (true) {
-      const uint32_t t = in->ReadTag();
-      if (t == 0) break;
-      uint32_t n;
-      if (t == Tag(5, kLengthDelimited)) {
-        if (!ReadLength(in, &n) || !in->ReadString(&codec, static_cast<int>(n))) return false;
-      } else if (!WireFormatLite::SkipField(in, t)) {
-        return false;
+    const bool read = InField(in, [&] {
+      while (true) {
+        const uint32_t t = in->ReadTag();
+        if (t == 0) return in->ConsumedEntireMessage();
+        uint32_t n;
+        if (t == Tag(5, kLengthDelimited)) {
+          if (!ReadLength(in, &n) || !in->ReadString(&codec, static_cast<int>(n))) return false;
+        } else if (!WireFormatLite::SkipField(in, t)) {
+          return false;
+        }
       }
-    }
-    in->PopLimit(limit);
+    });
+    if (!read) return false;
     if (!codec.empty()) return true;
   }
 }
@@ -602,11 +597,8 @@ absl::Status DecodeStreamRequest(const grpc::ByteBuffer& buffer, StreamRequest* 
         if (!WireFormatLite::SkipField(in, tag)) return false;
         continue;
       }
-      uint32_t len;
-      if (!ReadLength(in, &len)) return false;
-      const auto limit = in->PushLimit(static_cast<int>(len));
-      if (PushHasCodec(in)) return true;
-      in->PopLimit(limit);
+      bool found = false;
+      if (!InField(in, [&] { return !(found = PushHasCodec(in)); })) return found;
     }
   };
   return DecodeStripped(
@@ -619,15 +611,9 @@ absl::Status DecodeStreamRequest(const grpc::ByteBuffer& buffer, StreamRequest* 
           if (tag == 0) break;
           if (tag == Tag(static_cast<uint32_t>(StreamOp::kPush), kLengthDelimited)) {
             // A second push merges into the first (protobuf): its chunks follow.
-            uint32_t len;
-            if (!ReadLength(in, &len)) return false;
-            const auto limit = in->PushLimit(static_cast<int>(len));
             std::string push;
-            if (!StripPush(in, &push, dense) || in->BytesUntilLimit() != 0) return false;
-            in->PopLimit(limit);
-            os.WriteTag(tag);
-            os.WriteVarint32(static_cast<uint32_t>(push.size()));
-            os.WriteString(push);
+            if (!InField(in, [&] { return StripPush(in, &push, dense); })) return false;
+            WireFormatLite::WriteBytes(static_cast<int>(StreamOp::kPush), push, &os);
             continue;
           }
           // A pull replaces the oneof's push, chunks and all (a field 3 of another wire type

@@ -20,6 +20,7 @@
 #include "absl/strings/str_cat.h"
 #include "proto/gradmesh.pb.h"
 #include "rpc/tensor_wire.h"
+#include "tests/fuzz/fuzz_slices.h"
 #include "tests/fuzz/fuzz_util.h"
 
 namespace gradmesh {
@@ -48,6 +49,26 @@ void Restore(const DenseChunks& dense, PushRequest* r) {
   }
 }
 
+// `decode` (which puts the raw data back into the message it decodes) against protobuf's
+// parser on the same bytes: a refusal is DATA_LOSS, leaves nothing behind and is protobuf's
+// too; what both parse is the same message.
+template <typename Message, typename Decode>
+void CheckAgainstProtobuf(const std::string& bytes, Decode decode) {
+  Message got, want;
+  DenseChunks dense;
+  const absl::Status st = decode(&got, &dense);
+  if (!st.ok()) {
+    FUZZ_CHECK(st.code() == absl::StatusCode::kDataLoss, st.ToString());
+    FUZZ_CHECK(dense.empty() && got.ByteSizeLong() == 0, "a refusal left a result behind");
+    FUZZ_CHECK(!want.ParseFromString(bytes), "protobuf parses what the decoder refused");
+    return;
+  }
+  if (!want.ParseFromString(bytes)) return;
+  FUZZ_CHECK(
+      got.SerializeAsString() == want.SerializeAsString(),
+      absl::StrCat("the decoded ", Message::descriptor()->name(), " differs from protobuf's"));
+}
+
 }  // namespace
 }  // namespace gradmesh
 
@@ -57,45 +78,20 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const uint8_t mode = in.Byte();
   const uint8_t cuts = in.Byte();
   const std::string bytes(in.Rest());
-  std::vector<grpc::Slice> slices;
-  size_t at = 0;
-  for (int i = 0; i < 2 && at < bytes.size(); ++i) {
-    const size_t len = std::min(bytes.size() - at, static_cast<size_t>(i == 0 ? mode >> 1 : cuts));
-    if (len == 0) continue;
-    slices.emplace_back(bytes.data() + at, len);
-    at += len;
-  }
-  if (at < bytes.size() || slices.empty())
-    slices.emplace_back(bytes.data() + at, bytes.size() - at);
-  grpc::ByteBuffer buffer(slices.data(), slices.size());
-  DenseChunks dense;
+  const grpc::ByteBuffer buffer = SlicedBuffer(bytes, {static_cast<size_t>(mode >> 1), cuts});
   if (mode & 1) {
-    StreamRequest got, want;
-    const absl::Status st = DecodeStreamRequest(buffer, &got, &dense);
-    if (!st.ok()) {
-      FUZZ_CHECK(st.code() == absl::StatusCode::kDataLoss, st.ToString());
-      FUZZ_CHECK(dense.empty() && got.ByteSizeLong() == 0, "a refusal left a result behind");
-      FUZZ_CHECK(!want.ParseFromString(bytes), "protobuf parses what the decoder refused");
-      return 0;
-    }
-    if (got.has_push()) Restore(dense, got.mutable_push());
-    if (!got.has_push()) FUZZ_CHECK(dense.empty(), "dense data without a push");
-    if (!want.ParseFromString(bytes)) return 0;
-    FUZZ_CHECK(got.SerializeAsString() == want.SerializeAsString(),
-               "the decoded StreamRequest differs from protobuf's");
-    return 0;
+    CheckAgainstProtobuf<StreamRequest>(bytes, [&](StreamRequest* got, DenseChunks* dense) {
+      const absl::Status st = DecodeStreamRequest(buffer, got, dense);
+      if (st.ok() && got->has_push()) Restore(*dense, got->mutable_push());
+      if (st.ok() && !got->has_push()) FUZZ_CHECK(dense->empty(), "dense data without a push");
+      return st;
+    });
+  } else {
+    CheckAgainstProtobuf<PushRequest>(bytes, [&](PushRequest* got, DenseChunks* dense) {
+      const absl::Status st = DecodePushRequest(buffer, got, dense);
+      if (st.ok()) Restore(*dense, got);
+      return st;
+    });
   }
-  PushRequest got, want;
-  const absl::Status st = DecodePushRequest(buffer, &got, &dense);
-  if (!st.ok()) {
-    FUZZ_CHECK(st.code() == absl::StatusCode::kDataLoss, st.ToString());
-    FUZZ_CHECK(dense.empty() && got.ByteSizeLong() == 0, "a refusal left a result behind");
-    FUZZ_CHECK(!want.ParseFromString(bytes), "protobuf parses what the decoder refused");
-    return 0;
-  }
-  Restore(dense, &got);
-  if (!want.ParseFromString(bytes)) return 0;
-  FUZZ_CHECK(got.SerializeAsString() == want.SerializeAsString(),
-             "the decoded PushRequest differs from protobuf's");
   return 0;
 }

@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "proto/gradmesh.pb.h"
 #include "rpc/tensor_wire.h"
+#include "tests/fuzz/fuzz_slices.h"
 #include "tests/fuzz/fuzz_util.h"
 
 namespace gradmesh {
@@ -42,16 +43,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   FuzzInput in(data, size);
   const uint8_t cuts = in.Byte();
   const std::string bytes(in.Rest());
-  std::vector<grpc::Slice> slices;
-  size_t at = 0;
-  for (int i = 0; i < 3 && at < bytes.size(); ++i) {
-    const size_t len = std::min(bytes.size() - at, static_cast<size_t>((cuts >> (2 * i)) & 3) * 7);
-    if (len == 0) continue;
-    slices.emplace_back(bytes.data() + at, len);
-    at += len;
-  }
-  if (at < bytes.size()) slices.emplace_back(bytes.data() + at, bytes.size() - at);
-  grpc::ByteBuffer buffer(slices.data(), slices.size());
+  const grpc::ByteBuffer buffer = SlicedBuffer(
+      bytes, {static_cast<size_t>(cuts & 3) * 7, static_cast<size_t>((cuts >> 2) & 3) * 7,
+              static_cast<size_t>((cuts >> 4) & 3) * 7});
 
   std::vector<SeenChunk> seen;
   const absl::Status st = DecodePullResponse(
