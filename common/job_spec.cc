@@ -255,8 +255,45 @@ absl::Status ValidatePrecision(const JobSpec& spec) {
   return CheckInt("loss_scale.growth_interval", ls.growth_interval(), 1, kMaxSpecSteps);
 }
 
+// overlap and placement (ps modes).
+absl::Status ValidateOverlap(const JobSpec& spec) {
+  const std::string& placement = spec.placement();
+  if (!placement.empty() && placement != "greedy" && placement != "ordered") {
+    return Bad("placement", absl::StrCat("\"", placement, "\""), "is not one of greedy, ordered");
+  }
+  const Mode mode = SpecMode(spec);
+  if (!placement.empty() && !IsPsMode(mode)) {
+    return Bad(
+        "placement", absl::StrCat("\"", placement, "\""),
+        absl::StrCat("applies to the ps modes (async, ssp, sync, diloco), not ", spec.mode()));
+  }
+  RETURN_IF_ERROR(CheckInt("overlap", spec.overlap(), 0, 1));
+  if (spec.overlap() == 0) return absl::OkStatus();
+  const std::string value = absl::StrCat(spec.overlap());
+  if (mode != Mode::kAsync && mode != Mode::kSsp && mode != Mode::kSync) {
+    return Bad("overlap", value,
+               absl::StrCat("is not supported in mode ", spec.mode(),
+                            ": only async, ssp and sync push each step's gradient as it is "
+                            "produced (allreduce always overlaps its buckets with backward)"));
+  }
+  // The push leaves during backward, before the loop could clip or unscale the gradient.
+  const char* conflict = spec.pipeline() > 0                     ? "pipeline"
+                         : spec.clip_grad_norm() > 0             ? "clip_grad_norm"
+                         : spec.clip_grad_value() > 0            ? "clip_grad_value"
+                         : spec.loss_scale().mode() == "dynamic" ? "loss_scale (dynamic)"
+                                                                 : nullptr;
+  if (conflict != nullptr) {
+    return Bad("overlap", value,
+               absl::StrCat("cannot be combined with ", conflict,
+                            ": a shard's part of the push leaves as soon as backward produced "
+                            "it, before the whole gradient exists to be clipped or unscaled"));
+  }
+  return absl::OkStatus();
+}
+
 // The training guardrails (precision, accumulation, clipping, lr scaling).
 absl::Status ValidateTrainingFeatures(const JobSpec& spec) {
+  RETURN_IF_ERROR(ValidateOverlap(spec));
   RETURN_IF_ERROR(ValidatePrecision(spec));
   RETURN_IF_ERROR(CheckInt("accumulation_steps", spec.accumulation_steps(), 0, 1 << 16));
   RETURN_IF_ERROR(CheckFloat("clip_grad_norm", spec.clip_grad_norm(), 0, 1e30));

@@ -212,6 +212,18 @@ TEST(JobSpecTest, ValidationTable) {
        "job spec: pipeline: 1 is not supported in mode sync: only async and ssp"},
       {"mode: allreduce\npipeline: 1", "pipeline: 1 is not supported in mode allreduce"},
       {"mode: diloco\npipeline: 1", "pipeline: 1 is not supported in mode diloco"},
+      {"overlap: 2", "job spec: overlap: 2 is out of range [0, 1]"},
+      {"mode: gossip\noverlap: 1", "job spec: overlap: 1 is not supported in mode gossip"},
+      {"mode: diloco\noverlap: 1", "overlap: 1 is not supported in mode diloco"},
+      {"overlap: 1\npipeline: 1", "job spec: overlap: 1 cannot be combined with pipeline"},
+      {"overlap: 1\nclip_grad_norm: 1", "overlap: 1 cannot be combined with clip_grad_norm"},
+      {"mode: sync\noverlap: 1\nclip_grad_value: 1",
+       "overlap: 1 cannot be combined with clip_grad_value"},
+      {"overlap: 1\nprecision: fp16", "overlap: 1 cannot be combined with loss_scale (dynamic)"},
+      {"placement: random", "job spec: placement: \"random\" is not one of greedy, ordered"},
+      {"mode: allreduce\nplacement: ordered",
+       "job spec: placement: \"ordered\" applies to the ps modes (async, ssp, sync, diloco), not "
+       "allreduce"},
       {R"({"name": "t", "clipGradValue": "NaN"})", "clip_grad_value: nan is not a finite float32"},
       {"lr_scaling: {rule: cubic}",
        "job spec: lr_scaling.rule: \"cubic\" is not one of none, linear, sqrt"},
@@ -304,6 +316,13 @@ TEST(JobSpecTest, ValidationTable) {
     ASSERT_OK_AND_ASSIGN(JobSpec p, ParseJobSpec(absl::StrCat("name: t\nmode: sync\n", extra)));
     ApplyJobSpecDefaults(1, &p);
     EXPECT_OK(ValidateJobSpec(p)) << extra;
+  }
+  for (const char* mode : {"async", "ssp:2", "sync"}) {
+    ASSERT_OK_AND_ASSIGN(JobSpec p,
+                         ParseJobSpec(absl::StrCat("name: t\nmode: \"", mode,
+                                                   "\"\noverlap: 1\nplacement: ordered\n")));
+    ApplyJobSpecDefaults(1, &p);
+    EXPECT_OK(ValidateJobSpec(p)) << mode;
   }
   // pipeline: 1 where a step may start before the previous step's exchange ends.
   for (const char* mode : {"async", "ssp:2"}) {

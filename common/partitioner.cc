@@ -18,8 +18,46 @@ int64_t AutoChunkElems(const std::vector<int64_t>& tensor_numels, int32_t num_sh
   return std::clamp(elems, kMinAutoChunkElems, kMaxAutoChunkElems);
 }
 
+namespace {
+
+// kGreedy: largest first onto the least loaded shard. Fills each chunk's shard.
+void PlaceGreedy(int32_t num_shards, std::vector<ChunkInfo>* chunks) {
+  // Largest first; stable on (tensor, chunk) because chunks are already in that order.
+  std::vector<int64_t> order(chunks->size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int64_t>(i);
+  std::stable_sort(order.begin(), order.end(), [chunks](int64_t a, int64_t b) {
+    return (*chunks)[a].numel > (*chunks)[b].numel;
+  });
+  std::vector<int64_t> load(num_shards, 0);
+  for (int64_t i : order) {
+    int32_t best = 0;
+    for (int32_t s = 1; s < num_shards; ++s) {
+      if (load[s] < load[best]) best = s;
+    }
+    (*chunks)[i].shard = best;
+    load[best] += (*chunks)[i].numel;
+  }
+}
+
+// kOrdered: the shard whose 1/S of the model holds the chunk's middle.
+void PlaceOrdered(int32_t num_shards, std::vector<ChunkInfo>* chunks) {
+  int64_t total = 0;
+  for (const ChunkInfo& c : *chunks) total += c.numel;
+  // Doubled to keep the middle an integer; 128-bit so that 2 * E * S cannot overflow.
+  int64_t start = 0;
+  for (ChunkInfo& c : *chunks) {
+    const __int128 middle2 = static_cast<__int128>(2) * start + c.numel;
+    const __int128 shard = middle2 * num_shards / (static_cast<__int128>(2) * total);
+    c.shard = static_cast<int32_t>(std::min<__int128>(shard, num_shards - 1));
+    start += c.numel;
+  }
+}
+
+}  // namespace
+
 absl::StatusOr<Partition> Partition::Create(const std::vector<int64_t>& tensor_numels,
-                                            int64_t chunk_elems, int32_t num_shards) {
+                                            int64_t chunk_elems, int32_t num_shards,
+                                            ChunkPlacement placement) {
   if (chunk_elems <= 0) {
     return absl::InvalidArgumentError(absl::StrCat("chunk_elems must be > 0, got ", chunk_elems));
   }
@@ -50,22 +88,15 @@ absl::StatusOr<Partition> Partition::Create(const std::vector<int64_t>& tensor_n
       p.chunks_.push_back(info);
     }
   }
-  // Largest first; stable on (tensor, chunk) because chunks_ is already in that order.
-  std::vector<int64_t> order(p.chunks_.size());
-  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int64_t>(i);
-  std::stable_sort(order.begin(), order.end(),
-                   [&p](int64_t a, int64_t b) { return p.chunks_[a].numel > p.chunks_[b].numel; });
-  p.shard_elements_.assign(num_shards, 0);
-  for (int64_t i : order) {
-    int32_t best = 0;
-    for (int32_t s = 1; s < num_shards; ++s) {
-      if (p.shard_elements_[s] < p.shard_elements_[best]) best = s;
-    }
-    p.chunks_[i].shard = best;
-    p.shard_elements_[best] += p.chunks_[i].numel;
+  if (placement == ChunkPlacement::kOrdered) {
+    PlaceOrdered(num_shards, &p.chunks_);
+  } else {
+    PlaceGreedy(num_shards, &p.chunks_);
   }
+  p.shard_elements_.assign(num_shards, 0);
   p.shard_chunks_.assign(num_shards, {});
   for (size_t i = 0; i < p.chunks_.size(); ++i) {
+    p.shard_elements_[p.chunks_[i].shard] += p.chunks_[i].numel;
     p.shard_chunks_[p.chunks_[i].shard].push_back(static_cast<int64_t>(i));
   }
   return p;

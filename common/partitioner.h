@@ -1,11 +1,18 @@
 // Deterministic partitioning of a job's tensors into chunks and of chunks onto shards.
 //
 // Every tensor is cut into chunks of `chunk_elems` elements (the last one may be shorter).
-// Chunks are placed greedily, largest first (ties: tensor index, then chunk index), each on
-// the shard holding the fewest elements so far (ties: lowest shard index). The result depends
-// only on (tensor sizes, chunk_elems, num_shards), so workers and servers that build a
-// Partition from the same layout agree on every chunk's owner. Greedy placement guarantees
-// that the most and least loaded shards differ by at most one chunk (<= chunk_elems elements).
+// Chunks are then placed on shards by one of two placements:
+//   kGreedy  largest first (ties: tensor index, then chunk index), each on the shard holding
+//            the fewest elements so far (ties: lowest shard index). The most and least loaded
+//            shards differ by at most one chunk (<= chunk_elems elements).
+//   kOrdered in (tensor, chunk) order, as contiguous ranges: a chunk whose elements start at
+//            offset o of the model's E elements (all tensors laid end to end) and end at
+//            o + n goes to shard floor((o + n/2) * S / E), the shard whose 1/S of the model
+//            holds the chunk's middle. Shard indices never decrease along the model, and each
+//            shard holds its 1/S to within one chunk. Backward produces the last layers'
+//            gradients first, so the last shards get all of theirs early (JobSpec.overlap).
+// The result depends only on (tensor sizes, chunk_elems, num_shards, placement), so workers
+// and servers that build a Partition from the same layout agree on every chunk's owner.
 //
 // Thread safety: immutable after Create(); safe to share.
 #ifndef GRADMESH_COMMON_PARTITIONER_H_
@@ -39,12 +46,16 @@ inline constexpr int64_t kMaxAutoChunkElems = int64_t{1} << 18;
 // the sizes and the shard count, so every worker derives the same value.
 int64_t AutoChunkElems(const std::vector<int64_t>& tensor_numels, int32_t num_shards);
 
+// Values as the proto's Placement (PLACEMENT_GREEDY = 0, PLACEMENT_ORDERED = 1).
+enum class ChunkPlacement { kGreedy = 0, kOrdered = 1 };
+
 class Partition {
  public:
   // InvalidArgument if chunk_elems <= 0, num_shards <= 0, a size is negative, or a tensor
   // would need more than 2^31 chunks.
   static absl::StatusOr<Partition> Create(const std::vector<int64_t>& tensor_numels,
-                                          int64_t chunk_elems, int32_t num_shards);
+                                          int64_t chunk_elems, int32_t num_shards,
+                                          ChunkPlacement placement = ChunkPlacement::kGreedy);
 
   int32_t num_shards() const { return num_shards_; }
   int64_t chunk_elems() const { return chunk_elems_; }

@@ -1,6 +1,7 @@
 #include "common/partitioner.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <random>
 #include <vector>
 
@@ -11,9 +12,11 @@ namespace gradmesh {
 namespace {
 
 // Every element of every tensor is owned by exactly one chunk of exactly one shard, and the
-// shards' loads differ by at most one chunk.
-void CheckInvariants(const std::vector<int64_t>& numels, int64_t chunk, int32_t shards) {
-  ASSERT_OK_AND_ASSIGN(Partition p, Partition::Create(numels, chunk, shards));
+// shards' loads differ by at most one chunk (greedy), or each is within one chunk of its 1/S
+// of the model, in contiguous ranges whose shard never decreases along the model (ordered).
+void CheckInvariants(const std::vector<int64_t>& numels, int64_t chunk, int32_t shards,
+                     ChunkPlacement placement = ChunkPlacement::kGreedy) {
+  ASSERT_OK_AND_ASSIGN(Partition p, Partition::Create(numels, chunk, shards, placement));
   std::vector<std::vector<int>> owner(numels.size());
   for (size_t t = 0; t < numels.size(); ++t) owner[t].assign(numels[t], 0);
   int64_t covered = 0;
@@ -42,7 +45,17 @@ void CheckInvariants(const std::vector<int64_t>& numels, int64_t chunk, int32_t 
     lo = std::min(lo, p.shard_elements(s));
     hi = std::max(hi, p.shard_elements(s));
   }
-  EXPECT_LE(hi - lo, chunk) << "shards unbalanced by more than one chunk";
+  if (placement == ChunkPlacement::kGreedy) {
+    EXPECT_LE(hi - lo, chunk) << "shards unbalanced by more than one chunk";
+    return;
+  }
+  for (int32_t s = 0; s < shards; ++s) {
+    EXPECT_LE(std::abs(p.shard_elements(s) * shards - total), chunk * shards)
+        << "shard " << s << " holds " << p.shard_elements(s) << " of " << total;
+  }
+  for (size_t i = 1; i < p.chunks().size(); ++i) {
+    EXPECT_GE(p.chunks()[i].shard, p.chunks()[i - 1].shard) << "chunk " << i;
+  }
 }
 
 TEST(PartitionerTest, MlpLayoutOnTwoShards) {
@@ -100,6 +113,38 @@ TEST(PartitionerTest, ExactPlacement) {
   EXPECT_EQ(p.Find(0, 3), -1);
   EXPECT_EQ(p.Find(2, 0), -1);
   EXPECT_EQ(p.Find(-1, 0), -1);
+}
+
+TEST(PartitionerTest, OrderedPlacementIsContiguousAndBalanced) {
+  // Chunks of 4 over 13 elements: t0 = [4,4,2] at 0, 4, 8; t1 = [3] at 10. Middles 2, 6, 9,
+  // 11.5 of 13 on 2 shards (boundary 6.5): s0, s0, s1, s1.
+  ASSERT_OK_AND_ASSIGN(Partition p, Partition::Create({10, 3}, 4, 2, ChunkPlacement::kOrdered));
+  EXPECT_EQ(p.chunks()[p.Find(0, 0)].shard, 0);
+  EXPECT_EQ(p.chunks()[p.Find(0, 1)].shard, 0);
+  EXPECT_EQ(p.chunks()[p.Find(0, 2)].shard, 1);
+  EXPECT_EQ(p.chunks()[p.Find(1, 0)].shard, 1);
+  EXPECT_EQ(p.shard_elements(0), 8);
+  EXPECT_EQ(p.shard_elements(1), 5);
+  EXPECT_EQ(p.shard_chunks(1), (std::vector<int64_t>{2, 3}));
+  // The MLP with auto chunks on 2 shards: the last shard holds the end of fc1.weight and
+  // every later tensor, the first only fc1.weight.
+  const std::vector<int64_t> mlp = {200704, 256, 65536, 256, 2560, 10};
+  ASSERT_OK_AND_ASSIGN(Partition m,
+                       Partition::Create(mlp, AutoChunkElems(mlp, 2), 2, ChunkPlacement::kOrdered));
+  for (int64_t idx : m.shard_chunks(0)) EXPECT_EQ(m.chunks()[idx].tensor, 0);
+  EXPECT_EQ(m.chunks()[m.Find(5, 0)].shard, 1);
+  EXPECT_EQ(m.shard_elements(0), 139264);  // 8 chunks of 17408.
+  EXPECT_EQ(m.shard_elements(1), 130058);
+  // A chunk larger than a shard's share leaves some shards empty, as greedy placement does.
+  ASSERT_OK_AND_ASSIGN(Partition one, Partition::Create({10}, 16, 3, ChunkPlacement::kOrdered));
+  EXPECT_EQ(one.chunks()[0].shard, 1);
+  CheckInvariants(mlp, AutoChunkElems(mlp, 3), 3, ChunkPlacement::kOrdered);
+  std::mt19937 rng(11);
+  for (int trial = 0; trial < 50; ++trial) {
+    std::vector<int64_t> numels(1 + rng() % 8);
+    for (auto& n : numels) n = rng() % 5000;
+    CheckInvariants(numels, 1 + rng() % 700, 1 + rng() % 5, ChunkPlacement::kOrdered);
+  }
 }
 
 TEST(PartitionerTest, DeterministicAcrossCalls) {

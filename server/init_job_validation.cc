@@ -164,6 +164,11 @@ absl::Status CheckStrategies(const InitJobRequest& r, const OptimizerRegistry& o
   if (v > 0 && !r.commit_steps()) {
     return Invalid(r, "clip_grad_value is applied by the shards only with commit_steps");
   }
+  if (!Placement_IsValid(r.placement())) {
+    return Invalid(r,
+                   absl::StrCat("placement ", r.placement(),
+                                " is unknown; known: 0 (PLACEMENT_GREEDY), 1 (PLACEMENT_ORDERED)"));
+  }
   if (r.staleness_damping() && (*policy)->mode() != "async") {
     return Invalid(r, absl::StrCat("staleness_damping applies to async mode only (mode is ",
                                    (*policy)->mode(), ")"));
@@ -239,7 +244,11 @@ absl::StatusOr<Partition> LayoutPartition(const InitJobRequest& r) {
     for (int64_t d : t.shape()) n = SatMul(n, d);
     numels.push_back(n);
   }
-  auto p = Partition::Create(numels, r.chunk_elems(), r.num_shards());
+  if (!Placement_IsValid(r.placement())) {
+    return Invalid(r, absl::StrCat("placement ", r.placement(), " is unknown"));
+  }
+  auto p = Partition::Create(numels, r.chunk_elems(), r.num_shards(),
+                             static_cast<ChunkPlacement>(r.placement()));
   if (!p.ok()) return Annotate(p.status(), absl::StrCat("InitJob: job ", r.job()));
   return p;
 }

@@ -238,6 +238,23 @@ TEST(ValidateInitJobTest, OptimizerNameAndConsistency) {
         r->set_staleness_damping(true);
       },
       "InitJob: job j staleness_damping applies to async mode only (mode is sync)");
+  ExpectInvalid([](InitJobRequest* r) { r->set_placement(static_cast<Placement>(7)); },
+                "InitJob: job j placement 7 is unknown; known: 0 (PLACEMENT_GREEDY), 1 "
+                "(PLACEMENT_ORDERED)");
+}
+
+TEST(ValidateInitJobTest, OrderedPlacement) {
+  InitJobRequest r = Valid();
+  r.set_placement(PLACEMENT_ORDERED);
+  EXPECT_OK(Validate(r));
+  // a[10] = [4,4,2], b[12] = [4,4,4]; middles 2, 6, 9, 12, 16, 20 of 22 (boundary 11): shard
+  // 0 holds a's three chunks, shard 1 b's.
+  ASSERT_OK_AND_ASSIGN(Partition p, LayoutPartition(r));
+  EXPECT_EQ(p.shard_chunks(0), (std::vector<int64_t>{0, 1, 2}));
+  EXPECT_EQ(p.shard_chunks(1), (std::vector<int64_t>{3, 4, 5}));
+  r.set_placement(PLACEMENT_GREEDY);
+  ASSERT_OK_AND_ASSIGN(Partition g, LayoutPartition(r));
+  EXPECT_NE(g.shard_chunks(0), p.shard_chunks(0));
 }
 
 TEST(ValidateInitJobTest, TimeoutsAndDurability) {

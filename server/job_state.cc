@@ -105,7 +105,12 @@ absl::StatusOr<std::unique_ptr<JobState>> JobState::Create(const InitJobRequest&
   std::unique_ptr<JobState> job(new JobState(layout));
   std::vector<int64_t> numels;
   for (const TensorSpec& t : layout.tensors()) numels.push_back(Numel(t));
-  auto partition = Partition::Create(numels, layout.chunk_elems(), layout.num_shards());
+  if (!Placement_IsValid(layout.placement())) {
+    return absl::InvalidArgumentError(absl::StrCat("InitJob: job ", layout.job(), ": placement ",
+                                                   layout.placement(), " is unknown"));
+  }
+  auto partition = Partition::Create(numels, layout.chunk_elems(), layout.num_shards(),
+                                     static_cast<ChunkPlacement>(layout.placement()));
   if (!partition.ok()) {
     return Annotate(partition.status(), absl::StrCat("InitJob: job ", layout.job()));
   }

@@ -118,6 +118,12 @@ ABSL_FLAG(std::string, loss_scale, "",
           "Job spec loss_scale.mode: dynamic (default with --precision=fp16) or none.");
 ABSL_FLAG(int32_t, pipeline, 0,
           "Job spec pipeline (async/ssp): 1 = step t's exchange overlaps step t+1's compute.");
+ABSL_FLAG(int32_t, overlap, 0,
+          "Job spec overlap (async/ssp/sync): 1 = each shard's part of the push leaves as soon "
+          "as backward produced it.");
+ABSL_FLAG(std::string, placement, "",
+          "Job spec placement (ps modes): greedy (default) or ordered (contiguous ranges of "
+          "the model; pair with --overlap=1).");
 ABSL_FLAG(std::string, lr_scaling, "",
           "Job spec lr_scaling.rule: none, linear or sqrt (needs --lr_base_batch_size).");
 ABSL_FLAG(int32_t, lr_base_batch_size, 0, "Job spec lr_scaling.base_batch_size.");
@@ -219,6 +225,8 @@ void ApplyTrainingFeatureFlags(JobSpec* spec_ptr) {
     spec.set_clip_grad_value(absl::GetFlag(FLAGS_clip_grad_value));
   }
   if (absl::GetFlag(FLAGS_pipeline) != 0) spec.set_pipeline(absl::GetFlag(FLAGS_pipeline));
+  if (absl::GetFlag(FLAGS_overlap) != 0) spec.set_overlap(absl::GetFlag(FLAGS_overlap));
+  if (!absl::GetFlag(FLAGS_placement).empty()) spec.set_placement(absl::GetFlag(FLAGS_placement));
   if (!absl::GetFlag(FLAGS_loss_scale).empty()) {
     spec.mutable_loss_scale()->set_mode(absl::GetFlag(FLAGS_loss_scale));
   }

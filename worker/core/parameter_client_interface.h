@@ -34,6 +34,7 @@ struct JobLayout {
   // sync only: two-phase apply (InitJobRequest.commit_steps): PushPrepared, PullCommitted.
   bool commit_steps = false;
   double clip_grad_value = 0;  // With commit_steps: the shards clamp the averaged gradient.
+  Placement placement = PLACEMENT_GREEDY;  // Chunks on shards (common/partitioner.h).
 };
 
 // What the shards hold of a prepared step of a commit_steps job (proto PreparedStep), over all
@@ -79,6 +80,23 @@ class ParameterClient {
     if (!pushed.ok()) return pushed;
     return Pull(params);
   }
+
+  // The job's shards.
+  virtual int32_t num_shards() const = 0;
+  // For each tensor (layout order), the shards that hold its chunks, ascending (empty for a
+  // tensor without elements).
+  virtual std::vector<std::vector<int32_t>> TensorShards() const = 0;
+
+  // PushPull(step, grads, params, nullptr) for `shards` only (distinct, ascending, each in
+  // [0, num_shards)): only their chunks of `grads` are read and of `params` written. Pushing
+  // a step's shards in several calls, each shard once, is pushing the step once (JobSpec
+  // overlap: a shard's part leaves as soon as backward produced it). Calls that run at the
+  // same time must name disjoint shards. INVALID_ARGUMENT (nothing sent) for a bad list; an
+  // empty one does nothing.
+  virtual absl::Status PushPullShards(int64_t step,
+                                      const std::vector<absl::Span<const float>>& grads,
+                                      const std::vector<absl::Span<float>>& params,
+                                      const std::vector<int32_t>& shards) = 0;
 
   // The version of every chunk as of the last Pull (one entry per chunk, opaque to callers).
   virtual std::vector<int64_t> PulledVersions() const = 0;

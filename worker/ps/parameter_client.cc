@@ -11,6 +11,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "common/numeric.h"
@@ -62,6 +63,7 @@ class GrpcParameterClient final : public ParameterClient {
       int64_t bytes = 0;
       for (int64_t idx : partition_.shard_chunks(s)) bytes += partition_.chunks()[idx].numel * 4;
       shard_bytes_.push_back(bytes);
+      all_shards_.push_back(s);
     }
     for (const std::string& addr : options_.servers) {
       auto channel = MakeChannel(addr, options_.rpc);
@@ -95,6 +97,7 @@ class GrpcParameterClient final : public ParameterClient {
       r.set_barrier_timeout_s(layout_.barrier_timeout_s);
       r.set_commit_steps(layout_.commit_steps);
       r.set_clip_grad_value(layout_.clip_grad_value);
+      r.set_placement(layout_.placement);
       for (int64_t idx : partition_.shard_chunks(s)) {
         const ChunkInfo& c = partition_.chunks()[idx];
         FillChunk(c, initial[c.tensor].data(), r.add_initial());
@@ -172,8 +175,10 @@ class GrpcParameterClient final : public ParameterClient {
   absl::Status PushImpl(int64_t step, const std::vector<absl::Span<const float>>& grads,
                         const std::vector<int64_t>* base, bool nonfinite = false,
                         std::vector<grpc::ByteBuffer>* responses = nullptr,
-                        const std::vector<std::string>* pulls = nullptr) {
+                        const std::vector<std::string>* pulls = nullptr,
+                        const std::vector<int32_t>* only = nullptr) {
     RETURN_IF_ERROR(CheckSpans("Push", grads));
+    const std::vector<int32_t>& shards = only != nullptr ? *only : all_shards_;
     // Shards reject non-finite gradients, but each only for its own chunks: with several
     // shards, checking here keeps a bad step from being applied on some shards and not
     // others; with a push codec it keeps NaNs out of the error-feedback residual. A single
@@ -184,12 +189,16 @@ class GrpcParameterClient final : public ParameterClient {
       absl::MutexLock lock(&mu_);
       scan = push_codec_ != nullptr;
     }
-    for (size_t t = 0; scan && t < grads.size(); ++t) {
-      const int64_t bad = FirstNonFinite(grads[t].data(), static_cast<int64_t>(grads[t].size()));
-      if (bad >= 0) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "Push: job ", layout_.job, " step ", step, " gradient of ", layout_.tensors[t].name(),
-            " element ", bad, " is not finite; nothing was sent"));
+    for (int32_t s : scan ? shards : std::vector<int32_t>()) {
+      for (int64_t idx : partition_.shard_chunks(s)) {
+        const ChunkInfo& c = partition_.chunks()[idx];
+        const int64_t bad = FirstNonFinite(grads[c.tensor].data() + c.offset, c.numel);
+        if (bad >= 0) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("Push: job ", layout_.job, " step ", step, " gradient of ",
+                           layout_.tensors[c.tensor].name(), " element ", c.offset + bad,
+                           " is not finite; nothing was sent"));
+        }
       }
     }
     // Gradients (or their encodings) are referenced by the request buffers, not copied
@@ -213,7 +222,7 @@ class GrpcParameterClient final : public ParameterClient {
         if (step_codec_ != nullptr) codec = step_codec_.get();
       }
       const absl::Time t0 = absl::Now();
-      for (int32_t s = 0; s < NumShards(); ++s) {
+      for (int32_t s : shards) {
         std::vector<PushChunkRef> refs;
         for (int64_t idx : partition_.shard_chunks(s)) {
           const ChunkInfo& c = partition_.chunks()[idx];
@@ -268,7 +277,8 @@ class GrpcParameterClient final : public ParameterClient {
           }
           generic_stubs_[shard]->UnaryCall(ctx, "/gradmesh.ParameterService/Push",
                                            grpc::StubOptions(), req, resp, std::move(done));
-        })));
+        },
+        &shards)));
     bytes_pushed_ += wire;
     raw_bytes_pushed_ += raw;
     if (responses != nullptr) *responses = std::move(resps);
@@ -282,11 +292,12 @@ class GrpcParameterClient final : public ParameterClient {
   // `commit` (may be null): PullRequest.commit; then *missing says whether a shard answered
   // commit_missing (its chunks are not written).
   absl::Status PullImpl(const std::vector<absl::Span<float>>& params, const SyncCommit* commit,
-                        bool* missing) {
+                        bool* missing, const std::vector<int32_t>* only = nullptr) {
     std::vector<absl::Span<const float>> views(params.begin(), params.end());
     RETURN_IF_ERROR(CheckSpans("Pull", views));
+    const std::vector<int32_t>& shards = only != nullptr ? *only : all_shards_;
     std::vector<grpc::ByteBuffer> reqs(NumShards());
-    for (int32_t s = 0; s < NumShards(); ++s) {
+    for (int32_t s : shards) {
       const std::string wire = PullWire(s, commit);
       grpc::Slice slice(wire.data(), wire.size());
       reqs[s] = grpc::ByteBuffer(&slice, 1);
@@ -302,13 +313,52 @@ class GrpcParameterClient final : public ParameterClient {
           }
           generic_stubs_[shard]->UnaryCall(ctx, "/gradmesh.ParameterService/Pull",
                                            grpc::StubOptions(), req, resp, std::move(done));
-        })));
-    return DecodePulled(resps, params, commit, missing);
+        },
+        &shards)));
+    return DecodePulled(resps, params, commit, missing, &shards);
   }
 
   absl::Status PushPull(int64_t step, const std::vector<absl::Span<const float>>& grads,
                         const std::vector<absl::Span<float>>& params,
                         const std::vector<int64_t>* base_versions) override {
+    return PushPullImpl(step, grads, params, base_versions, all_shards_);
+  }
+
+  int32_t num_shards() const override { return NumShards(); }
+
+  std::vector<std::vector<int32_t>> TensorShards() const override {
+    std::vector<std::vector<int32_t>> out(layout_.tensors.size());
+    for (const ChunkInfo& c : partition_.chunks()) {
+      if (out[c.tensor].empty() || out[c.tensor].back() != c.shard) {
+        out[c.tensor].push_back(c.shard);
+      }
+    }
+    for (std::vector<int32_t>& v : out) {
+      std::sort(v.begin(), v.end());
+      v.erase(std::unique(v.begin(), v.end()), v.end());
+    }
+    return out;
+  }
+
+  absl::Status PushPullShards(int64_t step, const std::vector<absl::Span<const float>>& grads,
+                              const std::vector<absl::Span<float>>& params,
+                              const std::vector<int32_t>& shards) override {
+    for (size_t i = 0; i < shards.size(); ++i) {
+      if (shards[i] < 0 || shards[i] >= NumShards() || (i > 0 && shards[i] <= shards[i - 1])) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("PushPullShards: job ", layout_.job, " step ", step, ": shards [",
+                         absl::StrJoin(shards, ","), "] are not distinct, ascending and in [0, ",
+                         NumShards(), ")"));
+      }
+    }
+    if (shards.empty()) return absl::OkStatus();
+    return PushPullImpl(step, grads, params, nullptr, shards);
+  }
+
+  absl::Status PushPullImpl(int64_t step, const std::vector<absl::Span<const float>>& grads,
+                            const std::vector<absl::Span<float>>& params,
+                            const std::vector<int64_t>* base_versions,
+                            const std::vector<int32_t>& shards) {
     if (base_versions != nullptr) RETURN_IF_ERROR(CheckBaseVersions(step, *base_versions));
     std::vector<absl::Span<const float>> views(params.begin(), params.end());
     RETURN_IF_ERROR(CheckSpans("Pull", views));
@@ -316,15 +366,15 @@ class GrpcParameterClient final : public ParameterClient {
     // thread; two calls let the pulls run in parallel. And a shard that answered a fused push
     // without values (a binary older than PushRequest.pull) gets two calls from then on.
     if (layout_.consistency == "sync" || !fused_.load()) {
-      RETURN_IF_ERROR(PushImpl(step, grads, base_versions));
-      return PullImpl(params, nullptr, nullptr);
+      RETURN_IF_ERROR(PushImpl(step, grads, base_versions, false, nullptr, nullptr, &shards));
+      return PullImpl(params, nullptr, nullptr, &shards);
     }
     std::vector<std::string> pulls(NumShards());
-    for (int32_t s = 0; s < NumShards(); ++s) pulls[s] = PullWire(s, nullptr);
+    for (int32_t s : shards) pulls[s] = PullWire(s, nullptr);
     std::vector<grpc::ByteBuffer> resps;
-    RETURN_IF_ERROR(PushImpl(step, grads, base_versions, false, &resps, &pulls));
+    RETURN_IF_ERROR(PushImpl(step, grads, base_versions, false, &resps, &pulls, &shards));
     std::vector<grpc::ByteBuffer> pulled(NumShards());
-    for (int32_t s = 0; s < NumShards(); ++s) {
+    for (int32_t s : shards) {
       bool found = false;
       absl::Status st = FindMessageField(resps[s], 4, &pulled[s], &found);  // PushResponse.pulled
       if (st.ok() && !found) {
@@ -333,14 +383,14 @@ class GrpcParameterClient final : public ParameterClient {
         LogWarning(options_.logger, "fused_pull_unsupported",
                    {Kv("job", layout_.job), Kv("shard", s), Kv("server", options_.servers[s]),
                     Kv("then", "push_and_pull_calls")});
-        return PullImpl(params, nullptr, nullptr);
+        return PullImpl(params, nullptr, nullptr, &shards);
       }
       if (!st.ok()) {
         return Annotate(st, absl::StrCat("Push: job ", layout_.job, " step ", step, ": shard ", s,
                                          " (", options_.servers[s], ")"));
       }
     }
-    return DecodePulled(pulled, params, nullptr, nullptr);
+    return DecodePulled(pulled, params, nullptr, nullptr, &shards);
   }
 
   // The encoded PullRequest for shard `s` (commit: may be null).
@@ -366,13 +416,14 @@ class GrpcParameterClient final : public ParameterClient {
   // Decodes each shard's encoded PullResponse (shard order) into `params`.
   absl::Status DecodePulled(const std::vector<grpc::ByteBuffer>& resps,
                             const std::vector<absl::Span<float>>& params, const SyncCommit* commit,
-                            bool* missing) {
+                            bool* missing, const std::vector<int32_t>* only = nullptr) {
+    const std::vector<int32_t>& shards = only != nullptr ? *only : all_shards_;
     // Each shard answers with its owned chunks in partition order; values are copied from
     // gRPC's buffers straight into the caller's tensors.
     int64_t raw = 0, wire = 0;
     {
       absl::MutexLock lock(&mu_);
-      for (int32_t s = 0; s < NumShards(); ++s) {
+      for (int32_t s : shards) {
         const auto& owned = partition_.shard_chunks(s);
         size_t i = 0;
         // Encoded chunks land here first, then are decoded into the tensors.
@@ -575,11 +626,11 @@ class GrpcParameterClient final : public ParameterClient {
   // backoff. Fills resps. Returns the first non-retryable error, annotated with the shard.
   // Streamed pushes and pulls (whose `ctx` carries no deadline) past the deadline break their
   // shard's stream, which fails them UNAVAILABLE.
+  // `only` (may be null: every shard): the shards to call.
   template <typename Req, typename Resp, typename Fn>
   absl::Status CallAll(const char* what, const std::vector<Req>& reqs, std::vector<Resp>* resps,
-                       Fn call) {
-    std::vector<int32_t> pending;
-    for (int32_t s = 0; s < NumShards(); ++s) pending.push_back(s);
+                       Fn call, const std::vector<int32_t>* only = nullptr) {
+    std::vector<int32_t> pending = only != nullptr ? *only : all_shards_;
     absl::Duration backoff = options_.initial_backoff;
     // A sync push waits at the shard's barrier for up to the job's barrier timeout: an attempt
     // must outlast it, or the client would give up on a step the shard still completes.
@@ -647,6 +698,7 @@ class GrpcParameterClient final : public ParameterClient {
   // Push and Pull go through generic stubs to avoid copying tensor data.
   std::vector<std::unique_ptr<grpc::GenericStub>> generic_stubs_;
   std::vector<int64_t> shard_bytes_;  // Dense float32 bytes each shard owns (a full pull).
+  std::vector<int32_t> all_shards_;   // 0, 1, ..., NumShards() - 1.
   // transport "stream": one per shard (after the stubs they use, so destroyed first).
   std::vector<std::unique_ptr<OpStream>> streams_;
   // Error feedback per chunk for a biased push codec (none otherwise), from zero.
@@ -722,7 +774,8 @@ absl::StatusOr<std::unique_ptr<ParameterClient>> NewGrpcParameterClient(
   std::vector<int64_t> numels;
   for (const TensorSpec& t : layout.tensors) numels.push_back(Numel(t));
   auto partition =
-      Partition::Create(numels, layout.chunk_elems, static_cast<int32_t>(options.servers.size()));
+      Partition::Create(numels, layout.chunk_elems, static_cast<int32_t>(options.servers.size()),
+                        static_cast<ChunkPlacement>(layout.placement));
   if (!partition.ok()) return Annotate(partition.status(), "parameter client");
   const CompressorRegistry codecs = CompressorRegistry::WithBuiltins();
   std::unique_ptr<Compressor> push_codec, pull_codec;

@@ -325,6 +325,64 @@ TEST_F(BufferClientTest, PushPullEqualsPushThenPull) {
     EXPECT_EQ(line.find("fused_pull_unsupported"), std::string::npos) << line;
 }
 
+// JobSpec.overlap's calls: a step pushed shard by shard (each shard once, in any order) is the
+// step pushed whole, for every consistency mode, with the ordered placement.
+TEST_F(BufferClientTest, PushPullShardsByShardEqualsPushPull) {
+  const Values init = {{0.1f, 0.2f, 0.3f, 0.4f, 0.7f, 0.9f}, {0.1f, 0.2f, 0.3f, 0.4f}, {3.0f}};
+  const Values g = {
+      {1.0f, 0.5f, 0.25f, 0.125f, 2.0f, 0.0625f}, {0.01f, 0.02f, 0.03f, 0.04f}, {1.0f}};
+  int n = 0;
+  for (const std::string consistency : {"async", "ssp:1", "sync"}) {
+    for (const std::string pull_codec : {"", "changes"}) {
+      SCOPED_TRACE(absl::StrCat(consistency, " pull codec \"", pull_codec, "\""));
+      Values whole_model = init, split_model = init;
+      for (const bool split : {true, false}) {
+        JobLayout layout = layout_;
+        layout.job = absl::StrCat("split", n++);
+        layout.consistency = consistency;
+        layout.placement = PLACEMENT_ORDERED;
+        ASSERT_OK_AND_ASSIGN(std::unique_ptr<ParameterClient> client,
+                             NewGrpcParameterClient(layout, Options("", pull_codec)));
+        ASSERT_OK(client->InitJob(Const(init)));
+        EXPECT_EQ(client->num_shards(), 2);
+        // w = [4 | 2], rm = [4], nbt = [1]: middles 2, 5, 8, 10.5 of 11 (boundary 5.5).
+        EXPECT_EQ(client->TensorShards(), (std::vector<std::vector<int32_t>>{{0}, {1}, {1}}));
+        Values& model = split ? split_model : whole_model;
+        ASSERT_OK(client->Pull(Mut(model)));
+        for (int64_t step = 0; step < 2; ++step) {
+          if (split) {
+            ASSERT_OK(client->PushPullShards(step, Const(g), Mut(model), {1}));
+            ASSERT_OK(client->PushPullShards(step, Const(g), Mut(model), {0}));
+          } else {
+            ASSERT_OK(client->PushPull(step, Const(g), Mut(model), nullptr));
+          }
+        }
+        ASSERT_OK_AND_ASSIGN(std::vector<JobInfoResponse> infos, client->GetJobInfo());
+        for (const JobInfoResponse& info : infos) {
+          EXPECT_EQ(info.workers(0).last_step(), 1);
+        }
+        EXPECT_OK(client->PushPullShards(2, Const(g), Mut(model), {}));  // Nothing sent.
+        for (const std::vector<int32_t>& bad :
+             std::vector<std::vector<int32_t>>{{2}, {-1}, {1, 0}, {0, 0}}) {
+          EXPECT_STATUS_MSG(client->PushPullShards(2, Const(g), Mut(model), bad),
+                            absl::StatusCode::kInvalidArgument,
+                            "are not distinct, ascending and in [0, 2)");
+        }
+      }
+      EXPECT_EQ(split_model, whole_model);
+      EXPECT_FLOAT_EQ(split_model[0][0], init[0][0] - 2 * g[0][0]);
+      EXPECT_EQ(split_model[2][0], 5.0f);
+    }
+  }
+  // A job made with one placement is another layout to a client with the other.
+  JobLayout greedy = layout_;
+  greedy.job = "split0";
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<ParameterClient> client,
+                       NewGrpcParameterClient(greedy, Options("", "")));
+  EXPECT_STATUS_MSG(client->InitJob(Const(init)), absl::StatusCode::kFailedPrecondition,
+                    "already exists on this shard with a different layout");
+}
+
 // A shard built before PushRequest.pull: it ignores the field (unknown to it), applies the
 // push and answers without values.
 class PrePullShardService final : public ParameterService::Service {

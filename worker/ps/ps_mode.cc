@@ -21,6 +21,7 @@
 #include "worker/core/auto_codec.h"
 #include "worker/core/grad_clip.h"
 #include "worker/core/loss_scaler.h"
+#include "worker/ps/backward_overlap.h"
 
 namespace gradmesh {
 namespace {
@@ -49,6 +50,18 @@ class PsMode : public TrainingMode {
   bool unscales_gradients() const override { return commit_ && scaling_; }
   void SetLossScale(float scale) override { loss_scale_ = scale; }
   ClipCounters TakeClipCounters() override { return std::exchange(clip_counters_, {}); }
+
+  // overlap: 1 (JobSpec.overlap): each shard's part leaves as backward produces it.
+  bool wants_gradient_hook() const override { return overlap_ != nullptr; }
+  void BeforeBackward(int64_t step, double loss, bool stop_requested) override {
+    if (overlap_ != nullptr) overlap_begin_ = overlap_->BeginStep(step);
+  }
+  void OnGradient(int param, absl::Span<const float> grad) override {
+    if (overlap_ != nullptr) overlap_->OnGradient(param, grad);
+  }
+  void AbortStep() override {
+    if (overlap_ != nullptr) overlap_->Abort();
+  }
 
   void SetGroup(std::vector<int32_t> active_ranks, bool evaluate) override {
     absl::MutexLock lock(&group_mu_);
@@ -124,6 +137,9 @@ class PsMode : public TrainingMode {
   double clip_norm_ = 0;  // clip_grad_norm (0: off).
   ClipCounters clip_counters_;
   std::vector<std::vector<float>> zeros_;  // The payload of a non-finite step.
+  // overlap: 1 only (after client_, which it uses).
+  std::unique_ptr<BackwardOverlap> overlap_;
+  absl::Status overlap_begin_;  // What the step's BeginStep returned.
   // Last: destroyed (waiting for a running exchange) before the buffers it uses.
   std::unique_ptr<BackgroundTask> background_;
 };
@@ -149,6 +165,7 @@ JobLayout PsMode::Layout(const ModelView& model, int64_t total_steps) const {
   layout.barrier_timeout_s = spec_.barrier_timeout_s();
   layout.commit_steps = commit_;
   if (commit_) layout.clip_grad_value = spec_.clip_grad_value();
+  if (spec_.placement() == "ordered") layout.placement = PLACEMENT_ORDERED;
   // Parameters, then the buffers: stored on the shards beside them, pushed as the deltas the
   // forward passes made and pulled back into the mirrors like parameters (TensorSpec.buffer).
   for (int i = 0; i < model.size(); ++i) {
@@ -220,6 +237,7 @@ absl::StatusOr<int64_t> PsMode::Start(ModelView* model, const LoopInfo& info) {
              Kv("step", std::min(first_step * steps_per_push(), info.total_steps)),
              Kv("pushes_done", first_step)});
   }
+  if (spec_.overlap() > 0) overlap_ = std::make_unique<BackwardOverlap>(client_.get(), model);
   if (spec_.pipeline() > 0) {
     pipelined_ = true;
     // staging_ holds what the client last pulled ("changes" pulls update it in place).
@@ -238,6 +256,8 @@ std::vector<LogField> PsMode::StartFields() const {
       Kv("pull_codec",
          spec_.compression().pull().empty() ? "float32" : spec_.compression().pull())};
   if (commit_) f.push_back(Kv("commit_steps", 1));
+  if (overlap_ != nullptr) f.push_back(Kv("overlap", 1));
+  if (spec_.placement() == "ordered") f.push_back(Kv("placement", "ordered"));
   // Every gradient is computed on parameters one exchange older than without the pipeline.
   if (pipelined_) {
     f.push_back(Kv("pipeline", 1));
@@ -309,9 +329,14 @@ absl::StatusOr<StepOutcome> PsMode::Exchange(int64_t step,
   if (pipelined_) return PipelinedExchange(step, grads, loss, timing);
   if (commit_) return CommittedExchange(step, grads, loss);
   const absl::Time start = absl::Now();
-  RETURN_IF_ERROR(
-      client_->PushPull(step, std::vector<absl::Span<const float>>(grads.begin(), grads.end()),
-                        model_->params, nullptr));
+  if (overlap_ != nullptr) {
+    RETURN_IF_ERROR(std::exchange(overlap_begin_, absl::OkStatus()));
+    RETURN_IF_ERROR(overlap_->Finish(grads, model_));
+  } else {
+    RETURN_IF_ERROR(
+        client_->PushPull(step, std::vector<absl::Span<const float>>(grads.begin(), grads.end()),
+                          model_->params, nullptr));
+  }
   if (auto_codec_.has_value()) {
     RETURN_IF_ERROR(
         MaybeSwitchCodec(step, loss, timing.compute_s, absl::ToDoubleSeconds(absl::Now() - start)));
@@ -398,6 +423,21 @@ std::vector<LogField> PsMode::ProgressFields(int64_t done, int64_t window) {
          absl::StrFormat("%.1f", pushed > 0
                                      ? static_cast<double>(client_->raw_bytes_pushed()) / pushed
                                      : 1.0))};
+  if (overlap_ != nullptr && overlap_->totals().steps > 0) {
+    // The timeline: from a step's first send (during backward) to its last answer took
+    // exchange_ms; exposed_ms of it came after backward; early_shards of the shards' parts
+    // left during backward.
+    const BackwardOverlap::Totals t = overlap_->totals();
+    f.push_back(Kv("exchange_ms", absl::StrFormat("%.2f", 1e3 * t.exchange_s / t.steps)));
+    f.push_back(Kv("exposed_ms", absl::StrFormat("%.2f", 1e3 * t.exposed_s / t.steps)));
+    f.push_back(
+        Kv("hidden",
+           absl::StrFormat(
+               "%.2f", t.exchange_s > 0 ? std::max(0.0, 1 - t.exposed_s / t.exchange_s) : 0.0)));
+    f.push_back(
+        Kv("early_shards", absl::StrFormat("%.2f", static_cast<double>(t.shards_early) /
+                                                       std::max<int64_t>(1, t.shards_total))));
+  }
   if (pipelined_ && exchanges_ > 0) {
     // The timeline: a step's exchange took exchange_ms in the background; the training
     // thread waited exposed_ms of it; the rest (hidden) overlapped the next step's compute.

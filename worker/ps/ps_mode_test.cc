@@ -55,6 +55,13 @@ class FakeClient : public ParameterClient {
     std::string second_shard;
     absl::Status info_error_while_new;
     std::vector<int64_t> chunk_elems_made;  // The layout's chunk_elems of every client made.
+    // PushPullShards: the shard of each tensor (empty: all on shard 0), the shard count, and
+    // every call's (step, shards), in order.
+    std::vector<int32_t> tensor_shard;
+    int32_t shards = 1;
+    // Shared so that State stays assignable; guards shard_calls.
+    std::shared_ptr<absl::Mutex> calls_mu = std::make_shared<absl::Mutex>();
+    std::vector<std::pair<int64_t, std::vector<int32_t>>> shard_calls;
   };
   explicit FakeClient(State* state) : s_(state) {}
 
@@ -158,6 +165,28 @@ class FakeClient : public ParameterClient {
     }
     return infos;
   }
+  int32_t num_shards() const override { return s_->shards; }
+  std::vector<std::vector<int32_t>> TensorShards() const override {
+    std::vector<std::vector<int32_t>> out;
+    for (size_t t = 0; t < s_->layout.tensors.size(); ++t) out.push_back({ShardOf(t)});
+    return out;
+  }
+  // Applies and returns the tensors of `shards` only, as PushFrom and Pull do.
+  absl::Status PushPullShards(int64_t step, const std::vector<absl::Span<const float>>& grads,
+                              const std::vector<absl::Span<float>>& params,
+                              const std::vector<int32_t>& shards) override {
+    absl::MutexLock lock(s_->calls_mu.get());
+    s_->shard_calls.emplace_back(step, shards);
+    if (step == s_->fail_step) return absl::UnavailableError("shard 1 is down");
+    for (size_t t = 0; t < grads.size(); ++t) {
+      if (std::find(shards.begin(), shards.end(), ShardOf(t)) == shards.end()) continue;
+      const float sign = s_->layout.tensors[t].buffer() ? 1.0f : -1.0f;
+      for (size_t i = 0; i < grads[t].size(); ++i) s_->values[t][i] += sign * grads[t][i];
+      std::copy(s_->values[t].begin(), s_->values[t].end(), params[t].begin());
+    }
+    s_->last_step = step;
+    return absl::OkStatus();
+  }
   int64_t bytes_pushed() const override { return 0; }
   int64_t bytes_pulled() const override { return 0; }
   int64_t raw_bytes_pushed() const override { return 0; }
@@ -166,6 +195,8 @@ class FakeClient : public ParameterClient {
   absl::Status SetPushCodec(const std::string& spec) override { return absl::OkStatus(); }
 
  private:
+  int32_t ShardOf(size_t t) const { return t < s_->tensor_shard.size() ? s_->tensor_shard[t] : 0; }
+
   State* s_;
 };
 
@@ -572,6 +603,116 @@ TEST_F(PsModeTest, PlainSyncDoesNotCommitSteps) {
   ASSERT_OK(mode->Exchange(0, grads, 0.5, StepTiming()).status());
   EXPECT_TRUE(state_.commits.empty());
   EXPECT_EQ(state_.pushes.size(), 1u);
+}
+
+}  // namespace
+}  // namespace gradmesh
+
+namespace gradmesh {
+namespace {
+
+// Parameters a[2] (shard 0) and b[2] (shard 1), buffer rm[1] (shard 0).
+struct TwoLayerModel {
+  std::vector<float> a = {1.0f, 2.0f};
+  std::vector<float> b = {3.0f, 4.0f};
+  std::vector<float> rm = {0.5f};
+  ModelView view;
+  TwoLayerModel() {
+    view.names = {"a", "b", "rm"};
+    view.shapes = {{2}, {2}, {1}};
+    view.params = {absl::MakeSpan(a), absl::MakeSpan(b), absl::MakeSpan(rm)};
+    view.dtypes = {ElemType::kFloat32, ElemType::kFloat32, ElemType::kFloat32};
+    view.num_params = 2;
+  }
+};
+
+// Waits (at most 5 s) until `n` PushPullShards calls were made; returns them.
+std::vector<std::pair<int64_t, std::vector<int32_t>>> AwaitCalls(FakeClient::State* state,
+                                                                 size_t n) {
+  const absl::Time deadline = absl::Now() + absl::Seconds(5);
+  while (true) {
+    {
+      absl::MutexLock lock(state->calls_mu.get());
+      if (state->shard_calls.size() >= n || absl::Now() > deadline) return state->shard_calls;
+    }
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+}
+
+using Calls = std::vector<std::pair<int64_t, std::vector<int32_t>>>;
+
+TEST_F(PsModeTest, OverlapSendsAShardsPartOnceBackwardProducedItAndTheRestAfter) {
+  options_.spec.set_overlap(1);
+  options_.spec.set_placement("ordered");
+  options_.spec.set_num_shards(2);
+  state_.shards = 2;
+  state_.tensor_shard = {0, 1, 0};
+  TwoLayerModel m;
+  std::unique_ptr<TrainingMode> mode = MakeMode();
+  ASSERT_NE(mode, nullptr);
+  ASSERT_OK(mode->Start(&m.view, Steps(2)).status());
+  EXPECT_EQ(state_.layout.placement, PLACEMENT_ORDERED);
+  ASSERT_TRUE(mode->wants_gradient_hook());
+  mode->BeforeBackward(0, 1.0, false);
+  // Backward produces b (the last layer) first: shard 1 holds nothing else, so it leaves now.
+  std::vector<float> gb = {0.5f, 0.25f}, ga = {1.0f, 1.0f}, drm = {0.25f};
+  mode->OnGradient(1, gb);
+  EXPECT_EQ(AwaitCalls(&state_, 1), (Calls{{0, {1}}}));
+  // The model is not written while backward may still read it.
+  EXPECT_EQ(m.b, (std::vector<float>{3.0f, 4.0f}));
+  // Shard 0 also holds the buffer, whose delta exists only after backward.
+  mode->OnGradient(0, ga);
+  absl::SleepFor(absl::Milliseconds(50));
+  EXPECT_EQ(AwaitCalls(&state_, 1).size(), 1u);
+  const std::vector<absl::Span<const float>> grads = {ga, gb, drm};
+  ASSERT_OK(mode->Exchange(0, grads, 1.0, StepTiming()).status());
+  EXPECT_EQ(AwaitCalls(&state_, 2), (Calls{{0, {1}}, {0, {0}}}));
+  EXPECT_EQ(m.a, (std::vector<float>{0.0f, 1.0f}));
+  EXPECT_EQ(m.b, (std::vector<float>{2.5f, 3.75f}));
+  EXPECT_EQ(m.rm, (std::vector<float>{0.75f}));
+  bool early = false;
+  for (const LogField& f : mode->ProgressFields(1, 1)) {
+    if (f.first == "early_shards") {
+      EXPECT_EQ(f.second, "0.50");
+      early = true;
+    }
+  }
+  EXPECT_TRUE(early);
+
+  // A failed backward: the part already sent completes, nothing else is sent, and the next
+  // step starts afresh.
+  mode->BeforeBackward(1, 1.0, false);
+  mode->OnGradient(1, gb);
+  EXPECT_EQ(AwaitCalls(&state_, 3).size(), 3u);
+  mode->AbortStep();
+  mode->BeforeBackward(1, 1.0, false);
+  mode->OnGradient(0, ga);
+  mode->OnGradient(0, ga);  // A repeated gradient is ignored.
+  mode->OnGradient(1, gb);
+  EXPECT_EQ(AwaitCalls(&state_, 4).size(), 4u);
+  ASSERT_OK(mode->Exchange(1, grads, 1.0, StepTiming()).status());
+  EXPECT_EQ(AwaitCalls(&state_, 5), (Calls{{0, {1}}, {0, {0}}, {1, {1}}, {1, {1}}, {1, {0}}}));
+  EXPECT_EQ(m.a, (std::vector<float>{-1.0f, 0.0f}));
+}
+
+TEST_F(PsModeTest, OverlapReportsAFailedEarlySendAtTheExchange) {
+  options_.spec.set_overlap(1);
+  options_.spec.set_num_shards(2);
+  state_.shards = 2;
+  state_.tensor_shard = {0, 1, 0};
+  state_.fail_step = 0;
+  TwoLayerModel m;
+  std::unique_ptr<TrainingMode> mode = MakeMode();
+  ASSERT_NE(mode, nullptr);
+  ASSERT_OK(mode->Start(&m.view, Steps(2)).status());
+  mode->BeforeBackward(0, 1.0, false);
+  std::vector<float> gb = {0.5f, 0.25f}, ga = {1.0f, 1.0f}, drm = {0.25f};
+  mode->OnGradient(1, gb);
+  mode->OnGradient(0, ga);
+  const std::vector<absl::Span<const float>> grads = {ga, gb, drm};
+  EXPECT_STATUS_MSG(mode->Exchange(0, grads, 1.0, StepTiming()).status(),
+                    absl::StatusCode::kUnavailable, "shard 1 is down");
+  EXPECT_EQ(m.a, (std::vector<float>{1.0f, 2.0f}));  // The model is not written.
 }
 
 }  // namespace

@@ -1,0 +1,111 @@
+// BackwardOverlap: a ps step's exchange started during backward (JobSpec.overlap: 1).
+//
+// Backward produces gradients from the last layer to the first. Each shard's part of the
+// step (its chunks' push, fused with their pull: ParameterClient::PushPullShards) leaves on a
+// background thread as soon as backward has produced every gradient that shard holds, while
+// backward goes on with the earlier layers; the shards that are not ready by then (the one
+// holding the first layer, and those holding buffers, whose deltas exist only after
+// backward) go from the training thread when backward is done, in parallel with those in
+// flight. The shards' ledgers see one push per worker, step and shard, as without overlap.
+// With placement "ordered" (contiguous ranges of the model, common/partitioner.h) the last
+// shards hold the last layers and are ready first; with "greedy" every shard usually holds
+// part of the first layer, and nothing leaves early.
+//
+// Pulled values land in a staging copy of the model (backward may still read the
+// parameters) and are copied into the model once every shard answered. The staging copy is
+// what the client last pulled, as "changes" pulls need.
+//
+// Per step: BeginStep (before backward), OnGradient for every parameter (during backward, in
+// any order, each once), then Finish or Abort.
+//
+// Thread safety: one step at a time; OnGradient may run on LibTorch's autograd thread while
+// the training thread waits in backward. The background thread reads the gradient copies of
+// the shards it sends and writes their chunks of the staging copy; the training thread, the
+// other chunks.
+#ifndef GRADMESH_WORKER_PS_BACKWARD_OVERLAP_H_
+#define GRADMESH_WORKER_PS_BACKWARD_OVERLAP_H_
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "common/background_task.h"
+#include "worker/core/parameter_client_interface.h"
+#include "worker/core/training_mode.h"
+
+namespace gradmesh {
+
+class BackwardOverlap {
+ public:
+  // What the steps so far did (the timeline of the progress lines).
+  struct Totals {
+    int64_t steps = 0;
+    int64_t shards_early = 0;  // Shard sends started during backward.
+    int64_t shards_total = 0;  // Shard sends.
+    double exchange_s = 0;     // From a step's first send to its last answer.
+    double exposed_s = 0;      // Of which after backward (what the step waited).
+  };
+
+  // `client` and `model` outlive this object; `model` holds the values the client last
+  // pulled (the staging copy starts from them).
+  BackwardOverlap(ParameterClient* client, const ModelView* model);
+  ~BackwardOverlap();
+  BackwardOverlap(const BackwardOverlap&) = delete;
+  BackwardOverlap& operator=(const BackwardOverlap&) = delete;
+
+  // Before backward of `step`.
+  absl::Status BeginStep(int64_t step);
+
+  // Parameter `param`'s gradient (copied); starts the sends of the shards it completes.
+  void OnGradient(int param, absl::Span<const float> grad);
+
+  // After backward: sends the shards not sent yet with `grads` (every entry of the model,
+  // parameters then buffer deltas), waits for all, and copies the pulled values into
+  // `model`. The first error of any send (then the model is not written).
+  absl::Status Finish(absl::Span<const absl::Span<const float>> grads, ModelView* model);
+
+  // Backward failed: waits for the sends in flight and discards the step.
+  void Abort();
+
+  Totals totals() const ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    return totals_;
+  }
+
+ private:
+  // The background half: sends batches of ready shards until the step is closed.
+  absl::Status SendReady();
+  // Marks `param` produced; queues the shards it completes. Returns whether any were queued.
+  bool ProduceLocked(int param) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  ParameterClient* const client_;
+  const int num_shards_;
+  const int num_params_;
+  std::vector<std::vector<int32_t>> tensor_shards_;  // Shards holding each entry's chunks.
+  std::vector<int32_t> shard_tensors_;               // Entries each shard holds (counts).
+  std::vector<std::vector<float>> grads_;            // Copies of the parameters' gradients.
+  std::vector<std::vector<float>> staging_;          // The pull target.
+
+  mutable absl::Mutex mu_;
+  int64_t step_ ABSL_GUARDED_BY(mu_) = 0;
+  std::vector<int32_t> waiting_ ABSL_GUARDED_BY(mu_);  // Per shard: entries not produced.
+  std::vector<bool> produced_ ABSL_GUARDED_BY(mu_);    // Per parameter: OnGradient came.
+  std::vector<int32_t> ready_ ABSL_GUARDED_BY(mu_);    // Complete, not yet taken.
+  std::vector<bool> taken_ ABSL_GUARDED_BY(mu_);       // Per shard: sent (or being sent).
+  bool closed_ ABSL_GUARDED_BY(mu_) = false;           // Finish/Abort took the rest.
+  absl::Time first_send_ ABSL_GUARDED_BY(mu_) = absl::InfiniteFuture();
+  int64_t early_ ABSL_GUARDED_BY(mu_) = 0;
+
+  Totals totals_ ABSL_GUARDED_BY(mu_);
+  // Last: destroyed (waiting for a running send) before the buffers it uses.
+  std::unique_ptr<BackgroundTask> background_;
+};
+
+}  // namespace gradmesh
+
+#endif  // GRADMESH_WORKER_PS_BACKWARD_OVERLAP_H_
