@@ -76,7 +76,13 @@ class ConsistencyTest : public E2eHarness {
   std::vector<torch::Tensor> PullFromShards(const std::string& job,
                                             const std::vector<std::string>& names,
                                             const std::vector<torch::Tensor>& like) {
-    const JobLayout layout = ShardLayout(job, names, like);
+    return PullFromShards(job, names, like, ShardLayout(job, names, like));
+  }
+  // The same in a given layout (chunking and placement).
+  std::vector<torch::Tensor> PullFromShards(const std::string& job,
+                                            const std::vector<std::string>& names,
+                                            const std::vector<torch::Tensor>& like,
+                                            const JobLayout& layout) {
     GrpcParameterClientOptions client_options;
     client_options.servers = addresses_;
     absl::StatusOr<std::unique_ptr<ParameterClient>> client =
@@ -116,17 +122,27 @@ class ConsistencyTest : public E2eHarness {
 // the loop's accumulated gradient is the mean over the worker's 32 samples, so the same
 // reference holds. k1 also sets lr_scaling (linear, base batch 32) with half the lr: the
 // shards' lr is then exactly the reference's.
-class SyncEquivalenceTest : public ConsistencyTest, public ::testing::WithParamInterface<int> {};
+// k2_overlap runs k2 with overlap: 1 and placement "ordered" (JobSpec.overlap: each shard's
+// part leaves as soon as backward produced it) and 1 MiB chunks: fc1.weight alone on shard 0,
+// the other tensors on shard 1. The pushes and the averages are the same, so is the result.
+struct SyncEquivalence {
+  int accumulation = 1;
+  bool overlap = false;
+};
+class SyncEquivalenceTest : public ConsistencyTest,
+                            public ::testing::WithParamInterface<SyncEquivalence> {};
 
 TEST_P(SyncEquivalenceTest, SyncMatchesSingleProcessSgd) {
   if (!HaveMnist()) GTEST_SKIP() << "MNIST files not found under " << DataDir() << "/mnist";
   constexpr int64_t kSteps = 50;
-  const int accumulation = GetParam();
+  const int accumulation = GetParam().accumulation;
+  const bool overlap = GetParam().overlap;
   const int kBatch = 32 / accumulation;  // Per micro-batch; 32 per worker per step.
   constexpr uint64_t kSeed = 7;
   constexpr double kLr = 0.05;
   constexpr double kTolerance = 1e-5;
-  const std::string job = absl::StrCat("e2e-sync-equivalence-k", accumulation);
+  const std::string job =
+      absl::StrCat("e2e-sync-equivalence-k", accumulation, overlap ? "-overlap" : "");
 
   ASSERT_NO_FATAL_FAILURE(StartServers(kShards));
   std::vector<std::unique_ptr<Subprocess>> workers;
@@ -142,7 +158,9 @@ TEST_P(SyncEquivalenceTest, SyncMatchesSingleProcessSgd) {
          "--lr_schedule=constant", absl::StrCat("--batch_size=", kBatch),
          absl::StrCat("--steps=", kSteps), absl::StrCat("--accumulation_steps=", accumulation),
          "--model=mlp", "--dataset=mnist", absl::StrCat("--seed=", kSeed), "--evaluate=false",
-         "--log_every=10", "--data_dir=" + DataDir()}));
+         "--log_every=10", "--data_dir=" + DataDir(), overlap ? "--overlap=1" : "--overlap=0",
+         overlap ? "--placement=ordered" : "--placement=greedy",
+         overlap ? "--chunk_bytes=1048576" : "--chunk_bytes=0"}));
     ASSERT_NE(workers.back(), nullptr);
   }
   const std::vector<int> codes = WaitAll({workers[0].get(), workers[1].get()}, absl::Minutes(3));
@@ -161,6 +179,20 @@ TEST_P(SyncEquivalenceTest, SyncMatchesSingleProcessSgd) {
       EXPECT_EQ(LogField(start[0], "lr_base"), "0.025");
     }
     EXPECT_EQ(ToInt(LogField(done, "first_step")), 0) << done;
+    if (overlap) {
+      const std::string log = ReadFile(workers[r]->log_path());
+      const std::vector<std::string> start = LinesWith(log, "event=train_start");
+      ASSERT_EQ(start.size(), 1u);
+      EXPECT_EQ(LogField(start[0], "overlap"), "1");
+      EXPECT_EQ(LogField(start[0], "placement"), "ordered");
+      // The timeline: what share of the shards' parts left during backward (how much depends
+      // on scheduling: both shards hold only parameters, so it may be all of them).
+      const std::vector<std::string> progress = LinesWith(log, "event=progress");
+      ASSERT_FALSE(progress.empty());
+      const double early = std::stod(LogField(progress.back(), "early_shards").value_or("-1"));
+      EXPECT_GE(early, 0.0);
+      EXPECT_LE(early, 1.0);
+    }
   }
 
   // Accounting on each shard: one update per step, both workers' pushes in each, no staleness.
@@ -184,8 +216,13 @@ TEST_P(SyncEquivalenceTest, SyncMatchesSingleProcessSgd) {
       for (int64_t d : t.shape()) n *= d;
       numels.push_back(n);
     }
-    ASSERT_OK_AND_ASSIGN(Partition partition,
-                         Partition::Create(numels, info.chunk_elems(), kShards));
+    ASSERT_OK_AND_ASSIGN(Partition partition, Partition::Create(numels, info.chunk_elems(), kShards,
+                                                                overlap ? ChunkPlacement::kOrdered
+                                                                        : ChunkPlacement::kGreedy));
+    if (overlap) {
+      // Ordered with 1 MiB chunks: fc1.weight alone on shard 0, everything else on shard 1.
+      EXPECT_EQ(partition.shard_chunks(0), (std::vector<int64_t>{0}));
+    }
     const int64_t owned_chunks = static_cast<int64_t>(partition.shard_chunks(s).size());
     EXPECT_GT(owned_chunks, 0);
     int64_t total = 0;
@@ -208,7 +245,11 @@ TEST_P(SyncEquivalenceTest, SyncMatchesSingleProcessSgd) {
 
   // The shards' final values, pulled with the real client (the job exists: no InitJob), in
   // the layout the workers registered.
-  const JobLayout layout = ShardLayout(job, names, params);
+  JobLayout layout = ShardLayout(job, names, params);
+  if (overlap) {
+    layout.chunk_elems = 262144;
+    layout.placement = PLACEMENT_ORDERED;
+  }
   {
     ASSERT_OK_AND_ASSIGN(JobInfoResponse info, GetJobInfo(addresses_[0], job));
     EXPECT_EQ(info.chunk_elems(), layout.chunk_elems);
@@ -217,7 +258,7 @@ TEST_P(SyncEquivalenceTest, SyncMatchesSingleProcessSgd) {
       EXPECT_EQ(info.tensors(t).DebugString(), layout.tensors[t].DebugString()) << "tensor " << t;
     }
   }
-  const std::vector<torch::Tensor> pulled = PullFromShards(job, names, params);
+  const std::vector<torch::Tensor> pulled = PullFromShards(job, names, params, layout);
   ASSERT_EQ(pulled.size(), params.size());
 
   ASSERT_OK_AND_ASSIGN(JobData data, LoadDataset("mnist", DataDir() + "/mnist"));
@@ -269,9 +310,12 @@ TEST_P(SyncEquivalenceTest, SyncMatchesSingleProcessSgd) {
   ASSERT_NO_FATAL_FAILURE(StopServers());
 }
 
-INSTANTIATE_TEST_SUITE_P(Accumulation, SyncEquivalenceTest, ::testing::Values(1, 2),
-                         [](const ::testing::TestParamInfo<int>& info) {
-                           return absl::StrCat("k", info.param);
+INSTANTIATE_TEST_SUITE_P(Accumulation, SyncEquivalenceTest,
+                         ::testing::Values(SyncEquivalence{1, false}, SyncEquivalence{2, false},
+                                           SyncEquivalence{2, true}),
+                         [](const ::testing::TestParamInfo<SyncEquivalence>& info) {
+                           return absl::StrCat("k", info.param.accumulation,
+                                               info.param.overlap ? "_overlap" : "");
                          });
 
 // mode diloco (#14): 2 workers x 4 rounds of H = 5 inner SGD steps (lr 0.05, batch 32), outer
