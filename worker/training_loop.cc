@@ -462,7 +462,13 @@ absl::Status TrainingLoop::MicroStep(Batch& batch, int k, double* loss_sum) {
   const double value = loss.item<double>();
   *loss_sum += value;
   const bool last = k == accum_ - 1;
+  // The step's last forward has moved the buffers as far as they go (backward leaves them
+  // alone): their deltas are known now, before backward.
+  if (last) BuffersOut();
   if (last) mode_->BeforeBackward(step_, *loss_sum / accum_, stop_.load());
+  if (last && mode_->wants_gradient_hook() && view_.size() > view_.num_params) {
+    mode_->OnBufferDeltas(absl::MakeConstSpan(grads_).subspan(view_.num_params));
+  }
   hook_live_ = last;
   if (last) hooked_.assign(params_.size(), 0);
   try {
@@ -536,7 +542,6 @@ absl::Status TrainingLoop::Step(std::vector<Batch>& micro, StepOutcome* outcome)
                     ? absl::Span<const float>(host_grads_[i].data_ptr<float>(), g.numel())
                     : GradOut(i, g);
   }
-  BuffersOut();
   const std::vector<int64_t>& poison = options_.nonfinite_steps;
   if (view_.num_params > 0 && std::find(poison.begin(), poison.end(), step_) != poison.end()) {
     ParamGrads()[0][0] = std::numeric_limits<float>::quiet_NaN();  // Fault injection.

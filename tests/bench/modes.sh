@@ -125,7 +125,7 @@ run_workers() {
     wpids+=($!)
   done
   for p in "${wpids[@]}"; do wait "$p" || { tail -n 5 "$RUN_DIR/$mode-w"*.log >&2; return 1; }; done
-  local samples=0 wall=0 acc="" tl="" ppl="" line s w bytes=0 prog="" cms="" xms="" hid=""
+  local samples=0 wall=0 acc="" tl="" ppl="" line s w bytes=0 prog="" cms="" xms="" hid="" early=""
   for ((r = 0; r < WORKERS; r++)); do
     line="$(grep 'event=done' "$RUN_DIR/$mode-w$r.log" | tail -1)"
     s="$(field samples "$line")"; w="$(field wall_s "$line")"
@@ -136,14 +136,15 @@ run_workers() {
       acc="$(field accuracy "$line")" tl="$(field test_loss "$line")"
       ppl="$(field perplexity "$line")"
       # The step timeline of rank 0's last progress line: comm_ms (what a step waited for its
-      # exchange) and, with pipeline 1, exchange_ms (the whole exchange, in the background)
-      # and hidden (the fraction of it that overlapped compute).
+      # exchange) and, with pipeline 1 or overlap 1, exchange_ms (the whole exchange, in the
+      # background or from backward on) and hidden (the fraction of it that overlapped
+      # compute); with overlap 1, early_shards (the share of shard parts sent during backward).
       prog="$(grep 'event=progress' "$RUN_DIR/$mode-w$r.log" | tail -1 || true)"
       cms="$(field comm_ms "$prog")"; xms="$(field exchange_ms "$prog")"
-      hid="$(field hidden "$prog")"
+      hid="$(field hidden "$prog")"; early="$(field early_shards "$prog")"
     fi
   done
-  "$PYTHON" -c "import json; print(json.dumps({'bench':'modes','workload':'$WORKLOAD','mode':'$mode','workers':$WORKERS,'label':'${LABEL:-$mode}','samples_per_s':round($samples/$wall,1),'bytes_per_sample':round($bytes/max($samples,1),1),'accuracy':$acc,'test_loss':$tl,'perplexity':$ppl,'wall_s':$wall,'comm_ms':${cms:-None},'exchange_ms':${xms:-None},'hidden':${hid:-None},'steps_or_epochs':'${STEPS:-$EPOCHS}','batch':$BATCH}))"
+  "$PYTHON" -c "import json; print(json.dumps({'bench':'modes','workload':'$WORKLOAD','mode':'$mode','workers':$WORKERS,'label':'${LABEL:-$mode}','samples_per_s':round($samples/$wall,1),'bytes_per_sample':round($bytes/max($samples,1),1),'accuracy':$acc,'test_loss':$tl,'perplexity':$ppl,'wall_s':$wall,'comm_ms':${cms:-None},'exchange_ms':${xms:-None},'hidden':${hid:-None},'early_shards':${early:-None},'steps_or_epochs':'${STEPS:-$EPOCHS}','batch':$BATCH}))"
 }
 
 # ps (async by default; PS_FLAGS="--mode=diloco --inner_steps=50" for DiLoCo) through 2 shards.

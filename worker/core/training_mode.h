@@ -9,6 +9,8 @@
 //   per step:
 //     BeforeForward(step)         e.g. gossip copies the latest mixed values into the model
 //     BeforeBackward(step, ...)   e.g. allreduce opens the step's buckets
+//     OnBufferDeltas(deltas)      the buffers' deltas, known after the last forward
+//                                 (only if wants_gradient_hook() and the model has buffers)
 //     OnGradient(i, grad)         during backward, as each parameter's gradient is produced
 //                                 (only if wants_gradient_hook())
 //     Exchange(step, grads, ...)  the step's exchange and update (push/pull, all-reduce and
@@ -128,6 +130,11 @@ class TrainingMode {
   // Parameter `param`'s gradient (param < num_params), the moment backward has produced it
   // (float32, contiguous, valid only during the call).
   virtual void OnGradient(int param, absl::Span<const float> grad) {}
+
+  // The step's buffer deltas (entries num_params.. of the model view, as Exchange's grads will
+  // hold them), after the step's last forward and BeforeBackward, before backward; valid
+  // until Exchange returns.
+  virtual void OnBufferDeltas(absl::Span<const absl::Span<const float>> deltas) {}
 
   // Backward failed after BeforeBackward: undo what the step started.
   virtual void AbortStep() {}

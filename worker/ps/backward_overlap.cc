@@ -11,7 +11,7 @@ namespace gradmesh {
 BackwardOverlap::BackwardOverlap(ParameterClient* client, const ModelView* model)
     : client_(client),
       num_shards_(client->num_shards()),
-      num_params_(model->num_params),
+      num_entries_(model->size()),
       tensor_shards_(client->TensorShards()),
       shard_tensors_(num_shards_, 0),
       taken_(num_shards_, true),
@@ -32,7 +32,7 @@ absl::Status BackwardOverlap::BeginStep(int64_t step) {
     absl::MutexLock lock(&mu_);
     step_ = step;
     waiting_ = shard_tensors_;
-    produced_.assign(num_params_, false);
+    produced_.assign(num_entries_, false);
     ready_.clear();
     taken_.assign(num_shards_, false);
     closed_ = false;
@@ -47,7 +47,7 @@ absl::Status BackwardOverlap::BeginStep(int64_t step) {
 }
 
 void BackwardOverlap::OnGradient(int param, absl::Span<const float> grad) {
-  if (param < 0 || param >= num_params_ || grad.size() != grads_[param].size()) return;
+  if (param < 0 || param >= num_entries_ || grad.size() != grads_[param].size()) return;
   {
     absl::MutexLock lock(&mu_);
     // Once per parameter and step: a shard may already be sending this copy.
@@ -104,8 +104,11 @@ absl::Status BackwardOverlap::Finish(absl::Span<const absl::Span<const float>> g
     step = step_;
   }
   const std::vector<absl::Span<float>> into(staging_.begin(), staging_.end());
-  absl::Status st = client_->PushPullShards(
-      step, std::vector<absl::Span<const float>>(grads.begin(), grads.end()), into, rest);
+  absl::Status st;
+  if (!rest.empty()) {
+    st = client_->PushPullShards(
+        step, std::vector<absl::Span<const float>>(grads.begin(), grads.end()), into, rest);
+  }
   absl::Status sent_early = background_->Wait();
   const absl::Time end = absl::Now();
   {

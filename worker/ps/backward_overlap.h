@@ -3,9 +3,9 @@
 // Backward produces gradients from the last layer to the first. Each shard's part of the
 // step (its chunks' push, fused with their pull: ParameterClient::PushPullShards) leaves on a
 // background thread as soon as backward has produced every gradient that shard holds, while
-// backward goes on with the earlier layers; the shards that are not ready by then (the one
-// holding the first layer, and those holding buffers, whose deltas exist only after
-// backward) go from the training thread when backward is done, in parallel with those in
+// backward goes on with the earlier layers (the buffers' deltas come before backward, after
+// the step's last forward); the shards that are not ready by then (the one holding the first
+// layer) go from the training thread when backward is done, in parallel with those in
 // flight. The shards' ledgers see one push per worker, step and shard, as without overlap.
 // With placement "ordered" (contiguous ranges of the model, common/partitioner.h) the last
 // shards hold the last layers and are ready first; with "greedy" every shard usually holds
@@ -61,7 +61,8 @@ class BackwardOverlap {
   // Before backward of `step`.
   absl::Status BeginStep(int64_t step);
 
-  // Parameter `param`'s gradient (copied); starts the sends of the shards it completes.
+  // Entry `param`'s gradient (a parameter's, or a buffer's delta; copied); starts the sends
+  // of the shards it completes. Once per entry and step (a repeat is ignored).
   void OnGradient(int param, absl::Span<const float> grad);
 
   // After backward: sends the shards not sent yet with `grads` (every entry of the model,
@@ -85,16 +86,16 @@ class BackwardOverlap {
 
   ParameterClient* const client_;
   const int num_shards_;
-  const int num_params_;
+  const int num_entries_;                            // Parameters and buffers.
   std::vector<std::vector<int32_t>> tensor_shards_;  // Shards holding each entry's chunks.
   std::vector<int32_t> shard_tensors_;               // Entries each shard holds (counts).
-  std::vector<std::vector<float>> grads_;            // Copies of the parameters' gradients.
+  std::vector<std::vector<float>> grads_;            // Copies of the entries' gradients.
   std::vector<std::vector<float>> staging_;          // The pull target.
 
   mutable absl::Mutex mu_;
   int64_t step_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<int32_t> waiting_ ABSL_GUARDED_BY(mu_);  // Per shard: entries not produced.
-  std::vector<bool> produced_ ABSL_GUARDED_BY(mu_);    // Per parameter: OnGradient came.
+  std::vector<bool> produced_ ABSL_GUARDED_BY(mu_);    // Per entry: OnGradient came.
   std::vector<int32_t> ready_ ABSL_GUARDED_BY(mu_);    // Complete, not yet taken.
   std::vector<bool> taken_ ABSL_GUARDED_BY(mu_);       // Per shard: sent (or being sent).
   bool closed_ ABSL_GUARDED_BY(mu_) = false;           // Finish/Abort took the rest.

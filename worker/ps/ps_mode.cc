@@ -59,6 +59,12 @@ class PsMode : public TrainingMode {
   void OnGradient(int param, absl::Span<const float> grad) override {
     if (overlap_ != nullptr) overlap_->OnGradient(param, grad);
   }
+  void OnBufferDeltas(absl::Span<const absl::Span<const float>> deltas) override {
+    if (overlap_ == nullptr) return;
+    for (size_t i = 0; i < deltas.size(); ++i) {
+      overlap_->OnGradient(model_->num_params + static_cast<int>(i), deltas[i]);
+    }
+  }
   void AbortStep() override {
     if (overlap_ != nullptr) overlap_->Abort();
   }

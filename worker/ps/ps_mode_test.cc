@@ -685,14 +685,20 @@ TEST_F(PsModeTest, OverlapSendsAShardsPartOnceBackwardProducedItAndTheRestAfter)
   mode->OnGradient(1, gb);
   EXPECT_EQ(AwaitCalls(&state_, 3).size(), 3u);
   mode->AbortStep();
+  // With the buffer's delta given after the forward (as the loop does), shard 0 is ready as
+  // soon as a is; nothing is left for the exchange to send.
   mode->BeforeBackward(1, 1.0, false);
+  const std::vector<absl::Span<const float>> deltas = {drm};
+  mode->OnBufferDeltas(deltas);
   mode->OnGradient(0, ga);
   mode->OnGradient(0, ga);  // A repeated gradient is ignored.
+  EXPECT_EQ(AwaitCalls(&state_, 4), (Calls{{0, {1}}, {0, {0}}, {1, {1}}, {1, {0}}}));
   mode->OnGradient(1, gb);
-  EXPECT_EQ(AwaitCalls(&state_, 4).size(), 4u);
+  EXPECT_EQ(AwaitCalls(&state_, 5).size(), 5u);
   ASSERT_OK(mode->Exchange(1, grads, 1.0, StepTiming()).status());
-  EXPECT_EQ(AwaitCalls(&state_, 5), (Calls{{0, {1}}, {0, {0}}, {1, {1}}, {1, {1}}, {1, {0}}}));
+  EXPECT_EQ(AwaitCalls(&state_, 5), (Calls{{0, {1}}, {0, {0}}, {1, {1}}, {1, {0}}, {1, {1}}}));
   EXPECT_EQ(m.a, (std::vector<float>{-1.0f, 0.0f}));
+  EXPECT_EQ(m.rm, (std::vector<float>{1.0f}));
 }
 
 TEST_F(PsModeTest, OverlapReportsAFailedEarlySendAtTheExchange) {
