@@ -27,6 +27,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -47,8 +48,8 @@ class BackwardOverlap {
     int64_t steps = 0;
     int64_t shards_early = 0;  // Shard sends started during backward.
     int64_t shards_total = 0;  // Shard sends.
-    double exchange_s = 0;     // From a step's first send to its last answer.
-    double exposed_s = 0;      // Of which after backward (what the step waited).
+    double hidden_s = 0;       // Sends in flight while backward still ran.
+    double exposed_s = 0;      // From the end of backward to the step's last answer.
   };
 
   // `client` and `model` outlive this object; `model` holds the values the client last
@@ -99,7 +100,8 @@ class BackwardOverlap {
   std::vector<int32_t> ready_ ABSL_GUARDED_BY(mu_);    // Complete, not yet taken.
   std::vector<bool> taken_ ABSL_GUARDED_BY(mu_);       // Per shard: sent (or being sent).
   bool closed_ ABSL_GUARDED_BY(mu_) = false;           // Finish/Abort took the rest.
-  absl::Time first_send_ ABSL_GUARDED_BY(mu_) = absl::InfiniteFuture();
+  // The background sends of the step: (start, end) of each.
+  std::vector<std::pair<absl::Time, absl::Time>> sends_ ABSL_GUARDED_BY(mu_);
   int64_t early_ ABSL_GUARDED_BY(mu_) = 0;
 
   Totals totals_ ABSL_GUARDED_BY(mu_);

@@ -430,16 +430,15 @@ std::vector<LogField> PsMode::ProgressFields(int64_t done, int64_t window) {
                                      ? static_cast<double>(client_->raw_bytes_pushed()) / pushed
                                      : 1.0))};
   if (overlap_ != nullptr && overlap_->totals().steps > 0) {
-    // The timeline: from a step's first send (during backward) to its last answer took
-    // exchange_ms; exposed_ms of it came after backward; early_shards of the shards' parts
-    // left during backward.
+    // The timeline, per step: sends in flight while backward still ran (hidden_ms) and the
+    // wait after backward (exposed_ms); exchange_ms is their sum, hidden the share of it
+    // behind backward; early_shards the share of the shards' parts sent during backward.
     const BackwardOverlap::Totals t = overlap_->totals();
-    f.push_back(Kv("exchange_ms", absl::StrFormat("%.2f", 1e3 * t.exchange_s / t.steps)));
+    const double exchange_s = t.hidden_s + t.exposed_s;
+    f.push_back(Kv("exchange_ms", absl::StrFormat("%.2f", 1e3 * exchange_s / t.steps)));
     f.push_back(Kv("exposed_ms", absl::StrFormat("%.2f", 1e3 * t.exposed_s / t.steps)));
     f.push_back(
-        Kv("hidden",
-           absl::StrFormat(
-               "%.2f", t.exchange_s > 0 ? std::max(0.0, 1 - t.exposed_s / t.exchange_s) : 0.0)));
+        Kv("hidden", absl::StrFormat("%.2f", exchange_s > 0 ? t.hidden_s / exchange_s : 0.0)));
     f.push_back(
         Kv("early_shards", absl::StrFormat("%.2f", static_cast<double>(t.shards_early) /
                                                        std::max<int64_t>(1, t.shards_total))));
