@@ -3,6 +3,7 @@
 #include <grpcpp/client_context.h>
 #include <grpcpp/support/client_callback.h>
 
+#include <algorithm>
 #include <deque>
 
 #include "absl/container/flat_hash_map.h"
@@ -12,7 +13,8 @@
 namespace gradmesh {
 
 // One open call. Owns itself until gRPC is done with it (OnDone); OpStream holds a reference
-// to the current one. A read is always outstanding; writes go one at a time from a queue.
+// to the current one and to replaced ones until their OnDone has run. A read is always
+// outstanding; writes go one at a time from a queue.
 // Writes are started from callers' threads, so the call holds a hold (AddHold) until it
 // closes (a read or write failed): after that no write is started.
 class OpStream::Conn final : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
@@ -49,7 +51,9 @@ class OpStream::Conn final : public grpc::ClientBidiReactor<grpc::ByteBuffer, gr
     return closing_;
   }
   void Cancel() { ctx_.TryCancel(); }
-  void WaitDone() { ended_.WaitForNotification(); }
+  // Whether OnDone has run (and dropped the call's own reference).
+  bool ended() const { return ended_->HasBeenNotified(); }
+  void WaitDone() { ended_->WaitForNotification(); }
 
   void OnWriteDone(bool ok) override {
     bool close = false;
@@ -127,8 +131,19 @@ class OpStream::Conn final : public grpc::ClientBidiReactor<grpc::ByteBuffer, gr
       *op.response = grpc::ByteBuffer();
       op.done(lost);
     }
-    std::shared_ptr<Conn> keep = std::move(self_);  // May be the last reference.
-    ended_.Notify();
+    // Drop the call's own reference *before* telling ~OpStream that it is done: the waiter's
+    // reference is then the last one and ~Conn (whose ctx_ releases a reference to the
+    // channel) runs on the waiter's thread, while the stub still holds the channel. If ~Conn
+    // ran here after the client had released its stubs, this thread (one of gRPC 1.51's
+    // "nexting" threads of the process-wide callback completion queue) would destroy the last
+    // grpc::Channel: ~Channel shuts that queue down, cannot join this very thread, frees the
+    // queue, and this thread then polls freed memory ("assertion failed: prior > 0" in
+    // grpc_cq_internal_unref).
+    const std::shared_ptr<absl::Notification> ended = ended_;
+    {
+      std::shared_ptr<Conn> keep = std::move(self_);
+    }  // May have destroyed *this: no member is touched below.
+    ended->Notify();
   }
 
  private:
@@ -148,7 +163,8 @@ class OpStream::Conn final : public grpc::ClientBidiReactor<grpc::ByteBuffer, gr
 
   grpc::ClientContext ctx_;
   std::shared_ptr<Conn> self_;  // Until OnDone.
-  absl::Notification ended_;
+  // Shared with OnDone, which notifies it after dropping `self_` (possibly destroying *this).
+  const std::shared_ptr<absl::Notification> ended_ = std::make_shared<absl::Notification>();
   mutable absl::Mutex mu_;
   grpc::ByteBuffer in_ ABSL_GUARDED_BY(mu_);
   grpc::ByteBuffer out_ ABSL_GUARDED_BY(mu_);
@@ -164,14 +180,17 @@ OpStream::OpStream(grpc::GenericStub* stub, std::string method,
     : stub_(stub), method_(std::move(method)), metadata_(std::move(metadata)) {}
 
 OpStream::~OpStream() {
-  std::shared_ptr<Conn> conn;
+  std::vector<std::shared_ptr<Conn>> conns;
   {
     absl::MutexLock lock(&mu_);
-    conn = std::move(conn_);
+    conns.swap(retired_);
+    if (conn_ != nullptr) conns.push_back(std::move(conn_));
   }
-  if (conn == nullptr) return;
-  conn->Cancel();
-  conn->WaitDone();
+  for (const std::shared_ptr<Conn>& conn : conns) conn->Cancel();
+  for (const std::shared_ptr<Conn>& conn : conns) conn->WaitDone();
+  // OnDone drops each call's own reference before it notifies, so `conns` holds the last ones:
+  // the calls (and their ClientContexts) are destroyed here, before the owner releases the
+  // stub and the channel.
 }
 
 void OpStream::Call(StreamOp op, const grpc::ByteBuffer& body, grpc::ByteBuffer* response,
@@ -179,10 +198,16 @@ void OpStream::Call(StreamOp op, const grpc::ByteBuffer& body, grpc::ByteBuffer*
   // Twice at most: a call found closed is replaced once.
   for (int attempt = 0; attempt < 2; ++attempt) {
     std::shared_ptr<Conn> conn;
+    std::vector<std::shared_ptr<Conn>> ended;  // Released after the lock, on this thread.
     uint64_t id;
     {
       absl::MutexLock lock(&mu_);
       if (conn_ == nullptr || conn_->closing()) {
+        for (std::shared_ptr<Conn>& old : retired_) {
+          if (old->ended()) ended.push_back(std::move(old));
+        }
+        retired_.erase(std::remove(retired_.begin(), retired_.end(), nullptr), retired_.end());
+        if (conn_ != nullptr) retired_.push_back(std::move(conn_));
         conn_ = Conn::Open(stub_, method_, metadata_);
         ++opened_;
       }

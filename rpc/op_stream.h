@@ -38,7 +38,9 @@ class OpStream {
   // `stub` is not owned and must outlive this object. `metadata` is sent when a call opens.
   OpStream(grpc::GenericStub* stub, std::string method,
            std::vector<std::pair<std::string, std::string>> metadata);
-  // Cancels the open call and waits until gRPC is done with it.
+  // Cancels the open call (and any earlier one gRPC is not done with yet), waits for their
+  // OnDone and destroys them on this thread: each call's ClientContext holds a reference to
+  // the channel, and the last grpc::Channel must not be released on a gRPC callback thread.
   ~OpStream();
   OpStream(const OpStream&) = delete;
   OpStream& operator=(const OpStream&) = delete;
@@ -63,6 +65,8 @@ class OpStream {
   const std::vector<std::pair<std::string, std::string>> metadata_;
   mutable absl::Mutex mu_;
   std::shared_ptr<Conn> conn_ ABSL_GUARDED_BY(mu_);  // The open call (may have broken).
+  // Calls replaced by a newer one, kept until gRPC is done with them (see ~OpStream).
+  std::vector<std::shared_ptr<Conn>> retired_ ABSL_GUARDED_BY(mu_);
   uint64_t next_call_ ABSL_GUARDED_BY(mu_) = 1;
   int64_t opened_ ABSL_GUARDED_BY(mu_) = 0;
 };
