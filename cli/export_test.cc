@@ -66,6 +66,8 @@ std::unique_ptr<grpc::ClientContext> TokenCtx() {
 
 class ExportTest : public ::testing::Test {
  protected:
+  virtual Placement placement() const { return PLACEMENT_GREEDY; }
+
   void SetUp() override {
     // Four tensors in chunks of 4 elements over two shards: chunks of one tensor land on
     // both shards.
@@ -73,6 +75,7 @@ class ExportTest : public ::testing::Test {
     layout_.tensors = {loopback::Tensor("fc1.weight", {3, 5}), loopback::Tensor("fc1.bias", {3}),
                        loopback::Tensor("fc2.weight", {2, 3}), loopback::Tensor("fc2.bias", {2})};
     layout_.chunk_elems = 4;
+    layout_.placement = placement();
     layout_.optimizer.set_name("sgd");
     layout_.optimizer.set_lr(0.1);
     layout_.consistency = "ssp:0";
@@ -181,6 +184,29 @@ TEST_F(ExportTest, FetchesExactValuesWithoutWaitingForSsp) {
     EXPECT_EQ(tensors[t].name, layout_.tensors[t].name());
     EXPECT_EQ(tensors[t].shape, std::vector<int64_t>(layout_.tensors[t].shape().begin(),
                                                      layout_.tensors[t].shape().end()));
+    EXPECT_EQ(tensors[t].values, init_[t]) << tensors[t].name;
+  }
+}
+
+// The same job with placement "ordered" (contiguous ranges of the model on the shards): the
+// export rebuilds the partition the shards report.
+class OrderedExportTest : public ExportTest {
+ protected:
+  Placement placement() const override { return PLACEMENT_ORDERED; }
+};
+
+TEST_F(OrderedExportTest, FetchesExactValuesInTheJobsPlacement) {
+  ShardExportOptions o;
+  o.job = kJob;
+  o.shards = Addrs();
+  o.job_token = kToken;
+  // 26 elements in chunks of 4: fc1.weight's first three chunks (middles 2, 6, 10; the
+  // boundary is 13) on shard 0, everything after them on shard 1.
+  const Partition ordered = loopback::MakePartition(layout_, 2);
+  EXPECT_EQ(ordered.shard_chunks(0), (std::vector<int64_t>{0, 1, 2}));
+  ASSERT_OK_AND_ASSIGN(std::vector<ExportedTensor> tensors, FetchJobTensors(o));
+  ASSERT_EQ(tensors.size(), 4u);
+  for (size_t t = 0; t < tensors.size(); ++t) {
     EXPECT_EQ(tensors[t].values, init_[t]) << tensors[t].name;
   }
 }

@@ -34,7 +34,7 @@ std::string Where(const ShardExportOptions& o, size_t s) {
 
 bool SameLayout(const JobInfoResponse& a, const JobInfoResponse& b) {
   if (a.chunk_elems() != b.chunk_elems() || a.num_shards() != b.num_shards() ||
-      a.tensors_size() != b.tensors_size()) {
+      a.placement() != b.placement() || a.tensors_size() != b.tensors_size()) {
     return false;
   }
   for (int t = 0; t < a.tensors_size(); ++t) {
@@ -106,8 +106,14 @@ absl::StatusOr<std::vector<ExportedTensor>> FetchJobTensors(const ShardExportOpt
     numels.push_back(n);
     out.values.assign(static_cast<size_t>(n), 0.0f);
   }
+  if (!Placement_IsValid(layout.placement())) {
+    return absl::FailedPreconditionError(absl::StrCat(Where(o, 0), " reports job ", o.job,
+                                                      " with placement ", layout.placement(),
+                                                      ", unknown to this binary"));
+  }
   ASSIGN_OR_RETURN(Partition partition,
-                   Partition::Create(numels, layout.chunk_elems(), layout.num_shards()));
+                   Partition::Create(numels, layout.chunk_elems(), layout.num_shards(),
+                                     static_cast<ChunkPlacement>(layout.placement())));
 
   for (size_t s = 0; s < o.shards.size(); ++s) {
     PullRequest req;

@@ -666,6 +666,7 @@ absl::StatusOr<JobInfoResponse> Shard::GetJobInfo(const JobInfoRequest& request)
   r.set_job(request.job());
   *r.mutable_tensors() = layout.tensors();
   r.set_chunk_elems(layout.chunk_elems());
+  r.set_placement(layout.placement());
   r.set_num_shards(layout.num_shards());
   r.set_shard_index(layout.shard_index());
   r.set_num_workers(layout.num_workers());

@@ -50,6 +50,13 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerOptions options,
                    "authenticated at connect over the TLS rendezvous); use allreduce.transport: "
                    "grpc on untrusted networks")});
   }
+  // The fault injection writes a NaN into the gradient after backward; with overlap the
+  // shards' parts have left by then, so the fault would be missed rather than tested.
+  if (spec.overlap() > 0 && !options.nonfinite_steps.empty()) {
+    return absl::InvalidArgumentError(
+        "trainer: --fault_nonfinite_steps poisons the gradient after backward, which overlap: 1 "
+        "has already sent; run the fault injection without overlap");
+  }
   // Names are checked here, before any work, so a bad spec fails as bad arguments.
   if (absl::Status st = CheckModelName(spec.model().name()); !st.ok()) {
     return st;

@@ -153,7 +153,8 @@ class TrainingLoop {
   // Checks the model against one real batch before anything is started.
   absl::Status CheckFit();
   // Buffers: mirrors -> model before forward (remembering the values), model -> mirrors and
-  // deltas after backward, mirrors -> model at the end.
+  // deltas after the step's last forward (backward leaves buffers alone), mirrors -> model at
+  // the end.
   void BuffersIn(bool remember);
   void BuffersOut();
   // gossip/allreduce rank 0: hands the model to options.on_model.

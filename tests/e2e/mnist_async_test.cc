@@ -398,6 +398,30 @@ TEST_F(E2eTest, BadFlagsAndSpecExitTwo) {
         << run.log;
   }
   {
+    WorkerRun run = RunWorker("overlap_clip", {"--servers=127.0.0.1:1", "--overlap=1",
+                                               "--placement=ordered", "--clip_grad_norm=1", data});
+    EXPECT_EQ(run.exit_code, 2);
+    EXPECT_NE(run.error.find("overlap: 1 cannot be combined with clip_grad_norm"),
+              std::string::npos)
+        << run.log;
+  }
+  {
+    WorkerRun run = RunWorker("overlap_fault", {"--servers=127.0.0.1:1", "--overlap=1",
+                                                "--fault_nonfinite_steps=3", data});
+    EXPECT_EQ(run.exit_code, 2);
+    EXPECT_NE(run.error.find("--fault_nonfinite_steps poisons the gradient after backward"),
+              std::string::npos)
+        << run.log;
+  }
+  {
+    WorkerRun run =
+        RunWorker("bad_placement", {"--servers=127.0.0.1:1", "--placement=random", data});
+    EXPECT_EQ(run.exit_code, 2);
+    EXPECT_NE(run.error.find("placement: \"random\" is not one of greedy, ordered"),
+              std::string::npos)
+        << run.log;
+  }
+  {
     WorkerRun run = RunWorker("rank_out_of_range",
                               {"--servers=127.0.0.1:1", "--rank=2", "--num_workers=2", data});
     EXPECT_EQ(run.exit_code, 2);

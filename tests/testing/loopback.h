@@ -106,7 +106,8 @@ inline int64_t TotalElems(const JobLayout& l) {
 }
 
 inline Partition MakePartition(const JobLayout& l, int32_t num_shards) {
-  auto p = Partition::Create(Numels(l), l.chunk_elems, num_shards);
+  auto p = Partition::Create(Numels(l), l.chunk_elems, num_shards,
+                             static_cast<ChunkPlacement>(l.placement));
   EXPECT_TRUE(p.ok()) << p.status();
   return std::move(p).value();
 }
@@ -137,6 +138,7 @@ inline InitJobRequest MakeInitRequest(const JobLayout& l, int32_t num_shards, in
   r.set_job(l.job);
   for (const TensorSpec& t : l.tensors) *r.add_tensors() = t;
   r.set_chunk_elems(l.chunk_elems);
+  r.set_placement(l.placement);
   r.set_num_shards(num_shards);
   r.set_shard_index(shard);
   *r.mutable_optimizer() = l.optimizer;

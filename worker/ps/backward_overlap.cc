@@ -28,6 +28,9 @@ BackwardOverlap::BackwardOverlap(ParameterClient* client, const ModelView* model
 BackwardOverlap::~BackwardOverlap() { Abort(); }
 
 absl::Status BackwardOverlap::BeginStep(int64_t step) {
+  // A step begun and never finished (not reachable from the training loop) ends here, so no
+  // send of it takes this step's shards.
+  if (background_->pending()) Abort();
   {
     absl::MutexLock lock(&mu_);
     step_ = step;
@@ -36,6 +39,7 @@ absl::Status BackwardOverlap::BeginStep(int64_t step) {
     ready_.clear();
     taken_.assign(num_shards_, false);
     closed_ = false;
+    failed_ = false;
     sends_.clear();
     early_ = 0;
     // A shard that holds nothing still counts the worker's step.
@@ -77,7 +81,7 @@ absl::Status BackwardOverlap::SendReady() {
       if (ready_.empty()) return first;  // Closed: the training thread sent the rest.
       batch.swap(ready_);
       for (int32_t s : batch) taken_[s] = true;
-      early_ += static_cast<int64_t>(batch.size());
+      for (int32_t s : batch) early_ += shard_tensors_[s] > 0 ? 1 : 0;
       step = step_;
     }
     // After a failure nothing more is sent; Finish reports it.
@@ -88,6 +92,7 @@ absl::Status BackwardOverlap::SendReady() {
     const absl::Time end = absl::Now();
     absl::MutexLock lock(&mu_);
     sends_.emplace_back(start, end);
+    failed_ = failed_ || !first.ok();
   }
 }
 
@@ -96,6 +101,7 @@ absl::Status BackwardOverlap::Finish(absl::Span<const absl::Span<const float>> g
   const absl::Time start = absl::Now();
   std::vector<int32_t> rest;
   int64_t step;
+  bool failed;
   {
     absl::MutexLock lock(&mu_);
     closed_ = true;
@@ -105,20 +111,27 @@ absl::Status BackwardOverlap::Finish(absl::Span<const absl::Span<const float>> g
       taken_[s] = true;
     }
     step = step_;
+    failed = failed_;
+    // Every entry is normally produced by now; one that was not (no hook call) is taken
+    // from `grads`. Its shards cannot have been sent.
+    for (int i = 0; i < num_entries_; ++i) {
+      if (produced_[i]) continue;
+      std::copy(grads[i].begin(), grads[i].end(), grads_[i].begin());
+      produced_[i] = true;
+    }
   }
+  const std::vector<absl::Span<const float>> copies(grads_.begin(), grads_.end());
   const std::vector<absl::Span<float>> into(staging_.begin(), staging_.end());
   absl::Status st;
-  if (!rest.empty()) {
-    st = client_->PushPullShards(
-        step, std::vector<absl::Span<const float>>(grads.begin(), grads.end()), into, rest);
-  }
+  if (!rest.empty() && !failed) st = client_->PushPullShards(step, copies, into, rest);
   absl::Status sent_early = background_->Wait();
   const absl::Time end = absl::Now();
   {
     absl::MutexLock lock(&mu_);
     ++totals_.steps;
     totals_.shards_early += early_;
-    totals_.shards_total += num_shards_;
+    totals_.shards_total += static_cast<int64_t>(std::count_if(
+        shard_tensors_.begin(), shard_tensors_.end(), [](int32_t n) { return n > 0; }));
     // What the sends did while backward ran (they are one after another: no overlap).
     for (const auto& [from, to] : sends_) {
       totals_.hidden_s += std::max(0.0, absl::ToDoubleSeconds(std::min(to, start) - from));

@@ -46,10 +46,12 @@ class BackwardOverlap {
   // What the steps so far did (the timeline of the progress lines).
   struct Totals {
     int64_t steps = 0;
-    int64_t shards_early = 0;  // Shard sends started during backward.
-    int64_t shards_total = 0;  // Shard sends.
-    double hidden_s = 0;       // Sends in flight while backward still ran.
-    double exposed_s = 0;      // From the end of backward to the step's last answer.
+    // Shards holding chunks: sent by the background thread (as backward produced their
+    // gradients, or just after it, before the exchange began), and all.
+    int64_t shards_early = 0;
+    int64_t shards_total = 0;
+    double hidden_s = 0;   // Sends in flight while backward still ran.
+    double exposed_s = 0;  // From the end of backward to the step's last answer.
   };
 
   // `client` and `model` outlive this object; `model` holds the values the client last
@@ -66,9 +68,13 @@ class BackwardOverlap {
   // of the shards it completes. Once per entry and step (a repeat is ignored).
   void OnGradient(int param, absl::Span<const float> grad);
 
-  // After backward: sends the shards not sent yet with `grads` (every entry of the model,
-  // parameters then buffer deltas), waits for all, and copies the pulled values into
-  // `model`. The first error of any send (then the model is not written).
+  // After backward: sends the shards not sent yet, from the same copies as the others (an
+  // entry never produced is taken from `grads`, every entry of the model: parameters, then
+  // buffer deltas), waits for all, and copies the pulled values into `model`. The
+  // first error of any send (then the model is not written, and after a failed background
+  // send the shards not sent yet are not sent). A step that fails part-way may have been
+  // applied on some shards only, as a failed PushPull may: a retry of the step (a resumed
+  // worker) is a duplicate there and applied on the others.
   absl::Status Finish(absl::Span<const absl::Span<const float>> grads, ModelView* model);
 
   // Backward failed: waits for the sends in flight and discards the step.
@@ -100,6 +106,7 @@ class BackwardOverlap {
   std::vector<int32_t> ready_ ABSL_GUARDED_BY(mu_);    // Complete, not yet taken.
   std::vector<bool> taken_ ABSL_GUARDED_BY(mu_);       // Per shard: sent (or being sent).
   bool closed_ ABSL_GUARDED_BY(mu_) = false;           // Finish/Abort took the rest.
+  bool failed_ ABSL_GUARDED_BY(mu_) = false;           // A background send failed.
   // The background sends of the step: (start, end) of each.
   std::vector<std::pair<absl::Time, absl::Time>> sends_ ABSL_GUARDED_BY(mu_);
   int64_t early_ ABSL_GUARDED_BY(mu_) = 0;

@@ -430,9 +430,10 @@ std::vector<LogField> PsMode::ProgressFields(int64_t done, int64_t window) {
                                      ? static_cast<double>(client_->raw_bytes_pushed()) / pushed
                                      : 1.0))};
   if (overlap_ != nullptr && overlap_->totals().steps > 0) {
-    // The timeline, per step: sends in flight while backward still ran (hidden_ms) and the
-    // wait after backward (exposed_ms); exchange_ms is their sum, hidden the share of it
-    // behind backward; early_shards the share of the shards' parts sent during backward.
+    // The timeline, per step: the time sends were in flight while backward still ran plus
+    // the wait after backward (exposed_ms) is exchange_ms; hidden is the first's share of it;
+    // early_shards the share of the shards' parts the background thread sent (during
+    // backward, or just after it, before Exchange began).
     const BackwardOverlap::Totals t = overlap_->totals();
     const double exchange_s = t.hidden_s + t.exposed_s;
     f.push_back(Kv("exchange_ms", absl::StrFormat("%.2f", 1e3 * exchange_s / t.steps)));
@@ -560,8 +561,8 @@ class DilocoMode : public PsMode {
     int p = 0;
     for (int i = 0; i < model_->size(); ++i) {
       absl::Span<float> x = model_->params[i];
-      // A buffer's mirror already holds its new local value (the loop wrote it after
-      // backward; grads[i] is that step's delta): nothing to apply.
+      // A buffer's mirror already holds its new local value (the loop wrote it after the
+      // step's last forward; grads[i] is that step's delta): nothing to apply.
       if (model_->is_buffer(i)) continue;
       for (size_t k = 0; k < slot_ptrs_.size(); ++k) slot_ptrs_[k] = slots_[p][k].data();
       inner_->Apply(step + 1 - round_start_, lr_factor, grads[i].data(), x.data(),
