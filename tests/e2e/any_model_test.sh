@@ -2,7 +2,8 @@
 # Any model, any data, end to end: a real coordinator, one shard and two worker daemons
 # (service mode, 127.0.0.1, free ports) train the shipped workloads through the CLI:
 #   * the ResNet-style CNN with BatchNorm (examples/fashion_resnet) on Fashion-MNIST converted
-#     to a `tensors` dataset of several .pt files, in async and sync (ps), allreduce and gossip mode;
+#     to a `tensors` dataset of several .pt files, in async and sync (ps), allreduce and gossip mode,
+#     and sync with overlap: 1 (the exchange during backward, placement ordered);
 #     every job is exported (`gradmesh export`, state_dict and --format torchscript) and
 #     evaluated independently in Python (examples/evaluate.py, Debian's torch): the accuracy
 #     must equal what the job reported within 0.3 pt, with the BatchNorm buffers loaded
@@ -123,6 +124,21 @@ for mode in async sync allreduce gossip; do
     echo "ok: $name reported accuracy $want, the $format export scores $got"
   done
 done
+
+# --- The exchange during backward (overlap: 1) with BatchNorm: the buffers' deltas go with
+# the step's last forward; the job trains, exports and scores as the others.
+name="resnet-sync-overlap"
+run_job "$name" sync "$tmp/resnet" 150 64 "overlap: 1" "placement: ordered"
+grep -h "event=train_start" "$tmp"/worker*.log | grep " job=$name " | grep -Eq " overlap=1( |$)" ||
+  fail "$name: no train_start line with overlap=1"
+want="$(reported "$name" accuracy)"
+[ -n "$want" ] || fail "$name: no accuracy reported"
+# Fashion-MNIST after 150 steps (chance: 0.1).
+"$PY" -c "import sys; sys.exit(0 if float('$want') > 0.6 else 1)" || fail "$name: accuracy $want"
+got="$(export_and_score "$name" state_dict "$tmp/resnet" accuracy)" || fail "$got"
+within "$want" "$got" 0.003 ||
+  fail "$name: the state_dict export scores $got independently, the job reported $want"
+echo "ok: $name reported accuracy $want, the state_dict export scores $got"
 
 # --- The transformer on KJV text, in a ps mode with bounded staleness and the shard-less ones.
 for mode in ssp:1 allreduce gossip; do
