@@ -21,6 +21,11 @@
 // rest is hidden behind compute, reported as exchange_ms / exposed_ms / hidden in progress
 // lines), then copies the pulled values into the model. Finish, and a stop, wait for it
 // first, so every counted step's push is acknowledged.
+// Overlap (JobSpec.overlap: 1; async, ssp, sync without commit_steps): each shard's part of
+// step t's exchange (push fused with pull, ParameterClient::PushPullShards) is sent by a
+// background thread as soon as backward has produced every gradient and buffer delta that
+// shard holds; Exchange sends the rest and waits (worker/ps/backward_overlap.h). Progress
+// lines carry exchange_ms / exposed_ms / hidden / early_shards.
 // Checkpoints are the shards' durable snapshots (checkpoint.every_steps turns them on, see
 // common/job_spec.h); the loop reports them at those steps.
 // Finish: tell the shards this worker finished (not after a stop request: the shards keep
