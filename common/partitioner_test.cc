@@ -86,14 +86,17 @@ TEST(PartitionerTest, AutoChunkElemsBalancesSmallJobs) {
   CheckInvariants(mlp, AutoChunkElems(mlp, 3), 3);
 }
 
-TEST(PartitionerTest, RandomLayouts) {
-  std::mt19937 rng(7);
+// The invariants on 50 random layouts (up to 8 tensors, chunk sizes, up to 5 shards).
+void CheckRandomLayouts(uint32_t seed, ChunkPlacement placement) {
+  std::mt19937 rng(seed);
   for (int trial = 0; trial < 50; ++trial) {
     std::vector<int64_t> numels(1 + rng() % 8);
     for (auto& n : numels) n = rng() % 5000;
-    CheckInvariants(numels, 1 + rng() % 700, 1 + rng() % 5);
+    CheckInvariants(numels, 1 + rng() % 700, 1 + rng() % 5, placement);
   }
 }
+
+TEST(PartitionerTest, RandomLayouts) { CheckRandomLayouts(7, ChunkPlacement::kGreedy); }
 
 TEST(PartitionerTest, ExactPlacement) {
   // Chunks of 4: t0 = [4,4,2], t1 = [3]. Largest first: (0,0)->s0, (0,1)->s1, (1,0)->s0? No:
@@ -139,12 +142,7 @@ TEST(PartitionerTest, OrderedPlacementIsContiguousAndBalanced) {
   ASSERT_OK_AND_ASSIGN(Partition one, Partition::Create({10}, 16, 3, ChunkPlacement::kOrdered));
   EXPECT_EQ(one.chunks()[0].shard, 1);
   CheckInvariants(mlp, AutoChunkElems(mlp, 3), 3, ChunkPlacement::kOrdered);
-  std::mt19937 rng(11);
-  for (int trial = 0; trial < 50; ++trial) {
-    std::vector<int64_t> numels(1 + rng() % 8);
-    for (auto& n : numels) n = rng() % 5000;
-    CheckInvariants(numels, 1 + rng() % 700, 1 + rng() % 5, ChunkPlacement::kOrdered);
-  }
+  CheckRandomLayouts(11, ChunkPlacement::kOrdered);
 }
 
 TEST(PartitionerTest, DeterministicAcrossCalls) {

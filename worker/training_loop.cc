@@ -465,10 +465,12 @@ absl::Status TrainingLoop::MicroStep(Batch& batch, int k, double* loss_sum) {
   const bool last = k == accum_ - 1;
   // The step's last forward has moved the buffers as far as they go (backward leaves them
   // alone): their deltas are known now, before backward.
-  if (last) BuffersOut();
-  if (last) mode_->BeforeBackward(step_, *loss_sum / accum_, stop_.load());
-  if (last && mode_->wants_gradient_hook() && view_.size() > view_.num_params) {
-    mode_->OnBufferDeltas(absl::MakeConstSpan(grads_).subspan(view_.num_params));
+  if (last) {
+    BuffersOut();
+    mode_->BeforeBackward(step_, *loss_sum / accum_, stop_.load());
+    if (mode_->wants_gradient_hook() && view_.size() > view_.num_params) {
+      mode_->OnBufferDeltas(absl::MakeConstSpan(grads_).subspan(view_.num_params));
+    }
   }
   hook_live_ = last;
   if (last) hooked_.assign(params_.size(), 0);

@@ -19,6 +19,8 @@ BackwardOverlap::BackwardOverlap(ParameterClient* client, const ModelView* model
   for (const std::vector<int32_t>& shards : tensor_shards_) {
     for (int32_t s : shards) ++shard_tensors_[s];
   }
+  held_shards_ =
+      std::count_if(shard_tensors_.begin(), shard_tensors_.end(), [](int32_t n) { return n > 0; });
   for (int i = 0; i < model->size(); ++i) {
     grads_.emplace_back(model->params[i].size(), 0.0f);
     staging_.emplace_back(model->params[i].begin(), model->params[i].end());
@@ -130,8 +132,7 @@ absl::Status BackwardOverlap::Finish(absl::Span<const absl::Span<const float>> g
     absl::MutexLock lock(&mu_);
     ++totals_.steps;
     totals_.shards_early += early_;
-    totals_.shards_total += static_cast<int64_t>(std::count_if(
-        shard_tensors_.begin(), shard_tensors_.end(), [](int32_t n) { return n > 0; }));
+    totals_.shards_total += held_shards_;
     // What the sends did while backward ran (they are one after another: no overlap).
     for (const auto& [from, to] : sends_) {
       totals_.hidden_s += std::max(0.0, absl::ToDoubleSeconds(std::min(to, start) - from));

@@ -96,6 +96,7 @@ class BackwardOverlap {
   const int num_entries_;                            // Parameters and buffers.
   std::vector<std::vector<int32_t>> tensor_shards_;  // Shards holding each entry's chunks.
   std::vector<int32_t> shard_tensors_;               // Entries each shard holds (counts).
+  int64_t held_shards_ = 0;                          // Shards holding any entry.
   std::vector<std::vector<float>> grads_;            // Copies of the entries' gradients.
   std::vector<std::vector<float>> staging_;          // The pull target.
 

@@ -178,7 +178,7 @@ class GrpcParameterClient final : public ParameterClient {
                         const std::vector<std::string>* pulls = nullptr,
                         const std::vector<int32_t>* only = nullptr) {
     RETURN_IF_ERROR(CheckSpans("Push", grads));
-    const std::vector<int32_t>& shards = only != nullptr ? *only : all_shards_;
+    const std::vector<int32_t>& shards = ShardsOr(only);
     // Shards reject non-finite gradients, but each only for its own chunks: with several
     // shards, checking here keeps a bad step from being applied on some shards and not
     // others; with a push codec it keeps NaNs out of the error-feedback residual. A single
@@ -189,8 +189,8 @@ class GrpcParameterClient final : public ParameterClient {
       absl::MutexLock lock(&mu_);
       scan = push_codec_ != nullptr;
     }
-    for (int32_t s : scan ? shards : std::vector<int32_t>()) {
-      for (int64_t idx : partition_.shard_chunks(s)) {
+    for (size_t i = 0; scan && i < shards.size(); ++i) {
+      for (int64_t idx : partition_.shard_chunks(shards[i])) {
         const ChunkInfo& c = partition_.chunks()[idx];
         const int64_t bad = FirstNonFinite(grads[c.tensor].data() + c.offset, c.numel);
         if (bad >= 0) {
@@ -295,7 +295,7 @@ class GrpcParameterClient final : public ParameterClient {
                         bool* missing, const std::vector<int32_t>* only = nullptr) {
     std::vector<absl::Span<const float>> views(params.begin(), params.end());
     RETURN_IF_ERROR(CheckSpans("Pull", views));
-    const std::vector<int32_t>& shards = only != nullptr ? *only : all_shards_;
+    const std::vector<int32_t>& shards = ShardsOr(only);
     std::vector<grpc::ByteBuffer> reqs(NumShards());
     for (int32_t s : shards) {
       const std::string wire = PullWire(s, commit);
@@ -328,11 +328,7 @@ class GrpcParameterClient final : public ParameterClient {
 
   std::vector<std::vector<int32_t>> TensorShards() const override {
     std::vector<std::vector<int32_t>> out(layout_.tensors.size());
-    for (const ChunkInfo& c : partition_.chunks()) {
-      if (out[c.tensor].empty() || out[c.tensor].back() != c.shard) {
-        out[c.tensor].push_back(c.shard);
-      }
-    }
+    for (const ChunkInfo& c : partition_.chunks()) out[c.tensor].push_back(c.shard);
     for (std::vector<int32_t>& v : out) {
       std::sort(v.begin(), v.end());
       v.erase(std::unique(v.begin(), v.end()), v.end());
@@ -417,7 +413,7 @@ class GrpcParameterClient final : public ParameterClient {
   absl::Status DecodePulled(const std::vector<grpc::ByteBuffer>& resps,
                             const std::vector<absl::Span<float>>& params, const SyncCommit* commit,
                             bool* missing, const std::vector<int32_t>* only = nullptr) {
-    const std::vector<int32_t>& shards = only != nullptr ? *only : all_shards_;
+    const std::vector<int32_t>& shards = ShardsOr(only);
     // Each shard answers with its owned chunks in partition order; values are copied from
     // gRPC's buffers straight into the caller's tensors.
     int64_t raw = 0, wire = 0;
@@ -531,6 +527,10 @@ class GrpcParameterClient final : public ParameterClient {
 
  private:
   int32_t NumShards() const { return static_cast<int32_t>(stubs_.size()); }
+  // The shards an operation goes to: `only`, or every shard when it is null.
+  const std::vector<int32_t>& ShardsOr(const std::vector<int32_t>* only) const {
+    return only != nullptr ? *only : all_shards_;
+  }
   // Whether an operation carrying `bytes` of tensor data to or from a shard takes its stream.
   bool Streamed(int64_t bytes) const {
     return !streams_.empty() && bytes <= options_.stream_max_bytes;
@@ -630,7 +630,7 @@ class GrpcParameterClient final : public ParameterClient {
   template <typename Req, typename Resp, typename Fn>
   absl::Status CallAll(const char* what, const std::vector<Req>& reqs, std::vector<Resp>* resps,
                        Fn call, const std::vector<int32_t>* only = nullptr) {
-    std::vector<int32_t> pending = only != nullptr ? *only : all_shards_;
+    std::vector<int32_t> pending = ShardsOr(only);
     absl::Duration backoff = options_.initial_backoff;
     // A sync push waits at the shard's barrier for up to the job's barrier timeout: an attempt
     // must outlast it, or the client would give up on a step the shard still completes.
