@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <deque>
+#include <limits>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
@@ -23,6 +24,7 @@ class OpStream::Conn final : public grpc::ClientBidiReactor<grpc::ByteBuffer, gr
                                     const std::vector<std::pair<std::string, std::string>>& md) {
     std::shared_ptr<Conn> conn(new Conn());
     for (const auto& [key, value] : md) conn->ctx_.AddMetadata(key, value);
+    conn->ctx_.AddMetadata(kStreamBatchMetadata, "1");  // This side reads batched responses.
     conn->self_ = conn;
     stub->PrepareBidiStreamingCall(&conn->ctx_, method, grpc::StubOptions(), conn.get());
     conn->AddHold();
@@ -32,18 +34,29 @@ class OpStream::Conn final : public grpc::ClientBidiReactor<grpc::ByteBuffer, gr
   }
 
   // Queues one framed operation. False (nothing taken from `done`) if the call has closed.
-  bool Send(uint64_t call, grpc::ByteBuffer framed, grpc::ByteBuffer* response, Done* done) {
+  bool Send(uint64_t call, grpc::ByteBuffer framed, grpc::ByteBuffer* response, Done* done,
+            bool more) {
     absl::MutexLock lock(&mu_);
     if (closing_) return false;
     pending_.emplace(call, Pending{response, std::move(*done)});
-    if (writing_) {
-      queued_.push_back(std::move(framed));
-    } else {
+    queued_.push_back(std::move(framed));
+    if (!writing_ && !(more && batch_requests_)) {
       writing_ = true;
-      out_ = std::move(framed);
+      out_ = TakeStreamMessages(&queued_, batch_requests_);
+      ++writes_;
       StartWrite(&out_);  // The client API never runs OnWriteDone inline.
     }
     return true;
+  }
+
+  // Messages written so far (a batch counts once), and whether the shard reads batches.
+  int64_t writes() const {
+    absl::MutexLock lock(&mu_);
+    return writes_;
+  }
+  bool batching() const {
+    absl::MutexLock lock(&mu_);
+    return batch_requests_;
   }
 
   bool closing() const {
@@ -64,13 +77,22 @@ class OpStream::Conn final : public grpc::ClientBidiReactor<grpc::ByteBuffer, gr
         queued_.clear();  // Their operations fail in OnDone.
         close = CloseLocked();
       } else if (!queued_.empty()) {
-        out_ = std::move(queued_.front());
-        queued_.pop_front();
+        // What queued while the last write was out goes as one batch, if the shard reads them.
+        out_ = TakeStreamMessages(&queued_, batch_requests_);
+        ++writes_;
         writing_ = true;
         StartWrite(&out_);
       }
     }
     if (close) RemoveHold();
+  }
+
+  void OnReadInitialMetadataDone(bool ok) override {
+    if (!ok) return;
+    const auto& md = ctx_.GetServerInitialMetadata();
+    const auto it = md.find(kStreamBatchMetadata);
+    absl::MutexLock lock(&mu_);
+    batch_requests_ = it != md.end() && it->second == "1";
   }
 
   void OnReadDone(bool ok) override {
@@ -83,31 +105,43 @@ class OpStream::Conn final : public grpc::ClientBidiReactor<grpc::ByteBuffer, gr
       if (close) RemoveHold();
       return;
     }
-    StreamResponseHead head;
-    grpc::ByteBuffer body;
-    Pending op;
+    // One response, or a batch of them.
+    std::vector<std::pair<Pending, grpc::ByteBuffer>> answered;
+    std::vector<grpc::Status> statuses;
     bool close = false;
     {
       absl::MutexLock lock(&mu_);
-      absl::Status st = SplitStreamResponse(in_, &head, &body);
-      auto it = st.ok() ? pending_.find(head.call) : pending_.end();
-      if (it != pending_.end()) {
-        op = std::move(it->second);
+      std::vector<grpc::ByteBuffer> parts;
+      bool batch = false;
+      absl::Status st = SplitStreamBatch(in_, std::numeric_limits<size_t>::max(), &parts, &batch);
+      if (!batch) parts.push_back(in_);
+      for (size_t i = 0; st.ok() && i < parts.size(); ++i) {
+        StreamResponseHead head;
+        grpc::ByteBuffer body;
+        st = SplitStreamResponse(parts[i], &head, &body);
+        auto it = st.ok() ? pending_.find(head.call) : pending_.end();
+        if (st.ok() && it == pending_.end()) {
+          st = absl::DataLossError(
+              absl::StrCat("response to call ", head.call, ", which is not in flight"));
+        }
+        if (!st.ok()) break;
+        answered.emplace_back(std::move(it->second), std::move(body));
+        statuses.emplace_back(static_cast<grpc::StatusCode>(head.code), head.message);
         pending_.erase(it);
-        StartRead(&in_);  // `body` holds its own references to the slices read.
+      }
+      if (st.ok()) {
+        StartRead(&in_);  // The bodies hold their own references to the slices read.
       } else {
-        error_ = st.ok() ? absl::StrCat("response to call ", head.call, ", which is not in flight")
-                         : st.ToString();
+        error_ = std::string(st.message());
         ctx_.TryCancel();  // No more reads; OnDone fails the operations in flight.
         close = CloseLocked();
       }
     }
-    if (op.response == nullptr) {
-      if (close) RemoveHold();
-      return;
+    for (size_t i = 0; i < answered.size(); ++i) {
+      *answered[i].first.response = std::move(answered[i].second);
+      answered[i].first.done(statuses[i]);
     }
-    *op.response = std::move(body);
-    op.done(grpc::Status(static_cast<grpc::StatusCode>(head.code), head.message));
+    if (close) RemoveHold();
   }
 
   void OnDone(const grpc::Status& status) override {
@@ -171,6 +205,8 @@ class OpStream::Conn final : public grpc::ClientBidiReactor<grpc::ByteBuffer, gr
   std::deque<grpc::ByteBuffer> queued_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<uint64_t, Pending> pending_ ABSL_GUARDED_BY(mu_);
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
+  bool batch_requests_ ABSL_GUARDED_BY(mu_) = false;  // The shard reads batches.
+  int64_t writes_ ABSL_GUARDED_BY(mu_) = 0;
   bool closing_ ABSL_GUARDED_BY(mu_) = false;
   std::string error_ ABSL_GUARDED_BY(mu_);  // Why the client ended the call, if it did.
 };
@@ -194,7 +230,7 @@ OpStream::~OpStream() {
 }
 
 void OpStream::Call(StreamOp op, const grpc::ByteBuffer& body, grpc::ByteBuffer* response,
-                    Done done) {
+                    Done done, bool more) {
   // Twice at most: a call found closed is replaced once.
   for (int attempt = 0; attempt < 2; ++attempt) {
     std::shared_ptr<Conn> conn;
@@ -214,7 +250,7 @@ void OpStream::Call(StreamOp op, const grpc::ByteBuffer& body, grpc::ByteBuffer*
       conn = conn_;
       id = next_call_++;
     }
-    if (conn->Send(id, FrameStreamRequest(id, op, body), response, &done)) return;
+    if (conn->Send(id, FrameStreamRequest(id, op, body), response, &done, more)) return;
   }
   *response = grpc::ByteBuffer();
   done(grpc::Status(grpc::StatusCode::UNAVAILABLE, "stream closed as it was opened"));
@@ -232,6 +268,16 @@ void OpStream::Abort() {
 int64_t OpStream::opened() const {
   absl::MutexLock lock(&mu_);
   return opened_;
+}
+
+int64_t OpStream::writes() const {
+  absl::MutexLock lock(&mu_);
+  return conn_ != nullptr ? conn_->writes() : 0;
+}
+
+bool OpStream::batching() const {
+  absl::MutexLock lock(&mu_);
+  return conn_ != nullptr && conn_->batching();
 }
 
 }  // namespace gradmesh

@@ -10,6 +10,11 @@
 // operation's request buffer (and the memory its static slices point to) is no longer used
 // once its completion has run.
 //
+// Operations queued while a write is in progress go together in the next message, as one
+// batch (StreamRequest.batch, rpc/tensor_wire.h) once the shard has announced that it reads
+// batches; a caller issuing a burst can hold its operations back to go in one message (`more`).
+// Responses may come batched too: this side announces that it reads them.
+//
 // Thread safety: all methods may be called concurrently; completions run on gRPC's threads
 // and must not block.
 #ifndef GRADMESH_RPC_OP_STREAM_H_
@@ -48,7 +53,12 @@ class OpStream {
   // Sends `body` (an encoded PushRequest or PullRequest, as `op` says) and, when its answer
   // arrives, fills `*response` (encoded PushResponse or PullResponse; empty on error) and runs
   // `done` with its status. `body`'s memory must stay valid until then.
-  void Call(StreamOp op, const grpc::ByteBuffer& body, grpc::ByteBuffer* response, Done done);
+  //
+  // `more`: the caller is about to issue further operations on this stream: this one may wait
+  // to go with them in one message (a batch). The last operation of such a burst must be
+  // issued with `more` false, or the waiting ones may not be sent.
+  void Call(StreamOp op, const grpc::ByteBuffer& body, grpc::ByteBuffer* response, Done done,
+            bool more = false);
 
   // Breaks the open call (e.g. an operation is past its deadline): its operations fail
   // UNAVAILABLE; the next Call opens a new one.
@@ -56,6 +66,10 @@ class OpStream {
 
   // Calls opened so far (1 after first use; each reopen adds 1).
   int64_t opened() const;
+  // On the open call: messages written (a batch counts once), and whether the shard announced
+  // that it reads batches (until then every operation goes alone).
+  int64_t writes() const;
+  bool batching() const;
 
  private:
   class Conn;

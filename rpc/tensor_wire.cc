@@ -189,6 +189,90 @@ grpc::ByteBuffer FrameStreamRequest(uint64_t call, StreamOp op, const grpc::Byte
   return grpc::ByteBuffer(slices.data(), slices.size());
 }
 
+void AppendStreamBatchElement(const grpc::ByteBuffer& message, std::vector<grpc::Slice>* slices) {
+  std::string head;
+  PutVarint(Tag(kStreamBatchField, kLengthDelimited), &head);
+  PutVarint(message.Length(), &head);
+  slices->emplace_back(head.data(), head.size());  // Copies the small header.
+  std::vector<grpc::Slice> body;
+  if (message.Length() > 0 && message.Dump(&body).ok()) {
+    for (grpc::Slice& s : body) slices->push_back(std::move(s));
+  }
+}
+
+grpc::ByteBuffer TakeStreamMessages(std::deque<grpc::ByteBuffer>* queue, bool batch) {
+  size_t n = 1, bytes = queue->front().Length();
+  if (batch) {
+    while (n < queue->size() && n < kMaxStreamBatch &&
+           bytes + (*queue)[n].Length() <= kStreamBatchBytes) {
+      bytes += (*queue)[n++].Length();
+    }
+  }
+  if (n == 1) {
+    grpc::ByteBuffer one = std::move(queue->front());
+    queue->pop_front();
+    return one;
+  }
+  std::vector<grpc::Slice> slices;
+  for (size_t i = 0; i < n; ++i) {
+    AppendStreamBatchElement(queue->front(), &slices);
+    queue->pop_front();
+  }
+  return grpc::ByteBuffer(slices.data(), slices.size());
+}
+
+absl::Status SplitStreamBatch(const grpc::ByteBuffer& buffer, size_t max_parts,
+                              std::vector<grpc::ByteBuffer>* parts, bool* is_batch) {
+  parts->clear();
+  *is_batch = false;
+  std::vector<grpc::Slice> all;
+  if (buffer.Length() == 0 || !buffer.Dump(&all).ok()) return absl::OkStatus();
+  constexpr uint32_t kBatchTag = Tag(kStreamBatchField, kLengthDelimited);
+  static_assert(kBatchTag < 0x80, "a one-byte tag");
+  const auto first = std::find_if(all.begin(), all.end(), [](const grpc::Slice& s) {
+    return s.size() > 0;
+  });
+  if (first == all.end() || first->begin()[0] != kBatchTag) return absl::OkStatus();
+  *is_batch = true;
+  // The elements' byte ranges, then one pass over the slices to cut them out.
+  std::vector<std::pair<size_t, size_t>> ranges;
+  {
+    grpc::ByteBuffer copy(buffer);  // Shares slices (refcounted); the reader consumes it.
+    grpc::ProtoBufferReader reader(&copy);
+    CodedInputStream in(&reader);
+    in.SetTotalBytesLimit(INT32_MAX);
+    for (uint32_t tag = in.ReadTag(); tag != 0; tag = in.ReadTag()) {
+      uint32_t len;
+      if (tag != kBatchTag) {
+        return absl::DataLossError(absl::StrCat("a batch holds field ", tag >> 3, " besides its ",
+                                                "elements (field ", kStreamBatchField, ")"));
+      }
+      if (ranges.size() == max_parts) {
+        return absl::DataLossError(absl::StrCat("a batch of more than ", max_parts, " elements"));
+      }
+      if (!in.ReadVarint32(&len)) return absl::DataLossError("a batch element's length is bad");
+      ranges.emplace_back(static_cast<size_t>(in.CurrentPosition()), len);
+      if (!in.Skip(static_cast<int>(len))) {
+        return absl::DataLossError(absl::StrCat("a batch element of ", len,
+                                                " bytes is longer than the message"));
+      }
+    }
+    if (!in.ConsumedEntireMessage()) return absl::DataLossError("a malformed batch");
+  }
+  size_t slice = 0, pos = 0;  // The slice holding the range's start, and that slice's offset.
+  for (const auto& [begin, size] : ranges) {
+    std::vector<grpc::Slice> part;
+    while (pos + all[slice].size() <= begin && slice + 1 < all.size()) pos += all[slice++].size();
+    for (size_t i = slice, at = pos; i < all.size() && at < begin + size; at += all[i++].size()) {
+      const size_t from = std::max(begin, at), to = std::min(begin + size, at + all[i].size());
+      if (from < to) part.push_back(all[i].sub(from - at, to - at));
+    }
+    if (part.empty()) part.emplace_back();  // A valid, empty element.
+    parts->emplace_back(part.data(), part.size());
+  }
+  return absl::OkStatus();
+}
+
 absl::Status SplitStreamResponse(const grpc::ByteBuffer& buffer, StreamResponseHead* head,
                                  grpc::ByteBuffer* body) {
   *head = StreamResponseHead();
@@ -223,6 +307,9 @@ absl::Status SplitStreamResponse(const grpc::ByteBuffer& buffer, StreamResponseH
                                                 " bytes is longer than the message"));
       }
       head->op = static_cast<int32_t>(field);
+    } else if (field == kStreamBatchField) {
+      // SplitStreamBatch takes a batch apart first: one here is nested, or beside other fields.
+      return absl::DataLossError("StreamResponse: a batch inside a batch or beside other fields");
     } else if (!google::protobuf::internal::WireFormatLite::SkipField(&in, tag)) {
       return absl::DataLossError("StreamResponse: malformed field");
     }

@@ -27,6 +27,7 @@
 #include <grpcpp/support/byte_buffer.h>
 
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <string>
 #include <vector>
@@ -126,9 +127,38 @@ struct StreamResponseHead {
 };
 
 // Decodes a StreamResponse: the head, and in `body` the encoded PushResponse or PullResponse
-// (empty when neither is present), sharing `buffer`'s slices. DataLoss on malformed input.
+// (empty when neither is present), sharing `buffer`'s slices. DataLoss on malformed input, and
+// on a batch field (SplitStreamBatch takes batches apart first).
 absl::Status SplitStreamResponse(const grpc::ByteBuffer& buffer, StreamResponseHead* head,
                                  grpc::ByteBuffer* body);
+
+// Batches on ParameterService.Stream: several operations in one message, each an element of
+// StreamRequest.batch (or StreamResponse.batch), field kStreamBatchField, encoded as a complete
+// StreamRequest (StreamResponse). A batch message carries nothing but those elements.
+// A side sends batches only to a peer that announced, in its metadata, that it reads them
+// (kStreamBatchMetadata = "1": the client when it opens the call, the shard in its initial
+// metadata); a peer from before batches never sees one.
+inline constexpr uint32_t kStreamBatchField = 15;
+inline constexpr char kStreamBatchMetadata[] = "x-gradmesh-stream-batch";
+// A batch holds at most this many elements, and is built up to kStreamBatchBytes (a message
+// larger than that goes alone).
+inline constexpr size_t kMaxStreamBatch = 256;
+inline constexpr size_t kStreamBatchBytes = size_t{1} << 20;
+
+// The next message to write from `queue` (not empty): its front alone, or, when `batch` and
+// more than one message waits, as many from the front as fit kStreamBatchBytes and
+// kMaxStreamBatch (at least one) as one batch.
+grpc::ByteBuffer TakeStreamMessages(std::deque<grpc::ByteBuffer>* queue, bool batch);
+
+// Appends `message` (an encoded StreamRequest or StreamResponse) to a batch being built in
+// `slices` as one more element, sharing its slices (the header is copied).
+void AppendStreamBatchElement(const grpc::ByteBuffer& message, std::vector<grpc::Slice>* slices);
+
+// Whether `buffer` is a batch (its first field is kStreamBatchField; false for an empty
+// message). If so, `parts` receives its elements in order, sharing `buffer`'s slices, and a
+// batch holding any other field, or more than `max_parts` elements, is DataLoss.
+absl::Status SplitStreamBatch(const grpc::ByteBuffer& buffer, size_t max_parts,
+                              std::vector<grpc::ByteBuffer>* parts, bool* is_batch);
 
 // "changes" pull payloads: the codec lives in compression/changes.h (EncodeChanges on spans,
 // DecodeChanges), which this header includes so that its users keep compiling. Transitional:

@@ -2,10 +2,12 @@
 
 #include <algorithm>
 #include <cstring>
+#include <deque>
 #include <limits>
 #include <random>
 #include <vector>
 
+#include "absl/strings/escaping.h"
 #include "common/status_testing.h"
 #include "gtest/gtest.h"
 #include "proto/gradmesh.pb.h"
@@ -124,7 +126,10 @@ TEST(TensorWireTest, HandEncodedMessagesHaveTheFieldsTheEncodersKnow) {
     std::sort(n.begin(), n.end());
     return n;
   };
-  EXPECT_EQ(numbers(StreamResponse::descriptor()), (std::vector<int>{1, 2, 3, 4, 5}));
+  // batch (15) is never set on a message object: batches are built from encoded messages
+  // (TakeStreamMessages) and taken apart before decoding (SplitStreamBatch).
+  EXPECT_EQ(numbers(StreamResponse::descriptor()), (std::vector<int>{1, 2, 3, 4, 5, 15}));
+  EXPECT_EQ(numbers(StreamRequest::descriptor()), (std::vector<int>{1, 2, 3, 15}));
   EXPECT_EQ(numbers(PushResponse::descriptor()), (std::vector<int>{1, 2, 3, 4}));
   EXPECT_EQ(numbers(PullResponse::descriptor()), (std::vector<int>{1, 2}));
   EXPECT_EQ(numbers(ChunkData::descriptor()), (std::vector<int>{1, 2, 3, 4, 5, 6}));
@@ -726,6 +731,133 @@ TEST(TensorWireTest, PushDecodingAgreesWithProtobufOnCorruptedMessages) {
     ASSERT_EQ(Restored(got, dense).SerializeAsString(), pb.SerializeAsString()) << trial;
   }
   EXPECT_GT(accepted, 1000);  // The corruptions reach past the refusals.
+}
+
+// `wire` cut into slices of `piece` bytes, as gRPC may deliver a message.
+grpc::ByteBuffer Sliced(const std::string& wire, size_t piece) {
+  std::vector<grpc::Slice> slices;
+  for (size_t i = 0; i < wire.size(); i += piece) {
+    slices.emplace_back(wire.data() + i, std::min(piece, wire.size() - i));
+  }
+  return grpc::ByteBuffer(slices.data(), slices.size());
+}
+
+// A batch built by TakeStreamMessages is what protobuf writes for StreamRequest.batch (and
+// StreamResponse.batch), shares the queued messages' memory, and SplitStreamBatch gives back
+// each element's bytes however the message is sliced.
+TEST(TensorWireTest, StreamBatchesAreWhatProtobufWritesAndSplitBack) {
+  std::vector<float> g(1000, 0.5f);
+  std::deque<grpc::ByteBuffer> queue;
+  std::vector<std::string> elements;
+  StreamRequest want;
+  for (int i = 0; i < 5; ++i) {
+    queue.push_back(FrameStreamRequest(
+        i + 1, StreamOp::kPush,
+        EncodePushRequest("job", 1, i, 100 + i, {{0, i, 3, g.data(), 1000 - i}})));
+    elements.push_back(Flatten(queue.back()));
+    ASSERT_TRUE(want.add_batch()->ParseFromString(elements.back()));
+  }
+  PullRequest pull;
+  pull.set_job("job");
+  queue.push_back(FrameStreamRequest(9, StreamOp::kPull, FromString(pull.SerializeAsString())));
+  elements.push_back(Flatten(queue.back()));
+  *want.add_batch()->mutable_pull() = pull;
+  want.mutable_batch(5)->set_call(9);
+  StreamResponse response;
+  response.set_call(3);
+  response.set_code(5);
+  queue.push_back(FromString(response.SerializeAsString()));  // An empty element's neighbour.
+  elements.push_back(Flatten(queue.back()));
+  queue.push_back(FromString(""));
+  elements.push_back("");
+  want.add_batch()->set_call(3);  // Parsed as a StreamRequest: call 3, code an unknown field.
+  want.add_batch();
+
+  const grpc::ByteBuffer batch = TakeStreamMessages(&queue, /*batch=*/true);
+  EXPECT_TRUE(queue.empty());
+  StreamRequest parsed;
+  ASSERT_TRUE(parsed.ParseFromString(Flatten(batch)));
+  ASSERT_EQ(parsed.batch_size(), 8);
+  for (int i = 0; i < 6; ++i) {
+    EXPECT_EQ(parsed.batch(i).SerializeAsString(), want.batch(i).SerializeAsString()) << i;
+  }
+  std::vector<grpc::Slice> slices;
+  ASSERT_TRUE(batch.Dump(&slices).ok());
+  EXPECT_TRUE(std::any_of(slices.begin(), slices.end(), [&](const grpc::Slice& s) {
+    return s.begin() == reinterpret_cast<const uint8_t*>(g.data());
+  }));
+  for (size_t piece : {size_t{1}, size_t{2}, size_t{3}, size_t{7}, size_t{100}, size_t{4001},
+                       size_t{1} << 20}) {
+    std::vector<grpc::ByteBuffer> parts;
+    bool is_batch = false;
+    ASSERT_OK(SplitStreamBatch(Sliced(Flatten(batch), piece), kMaxStreamBatch, &parts, &is_batch));
+    EXPECT_TRUE(is_batch);
+    ASSERT_EQ(parts.size(), elements.size()) << piece;
+    for (size_t i = 0; i < parts.size(); ++i) EXPECT_EQ(Flatten(parts[i]), elements[i]) << i;
+  }
+  // Not batches: a single operation, and an empty message.
+  for (const grpc::ByteBuffer& single : {Sliced(elements[0], 3), grpc::ByteBuffer()}) {
+    std::vector<grpc::ByteBuffer> parts;
+    bool is_batch = true;
+    ASSERT_OK(SplitStreamBatch(single, kMaxStreamBatch, &parts, &is_batch));
+    EXPECT_FALSE(is_batch);
+    EXPECT_TRUE(parts.empty());
+  }
+}
+
+// TakeStreamMessages: one message alone goes as itself; without `batch`, one at a time; a
+// batch stops at kMaxStreamBatch elements and before kStreamBatchBytes (a larger message goes
+// alone).
+TEST(TensorWireTest, StreamBatchesStopAtTheirBounds) {
+  std::deque<grpc::ByteBuffer> queue;
+  queue.push_back(FromString("\x08\x01"));
+  EXPECT_EQ(Flatten(TakeStreamMessages(&queue, true)), "\x08\x01");
+  for (int i = 0; i < 3; ++i) queue.push_back(FromString("\x08\x02"));
+  EXPECT_EQ(Flatten(TakeStreamMessages(&queue, false)), "\x08\x02");
+  EXPECT_EQ(queue.size(), 2u);
+  queue.clear();
+  for (size_t i = 0; i < kMaxStreamBatch + 10; ++i) queue.push_back(FromString("\x08\x03"));
+  StreamRequest parsed;
+  ASSERT_TRUE(parsed.ParseFromString(Flatten(TakeStreamMessages(&queue, true))));
+  EXPECT_EQ(parsed.batch_size(), static_cast<int>(kMaxStreamBatch));
+  EXPECT_EQ(queue.size(), 10u);
+  queue.clear();
+  const std::string big(kStreamBatchBytes / 2 + 1, 'x');
+  for (int i = 0; i < 3; ++i) queue.push_back(FromString(big));
+  EXPECT_EQ(Flatten(TakeStreamMessages(&queue, true)), big);  // Two would pass the bound.
+  queue.push_front(FromString("\x08\x04"));
+  std::vector<grpc::ByteBuffer> parts;
+  bool is_batch = false;
+  ASSERT_OK(SplitStreamBatch(TakeStreamMessages(&queue, true), 10, &parts, &is_batch));
+  ASSERT_EQ(parts.size(), 2u);
+  EXPECT_EQ(Flatten(parts[0]), "\x08\x04");
+  EXPECT_EQ(Flatten(parts[1]), big);
+  EXPECT_EQ(queue.size(), 1u);
+}
+
+// A batch holding anything but its elements, too many elements, or an element longer than
+// the message is DataLoss; so is a batch field inside a StreamResponse being decoded.
+TEST(TensorWireTest, MalformedStreamBatchesAreRefused) {
+  const std::string element = "\x7a\x02\x08\x01";  // batch { call: 1 }
+  const std::vector<std::pair<std::string, size_t>> cases = {
+      {element + "\x08\x05", 10},                 // call beside the batch
+      {element + element + element, 2},          // over max_parts
+      {std::string("\x7a\x09\x08\x01", 4), 10},  // element longer than the message
+      {std::string("\x7a\xff\xff\xff\xff\xff", 6), 10},  // bad length varint
+      {element + "\x7a", 10},                            // truncated
+  };
+  for (const auto& [wire, max] : cases) {
+    std::vector<grpc::ByteBuffer> parts;
+    bool is_batch = false;
+    EXPECT_EQ(SplitStreamBatch(Sliced(wire, 3), max, &parts, &is_batch).code(),
+              absl::StatusCode::kDataLoss)
+        << absl::CEscape(wire);
+    EXPECT_TRUE(is_batch);
+  }
+  StreamResponseHead head;
+  grpc::ByteBuffer body;
+  EXPECT_EQ(SplitStreamResponse(FromString("\x08\x01" + element), &head, &body).code(),
+            absl::StatusCode::kDataLoss);
 }
 
 }  // namespace

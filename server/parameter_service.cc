@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "common/status.h"
@@ -90,7 +91,11 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
 
   StreamReactor(Shard* shard, const JobTokens* tokens, grpc::CallbackServerContext* ctx)
       : shard_(shard), tokens_(tokens), ctx_(ctx) {
+    // Batches (rpc/tensor_wire.h): read from any client, written to one that reads them.
+    ctx->AddInitialMetadata(kStreamBatchMetadata, "1");
+    const auto announced = ctx->client_metadata().find(kStreamBatchMetadata);
     absl::MutexLock lock(&mu_);
+    batch_responses_ = announced != ctx->client_metadata().end() && announced->second == "1";
     reading_ = true;
     StartRead(&in_);
   }
@@ -108,6 +113,9 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     WaitCancel cancel;
   };
 
+  // Decodes the message read (one operation or a batch of them) into `ops` and registers them
+  // in ops_; on an error none is registered.
+  absl::Status DecodeLocked(std::vector<std::shared_ptr<Op>>* ops) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Starts `op` (in ops_) on the shard; its completion calls Complete.
   void Begin(std::shared_ptr<Op> op);
   // Queues the response of `op` with `status` and forgets the operation.
@@ -143,45 +151,70 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   bool reads_done_ ABSL_GUARDED_BY(mu_) = false;  // No more reads: client half-closed or error.
   bool gone_ ABSL_GUARDED_BY(mu_) = false;        // Cancelled or a write failed: write no more.
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
+  bool batch_responses_ ABSL_GUARDED_BY(mu_) = false;  // The client reads batches.
+  bool starting_ ABSL_GUARDED_BY(mu_) = false;  // A batch's operations are being started.
   absl::Status error_ ABSL_GUARDED_BY(mu_);
 };
 
 void StreamReactor::OnReadDone(bool ok) {
-  auto op = std::make_shared<Op>();
+  std::vector<std::shared_ptr<Op>> ops;
+  bool failed;
   {
     absl::MutexLock lock(&mu_);
     reading_ = false;
     if (!ok) {
       reads_done_ = true;
-      op.reset();
     } else {
       ++received_;
-      const bool parsed = DecodeStreamRequest(in_, &op->request, &op->dense).ok();
+      error_ = DecodeLocked(&ops);
       in_.Clear();  // Everything needed was copied out: gRPC's buffers can go now.
-      if (!parsed) {
-        error_ = absl::InvalidArgumentError(
-            absl::StrCat("Stream: message ", received_, " is not a StreamRequest"));
-      } else if (ops_.contains(op->request.call())) {
-        error_ = absl::InvalidArgumentError(absl::StrCat("Stream: message ", received_,
-                                                         " reuses call id ", op->request.call(),
-                                                         " of an operation still in flight"));
-      } else {
-        ops_[op->request.call()] = op;
-      }
-      if (!error_.ok()) {
-        reads_done_ = true;
-        op.reset();
-      }
+      if (!error_.ok()) reads_done_ = true;
     }
-  }
-  if (op != nullptr) Begin(std::move(op));
-  bool failed;
-  {
-    absl::MutexLock lock(&mu_);
     failed = !error_.ok();
+    starting_ = ops.size() > 1;
+  }
+  // In message order: a batch's operations start as consecutive messages' would. The answers
+  // of those that complete meanwhile are written together after the last has started.
+  for (std::shared_ptr<Op>& op : ops) Begin(std::move(op));
+  if (ops.size() > 1) {
+    absl::MutexLock lock(&mu_);
+    starting_ = false;
   }
   if (failed) CancelAll();
   Proceed();
+}
+
+absl::Status StreamReactor::DecodeLocked(std::vector<std::shared_ptr<Op>>* ops) {
+  std::vector<grpc::ByteBuffer> parts;
+  bool batch = false;
+  if (absl::Status st = SplitStreamBatch(in_, kMaxStreamBatch, &parts, &batch); !st.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("Stream: message ", received_, " is not a StreamRequest: ", st.message()));
+  }
+  if (!batch) parts.push_back(in_);  // Shares the slices.
+  absl::flat_hash_set<uint64_t> calls;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const std::string where = batch ? absl::StrCat("message ", received_, " (batch element ",
+                                                   i + 1, " of ", parts.size(), ")")
+                                    : absl::StrCat("message ", received_);
+    auto op = std::make_shared<Op>();
+    if (!DecodeStreamRequest(parts[i], &op->request, &op->dense).ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("Stream: ", where, " is not a StreamRequest"));
+    }
+    const uint64_t call = op->request.call();
+    if (op->request.batch_size() > 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "Stream: ", where, " sets batch (field ", kStreamBatchField,
+          ") beside other fields, or inside a batch: a batch message carries nothing else"));
+    }
+    if (ops_.contains(call) || !calls.insert(call).second) {
+      return absl::InvalidArgumentError(absl::StrCat("Stream: ", where, " reuses call id ", call,
+                                                     " of an operation still in flight"));
+    }
+    ops->push_back(std::move(op));
+  }
+  for (const std::shared_ptr<Op>& op : *ops) ops_[op->request.call()] = op;
+  return absl::OkStatus();
 }
 
 void StreamReactor::Begin(std::shared_ptr<Op> op) {
@@ -242,9 +275,8 @@ void StreamReactor::Complete(const std::shared_ptr<Op>& op, const absl::Status& 
 
 bool StreamReactor::ProceedLocked() {
   if (finished_) return false;
-  if (!gone_ && !writing_ && !queued_.empty()) {
-    out_ = std::move(queued_.front());
-    queued_.pop_front();
+  if (!gone_ && !writing_ && !starting_ && !queued_.empty()) {
+    out_ = TakeStreamMessages(&queued_, batch_responses_);
     writing_ = true;
     StartWrite(&out_);  // Never runs OnWriteDone inline.
   }

@@ -22,6 +22,13 @@
 // message per shard by the client, as in training): the same payload as one round of
 // ps-lite's benchmark (40 keys issued, then awaited), so --keys=40 compares round for round.
 //
+// --depth=D is ps-lite's own workload: each client is one thread that issues D operations
+// (one message per shard each) over its long-lived ParameterService.Stream per shard without
+// waiting, then waits for all D (one "round"), as ps-lite's benchmark issues its 40 keys and
+// then waits for them. pushpull then issues each push and pull together, as ps-lite does.
+// It drives the transport (rpc/op_stream.h) directly, the layer ps-lite's KVWorker is; pulled
+// values are decoded into per-operation buffers. p50_us / p99_us are per round.
+//
 // Durability cost: --durability=none,periodic,every_update --ops=push
 #include <grpcpp/server.h>
 #include <grpcpp/server_builder.h>
@@ -36,13 +43,19 @@
 #include <thread>
 #include <vector>
 
+#include <grpcpp/generic/generic_stub.h>
+
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "common/daemon.h"
+#include "common/partitioner.h"
+#include "proto/gradmesh.pb.h"
 #include "rpc/grpc_util.h"
+#include "rpc/op_stream.h"
+#include "rpc/tensor_wire.h"
 #include "server/parameter_service.h"
 #include "server/shard.h"
 #include "server/shard_store.h"
@@ -55,6 +68,10 @@ ABSL_FLAG(int, keys, 1,
           "Tensors in the job, each `size` bytes; one operation pushes or pulls all of them (one "
           "training step of a K-layer model, fused into one message per shard as the worker "
           "does; ps-lite's benchmark issues its 40 keys as 40 messages, then waits for all).");
+ABSL_FLAG(int, depth, 0,
+          "0: each client does one operation at a time through ParameterClient. D > 0: each "
+          "client keeps D operations in flight over its stream (ps-lite's workload: one worker, "
+          "40 keys issued, then awaited; --inflight=1 --depth=40 --keys=1).");
 ABSL_FLAG(std::string, ops, "push,pull,pushpull,fused", "Operations to measure.");
 ABSL_FLAG(std::string, shards, "1,2", "Shard counts to measure.");
 ABSL_FLAG(std::string, durability, "none",
@@ -160,6 +177,144 @@ Measured Measure(const std::vector<std::unique_ptr<ParameterClient>>& clients, a
   return m;
 }
 
+// One --depth client: a stream per shard, `depth` operations in flight per round.
+class DepthClient {
+ public:
+  DepthClient(const std::vector<std::string>& addresses, const RpcOptions& rpc,
+              const JobLayout& layout, const Partition& partition, int32_t worker)
+      : layout_(layout), partition_(partition), worker_(worker) {
+    for (const std::string& addr : addresses) {
+      stubs_.push_back(std::make_unique<grpc::GenericStub>(MakeChannel(addr, rpc)));
+      streams_.push_back(std::make_unique<OpStream>(
+          stubs_.back().get(), "/gradmesh.ParameterService/Stream",
+          std::vector<std::pair<std::string, std::string>>()));
+      PullRequest pull;
+      pull.set_job(layout.job);
+      pull.set_worker(worker);
+      pulls_.push_back(pull.SerializeAsString());
+    }
+  }
+
+  // Issues `depth` operations `op` on every shard, waits for all; false if one failed.
+  bool Round(absl::string_view op, int depth, const float* grad, std::vector<float>* params) {
+    const bool push = op != "pull", pull = op == "pull" || op == "pushpull";
+    const bool fused = op == "fused";
+    const int per = static_cast<int>(push) + static_cast<int>(pull);  // Messages per shard.
+    const int shards = static_cast<int>(streams_.size());
+    // Shared with the completions: the last one may still be unlocking `mu` as this returns.
+    struct State {
+      absl::Mutex mu;
+      int left = 0;
+      bool ok = true;
+      std::vector<grpc::ByteBuffer> reqs, resps;
+    };
+    auto st = std::make_shared<State>();
+    st->reqs.resize(static_cast<size_t>(depth) * shards * per);
+    st->resps.resize(st->reqs.size());
+    st->left = static_cast<int>(st->reqs.size());
+    size_t i = 0;
+    for (int d = 0; d < depth; ++d) {
+      float* out = params->data() + static_cast<int64_t>(d) * partition_.tensor_numel(0);
+      for (int32_t s = 0; s < shards; ++s) {
+        auto done = [this, st, out, s](size_t at, bool decode) {
+          return [this, st, out, s, at, decode](grpc::Status status) {
+            const bool good = status.ok() && (!decode || Decode(st->resps[at], s, out));
+            absl::MutexLock lock(&st->mu);
+            st->ok = st->ok && good;
+            --st->left;
+          };
+        };
+        if (push) {
+          std::vector<PushChunkRef> refs;
+          for (int64_t idx : partition_.shard_chunks(s)) {
+            const ChunkInfo& c = partition_.chunks()[idx];
+            refs.push_back({c.tensor, c.chunk, 0, grad + c.offset, c.numel, "", {}});
+          }
+          st->reqs[i] = EncodePushRequest(layout_.job, worker_, step_++, next_id_++, refs, false,
+                                          fused ? absl::string_view(pulls_[s]) : "");
+          streams_[s]->Call(StreamOp::kPush, st->reqs[i], &st->resps[i], done(i, fused),
+                            pull || d + 1 < depth);
+          ++i;
+        }
+        if (pull) {
+          grpc::Slice slice(pulls_[s].data(), pulls_[s].size());
+          st->reqs[i] = grpc::ByteBuffer(&slice, 1);
+          streams_[s]->Call(StreamOp::kPull, st->reqs[i], &st->resps[i], done(i, true),
+                            d + 1 < depth);
+          ++i;
+        }
+      }
+    }
+    absl::MutexLock lock(&st->mu);
+    st->mu.Await(absl::Condition(+[](int* n) { return *n == 0; }, &st->left));
+    return st->ok;
+  }
+
+ private:
+  // Copies shard `s`'s pulled chunks (a PullResponse, or a PushResponse carrying one) into
+  // `out` (the tensor's values).
+  bool Decode(const grpc::ByteBuffer& resp, int32_t s, float* out) const {
+    grpc::ByteBuffer pulled;
+    bool found = true;
+    const grpc::ByteBuffer* body = &resp;
+    if (resp.Length() > 0 && !FindMessageField(resp, 4, &pulled, &found).ok()) return false;
+    if (found && pulled.Length() > 0) body = &pulled;
+    int got = 0;
+    absl::Status st = DecodePullResponse(
+        *body,
+        [&](int32_t tensor, int32_t chunk, int64_t, int32_t, absl::string_view,
+            int64_t bytes) -> absl::StatusOr<char*> {
+          const int64_t idx = partition_.Find(tensor, chunk);
+          if (idx < 0 || partition_.chunks()[idx].numel * 4 != bytes) {
+            return absl::DataLossError("unexpected chunk");
+          }
+          ++got;
+          return reinterpret_cast<char*>(out + partition_.chunks()[idx].offset);
+        });
+    return st.ok() && got == static_cast<int>(partition_.shard_chunks(s).size());
+  }
+
+  const JobLayout& layout_;
+  const Partition& partition_;
+  const int32_t worker_;
+  std::vector<std::unique_ptr<grpc::GenericStub>> stubs_;
+  std::vector<std::unique_ptr<OpStream>> streams_;
+  std::vector<std::string> pulls_;  // Each shard's encoded PullRequest.
+  int64_t step_ = 0;
+  uint64_t next_id_ = uint64_t{1} << 40;  // Apart from ParameterClient's request ids.
+};
+
+// Runs rounds of `depth` operations back to back on every client for `seconds`; ops counts
+// operations (depth per round), latencies are per round.
+Measured MeasureDepth(std::vector<std::unique_ptr<DepthClient>>* clients, absl::string_view op,
+                      int64_t n, int depth, double seconds) {
+  std::vector<std::vector<double>> lat(clients->size());
+  std::atomic<bool> failed{false};
+  std::vector<std::thread> threads;
+  const absl::Time start = absl::Now();
+  const absl::Time end = start + absl::Seconds(seconds);
+  for (size_t w = 0; w < clients->size(); ++w) {
+    threads.emplace_back([&, w] {
+      std::vector<float> grad(n, 0.5f), params(n * depth);
+      while (absl::Now() < end && !failed.load()) {
+        const absl::Time t0 = absl::Now();
+        if (!(*clients)[w]->Round(op, depth, grad.data(), &params)) failed = true;
+        lat[w].push_back(absl::ToDoubleMicroseconds(absl::Now() - t0));
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  Measured m;
+  m.wall_s = absl::ToDoubleSeconds(absl::Now() - start);
+  m.failed = failed;
+  std::vector<double> all;
+  for (auto& l : lat) all.insert(all.end(), l.begin(), l.end());
+  m.ops = static_cast<int64_t>(all.size()) * depth;
+  m.p50_us = Percentile(&all, 0.5);
+  m.p99_us = Percentile(&all, 0.99);
+  return m;
+}
+
 int Run() {
   RpcOptions rpc;
   const double seconds = absl::GetFlag(FLAGS_seconds);
@@ -167,6 +322,10 @@ int Run() {
   const int keys = absl::GetFlag(FLAGS_keys);
   if (keys < 1) {
     std::fprintf(stderr, "--keys must be >= 1\n");
+    return 2;
+  }
+  if (absl::GetFlag(FLAGS_depth) < 0 || (absl::GetFlag(FLAGS_depth) > 0 && keys != 1)) {
+    std::fprintf(stderr, "--depth must be >= 0, and --keys 1 when it is > 0\n");
     return 2;
   }
   int job_id = 0;
@@ -230,13 +389,28 @@ int Run() {
           std::fprintf(stderr, "InitJob failed: %s\n", st.ToString().c_str());
           return 1;
         }
+        const int depth = absl::GetFlag(FLAGS_depth);
+        const Partition partition =
+            Partition::Create({n}, layout.chunk_elems, num_shards).value();
+        std::vector<std::unique_ptr<DepthClient>> depth_clients;
+        if (depth > 0) {
+          transports = {"stream"};
+          for (int w = 0; w < inflight; ++w) {
+            depth_clients.push_back(
+                std::make_unique<DepthClient>(addresses, rpc, layout, partition, w));
+          }
+        }
+        auto measure = [&](size_t t, absl::string_view op, double secs) {
+          return depth > 0 ? MeasureDepth(&depth_clients, op, n, depth, secs)
+                           : Measure(clients[t], op, n, keys, secs);
+        };
         for (absl::string_view op : absl::StrSplit(absl::GetFlag(FLAGS_ops), ',')) {
           for (size_t t = 0; t < transports.size(); ++t) {
-            if (Measure(clients[t], op, n, keys, absl::GetFlag(FLAGS_warmup_seconds)).failed) {
+            if (measure(t, op, absl::GetFlag(FLAGS_warmup_seconds)).failed) {
               std::fprintf(stderr, "operation %s failed\n", std::string(op).c_str());
               return 1;
             }
-            const Measured m = Measure(clients[t], op, n, keys, seconds);
+            const Measured m = measure(t, op, seconds);
             if (m.failed) {
               std::fprintf(stderr, "operation %s failed\n", std::string(op).c_str());
               return 1;
@@ -245,10 +419,10 @@ int Run() {
                                    (op == "pushpull" || op == "fused" ? 2 : 1);
             std::printf(
                 "{\"op\":\"%s\",\"bytes\":%lld,\"shards\":%d,\"durability\":\"%s\","
-                "\"transport\":\"%s\",\"inflight\":%d,\"keys\":%d,\"ops\":%lld,"
+                "\"transport\":\"%s\",\"inflight\":%d,\"depth\":%d,\"keys\":%d,\"ops\":%lld,"
                 "\"gb_per_s\":%.3f,\"p50_us\":%.1f,\"p99_us\":%.1f}\n",
                 std::string(op).c_str(), static_cast<long long>(bytes), num_shards,
-                durability.c_str(), transports[t].c_str(), inflight, keys,
+                durability.c_str(), transports[t].c_str(), inflight, depth, keys,
                 static_cast<long long>(m.ops), payload / m.wall_s / 1e9, m.p50_us, m.p99_us);
             std::fflush(stdout);
           }
