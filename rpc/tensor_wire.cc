@@ -229,9 +229,8 @@ absl::Status SplitStreamBatch(const grpc::ByteBuffer& buffer, size_t max_parts,
   if (buffer.Length() == 0 || !buffer.Dump(&all).ok()) return absl::OkStatus();
   constexpr uint32_t kBatchTag = Tag(kStreamBatchField, kLengthDelimited);
   static_assert(kBatchTag < 0x80, "a one-byte tag");
-  const auto first = std::find_if(all.begin(), all.end(), [](const grpc::Slice& s) {
-    return s.size() > 0;
-  });
+  const auto first =
+      std::find_if(all.begin(), all.end(), [](const grpc::Slice& s) { return s.size() > 0; });
   if (first == all.end() || first->begin()[0] != kBatchTag) return absl::OkStatus();
   *is_batch = true;
   // The elements' byte ranges, then one pass over the slices to cut them out.
@@ -253,8 +252,8 @@ absl::Status SplitStreamBatch(const grpc::ByteBuffer& buffer, size_t max_parts,
       if (!in.ReadVarint32(&len)) return absl::DataLossError("a batch element's length is bad");
       ranges.emplace_back(static_cast<size_t>(in.CurrentPosition()), len);
       if (!in.Skip(static_cast<int>(len))) {
-        return absl::DataLossError(absl::StrCat("a batch element of ", len,
-                                                " bytes is longer than the message"));
+        return absl::DataLossError(
+            absl::StrCat("a batch element of ", len, " bytes is longer than the message"));
       }
     }
     if (!in.ConsumedEntireMessage()) return absl::DataLossError("a malformed batch");

@@ -786,8 +786,8 @@ TEST(TensorWireTest, StreamBatchesAreWhatProtobufWritesAndSplitBack) {
   EXPECT_TRUE(std::any_of(slices.begin(), slices.end(), [&](const grpc::Slice& s) {
     return s.begin() == reinterpret_cast<const uint8_t*>(g.data());
   }));
-  for (size_t piece : {size_t{1}, size_t{2}, size_t{3}, size_t{7}, size_t{100}, size_t{4001},
-                       size_t{1} << 20}) {
+  for (size_t piece :
+       {size_t{1}, size_t{2}, size_t{3}, size_t{7}, size_t{100}, size_t{4001}, size_t{1} << 20}) {
     std::vector<grpc::ByteBuffer> parts;
     bool is_batch = false;
     ASSERT_OK(SplitStreamBatch(Sliced(Flatten(batch), piece), kMaxStreamBatch, &parts, &is_batch));
@@ -840,9 +840,9 @@ TEST(TensorWireTest, StreamBatchesStopAtTheirBounds) {
 TEST(TensorWireTest, MalformedStreamBatchesAreRefused) {
   const std::string element = "\x7a\x02\x08\x01";  // batch { call: 1 }
   const std::vector<std::pair<std::string, size_t>> cases = {
-      {element + "\x08\x05", 10},                 // call beside the batch
-      {element + element + element, 2},          // over max_parts
-      {std::string("\x7a\x09\x08\x01", 4), 10},  // element longer than the message
+      {element + "\x08\x05", 10},                        // call beside the batch
+      {element + element + element, 2},                  // over max_parts
+      {std::string("\x7a\x09\x08\x01", 4), 10},          // element longer than the message
       {std::string("\x7a\xff\xff\xff\xff\xff", 6), 10},  // bad length varint
       {element + "\x7a", 10},                            // truncated
   };

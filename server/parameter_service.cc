@@ -115,7 +115,8 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
 
   // Decodes the message read (one operation or a batch of them) into `ops` and registers them
   // in ops_; on an error none is registered.
-  absl::Status DecodeLocked(std::vector<std::shared_ptr<Op>>* ops) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status DecodeLocked(std::vector<std::shared_ptr<Op>>* ops)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Starts `op` (in ops_) on the shard; its completion calls Complete.
   void Begin(std::shared_ptr<Op> op);
   // Queues the response of `op` with `status` and forgets the operation.
@@ -152,7 +153,9 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   bool gone_ ABSL_GUARDED_BY(mu_) = false;        // Cancelled or a write failed: write no more.
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
   bool batch_responses_ ABSL_GUARDED_BY(mu_) = false;  // The client reads batches.
-  bool starting_ ABSL_GUARDED_BY(mu_) = false;  // A batch's operations are being started.
+  // Batches whose operations are being started (the next read may be done meanwhile, on
+  // another thread); their answers are written together once all have started.
+  int starting_ ABSL_GUARDED_BY(mu_) = 0;
   absl::Status error_ ABSL_GUARDED_BY(mu_);
 };
 
@@ -171,14 +174,14 @@ void StreamReactor::OnReadDone(bool ok) {
       if (!error_.ok()) reads_done_ = true;
     }
     failed = !error_.ok();
-    starting_ = ops.size() > 1;
+    if (ops.size() > 1) ++starting_;
   }
   // In message order: a batch's operations start as consecutive messages' would. The answers
   // of those that complete meanwhile are written together after the last has started.
   for (std::shared_ptr<Op>& op : ops) Begin(std::move(op));
   if (ops.size() > 1) {
     absl::MutexLock lock(&mu_);
-    starting_ = false;
+    --starting_;
   }
   if (failed) CancelAll();
   Proceed();
@@ -193,9 +196,10 @@ absl::Status StreamReactor::DecodeLocked(std::vector<std::shared_ptr<Op>>* ops) 
   }
   if (!batch) parts.push_back(in_);  // Shares the slices.
   absl::flat_hash_set<uint64_t> calls;
+  std::vector<std::shared_ptr<Op>> decoded;  // Handed out only if the whole message is good.
   for (size_t i = 0; i < parts.size(); ++i) {
-    const std::string where = batch ? absl::StrCat("message ", received_, " (batch element ",
-                                                   i + 1, " of ", parts.size(), ")")
+    const std::string where = batch ? absl::StrCat("message ", received_, " (batch element ", i + 1,
+                                                   " of ", parts.size(), ")")
                                     : absl::StrCat("message ", received_);
     auto op = std::make_shared<Op>();
     if (!DecodeStreamRequest(parts[i], &op->request, &op->dense).ok()) {
@@ -211,9 +215,10 @@ absl::Status StreamReactor::DecodeLocked(std::vector<std::shared_ptr<Op>>* ops) 
       return absl::InvalidArgumentError(absl::StrCat("Stream: ", where, " reuses call id ", call,
                                                      " of an operation still in flight"));
     }
-    ops->push_back(std::move(op));
+    decoded.push_back(std::move(op));
   }
-  for (const std::shared_ptr<Op>& op : *ops) ops_[op->request.call()] = op;
+  for (const std::shared_ptr<Op>& op : decoded) ops_[op->request.call()] = op;
+  *ops = std::move(decoded);
   return absl::OkStatus();
 }
 
@@ -275,7 +280,7 @@ void StreamReactor::Complete(const std::shared_ptr<Op>& op, const absl::Status& 
 
 bool StreamReactor::ProceedLocked() {
   if (finished_) return false;
-  if (!gone_ && !writing_ && !starting_ && !queued_.empty()) {
+  if (!gone_ && !writing_ && starting_ == 0 && !queued_.empty()) {
     out_ = TakeStreamMessages(&queued_, batch_responses_);
     writing_ = true;
     StartWrite(&out_);  // Never runs OnWriteDone inline.

@@ -14,7 +14,9 @@
 #include <thread>
 #include <vector>
 
+#include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
 #include "common/status_testing.h"
 #include "rpc/op_stream.h"
 #include "rpc/tensor_wire.h"
@@ -411,6 +413,179 @@ TEST_F(StreamTest, AMalformedMessageEndsItsStreamWithInvalidArgument) {
   }
   EXPECT_EQ(stream.opened(), 4);
   EXPECT_EQ(Snapshot(stubs_[0].get(), "malformed"), before);
+}
+
+// The push of step `step` of `job` (every chunk of shard 0 of a one-shard layout), encoded.
+grpc::ByteBuffer PushBody(const JobLayout& l, const Values& g, int64_t step) {
+  const Partition p = MakePartition(l, 1);
+  std::vector<PushChunkRef> refs;
+  for (const ChunkInfo& ci : p.chunks()) {
+    refs.push_back({ci.tensor, ci.chunk, 0, g[ci.tensor].data() + ci.offset, ci.numel});
+  }
+  return EncodePushRequest(l.job, 0, step, 1000 + static_cast<uint64_t>(step), refs);
+}
+
+// A burst of operations (OpStream::Call with `more`) goes to the shard in one message, a batch,
+// and each operation is answered as it would be alone: the same statuses, pulled bytes and
+// final state as the same operations sent one message at a time.
+TEST_F(StreamTest, ABurstGoesInOneMessageAndIsAnsweredAsOneByOne) {
+  constexpr int kOps = 30;
+  std::vector<Values> grads;
+  for (int i = 0; i < kOps; ++i) grads.push_back(Grad(Layout("x"), i));
+  grpc::GenericStub generic(MakeChannel(servers_[0]->addr, RpcOptions()));
+  std::vector<std::string> answers[2];
+  for (int mode = 0; mode < 2; ++mode) {  // 0: one burst; 1: one message per operation.
+    const JobLayout l = Layout(mode == 0 ? "burst" : "one-by-one");
+    auto c = Client(l, Options({servers_[0]->addr}, "unary"));
+    ASSERT_NE(c, nullptr);
+    ASSERT_OK(c->InitJob(ConstSpans(OddInit(l))));
+    PullRequest pull;
+    pull.set_job(l.job);
+    OpStream stream(&generic, kStream, {});
+    grpc::ByteBuffer first;
+    ASSERT_TRUE(StreamCall(&stream, StreamOp::kPull, Encode(pull), &first).ok());
+    // The shard announced batches in its initial metadata, read with its first answer.
+    for (int i = 0; i < 1000 && !stream.batching(); ++i) absl::SleepFor(absl::Milliseconds(10));
+    ASSERT_TRUE(stream.batching());
+    const int64_t writes = stream.writes();
+    std::vector<grpc::ByteBuffer> bodies(kOps), resps(kOps);
+    std::vector<grpc::Status> statuses(kOps);
+    absl::Mutex mu;
+    int left = kOps;
+    for (int i = 0; i < kOps; ++i) {
+      const bool is_pull = i % 3 == 2;
+      bodies[i] = is_pull ? Encode(pull) : PushBody(l, grads[i], i);
+      auto done = [&, i](grpc::Status st) {
+        absl::MutexLock lock(&mu);
+        statuses[i] = std::move(st);
+        --left;
+      };
+      const StreamOp op = is_pull ? StreamOp::kPull : StreamOp::kPush;
+      if (mode == 0) {
+        stream.Call(op, bodies[i], &resps[i], done, /*more=*/i + 1 < kOps);
+      } else {
+        done(StreamCall(&stream, op, bodies[i], &resps[i]));
+      }
+    }
+    {
+      absl::MutexLock lock(&mu);
+      mu.Await(absl::Condition(
+          +[](int* n) { return *n == 0; }, &left));
+    }
+    EXPECT_EQ(stream.writes() - writes, mode == 0 ? 1 : kOps);
+    for (int i = 0; i < kOps; ++i) {
+      ASSERT_TRUE(statuses[i].ok()) << i << ": " << statuses[i].error_message();
+      std::vector<grpc::Slice> slices;
+      std::string bytes;
+      if (resps[i].Length() > 0) ASSERT_TRUE(resps[i].Dump(&slices).ok());
+      for (const grpc::Slice& sl : slices)
+        bytes.append(reinterpret_cast<const char*>(sl.begin()), sl.size());
+      answers[mode].push_back(std::move(bytes));
+    }
+    EXPECT_EQ(RawInfo(stubs_[0].get(), l.job).pushes_applied(), kOps - kOps / 3);
+  }
+  EXPECT_EQ(answers[0], answers[1]);
+  EXPECT_EQ(Snapshot(stubs_[0].get(), "burst"), Snapshot(stubs_[0].get(), "one-by-one"));
+}
+
+// The shard answers a batch's operations together, in one batch, to a client that announced it
+// reads batches, and one message per answer to a client that did not (one from before
+// batches); it announces that it reads batches either way.
+TEST_F(StreamTest, AnswersComeBatchedOnlyToAClientThatReadsBatches) {
+  const JobLayout l = Layout("answers");
+  auto c = Client(l, Options({servers_[0]->addr}, "unary"));
+  ASSERT_NE(c, nullptr);
+  ASSERT_OK(c->InitJob(ConstSpans(OddInit(l))));
+  for (const bool announce : {false, true}) {
+    auto ctx = Ctx();
+    if (announce) ctx->AddMetadata(kStreamBatchMetadata, "1");
+    auto stream = stubs_[0]->Stream(ctx.get());
+    StreamRequest batch;
+    for (uint64_t call = 1; call <= 5; ++call) {
+      StreamRequest* op = batch.add_batch();
+      op->set_call(call);
+      op->mutable_pull()->set_job("answers");
+    }
+    ASSERT_TRUE(stream->Write(batch));
+    ASSERT_TRUE(stream->WritesDone());
+    std::vector<StreamResponse> messages;
+    for (StreamResponse r; stream->Read(&r);) messages.push_back(r);
+    ASSERT_TRUE(stream->Finish().ok());
+    const auto& md = ctx->GetServerInitialMetadata();
+    ASSERT_NE(md.find(kStreamBatchMetadata), md.end());
+    EXPECT_EQ(md.find(kStreamBatchMetadata)->second, "1");
+    std::vector<StreamResponse> answers;
+    for (const StreamResponse& m : messages) {
+      if (m.batch_size() == 0) answers.push_back(m);
+      for (const StreamResponse& e : m.batch()) answers.push_back(e);
+    }
+    EXPECT_EQ(messages.size(), announce ? 1u : 5u);
+    ASSERT_EQ(answers.size(), 5u);
+    for (size_t i = 0; i < answers.size(); ++i) {
+      EXPECT_EQ(answers[i].call(), i + 1);  // Started, and here completed, in batch order.
+      EXPECT_EQ(answers[i].code(), 0) << answers[i].message();
+      EXPECT_EQ(answers[i].pull().chunks_size(),
+                static_cast<int>(MakePartition(l, 1).chunks().size()));
+    }
+  }
+}
+
+// A malformed batch ends its stream with INVALID_ARGUMENT saying what was wrong, and none of
+// its operations is applied, not even the well-formed ones before the fault.
+TEST_F(StreamTest, AMalformedBatchEndsItsStreamAndAppliesNothing) {
+  const JobLayout l = Layout("badbatch");
+  auto c = Client(l, Options({servers_[0]->addr}, "unary"));
+  ASSERT_NE(c, nullptr);
+  ASSERT_OK(c->InitJob(ConstSpans(OddInit(l))));
+  const std::string before = Snapshot(stubs_[0].get(), "badbatch");
+  const Partition p = MakePartition(l, 1);
+  const Values g = Grad(l, 0);
+  StreamRequest push;
+  push.set_call(1);
+  push.mutable_push()->set_job("badbatch");
+  push.mutable_push()->set_request_id(5);
+  for (const ChunkInfo& ci : p.chunks()) {
+    ChunkData* d = push.mutable_push()->add_chunks();
+    d->set_tensor(ci.tensor);
+    d->set_chunk(ci.chunk);
+    d->set_dtype(FLOAT32);
+    d->set_data(Bytes(g[ci.tensor].data() + ci.offset, ci.numel));
+  }
+  StreamRequest pull;
+  pull.mutable_pull()->set_job("badbatch");
+  std::vector<std::pair<StreamRequest, std::string>> cases;
+  StreamRequest m;
+  *m.add_batch() = push;
+  *m.add_batch() = pull;
+  m.mutable_batch(1)->set_call(1);
+  cases.push_back({m, "reuses call id 1"});
+  m.mutable_batch(1)->set_call(2);
+  *m.mutable_batch(1)->add_batch() = pull;
+  cases.push_back({m, "inside a batch"});
+  m.Clear();
+  m.set_call(3);  // Written first: read as one operation, which then carries a batch.
+  *m.add_batch() = push;
+  cases.push_back({m, "beside other fields"});
+  m.Clear();
+  *m.add_batch() = push;
+  for (uint64_t call = 2; call <= kMaxStreamBatch + 1; ++call) {
+    *m.add_batch() = pull;
+    m.mutable_batch(m.batch_size() - 1)->set_call(call);
+  }
+  cases.push_back({m, "a batch of more than 256 elements"});
+  for (const auto& [message, why] : cases) {
+    auto ctx = Ctx();
+    auto stream = stubs_[0]->Stream(ctx.get());
+    stream->Write(message);  // The shard may end the stream before this returns.
+    stream->WritesDone();
+    StreamResponse r;
+    EXPECT_FALSE(stream->Read(&r));
+    const grpc::Status st = stream->Finish();
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << st.error_message();
+    EXPECT_NE(st.error_message().find(why), std::string::npos) << st.error_message();
+  }
+  EXPECT_EQ(Snapshot(stubs_[0].get(), "badbatch"), before);
+  EXPECT_EQ(RawInfo(stubs_[0].get(), "badbatch").pushes_applied(), 0);
 }
 
 // The unary Push and Pull take raw bytes (so that pulled values are not copied twice): bytes

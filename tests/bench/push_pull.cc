@@ -30,6 +30,7 @@
 // values are decoded into per-operation buffers. p50_us / p99_us are per round.
 //
 // Durability cost: --durability=none,periodic,every_update --ops=push
+#include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/server.h>
 #include <grpcpp/server_builder.h>
 #include <stdlib.h>
@@ -42,8 +43,6 @@
 #include <string>
 #include <thread>
 #include <vector>
-
-#include <grpcpp/generic/generic_stub.h>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
@@ -185,9 +184,9 @@ class DepthClient {
       : layout_(layout), partition_(partition), worker_(worker) {
     for (const std::string& addr : addresses) {
       stubs_.push_back(std::make_unique<grpc::GenericStub>(MakeChannel(addr, rpc)));
-      streams_.push_back(std::make_unique<OpStream>(
-          stubs_.back().get(), "/gradmesh.ParameterService/Stream",
-          std::vector<std::pair<std::string, std::string>>()));
+      streams_.push_back(
+          std::make_unique<OpStream>(stubs_.back().get(), "/gradmesh.ParameterService/Stream",
+                                     std::vector<std::pair<std::string, std::string>>()));
       PullRequest pull;
       pull.set_job(layout.job);
       pull.set_worker(worker);
@@ -246,7 +245,8 @@ class DepthClient {
       }
     }
     absl::MutexLock lock(&st->mu);
-    st->mu.Await(absl::Condition(+[](int* n) { return *n == 0; }, &st->left));
+    st->mu.Await(absl::Condition(
+        +[](int* n) { return *n == 0; }, &st->left));
     return st->ok;
   }
 
@@ -260,17 +260,17 @@ class DepthClient {
     if (resp.Length() > 0 && !FindMessageField(resp, 4, &pulled, &found).ok()) return false;
     if (found && pulled.Length() > 0) body = &pulled;
     int got = 0;
-    absl::Status st = DecodePullResponse(
-        *body,
-        [&](int32_t tensor, int32_t chunk, int64_t, int32_t, absl::string_view,
-            int64_t bytes) -> absl::StatusOr<char*> {
-          const int64_t idx = partition_.Find(tensor, chunk);
-          if (idx < 0 || partition_.chunks()[idx].numel * 4 != bytes) {
-            return absl::DataLossError("unexpected chunk");
-          }
-          ++got;
-          return reinterpret_cast<char*>(out + partition_.chunks()[idx].offset);
-        });
+    absl::Status st =
+        DecodePullResponse(*body,
+                           [&](int32_t tensor, int32_t chunk, int64_t, int32_t, absl::string_view,
+                               int64_t bytes) -> absl::StatusOr<char*> {
+                             const int64_t idx = partition_.Find(tensor, chunk);
+                             if (idx < 0 || partition_.chunks()[idx].numel * 4 != bytes) {
+                               return absl::DataLossError("unexpected chunk");
+                             }
+                             ++got;
+                             return reinterpret_cast<char*>(out + partition_.chunks()[idx].offset);
+                           });
     return st.ok() && got == static_cast<int>(partition_.shard_chunks(s).size());
   }
 
@@ -390,8 +390,7 @@ int Run() {
           return 1;
         }
         const int depth = absl::GetFlag(FLAGS_depth);
-        const Partition partition =
-            Partition::Create({n}, layout.chunk_elems, num_shards).value();
+        const Partition partition = Partition::Create({n}, layout.chunk_elems, num_shards).value();
         std::vector<std::unique_ptr<DepthClient>> depth_clients;
         if (depth > 0) {
           transports = {"stream"};
