@@ -10,7 +10,9 @@
 # env: ROUNDS (3), SECONDS_PER (push_pull --seconds, 2), SHARDS (1,2), LONE (1: also a
 # --inflight=1 4 KiB run per round, the lone-operation latency), KEYS (40: also a --keys=40
 # run per round, 1 shard, stream: each operation one step of a 40-tensor model, the payload of
-# one ps-lite round; empty: none), PIN (passed to ps-lite).
+# one ps-lite round; empty: none), DEPTH (40: also a --inflight=1 --depth=40 run per round,
+# ps-lite's own workload: one client, 40 single-tensor operations issued, then awaited; empty:
+# none), PIN (passed to ps-lite).
 set -u -o pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
@@ -21,6 +23,7 @@ SECONDS_PER=${SECONDS_PER:-2}
 SHARDS=${SHARDS:-1,2}
 LONE=${LONE:-1}
 KEYS=${KEYS-40}
+DEPTH=${DEPTH-40}
 [ -x "$BIN" ] || { echo "build it first: bazel build -c opt //tests/bench:push_pull" >&2; exit 1; }
 for r in $(seq 1 "$ROUNDS"); do
   echo "round $r uptime $(uptime)"
@@ -35,6 +38,10 @@ for r in $(seq 1 "$ROUNDS"); do
   if [ -n "$KEYS" ]; then
     "$BIN" --seconds="$SECONDS_PER" --shards=1 --keys="$KEYS" --transports=stream "$@" |
       sed "s/^/round $r gradmesh-keys /"
+  fi
+  if [ -n "$DEPTH" ]; then
+    "$BIN" --seconds="$SECONDS_PER" --shards="$SHARDS" --inflight=1 --depth="$DEPTH" "$@" |
+      sed "s/^/round $r gradmesh-depth /"
   fi
   PIN=${PIN:-0} bash "$PEERS/pslite_bench.sh" 2>/dev/null | sed "s/^/round $r ps-lite /"
 done
