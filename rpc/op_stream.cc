@@ -40,7 +40,9 @@ class OpStream::Conn final : public grpc::ClientBidiReactor<grpc::ByteBuffer, gr
     if (closing_) return false;
     pending_.emplace(call, Pending{response, std::move(*done)});
     queued_.push_back(std::move(framed));
-    if (!writing_ && !(more && batch_requests_)) {
+    // A burst is held back until its last operation, even if a write ends meanwhile.
+    holding_ = more && batch_requests_;
+    if (!writing_ && !holding_) {
       writing_ = true;
       out_ = TakeStreamMessages(&queued_, batch_requests_);
       ++writes_;
@@ -76,7 +78,7 @@ class OpStream::Conn final : public grpc::ClientBidiReactor<grpc::ByteBuffer, gr
       if (!ok) {
         queued_.clear();  // Their operations fail in OnDone.
         close = CloseLocked();
-      } else if (!queued_.empty()) {
+      } else if (!queued_.empty() && !holding_) {
         // What queued while the last write was out goes as one batch, if the shard reads them.
         out_ = TakeStreamMessages(&queued_, batch_requests_);
         ++writes_;
@@ -115,16 +117,20 @@ class OpStream::Conn final : public grpc::ClientBidiReactor<grpc::ByteBuffer, gr
       bool batch = false;
       absl::Status st = SplitStreamBatch(in_, std::numeric_limits<size_t>::max(), &parts, &batch);
       if (!batch) parts.push_back(in_);
-      for (size_t i = 0; st.ok() && i < parts.size(); ++i) {
+      // Every good answer is delivered, even after a bad one (which then ends the call).
+      for (size_t i = 0; i < parts.size(); ++i) {
         StreamResponseHead head;
         grpc::ByteBuffer body;
-        st = SplitStreamResponse(parts[i], &head, &body);
-        auto it = st.ok() ? pending_.find(head.call) : pending_.end();
-        if (st.ok() && it == pending_.end()) {
-          st = absl::DataLossError(
+        absl::Status part = SplitStreamResponse(parts[i], &head, &body);
+        auto it = part.ok() ? pending_.find(head.call) : pending_.end();
+        if (part.ok() && it == pending_.end()) {
+          part = absl::DataLossError(
               absl::StrCat("response to call ", head.call, ", which is not in flight"));
         }
-        if (!st.ok()) break;
+        if (!part.ok()) {
+          if (st.ok()) st = part;
+          continue;
+        }
         answered.emplace_back(std::move(it->second), std::move(body));
         statuses.emplace_back(static_cast<grpc::StatusCode>(head.code), head.message);
         pending_.erase(it);
@@ -206,6 +212,7 @@ class OpStream::Conn final : public grpc::ClientBidiReactor<grpc::ByteBuffer, gr
   absl::flat_hash_map<uint64_t, Pending> pending_ ABSL_GUARDED_BY(mu_);
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
   bool batch_requests_ ABSL_GUARDED_BY(mu_) = false;  // The shard reads batches.
+  bool holding_ ABSL_GUARDED_BY(mu_) = false;         // A burst's last operation is still to come.
   int64_t writes_ ABSL_GUARDED_BY(mu_) = 0;
   bool closing_ ABSL_GUARDED_BY(mu_) = false;
   std::string error_ ABSL_GUARDED_BY(mu_);  // Why the client ended the call, if it did.

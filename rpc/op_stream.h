@@ -54,9 +54,10 @@ class OpStream {
   // arrives, fills `*response` (encoded PushResponse or PullResponse; empty on error) and runs
   // `done` with its status. `body`'s memory must stay valid until then.
   //
-  // `more`: the caller is about to issue further operations on this stream: this one may wait
-  // to go with them in one message (a batch). The last operation of such a burst must be
-  // issued with `more` false, or the waiting ones may not be sent.
+  // `more`: the caller is about to issue further operations on this stream: this one waits
+  // to go with them in one message (a batch; several if the burst passes a batch's bounds).
+  // The last operation of such a burst must be issued with `more` false, or the waiting ones
+  // are not sent. Ignored until the shard has announced that it reads batches.
   void Call(StreamOp op, const grpc::ByteBuffer& body, grpc::ByteBuffer* response, Done done,
             bool more = false);
 

@@ -201,11 +201,17 @@ void AppendStreamBatchElement(const grpc::ByteBuffer& message, std::vector<grpc:
 }
 
 grpc::ByteBuffer TakeStreamMessages(std::deque<grpc::ByteBuffer>* queue, bool batch) {
-  size_t n = 1, bytes = queue->front().Length();
+  // An element's bytes in a batch: its tag, its length and itself.
+  const auto element = [](size_t len) {
+    std::string head;
+    PutVarint(len, &head);
+    return 1 + head.size() + len;
+  };
+  size_t n = 1, bytes = element(queue->front().Length());
   if (batch) {
     while (n < queue->size() && n < kMaxStreamBatch &&
-           bytes + (*queue)[n].Length() <= kStreamBatchBytes) {
-      bytes += (*queue)[n++].Length();
+           bytes + element((*queue)[n].Length()) <= kStreamBatchBytes) {
+      bytes += element((*queue)[n++].Length());
     }
   }
   if (n == 1) {

@@ -140,14 +140,15 @@ absl::Status SplitStreamResponse(const grpc::ByteBuffer& buffer, StreamResponseH
 // metadata); a peer from before batches never sees one.
 inline constexpr uint32_t kStreamBatchField = 15;
 inline constexpr char kStreamBatchMetadata[] = "x-gradmesh-stream-batch";
-// A batch holds at most this many elements, and is built up to kStreamBatchBytes (a message
-// larger than that goes alone).
+// A batch holds at most this many elements and, with their tags and lengths, at most
+// kStreamBatchBytes (a message larger than that goes alone).
 inline constexpr size_t kMaxStreamBatch = 256;
 inline constexpr size_t kStreamBatchBytes = size_t{1} << 20;
 
 // The next message to write from `queue` (not empty): its front alone, or, when `batch` and
 // more than one message waits, as many from the front as fit kStreamBatchBytes and
-// kMaxStreamBatch (at least one) as one batch.
+// kMaxStreamBatch (at least one) as one batch. A peer whose RpcOptions.max_message_bytes is
+// under kStreamBatchBytes must not be sent batches (the defaults are 256 MiB).
 grpc::ByteBuffer TakeStreamMessages(std::deque<grpc::ByteBuffer>* queue, bool batch);
 
 // Appends `message` (an encoded StreamRequest or StreamResponse) to a batch being built in

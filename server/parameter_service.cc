@@ -80,8 +80,11 @@ class RawUnaryReactor final : public grpc::ServerUnaryReactor {
 
 // One ParameterService.Stream call: reads StreamRequests, starts each on the shard as the
 // unary Push or Pull would (token check included), and writes each StreamResponse when its
-// operation completes (completion order). Operations in flight are bounded: at kMaxInFlight
-// it stops reading until one completes (gRPC's flow control then holds the client back).
+// operation completes (completion order). It reads the next message only when fewer than
+// kMaxInFlight operations are in flight and fewer than kMaxInFlight answers wait to be
+// written (a client that does not read its answers is held back too), and no batch is still
+// being started; gRPC's flow control then holds the client back. A message may be a batch of
+// up to kMaxStreamBatch operations, so up to twice kMaxInFlight can be in flight.
 // A cancelled stream withdraws its waiting operations; the call finishes once every operation
 // has completed and every response is written (or the client is gone). Deletes itself when
 // gRPC is done with it.
@@ -153,8 +156,9 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   bool gone_ ABSL_GUARDED_BY(mu_) = false;        // Cancelled or a write failed: write no more.
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
   bool batch_responses_ ABSL_GUARDED_BY(mu_) = false;  // The client reads batches.
-  // Batches whose operations are being started (the next read may be done meanwhile, on
-  // another thread); their answers are written together once all have started.
+  // Batches whose operations are being started (a half-close may be read meanwhile, on
+  // another thread): answers that complete meanwhile are written together once all have
+  // started, and no other message is read until then.
   int starting_ ABSL_GUARDED_BY(mu_) = 0;
   absl::Status error_ ABSL_GUARDED_BY(mu_);
 };
@@ -285,7 +289,10 @@ bool StreamReactor::ProceedLocked() {
     writing_ = true;
     StartWrite(&out_);  // Never runs OnWriteDone inline.
   }
-  if (!reading_ && !reads_done_ && !gone_ && ops_.size() < kMaxInFlight) {
+  // Not while a batch is being started: the next batch would keep the cork on (starting_)
+  // for as long as the client keeps sending, and no answer would be written meanwhile.
+  if (!reading_ && !reads_done_ && !gone_ && starting_ == 0 && ops_.size() < kMaxInFlight &&
+      queued_.size() < kMaxInFlight) {
     reading_ = true;
     StartRead(&in_);
   }

@@ -558,14 +558,14 @@ TEST_F(StreamTest, AMalformedBatchEndsItsStreamAndAppliesNothing) {
   *m.add_batch() = push;
   *m.add_batch() = pull;
   m.mutable_batch(1)->set_call(1);
-  cases.push_back({m, "reuses call id 1"});
+  cases.push_back({m, "(batch element 2 of 2) reuses call id 1"});
   m.mutable_batch(1)->set_call(2);
   *m.mutable_batch(1)->add_batch() = pull;
-  cases.push_back({m, "inside a batch"});
+  cases.push_back({m, "(batch element 2 of 2) sets batch"});
   m.Clear();
   m.set_call(3);  // Written first: read as one operation, which then carries a batch.
   *m.add_batch() = push;
-  cases.push_back({m, "beside other fields"});
+  cases.push_back({m, "message 1 sets batch"});
   m.Clear();
   *m.add_batch() = push;
   for (uint64_t call = 2; call <= kMaxStreamBatch + 1; ++call) {
@@ -586,6 +586,19 @@ TEST_F(StreamTest, AMalformedBatchEndsItsStreamAndAppliesNothing) {
   }
   EXPECT_EQ(Snapshot(stubs_[0].get(), "badbatch"), before);
   EXPECT_EQ(RawInfo(stubs_[0].get(), "badbatch").pushes_applied(), 0);
+  // The same push in a well-formed batch is applied: the refusals above were the batches'.
+  m.Clear();
+  *m.add_batch() = push;
+  *m.add_batch() = pull;
+  m.mutable_batch(1)->set_call(2);
+  auto ctx = Ctx();
+  auto stream = stubs_[0]->Stream(ctx.get());
+  ASSERT_TRUE(stream->Write(m));
+  ASSERT_TRUE(stream->WritesDone());
+  for (StreamResponse r; stream->Read(&r);) EXPECT_EQ(r.code(), 0) << r.message();
+  EXPECT_TRUE(stream->Finish().ok());
+  EXPECT_EQ(RawInfo(stubs_[0].get(), "badbatch").pushes_applied(), 1);
+  EXPECT_NE(Snapshot(stubs_[0].get(), "badbatch"), before);
 }
 
 // The unary Push and Pull take raw bytes (so that pulled values are not copied twice): bytes

@@ -5,9 +5,10 @@
 // Input: byte 0 cuts the rest into up to 4 slices (as gRPC may deliver them), byte 1 is the
 // element limit (1-256), the rest is one Stream message. Checked: a batch is recognised by its
 // first byte alone; refusals are DATA_LOSS; the elements are at most the limit, hold no more
-// bytes than the message, and, when protobuf parses the message as a StreamResponse (or a
-// StreamRequest), there are as many as protobuf's `batch` has, each parsing to the same
-// element, and each element's head (call, code, message, which response) as protobuf reads it.
+// bytes than the message, and, when protobuf parses the message as a StreamResponse, there are
+// as many as protobuf's `batch` has, each parsing to the same element, and each element's head
+// (call, code, message, which response) as protobuf reads it; a batch as protobuf writes it
+// is never refused.
 #include <grpcpp/grpcpp.h>
 
 #include <string>
@@ -73,6 +74,18 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const absl::Status st = SplitStreamBatch(buffer, max_parts, &parts, &is_batch);
   FUZZ_CHECK(is_batch == (!bytes.empty() && bytes[0] == '\x7a'),
              "batch not told by its first byte");
+  // A batch as protobuf writes it (canonical bytes, nothing but elements, within the limit)
+  // is always taken apart.
+  StreamResponse canonical;
+  if (canonical.ParseFromString(bytes) && canonical.batch_size() > 0 &&
+      static_cast<size_t>(canonical.batch_size()) <= max_parts &&
+      canonical.SerializeAsString() == bytes) {
+    StreamResponse rest = canonical;
+    rest.clear_batch();
+    if (rest.ByteSizeLong() == 0) {
+      FUZZ_CHECK(st.ok(), absl::StrCat("a well-formed batch refused: ", st.ToString()));
+    }
+  }
   if (!st.ok()) {
     FUZZ_CHECK(st.code() == absl::StatusCode::kDataLoss, st.ToString());
     return 0;
