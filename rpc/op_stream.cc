@@ -108,8 +108,12 @@ class OpStream::Conn final : public grpc::ClientBidiReactor<grpc::ByteBuffer, gr
       return;
     }
     // One response, or a batch of them.
-    std::vector<std::pair<Pending, grpc::ByteBuffer>> answered;
-    std::vector<grpc::Status> statuses;
+    struct Answer {
+      Pending op;
+      grpc::ByteBuffer body;
+      grpc::Status status;
+    };
+    std::vector<Answer> answered;
     bool close = false;
     {
       absl::MutexLock lock(&mu_);
@@ -131,8 +135,8 @@ class OpStream::Conn final : public grpc::ClientBidiReactor<grpc::ByteBuffer, gr
           if (st.ok()) st = part;
           continue;
         }
-        answered.emplace_back(std::move(it->second), std::move(body));
-        statuses.emplace_back(static_cast<grpc::StatusCode>(head.code), head.message);
+        answered.push_back({std::move(it->second), std::move(body),
+                            grpc::Status(static_cast<grpc::StatusCode>(head.code), head.message)});
         pending_.erase(it);
       }
       if (st.ok()) {
@@ -143,9 +147,9 @@ class OpStream::Conn final : public grpc::ClientBidiReactor<grpc::ByteBuffer, gr
         close = CloseLocked();
       }
     }
-    for (size_t i = 0; i < answered.size(); ++i) {
-      *answered[i].first.response = std::move(answered[i].second);
-      answered[i].first.done(statuses[i]);
+    for (Answer& a : answered) {
+      *a.op.response = std::move(a.body);
+      a.op.done(a.status);
     }
     if (close) RemoveHold();
   }

@@ -41,20 +41,45 @@ void PutIntField(uint32_t field, int64_t v, std::string* out) {
   PutVarint(static_cast<uint64_t>(v), out);
 }
 
+// Ranges [begin, begin + size) of the bytes in `all` (a buffer's slices, which hold them), in
+// ascending order of begin, each as a buffer sharing the slices; an empty range is a valid,
+// empty buffer (decoders can read it). One pass over the slices for all ranges.
+std::vector<grpc::ByteBuffer> CutSlices(const std::vector<grpc::Slice>& all,
+                                        const std::vector<std::pair<size_t, size_t>>& ranges) {
+  std::vector<grpc::ByteBuffer> out;
+  size_t slice = 0, pos = 0;  // The slice holding the range's start, and that slice's offset.
+  for (const auto& [begin, size] : ranges) {
+    std::vector<grpc::Slice> part;
+    while (slice + 1 < all.size() && pos + all[slice].size() <= begin) pos += all[slice++].size();
+    for (size_t i = slice, at = pos; i < all.size() && at < begin + size; at += all[i++].size()) {
+      const size_t from = std::max(begin, at), to = std::min(begin + size, at + all[i].size());
+      if (from < to) part.push_back(all[i].sub(from - at, to - at));
+    }
+    if (part.empty()) part.emplace_back();
+    out.emplace_back(part.data(), part.size());
+  }
+  return out;
+}
+
 // Bytes [begin, begin + size) of `buffer` (which holds them), sharing its slices.
 grpc::ByteBuffer SubBuffer(const grpc::ByteBuffer& buffer, size_t begin, size_t size) {
-  std::vector<grpc::Slice> all, part;
-  if (size == 0 || !buffer.Dump(&all).ok()) {
-    grpc::Slice empty;
-    return grpc::ByteBuffer(&empty, 1);  // A valid, empty buffer (decoders can read it).
+  std::vector<grpc::Slice> all;
+  if (size == 0 || !buffer.Dump(&all).ok()) all.clear();
+  return CutSlices(all, {{begin, size}})[0];
+}
+
+// Appends to `slices` a length-delimited field `field` holding `body`: one copied slice with
+// `head` (small fields already encoded, which come first), the field's tag and length, then
+// `body`'s slices, shared (no copy of the body).
+void AppendMessageField(std::string head, uint32_t field, const grpc::ByteBuffer& body,
+                        std::vector<grpc::Slice>* slices) {
+  PutVarint(Tag(field, kLengthDelimited), &head);
+  PutVarint(body.Length(), &head);
+  slices->emplace_back(head.data(), head.size());
+  std::vector<grpc::Slice> rest;
+  if (body.Length() > 0 && body.Dump(&rest).ok()) {
+    for (grpc::Slice& s : rest) slices->push_back(std::move(s));
   }
-  size_t pos = 0;  // Offset of the current slice in the buffer.
-  for (const grpc::Slice& s : all) {
-    const size_t from = std::max(begin, pos), to = std::min(begin + size, pos + s.size());
-    if (from < to) part.push_back(s.sub(from - pos, to - pos));
-    pos += s.size();
-  }
-  return grpc::ByteBuffer(part.data(), part.size());
 }
 
 // Builds a message as gRPC slices: small bytes gathered and copied, large strings moved into
@@ -178,35 +203,18 @@ grpc::ByteBuffer FrameStreamRequest(uint64_t call, StreamOp op, const grpc::Byte
     PutVarint(Tag(1, kVarint), &head);
     PutVarint(call, &head);
   }
-  PutVarint(Tag(static_cast<uint32_t>(op), kLengthDelimited), &head);
-  PutVarint(body.Length(), &head);
   std::vector<grpc::Slice> slices;
-  slices.emplace_back(head.data(), head.size());  // Copies the small header.
-  std::vector<grpc::Slice> rest;
-  if (body.Length() > 0 && body.Dump(&rest).ok()) {
-    for (grpc::Slice& s : rest) slices.push_back(std::move(s));
-  }
+  AppendMessageField(std::move(head), static_cast<uint32_t>(op), body, &slices);
   return grpc::ByteBuffer(slices.data(), slices.size());
 }
 
 void AppendStreamBatchElement(const grpc::ByteBuffer& message, std::vector<grpc::Slice>* slices) {
-  std::string head;
-  PutVarint(Tag(kStreamBatchField, kLengthDelimited), &head);
-  PutVarint(message.Length(), &head);
-  slices->emplace_back(head.data(), head.size());  // Copies the small header.
-  std::vector<grpc::Slice> body;
-  if (message.Length() > 0 && message.Dump(&body).ok()) {
-    for (grpc::Slice& s : body) slices->push_back(std::move(s));
-  }
+  AppendMessageField("", kStreamBatchField, message, slices);
 }
 
 grpc::ByteBuffer TakeStreamMessages(std::deque<grpc::ByteBuffer>* queue, bool batch) {
-  // An element's bytes in a batch: its tag, its length and itself.
-  const auto element = [](size_t len) {
-    std::string head;
-    PutVarint(len, &head);
-    return 1 + head.size() + len;
-  };
+  // An element's bytes in a batch: its one-byte tag, its length and itself.
+  const auto element = [](size_t len) { return 1 + CodedOutputStream::VarintSize64(len) + len; };
   size_t n = 1, bytes = element(queue->front().Length());
   if (batch) {
     while (n < queue->size() && n < kMaxStreamBatch &&
@@ -264,17 +272,7 @@ absl::Status SplitStreamBatch(const grpc::ByteBuffer& buffer, size_t max_parts,
     }
     if (!in.ConsumedEntireMessage()) return absl::DataLossError("a malformed batch");
   }
-  size_t slice = 0, pos = 0;  // The slice holding the range's start, and that slice's offset.
-  for (const auto& [begin, size] : ranges) {
-    std::vector<grpc::Slice> part;
-    while (pos + all[slice].size() <= begin && slice + 1 < all.size()) pos += all[slice++].size();
-    for (size_t i = slice, at = pos; i < all.size() && at < begin + size; at += all[i++].size()) {
-      const size_t from = std::max(begin, at), to = std::min(begin + size, at + all[i].size());
-      if (from < to) part.push_back(all[i].sub(from - at, to - at));
-    }
-    if (part.empty()) part.emplace_back();  // A valid, empty element.
-    parts->emplace_back(part.data(), part.size());
-  }
+  *parts = CutSlices(all, ranges);
   return absl::OkStatus();
 }
 

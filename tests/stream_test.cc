@@ -68,6 +68,16 @@ std::unique_ptr<ParameterClient> Client(const JobLayout& l, GrpcParameterClientO
   return c.ok() ? std::move(c).value() : nullptr;
 }
 
+// A unary client of `l` on the shard at `addr` alone, with the job registered there (OddInit
+// values); null (and a test failure) if either fails.
+std::unique_ptr<ParameterClient> InitJobOn(const std::string& addr, const JobLayout& l) {
+  auto c = Client(l, Options({addr}, "unary"));
+  if (c == nullptr) return nullptr;
+  const absl::Status st = c->InitJob(ConstSpans(OddInit(l)));
+  EXPECT_TRUE(st.ok()) << st;
+  return st.ok() ? std::move(c) : nullptr;
+}
+
 // Pushes and pulls on a raw OpStream; waits for the answer.
 grpc::Status StreamCall(OpStream* stream, StreamOp op, const grpc::ByteBuffer& body,
                         grpc::ByteBuffer* response) {
@@ -171,9 +181,8 @@ TEST_F(StreamTest, ManyConcurrentOperationsShareOneStream) {
 // answered when the other worker arrives. Responses come by call id, out of order.
 TEST_F(StreamTest, AWaitingPushHoldsUpNothingElseOnItsStream) {
   const JobLayout l = Layout("order", /*num_workers=*/2, "sync");
-  auto c0 = Client(l, Options({servers_[0]->addr}, "unary"));
+  auto c0 = InitJobOn(servers_[0]->addr, l);
   ASSERT_NE(c0, nullptr);
-  ASSERT_OK(c0->InitJob(ConstSpans(OddInit(l))));
   auto ctx = Ctx();
   ctx->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
   auto stream = stubs_[0]->Stream(ctx.get());
@@ -236,9 +245,8 @@ TEST_F(StreamTest, AWaitingPushHoldsUpNothingElseOnItsStream) {
 // A retried push on a new stream (same request id) is acknowledged and not applied again.
 TEST_F(StreamTest, APushRetriedOnANewStreamIsAppliedOnce) {
   const JobLayout l = Layout("dedupe");
-  auto c = Client(l, Options({servers_[0]->addr}, "unary"));
+  auto c = InitJobOn(servers_[0]->addr, l);
   ASSERT_NE(c, nullptr);
-  ASSERT_OK(c->InitJob(ConstSpans(OddInit(l))));
   const Partition p = MakePartition(l, 1);
   const Values g = Grad(l, 3);
   std::vector<PushChunkRef> refs;
@@ -394,9 +402,8 @@ TEST(StreamTokenTest, AnUnauthorisedJobIsRefusedAsUnaryRefusesIt) {
 // serving (a new stream works).
 TEST_F(StreamTest, AMalformedMessageEndsItsStreamWithInvalidArgument) {
   const JobLayout l = Layout("malformed");
-  auto c = Client(l, Options({servers_[0]->addr}, "unary"));
+  auto c = InitJobOn(servers_[0]->addr, l);
   ASSERT_NE(c, nullptr);
-  ASSERT_OK(c->InitJob(ConstSpans(OddInit(l))));
   const std::string before = Snapshot(stubs_[0].get(), "malformed");
   grpc::GenericStub generic(MakeChannel(servers_[0]->addr, RpcOptions()));
   OpStream stream(&generic, kStream, {});
@@ -436,9 +443,8 @@ TEST_F(StreamTest, ABurstGoesInOneMessageAndIsAnsweredAsOneByOne) {
   std::vector<std::string> answers[2];
   for (int mode = 0; mode < 2; ++mode) {  // 0: one burst; 1: one message per operation.
     const JobLayout l = Layout(mode == 0 ? "burst" : "one-by-one");
-    auto c = Client(l, Options({servers_[0]->addr}, "unary"));
+    auto c = InitJobOn(servers_[0]->addr, l);
     ASSERT_NE(c, nullptr);
-    ASSERT_OK(c->InitJob(ConstSpans(OddInit(l))));
     PullRequest pull;
     pull.set_job(l.job);
     OpStream stream(&generic, kStream, {});
@@ -493,9 +499,8 @@ TEST_F(StreamTest, ABurstGoesInOneMessageAndIsAnsweredAsOneByOne) {
 // batches); it announces that it reads batches either way.
 TEST_F(StreamTest, AnswersComeBatchedOnlyToAClientThatReadsBatches) {
   const JobLayout l = Layout("answers");
-  auto c = Client(l, Options({servers_[0]->addr}, "unary"));
+  auto c = InitJobOn(servers_[0]->addr, l);
   ASSERT_NE(c, nullptr);
-  ASSERT_OK(c->InitJob(ConstSpans(OddInit(l))));
   for (const bool announce : {false, true}) {
     auto ctx = Ctx();
     if (announce) ctx->AddMetadata(kStreamBatchMetadata, "1");
@@ -534,9 +539,8 @@ TEST_F(StreamTest, AnswersComeBatchedOnlyToAClientThatReadsBatches) {
 // its operations is applied, not even the well-formed ones before the fault.
 TEST_F(StreamTest, AMalformedBatchEndsItsStreamAndAppliesNothing) {
   const JobLayout l = Layout("badbatch");
-  auto c = Client(l, Options({servers_[0]->addr}, "unary"));
+  auto c = InitJobOn(servers_[0]->addr, l);
   ASSERT_NE(c, nullptr);
-  ASSERT_OK(c->InitJob(ConstSpans(OddInit(l))));
   const std::string before = Snapshot(stubs_[0].get(), "badbatch");
   const Partition p = MakePartition(l, 1);
   const Values g = Grad(l, 0);

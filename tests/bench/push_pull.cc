@@ -39,6 +39,7 @@
 #include <atomic>
 #include <cstdio>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -133,33 +134,22 @@ struct Measured {
   bool failed = false;
 };
 
-// Runs `op` back to back on every client for `seconds`.
-Measured Measure(const std::vector<std::unique_ptr<ParameterClient>>& clients, absl::string_view op,
-                 int64_t n, int keys, double seconds) {
-  const bool do_push = op == "push" || op == "pushpull";
-  const bool do_pull = op == "pull" || op == "pushpull";
-  const bool do_fused = op == "fused";
-  const int inflight = static_cast<int>(clients.size());
-  std::vector<std::vector<double>> lat(inflight);
+// Runs `clients` threads for `seconds`, each calling its `one()` (made by `make(w)` on that
+// thread; false: it failed) back to back; each call counts `per_call` operations, and the
+// latencies are per call.
+Measured TimeClients(int clients, double seconds, int64_t per_call,
+                     const std::function<std::function<bool()>(int)>& make) {
+  std::vector<std::vector<double>> lat(clients);
   std::atomic<bool> failed{false};
   std::vector<std::thread> threads;
   const absl::Time start = absl::Now();
   const absl::Time end = start + absl::Seconds(seconds);
-  for (int w = 0; w < inflight; ++w) {
+  for (int w = 0; w < clients; ++w) {
     threads.emplace_back([&, w] {
-      std::vector<float> grad(n * keys, 0.5f), params(n * keys);
-      std::vector<absl::Span<const float>> grads;
-      std::vector<absl::Span<float>> outs;
-      for (int k = 0; k < keys; ++k) {
-        grads.emplace_back(grad.data() + k * n, n);
-        outs.emplace_back(params.data() + k * n, n);
-      }
-      int64_t step = 0;
+      const std::function<bool()> one = make(w);
       while (absl::Now() < end && !failed.load()) {
         const absl::Time t0 = absl::Now();
-        if (do_push && !clients[w]->Push(step++, grads).ok()) failed = true;
-        if (do_pull && !clients[w]->Pull(outs).ok()) failed = true;
-        if (do_fused && !clients[w]->PushPull(step++, grads, outs, nullptr).ok()) failed = true;
+        if (!one()) failed = true;
         lat[w].push_back(absl::ToDoubleMicroseconds(absl::Now() - t0));
       }
     });
@@ -170,10 +160,40 @@ Measured Measure(const std::vector<std::unique_ptr<ParameterClient>>& clients, a
   m.failed = failed;
   std::vector<double> all;
   for (auto& l : lat) all.insert(all.end(), l.begin(), l.end());
-  m.ops = static_cast<int64_t>(all.size());
+  m.ops = static_cast<int64_t>(all.size()) * per_call;
   m.p50_us = Percentile(&all, 0.5);
   m.p99_us = Percentile(&all, 0.99);
   return m;
+}
+
+// Runs `op` back to back on every client for `seconds`.
+Measured Measure(const std::vector<std::unique_ptr<ParameterClient>>& clients, absl::string_view op,
+                 int64_t n, int keys, double seconds) {
+  const bool do_push = op == "push" || op == "pushpull";
+  const bool do_pull = op == "pull" || op == "pushpull";
+  const bool do_fused = op == "fused";
+  struct Buffers {
+    std::vector<float> grad, params;
+    std::vector<absl::Span<const float>> grads;
+    std::vector<absl::Span<float>> outs;
+    int64_t step = 0;
+  };
+  return TimeClients(static_cast<int>(clients.size()), seconds, 1, [&](int w) {
+    auto b = std::make_shared<Buffers>();
+    b->grad.assign(n * keys, 0.5f);
+    b->params.resize(n * keys);
+    for (int k = 0; k < keys; ++k) {
+      b->grads.emplace_back(b->grad.data() + k * n, n);
+      b->outs.emplace_back(b->params.data() + k * n, n);
+    }
+    return [&, w, b] {
+      bool ok = true;
+      if (do_push) ok = clients[w]->Push(b->step++, b->grads).ok() && ok;
+      if (do_pull) ok = clients[w]->Pull(b->outs).ok() && ok;
+      if (do_fused) ok = clients[w]->PushPull(b->step++, b->grads, b->outs, nullptr).ok() && ok;
+      return ok;
+    };
+  });
 }
 
 // One --depth client: a stream per shard, `depth` operations in flight per round.
@@ -288,31 +308,13 @@ class DepthClient {
 // operations (depth per round), latencies are per round.
 Measured MeasureDepth(std::vector<std::unique_ptr<DepthClient>>* clients, absl::string_view op,
                       int64_t n, int depth, double seconds) {
-  std::vector<std::vector<double>> lat(clients->size());
-  std::atomic<bool> failed{false};
-  std::vector<std::thread> threads;
-  const absl::Time start = absl::Now();
-  const absl::Time end = start + absl::Seconds(seconds);
-  for (size_t w = 0; w < clients->size(); ++w) {
-    threads.emplace_back([&, w] {
-      std::vector<float> grad(n, 0.5f), params(n * depth);
-      while (absl::Now() < end && !failed.load()) {
-        const absl::Time t0 = absl::Now();
-        if (!(*clients)[w]->Round(op, depth, grad.data(), &params)) failed = true;
-        lat[w].push_back(absl::ToDoubleMicroseconds(absl::Now() - t0));
-      }
-    });
-  }
-  for (auto& th : threads) th.join();
-  Measured m;
-  m.wall_s = absl::ToDoubleSeconds(absl::Now() - start);
-  m.failed = failed;
-  std::vector<double> all;
-  for (auto& l : lat) all.insert(all.end(), l.begin(), l.end());
-  m.ops = static_cast<int64_t>(all.size()) * depth;
-  m.p50_us = Percentile(&all, 0.5);
-  m.p99_us = Percentile(&all, 0.99);
-  return m;
+  return TimeClients(static_cast<int>(clients->size()), seconds, depth, [&](int w) {
+    auto grad = std::make_shared<std::vector<float>>(n, 0.5f);
+    auto params = std::make_shared<std::vector<float>>(n * depth);
+    return [&, w, grad, params] {
+      return (*clients)[w]->Round(op, depth, grad->data(), params.get());
+    };
+  });
 }
 
 int Run() {

@@ -29,6 +29,14 @@ inline grpc::ByteBuffer SlicedBuffer(const std::string& bytes, const std::vector
   return grpc::ByteBuffer(slices.data(), slices.size());
 }
 
+// `bytes` cut as a fuzz input's byte `cuts` says: slices of (cuts & 3), ((cuts >> 2) & 3) and
+// ((cuts >> 4) & 3) times `unit` bytes, then the rest (SlicedBuffer).
+inline grpc::ByteBuffer SlicedByByte(const std::string& bytes, uint8_t cuts, size_t unit) {
+  return SlicedBuffer(
+      bytes, {static_cast<size_t>(cuts & 3) * unit, static_cast<size_t>((cuts >> 2) & 3) * unit,
+              static_cast<size_t>((cuts >> 4) & 3) * unit});
+}
+
 }  // namespace gradmesh
 
 #endif  // GRADMESH_TESTS_FUZZ_FUZZ_SLICES_H_

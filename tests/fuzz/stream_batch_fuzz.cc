@@ -66,9 +66,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const uint8_t cuts = in.Byte();
   const size_t max_parts = 1 + in.Byte() % kMaxStreamBatch;
   const std::string bytes(in.Rest());
-  const grpc::ByteBuffer buffer = SlicedBuffer(
-      bytes, {static_cast<size_t>(cuts & 3) * 5, static_cast<size_t>((cuts >> 2) & 3) * 5,
-              static_cast<size_t>((cuts >> 4) & 3) * 5});
+  const grpc::ByteBuffer buffer = SlicedByByte(bytes, cuts, 5);
   std::vector<grpc::ByteBuffer> parts;
   bool is_batch = false;
   const absl::Status st = SplitStreamBatch(buffer, max_parts, &parts, &is_batch);

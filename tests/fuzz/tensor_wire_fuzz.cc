@@ -43,9 +43,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   FuzzInput in(data, size);
   const uint8_t cuts = in.Byte();
   const std::string bytes(in.Rest());
-  const grpc::ByteBuffer buffer = SlicedBuffer(
-      bytes, {static_cast<size_t>(cuts & 3) * 7, static_cast<size_t>((cuts >> 2) & 3) * 7,
-              static_cast<size_t>((cuts >> 4) & 3) * 7});
+  const grpc::ByteBuffer buffer = SlicedByByte(bytes, cuts, 7);
 
   std::vector<SeenChunk> seen;
   const absl::Status st = DecodePullResponse(
