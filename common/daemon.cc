@@ -1,5 +1,6 @@
 #include "common/daemon.h"
 
+#include <dlfcn.h>
 #include <malloc.h>
 #include <signal.h>
 #include <unistd.h>
@@ -33,6 +34,11 @@ std::string WaitForTerminationSignal() {
 void TuneAllocatorForLargeMessages() {
   mallopt(M_MMAP_THRESHOLD, 256 << 20);
   mallopt(M_TRIM_THRESHOLD, 1 << 30);
+}
+
+const char* MallocName() {
+  // TCMalloc exports its entry points under tc_* names too; libc and the sanitizers do not.
+  return dlsym(RTLD_DEFAULT, "tc_malloc") != nullptr ? "tcmalloc" : "system";
 }
 
 void DisableMutexDeadlockDetection() {

@@ -25,6 +25,12 @@ std::string WaitForTerminationSignal();
 // Call once at the start of main().
 void TuneAllocatorForLargeMessages();
 
+// The malloc this process runs on: "tcmalloc" where gperftools' TCMalloc is linked in
+// (//bazel:tcmalloc: the daemons and benchmarks, except sanitizer builds), else "system"
+// (libc's, or a sanitizer's). The mallopt settings of TuneAllocatorForLargeMessages apply to
+// libc's only; TCMalloc keeps freed large spans for reuse by itself.
+const char* MallocName();
+
 // Turns off absl::Mutex's deadlock detection for this process. Debian builds Abseil without
 // NDEBUG, which leaves it on: every Lock of a mutex that others were held with walks and
 // updates a global lock-order graph (GraphCycles, under one global spin lock), a per-op cost

@@ -19,7 +19,7 @@ NPM_DIR="${GRADMESH_NPM_DIR:-/var/lib/gradmesh/npm}"
 PACKAGES=(
   bazel-bootstrap pkg-config g++ libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev
   protobuf-compiler librocksdb-dev libabsl-dev libtorch-dev libgtest-dev libgmock-dev
-  libbenchmark-dev libyaml-cpp-dev zlib1g-dev libopenblas0-pthread
+  libbenchmark-dev libyaml-cpp-dev zlib1g-dev libopenblas0-pthread libtcmalloc-minimal4
   dataset-fashion-mnist bible-kjv python3-torch clang-format
   clang libclang-rt-14-dev
   prometheus chromium

@@ -254,7 +254,8 @@ int Run(ServerMainOptions options) {
                  {Kv("address", options.daemon.address), Kv("error", st.ToString())});
     return kExitFailed;
   }
-  logger.Info("listening", {Kv("address", daemon.ListenAddress()), Kv("port", daemon.port())});
+  logger.Info("listening", {Kv("address", daemon.ListenAddress()), Kv("port", daemon.port()),
+                            Kv("malloc", MallocName())});
   LogListenSecurity(daemon.ListenAddress(), options.daemon.rpc.tls, &logger);
   if (!daemon.StartMetrics(&metrics).ok()) return kExitFailed;
   if (!options.coordinator.empty()) {
