@@ -85,8 +85,9 @@ TEST(ShardHostileRssTest, TenThousandHostileInitJobsLeaveMemoryFlat) {
                        Subprocess::Start(argv, {{"MALLOC_ARENA_MAX", "2"}}, dir + "/server.log"));
   ASSERT_OK_AND_ASSIGN(const int port,
                        testutil::WaitForPortFile(port_file, absl::Seconds(30), server.get()));
-  // The memory measured is TCMalloc's, as deployed (the sanitizers bring their own malloc).
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  // The memory measured is TCMalloc's, as deployed (--define=gradmesh_malloc=system, which the
+  // sanitizer builds set, keeps libc's or the sanitizer's).
+#ifdef GRADMESH_SYSTEM_MALLOC
   const char* const want_malloc = "malloc=system";
 #else
   const char* const want_malloc = "malloc=tcmalloc";

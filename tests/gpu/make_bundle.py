@@ -122,6 +122,12 @@ def main():
     # the binaries built here load at run time, minus what the GPU machine has itself.
     libs = {}
     for name in wanted_libs:
+        if name.startswith(":"):  # -l:FILE names the library's file (//bazel:tcmalloc's).
+            real = os.path.realpath(os.path.join(LIBDIR, name[1:]))
+            if not os.path.exists(real):
+                sys.exit("make_bundle: no %s for -l%s" % (os.path.join(LIBDIR, name[1:]), name))
+            libs[name[1:]] = real
+            continue
         dev = os.path.join(LIBDIR, "lib%s.so" % name)
         static = os.path.join(LIBDIR, "lib%s.a" % name)
         if not os.path.exists(dev) and os.path.exists(static):  # gtest, gmock: archives only

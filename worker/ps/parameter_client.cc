@@ -14,6 +14,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "common/mode.h"
 #include "common/numeric.h"
 #include "common/partitioner.h"
 #include "common/rate_limiter.h"
@@ -47,6 +48,7 @@ class GrpcParameterClient final : public ParameterClient {
                       std::unique_ptr<Compressor> push_codec,
                       std::unique_ptr<Compressor> pull_codec)
       : layout_(std::move(layout)),
+        sync_(IsSync(layout_.consistency)),
         options_(std::move(options)),
         partition_(std::move(partition)),
         incarnation_(static_cast<uint64_t>(std::random_device{}()) << 32),
@@ -361,7 +363,7 @@ class GrpcParameterClient final : public ParameterClient {
     // sync: the shard that completes a step would run every worker's pull in turn on one
     // thread; two calls let the pulls run in parallel. And a shard that answered a fused push
     // without values (a binary older than PushRequest.pull) gets two calls from then on.
-    if (layout_.consistency == "sync" || !fused_.load()) {
+    if (sync_ || !fused_.load()) {
       RETURN_IF_ERROR(PushImpl(step, grads, base_versions, false, nullptr, nullptr, &shards));
       return PullImpl(params, nullptr, nullptr, &shards);
     }
@@ -635,7 +637,7 @@ class GrpcParameterClient final : public ParameterClient {
     // A sync push waits at the shard's barrier for up to the job's barrier timeout: an attempt
     // must outlast it, or the client would give up on a step the shard still completes.
     absl::Duration deadline = options_.rpc_deadline;
-    if (std::string(what) == "Push" && layout_.consistency == "sync") {
+    if (sync_ && std::string(what) == "Push") {
       const double barrier = layout_.barrier_timeout_s > 0 ? layout_.barrier_timeout_s : 120;
       deadline = std::max(deadline, absl::Seconds(barrier) + absl::Seconds(30));
     }
@@ -689,7 +691,14 @@ class GrpcParameterClient final : public ParameterClient {
     }
   }
 
+  // The job's consistency (a mode string only as the shards' InitJob carries it) is sync.
+  static bool IsSync(const std::string& consistency) {
+    const absl::StatusOr<Mode> mode = ParseMode(consistency);
+    return mode.ok() && *mode == Mode::kSync;
+  }
+
   const JobLayout layout_;
+  const bool sync_;
   const GrpcParameterClientOptions options_;
   const Partition partition_;
   const uint64_t incarnation_;  // High bits of request ids: distinct per client instance.
