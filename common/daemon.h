@@ -26,8 +26,9 @@ std::string WaitForTerminationSignal();
 void TuneAllocatorForLargeMessages();
 
 // The malloc this process runs on: "tcmalloc" where gperftools' TCMalloc is linked in
-// (//bazel:tcmalloc: the daemons and benchmarks, except sanitizer builds), else "system"
-// (libc's, or a sanitizer's). The mallopt settings of TuneAllocatorForLargeMessages apply to
+// (//bazel:tcmalloc: the daemons and benchmarks, unless built with
+// --define=gradmesh_malloc=system, as the sanitizer builds are), else "system" (libc's, or a
+// sanitizer's). The mallopt settings of TuneAllocatorForLargeMessages apply to
 // libc's only; TCMalloc keeps freed large spans for reuse by itself.
 const char* MallocName();
 
