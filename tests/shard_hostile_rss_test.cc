@@ -93,12 +93,10 @@ TEST(ShardHostileRssTest, TenThousandHostileInitJobsLeaveMemoryFlat) {
   const char* const want_malloc = "malloc=tcmalloc";
 #endif
   // Its "listening" line names it; it may follow the port file by a moment.
-  const absl::Time logged_by = absl::Now() + absl::Seconds(10);
-  while (testutil::ReadFile(server->log_path()).find(want_malloc) == std::string::npos &&
-         absl::Now() < logged_by) {
-    absl::SleepFor(absl::Milliseconds(20));
-  }
-  EXPECT_NE(testutil::ReadFile(server->log_path()).find(want_malloc), std::string::npos)
+  EXPECT_TRUE(testutil::WaitForLog(
+      server.get(),
+      [&](const std::string& log) { return log.find(want_malloc) != std::string::npos; },
+      absl::Seconds(10)))
       << testutil::ReadFile(server->log_path());
   auto stub =
       ParameterService::NewStub(MakeChannel(absl::StrCat("127.0.0.1:", port), RpcOptions()));

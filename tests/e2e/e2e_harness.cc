@@ -216,13 +216,7 @@ std::vector<int> E2eHarness::WaitAll(const std::vector<Subprocess*>& procs,
 
 bool E2eHarness::WaitForLog(Subprocess* proc, const std::function<bool(const std::string&)>& pred,
                             absl::Duration timeout) {
-  const absl::Time deadline = absl::Now() + timeout;
-  while (absl::Now() < deadline) {
-    if (pred(ReadFile(proc->log_path()))) return true;
-    if (!proc->Running()) return pred(ReadFile(proc->log_path()));
-    absl::SleepFor(absl::Milliseconds(5));
-  }
-  return false;
+  return testutil::WaitForLog(proc, pred, timeout);
 }
 
 std::string E2eHarness::ServersFlag() const {

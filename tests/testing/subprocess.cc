@@ -228,6 +228,17 @@ absl::StatusOr<int> Subprocess::Wait(absl::Duration timeout) {
   }
 }
 
+bool WaitForLog(Subprocess* proc, const std::function<bool(const std::string&)>& pred,
+                absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  while (absl::Now() < deadline) {
+    if (pred(ReadFile(proc->log_path()))) return true;
+    if (!proc->Running()) return pred(ReadFile(proc->log_path()));
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  return false;
+}
+
 absl::StatusOr<int> WaitForPortFile(const std::string& path, absl::Duration timeout,
                                     Subprocess* process) {
   const absl::Time deadline = absl::Now() + timeout;

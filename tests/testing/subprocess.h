@@ -20,6 +20,7 @@
 
 #include <sys/types.h>
 
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -90,6 +91,11 @@ absl::StatusOr<int> WaitForPortFile(const std::string& path, absl::Duration time
 
 // Whole contents of a file; "" if it cannot be read.
 std::string ReadFile(const std::string& path);
+
+// Polls `proc`'s log every few milliseconds until `pred(log)` holds (true), or the process
+// ends or `timeout` passes (false).
+bool WaitForLog(Subprocess* proc, const std::function<bool(const std::string&)>& pred,
+                absl::Duration timeout);
 
 // Creates or truncates `path` and writes `contents` to it. Internal (naming the path) if it
 // cannot be written.
