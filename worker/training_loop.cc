@@ -21,6 +21,7 @@
 #include "worker/core/grad_clip.h"
 #include "worker/core/loss_scaler.h"
 #include "worker/model.h"
+#include "worker/torch_device_gradients.h"
 
 namespace gradmesh {
 namespace {
@@ -150,6 +151,9 @@ class TrainingLoop {
   // device gradient -> its pinned host copy, handed to the mode.
   void ParamsIn();
   absl::Span<const float> GradOut(int i, const torch::Tensor& grad);
+  // After the mode's Start: offers it the gradients where backward leaves them
+  // (TrainingMode::UseDeviceGradients), unless the loop itself needs them on the host.
+  void OfferDeviceGradients();
   // Checks the model against one real batch before anything is started.
   absl::Status CheckFit();
   // Buffers: mirrors -> model before forward (remembering the values), model -> mirrors and
@@ -194,6 +198,10 @@ class TrainingLoop {
   bool on_gpu_ = false;
   std::vector<torch::Tensor> host_params_;  // GPU: pinned host copies the view points to.
   std::vector<torch::Tensor> host_grads_;   // GPU: pinned host gradients for the mode.
+  int64_t dense_to_host_ = 0;               // GPU: gradient bytes copied to host_grads_.
+  // The mode reads the parameters' gradients through device_grads_ (encoded where they are).
+  std::unique_ptr<TorchDeviceGradients> device_grads_;
+  bool device_encoded_ = false;
   std::vector<torch::Tensor> buffers_;
   std::vector<std::vector<float>> mirrors_;  // Float32 copies of buffers_ (the view's).
   std::vector<std::vector<float>> before_;   // Mirrors before the step's forward.
@@ -279,6 +287,7 @@ absl::Span<const float> TrainingLoop::GradOut(int i, const torch::Tensor& grad) 
   if (on_gpu_) {
     host_grads_[i].copy_(grad);
     g = host_grads_[i];
+    dense_to_host_ += g.numel() * static_cast<int64_t>(sizeof(float));
   }
   const int64_t n = static_cast<int64_t>(view_.params[i].size());
   return absl::Span<const float>(g.data_ptr<float>(), std::min<int64_t>(g.numel(), n));
@@ -392,6 +401,7 @@ absl::Status TrainingLoop::Setup() {
   step_ = loader_options_.first_step / accum_;
   result_.first_step = step_;
 
+  OfferDeviceGradients();
   BuffersIn(/*remember=*/true);  // The mode may have set them (shards, checkpoint, rank 0).
   if (mode_->wants_gradient_hook()) {
     for (size_t i = 0; i < params_.size(); ++i) {
@@ -412,6 +422,20 @@ absl::Status TrainingLoop::Setup() {
   return absl::OkStatus();
 }
 
+void TrainingLoop::OfferDeviceGradients() {
+  const DeviceCodecUse use = options_.device_codec;
+  if (use == DeviceCodecUse::kOff || (use == DeviceCodecUse::kAuto && !on_gpu_)) return;
+  // What the loop itself does with the host gradient: clipping, unscaling, fault injection,
+  // and the per-gradient hook's copies.
+  if (clip_.enabled() || scaler_.enabled() || !options_.nonfinite_steps.empty() ||
+      mode_->wants_gradient_hook()) {
+    return;
+  }
+  device_grads_ = std::make_unique<TorchDeviceGradients>(&params_, &view_.names);
+  device_encoded_ = mode_->UseDeviceGradients(device_grads_.get());
+  if (!device_encoded_) device_grads_.reset();
+}
+
 void TrainingLoop::LogStart() const {
   if (log_ == nullptr) return;
   std::vector<LogField> f = {
@@ -422,6 +446,7 @@ void TrainingLoop::LogStart() const {
       Kv("dataset", spec_.dataset().name()),
       Kv("loss", LossName(loss_kind_)),
       Kv("device", device_.str()),
+      Kv("device_codec", device_encoded_ ? "on" : "off"),
       Kv("train_samples", data_.train->size()),
       Kv("x", data_.train->x().Describe()),
       Kv("y", data_.train->y().Describe()),
@@ -540,8 +565,9 @@ absl::Status TrainingLoop::Step(std::vector<Batch>& micro, StepOutcome* outcome)
       mode_->OnGradient(static_cast<int>(i), GradOut(i, g.contiguous()));
     }
     if (!g.is_contiguous()) g = g.contiguous();
-    // On a GPU with the hook, the hook has already copied the gradient to the host.
-    grads_[i] = on_gpu_ && mode_->wants_gradient_hook()
+    // On a GPU with the hook, the hook has already copied the gradient to the host; with
+    // device encoding the mode reads it where it is (the host copy is not refreshed).
+    grads_[i] = on_gpu_ && (mode_->wants_gradient_hook() || device_encoded_)
                     ? absl::Span<const float>(host_grads_[i].data_ptr<float>(), g.numel())
                     : GradOut(i, g);
   }
@@ -611,6 +637,12 @@ void TrainingLoop::Progress(const Batch& batch) {
                                Kv("comm_ms", ms(result_.comm_s)),
                                Kv("bytes_per_step", mode_->bytes_sent() / done)};
     if (checkpoint_step_ >= 0) f.push_back(Kv("checkpoint_step", checkpoint_step_));
+    if (on_gpu_ || device_encoded_) {
+      // Gradient bytes that crossed from the device to the host (dense copies, or payloads).
+      const int64_t to_host =
+          dense_to_host_ + (device_grads_ != nullptr ? device_grads_->bytes_to_host() : 0);
+      f.push_back(Kv("to_host_bytes_per_step", to_host / done));
+    }
     if (clip.steps > 0) {
       f.push_back(Kv("grad_norm", absl::StrFormat("%.4g", window_grad_norm_)));
       f.push_back(Kv("clipped", absl::StrFormat("%.3f", window_clipped_)));

@@ -15,16 +15,23 @@
 #include <cstdio>
 #include <cstdlib>
 #include <limits>
+#include <memory>
 #include <optional>
+#include <utility>
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "common/logging.h"
+#include "common/status.h"
 #include "common/status_testing.h"
+#include "compression/compressor.h"
+#include "compression/error_feedback.h"
+#include "worker/core/device_gradients.h"
 #include "worker/core/dataset.h"
 #include "worker/model.h"
+#include "worker/torch_device_gradients.h"
 
 namespace gradmesh {
 namespace {
@@ -645,6 +652,204 @@ TEST(TrainingFeaturesTest, Bf16AutocastTrainsAndKeepsFloat32Parameters) {
   EXPECT_GT(max_diff, 0);
   EXPECT_LT(bf16.losses.back(), bf16.losses.front());
   EXPECT_EQ(bf16.final_params[0].size(), 784u * 256u);  // Float32 master weights in the view.
+}
+
+
+// The device codec against the host's: the same gradients (bit for bit, uploaded to the
+// device) must give the same payloads, byte for byte, step after step (so the error-feedback
+// state on the device follows the host's), for every codec the device encodes, with plain
+// error feedback, DGC momentum (masked or not) and none.
+TEST_P(DeviceTest, DeviceEncodingGivesTheHostCodecsPayloadsStepAfterStep) {
+  TrainerOptions o = Options(1);
+  if (!Usable(o)) return;
+  const torch::Device device(GetParam() == ComputeDevice::kCuda ? torch::kCUDA : torch::kCPU);
+  const std::vector<std::string> names = {"a", "b"};
+  const std::vector<int64_t> sizes = {5000, 3001};
+  const std::vector<std::pair<int, std::pair<int64_t, int64_t>>> chunks = {
+      {0, {0, 2500}}, {0, {2500, 2500}}, {1, {0, 3001}}};
+  struct Feedback {
+    const char* name;
+    std::optional<ErrorFeedbackOptions> options;
+  };
+  ErrorFeedbackOptions plain, masked, unmasked;
+  masked.momentum = 0.9f;
+  unmasked.momentum = 0.5f;
+  unmasked.momentum_masking = false;
+  const std::vector<Feedback> feedbacks = {
+      {"none", std::nullopt}, {"plain", plain}, {"dgc", masked}, {"dgc_unmasked", unmasked}};
+  const CompressorRegistry registry = CompressorRegistry::WithBuiltins();
+  for (const char* spec : {"topk:0.01", "topk:0.05+fp16", "topk:0.2+bf16", "topk:1+fp16", "fp16",
+                           "bf16"}) {
+    std::unique_ptr<Compressor> codec = registry.Create(spec).value();
+    const DeviceCodec dc = DeviceCodecOf(*codec).value();
+    for (const Feedback& fb : feedbacks) {
+      SCOPED_TRACE(absl::StrCat(spec, " feedback ", fb.name));
+      torch::manual_seed(11);
+      std::vector<torch::Tensor> params;
+      for (int64_t n : sizes) {
+        params.push_back(torch::zeros({n}, torch::dtype(torch::kFloat).device(device)));
+      }
+      TorchDeviceGradients dg(&params, &names);
+      std::vector<ErrorFeedback> host;
+      for (const auto& c : chunks) {
+        host.emplace_back(c.second.second, fb.options.value_or(ErrorFeedbackOptions()));
+      }
+      for (int step = 0; step < 4; ++step) {
+        std::vector<torch::Tensor> cpu;
+        for (size_t i = 0; i < params.size(); ++i) {
+          // Heavy-tailed, with values beyond fp16's range.
+          torch::Tensor g = torch::randn({sizes[i]}) * torch::exp(2 * torch::randn({sizes[i]}));
+          g[7] = 1e6f * (step % 2 == 0 ? 1 : -1);
+          cpu.push_back(g.contiguous());
+          params[i].mutable_grad() = g.to(device);
+        }
+        ASSERT_OK(dg.CheckFinite());
+        for (size_t j = 0; j < chunks.size(); ++j) {
+          const int p = chunks[j].first;
+          const auto [offset, numel] = chunks[j].second;
+          std::string on_device, on_host;
+          ASSERT_OK(dg.Encode(p, offset, numel, dc, fb.options ? &*fb.options : nullptr,
+                              static_cast<int64_t>(j), &on_device));
+          const absl::Span<const float> g(cpu[p].data_ptr<float>() + offset, numel);
+          ASSERT_OK(fb.options ? host[j].Compress(*codec, g, 0, &on_host)
+                               : codec->Encode(g, 0, &on_host));
+          ASSERT_EQ(on_device.size(), on_host.size()) << "step " << step << " chunk " << j;
+          ASSERT_TRUE(on_device == on_host) << "step " << step << " chunk " << j;
+        }
+      }
+      EXPECT_GT(dg.bytes_to_host(), 0);
+    }
+  }
+}
+
+// A gradient that is not finite: CheckFinite names it, and Encode refuses it and keeps its
+// error-feedback state (the next finite step encodes as if the bad one never happened).
+TEST_P(DeviceTest, ANonFiniteGradientIsNamedAndChangesNoState) {
+  TrainerOptions o = Options(1);
+  if (!Usable(o)) return;
+  const torch::Device device(GetParam() == ComputeDevice::kCuda ? torch::kCUDA : torch::kCPU);
+  const std::vector<std::string> names = {"fc.weight", "fc.bias"};
+  std::vector<torch::Tensor> params = {torch::zeros({100}, torch::device(device)),
+                                       torch::zeros({10}, torch::device(device))};
+  TorchDeviceGradients dg(&params, &names);
+  std::unique_ptr<Compressor> codec = CompressorRegistry::WithBuiltins().Create("topk:0.1").value();
+  const DeviceCodec dc = DeviceCodecOf(*codec).value();
+  const ErrorFeedbackOptions ef;
+  ErrorFeedback host(100, ef);
+  torch::manual_seed(5);
+  const torch::Tensor g0 = torch::randn({100});
+  const torch::Tensor g1 = torch::randn({100});
+  params[0].mutable_grad() = g0.to(device);
+  params[1].mutable_grad() = torch::zeros({10}, torch::device(device));
+  std::string on_device, on_host;
+  ASSERT_OK(dg.Encode(0, 0, 100, dc, &ef, 0, &on_device));
+  ASSERT_OK(host.Compress(*codec, absl::Span<const float>(g0.data_ptr<float>(), 100), 0, &on_host));
+  ASSERT_TRUE(on_device == on_host);
+
+  torch::Tensor bad = torch::zeros({10});
+  bad[6] = std::numeric_limits<float>::infinity();
+  params[1].mutable_grad() = bad.to(device);
+  torch::Tensor nan = g1.clone();
+  nan[42] = std::numeric_limits<float>::quiet_NaN();
+  params[0].mutable_grad() = nan.to(device);
+  absl::Status st = dg.CheckFinite();
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(st.message(), "gradient of fc.weight element 42 is not finite");
+  st = dg.Encode(0, 0, 100, dc, &ef, 0, &on_device);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("element 42"), std::string::npos) << st;
+  EXPECT_EQ(dg.Encode(0, 90, 20, dc, &ef, 0, &on_device).code(),
+            absl::StatusCode::kInvalidArgument);  // Past the end.
+  EXPECT_EQ(dg.Encode(0, 0, 50, dc, &ef, 0, &on_device).code(),
+            absl::StatusCode::kInvalidArgument);  // Slot 0 holds 100 elements.
+  EXPECT_EQ(dg.Encode(2, 0, 1, dc, &ef, 9, &on_device).code(),
+            absl::StatusCode::kInvalidArgument);  // No parameter 2.
+
+  params[0].mutable_grad() = g1.to(device);
+  ASSERT_OK(dg.Encode(0, 0, 100, dc, &ef, 0, &on_device));
+  ASSERT_OK(host.Compress(*codec, absl::Span<const float>(g1.data_ptr<float>(), 100), 0, &on_host));
+  EXPECT_TRUE(on_device == on_host);
+}
+
+// A mode that takes the device gradients and encodes parameter 0 through them each step, or
+// (when not offered) encodes the host span: the two runs must push the same thing.
+class DeviceCodecMode : public FakeMode {
+ public:
+  bool accept = true;
+  DeviceGradients* gradients = nullptr;
+  std::vector<std::vector<float>> sent;  // Per step: parameter 0's decoded payload.
+
+  bool UseDeviceGradients(DeviceGradients* g) override {
+    gradients = g;
+    return accept;
+  }
+  absl::StatusOr<StepOutcome> Exchange(int64_t step,
+                                       absl::Span<const absl::Span<const float>> grads, double loss,
+                                       const StepTiming& timing) override {
+    std::unique_ptr<Compressor> codec =
+        CompressorRegistry::WithBuiltins().Create("topk:0.05+fp16").value();
+    std::string payload;
+    if (gradients != nullptr && accept) {
+      RETURN_IF_ERROR(gradients->CheckFinite());
+      RETURN_IF_ERROR(gradients->Encode(0, 0, static_cast<int64_t>(grads[0].size()),
+                                        *DeviceCodecOf(*codec), nullptr, 0, &payload));
+    } else {
+      RETURN_IF_ERROR(codec->Encode(grads[0], 0, &payload));
+    }
+    sent.emplace_back(grads[0].size());
+    RETURN_IF_ERROR(codec->Decode(payload, absl::MakeSpan(sent.back())));
+    return FakeMode::Exchange(step, grads, loss, timing);
+  }
+};
+
+TEST_P(DeviceTest, TheLoopOffersDeviceGradientsAndTheModePushesWhatTheHostWould) {
+  TrainerOptions o = Options(3);
+  if (!Usable(o)) return;
+  std::atomic<bool> stop{false};
+  o.device_codec = DeviceCodecUse::kOff;
+  DeviceCodecMode host;
+  ASSERT_OK(RunTrainingLoop(o, &host, stop).status());
+  EXPECT_EQ(host.gradients, nullptr);  // Not offered.
+  o.device_codec = DeviceCodecUse::kOn;
+  DeviceCodecMode device;
+  ASSERT_OK(RunTrainingLoop(o, &device, stop).status());
+  ASSERT_NE(device.gradients, nullptr);
+  ASSERT_EQ(device.sent.size(), 3u);
+  ASSERT_EQ(host.sent.size(), 3u);
+  for (size_t s = 0; s < 3; ++s) {
+    // The same gradients on the CPU; on a GPU, two runs of the same kernels (the sum of
+    // differences stays within float rounding, or a swap at the k-th magnitude).
+    double diff = 0, norm = 0;
+    for (size_t j = 0; j < host.sent[s].size(); ++j) {
+      diff += std::fabs(device.sent[s][j] - host.sent[s][j]);
+      norm += std::fabs(host.sent[s][j]);
+    }
+    EXPECT_GT(norm, 0);
+    if (GetParam() == ComputeDevice::kCpu) {
+      EXPECT_EQ(device.sent[s], host.sent[s]) << "step " << s;
+    } else {
+      EXPECT_LE(diff, 1e-3 * norm) << "step " << s;
+    }
+  }
+  // Not offered where the loop needs the host gradient itself, nor by default on the CPU.
+  for (int c = 0; c < 3; ++c) {
+    TrainerOptions other = o;
+    if (c == 0) other.spec.set_clip_grad_norm(1.0);
+    if (c == 1) other.nonfinite_steps = {5};
+    if (c == 2) other.device_codec = DeviceCodecUse::kAuto;
+    DeviceCodecMode m;
+    ASSERT_OK(RunTrainingLoop(other, &m, stop).status());
+    if (c == 2 && GetParam() == ComputeDevice::kCuda) {
+      EXPECT_NE(m.gradients, nullptr);  // auto: on the GPU.
+    } else {
+      EXPECT_EQ(m.gradients, nullptr) << c;
+    }
+  }
+  // A mode that declines keeps the host gradients.
+  DeviceCodecMode declines;
+  declines.accept = false;
+  ASSERT_OK(RunTrainingLoop(o, &declines, stop).status());
+  EXPECT_EQ(declines.sent, host.sent);
 }
 
 INSTANTIATE_TEST_SUITE_P(Devices, DeviceTest,

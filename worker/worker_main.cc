@@ -89,6 +89,11 @@ ABSL_FLAG(std::string, device, "auto",
           "Where forward/backward run: auto (a GPU when this worker's LibTorch has CUDA and "
           "sees one, else the CPU), cpu, or cuda (fail at job start without a GPU).");
 ABSL_FLAG(int, gpu, -1, "GPU index for --device=cuda/auto; -1: rank % visible GPUs.");
+ABSL_FLAG(std::string, device_codec, "auto",
+          "Where a ps push codec (topk, fp16, bf16 and their compositions) runs: auto (on the "
+          "GPU when the worker computes there, so only the payload crosses to the host), off "
+          "(gradients copied to the host and encoded there), or on (also on the CPU, through "
+          "LibTorch's kernels).");
 ABSL_FLAG(std::string, node, "",
           "Node name: in logs, and in service mode this daemon's identity in the coordinator "
           "(keep it across restarts; default: host name, or host:port in service mode).");
@@ -353,6 +358,11 @@ absl::StatusOr<WorkerMainOptions> ParseOptions() {
   o.trainer.intra_op_threads = absl::GetFlag(FLAGS_threads);
   ASSIGN_OR_RETURN(o.trainer.device, ParseComputeDevice(absl::GetFlag(FLAGS_device)));
   o.trainer.gpu = absl::GetFlag(FLAGS_gpu);
+  {
+    absl::StatusOr<DeviceCodecUse> use = ParseDeviceCodecUse(absl::GetFlag(FLAGS_device_codec));
+    if (!use.ok()) return Annotate(use.status(), "--device_codec");
+    o.trainer.device_codec = *use;
+  }
   o.trainer.evaluate = absl::GetFlag(FLAGS_evaluate) && o.trainer.rank == 0;
   o.trainer.step_delay = absl::Milliseconds(absl::GetFlag(FLAGS_step_delay_ms));
   for (const std::string& s : absl::GetFlag(FLAGS_fault_nonfinite_steps)) {
@@ -396,6 +406,7 @@ void LogBlasCore(const Logger& logger) {
 struct ServiceFlags {
   RpcOptions rpc;
   ComputeDevice device = ComputeDevice::kCpu;
+  DeviceCodecUse device_codec = DeviceCodecUse::kAuto;
   absl::Duration spin_wait;
 };
 
@@ -408,6 +419,9 @@ absl::StatusOr<ServiceFlags> CheckServiceFlags(const std::string& node, const st
   absl::StatusOr<ComputeDevice> device = ParseComputeDevice(absl::GetFlag(FLAGS_device));
   if (!device.ok()) return Annotate(device.status(), "--device");
   f.device = *device;
+  absl::StatusOr<DeviceCodecUse> use = ParseDeviceCodecUse(absl::GetFlag(FLAGS_device_codec));
+  if (!use.ok()) return Annotate(use.status(), "--device_codec");
+  f.device_codec = *use;
   ASSIGN_OR_RETURN(f.spin_wait, SpinWaitFlag());
   return f;
 }
@@ -463,6 +477,7 @@ int RunService() {
   wo.base.intra_op_threads = absl::GetFlag(FLAGS_threads);
   wo.base.device = flags->device;
   wo.base.gpu = absl::GetFlag(FLAGS_gpu);
+  wo.base.device_codec = flags->device_codec;
   wo.base.checkpoint_dir = absl::GetFlag(FLAGS_checkpoint_dir);
   wo.base.step_delay = absl::Milliseconds(absl::GetFlag(FLAGS_step_delay_ms));
   wo.base.logger = &logger;

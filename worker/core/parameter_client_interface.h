@@ -17,6 +17,7 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "proto/gradmesh.pb.h"
+#include "worker/core/device_gradients.h"
 
 namespace gradmesh {
 
@@ -80,6 +81,14 @@ class ParameterClient {
     if (!pushed.ok()) return pushed;
     return Pull(params);
   }
+
+  // Push codecs run where the gradients are (worker/core/device_gradients.h): true if this
+  // client can encode its push codec there, and then reads the parameters' gradients of every
+  // later push through `gradients` (valid while the client is used), not through their spans
+  // (buffers' deltas, and a non-finite step's placeholders, still come from the spans). False
+  // (no push codec, or one the device does not encode): nothing changes. Afterwards
+  // SetPushCodec refuses codecs the device does not encode (FAILED_PRECONDITION).
+  virtual bool UseDeviceGradients(DeviceGradients* gradients) { return false; }
 
   // The job's shards.
   virtual int32_t num_shards() const = 0;

@@ -28,6 +28,26 @@ const char* ComputeDeviceName(ComputeDevice device) {
   return "auto";
 }
 
+absl::StatusOr<DeviceCodecUse> ParseDeviceCodecUse(const std::string& name) {
+  if (name == "auto") return DeviceCodecUse::kAuto;
+  if (name == "off") return DeviceCodecUse::kOff;
+  if (name == "on") return DeviceCodecUse::kOn;
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown device codec use \"", name, "\" (known: auto, off, on)"));
+}
+
+const char* DeviceCodecUseName(DeviceCodecUse use) {
+  switch (use) {
+    case DeviceCodecUse::kAuto:
+      return "auto";
+    case DeviceCodecUse::kOff:
+      return "off";
+    case DeviceCodecUse::kOn:
+      return "on";
+  }
+  return "auto";
+}
+
 absl::StatusOr<JobData> LoadJobData(const JobSpec& spec, const std::string& data_dir) {
   const std::string path = spec.dataset().path().empty()
                                ? absl::StrCat(data_dir, "/", spec.dataset().name())

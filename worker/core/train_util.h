@@ -56,6 +56,18 @@ enum class ComputeDevice {
 absl::StatusOr<ComputeDevice> ParseComputeDevice(const std::string& name);
 const char* ComputeDeviceName(ComputeDevice device);
 
+// Whether a push codec runs where backward left the gradients (worker flag --device_codec;
+// worker/core/device_gradients.h says when a mode takes it).
+enum class DeviceCodecUse {
+  kAuto,  // "auto": on a GPU, where the mode and its push codec allow.
+  kOff,   // "off": every gradient is copied to the host and encoded there.
+  kOn,    // "on": also on the CPU (LibTorch's kernels), where the mode and codec allow.
+};
+
+// "auto", "off", "on"; INVALID_ARGUMENT listing them otherwise.
+absl::StatusOr<DeviceCodecUse> ParseDeviceCodecUse(const std::string& name);
+const char* DeviceCodecUseName(DeviceCodecUse use);
+
 // Seconds elapsed since `since` (the training loop's and the modes' timers).
 double SecondsSince(absl::Time since);
 
@@ -89,6 +101,7 @@ struct TrainerOptions {
   int32_t intra_op_threads = 1;  // torch::set_num_threads; 1 avoids oversubscription.
   ComputeDevice device = ComputeDevice::kAuto;  // Where forward/backward run.
   int32_t gpu = -1;  // kCuda/kAuto on a GPU: the device index; -1: rank % visible GPUs.
+  DeviceCodecUse device_codec = DeviceCodecUse::kAuto;  // Push codecs on the device.
   absl::Duration wait_for_workers = absl::Minutes(30);  // Bound on the final wait (ps modes).
   // Fault injection for tests: sleep this long before every step (a slow worker).
   absl::Duration step_delay = absl::ZeroDuration();

@@ -6,6 +6,7 @@
 // saving. A mode supplies only what differs, through these hooks, called in this order:
 //
 //   Start(model, info)            connect, initialise or restore; returns the first step
+//   UseDeviceGradients(g)         once, after Start, where the gradients stay on a device
 //   per step:
 //     BeforeForward(step)         e.g. gossip copies the latest mixed values into the model
 //     BeforeBackward(step, ...)   e.g. allreduce opens the step's buckets
@@ -41,6 +42,7 @@
 #include "absl/types/span.h"
 #include "common/logging.h"
 #include "common/registry.h"
+#include "worker/core/device_gradients.h"
 #include "worker/core/examples.h"
 #include "worker/core/grad_clip.h"
 #include "worker/core/train_util.h"
@@ -126,6 +128,13 @@ class TrainingMode {
 
   // Whether OnGradient should be called during backward.
   virtual bool wants_gradient_hook() const { return false; }
+
+  // Offered once, after Start, when the gradients stay where backward produced them (a GPU;
+  // worker/core/device_gradients.h says when the loop offers it). True: from now on the mode
+  // reads every step's parameter gradients through `gradients` (valid until Finish returns),
+  // and the parameters' entries of Exchange's grads are not refreshed (buffer deltas are);
+  // false (the default): nothing changes.
+  virtual bool UseDeviceGradients(DeviceGradients* gradients) { return false; }
 
   // Parameter `param`'s gradient (param < num_params), the moment backward has produced it
   // (float32, contiguous, valid only during the call).

@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cstring>
 #include <functional>
+#include <optional>
 #include <random>
 
 #include "absl/status/status.h"
@@ -27,6 +28,7 @@
 #include "rpc/op_stream.h"
 #include "rpc/tensor_wire.h"
 #include "rpc/token_transport.h"
+#include "worker/core/device_gradients.h"
 
 namespace gradmesh {
 namespace {
@@ -122,9 +124,22 @@ class GrpcParameterClient final : public ParameterClient {
       codec = std::move(c).value();
     }
     absl::MutexLock lock(&mu_);
+    if (device_ != nullptr && (codec == nullptr || !DeviceCodecOf(*codec).has_value())) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "SetPushCodec: \"", spec.empty() ? "identity" : spec,
+          "\" cannot run on the device, and this client reads its gradients there"));
+    }
     push_codec_ = std::move(codec);
     ResetFeedbackLocked();
     return absl::OkStatus();
+  }
+
+  bool UseDeviceGradients(DeviceGradients* gradients) override {
+    absl::MutexLock lock(&mu_);
+    if (push_codec_ == nullptr || !DeviceCodecOf(*push_codec_).has_value()) return false;
+    device_ = gradients;
+    device_->ResetFeedback();
+    return true;
   }
 
   absl::Status Push(int64_t step, const std::vector<absl::Span<const float>>& grads) override {
@@ -187,13 +202,25 @@ class GrpcParameterClient final : public ParameterClient {
     // shard with dense pushes checks the whole push before applying any of it, so there the
     // scan would only repeat the shard's (12% of the cycles of a 4 MiB push).
     bool scan = NumShards() > 1;
-    if (!scan) {
+    DeviceGradients* device = nullptr;
+    {
       absl::MutexLock lock(&mu_);
-      scan = push_codec_ != nullptr;
+      scan = scan || push_codec_ != nullptr;
+      // A non-finite step's placeholders (zeros) are on the host.
+      if (!nonfinite) device = device_;
+    }
+    // Device gradients: the parameters' are checked where they are, the buffers' here.
+    if (device != nullptr) {
+      absl::Status st = device->CheckFinite();
+      if (!st.ok()) {
+        return absl::Status(st.code(), absl::StrCat("Push: job ", layout_.job, " step ", step, " ",
+                                                    st.message(), "; nothing was sent"));
+      }
     }
     for (size_t i = 0; scan && i < shards.size(); ++i) {
       for (int64_t idx : partition_.shard_chunks(shards[i])) {
         const ChunkInfo& c = partition_.chunks()[idx];
+        if (device != nullptr && !layout_.tensors[c.tensor].buffer()) continue;
         const int64_t bad = FirstNonFinite(grads[c.tensor].data() + c.offset, c.numel);
         if (bad >= 0) {
           return absl::InvalidArgumentError(
@@ -212,6 +239,7 @@ class GrpcParameterClient final : public ParameterClient {
       absl::MutexLock lock(&mu_);
       const Compressor* codec = push_codec_.get();
       if (codec != nullptr) encoded.resize(partition_.chunks().size());
+      std::optional<DeviceCodec> device_codec;
       if (codec != nullptr && options_.warmup_steps > 0) {
         const double d = WarmupDensity(push_codec_->density(), {options_.warmup_steps, 4}, step);
         if (step_codec_ == nullptr || step_codec_->density() != d) {
@@ -223,6 +251,9 @@ class GrpcParameterClient final : public ParameterClient {
         }
         if (step_codec_ != nullptr) codec = step_codec_.get();
       }
+      if (device != nullptr && codec != nullptr) device_codec = DeviceCodecOf(*codec);
+      ErrorFeedbackOptions ef;
+      ef.momentum = options_.ef_momentum;
       const absl::Time t0 = absl::Now();
       for (int32_t s : shards) {
         std::vector<PushChunkRef> refs;
@@ -242,9 +273,13 @@ class GrpcParameterClient final : public ParameterClient {
                                   static_cast<uint64_t>(idx);
             // A non-finite step's zeros are discarded by every shard (the step is skipped):
             // going through error feedback they would spend the residual on nothing.
-            absl::Status st = feedback_.empty() || nonfinite
-                                  ? codec->Encode(g, seed, &encoded[idx])
-                                  : feedback_[idx]->Compress(*codec, g, seed, &encoded[idx]);
+            absl::Status st =
+                device_codec.has_value()
+                    ? device->Encode(c.tensor, c.offset, c.numel, *device_codec,
+                                     feedback_.empty() ? nullptr : &ef, idx, &encoded[idx])
+                : feedback_.empty() || nonfinite
+                    ? codec->Encode(g, seed, &encoded[idx])
+                    : feedback_[idx]->Compress(*codec, g, seed, &encoded[idx]);
             RETURN_IF_ERROR(
                 Annotate(st, absl::StrCat("Push: encoding ", layout_.tensors[c.tensor].name(),
                                           " chunk ", c.chunk)));
@@ -714,6 +749,7 @@ class GrpcParameterClient final : public ParameterClient {
   void ResetFeedbackLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     feedback_.clear();
     step_codec_.reset();
+    if (device_ != nullptr) device_->ResetFeedback();
     if (push_codec_ == nullptr || !push_codec_->biased() || !options_.error_feedback) return;
     ErrorFeedbackOptions ef;
     ef.momentum = options_.ef_momentum;
@@ -736,6 +772,8 @@ class GrpcParameterClient final : public ParameterClient {
   // Error feedback per partition chunk (biased push codecs), and the warm-up codec in use.
   std::vector<std::unique_ptr<ErrorFeedback>> feedback_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<Compressor> step_codec_ ABSL_GUARDED_BY(mu_);
+  // Not null: the parameters' gradients are read and encoded through it (UseDeviceGradients).
+  DeviceGradients* device_ ABSL_GUARDED_BY(mu_) = nullptr;
   double codec_seconds_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t next_request_ ABSL_GUARDED_BY(mu_) = 1;
   std::vector<int64_t> versions_ ABSL_GUARDED_BY(mu_);  // Last pulled, per chunk.

@@ -10,6 +10,8 @@
 
 #include <algorithm>
 #include <chrono>
+#include <limits>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -20,11 +22,13 @@
 #include "common/status.h"
 #include "common/status_testing.h"
 #include "compression/compressor.h"
+#include "compression/error_feedback.h"
 #include "gtest/gtest.h"
 #include "rpc/grpc_status.h"
 #include "rpc/grpc_util.h"
 #include "server/parameter_service.h"
 #include "server/shard.h"
+#include "worker/core/device_gradients.h"
 
 namespace gradmesh {
 namespace {
@@ -491,6 +495,110 @@ TEST_F(BufferClientTest, SkippedSyncStepLeavesTheErrorFeedbackResidualAlone) {
   // lr 1: w = -(4 + 3) in chunk 0's first two elements, -(6 + 5) in chunk 1.
   EXPECT_EQ(without[0], (std::vector<float>{-4, -3, 0, 0, -5, -6}));
   EXPECT_EQ(with_skip[0], without[0]);
+}
+
+// Device gradients (worker/core/device_gradients.h) on the host: the "device" holds the true
+// gradient and encodes it with the host codec and error feedback, as the LibTorch side does.
+class FakeDeviceGradients : public DeviceGradients {
+ public:
+  struct Call {
+    int param;
+    int64_t offset, numel, slot;
+    bool ef;
+  };
+  FakeDeviceGradients(Values grads, std::string spec) : grads(std::move(grads)), spec_(spec) {}
+
+  absl::Status CheckFinite() override { return finite; }
+  absl::Status Encode(int param, int64_t offset, int64_t numel, const DeviceCodec& codec,
+                      const ErrorFeedbackOptions* ef, int64_t slot, std::string* out) override {
+    calls.push_back({param, offset, numel, slot, ef != nullptr});
+    ASSIGN_OR_RETURN(std::unique_ptr<Compressor> c,
+                     CompressorRegistry::WithBuiltins().Create(spec_));
+    const absl::Span<const float> g = absl::MakeConstSpan(grads[param]).subspan(offset, numel);
+    if (ef == nullptr) return c->Encode(g, 0, out);
+    auto [it, fresh] = feedback_.try_emplace(slot, static_cast<size_t>(numel), *ef);
+    return it->second.Compress(*c, g, 0, out);
+  }
+  void ResetFeedback() override {
+    feedback_.clear();
+    ++resets;
+  }
+  int64_t bytes_to_host() const override { return 0; }
+
+  Values grads;  // The gradient "on the device".
+  absl::Status finite = absl::OkStatus();
+  std::vector<Call> calls;
+  int resets = 0;
+
+ private:
+  const std::string spec_;
+  std::map<int64_t, ErrorFeedback> feedback_;
+};
+
+TEST_F(BufferClientTest, DeviceGradientsAreEncodedWhereTheyAreAndBuffersStayOnTheHost) {
+  const Values init = {{0.1f, 0.2f, 0.3f, 0.4f, 0.7f, 0.9f}, {0.1f, 0.2f, 0.3f, 0.4f}, {3.0f}};
+  const std::vector<float> w = {1.0f, 0.5f, 0.25f, 0.125f, 2.0f, 0.0625f};
+  FakeDeviceGradients device({w}, "topk:0.25");
+  // What the spans hold for the parameter is stale (NaN here: reading it would fail the push).
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const Values host = {std::vector<float>(6, nan), {0.01f, 0.02f, 0.03f, 0.04f}, {1.0f}};
+
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<ParameterClient> dense,
+                       NewGrpcParameterClient(layout_, Options("", "")));
+  EXPECT_FALSE(dense->UseDeviceGradients(&device));  // No push codec: nothing to encode.
+  for (const char* spec : {"topk_approx:0.25", "randomk:0.5", "qsgd:4"}) {
+    ASSERT_OK_AND_ASSIGN(std::unique_ptr<ParameterClient> other,
+                         NewGrpcParameterClient(layout_, Options(spec, "")));
+    EXPECT_FALSE(other->UseDeviceGradients(&device)) << spec;
+  }
+  EXPECT_TRUE(device.calls.empty());
+
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<ParameterClient> client,
+                       NewGrpcParameterClient(layout_, Options("topk:0.25", "")));
+  ASSERT_TRUE(client->UseDeviceGradients(&device));
+  ASSERT_OK(client->InitJob(Const(init)));
+  ASSERT_OK(client->Push(0, Const(host)));
+  // One call per chunk of w (chunks of 4 and 2 elements), with error feedback by chunk index.
+  ASSERT_EQ(device.calls.size(), 2u);
+  EXPECT_EQ(device.calls[0].param, 0);
+  EXPECT_EQ(device.calls[0].offset, 0);
+  EXPECT_EQ(device.calls[0].numel, 4);
+  EXPECT_EQ(device.calls[1].offset, 4);
+  EXPECT_EQ(device.calls[1].numel, 2);
+  EXPECT_NE(device.calls[0].slot, device.calls[1].slot);
+  EXPECT_TRUE(device.calls[0].ef && device.calls[1].ef);
+  // As if the host had encoded w: each chunk's largest gradient arrived; buffers exact.
+  Values pulled = {std::vector<float>(6), std::vector<float>(4), std::vector<float>(1)};
+  ASSERT_OK(dense->Pull(Mut(pulled)));
+  EXPECT_EQ(pulled[0], (std::vector<float>{0.1f - 1.0f, 0.2f, 0.3f, 0.4f, 0.7f - 2.0f, 0.9f}));
+  EXPECT_EQ(pulled[1], (std::vector<float>{0.1f + 0.01f, 0.2f + 0.02f, 0.3f + 0.03f, 0.4f + 0.04f}));
+  EXPECT_EQ(pulled[2], (std::vector<float>{4.0f}));
+  // A zero gradient next: each chunk sends its largest residual (0.5 and 0.0625).
+  device.grads = {std::vector<float>(6, 0.0f)};
+  ASSERT_OK(client->Push(1, Const(host)));
+  ASSERT_OK(dense->Pull(Mut(pulled)));
+  EXPECT_EQ(pulled[0], (std::vector<float>{0.1f - 1.0f, 0.2f - 0.5f, 0.3f, 0.4f, 0.7f - 2.0f,
+                                           0.9f - 0.0625f}));
+
+  // A non-finite gradient on the device: nothing sent, the step named.
+  const Values before = pulled;
+  device.finite = absl::InvalidArgumentError("gradient of w element 3 is not finite");
+  absl::Status st = client->Push(2, Const(host));
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("step 2 gradient of w element 3 is not finite; nothing was sent"),
+            std::string::npos)
+      << st;
+  ASSERT_OK(dense->Pull(Mut(pulled)));
+  EXPECT_EQ(pulled, before);
+  device.finite = absl::OkStatus();
+
+  // The codec can change only to one the device encodes; a change resets error feedback.
+  const int resets = device.resets;
+  st = client->SetPushCodec("randomk:0.5");
+  EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
+  EXPECT_EQ(client->SetPushCodec("").code(), absl::StatusCode::kFailedPrecondition);
+  ASSERT_OK(client->SetPushCodec("topk:0.5+fp16"));
+  EXPECT_EQ(device.resets, resets + 1);
 }
 
 }  // namespace

@@ -51,6 +51,17 @@ class PsMode : public TrainingMode {
   void SetLossScale(float scale) override { loss_scale_ = scale; }
   ClipCounters TakeClipCounters() override { return std::exchange(clip_counters_, {}); }
 
+  // A push codec on the device (worker/core/device_gradients.h) for the plain exchange: one
+  // Push(Pull) per step of the whole gradient, whose codec does not change. The pipelined,
+  // overlapped, committed, DiLoCo and auto-codec exchanges read the host gradient.
+  bool UseDeviceGradients(DeviceGradients* gradients) override {
+    if (pipelined_ || commit_ || overlap_ != nullptr || auto_codec_.has_value() ||
+        steps_per_push() != 1) {
+      return false;
+    }
+    return client_->UseDeviceGradients(gradients);
+  }
+
   // overlap: 1 (JobSpec.overlap): each shard's part leaves as backward produces it.
   bool wants_gradient_hook() const override { return overlap_ != nullptr; }
   void BeforeBackward(int64_t step, double loss, bool stop_requested) override {
