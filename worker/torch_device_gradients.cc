@@ -20,6 +20,21 @@ torch::Tensor WireValues(const torch::Tensor& values, ValueType type) {
   return values.clamp(-max, max).to(half ? torch::kHalf : torch::kBFloat16);
 }
 
+// The indices (ascending, int64) of the k largest magnitudes of `acc`, 0 < k < n, ties at the
+// k-th magnitude going to the lower indices, as the host's top-k (compression/select.h) breaks
+// them: torch::topk alone breaks them in no fixed order, and gradients do tie (an MLP's first
+// layer has equal gradients wherever two pixels are equal over the whole batch).
+torch::Tensor TopKIndices(const torch::Tensor& acc, int64_t k) {
+  const torch::Tensor magnitude = acc.abs();
+  const torch::Tensor kth = std::get<0>(magnitude.topk(k, 0, true, false)).min();
+  const torch::Tensor above = magnitude > kth;
+  const torch::Tensor tied = magnitude == kth;
+  // The first (k - |above|) of the tied elements, by index.
+  const torch::Tensor room = k - above.sum();
+  const torch::Tensor chosen = above.logical_or(tied.logical_and(tied.cumsum(0) <= room));
+  return chosen.nonzero().reshape({-1});
+}
+
 }  // namespace
 
 torch::Tensor TorchDeviceGradients::ToHost(const torch::Tensor& t) {
@@ -120,7 +135,7 @@ absl::Status TorchDeviceGradients::EncodeOrThrow(const torch::Tensor& grad,
   torch::Tensor indices;    // int64, ascending (sparse only).
   torch::Tensor sent = acc;
   if (!all) {
-    indices = std::get<0>(std::get<1>(acc.abs().topk(k, 0, true, false)).sort());
+    indices = TopKIndices(acc, k);
     sent = acc.index_select(0, indices);
   }
   const torch::Tensor wire = WireValues(sent, codec.values);

@@ -697,9 +697,13 @@ TEST_P(DeviceTest, DeviceEncodingGivesTheHostCodecsPayloadsStepAfterStep) {
       for (int step = 0; step < 4; ++step) {
         std::vector<torch::Tensor> cpu;
         for (size_t i = 0; i < params.size(); ++i) {
-          // Heavy-tailed, with values beyond fp16's range.
+          // Heavy-tailed, with values beyond fp16's range, 60 equal magnitudes among the
+          // largest (ties at top-k's k-th magnitude, which go to the lower indices), and at
+          // step 2 a gradient of b with fewer non-zeros than top-k sends (ties at zero).
           torch::Tensor g = torch::randn({sizes[i]}) * torch::exp(2 * torch::randn({sizes[i]}));
           g[7] = 1e6f * (step % 2 == 0 ? 1 : -1);
+          g.narrow(0, 100, 60).copy_(1e3f * torch::randn({60}).sign());
+          if (i == 1 && step == 2) g.narrow(0, 100, sizes[i] - 100).zero_();
           cpu.push_back(g.contiguous());
           params[i].mutable_grad() = g.to(device);
         }

@@ -236,6 +236,53 @@ TEST_F(CompressionE2eTest, MnistConvergenceAndPushBytesAgainstDense) {
   ASSERT_NO_FATAL_FAILURE(StopServers());
 }
 
+// --device_codec=on encodes the push codec with LibTorch's kernels where backward left the
+// gradients (worker/core/device_gradients.h; on a GPU that is the default, and only the
+// payload crosses to the host). On this CPU machine it must train exactly the host codec's
+// model: one async worker (deterministic), 2 shards, topk:0.01+fp16 with DGC momentum and a
+// density warm-up (SGD on the shards), then bf16 without error feedback (Adam); each with the
+// host codec and the device's. Same final loss, test loss, accuracy and pushed bytes (which
+// count every payload's index encoding).
+TEST_F(CompressionE2eTest, DeviceCodecTrainsTheHostCodecsModel) {
+  ASSERT_NO_FATAL_FAILURE(StartServers(kShards));
+  const std::vector<std::vector<std::string>> configs = {
+      {"--push_codec=topk:0.01+fp16", "--ef_momentum=0.9", "--warmup_steps=40",
+       "--optimizer=sgd", "--lr=0.05", "--steps=120"},
+      {"--push_codec=bf16", "--error_feedback=false", "--optimizer=adam", "--lr=0.001",
+       "--steps=80"}};
+  for (size_t c = 0; c < configs.size(); ++c) {
+    std::string done[2];
+    for (int on = 0; on < 2; ++on) {
+      const std::string job = absl::StrCat("device-codec", c, on ? "-on" : "-off");
+      std::vector<std::string> args = {ServersFlag(),      "--rank=0",
+                                       "--num_workers=1",  "--model=mlp",
+                                       "--dataset=mnist",  "--mode=async",
+                                       "--seed=4",         "--name=" + job,
+                                       "--log_every=40",   "--data_dir=" + DataDir(),
+                                       on ? "--device_codec=on" : "--device_codec=off"};
+      args.insert(args.end(), configs[c].begin(), configs[c].end());
+      std::unique_ptr<Subprocess> worker = StartWorker(job, args);
+      ASSERT_NE(worker, nullptr);
+      ASSERT_EQ(WaitAll({worker.get()}, absl::Minutes(2))[0], 0) << job;
+      const std::string log = ReadFile(worker->log_path());
+      const std::vector<std::string> start = testutil::LinesWith(log, "event=train_start");
+      ASSERT_EQ(start.size(), 1u) << log;
+      EXPECT_EQ(LogField(start[0], "device_codec"), on ? "on" : "off") << start[0];
+      done[on] = DoneLine(log);
+      ASSERT_FALSE(done[on].empty()) << log;
+      const std::vector<std::string> progress = testutil::LinesWith(log, "event=progress");
+      ASSERT_FALSE(progress.empty());
+      // On the CPU only the device path copies anything "to the host": its payloads.
+      if (on) EXPECT_GT(ToInt(LogField(progress.back(), "to_host_bytes_per_step")), 0);
+    }
+    SCOPED_TRACE(absl::StrCat(absl::StrJoin(configs[c], " "), "\n", done[0], "\n", done[1]));
+    for (const char* field : {"steps", "loss", "test_loss", "accuracy", "bytes_pushed"}) {
+      EXPECT_EQ(LogField(done[1], field), LogField(done[0], field)) << field;
+    }
+    EXPECT_GT(ToDouble(LogField(done[0], "accuracy")), 0.5);
+  }
+}
+
 }  // namespace
 }  // namespace e2e
 }  // namespace gradmesh

@@ -11,9 +11,7 @@
 //
 // What Encode produces is the host codec's payload (compression/payload.h), byte for byte
 // what ErrorFeedback::Compress (or Compressor::Encode without error feedback) gives for the
-// same gradient, with one difference: top-k's ties at the k-th magnitude may be broken
-// towards any index on a device (the host codec takes the lower), which only matters for
-// gradients with repeated magnitudes, and then either choice is a top-k.
+// same gradient, ties at top-k's k-th magnitude included (they go to the lower indices).
 //
 // Thread safety: used by one thread at a time (the training thread, between backward and
 // the next step's forward).
