@@ -1,7 +1,9 @@
 #include "worker/torch_device_gradients.h"
 
 #include <cstring>
+#include <set>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/types/span.h"
@@ -14,190 +16,260 @@ namespace {
 // The values as the wire carries them: float32 as is, fp16/bf16 rounded to nearest even after
 // clamping to the format's largest finite value (compression/float16.h).
 torch::Tensor WireValues(const torch::Tensor& values, ValueType type) {
-  if (type == ValueType::kFloat32) return values;
+  if (type == ValueType::kFloat32) return values.contiguous();
   const bool half = type == ValueType::kFloat16;
   const double max = half ? 65504.0 : static_cast<double>(kBFloat16Max);
-  return values.clamp(-max, max).to(half ? torch::kHalf : torch::kBFloat16);
+  return values.clamp(-max, max).to(half ? torch::kHalf : torch::kBFloat16).contiguous();
 }
 
-// The indices (ascending, int64) of the k largest magnitudes of `acc`, 0 < k < n, ties at the
-// k-th magnitude going to the lower indices, as the host's top-k (compression/select.h) breaks
-// them: torch::topk alone breaks them in no fixed order, and gradients do tie (an MLP's first
-// layer has equal gradients wherever two pixels are equal over the whole batch).
-torch::Tensor TopKIndices(const torch::Tensor& acc, int64_t k) {
-  const torch::Tensor magnitude = acc.abs();
-  const torch::Tensor kth = std::get<0>(magnitude.topk(k, 0, true, false)).min();
-  const torch::Tensor above = magnitude > kth;
-  const torch::Tensor tied = magnitude == kth;
-  // The first (k - |above|) of the tied elements, by index.
-  const torch::Tensor room = k - above.sum();
-  const torch::Tensor chosen = above.logical_or(tied.logical_and(tied.cumsum(0) <= room));
-  return chosen.nonzero().reshape({-1});
+// Concatenation without a copy for one tensor.
+torch::Tensor Flat(const std::vector<torch::Tensor>& parts) {
+  return parts.size() == 1 ? parts[0] : torch::cat(parts);
+}
+
+torch::Tensor AsBytes(const torch::Tensor& t) { return t.contiguous().view(torch::kByte); }
+
+// Writes one chunk's payload: n elements, k sent (`indices`, ascending, when k < n; none when
+// every element is sent), `values` k values of `value_bytes` each.
+void WritePayload(const DeviceCodec& codec, uint64_t n, uint64_t k, const uint32_t* indices,
+                  const char* values, size_t value_bytes, std::string* out) {
+  PayloadHeader header;
+  header.codec = codec.codec;
+  header.value_type = codec.values;
+  header.n = n;
+  size_t at = kHeaderBytes;
+  if (codec.codec == CodecId::kTopK) {
+    size_t index_bytes = 0;
+    IndexEncoding encoding = IndexEncoding::kAll;
+    const absl::Span<const uint32_t> idx(indices, k < n ? k : 0);
+    if (k < n) encoding = ChooseIndexEncoding(n, idx, &index_bytes);
+    header.aux = static_cast<uint8_t>(encoding);
+    out->resize(kSparseHeaderBytes + index_bytes + k * value_bytes);
+    PutU64(k, out->data() + kHeaderBytes);
+    PutU64(index_bytes, out->data() + kHeaderBytes + 8);
+    if (k < n) WriteIndices(encoding, n, idx, out->data() + kSparseHeaderBytes);
+    at = kSparseHeaderBytes + index_bytes;
+  } else {
+    out->resize(kHeaderBytes + n * value_bytes);
+  }
+  WritePayloadHeader(header, out->data());
+  std::memcpy(out->data() + at, values, k * value_bytes);
 }
 
 }  // namespace
 
-torch::Tensor TorchDeviceGradients::ToHost(const torch::Tensor& t) {
-  torch::Tensor h = t.to(torch::kCPU).contiguous();
-  bytes_to_host_ += h.numel() * static_cast<int64_t>(h.element_size());
-  return h;
+torch::Tensor TorchDeviceGradients::ToHost(const torch::Tensor& bytes) {
+  bytes_to_host_ += bytes.numel();
+  if (bytes.is_cpu()) return bytes.contiguous();
+  if (!pinned_.defined() || pinned_.numel() < bytes.numel()) {
+    pinned_ = torch::empty(
+        {std::max<int64_t>(bytes.numel(), 2 * (pinned_.defined() ? pinned_.numel() : 0))},
+        torch::TensorOptions().dtype(torch::kByte).pinned_memory(true));
+  }
+  torch::Tensor dst = pinned_.narrow(0, 0, bytes.numel());
+  dst.copy_(bytes);  // Synchronous.
+  return dst;
 }
 
-absl::StatusOr<torch::Tensor> TorchDeviceGradients::Slice(int param, int64_t offset,
-                                                          int64_t numel) const {
-  if (param < 0 || param >= static_cast<int>(params_->size())) {
-    return absl::InvalidArgumentError(absl::StrCat("device gradients: no parameter ", param,
+absl::StatusOr<torch::Tensor> TorchDeviceGradients::Slice(const DeviceChunk& c) const {
+  if (c.param < 0 || c.param >= static_cast<int>(params_->size())) {
+    return absl::InvalidArgumentError(absl::StrCat("device gradients: no parameter ", c.param,
                                                    " (the model has ", params_->size(), ")"));
   }
-  const torch::Tensor& g = (*params_)[param].grad();
+  const torch::Tensor& g = (*params_)[c.param].grad();
   if (!g.defined() || g.scalar_type() != torch::kFloat || !g.is_contiguous()) {
-    return absl::InternalError(absl::StrCat("device gradients: ", (*names_)[param],
+    return absl::InternalError(absl::StrCat("device gradients: ", (*names_)[c.param],
                                             " has no contiguous float32 gradient"));
   }
-  if (offset < 0 || numel < 0 || offset + numel > g.numel()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("device gradients: elements [", offset, ", ", offset + numel, ") of ",
-                     (*names_)[param], ", which has ", g.numel()));
+  if (c.offset < 0 || c.numel < 0 || c.offset + c.numel > g.numel()) {
+    return absl::InvalidArgumentError(absl::StrCat("device gradients: elements [", c.offset, ", ",
+                                                   c.offset + c.numel, ") of ", (*names_)[c.param],
+                                                   ", which has ", g.numel()));
   }
-  return g.reshape({-1}).narrow(0, offset, numel);
+  return g.reshape({-1}).narrow(0, c.offset, c.numel);
 }
 
-absl::Status TorchDeviceGradients::CheckFinite() {
-  try {
-    torch::NoGradGuard no_grad;
-    std::vector<torch::Tensor> flags;
-    for (const torch::Tensor& p : *params_) {
-      if (p.grad().defined()) flags.push_back(torch::isfinite(p.grad()).all());
+absl::Status TorchDeviceGradients::CheckSlots(absl::Span<const DeviceChunk> chunks,
+                                              const ErrorFeedbackOptions* ef) {
+  std::set<int64_t> seen;
+  const bool momentum = ef != nullptr && ef->momentum > 0.0f;
+  for (const DeviceChunk& c : chunks) {
+    if (!seen.insert(c.slot).second) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("device gradients: slot ", c.slot, " appears twice in one batch"));
     }
-    if (flags.empty() || ToHost(torch::stack(flags).all()).item<bool>()) return absl::OkStatus();
-    for (size_t i = 0; i < params_->size(); ++i) {
-      const torch::Tensor& g = (*params_)[i].grad();
-      if (!g.defined()) continue;
-      const torch::Tensor bad = torch::logical_not(torch::isfinite(g.reshape({-1}))).nonzero();
-      if (bad.numel() == 0) continue;
-      return absl::InvalidArgumentError(absl::StrCat("gradient of ", (*names_)[i], " element ",
-                                                     ToHost(bad[0][0]).item<int64_t>(),
-                                                     " is not finite"));
+    if (ef == nullptr) continue;
+    auto it = state_.find(c.slot);
+    if (it == state_.end()) continue;
+    if (it->second.residual.numel() != c.numel || it->second.momentum.defined() != momentum) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "device gradients: slot ", c.slot, " holds ", it->second.residual.numel(),
+          " elements of error feedback", it->second.momentum.defined() ? " with momentum" : "",
+          ", not ", c.numel, momentum ? " with momentum" : ""));
     }
-    return absl::OkStatus();
-  } catch (const c10::Error& e) {
-    return absl::InternalError(
-        absl::StrCat("device gradients: finiteness check failed: ", e.what_without_backtrace()));
   }
+  return absl::OkStatus();
 }
 
-absl::Status TorchDeviceGradients::Encode(int param, int64_t offset, int64_t numel,
+absl::Status TorchDeviceGradients::Encode(absl::Span<const DeviceChunk> chunks,
                                           const DeviceCodec& codec, const ErrorFeedbackOptions* ef,
-                                          int64_t slot, std::string* out) {
-  ASSIGN_OR_RETURN(const torch::Tensor grad, Slice(param, offset, numel));
+                                          std::vector<std::string>* out) {
+  out->resize(chunks.size());
+  if (chunks.empty()) return absl::OkStatus();
+  std::vector<torch::Tensor> grads;
+  for (const DeviceChunk& c : chunks) {
+    ASSIGN_OR_RETURN(torch::Tensor g, Slice(c));
+    grads.push_back(std::move(g));
+  }
+  RETURN_IF_ERROR(CheckSlots(chunks, ef));
   try {
     torch::NoGradGuard no_grad;
-    return EncodeOrThrow(grad, codec, ef, slot, out);
+    return EncodeOrThrow(chunks, grads, codec, ef, out);
   } catch (const c10::Error& e) {
-    return absl::InternalError(absl::StrCat("device gradients: encoding ", (*names_)[param],
-                                            " elements [", offset, ", ", offset + numel,
-                                            "): ", e.what_without_backtrace()));
+    return absl::InternalError(absl::StrCat("device gradients: encoding ", chunks.size(),
+                                            " chunks: ", e.what_without_backtrace()));
   }
 }
 
-absl::Status TorchDeviceGradients::EncodeOrThrow(const torch::Tensor& grad,
+const TorchDeviceGradients::Plan& TorchDeviceGradients::PlanFor(const std::vector<int64_t>& sizes,
+                                                                const std::vector<int64_t>& ks,
+                                                                const torch::Device& device) {
+  if (plan_.sizes == sizes && plan_.ks == ks && plan_.segment.defined() &&
+      plan_.segment.device() == device) {
+    return plan_;
+  }
+  plan_ = Plan();
+  plan_.sizes = sizes;
+  plan_.ks = ks;
+  const int64_t chunks = static_cast<int64_t>(sizes.size());
+  const auto i64 = torch::TensorOptions().dtype(torch::kLong);
+  const torch::Tensor size_t_ = torch::tensor(sizes, i64);
+  plan_.segment = torch::repeat_interleave(torch::arange(chunks, i64), size_t_).to(device);
+  std::vector<int64_t> positions, starts;
+  int64_t start = 0;
+  for (int64_t s = 0; s < chunks; ++s) {
+    for (int64_t j = 0; j < ks[s]; ++j) {
+      positions.push_back(start + j);
+      starts.push_back(start);
+    }
+    start += sizes[s];
+  }
+  plan_.positions = torch::tensor(positions, i64).to(device);
+  plan_.starts = torch::tensor(starts, i64).to(device);
+  return plan_;
+}
+
+absl::Status TorchDeviceGradients::NotFinite(absl::Span<const DeviceChunk> chunks,
+                                             const std::vector<torch::Tensor>& grads) {
+  for (size_t s = 0; s < chunks.size(); ++s) {
+    const torch::Tensor bad = torch::logical_not(torch::isfinite(grads[s])).nonzero();
+    if (bad.numel() == 0) continue;
+    return absl::InvalidArgumentError(
+        absl::StrCat("gradient of ", (*names_)[chunks[s].param], " element ",
+                     chunks[s].offset + bad[0][0].item<int64_t>(), " is not finite"));
+  }
+  return absl::InvalidArgumentError(
+      "the error-feedback sum of a finite gradient and its residual is not finite");
+}
+
+absl::Status TorchDeviceGradients::EncodeOrThrow(absl::Span<const DeviceChunk> chunks,
+                                                 const std::vector<torch::Tensor>& grads,
                                                  const DeviceCodec& codec,
-                                                 const ErrorFeedbackOptions* ef, int64_t slot,
-                                                 std::string* out) {
-  const int64_t n = grad.numel();
+                                                 const ErrorFeedbackOptions* ef,
+                                                 std::vector<std::string>* out) {
+  const torch::Tensor grad = Flat(grads);
   // acc = grad + residual, or with momentum correction residual + (m * u + grad)
   // (compression/error_feedback.h, in the same float32 operations).
   torch::Tensor acc = grad, next_momentum;
-  Feedback* state = nullptr;
   const bool momentum = ef != nullptr && ef->momentum > 0.0f;
   if (ef != nullptr) {
-    auto [it, fresh] = state_.try_emplace(slot);
-    state = &it->second;
-    if (fresh) {
-      state->residual = torch::zeros({n}, grad.options());
-      if (momentum) state->momentum = torch::zeros({n}, grad.options());
-    } else if (state->residual.numel() != n || momentum != state->momentum.defined()) {
-      return absl::InvalidArgumentError(absl::StrCat("device gradients: slot ", slot, " holds ",
-                                                     state->residual.numel(),
-                                                     " elements of error feedback, not ", n));
-    }
-    if (momentum) {
-      next_momentum = state->momentum * ef->momentum;
-      next_momentum.add_(grad);
-      acc = state->residual + next_momentum;
-    } else {
-      acc = grad + state->residual;
-    }
-  }
-  const bool sparse = codec.codec == CodecId::kTopK;
-  const int64_t k = sparse ? SparseCount(n, codec.density) : n;
-  const bool all = k == n;  // Every element is sent, in order: no index section.
-  torch::Tensor indices;    // int64, ascending (sparse only).
-  torch::Tensor sent = acc;
-  if (!all) {
-    indices = TopKIndices(acc, k);
-    sent = acc.index_select(0, indices);
-  }
-  const torch::Tensor wire = WireValues(sent, codec.values);
-  // Nothing is committed before the payload exists: a non-finite acc changes no state.
-  if (!ToHost(torch::isfinite(acc).all()).item<bool>()) {
-    const int64_t j =
-        ToHost(torch::logical_not(torch::isfinite(acc)).nonzero()[0][0]).item<int64_t>();
-    return absl::InvalidArgumentError(
-        absl::StrCat("element ", j, " of the ", ef != nullptr ? "accumulated " : "",
-                     "gradient is not finite"));
-  }
-  const size_t value_bytes = ValueBytes(codec.values);
-  const torch::Tensor host_values = ToHost(wire);
-  PayloadHeader header;
-  header.codec = codec.codec;
-  header.value_type = codec.values;
-  header.n = static_cast<uint64_t>(n);
-  size_t at = kHeaderBytes;
-  if (sparse) {
-    torch::Tensor host_indices;
-    absl::Span<const uint32_t> idx;
-    size_t index_bytes = 0;
-    IndexEncoding encoding = IndexEncoding::kAll;
-    if (!all) {
-      host_indices = ToHost(indices.to(torch::kInt));
-      idx = absl::MakeConstSpan(reinterpret_cast<const uint32_t*>(host_indices.data_ptr<int32_t>()),
-                                static_cast<size_t>(k));
-      encoding = ChooseIndexEncoding(header.n, idx, &index_bytes);
-    }
-    header.aux = static_cast<uint8_t>(encoding);
-    out->resize(kSparseHeaderBytes + index_bytes + static_cast<size_t>(k) * value_bytes);
-    PutU64(static_cast<uint64_t>(k), out->data() + kHeaderBytes);
-    PutU64(index_bytes, out->data() + kHeaderBytes + 8);
-    if (!all) WriteIndices(encoding, header.n, idx, out->data() + kSparseHeaderBytes);
-    at = kSparseHeaderBytes + index_bytes;
-  } else {
-    out->resize(kHeaderBytes + static_cast<size_t>(n) * value_bytes);
-  }
-  WritePayloadHeader(header, out->data());
-  std::memcpy(out->data() + at, host_values.data_ptr(), static_cast<size_t>(k) * value_bytes);
-
-  if (state == nullptr) return absl::OkStatus();
-  // residual = acc - decoded: only the sent elements change (the others keep acc).
-  const torch::Tensor decoded = codec.values == ValueType::kFloat32 ? sent : wire.to(torch::kFloat);
-  if (all) {
-    state->residual = acc - decoded;
-  } else {
-    state->residual = acc;
-    state->residual.index_copy_(0, indices, sent - decoded);
-  }
-  if (momentum) {
-    // Momentum factor masking: u = 0 where a non-zero value was sent.
-    if (ef->momentum_masking) {
-      const torch::Tensor kept = all ? next_momentum : next_momentum.index_select(0, indices);
-      const torch::Tensor masked = torch::where(decoded != 0, torch::zeros_like(kept), kept);
-      if (all) {
-        next_momentum = masked;
-      } else {
-        next_momentum.index_copy_(0, indices, masked);
+    std::vector<torch::Tensor> residuals, momenta;
+    for (const DeviceChunk& c : chunks) {
+      auto it = state_.find(c.slot);
+      const bool fresh = it == state_.end();
+      residuals.push_back(fresh ? torch::zeros({c.numel}, grad.options()) : it->second.residual);
+      if (momentum) {
+        momenta.push_back(fresh ? torch::zeros({c.numel}, grad.options()) : it->second.momentum);
       }
     }
-    state->momentum = next_momentum;
+    if (momentum) {
+      next_momentum = Flat(momenta) * ef->momentum;
+      next_momentum.add_(grad);
+      acc = Flat(residuals) + next_momentum;
+    } else {
+      acc = grad + Flat(residuals);
+    }
+  }
+  std::vector<int64_t> sizes, ks;
+  bool sparse = false;  // Some chunk sends fewer than all of its elements.
+  for (const DeviceChunk& c : chunks) {
+    sizes.push_back(c.numel);
+    ks.push_back(codec.codec == CodecId::kTopK ? SparseCount(c.numel, codec.density) : c.numel);
+    sparse = sparse || ks.back() < c.numel;
+  }
+  torch::Tensor selected, local;  // Sent flat indices (ascending), and within their chunk.
+  torch::Tensor sent = acc;
+  if (sparse) {
+    const Plan& plan = PlanFor(sizes, ks, acc.device());
+    const torch::Tensor by_magnitude =
+        std::get<1>(acc.abs().sort(/*stable=*/true, /*dim=*/0, /*descending=*/true));
+    const torch::Tensor grouped = by_magnitude.index_select(
+        0, std::get<1>(plan.segment.index_select(0, by_magnitude).sort(true, 0, false)));
+    selected = std::get<0>(grouped.index_select(0, plan.positions).sort());
+    local = (selected - plan.starts).to(torch::kInt);
+    sent = acc.index_select(0, selected);
+  }
+  const torch::Tensor wire = WireValues(sent, codec.values);
+  // One copy to the host: whether acc is finite (int32), the indices (int32), the values.
+  std::vector<torch::Tensor> parts = {
+      AsBytes(torch::isfinite(acc).all().to(torch::kInt).reshape({1}))};
+  if (sparse) parts.push_back(AsBytes(local));
+  parts.push_back(AsBytes(wire));
+  const torch::Tensor host = ToHost(torch::cat(parts));
+  const char* bytes = reinterpret_cast<const char*>(host.data_ptr<uint8_t>());
+  int32_t finite = 0;
+  std::memcpy(&finite, bytes, sizeof(finite));
+  // Nothing is committed before every payload exists: a non-finite acc changes no state.
+  if (finite == 0) return NotFinite(chunks, grads);
+  int64_t total_k = 0;
+  for (int64_t k : ks) total_k += k;
+  const uint32_t* indices = reinterpret_cast<const uint32_t*>(bytes + sizeof(int32_t));
+  const char* values = bytes + sizeof(int32_t) + (sparse ? total_k * sizeof(uint32_t) : 0);
+  const size_t value_bytes = ValueBytes(codec.values);
+  for (size_t s = 0; s < chunks.size(); ++s) {
+    WritePayload(codec, static_cast<uint64_t>(sizes[s]), static_cast<uint64_t>(ks[s]), indices,
+                 values, value_bytes, &(*out)[s]);
+    if (sparse) indices += ks[s];
+    values += ks[s] * value_bytes;
+  }
+  if (ef == nullptr) return absl::OkStatus();
+
+  // residual = acc - decoded (only the sent elements change); momentum masked where a
+  // non-zero value was sent.
+  const torch::Tensor decoded = codec.values == ValueType::kFloat32 ? sent : wire.to(torch::kFloat);
+  torch::Tensor residual;
+  if (sparse) {
+    residual = acc;  // A fresh tensor (the sum above).
+    residual.index_copy_(0, selected, sent - decoded);
+  } else {
+    residual = acc - decoded;
+  }
+  if (momentum && ef->momentum_masking) {
+    if (sparse) {
+      const torch::Tensor kept = next_momentum.index_select(0, selected);
+      next_momentum.index_copy_(0, selected,
+                                torch::where(decoded != 0, torch::zeros_like(kept), kept));
+    } else {
+      next_momentum = torch::where(decoded != 0, torch::zeros_like(next_momentum), next_momentum);
+    }
+  }
+  const std::vector<torch::Tensor> residuals = residual.split_with_sizes(sizes);
+  std::vector<torch::Tensor> momenta;
+  if (momentum) momenta = next_momentum.split_with_sizes(sizes);
+  for (size_t s = 0; s < chunks.size(); ++s) {
+    Feedback& f = state_[chunks[s].slot];
+    f.residual = residuals[s];
+    if (momentum) f.momentum = momenta[s];
   }
   return absl::OkStatus();
 }

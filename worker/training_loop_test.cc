@@ -17,8 +17,8 @@
 #include <limits>
 #include <memory>
 #include <optional>
-#include <utility>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -28,8 +28,8 @@
 #include "common/status_testing.h"
 #include "compression/compressor.h"
 #include "compression/error_feedback.h"
-#include "worker/core/device_gradients.h"
 #include "worker/core/dataset.h"
+#include "worker/core/device_gradients.h"
 #include "worker/model.h"
 #include "worker/torch_device_gradients.h"
 
@@ -112,6 +112,7 @@ TrainerOptions Options(int64_t steps) {
   o.spec.set_steps(steps);
   o.spec.set_seed(3);
   o.spec.set_log_every(2);
+  o.device = ComputeDevice::kCpu;  // The Device tests choose theirs.
   const char* root = std::getenv("GRADMESH_DATA_DIR");
   o.data_dir = root == nullptr ? "" : root;
   return o;
@@ -654,7 +655,6 @@ TEST(TrainingFeaturesTest, Bf16AutocastTrainsAndKeepsFloat32Parameters) {
   EXPECT_EQ(bf16.final_params[0].size(), 784u * 256u);  // Float32 master weights in the view.
 }
 
-
 // The device codec against the host's: the same gradients (bit for bit, uploaded to the
 // device) must give the same payloads, byte for byte, step after step (so the error-feedback
 // state on the device follows the host's), for every codec the device encodes, with plain
@@ -678,8 +678,8 @@ TEST_P(DeviceTest, DeviceEncodingGivesTheHostCodecsPayloadsStepAfterStep) {
   const std::vector<Feedback> feedbacks = {
       {"none", std::nullopt}, {"plain", plain}, {"dgc", masked}, {"dgc_unmasked", unmasked}};
   const CompressorRegistry registry = CompressorRegistry::WithBuiltins();
-  for (const char* spec : {"topk:0.01", "topk:0.05+fp16", "topk:0.2+bf16", "topk:1+fp16", "fp16",
-                           "bf16"}) {
+  for (const char* spec :
+       {"topk:0.01", "topk:0.05+fp16", "topk:0.2+bf16", "topk:1+fp16", "fp16", "bf16"}) {
     std::unique_ptr<Compressor> codec = registry.Create(spec).value();
     const DeviceCodec dc = DeviceCodecOf(*codec).value();
     for (const Feedback& fb : feedbacks) {
@@ -707,18 +707,23 @@ TEST_P(DeviceTest, DeviceEncodingGivesTheHostCodecsPayloadsStepAfterStep) {
           cpu.push_back(g.contiguous());
           params[i].mutable_grad() = g.to(device);
         }
-        ASSERT_OK(dg.CheckFinite());
+        std::vector<DeviceChunk> batch;
+        for (size_t j = 0; j < chunks.size(); ++j) {
+          batch.push_back({chunks[j].first, chunks[j].second.first, chunks[j].second.second,
+                           static_cast<int64_t>(j)});
+        }
+        std::vector<std::string> on_device;
+        ASSERT_OK(dg.Encode(batch, dc, fb.options ? &*fb.options : nullptr, &on_device));
+        ASSERT_EQ(on_device.size(), chunks.size());
         for (size_t j = 0; j < chunks.size(); ++j) {
           const int p = chunks[j].first;
           const auto [offset, numel] = chunks[j].second;
-          std::string on_device, on_host;
-          ASSERT_OK(dg.Encode(p, offset, numel, dc, fb.options ? &*fb.options : nullptr,
-                              static_cast<int64_t>(j), &on_device));
+          std::string on_host;
           const absl::Span<const float> g(cpu[p].data_ptr<float>() + offset, numel);
           ASSERT_OK(fb.options ? host[j].Compress(*codec, g, 0, &on_host)
                                : codec->Encode(g, 0, &on_host));
-          ASSERT_EQ(on_device.size(), on_host.size()) << "step " << step << " chunk " << j;
-          ASSERT_TRUE(on_device == on_host) << "step " << step << " chunk " << j;
+          ASSERT_EQ(on_device[j].size(), on_host.size()) << "step " << step << " chunk " << j;
+          ASSERT_TRUE(on_device[j] == on_host) << "step " << step << " chunk " << j;
         }
       }
       EXPECT_GT(dg.bytes_to_host(), 0);
@@ -726,8 +731,9 @@ TEST_P(DeviceTest, DeviceEncodingGivesTheHostCodecsPayloadsStepAfterStep) {
   }
 }
 
-// A gradient that is not finite: CheckFinite names it, and Encode refuses it and keeps its
-// error-feedback state (the next finite step encodes as if the bad one never happened).
+// A gradient that is not finite: Encode names the first bad element, refuses the whole batch
+// and keeps its error-feedback state (the next finite step encodes as if the bad one never
+// happened); bad chunks and slots are refused the same way.
 TEST_P(DeviceTest, ANonFiniteGradientIsNamedAndChangesNoState) {
   TrainerOptions o = Options(1);
   if (!Usable(o)) return;
@@ -739,40 +745,50 @@ TEST_P(DeviceTest, ANonFiniteGradientIsNamedAndChangesNoState) {
   std::unique_ptr<Compressor> codec = CompressorRegistry::WithBuiltins().Create("topk:0.1").value();
   const DeviceCodec dc = DeviceCodecOf(*codec).value();
   const ErrorFeedbackOptions ef;
-  ErrorFeedback host(100, ef);
+  ErrorFeedback host0(100, ef), host1(10, ef);
   torch::manual_seed(5);
-  const torch::Tensor g0 = torch::randn({100});
-  const torch::Tensor g1 = torch::randn({100});
-  params[0].mutable_grad() = g0.to(device);
-  params[1].mutable_grad() = torch::zeros({10}, torch::device(device));
-  std::string on_device, on_host;
-  ASSERT_OK(dg.Encode(0, 0, 100, dc, &ef, 0, &on_device));
-  ASSERT_OK(host.Compress(*codec, absl::Span<const float>(g0.data_ptr<float>(), 100), 0, &on_host));
-  ASSERT_TRUE(on_device == on_host);
+  const torch::Tensor g0 = torch::randn({100}), g1 = torch::randn({100});
+  const torch::Tensor b0 = torch::randn({10}), b1 = torch::randn({10});
+  const std::vector<DeviceChunk> both = {{0, 0, 100, 0}, {1, 0, 10, 1}};
+  auto check = [&](const torch::Tensor& w, const torch::Tensor& b) {
+    params[0].mutable_grad() = w.to(device);
+    params[1].mutable_grad() = b.to(device);
+    std::vector<std::string> on_device;
+    ASSERT_OK(dg.Encode(both, dc, &ef, &on_device));
+    std::string on_host;
+    ASSERT_OK(
+        host0.Compress(*codec, absl::Span<const float>(w.data_ptr<float>(), 100), 0, &on_host));
+    EXPECT_TRUE(on_device[0] == on_host);
+    ASSERT_OK(
+        host1.Compress(*codec, absl::Span<const float>(b.data_ptr<float>(), 10), 0, &on_host));
+    EXPECT_TRUE(on_device[1] == on_host);
+  };
+  check(g0, b0);
 
-  torch::Tensor bad = torch::zeros({10});
+  torch::Tensor bad = b1.clone();
   bad[6] = std::numeric_limits<float>::infinity();
-  params[1].mutable_grad() = bad.to(device);
   torch::Tensor nan = g1.clone();
   nan[42] = std::numeric_limits<float>::quiet_NaN();
   params[0].mutable_grad() = nan.to(device);
-  absl::Status st = dg.CheckFinite();
+  params[1].mutable_grad() = bad.to(device);
+  std::vector<std::string> out;
+  absl::Status st = dg.Encode(both, dc, &ef, &out);
   EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(st.message(), "gradient of fc.weight element 42 is not finite");
-  st = dg.Encode(0, 0, 100, dc, &ef, 0, &on_device);
-  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_NE(st.message().find("element 42"), std::string::npos) << st;
-  EXPECT_EQ(dg.Encode(0, 90, 20, dc, &ef, 0, &on_device).code(),
-            absl::StatusCode::kInvalidArgument);  // Past the end.
-  EXPECT_EQ(dg.Encode(0, 0, 50, dc, &ef, 0, &on_device).code(),
-            absl::StatusCode::kInvalidArgument);  // Slot 0 holds 100 elements.
-  EXPECT_EQ(dg.Encode(2, 0, 1, dc, &ef, 9, &on_device).code(),
-            absl::StatusCode::kInvalidArgument);  // No parameter 2.
+  st = dg.Encode({{1, 0, 10, 1}}, dc, &ef, &out);
+  EXPECT_EQ(st.message(), "gradient of fc.bias element 6 is not finite");
+  const auto code = [&](std::vector<DeviceChunk> chunks) {
+    return dg.Encode(chunks, dc, &ef, &out).code();
+  };
+  EXPECT_EQ(code({{0, 90, 20, 0}}), absl::StatusCode::kInvalidArgument);  // Past the end.
+  EXPECT_EQ(code({{0, 0, 50, 0}}), absl::StatusCode::kInvalidArgument);   // Slot 0 holds 100.
+  EXPECT_EQ(code({{2, 0, 1, 9}}), absl::StatusCode::kInvalidArgument);    // No parameter 2.
+  EXPECT_EQ(code({{0, 0, 50, 3}, {0, 50, 50, 3}}), absl::StatusCode::kInvalidArgument);  // Twice.
+  ErrorFeedbackOptions with_momentum;
+  with_momentum.momentum = 0.5f;
+  EXPECT_EQ(dg.Encode(both, dc, &with_momentum, &out).code(), absl::StatusCode::kInvalidArgument);
 
-  params[0].mutable_grad() = g1.to(device);
-  ASSERT_OK(dg.Encode(0, 0, 100, dc, &ef, 0, &on_device));
-  ASSERT_OK(host.Compress(*codec, absl::Span<const float>(g1.data_ptr<float>(), 100), 0, &on_host));
-  EXPECT_TRUE(on_device == on_host);
+  check(g1, b1);
 }
 
 // A mode that takes the device gradients and encodes parameter 0 through them each step, or
@@ -794,9 +810,10 @@ class DeviceCodecMode : public FakeMode {
         CompressorRegistry::WithBuiltins().Create("topk:0.05+fp16").value();
     std::string payload;
     if (gradients != nullptr && accept) {
-      RETURN_IF_ERROR(gradients->CheckFinite());
-      RETURN_IF_ERROR(gradients->Encode(0, 0, static_cast<int64_t>(grads[0].size()),
-                                        *DeviceCodecOf(*codec), nullptr, 0, &payload));
+      std::vector<std::string> out;
+      RETURN_IF_ERROR(gradients->Encode({{0, 0, static_cast<int64_t>(grads[0].size()), 0}},
+                                        *DeviceCodecOf(*codec), nullptr, &out));
+      payload = out[0];
     } else {
       RETURN_IF_ERROR(codec->Encode(grads[0], 0, &payload));
     }

@@ -125,7 +125,7 @@ run_workers() {
     wpids+=($!)
   done
   for p in "${wpids[@]}"; do wait "$p" || { tail -n 5 "$RUN_DIR/$mode-w"*.log >&2; return 1; }; done
-  local samples=0 wall=0 acc="" tl="" ppl="" line s w bytes=0 prog="" cms="" xms="" hid="" early=""
+  local samples=0 wall=0 acc="" tl="" ppl="" line s w bytes=0 prog="" cms="" xms="" hid="" early="" pms="" kms="" th=""
   for ((r = 0; r < WORKERS; r++)); do
     line="$(grep 'event=done' "$RUN_DIR/$mode-w$r.log" | tail -1)"
     s="$(field samples "$line")"; w="$(field wall_s "$line")"
@@ -142,9 +142,14 @@ run_workers() {
       prog="$(grep 'event=progress' "$RUN_DIR/$mode-w$r.log" | tail -1 || true)"
       cms="$(field comm_ms "$prog")"; xms="$(field exchange_ms "$prog")"
       hid="$(field hidden "$prog")"; early="$(field early_shards "$prog")"
+      # compute_ms (forward + backward, with a GPU's copies), codec_ms (encoding and decoding,
+      # on the host or the device) and to_host_bytes_per_step (gradient bytes a GPU copied to
+      # the host: dense gradients, or with --device_codec only the payloads).
+      pms="$(field compute_ms "$prog")"; kms="$(field codec_ms "$prog")"
+      th="$(field to_host_bytes_per_step "$prog")"
     fi
   done
-  "$PYTHON" -c "import json; print(json.dumps({'bench':'modes','workload':'$WORKLOAD','mode':'$mode','workers':$WORKERS,'label':'${LABEL:-$mode}','samples_per_s':round($samples/$wall,1),'bytes_per_sample':round($bytes/max($samples,1),1),'accuracy':$acc,'test_loss':$tl,'perplexity':$ppl,'wall_s':$wall,'comm_ms':${cms:-None},'exchange_ms':${xms:-None},'hidden':${hid:-None},'early_shards':${early:-None},'steps_or_epochs':'${STEPS:-$EPOCHS}','batch':$BATCH}))"
+  "$PYTHON" -c "import json; print(json.dumps({'bench':'modes','workload':'$WORKLOAD','mode':'$mode','workers':$WORKERS,'label':'${LABEL:-$mode}','samples_per_s':round($samples/$wall,1),'bytes_per_sample':round($bytes/max($samples,1),1),'accuracy':$acc,'test_loss':$tl,'perplexity':$ppl,'wall_s':$wall,'compute_ms':${pms:-None},'comm_ms':${cms:-None},'codec_ms':${kms:-None},'to_host_bytes_per_step':${th:-None},'exchange_ms':${xms:-None},'hidden':${hid:-None},'early_shards':${early:-None},'steps_or_epochs':'${STEPS:-$EPOCHS}','batch':$BATCH}))"
 }
 
 # ps (async by default; PS_FLAGS="--mode=diloco --inner_steps=50" for DiLoCo) through 2 shards.

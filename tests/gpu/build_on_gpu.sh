@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds gradmesh_worker and training_loop_test against a CUDA LibTorch on a machine without
 # Bazel, from the bundle of tests/gpu/make_bundle.py: compiles the translation units that
-# include LibTorch (worker/model.cc, worker/training_loop.cc, worker/training_loop_test.cc)
+# include LibTorch (worker/model.cc, worker/training_loop.cc, worker/torch_device_gradients.cc,
+# worker/training_loop_test.cc)
 # against TORCH (a LibTorch folder with include/ and lib/, e.g. PyTorch's wheel), then links
 # them with the bundle's objects and libraries. Run from the repository root:
 #
@@ -41,7 +42,8 @@ compile() {  # src obj
   "$CXX" "${flags[@]}" -c "$1" -o "$2"
 }
 pids=()
-[ "${LINK_ONLY:-0}" = 1 ] && tus=() || tus=(model training_loop training_loop_test)
+[ "${LINK_ONLY:-0}" = 1 ] && tus=() ||
+  tus=(model training_loop torch_device_gradients training_loop_test)
 for tu in "${tus[@]}"; do
   compile "worker/$tu.cc" "$BUILD/obj/$tu.o" 2>"$BUILD/obj/$tu.log" &
   pids+=($!)
@@ -75,7 +77,8 @@ link() {  # out args-file objs...
 # pointer") in these binaries; exporting the executable's symbols makes LibTorch and this code
 # bind to one copy of what both define (measured on the H200 machine: tests/gpu/README.md).
 link "$BUILD/worker/gradmesh_worker" worker.args -rdynamic "$BUILD/obj/model.o" \
-  "$BUILD/obj/training_loop.o"
+  "$BUILD/obj/training_loop.o" "$BUILD/obj/torch_device_gradients.o"
 link "$BUILD/worker/training_loop_test" test.args -rdynamic "$BUILD/obj/model.o" \
-  "$BUILD/obj/training_loop.o" "$BUILD/obj/training_loop_test.o"
+  "$BUILD/obj/training_loop.o" "$BUILD/obj/torch_device_gradients.o" \
+  "$BUILD/obj/training_loop_test.o"
 echo "build_on_gpu: built $BUILD/worker/gradmesh_worker and training_loop_test against $TORCH" >&2

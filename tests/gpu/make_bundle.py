@@ -5,8 +5,8 @@ wheel: include/ and lib/ with libtorch_cuda) but no Bazel, gRPC, protobuf, Absei
 Built here by Bazel (--dynamic_mode=off, so every library is a static archive or object):
   * gradmesh_server, whole (it has no LibTorch), with the shared libraries it loads;
   * gradmesh_worker and //worker:training_loop_test, as their link inputs minus the translation
-    units that include LibTorch (worker/model.cc, worker/training_loop.cc and the test's own
-    source): those are compiled there, against that LibTorch's headers, and linked with these
+    units that include LibTorch (worker/model.cc, worker/training_loop.cc,
+    worker/torch_device_gradients.cc and the test's own source): those are compiled there, against that LibTorch's headers, and linked with these
     objects (tests/gpu/build_on_gpu.sh). Only those TUs see LibTorch's API, so only they must
     match its version (gradmesh keeps torch out of every other file for this reason too);
   * the headers those TUs include besides the repository's own (Abseil, protobuf, gtest, the
@@ -32,7 +32,8 @@ import tarfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TARGETS = {"worker": "//worker:gradmesh_worker", "test": "//worker:training_loop_test"}
-# Translation units compiled on the GPU machine (they include LibTorch), by object path piece.
+# Translation units compiled on the GPU machine (they include LibTorch), by object path piece
+# (//worker:training_loop's objects are training_loop.o and torch_device_gradients.o).
 TORCH_TUS = ("/_objs/model/", "/_objs/training_loop/", "/_objs/training_loop_test/")
 # Libraries the GPU machine brings itself (its LibTorch, its C and C++ runtimes).
 SYSTEM_LIBS = re.compile(r"^(torch|torch_cpu|torch_cuda|c10|c10_cuda|c|m|dl|rt|pthread|stdc\+\+|"

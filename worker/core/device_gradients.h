@@ -21,8 +21,10 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
+#include "absl/types/span.h"
 #include "compression/compressor.h"
 #include "compression/error_feedback.h"
 #include "compression/payload.h"
@@ -40,26 +42,33 @@ struct DeviceCodec {
 // that stay on the host (identity, topk_approx, randomk, qsgd and their compositions).
 std::optional<DeviceCodec> DeviceCodecOf(const Compressor& codec);
 
+// One chunk of a parameter's gradient to encode: elements [offset, offset + numel) of
+// parameter `param`, through the error-feedback state `slot` (e.g. the chunk's index).
+struct DeviceChunk {
+  int param = 0;
+  int64_t offset = 0;
+  int64_t numel = 0;
+  int64_t slot = 0;
+};
+
 class DeviceGradients {
  public:
   virtual ~DeviceGradients() = default;
 
-  // OK when every parameter gradient of the step is finite; otherwise InvalidArgument naming
-  // the first parameter and element that is not.
-  virtual absl::Status CheckFinite() = 0;
-
-  // Encodes elements [offset, offset + numel) of parameter `param`'s gradient with `codec`
-  // into *out (replacing it). With `ef` (not null), through the error-feedback state `slot`
-  // (a chunk's index; zero the first time a slot is used), exactly as ErrorFeedback::Compress
-  // with those options; without, as Compressor::Encode. InvalidArgument (state unchanged)
-  // when what would be encoded is not finite; INTERNAL for a failure of the device.
-  virtual absl::Status Encode(int param, int64_t offset, int64_t numel, const DeviceCodec& codec,
-                              const ErrorFeedbackOptions* ef, int64_t slot, std::string* out) = 0;
+  // Encodes each of `chunks` (distinct slots) with `codec` into (*out)[i] (out is resized to
+  // chunks.size()): one pass over all of them on the device and one copy to the host. With
+  // `ef` (not null), through each chunk's error-feedback state (zero the first time a slot is
+  // used), exactly as ErrorFeedback::Compress with those options; without, as
+  // Compressor::Encode. All or nothing: INVALID_ARGUMENT for a bad chunk, a slot used with
+  // another size, or a gradient (or error-feedback sum) that is not finite (naming the first
+  // parameter and element), and then no state has changed; INTERNAL for a device failure.
+  virtual absl::Status Encode(absl::Span<const DeviceChunk> chunks, const DeviceCodec& codec,
+                              const ErrorFeedbackOptions* ef, std::vector<std::string>* out) = 0;
 
   // Zeroes every slot's error-feedback state (e.g. the push codec changed).
   virtual void ResetFeedback() = 0;
 
-  // Bytes copied from the device to the host by Encode and CheckFinite so far.
+  // Bytes copied from the device to the host by Encode so far.
   virtual int64_t bytes_to_host() const = 0;
 };
 

@@ -125,9 +125,9 @@ class GrpcParameterClient final : public ParameterClient {
     }
     absl::MutexLock lock(&mu_);
     if (device_ != nullptr && (codec == nullptr || !DeviceCodecOf(*codec).has_value())) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "SetPushCodec: \"", spec.empty() ? "identity" : spec,
-          "\" cannot run on the device, and this client reads its gradients there"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("SetPushCodec: \"", spec.empty() ? "identity" : spec,
+                       "\" cannot run on the device, and this client reads its gradients there"));
     }
     push_codec_ = std::move(codec);
     ResetFeedbackLocked();
@@ -209,14 +209,7 @@ class GrpcParameterClient final : public ParameterClient {
       // A non-finite step's placeholders (zeros) are on the host.
       if (!nonfinite) device = device_;
     }
-    // Device gradients: the parameters' are checked where they are, the buffers' here.
-    if (device != nullptr) {
-      absl::Status st = device->CheckFinite();
-      if (!st.ok()) {
-        return absl::Status(st.code(), absl::StrCat("Push: job ", layout_.job, " step ", step, " ",
-                                                    st.message(), "; nothing was sent"));
-      }
-    }
+    // Device gradients: the parameters' are checked where they are (Encode), the buffers' here.
     for (size_t i = 0; scan && i < shards.size(); ++i) {
       for (int64_t idx : partition_.shard_chunks(shards[i])) {
         const ChunkInfo& c = partition_.chunks()[idx];
@@ -252,9 +245,10 @@ class GrpcParameterClient final : public ParameterClient {
         if (step_codec_ != nullptr) codec = step_codec_.get();
       }
       if (device != nullptr && codec != nullptr) device_codec = DeviceCodecOf(*codec);
-      ErrorFeedbackOptions ef;
-      ef.momentum = options_.ef_momentum;
       const absl::Time t0 = absl::Now();
+      if (device_codec.has_value()) {
+        RETURN_IF_ERROR(EncodeOnDeviceLocked(step, shards, *device_codec, device, &encoded));
+      }
       for (int32_t s : shards) {
         std::vector<PushChunkRef> refs;
         for (int64_t idx : partition_.shard_chunks(s)) {
@@ -273,13 +267,12 @@ class GrpcParameterClient final : public ParameterClient {
                                   static_cast<uint64_t>(idx);
             // A non-finite step's zeros are discarded by every shard (the step is skipped):
             // going through error feedback they would spend the residual on nothing.
-            absl::Status st =
-                device_codec.has_value()
-                    ? device->Encode(c.tensor, c.offset, c.numel, *device_codec,
-                                     feedback_.empty() ? nullptr : &ef, idx, &encoded[idx])
-                : feedback_.empty() || nonfinite
-                    ? codec->Encode(g, seed, &encoded[idx])
-                    : feedback_[idx]->Compress(*codec, g, seed, &encoded[idx]);
+            absl::Status st;  // Chunks encoded on the device are done already.
+            if (!device_codec.has_value()) {
+              st = feedback_.empty() || nonfinite
+                       ? codec->Encode(g, seed, &encoded[idx])
+                       : feedback_[idx]->Compress(*codec, g, seed, &encoded[idx]);
+            }
             RETURN_IF_ERROR(
                 Annotate(st, absl::StrCat("Push: encoding ", layout_.tensors[c.tensor].name(),
                                           " chunk ", c.chunk)));
@@ -319,6 +312,32 @@ class GrpcParameterClient final : public ParameterClient {
     bytes_pushed_ += wire;
     raw_bytes_pushed_ += raw;
     if (responses != nullptr) *responses = std::move(resps);
+    return absl::OkStatus();
+  }
+
+  // The parameters' chunks of `shards`, encoded where the gradients are (UseDeviceGradients)
+  // in one batch, into encoded[chunk index]; error feedback per chunk index.
+  absl::Status EncodeOnDeviceLocked(int64_t step, const std::vector<int32_t>& shards,
+                                    const DeviceCodec& codec, DeviceGradients* device,
+                                    std::vector<std::string>* encoded)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    std::vector<DeviceChunk> chunks;
+    for (int32_t s : shards) {
+      for (int64_t idx : partition_.shard_chunks(s)) {
+        const ChunkInfo& c = partition_.chunks()[idx];
+        if (layout_.tensors[c.tensor].buffer()) continue;
+        chunks.push_back({static_cast<int>(c.tensor), c.offset, c.numel, idx});
+      }
+    }
+    ErrorFeedbackOptions ef;
+    ef.momentum = options_.ef_momentum;
+    std::vector<std::string> out;
+    absl::Status st = device->Encode(chunks, codec, feedback_.empty() ? nullptr : &ef, &out);
+    if (!st.ok()) {
+      return absl::Status(st.code(), absl::StrCat("Push: job ", layout_.job, " step ", step, " ",
+                                                  st.message(), "; nothing was sent"));
+    }
+    for (size_t i = 0; i < chunks.size(); ++i) (*encoded)[chunks[i].slot] = std::move(out[i]);
     return absl::OkStatus();
   }
 

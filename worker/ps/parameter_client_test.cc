@@ -508,16 +508,26 @@ class FakeDeviceGradients : public DeviceGradients {
   };
   FakeDeviceGradients(Values grads, std::string spec) : grads(std::move(grads)), spec_(spec) {}
 
-  absl::Status CheckFinite() override { return finite; }
-  absl::Status Encode(int param, int64_t offset, int64_t numel, const DeviceCodec& codec,
-                      const ErrorFeedbackOptions* ef, int64_t slot, std::string* out) override {
-    calls.push_back({param, offset, numel, slot, ef != nullptr});
+  absl::Status Encode(absl::Span<const DeviceChunk> chunks, const DeviceCodec& codec,
+                      const ErrorFeedbackOptions* ef, std::vector<std::string>* out) override {
+    ++batches;
+    RETURN_IF_ERROR(finite);
     ASSIGN_OR_RETURN(std::unique_ptr<Compressor> c,
                      CompressorRegistry::WithBuiltins().Create(spec_));
-    const absl::Span<const float> g = absl::MakeConstSpan(grads[param]).subspan(offset, numel);
-    if (ef == nullptr) return c->Encode(g, 0, out);
-    auto [it, fresh] = feedback_.try_emplace(slot, static_cast<size_t>(numel), *ef);
-    return it->second.Compress(*c, g, 0, out);
+    out->resize(chunks.size());
+    for (size_t i = 0; i < chunks.size(); ++i) {
+      const DeviceChunk& d = chunks[i];
+      calls.push_back({d.param, d.offset, d.numel, d.slot, ef != nullptr});
+      const absl::Span<const float> g =
+          absl::MakeConstSpan(grads[d.param]).subspan(d.offset, d.numel);
+      if (ef == nullptr) {
+        RETURN_IF_ERROR(c->Encode(g, 0, &(*out)[i]));
+        continue;
+      }
+      auto [it, fresh] = feedback_.try_emplace(d.slot, static_cast<size_t>(d.numel), *ef);
+      RETURN_IF_ERROR(it->second.Compress(*c, g, 0, &(*out)[i]));
+    }
+    return absl::OkStatus();
   }
   void ResetFeedback() override {
     feedback_.clear();
@@ -528,6 +538,7 @@ class FakeDeviceGradients : public DeviceGradients {
   Values grads;  // The gradient "on the device".
   absl::Status finite = absl::OkStatus();
   std::vector<Call> calls;
+  int batches = 0;
   int resets = 0;
 
  private:
@@ -558,7 +569,8 @@ TEST_F(BufferClientTest, DeviceGradientsAreEncodedWhereTheyAreAndBuffersStayOnTh
   ASSERT_TRUE(client->UseDeviceGradients(&device));
   ASSERT_OK(client->InitJob(Const(init)));
   ASSERT_OK(client->Push(0, Const(host)));
-  // One call per chunk of w (chunks of 4 and 2 elements), with error feedback by chunk index.
+  // One batch: both chunks of w (4 and 2 elements), with error feedback by chunk index.
+  EXPECT_EQ(device.batches, 1);
   ASSERT_EQ(device.calls.size(), 2u);
   EXPECT_EQ(device.calls[0].param, 0);
   EXPECT_EQ(device.calls[0].offset, 0);
@@ -571,7 +583,8 @@ TEST_F(BufferClientTest, DeviceGradientsAreEncodedWhereTheyAreAndBuffersStayOnTh
   Values pulled = {std::vector<float>(6), std::vector<float>(4), std::vector<float>(1)};
   ASSERT_OK(dense->Pull(Mut(pulled)));
   EXPECT_EQ(pulled[0], (std::vector<float>{0.1f - 1.0f, 0.2f, 0.3f, 0.4f, 0.7f - 2.0f, 0.9f}));
-  EXPECT_EQ(pulled[1], (std::vector<float>{0.1f + 0.01f, 0.2f + 0.02f, 0.3f + 0.03f, 0.4f + 0.04f}));
+  EXPECT_EQ(pulled[1],
+            (std::vector<float>{0.1f + 0.01f, 0.2f + 0.02f, 0.3f + 0.03f, 0.4f + 0.04f}));
   EXPECT_EQ(pulled[2], (std::vector<float>{4.0f}));
   // A zero gradient next: each chunk sends its largest residual (0.5 and 0.0625).
   device.grads = {std::vector<float>(6, 0.0f)};
