@@ -879,6 +879,16 @@ INSTANTIATE_TEST_SUITE_P(Devices, DeviceTest,
                            return std::string(ComputeDeviceName(info.param));
                          });
 
+TEST(DeviceCodecUseTest, ParsesTheKnownNamesAndListsThemOtherwise) {
+  for (DeviceCodecUse use : {DeviceCodecUse::kAuto, DeviceCodecUse::kOff, DeviceCodecUse::kOn}) {
+    ASSERT_OK_AND_ASSIGN(DeviceCodecUse back, ParseDeviceCodecUse(DeviceCodecUseName(use)));
+    EXPECT_EQ(back, use);
+  }
+  absl::StatusOr<DeviceCodecUse> bad = ParseDeviceCodecUse("gpu");
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("auto, off, on"), std::string::npos) << bad.status();
+}
+
 TEST(ComputeDeviceTest, ParsesTheKnownNamesAndListsThemOtherwise) {
   ASSERT_OK_AND_ASSIGN(ComputeDevice d, ParseComputeDevice("cuda"));
   EXPECT_EQ(d, ComputeDevice::kCuda);

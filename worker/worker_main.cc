@@ -259,6 +259,12 @@ void ApplyTrainingFeatureFlags(JobSpec* spec_ptr) {
 }
 
 // Reads the spec file and flags into options; InvalidArgument on anything unusable.
+absl::StatusOr<DeviceCodecUse> DeviceCodecFlag() {
+  absl::StatusOr<DeviceCodecUse> use = ParseDeviceCodecUse(absl::GetFlag(FLAGS_device_codec));
+  if (!use.ok()) return Annotate(use.status(), "--device_codec");
+  return *use;
+}
+
 absl::StatusOr<WorkerMainOptions> ParseOptions() {
   WorkerMainOptions o;
   JobSpec spec;
@@ -358,11 +364,7 @@ absl::StatusOr<WorkerMainOptions> ParseOptions() {
   o.trainer.intra_op_threads = absl::GetFlag(FLAGS_threads);
   ASSIGN_OR_RETURN(o.trainer.device, ParseComputeDevice(absl::GetFlag(FLAGS_device)));
   o.trainer.gpu = absl::GetFlag(FLAGS_gpu);
-  {
-    absl::StatusOr<DeviceCodecUse> use = ParseDeviceCodecUse(absl::GetFlag(FLAGS_device_codec));
-    if (!use.ok()) return Annotate(use.status(), "--device_codec");
-    o.trainer.device_codec = *use;
-  }
+  ASSIGN_OR_RETURN(o.trainer.device_codec, DeviceCodecFlag());
   o.trainer.evaluate = absl::GetFlag(FLAGS_evaluate) && o.trainer.rank == 0;
   o.trainer.step_delay = absl::Milliseconds(absl::GetFlag(FLAGS_step_delay_ms));
   for (const std::string& s : absl::GetFlag(FLAGS_fault_nonfinite_steps)) {
@@ -419,9 +421,7 @@ absl::StatusOr<ServiceFlags> CheckServiceFlags(const std::string& node, const st
   absl::StatusOr<ComputeDevice> device = ParseComputeDevice(absl::GetFlag(FLAGS_device));
   if (!device.ok()) return Annotate(device.status(), "--device");
   f.device = *device;
-  absl::StatusOr<DeviceCodecUse> use = ParseDeviceCodecUse(absl::GetFlag(FLAGS_device_codec));
-  if (!use.ok()) return Annotate(use.status(), "--device_codec");
-  f.device_codec = *use;
+  ASSIGN_OR_RETURN(f.device_codec, DeviceCodecFlag());
   ASSIGN_OR_RETURN(f.spin_wait, SpinWaitFlag());
   return f;
 }

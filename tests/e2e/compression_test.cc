@@ -246,19 +246,24 @@ TEST_F(CompressionE2eTest, MnistConvergenceAndPushBytesAgainstDense) {
 TEST_F(CompressionE2eTest, DeviceCodecTrainsTheHostCodecsModel) {
   ASSERT_NO_FATAL_FAILURE(StartServers(kShards));
   const std::vector<std::vector<std::string>> configs = {
-      {"--push_codec=topk:0.01+fp16", "--ef_momentum=0.9", "--warmup_steps=40",
-       "--optimizer=sgd", "--lr=0.05", "--steps=120"},
+      {"--push_codec=topk:0.01+fp16", "--ef_momentum=0.9", "--warmup_steps=40", "--optimizer=sgd",
+       "--lr=0.05", "--steps=120"},
       {"--push_codec=bf16", "--error_feedback=false", "--optimizer=adam", "--lr=0.001",
        "--steps=80"}};
   for (size_t c = 0; c < configs.size(); ++c) {
     std::string done[2];
     for (int on = 0; on < 2; ++on) {
       const std::string job = absl::StrCat("device-codec", c, on ? "-on" : "-off");
-      std::vector<std::string> args = {ServersFlag(),      "--rank=0",
-                                       "--num_workers=1",  "--model=mlp",
-                                       "--dataset=mnist",  "--mode=async",
-                                       "--seed=4",         "--name=" + job,
-                                       "--log_every=40",   "--data_dir=" + DataDir(),
+      std::vector<std::string> args = {ServersFlag(),
+                                       "--rank=0",
+                                       "--num_workers=1",
+                                       "--model=mlp",
+                                       "--dataset=mnist",
+                                       "--mode=async",
+                                       "--seed=4",
+                                       "--name=" + job,
+                                       "--log_every=40",
+                                       "--data_dir=" + DataDir(),
                                        on ? "--device_codec=on" : "--device_codec=off"};
       args.insert(args.end(), configs[c].begin(), configs[c].end());
       std::unique_ptr<Subprocess> worker = StartWorker(job, args);

@@ -3,8 +3,8 @@
 #include <string>
 
 #include "absl/strings/match.h"
-#include "absl/strings/strip.h"
 #include "absl/strings/string_view.h"
+#include "absl/strings/strip.h"
 
 namespace gradmesh {
 

@@ -42,7 +42,8 @@ TEST(DeviceCodecOfTest, TopKAndSixteenBitCodecsRunOnTheDevice) {
 }
 
 TEST(DeviceCodecOfTest, AWarmUpDensityIsTheCodecsOwn) {
-  std::unique_ptr<Compressor> c = CompressorRegistry::WithBuiltins().Create("topk:0.01+fp16").value();
+  std::unique_ptr<Compressor> c =
+      CompressorRegistry::WithBuiltins().Create("topk:0.01+fp16").value();
   std::unique_ptr<Compressor> warm = c->WithDensity(0.3).value();
   std::optional<DeviceCodec> d = DeviceCodecOf(*warm);
   ASSERT_TRUE(d.has_value());

@@ -209,20 +209,7 @@ class GrpcParameterClient final : public ParameterClient {
       // A non-finite step's placeholders (zeros) are on the host.
       if (!nonfinite) device = device_;
     }
-    // Device gradients: the parameters' are checked where they are (Encode), the buffers' here.
-    for (size_t i = 0; scan && i < shards.size(); ++i) {
-      for (int64_t idx : partition_.shard_chunks(shards[i])) {
-        const ChunkInfo& c = partition_.chunks()[idx];
-        if (device != nullptr && !layout_.tensors[c.tensor].buffer()) continue;
-        const int64_t bad = FirstNonFinite(grads[c.tensor].data() + c.offset, c.numel);
-        if (bad >= 0) {
-          return absl::InvalidArgumentError(
-              absl::StrCat("Push: job ", layout_.job, " step ", step, " gradient of ",
-                           layout_.tensors[c.tensor].name(), " element ", c.offset + bad,
-                           " is not finite; nothing was sent"));
-        }
-      }
-    }
+    if (scan) RETURN_IF_ERROR(ScanHostGradients(step, shards, grads, device != nullptr));
     // Gradients (or their encodings) are referenced by the request buffers, not copied
     // (common/tensor_wire.h); they stay alive until every shard has answered.
     std::vector<grpc::ByteBuffer> reqs(NumShards());
@@ -312,6 +299,27 @@ class GrpcParameterClient final : public ParameterClient {
     bytes_pushed_ += wire;
     raw_bytes_pushed_ += raw;
     if (responses != nullptr) *responses = std::move(resps);
+    return absl::OkStatus();
+  }
+
+  // INVALID_ARGUMENT naming the first non-finite element of `shards`' chunks of `grads` (only
+  // the buffers' with device gradients: the parameters' are checked where they are).
+  absl::Status ScanHostGradients(int64_t step, const std::vector<int32_t>& shards,
+                                 const std::vector<absl::Span<const float>>& grads,
+                                 bool buffers_only) const {
+    for (int32_t s : shards) {
+      for (int64_t idx : partition_.shard_chunks(s)) {
+        const ChunkInfo& c = partition_.chunks()[idx];
+        if (buffers_only && !layout_.tensors[c.tensor].buffer()) continue;
+        const int64_t bad = FirstNonFinite(grads[c.tensor].data() + c.offset, c.numel);
+        if (bad >= 0) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("Push: job ", layout_.job, " step ", step, " gradient of ",
+                           layout_.tensors[c.tensor].name(), " element ", c.offset + bad,
+                           " is not finite; nothing was sent"));
+        }
+      }
+    }
     return absl::OkStatus();
   }
 
