@@ -202,6 +202,7 @@ class TrainingLoop {
   // The mode reads the parameters' gradients through device_grads_ (encoded where they are).
   std::unique_ptr<TorchDeviceGradients> device_grads_;
   bool device_encoded_ = false;
+  std::string device_codec_why_;  // Why not (train_start's device_codec_off).
   std::vector<torch::Tensor> buffers_;
   std::vector<std::vector<float>> mirrors_;  // Float32 copies of buffers_ (the view's).
   std::vector<std::vector<float>> before_;   // Mirrors before the step's forward.
@@ -424,15 +425,20 @@ absl::Status TrainingLoop::Setup() {
 
 void TrainingLoop::OfferDeviceGradients() {
   const DeviceCodecUse use = options_.device_codec;
+  device_codec_why_ = use == DeviceCodecUse::kOff ? "flag" : on_gpu_ ? "" : "cpu";
   if (use == DeviceCodecUse::kOff || (use == DeviceCodecUse::kAuto && !on_gpu_)) return;
   // What the loop itself does with the host gradient: clipping, unscaling, fault injection,
   // and the per-gradient hook's copies.
-  if (clip_.enabled() || scaler_.enabled() || !options_.nonfinite_steps.empty() ||
-      mode_->wants_gradient_hook()) {
-    return;
-  }
+  device_codec_why_ = clip_.enabled()                     ? "clipping"
+                      : scaler_.enabled()                 ? "loss_scaling"
+                      : !options_.nonfinite_steps.empty() ? "fault_injection"
+                      : mode_->wants_gradient_hook()      ? "gradient_hook"
+                                                          : "";
+  if (!device_codec_why_.empty()) return;
   device_grads_ = std::make_unique<TorchDeviceGradients>(&params_, &view_.names);
   device_encoded_ = mode_->UseDeviceGradients(device_grads_.get());
+  // The mode (its exchange or its push codec) reads the host gradient.
+  if (!device_encoded_) device_codec_why_ = "mode";
   if (!device_encoded_) device_grads_.reset();
 }
 
@@ -472,6 +478,9 @@ void TrainingLoop::LogStart() const {
     f.push_back(Kv("lr_base", absl::StrFormat("%.6g", spec_.optimizer().lr())));
     f.push_back(Kv("lr_warmup_steps", spec_.lr_scaling().warmup_steps()));
   }
+  // Why the push codec does not run where the gradients are: flag, cpu, clipping,
+  // loss_scaling, fault_injection, gradient_hook, or mode (its exchange or codec).
+  if (!device_encoded_) f.push_back(Kv("device_codec_off", device_codec_why_));
   for (LogField& e : mode_->StartFields()) f.push_back(std::move(e));
   log_->Info("train_start", f);
 }
