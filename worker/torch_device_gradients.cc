@@ -124,43 +124,85 @@ absl::Status TorchDeviceGradients::Encode(absl::Span<const DeviceChunk> chunks,
   RETURN_IF_ERROR(CheckSlots(chunks, ef));
   try {
     torch::NoGradGuard no_grad;
-    return EncodeOrThrow(chunks, grads, codec, ef, out);
+    return EncodeOrThrow(chunks, grads, codec, ef, out->data());
   } catch (const c10::Error& e) {
     return absl::InternalError(absl::StrCat("device gradients: encoding ", chunks.size(),
                                             " chunks: ", e.what_without_backtrace()));
   }
 }
 
+absl::Status TorchDeviceGradients::EncodeOrThrow(absl::Span<const DeviceChunk> chunks,
+                                                 absl::Span<const torch::Tensor> grads,
+                                                 const DeviceCodec& codec,
+                                                 const ErrorFeedbackOptions* ef, std::string* out) {
+  std::vector<Pending> pending;
+  for (size_t begin = 0; begin < chunks.size();) {
+    size_t end = begin + 1;
+    int64_t n = chunks[begin].numel;
+    while (end < chunks.size() && n + chunks[end].numel <= pass_elements_) n += chunks[end++].numel;
+    pending.emplace_back();
+    RETURN_IF_ERROR(EncodePass(chunks.subspan(begin, end - begin),
+                               grads.subspan(begin, end - begin), codec, ef, out + begin,
+                               &pending.back()));
+    begin = end;
+  }
+  if (ef == nullptr) return absl::OkStatus();
+  // Every pass succeeded: the new state replaces the old (views of each pass's tensors).
+  for (const Pending& p : pending) {
+    const std::vector<torch::Tensor> residuals = p.residual.split_with_sizes(p.sizes);
+    std::vector<torch::Tensor> momenta;
+    if (p.momentum.defined()) momenta = p.momentum.split_with_sizes(p.sizes);
+    for (size_t s = 0; s < p.chunks.size(); ++s) {
+      Feedback& f = state_[p.chunks[s].slot];
+      f.residual = residuals[s];
+      if (p.momentum.defined()) f.momentum = momenta[s];
+    }
+  }
+  return absl::OkStatus();
+}
+
 const TorchDeviceGradients::Plan& TorchDeviceGradients::PlanFor(const std::vector<int64_t>& sizes,
                                                                 const std::vector<int64_t>& ks,
                                                                 const torch::Device& device) {
-  if (plan_.sizes == sizes && plan_.ks == ks && plan_.segment.defined() &&
-      plan_.segment.device() == device) {
-    return plan_;
-  }
-  plan_ = Plan();
-  plan_.sizes = sizes;
-  plan_.ks = ks;
-  const int64_t chunks = static_cast<int64_t>(sizes.size());
-  const auto i64 = torch::TensorOptions().dtype(torch::kLong);
-  const torch::Tensor size_t_ = torch::tensor(sizes, i64);
-  plan_.segment = torch::repeat_interleave(torch::arange(chunks, i64), size_t_).to(device);
-  std::vector<int64_t> positions, starts;
-  int64_t start = 0;
-  for (int64_t s = 0; s < chunks; ++s) {
-    for (int64_t j = 0; j < ks[s]; ++j) {
-      positions.push_back(start + j);
-      starts.push_back(start);
-    }
+  std::vector<int64_t> key = sizes;
+  key.insert(key.end(), ks.begin(), ks.end());
+  auto [it, fresh] = plans_.try_emplace(std::move(key));
+  Plan& plan = it->second;
+  if (!fresh && plan.sizes.device() == device) return plan;
+  std::vector<int64_t> starts, shifts;
+  int64_t start = 0, sent = 0;
+  for (size_t s = 0; s < sizes.size(); ++s) {
+    starts.push_back(start);
+    shifts.push_back(start - sent);
     start += sizes[s];
+    sent += ks[s];
   }
-  plan_.positions = torch::tensor(positions, i64).to(device);
-  plan_.starts = torch::tensor(starts, i64).to(device);
-  return plan_;
+  const auto on = torch::TensorOptions().dtype(torch::kLong);
+  plan.sizes = torch::tensor(sizes, on).to(device);
+  plan.ks = torch::tensor(ks, on).to(device);
+  plan.starts = torch::tensor(starts, on).to(device);
+  plan.shifts = torch::tensor(shifts, on).to(device);
+  return plan;
+}
+
+torch::Tensor TorchDeviceGradients::SelectTopK(const torch::Tensor& acc, const Plan& plan,
+                                               int64_t total_k) {
+  const int64_t chunks = plan.sizes.numel();
+  // Every output size is known here, so nothing waits for the device.
+  const torch::Tensor segment = torch::repeat_interleave(
+      torch::arange(chunks, acc.options().dtype(torch::kInt)), plan.sizes, 0, acc.numel());
+  const torch::Tensor by_magnitude =
+      std::get<1>(acc.abs().sort(/*stable=*/true, /*dim=*/0, /*descending=*/true));
+  const torch::Tensor grouped = by_magnitude.index_select(
+      0, std::get<1>(segment.index_select(0, by_magnitude).sort(true, 0, false)));
+  // Chunk s's first ks[s] elements in the grouped order are its top-k.
+  const torch::Tensor positions = torch::repeat_interleave(plan.shifts, plan.ks, 0, total_k) +
+                                  torch::arange(total_k, acc.options().dtype(torch::kLong));
+  return std::get<0>(grouped.index_select(0, positions).sort());
 }
 
 absl::Status TorchDeviceGradients::NotFinite(absl::Span<const DeviceChunk> chunks,
-                                             const std::vector<torch::Tensor>& grads) {
+                                             absl::Span<const torch::Tensor> grads) {
   for (size_t s = 0; s < chunks.size(); ++s) {
     const torch::Tensor bad = torch::logical_not(torch::isfinite(grads[s])).nonzero();
     if (bad.numel() == 0) continue;
@@ -172,12 +214,14 @@ absl::Status TorchDeviceGradients::NotFinite(absl::Span<const DeviceChunk> chunk
       "the error-feedback sum of a finite gradient and its residual is not finite");
 }
 
-absl::Status TorchDeviceGradients::EncodeOrThrow(absl::Span<const DeviceChunk> chunks,
-                                                 const std::vector<torch::Tensor>& grads,
-                                                 const DeviceCodec& codec,
-                                                 const ErrorFeedbackOptions* ef,
-                                                 std::vector<std::string>* out) {
-  const torch::Tensor grad = Flat(grads);
+absl::Status TorchDeviceGradients::EncodePass(absl::Span<const DeviceChunk> chunks,
+                                              absl::Span<const torch::Tensor> grads,
+                                              const DeviceCodec& codec,
+                                              const ErrorFeedbackOptions* ef, std::string* out,
+                                              Pending* pending) {
+  const torch::Tensor grad =
+      grads.size() == 1 ? grads[0]
+                        : torch::cat(std::vector<torch::Tensor>(grads.begin(), grads.end()));
   // acc = grad + residual, or with momentum correction residual + (m * u + grad)
   // (compression/error_feedback.h, in the same float32 operations).
   torch::Tensor acc = grad, next_momentum;
@@ -201,22 +245,20 @@ absl::Status TorchDeviceGradients::EncodeOrThrow(absl::Span<const DeviceChunk> c
     }
   }
   std::vector<int64_t> sizes, ks;
+  int64_t total_k = 0;
   bool sparse = false;  // Some chunk sends fewer than all of its elements.
   for (const DeviceChunk& c : chunks) {
     sizes.push_back(c.numel);
     ks.push_back(codec.codec == CodecId::kTopK ? SparseCount(c.numel, codec.density) : c.numel);
+    total_k += ks.back();
     sparse = sparse || ks.back() < c.numel;
   }
   torch::Tensor selected, local;  // Sent flat indices (ascending), and within their chunk.
   torch::Tensor sent = acc;
   if (sparse) {
     const Plan& plan = PlanFor(sizes, ks, acc.device());
-    const torch::Tensor by_magnitude =
-        std::get<1>(acc.abs().sort(/*stable=*/true, /*dim=*/0, /*descending=*/true));
-    const torch::Tensor grouped = by_magnitude.index_select(
-        0, std::get<1>(plan.segment.index_select(0, by_magnitude).sort(true, 0, false)));
-    selected = std::get<0>(grouped.index_select(0, plan.positions).sort());
-    local = (selected - plan.starts).to(torch::kInt);
+    selected = SelectTopK(acc, plan, total_k);
+    local = (selected - torch::repeat_interleave(plan.starts, plan.ks, 0, total_k)).to(torch::kInt);
     sent = acc.index_select(0, selected);
   }
   const torch::Tensor wire = WireValues(sent, codec.values);
@@ -231,14 +273,12 @@ absl::Status TorchDeviceGradients::EncodeOrThrow(absl::Span<const DeviceChunk> c
   std::memcpy(&finite, bytes, sizeof(finite));
   // Nothing is committed before every payload exists: a non-finite acc changes no state.
   if (finite == 0) return NotFinite(chunks, grads);
-  int64_t total_k = 0;
-  for (int64_t k : ks) total_k += k;
   const uint32_t* indices = reinterpret_cast<const uint32_t*>(bytes + sizeof(int32_t));
   const char* values = bytes + sizeof(int32_t) + (sparse ? total_k * sizeof(uint32_t) : 0);
   const size_t value_bytes = ValueBytes(codec.values);
   for (size_t s = 0; s < chunks.size(); ++s) {
     WritePayload(codec, static_cast<uint64_t>(sizes[s]), static_cast<uint64_t>(ks[s]), indices,
-                 values, value_bytes, &(*out)[s]);
+                 values, value_bytes, &out[s]);
     if (sparse) indices += ks[s];
     values += ks[s] * value_bytes;
   }
@@ -263,14 +303,10 @@ absl::Status TorchDeviceGradients::EncodeOrThrow(absl::Span<const DeviceChunk> c
       next_momentum = torch::where(decoded != 0, torch::zeros_like(next_momentum), next_momentum);
     }
   }
-  const std::vector<torch::Tensor> residuals = residual.split_with_sizes(sizes);
-  std::vector<torch::Tensor> momenta;
-  if (momentum) momenta = next_momentum.split_with_sizes(sizes);
-  for (size_t s = 0; s < chunks.size(); ++s) {
-    Feedback& f = state_[chunks[s].slot];
-    f.residual = residuals[s];
-    if (momentum) f.momentum = momenta[s];
-  }
+  pending->chunks = chunks;
+  pending->sizes = std::move(sizes);
+  pending->residual = residual;
+  if (momentum) pending->momentum = next_momentum;
   return absl::OkStatus();
 }
 

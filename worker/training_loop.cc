@@ -172,10 +172,16 @@ class TrainingLoop {
   // async, ssp, gossip: the clipping of this worker's gradient (allreduce clips the averaged
   // one itself; sync clips through the shards' two-phase apply).
   void ClipLocal();
+  // The same on the parameters' gradients where backward left them (device_encoded_: the host
+  // copies are not made), with one synchronisation.
+  void ClipOnDevice();
   // Loss scaling where the loop unscales (not allreduce): the parameters' gradients divided
   // by the scale in place; false if one of them or a buffer delta is not finite (the step is
   // skipped). Call after BuffersOut.
   bool UnscaleLocal();
+  bool UnscaleOnDevice();
+  // Fault injection (options_.nonfinite_steps): a NaN in the first parameter's gradient.
+  void Poison();
   // A skipped step leaves the buffers as they were before its forward (zero deltas).
   void RestoreBuffers();
   // The parameters' gradients of the step (grads_[0, num_params)) as writable spans.
@@ -427,14 +433,12 @@ void TrainingLoop::OfferDeviceGradients() {
   const DeviceCodecUse use = options_.device_codec;
   device_codec_why_ = use == DeviceCodecUse::kOff ? "flag" : on_gpu_ ? "" : "cpu";
   if (use == DeviceCodecUse::kOff || (use == DeviceCodecUse::kAuto && !on_gpu_)) return;
-  // What the loop itself does with the host gradient: clipping, unscaling, fault injection,
-  // and the per-gradient hook's copies.
-  device_codec_why_ = clip_.enabled()                     ? "clipping"
-                      : scaler_.enabled()                 ? "loss_scaling"
-                      : !options_.nonfinite_steps.empty() ? "fault_injection"
-                      : mode_->wants_gradient_hook()      ? "gradient_hook"
-                                                          : "";
-  if (!device_codec_why_.empty()) return;
+  // The per-gradient hook copies every gradient to the host as backward produces it (the
+  // loop's clipping, unscaling and fault injection run on the device: ClipOnDevice, ...).
+  if (mode_->wants_gradient_hook()) {
+    device_codec_why_ = "gradient_hook";
+    return;
+  }
   device_grads_ = std::make_unique<TorchDeviceGradients>(&params_, &view_.names);
   device_encoded_ = mode_->UseDeviceGradients(device_grads_.get());
   // The mode (its exchange or its push codec) reads the host gradient.
@@ -478,8 +482,8 @@ void TrainingLoop::LogStart() const {
     f.push_back(Kv("lr_base", absl::StrFormat("%.6g", spec_.optimizer().lr())));
     f.push_back(Kv("lr_warmup_steps", spec_.lr_scaling().warmup_steps()));
   }
-  // Why the push codec does not run where the gradients are: flag, cpu, clipping,
-  // loss_scaling, fault_injection, gradient_hook, or mode (its exchange or codec).
+  // Why the push codec does not run where the gradients are: flag, cpu, gradient_hook, or mode
+  // (its exchange or codec).
   if (!device_encoded_) f.push_back(Kv("device_codec_off", device_codec_why_));
   for (LogField& e : mode_->StartFields()) f.push_back(std::move(e));
   log_->Info("train_start", f);
@@ -537,6 +541,58 @@ std::vector<absl::Span<float>> TrainingLoop::ParamGrads() {
   return g;
 }
 
+void TrainingLoop::ClipOnDevice() {
+  if (!clip_.enabled()) return;
+  const double max_value = clip_.max_value;
+  std::vector<torch::Tensor> clamped, squares;
+  for (torch::Tensor& p : params_) {
+    torch::Tensor& g = p.mutable_grad();
+    if (max_value > 0) {
+      clamped.push_back(g.abs().gt(static_cast<float>(max_value)).any().to(torch::kDouble));
+      g.clamp_(-static_cast<float>(max_value), static_cast<float>(max_value));
+    }
+    squares.push_back(g.to(torch::kDouble).square().sum());
+  }
+  // One copy: the sum of squares (in double, as ClipGradients) and whether a value was clamped.
+  clamped.push_back(torch::zeros({}, squares[0].options()));
+  const torch::Tensor figures =
+      torch::stack({torch::stack(squares).sum(), torch::stack(clamped).sum()}).to(torch::kCPU);
+  ClipStats stats;
+  stats.norm = std::sqrt(figures[0].item<double>());
+  stats.clipped = figures[1].item<double>() > 0;
+  if (const double coef = ClipCoefficient(clip_.max_norm, stats.norm); coef < 1) {
+    for (torch::Tensor& p : params_) p.mutable_grad().mul_(static_cast<float>(coef));
+    stats.clipped = true;
+  }
+  clip_window_.Add(stats);
+}
+
+bool TrainingLoop::UnscaleOnDevice() {
+  // A multiplication by the reciprocal, as UnscaleAndCheck (worker/core/loss_scaler.h).
+  const float inv = 1.0f / scaler_.scale();
+  std::vector<torch::Tensor> finite;
+  for (torch::Tensor& p : params_) {
+    torch::Tensor& g = p.mutable_grad();
+    g.mul_(inv);
+    finite.push_back(torch::isfinite(g).all());
+  }
+  bool ok = torch::stack(finite).all().item<bool>();
+  for (const std::vector<float>& d : deltas_) {  // As UnscaleLocal.
+    for (float v : d) ok &= std::isfinite(v);
+  }
+  return ok;
+}
+
+void TrainingLoop::Poison() {
+  if (view_.num_params == 0) return;
+  if (device_encoded_) {
+    params_[0].mutable_grad().view({-1}).narrow(0, 0, 1).fill_(
+        std::numeric_limits<float>::quiet_NaN());
+  } else {
+    ParamGrads()[0][0] = std::numeric_limits<float>::quiet_NaN();
+  }
+}
+
 bool TrainingLoop::UnscaleLocal() {
   bool finite = scaler_.Unscale(ParamGrads());
   // Buffer deltas are not scaled (the forward made them), but an overflowing forward can
@@ -581,13 +637,15 @@ absl::Status TrainingLoop::Step(std::vector<Batch>& micro, StepOutcome* outcome)
                     : GradOut(i, g);
   }
   const std::vector<int64_t>& poison = options_.nonfinite_steps;
-  if (view_.num_params > 0 && std::find(poison.begin(), poison.end(), step_) != poison.end()) {
-    ParamGrads()[0][0] = std::numeric_limits<float>::quiet_NaN();  // Fault injection.
-  }
+  if (std::find(poison.begin(), poison.end(), step_) != poison.end()) Poison();
   // Loss scaling (GradScaler order): unscale, skip a non-finite step, then clip.
-  const bool skip = scaler_.enabled() && !mode_->unscales_gradients() && !UnscaleLocal();
+  const bool skip = scaler_.enabled() && !mode_->unscales_gradients() &&
+                    !(device_encoded_ ? UnscaleOnDevice() : UnscaleLocal());
   if (skip) RestoreBuffers();
-  if (!skip) ClipLocal();
+  if (!skip) device_encoded_ ? ClipOnDevice() : ClipLocal();
+  // Device encoding: nothing has waited for backward's kernels yet (the host copies did);
+  // waiting here keeps their time in compute, not in the exchange's codec time.
+  if (device_encoded_ && on_gpu_) torch::cuda::synchronize();
   StepTiming timing;
   timing.compute_s = SecondsSince(compute_start);
   result_.compute_s += timing.compute_s;

@@ -3,11 +3,11 @@
 //
 // The training loop offers one to the mode after Start (TrainingMode::UseDeviceGradients)
 // when the job computes on a GPU (or --device_codec=on, which also takes this path on the
-// CPU, through LibTorch's kernels: how tests check it without a GPU) and nothing of the loop
-// itself needs the host gradient (no clipping or loss scaling by the loop, no backward
-// overlap). A mode that accepts reads every step's parameter gradients through it; the host
-// spans Exchange gets for parameters are then not refreshed (buffers' deltas are, as ever).
-// The ps modes accept when their push codec is one DeviceCodecOf knows (worker/ps).
+// CPU, through LibTorch's kernels: how tests check it without a GPU) and the mode does not
+// want the per-gradient hook; the loop then clips, unscales and checks the gradient where it
+// is. A mode that accepts reads every step's parameter gradients through it; the host spans
+// Exchange gets for parameters are then not refreshed (buffers' deltas are, as ever). The ps
+// modes' plain exchange accepts when its push codec is one DeviceCodecOf knows (worker/ps).
 //
 // What Encode produces is the host codec's payload (compression/payload.h), byte for byte
 // what ErrorFeedback::Compress (or Compressor::Encode without error feedback) gives for the
@@ -61,7 +61,8 @@ class DeviceGradients {
   // used), exactly as ErrorFeedback::Compress with those options; without, as
   // Compressor::Encode. All or nothing: INVALID_ARGUMENT for a bad chunk, a slot used with
   // another size, or a gradient (or error-feedback sum) that is not finite (naming the first
-  // parameter and element), and then no state has changed; INTERNAL for a device failure.
+  // parameter and element), and then no state has changed; INTERNAL for a device failure or a
+  // parameter without a contiguous float32 gradient.
   virtual absl::Status Encode(absl::Span<const DeviceChunk> chunks, const DeviceCodec& codec,
                               const ErrorFeedbackOptions* ef, std::vector<std::string>* out) = 0;
 

@@ -56,8 +56,8 @@ class PsMode : public TrainingMode {
   // overlapped, committed, DiLoCo and auto-codec exchanges read the host gradient.
   bool UseDeviceGradients(DeviceGradients* gradients) override {
     if (pipelined_ || commit_ || overlap_ != nullptr || auto_codec_.has_value() ||
-        steps_per_push() != 1) {
-      return false;
+        options_.mode == Mode::kDiloco) {
+      return false;  // DiLoCo (even with inner_steps 1) pushes pseudo-gradients, not .grad.
     }
     return client_->UseDeviceGradients(gradients);
   }

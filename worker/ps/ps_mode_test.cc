@@ -5,6 +5,7 @@
 #include "worker/ps/ps_mode.h"
 
 #include <algorithm>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <string>
@@ -62,6 +63,8 @@ class FakeClient : public ParameterClient {
     // Shared so that State stays assignable; guards shard_calls.
     std::shared_ptr<absl::Mutex> calls_mu = std::make_shared<absl::Mutex>();
     std::vector<std::pair<int64_t, std::vector<int32_t>>> shard_calls;
+    // UseDeviceGradients: what the client was offered (it accepts).
+    DeviceGradients* device = nullptr;
   };
   explicit FakeClient(State* state) : s_(state) {}
 
@@ -166,6 +169,10 @@ class FakeClient : public ParameterClient {
     return infos;
   }
   int32_t num_shards() const override { return s_->shards; }
+  bool UseDeviceGradients(DeviceGradients* gradients) override {
+    s_->device = gradients;
+    return true;
+  }
   std::vector<std::vector<int32_t>> TensorShards() const override {
     std::vector<std::vector<int32_t>> out;
     for (size_t t = 0; t < s_->layout.tensors.size(); ++t) out.push_back({ShardOf(t)});
@@ -719,6 +726,43 @@ TEST_F(PsModeTest, OverlapReportsAFailedEarlySendAtTheExchange) {
   EXPECT_STATUS_MSG(mode->Exchange(0, grads, 1.0, StepTiming()).status(),
                     absl::StatusCode::kUnavailable, "shard 1 is down");
   EXPECT_EQ(m.a, (std::vector<float>{1.0f, 2.0f}));  // The model is not written.
+}
+
+// Device gradients (worker/core/device_gradients.h) are passed on to the client for the plain
+// exchange only: every other exchange reads the host gradient (DiLoCo pushes pseudo-gradients,
+// even with one inner step; the pipelined one copies the gradient).
+TEST_F(PsModeTest, DeviceGradientsAreTakenOnlyByThePlainExchange) {
+  class NoDevice : public DeviceGradients {
+    absl::Status Encode(absl::Span<const DeviceChunk>, const DeviceCodec&,
+                        const ErrorFeedbackOptions*, std::vector<std::string>*) override {
+      return absl::UnimplementedError("not in this test");
+    }
+    void ResetFeedback() override {}
+    int64_t bytes_to_host() const override { return 0; }
+  } device;
+  const auto offered = [&](const std::function<void(TrainerOptions*)>& set) -> bool {
+    options_.spec.set_mode("async");
+    options_.mode = Mode::kAsync;
+    options_.spec.set_pipeline(0);
+    set(&options_);
+    state_ = FakeClient::State();
+    Model m;
+    std::unique_ptr<TrainingMode> mode = MakeMode();
+    EXPECT_NE(mode, nullptr);
+    if (mode == nullptr || !mode->Start(&m.view, Steps(4)).ok()) return false;
+    const bool taken = mode->UseDeviceGradients(&device);
+    EXPECT_EQ(taken, state_.device == &device);
+    return taken;
+  };
+  EXPECT_TRUE(offered([](TrainerOptions*) {}));
+  EXPECT_FALSE(offered([](TrainerOptions* o) { o->spec.set_pipeline(1); }));
+  EXPECT_FALSE(offered([](TrainerOptions* o) {
+    o->spec.set_mode("diloco");
+    o->mode = Mode::kDiloco;
+    o->spec.mutable_diloco()->set_inner_steps(1);
+    o->spec.mutable_diloco()->set_outer_optimizer("sgd");
+    o->spec.mutable_diloco()->set_outer_lr(1);
+  }));
 }
 
 }  // namespace
