@@ -542,7 +542,7 @@ std::vector<absl::Span<float>> TrainingLoop::ParamGrads() {
 }
 
 void TrainingLoop::ClipOnDevice() {
-  if (!clip_.enabled()) return;
+  if (!clip_.enabled() || params_.empty()) return;
   const double max_value = clip_.max_value;
   std::vector<torch::Tensor> clamped, squares;
   for (torch::Tensor& p : params_) {
@@ -576,7 +576,7 @@ bool TrainingLoop::UnscaleOnDevice() {
     g.mul_(inv);
     finite.push_back(torch::isfinite(g).all());
   }
-  bool ok = torch::stack(finite).all().item<bool>();
+  bool ok = finite.empty() || torch::stack(finite).all().item<bool>();
   for (const std::vector<float>& d : deltas_) {  // As UnscaleLocal.
     for (float v : d) ok &= std::isfinite(v);
   }
