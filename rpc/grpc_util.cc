@@ -29,6 +29,10 @@ std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address, const Rpc
 }
 
 void ConfigureServerBuilder(const RpcOptions& options, grpc::ServerBuilder* builder) {
+  // gRPC sets SO_REUSEPORT by default: a second server on a taken port would then start and
+  // share its connections with the first (two daemons, or two tests' servers, answering each
+  // other's clients). A taken port must fail instead.
+  builder->AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder->SetMaxReceiveMessageSize(ClampToInt(options.max_message_bytes));
   builder->SetMaxSendMessageSize(ClampToInt(options.max_message_bytes));
 }

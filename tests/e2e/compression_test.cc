@@ -279,7 +279,9 @@ TEST_F(CompressionE2eTest, DeviceCodecTrainsTheHostCodecsModel) {
       const std::vector<std::string> progress = testutil::LinesWith(log, "event=progress");
       ASSERT_FALSE(progress.empty());
       // On the CPU only the device path copies anything "to the host": its payloads.
-      if (on) EXPECT_GT(ToInt(LogField(progress.back(), "to_host_bytes_per_step")), 0);
+      if (on) {
+        EXPECT_GT(ToInt(LogField(progress.back(), "to_host_bytes_per_step")), 0);
+      }
     }
     SCOPED_TRACE(absl::StrCat(absl::StrJoin(configs[c], " "), "\n", done[0], "\n", done[1]));
     for (const char* field : {"steps", "loss", "test_loss", "accuracy", "bytes_pushed"}) {

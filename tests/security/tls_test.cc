@@ -292,6 +292,22 @@ TEST(ServerCredentialsTest, ATlsServerNeedsACertificate) {
   EXPECT_EQ(port, 0);
 }
 
+// A taken port is an error (gRPC's default SO_REUSEPORT would let a second server share it).
+TEST(StartGrpcServerTest, ATakenPortFails) {
+  EchoService first_service, second_service;
+  int port = -1;
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<grpc::Server> first,
+                       StartGrpcServer("127.0.0.1:0", {&first_service}, RpcOptions(), "", &port));
+  ASSERT_GT(port, 0);
+  int again = -1;
+  EXPECT_STATUS_MSG(
+      StartGrpcServer(absl::StrCat("127.0.0.1:", port), {&second_service}, RpcOptions(), "", &again)
+          .status(),
+      absl::StatusCode::kUnavailable, "cannot listen on");
+  EXPECT_EQ(again, 0);
+  first->Shutdown();
+}
+
 TEST(LogListenSecurityTest, WarnsForPlaintextOnANetworkAddressOnly) {
   std::vector<std::string> lines;
   Logger logger({}, nullptr, LogLevel::kInfo,
