@@ -23,8 +23,9 @@ torch::Tensor WireValues(const torch::Tensor& values, ValueType type) {
 }
 
 // Concatenation without a copy for one tensor.
-torch::Tensor Flat(const std::vector<torch::Tensor>& parts) {
-  return parts.size() == 1 ? parts[0] : torch::cat(parts);
+torch::Tensor Flat(absl::Span<const torch::Tensor> parts) {
+  return parts.size() == 1 ? parts[0]
+                           : torch::cat(std::vector<torch::Tensor>(parts.begin(), parts.end()));
 }
 
 torch::Tensor AsBytes(const torch::Tensor& t) { return t.contiguous().view(torch::kByte); }
@@ -219,9 +220,7 @@ absl::Status TorchDeviceGradients::EncodePass(absl::Span<const DeviceChunk> chun
                                               const DeviceCodec& codec,
                                               const ErrorFeedbackOptions* ef, std::string* out,
                                               Pending* pending) {
-  const torch::Tensor grad =
-      grads.size() == 1 ? grads[0]
-                        : torch::cat(std::vector<torch::Tensor>(grads.begin(), grads.end()));
+  const torch::Tensor grad = Flat(grads);
   // acc = grad + residual, or with momentum correction residual + (m * u + grad)
   // (compression/error_feedback.h, in the same float32 operations).
   torch::Tensor acc = grad, next_momentum;

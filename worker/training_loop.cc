@@ -180,6 +180,8 @@ class TrainingLoop {
   // skipped). Call after BuffersOut.
   bool UnscaleLocal();
   bool UnscaleOnDevice();
+  // Whether every buffer delta of the step is finite (both unscaling paths check them).
+  bool DeltasFinite() const;
   // Fault injection (options_.nonfinite_steps): a NaN in the first parameter's gradient.
   void Poison();
   // A skipped step leaves the buffers as they were before its forward (zero deltas).
@@ -576,11 +578,8 @@ bool TrainingLoop::UnscaleOnDevice() {
     g.mul_(inv);
     finite.push_back(torch::isfinite(g).all());
   }
-  bool ok = finite.empty() || torch::stack(finite).all().item<bool>();
-  for (const std::vector<float>& d : deltas_) {  // As UnscaleLocal.
-    for (float v : d) ok &= std::isfinite(v);
-  }
-  return ok;
+  const bool ok = finite.empty() || torch::stack(finite).all().item<bool>();
+  return ok && DeltasFinite();
 }
 
 void TrainingLoop::Poison() {
@@ -593,14 +592,20 @@ void TrainingLoop::Poison() {
   }
 }
 
-bool TrainingLoop::UnscaleLocal() {
-  bool finite = scaler_.Unscale(ParamGrads());
+bool TrainingLoop::DeltasFinite() const {
   // Buffer deltas are not scaled (the forward made them), but an overflowing forward can
   // make them Inf/NaN too: such a step must not reach the mode either.
   for (const std::vector<float>& d : deltas_) {
-    for (float v : d) finite &= std::isfinite(v);
+    for (float v : d) {
+      if (!std::isfinite(v)) return false;
+    }
   }
-  return finite;
+  return true;
+}
+
+bool TrainingLoop::UnscaleLocal() {
+  const bool finite = scaler_.Unscale(ParamGrads());
+  return DeltasFinite() && finite;
 }
 
 void TrainingLoop::RestoreBuffers() {
