@@ -140,6 +140,7 @@ class TrainingLoop {
       : options_(options), spec_(options.spec), log_(options.logger), mode_(mode), stop_(stop) {}
 
   absl::StatusOr<TrainResult> Run();
+  int64_t step() const { return step_; }
 
  private:
   absl::Status Setup();
@@ -159,8 +160,10 @@ class TrainingLoop {
   // Buffers: mirrors -> model before forward (remembering the values), model -> mirrors and
   // deltas after the step's last forward (backward leaves buffers alone), mirrors -> model at
   // the end.
-  void BuffersIn(bool remember);
-  void BuffersOut();
+  absl::Status BuffersIn(bool remember);
+  // FailedPrecondition naming buffer `i` if the model changed its element count to `numel`.
+  absl::Status BufferResized(size_t i, int64_t numel) const;
+  absl::Status BuffersOut();
   // gossip/allreduce rank 0: hands the model to options.on_model.
   void PublishModel(bool final);
   void LogStart() const;
@@ -302,19 +305,32 @@ absl::Span<const float> TrainingLoop::GradOut(int i, const torch::Tensor& grad) 
   return absl::Span<const float>(g.data_ptr<float>(), std::min<int64_t>(g.numel(), n));
 }
 
-void TrainingLoop::BuffersIn(bool remember) {
+absl::Status TrainingLoop::BufferResized(size_t i, int64_t numel) const {
+  if (numel == static_cast<int64_t>(mirrors_[i].size())) return absl::OkStatus();
+  return absl::FailedPreconditionError(
+      absl::StrCat("trainer: the model resized buffer ", view_.names[view_.num_params + i],
+                   " from ", mirrors_[i].size(), " to ", numel, " elements (step ", step_,
+                   "); buffers must keep their shapes"));
+}
+
+absl::Status TrainingLoop::BuffersIn(bool remember) {
   torch::NoGradGuard no_grad;
   for (size_t i = 0; i < buffers_.size(); ++i) {
+    RETURN_IF_ERROR(BufferResized(i, buffers_[i].numel()));
     torch::Tensor m = torch::from_blob(mirrors_[i].data(), buffers_[i].sizes(), torch::kFloat32);
     if (!torch::isFloatingType(buffers_[i].scalar_type())) m = m.round();
     buffers_[i].copy_(m);
     if (remember) before_[i] = mirrors_[i];
   }
+  return absl::OkStatus();
 }
 
-void TrainingLoop::BuffersOut() {
+absl::Status TrainingLoop::BuffersOut() {
   for (size_t i = 0; i < buffers_.size(); ++i) {
     const torch::Tensor values = buffers_[i].detach().to(torch::kCPU, torch::kFloat32).contiguous();
+    // The exchange has the shapes the model started with; a forward that resized a buffer in
+    // place would be read past its end.
+    RETURN_IF_ERROR(BufferResized(i, values.numel()));
     const float* v = values.data_ptr<float>();
     for (size_t j = 0; j < mirrors_[i].size(); ++j) {
       mirrors_[i][j] = v[j];
@@ -322,6 +338,7 @@ void TrainingLoop::BuffersOut() {
     }
     grads_[view_.num_params + i] = absl::Span<const float>(deltas_[i]);
   }
+  return absl::OkStatus();
 }
 
 absl::Status TrainingLoop::CheckFit() {
@@ -411,7 +428,8 @@ absl::Status TrainingLoop::Setup() {
   result_.first_step = step_;
 
   OfferDeviceGradients();
-  BuffersIn(/*remember=*/true);  // The mode may have set them (shards, checkpoint, rank 0).
+  RETURN_IF_ERROR(
+      BuffersIn(/*remember=*/true));  // The mode may have set them (shards, checkpoint, rank 0).
   if (mode_->wants_gradient_hook()) {
     for (size_t i = 0; i < params_.size(); ++i) {
       const int index = static_cast<int>(i);
@@ -506,7 +524,7 @@ absl::Status TrainingLoop::MicroStep(Batch& batch, int k, double* loss_sum) {
   // The step's last forward has moved the buffers as far as they go (backward leaves them
   // alone): their deltas are known now, before backward.
   if (last) {
-    BuffersOut();
+    RETURN_IF_ERROR(BuffersOut());
     mode_->BeforeBackward(step_, *loss_sum / accum_, stop_.load());
     if (mode_->wants_gradient_hook() && view_.size() > view_.num_params) {
       mode_->OnBufferDeltas(absl::MakeConstSpan(grads_).subspan(view_.num_params));
@@ -619,7 +637,7 @@ absl::Status TrainingLoop::Step(std::vector<Batch>& micro, StepOutcome* outcome)
   RETURN_IF_ERROR(mode_->BeforeForward(step_));
   const absl::Time compute_start = absl::Now();
   ParamsIn();
-  BuffersIn(/*remember=*/true);
+  RETURN_IF_ERROR(BuffersIn(/*remember=*/true));
   for (torch::Tensor& p : params_) p.mutable_grad() = torch::Tensor();
   double loss_sum = 0;
   for (int k = 0; k < accum_; ++k) RETURN_IF_ERROR(MicroStep(micro[k], k, &loss_sum));
@@ -841,8 +859,9 @@ absl::StatusOr<TrainResult> TrainingLoop::Run() {
     evaluate = mode_->Finish(step_, &result_);
   }
   if (!evaluate.ok()) return evaluate.status();
-  ParamsIn();                     // The final model, as the mode left it in the view.
-  BuffersIn(/*remember=*/false);  // The final model's buffers, as the mode left them.
+  ParamsIn();  // The final model, as the mode left it in the view.
+  RETURN_IF_ERROR(
+      BuffersIn(/*remember=*/false));  // The final model's buffers, as the mode left them.
   if (*evaluate) {
     PublishModel(/*final=*/true);
     RETURN_IF_ERROR(EvaluateAndSave());
@@ -855,7 +874,18 @@ absl::StatusOr<TrainResult> TrainingLoop::Run() {
 absl::StatusOr<TrainResult> RunTrainingLoop(const TrainerOptions& options, TrainingMode* mode,
                                             const std::atomic<bool>& stop) {
   TrainingLoop loop(options, mode, stop);
-  return loop.Run();
+  // The LibTorch edge: the loop catches what it expects (the model's forward and loss,
+  // backward); anything else LibTorch throws (a device copy, a kernel, out of memory) ends
+  // the run with an error instead of the process.
+  try {
+    return loop.Run();
+  } catch (const c10::Error& e) {
+    return absl::InternalError(absl::StrCat("trainer: LibTorch failed at step ", loop.step(), ": ",
+                                            e.what_without_backtrace()));
+  } catch (const std::exception& e) {
+    return absl::InternalError(
+        absl::StrCat("trainer: failed at step ", loop.step(), ": ", e.what()));
+  }
 }
 
 }  // namespace gradmesh

@@ -321,6 +321,27 @@ TEST_P(DeviceTest, BuffersAreMirroredWithTheirDeltasAndTheModesValuesReachTheMod
   EXPECT_EQ(r.steps, 2);
 }
 
+// worker/testdata/resizing_buffer.pt shrinks its buffer `hist` from 4 to 2 elements in
+// place in its third training-mode forward (export_resizing_buffer.py), after the check
+// before the run. Read with the shape the exchange has, it would be read past its end (and
+// the next step's copy into it threw out of the loop): the run ends with an error naming it.
+TEST(TrainingLoopTest, AModelThatResizesABufferIsRefusedByName) {
+  TrainerOptions o = Options(6);
+  o.spec.mutable_model()->set_name("torchscript");
+  o.spec.mutable_model()->set_path("worker/testdata/resizing_buffer.pt");
+  FakeMode mode;
+  std::atomic<bool> stop{false};
+  absl::StatusOr<TrainResult> r = RunTrainingLoop(o, &mode, stop);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition) << r.status();
+  // The check's forward is the first, step 0's the second: step 1's forward resizes it.
+  EXPECT_NE(r.status().message().find("resized buffer hist from 4 to 2 elements (step 1)"),
+            std::string::npos)
+      << r.status();
+  // Step 1 is never handed to the mode.
+  EXPECT_EQ(mode.calls, (std::vector<std::string>{"start total=6", "forward 0", "backward 0",
+                                                  "exchange 0", "checkpoint? 1", "forward 1"}));
+}
+
 TEST(TrainingLoopTest, AModelWhoseOutputDoesNotFitTheLossFailsBeforeTheModeStarts) {
   TrainerOptions o = Options(2);
   o.spec.set_loss("mse");  // Logits [N, 10] against int64 labels [N].

@@ -273,7 +273,9 @@ TEST_F(CompressionE2eTest, DeviceCodecTrainsTheHostCodecsModel) {
       const std::vector<std::string> start = testutil::LinesWith(log, "event=train_start");
       ASSERT_EQ(start.size(), 1u) << log;
       EXPECT_EQ(LogField(start[0], "device_codec"), on ? "on" : "off") << start[0];
-      if (!on) EXPECT_EQ(LogField(start[0], "device_codec_off"), "flag") << start[0];
+      if (!on) {
+        EXPECT_EQ(LogField(start[0], "device_codec_off"), "flag") << start[0];
+      }
       done[on] = DoneLine(log);
       ASSERT_FALSE(done[on].empty()) << log;
       const std::vector<std::string> progress = testutil::LinesWith(log, "event=progress");

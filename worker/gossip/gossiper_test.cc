@@ -173,7 +173,9 @@ TEST(GossiperTest, PushSumConservesWeightAndMassAndConvergesToTheMean) {
     const GossiperStats st = c.gossipers[0]->stats();
     EXPECT_EQ(st.mixed + st.kept, 40);
     EXPECT_EQ(st.bytes_sent, st.mixed * 3 * 4);
-    if (floor == 0) EXPECT_EQ(st.kept, 0);
+    if (floor == 0) {
+      EXPECT_EQ(st.kept, 0);
+    }
   }
 }
 
