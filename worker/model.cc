@@ -257,12 +257,28 @@ class TorchScriptModel : public NamedModel {
 
   std::vector<torch::Tensor> Parameters() override { return params_; }
   std::vector<std::string> ParameterNames() override { return names_; }
-  std::vector<torch::Tensor> Buffers() override { return buffers_; }
+  std::vector<torch::Tensor> Buffers() override {
+    // The tensors the module holds now, under the names first listed: a forward that assigned
+    // a buffer anew (an EMA written as `self.ema = ...`) left the first tensor behind. A buffer
+    // since set to None comes back undefined.
+    std::vector<torch::Tensor> now(buffer_names_.size());
+    size_t next = 0;
+    for (const auto& item : module_.named_buffers(/*recurse=*/true)) {
+      // Same walk, same order: a listed name is found at or after the last one matched.
+      for (size_t i = next; i < buffer_names_.size(); ++i) {
+        if (buffer_names_[i] != item.name) continue;
+        now[i] = item.value;
+        next = i + 1;
+        break;
+      }
+    }
+    return now;
+  }
   std::vector<std::string> BufferNames() override { return buffer_names_; }
   void SetTraining(bool training) override { module_.train(training); }
   absl::Status ToDevice(const torch::Device& device) override {
     try {
-      module_.to(device);  // In place (set_data): params_ and buffers_ still alias the module.
+      module_.to(device);  // In place (set_data): params_ and Buffers() still alias the module.
     } catch (const std::exception& e) {
       return FromException(absl::StatusCode::kInternal,
                            absl::StrCat(Describe(), ": moving to ", device.str()), e);
@@ -284,8 +300,9 @@ class TorchScriptModel : public NamedModel {
  private:
   explicit TorchScriptModel(std::string path) : path_(std::move(path)) {}
 
-  // Caches parameters and buffers once, in named_parameters() / named_buffers() order (the
-  // tensors are the module's own, so in-place updates reach forward). A tensor registered
+  // Lists parameters and buffers once, in named_parameters() / named_buffers() order (the
+  // tensors are the module's own, so in-place updates reach forward; Buffers() looks the
+  // buffers up again). A tensor registered
   // under two names (tied weights) is listed once, under its first name: listing it twice
   // would apply its (already summed) gradient twice.
   absl::Status CollectTensors() {
@@ -316,7 +333,6 @@ class TorchScriptModel : public NamedModel {
                                                        "; only CPU buffers are supported"));
       }
       buffer_names_.push_back(item.name);
-      buffers_.push_back(b);
     }
     return absl::OkStatus();
   }
@@ -327,7 +343,6 @@ class TorchScriptModel : public NamedModel {
   std::vector<std::string> names_;
   std::vector<torch::Tensor> params_;
   std::vector<std::string> buffer_names_;
-  std::vector<torch::Tensor> buffers_;
 };
 
 template <typename Holder>
@@ -630,7 +645,23 @@ absl::Status CheckModelFitsData(Model* model, LossKind kind, const torch::Tensor
       rng_state = rng.get_state();
     }
     status = CheckFits(model, kind, x, y);
-    for (size_t i = 0; i < buffers.size(); ++i) buffers[i].copy_(saved[i]);
+    // Fetched again: the forward may have assigned a buffer anew (an EMA) instead of updating
+    // it in place; the model must hold the saved values either way.
+    buffers = model->Buffers();
+    const std::vector<std::string> names = model->BufferNames();
+    for (size_t i = 0; i < buffers.size() && i < saved.size(); ++i) {
+      if (!buffers[i].defined() || buffers[i].numel() != saved[i].numel()) {
+        return Annotate(
+            absl::FailedPreconditionError(absl::StrCat(
+                Describe(model), ": forward ",
+                buffers[i].defined()
+                    ? absl::StrCat("resized buffer ", names[i], " from ", saved[i].numel(), " to ",
+                                   buffers[i].numel(), " elements; buffers must keep their shapes")
+                    : absl::StrCat("set buffer ", names[i], " to None"))),
+            where);
+      }
+      buffers[i].copy_(saved[i]);
+    }
     std::lock_guard<std::mutex> lock(rng.mutex());
     rng.set_state(rng_state);
   } catch (const std::exception& e) {

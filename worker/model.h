@@ -84,7 +84,9 @@ class Model {
   // registered buffer; float or integer), in Module::named_buffers() order, the same for
   // every instance of the same architecture. They alias the model's storage: forward in
   // training mode updates them in place, and copying into them (under NoGradGuard) changes
-  // the model. Built-in models have none.
+  // the model. Built-in models have none. A forward may also replace a buffer with a new
+  // tensor (`self.ema = 0.9 * self.ema + ...` in TorchScript): each call returns the tensors
+  // the module holds now, so callers fetch them again after a forward rather than keep them.
   virtual std::vector<torch::Tensor> Buffers() = 0;
   // Dotted names ("bn1.running_mean", ...) of Buffers(), in the same order.
   virtual std::vector<std::string> BufferNames() = 0;

@@ -161,8 +161,9 @@ class TrainingLoop {
   // deltas after the step's last forward (backward leaves buffers alone), mirrors -> model at
   // the end.
   absl::Status BuffersIn(bool remember);
-  // FailedPrecondition naming buffer `i` if the model changed its element count to `numel`.
-  absl::Status BufferResized(size_t i, int64_t numel) const;
+  // The model's buffers now (a forward may assign one anew); FailedPrecondition naming one
+  // the model resized or set to None.
+  absl::StatusOr<std::vector<torch::Tensor>> CurrentBuffers() const;
   absl::Status BuffersOut();
   // gossip/allreduce rank 0: hands the model to options.on_model.
   void PublishModel(bool final);
@@ -213,9 +214,8 @@ class TrainingLoop {
   // The mode reads the parameters' gradients through device_grads_ (encoded where they are).
   std::unique_ptr<TorchDeviceGradients> device_grads_;
   bool device_encoded_ = false;
-  std::string device_codec_why_;  // Why not (train_start's device_codec_off).
-  std::vector<torch::Tensor> buffers_;
-  std::vector<std::vector<float>> mirrors_;  // Float32 copies of buffers_ (the view's).
+  std::string device_codec_why_;             // Why not (train_start's device_codec_off).
+  std::vector<std::vector<float>> mirrors_;  // Float32 copies of the model's buffers (the view's).
   std::vector<std::vector<float>> before_;   // Mirrors before the step's forward.
   std::vector<std::vector<float>> deltas_;   // The step's buffer deltas.
   absl::Time last_publish_ = absl::InfinitePast();
@@ -267,20 +267,20 @@ absl::Status TrainingLoop::MakeModelView() {
     view_.dtypes.push_back(ElemType::kFloat32);
   }
   view_.num_params = static_cast<int>(params_.size());
-  buffers_ = model_->Buffers();
+  const std::vector<torch::Tensor> buffers = model_->Buffers();
   const std::vector<std::string> buffer_names = model_->BufferNames();
-  mirrors_.resize(buffers_.size());
-  before_.resize(buffers_.size());
-  deltas_.resize(buffers_.size());
-  for (size_t i = 0; i < buffers_.size(); ++i) {
+  mirrors_.resize(buffers.size());
+  before_.resize(buffers.size());
+  deltas_.resize(buffers.size());
+  for (size_t i = 0; i < buffers.size(); ++i) {
     ASSIGN_OR_RETURN(const ElemType type,
-                     ToElemType(buffers_[i].scalar_type(), "buffer " + buffer_names[i]));
-    const torch::Tensor values = buffers_[i].detach().to(torch::kCPU, torch::kFloat32).contiguous();
+                     ToElemType(buffers[i].scalar_type(), "buffer " + buffer_names[i]));
+    const torch::Tensor values = buffers[i].detach().to(torch::kCPU, torch::kFloat32).contiguous();
     mirrors_[i].assign(values.data_ptr<float>(), values.data_ptr<float>() + values.numel());
     before_[i] = mirrors_[i];
     deltas_[i].assign(mirrors_[i].size(), 0.0f);
     view_.names.push_back(buffer_names[i]);
-    view_.shapes.emplace_back(buffers_[i].sizes().begin(), buffers_[i].sizes().end());
+    view_.shapes.emplace_back(buffers[i].sizes().begin(), buffers[i].sizes().end());
     view_.params.emplace_back(mirrors_[i].data(), mirrors_[i].size());
     view_.dtypes.push_back(type);
   }
@@ -305,32 +305,46 @@ absl::Span<const float> TrainingLoop::GradOut(int i, const torch::Tensor& grad) 
   return absl::Span<const float>(g.data_ptr<float>(), std::min<int64_t>(g.numel(), n));
 }
 
-absl::Status TrainingLoop::BufferResized(size_t i, int64_t numel) const {
-  if (numel == static_cast<int64_t>(mirrors_[i].size())) return absl::OkStatus();
-  return absl::FailedPreconditionError(
-      absl::StrCat("trainer: the model resized buffer ", view_.names[view_.num_params + i],
-                   " from ", mirrors_[i].size(), " to ", numel, " elements (step ", step_,
-                   "); buffers must keep their shapes"));
+absl::StatusOr<std::vector<torch::Tensor>> TrainingLoop::CurrentBuffers() const {
+  std::vector<torch::Tensor> now = model_->Buffers();
+  for (size_t i = 0; i < now.size() && i < mirrors_.size(); ++i) {
+    const std::string& name = view_.names[view_.num_params + i];
+    if (!now[i].defined()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("trainer: the model set buffer ", name, " to None (step ", step_, ")"));
+    }
+    // The exchange has the shapes the model started with; a buffer resized in place (or
+    // assigned anew with another size) would be read past its end.
+    if (now[i].numel() != static_cast<int64_t>(mirrors_[i].size())) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "trainer: the model resized buffer ", name, " from ", mirrors_[i].size(), " to ",
+          now[i].numel(), " elements (step ", step_, "); buffers must keep their shapes"));
+    }
+  }
+  if (now.size() != mirrors_.size()) {
+    return absl::InternalError(
+        absl::StrCat("trainer: the model has ", now.size(), " buffers, not ", mirrors_.size()));
+  }
+  return now;
 }
 
 absl::Status TrainingLoop::BuffersIn(bool remember) {
   torch::NoGradGuard no_grad;
-  for (size_t i = 0; i < buffers_.size(); ++i) {
-    RETURN_IF_ERROR(BufferResized(i, buffers_[i].numel()));
-    torch::Tensor m = torch::from_blob(mirrors_[i].data(), buffers_[i].sizes(), torch::kFloat32);
-    if (!torch::isFloatingType(buffers_[i].scalar_type())) m = m.round();
-    buffers_[i].copy_(m);
+  ASSIGN_OR_RETURN(std::vector<torch::Tensor> buffers, CurrentBuffers());
+  for (size_t i = 0; i < buffers.size(); ++i) {
+    torch::Tensor m = torch::from_blob(mirrors_[i].data(), buffers[i].sizes(), torch::kFloat32);
+    if (!torch::isFloatingType(buffers[i].scalar_type())) m = m.round();
+    buffers[i].copy_(m);
     if (remember) before_[i] = mirrors_[i];
   }
   return absl::OkStatus();
 }
 
 absl::Status TrainingLoop::BuffersOut() {
-  for (size_t i = 0; i < buffers_.size(); ++i) {
-    const torch::Tensor values = buffers_[i].detach().to(torch::kCPU, torch::kFloat32).contiguous();
-    // The exchange has the shapes the model started with; a forward that resized a buffer in
-    // place would be read past its end.
-    RETURN_IF_ERROR(BufferResized(i, values.numel()));
+  // Fetched again: the forward may have assigned a buffer anew rather than updated it.
+  ASSIGN_OR_RETURN(const std::vector<torch::Tensor> buffers, CurrentBuffers());
+  for (size_t i = 0; i < buffers.size(); ++i) {
+    const torch::Tensor values = buffers[i].detach().to(torch::kCPU, torch::kFloat32).contiguous();
     const float* v = values.data_ptr<float>();
     for (size_t j = 0; j < mirrors_[i].size(); ++j) {
       mirrors_[i][j] = v[j];

@@ -321,6 +321,48 @@ TEST_P(DeviceTest, BuffersAreMirroredWithTheirDeltasAndTheModesValuesReachTheMod
   EXPECT_EQ(r.steps, 2);
 }
 
+// A mode that records the first buffer's delta and mirror at each Exchange and then sets
+// the buffer to 5 (as a pull would): the next forward must start from 5.
+class FirstBufferMode : public FakeMode {
+ public:
+  std::vector<float> deltas;
+  std::vector<float> mirrors;
+
+  absl::StatusOr<StepOutcome> Exchange(int64_t step,
+                                       absl::Span<const absl::Span<const float>> grads, double loss,
+                                       const StepTiming& timing) override {
+    const int b = view->num_params;
+    deltas.push_back(grads[b][0]);
+    mirrors.push_back(view->params[b][0]);
+    view->params[b][0] = 5.0f;
+    return FakeMode::Exchange(step, grads, loss, timing);
+  }
+};
+
+// worker/testdata/ema_buffer.pt assigns its buffer anew in each training forward
+// (`self.ema = 0.9 * self.ema + 0.1 * x.mean()`, export_buffer_models.py): the loop follows
+// the new tensor, so the exchange sees the step's change and the mode's value reaches the
+// model (holding on to the first tensor, both were lost: deltas of 0, the 5 never seen).
+TEST(TrainingLoopTest, ABufferAssignedAnewInForwardIsFollowed) {
+  TrainerOptions o = Options(3);
+  o.spec.mutable_model()->set_name("torchscript");
+  o.spec.mutable_model()->set_path("worker/testdata/ema_buffer.pt");
+  FirstBufferMode mode;
+  std::atomic<bool> stop{false};
+  ASSERT_OK_AND_ASSIGN(TrainResult r, RunTrainingLoop(o, &mode, stop));
+  ASSERT_EQ(r.steps, 3);
+  ASSERT_EQ(mode.deltas.size(), 3u);
+  // Step 0 from 0: ema = 0.1 * mean(x), the batch's mean pixel (MNIST's is about 0.13 in
+  // [0, 1], or about 0 normalised: not exactly 0 either way).
+  EXPECT_NE(mode.deltas[0], 0.0f);
+  EXPECT_FLOAT_EQ(mode.mirrors[0], mode.deltas[0]);
+  // Steps 1 and 2 from the mode's 5: ema = 4.5 + 0.1 * mean(x).
+  for (int s = 1; s < 3; ++s) {
+    EXPECT_NEAR(mode.deltas[s], -0.5f, 0.1f) << "step " << s;
+    EXPECT_FLOAT_EQ(mode.mirrors[s], 5.0f + mode.deltas[s]) << "step " << s;
+  }
+}
+
 // worker/testdata/resizing_buffer.pt shrinks its buffer `hist` from 4 to 2 elements in
 // place in its third training-mode forward (export_resizing_buffer.py), after the check
 // before the run. Read with the shape the exchange has, it would be read past its end (and

@@ -1,0 +1,48 @@
+#!/usr/bin/python3
+# Writes two TorchScript models for MNIST-shaped input (float32 [N,1,28,28] -> logits [N,10])
+# whose forwards change their buffers other than in place, for worker/training_loop_test.cc:
+#   ema_buffer.pt       assigns its buffer `ema` (float32 [1]) anew in every training-mode
+#                       forward, `self.ema = 0.9 * self.ema + 0.1 * x.mean()`: the loop must
+#                       follow the new tensor (exchange its delta, write the mode's value).
+#   resizing_buffer.pt  shrinks its buffer `hist` (float32 [4]) in place to 2 elements in its
+#                       third training-mode forward (the check of the model against a batch
+#                       before the run, which restores buffers, takes one; the run's steps the
+#                       rest). The loop must refuse it (buffers keep their shapes) rather than
+#                       read the buffer past its end.
+# Run with Debian's torch: /usr/bin/python3 worker/testdata/export_buffer_models.py
+import os
+import torch
+
+
+class EmaBuffer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(28 * 28, 10)
+        self.register_buffer("ema", torch.zeros(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.ema = 0.9 * self.ema + 0.1 * x.mean()
+        return self.fc(x.flatten(1))
+
+
+class ResizingBuffer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(28 * 28, 10)
+        self.register_buffer("hist", torch.zeros(4))
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.calls += 1
+            if self.calls >= 3:
+                self.hist.resize_(2)
+        return self.fc(x.flatten(1))
+
+
+here = os.path.dirname(__file__)
+torch.manual_seed(0)
+torch.jit.script(EmaBuffer()).save(os.path.join(here, "ema_buffer.pt"))
+torch.manual_seed(0)
+torch.jit.script(ResizingBuffer()).save(os.path.join(here, "resizing_buffer.pt"))
