@@ -455,8 +455,11 @@ absl::Status TrainingLoop::Setup() {
         if (!hook_live_) return;
         hooked_[index] = 1;
         const torch::Tensor& held = params_[index].grad();
-        mode->OnGradient(
-            index, GradOut(index, held.defined() ? (grad + held).contiguous() : grad.contiguous()));
+        torch::Tensor whole = held.defined() ? grad + held : grad;
+        // A sparse gradient (nn.Embedding(sparse=True)) is exchanged as the dense one it
+        // stands for: every rank's exchange has the parameter's shape.
+        if (whole.is_sparse()) whole = whole.to_dense();
+        mode->OnGradient(index, GradOut(index, whole.contiguous()));
       });
     }
   }
@@ -661,6 +664,7 @@ absl::Status TrainingLoop::Step(std::vector<Batch>& micro, StepOutcome* outcome)
     // A parameter the forward did not use has no gradient: it counts as zero (and is still
     // exchanged, so every rank's exchange has the same shape).
     if (!g.defined()) g = torch::zeros_like(params_[i]);
+    if (g.is_sparse()) g = g.to_dense();  // As in the hook: the dense gradient it stands for.
     // With the hook, a parameter the last micro-batch's forward did not use (no hook call) is
     // handed over now: zeros, or what the earlier micro-batches accumulated.
     if (mode_->wants_gradient_hook() && !hooked_[i]) {

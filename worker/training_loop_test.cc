@@ -400,7 +400,15 @@ TEST(TrainingLoopTest, AModelWhoseOutputDoesNotFitTheLossFailsBeforeTheModeStart
 // the final parameters: the same run on two devices must end in the same model.
 class SgdMode : public FakeMode {
  public:
+  bool keep_first = false;                       // Keep the parameters at Start too.
+  std::vector<std::vector<float>> first_params;  // (then) the parameters at Start.
   std::vector<std::vector<float>> final_params;
+  absl::StatusOr<int64_t> Start(ModelView* model, const LoopInfo& info) override {
+    for (int i = 0; keep_first && i < model->num_params; ++i) {
+      first_params.emplace_back(model->params[i].begin(), model->params[i].end());
+    }
+    return FakeMode::Start(model, info);
+  }
   absl::StatusOr<StepOutcome> Exchange(int64_t step,
                                        absl::Span<const absl::Span<const float>> grads, double loss,
                                        const StepTiming& timing) override {
@@ -416,6 +424,48 @@ class SgdMode : public FakeMode {
     return FakeMode::Finish(step, result);
   }
 };
+
+// worker/testdata/sparse_embedding.pt's nn.Embedding(sparse=True) gives its weight a sparse
+// gradient; the loop exchanges the dense gradient it stands for, with and without the
+// per-gradient hook and with accumulation (where LibTorch sums sparse gradients): the runs
+// end in the model of dense_embedding.pt, the same module with sparse=False.
+TEST(TrainingLoopTest, ASparseGradientIsExchangedAsTheDenseOne) {
+  for (const bool hook : {false, true}) {
+    for (const int accum : {1, 2}) {
+      SCOPED_TRACE(absl::StrCat("hook=", hook, " accumulation=", accum));
+      std::vector<std::vector<float>> finals[2];
+      std::vector<float> first_embedding;
+      for (const bool sparse : {false, true}) {
+        TrainerOptions o = Options(3);
+        o.spec.set_accumulation_steps(accum);
+        o.spec.mutable_model()->set_name("torchscript");
+        o.spec.mutable_model()->set_path(sparse ? "worker/testdata/sparse_embedding.pt"
+                                                : "worker/testdata/dense_embedding.pt");
+        SgdMode mode;
+        mode.hook = hook;
+        mode.keep_first = true;
+        std::atomic<bool> stop{false};
+        ASSERT_OK_AND_ASSIGN(TrainResult r, RunTrainingLoop(o, &mode, stop));
+        ASSERT_EQ(r.steps, 3);
+        EXPECT_EQ(mode.gradients_seen, hook ? 3 * 3 : 0);  // embed.weight, fc.weight, fc.bias.
+        ASSERT_FALSE(mode.first_params.empty());
+        first_embedding = mode.first_params[0];
+        finals[sparse] = mode.final_params;
+      }
+      ASSERT_EQ(finals[0].size(), 3u);
+      ASSERT_EQ(finals[1].size(), 3u);
+      // The embedding moved, and both runs moved it alike (the sparse gradient's duplicates
+      // are summed in another order than the dense backward's).
+      EXPECT_NE(finals[0][0], first_embedding);
+      for (size_t t = 0; t < 3; ++t) {
+        ASSERT_EQ(finals[0][t].size(), finals[1][t].size());
+        for (size_t j = 0; j < finals[0][t].size(); ++j) {
+          EXPECT_NEAR(finals[1][t][j], finals[0][t][j], 1e-5) << "tensor " << t << " [" << j << "]";
+        }
+      }
+    }
+  }
+}
 
 TEST_P(DeviceTest, GradientsReachTheHookAndTheExchange) {
   TrainerOptions o = Options(3);

@@ -1,6 +1,7 @@
 #!/usr/bin/python3
-# Writes two TorchScript models for MNIST-shaped input (float32 [N,1,28,28] -> logits [N,10])
-# whose forwards change their buffers other than in place, for worker/training_loop_test.cc:
+# Writes TorchScript models for MNIST-shaped input (float32 [N,1,28,28] -> logits [N,10]) for
+# worker/training_loop_test.cc: two whose forwards change their buffers other than in place,
+# and one whose backward gives a sparse gradient:
 #   ema_buffer.pt       assigns its buffer `ema` (float32 [1]) anew in every training-mode
 #                       forward, `self.ema = 0.9 * self.ema + 0.1 * x.mean()`: the loop must
 #                       follow the new tensor (exchange its delta, write the mode's value).
@@ -9,6 +10,10 @@
 #                       before the run, which restores buffers, takes one; the run's steps the
 #                       rest). The loop must refuse it (buffers keep their shapes) rather than
 #                       read the buffer past its end.
+#   sparse_embedding.pt embeds each pixel, quantised to 0..9, with nn.Embedding(10, 2,
+#                       sparse=True): its weight's gradient is a sparse tensor, which the loop
+#                       exchanges as the dense gradient it stands for.
+#   dense_embedding.pt  the same model and initial weights with sparse=False: the reference.
 # Run with Debian's torch: /usr/bin/python3 worker/testdata/export_buffer_models.py
 import os
 import torch
@@ -41,8 +46,23 @@ class ResizingBuffer(torch.nn.Module):
         return self.fc(x.flatten(1))
 
 
+class Embedding(torch.nn.Module):
+    def __init__(self, sparse: bool):
+        super().__init__()
+        self.embed = torch.nn.Embedding(10, 2, sparse=sparse)
+        self.fc = torch.nn.Linear(28 * 28 * 2, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids = (x.flatten(1) * 9).round().long().clamp(0, 9)
+        return self.fc(self.embed(ids).flatten(1))
+
+
 here = os.path.dirname(__file__)
 torch.manual_seed(0)
 torch.jit.script(EmaBuffer()).save(os.path.join(here, "ema_buffer.pt"))
 torch.manual_seed(0)
 torch.jit.script(ResizingBuffer()).save(os.path.join(here, "resizing_buffer.pt"))
+for sparse in (True, False):
+    torch.manual_seed(0)
+    torch.jit.script(Embedding(sparse)).save(
+        os.path.join(here, "sparse_embedding.pt" if sparse else "dense_embedding.pt"))
