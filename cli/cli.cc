@@ -443,6 +443,20 @@ absl::StatusOr<ExportSource> TensorsFromPublished(const CoordinatorClient::Publi
   return src;
 }
 
+// Adds each alias of `tied` as a copy of its first name's tensor, right after it.
+void AddTiedNames(const std::vector<TiedName>& tied, std::vector<ExportedTensor>* tensors) {
+  for (const TiedName& t : tied) {
+    auto first = std::find_if(tensors->begin(), tensors->end(),
+                              [&](const ExportedTensor& e) { return e.name == t.first; });
+    auto taken = std::find_if(tensors->begin(), tensors->end(),
+                              [&](const ExportedTensor& e) { return e.name == t.alias; });
+    if (first == tensors->end() || taken != tensors->end()) continue;
+    ExportedTensor copy = *first;
+    copy.name = t.alias;
+    tensors->insert(first + 1, std::move(copy));
+  }
+}
+
 int RunExport(Session& s) {
   const std::string& job_id = s.arg(0);
   const std::string out_path = s.args.Get("out");
@@ -490,8 +504,23 @@ int RunExport(Session& s) {
       s.err() << "note: the module has no parameter or buffer for " << r->unused.size()
               << " exported tensors (not written): " << absl::StrJoin(r->unused, ", ") << "\n";
     }
-  } else if (absl::Status st = SaveStateDict(out_path, src->tensors); !st.ok()) {
-    return Failure(s, st);
+  } else {
+    if (spec.model().name() == kTorchScriptModel) {
+      // Tied weights are trained once, under their first name; PyTorch's state_dict() has
+      // every name, and load_state_dict(strict=True) wants them all.
+      absl::StatusOr<CoordinatorClient::PublishedModel> module =
+          s.client->GetModel(job_id, MODEL_MODULE);
+      absl::StatusOr<std::vector<TiedName>> tied =
+          module.ok() ? TiedTensorNames(module->payload) : module.status();
+      if (tied.ok()) {
+        AddTiedNames(*tied, &src->tensors);
+      } else {
+        s.err() << "note: tied weights are written under their first name only (the job's "
+                   "module: "
+                << tied.status().message() << ")\n";
+      }
+    }
+    if (absl::Status st = SaveStateDict(out_path, src->tensors); !st.ok()) return Failure(s, st);
   }
   int64_t params = 0;
   for (const ExportedTensor& t : src->tensors) params += static_cast<int64_t>(t.values.size());

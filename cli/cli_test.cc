@@ -864,6 +864,70 @@ TEST_F(CliTest, ExportAsTorchScriptWritesTheModuleWithTheTrainedWeights) {
   EXPECT_FALSE(std::ifstream(dir_ + "/t2.pt").good());
 }
 
+// cli/testdata/tied_module.pt ties b.weight to a.weight (make_tiny_module.py): the worker
+// trains the shared tensor once, as a.weight, and publishes a.weight, a.bias, b.bias. Both
+// exports give the module back whole: the state_dict has b.weight too (PyTorch's state_dict
+// lists every name, and load_state_dict(strict=True) wants them), and the TorchScript module's
+// shared tensor holds the trained values under both names.
+TEST_F(CliTest, ExportsOfTiedWeightsHaveEveryName) {
+  JobStatus job = PeerJob("t", "allreduce", SUCCEEDED);
+  job.mutable_spec()->mutable_model()->set_name("torchscript");
+  job.mutable_spec()->mutable_model()->set_path("/models/tied.pt");
+  fake().AddJob(job);
+  const std::vector<TestTensor> tensors = {
+      {"a.weight", {2, 2}, {1.0f, 2.0f, 3.0f, 4.0f}},
+      {"a.bias", {2}, {0.5f, -0.5f}},
+      {"b.bias", {2}, {0.25f, 0.75f}},
+  };
+  auto [header, payload] = Published("t", tensors, 200, true);
+  fake().SetModel(header, payload);
+  ModelHeader module;
+  module.set_job_id("t");
+  module.set_kind(MODEL_MODULE);
+  const std::string module_bytes = ReadBytes("cli/testdata/tied_module.pt");
+  ASSERT_GT(module_bytes.size(), 1000u);
+  module.set_total_bytes(static_cast<int64_t>(module_bytes.size()));
+  fake().SetModel(module, module_bytes);
+
+  const std::string dict = dir_ + "/dict.pt";
+  Result r = Run({"export", "t", "--out", dict});
+  ASSERT_EQ(r.code, kExitOk) << r.err;
+  EXPECT_EQ(r.err, "");
+  EXPECT_TRUE(absl::StartsWith(r.out, "exported job t (4 tensors, 12 parameters,")) << r.out;
+  int code = -1;
+  std::string out = PythonOutput(
+      "import sys, torch\n"
+      "d = torch.load(sys.argv[1])\n"
+      "for k, v in d.items():\n"
+      "  print(k, v.flatten().tolist())\n"
+      "m = torch.jit.load(\"cli/testdata/tied_module.pt\")\n"
+      "m.load_state_dict(d, strict=True)\n"
+      "print(m(torch.ones(1, 2)).tolist())\n",
+      dict, &code);
+  if (out.empty()) GTEST_SKIP() << kPython << " cannot import torch";
+  EXPECT_EQ(code, 0) << out;
+  // a(1, 1) = [3.5, 6.5]; b of that: [3.5 + 13 + 0.25, 10.5 + 26 + 0.75].
+  EXPECT_EQ(out,
+            "a.weight [1.0, 2.0, 3.0, 4.0]\n"
+            "b.weight [1.0, 2.0, 3.0, 4.0]\n"
+            "a.bias [0.5, -0.5]\n"
+            "b.bias [0.25, 0.75]\n"
+            "[[16.75, 37.25]]\n");
+
+  const std::string scripted = dir_ + "/scripted.pt";
+  r = Run({"export", "t", "--out", scripted, "--format", "torchscript"});
+  ASSERT_EQ(r.code, kExitOk) << r.err;
+  EXPECT_EQ(r.err, "");
+  out = PythonOutput(
+      "import sys, torch\n"
+      "m = torch.jit.load(sys.argv[1])\n"
+      "print(m.a.weight.flatten().tolist(), m.b.weight.flatten().tolist())\n"
+      "print(m(torch.ones(1, 2)).tolist())\n",
+      scripted, &code);
+  EXPECT_EQ(code, 0) << out;
+  EXPECT_EQ(out, "[1.0, 2.0, 3.0, 4.0] [1.0, 2.0, 3.0, 4.0]\n[[16.75, 37.25]]\n");
+}
+
 TEST_F(CliTest, ExportAsTorchScriptNeedsATorchScriptJob) {
   fake().AddJob(PeerJob("g", "gossip", SUCCEEDED));
   fake().AddJob(MakeJob("p", SUCCEEDED, 10, 10));  // ps (async): refused before any shard call.

@@ -44,7 +44,50 @@ absl::Status CopyInto(const ExportedTensor& from, at::Tensor to) {
   return absl::OkStatus();
 }
 
+absl::StatusOr<torch::jit::Module> LoadModule(const std::string& module_bytes) {
+  try {
+    std::istringstream in(module_bytes);
+    return torch::jit::load(in);
+  } catch (const c10::Error& e) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the job's module is not a TorchScript module: ", e.what_without_backtrace()));
+  }
+}
+
+// The module's parameters, then its buffers, by name; a tensor held under an earlier name
+// too goes to `tied` (alias, first name) instead.
+std::vector<std::pair<std::string, at::Tensor>> ModuleTensors(const torch::jit::Module& module,
+                                                              std::vector<TiedName>* tied) {
+  std::vector<std::pair<std::string, at::Tensor>> targets;
+  std::map<const c10::TensorImpl*, std::string> first;
+  auto add = [&](const std::string& name, const at::Tensor& t) {
+    if (!t.defined()) return;
+    auto [it, fresh] = first.emplace(t.unsafeGetTensorImpl(), name);
+    if (fresh) {
+      targets.emplace_back(name, t);
+    } else {
+      tied->push_back({name, it->second});
+    }
+  };
+  for (const auto& p : module.named_parameters(/*recurse=*/true)) add(p.name, p.value);
+  for (const auto& b : module.named_buffers(/*recurse=*/true)) add(b.name, b.value);
+  return targets;
+}
+
 }  // namespace
+
+absl::StatusOr<std::vector<TiedName>> TiedTensorNames(const std::string& module_bytes) {
+  try {
+    absl::StatusOr<torch::jit::Module> module = LoadModule(module_bytes);
+    if (!module.ok()) return module.status();
+    std::vector<TiedName> tied;
+    ModuleTensors(*module, &tied);
+    return tied;
+  } catch (const std::exception& e) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("reading the job's TorchScript module: ", e.what()));
+  }
+}
 
 absl::StatusOr<TorchScriptExportResult> SaveTorchScriptWithWeights(
     const std::string& module_bytes, const std::vector<ExportedTensor>& tensors,
@@ -58,21 +101,12 @@ absl::StatusOr<TorchScriptExportResult> SaveTorchScriptWithWeights(
   TorchScriptExportResult result;
   const std::string tmp = absl::StrCat(path, ".tmp");
   try {
-    torch::jit::Module module;
-    try {
-      std::istringstream in(module_bytes);
-      module = torch::jit::load(in);
-    } catch (const c10::Error& e) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "the job's module is not a TorchScript module: ", e.what_without_backtrace()));
-    }
-    std::vector<std::pair<std::string, at::Tensor>> targets;
-    for (const auto& p : module.named_parameters(/*recurse=*/true)) {
-      targets.emplace_back(p.name, p.value);
-    }
-    for (const auto& b : module.named_buffers(/*recurse=*/true)) {
-      targets.emplace_back(b.name, b.value);
-    }
+    absl::StatusOr<torch::jit::Module> loaded = LoadModule(module_bytes);
+    if (!loaded.ok()) return loaded.status();
+    torch::jit::Module& module = *loaded;
+    // A tied tensor is written once, under its first name: the alias is the same tensor.
+    std::vector<TiedName> tied;
+    const std::vector<std::pair<std::string, at::Tensor>> targets = ModuleTensors(module, &tied);
     std::vector<std::string> missing;
     std::set<std::string> used;
     for (const auto& [name, tensor] : targets) {

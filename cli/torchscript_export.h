@@ -28,8 +28,9 @@ struct TorchScriptExportResult {
 };
 
 // Loads the module from `module_bytes`, copies every tensor of `tensors` into the module's
-// parameter or buffer of that name, and writes the module to `path` through a temporary file
-// renamed into place (a failed export leaves no partial file). Errors:
+// parameter or buffer of that name (a tensor the module holds under two names, tied weights,
+// is covered by its first name, as the worker lists it), and writes the module to `path` through a
+// temporary file renamed into place (a failed export leaves no partial file). Errors:
 // INVALID_ARGUMENT when the bytes are not a TorchScript module, or a tensor's values do not
 // match its shape; FAILED_PRECONDITION naming the module tensors that `tensors` lacks (every
 // one must be covered) or whose shapes differ; INTERNAL (with the path) when the file cannot
@@ -37,6 +38,17 @@ struct TorchScriptExportResult {
 absl::StatusOr<TorchScriptExportResult> SaveTorchScriptWithWeights(
     const std::string& module_bytes, const std::vector<ExportedTensor>& tensors,
     const std::string& path);
+
+// Tied weights: the names under which the module holds a parameter or buffer it already
+// holds under an earlier name (the worker trains and exchanges it once, under the first), as
+// (alias, first name) pairs in the module's order. A state_dict of such a module has both
+// names (PyTorch's state_dict() lists each), so an export adds the aliases for a strict
+// load_state_dict. INVALID_ARGUMENT when the bytes are not a TorchScript module.
+struct TiedName {
+  std::string alias;
+  std::string first;
+};
+absl::StatusOr<std::vector<TiedName>> TiedTensorNames(const std::string& module_bytes);
 
 }  // namespace cli
 }  // namespace gradmesh
