@@ -165,6 +165,10 @@ class TrainingLoop {
   // the model resized or set to None.
   absl::StatusOr<std::vector<torch::Tensor>> CurrentBuffers() const;
   absl::Status BuffersOut();
+  // InvalidArgument for a non-finite loss `value` on micro-batch `k` (inputs x, targets y):
+  // names the first sample with a non-finite input or target, or says the model diverged.
+  absl::Status NonFiniteLoss(const Batch& batch, int k, double value, const torch::Tensor& x,
+                             const torch::Tensor& y) const;
   // gossip/allreduce rank 0: hands the model to options.on_model.
   void PublishModel(bool final);
   void LogStart() const;
@@ -536,6 +540,9 @@ absl::Status TrainingLoop::MicroStep(Batch& batch, int k, double* loss_sum) {
   }
   if (loss.scalar_type() != torch::kFloat) loss = loss.to(torch::kFloat);
   const double value = loss.item<double>();
+  // With loss scaling a non-finite step is skipped (and the scale lowered); without, it would
+  // be exchanged: ps shards refuse it, but gossip and allreduce would spread it silently.
+  if (!std::isfinite(value) && !scaler_.enabled()) return NonFiniteLoss(batch, k, value, x, y);
   *loss_sum += value;
   const bool last = k == accum_ - 1;
   // The step's last forward has moved the buffers as far as they go (backward leaves them
@@ -562,6 +569,26 @@ absl::Status TrainingLoop::MicroStep(Batch& batch, int k, double* loss_sum) {
   }
   hook_live_ = true;
   return absl::OkStatus();
+}
+
+absl::Status TrainingLoop::NonFiniteLoss(const Batch& batch, int k, double value,
+                                         const torch::Tensor& x, const torch::Tensor& y) const {
+  std::string why = "the model diverged (lower optimizer.lr, clip gradients, or use loss_scale)";
+  for (const auto& [field, t] : {std::pair<const char*, const torch::Tensor*>{"x", &x},
+                                 std::pair<const char*, const torch::Tensor*>{"y", &y}}) {
+    if (!t->is_floating_point() || t->dim() == 0) continue;
+    const torch::Tensor bad = torch::isfinite(*t).reshape({t->size(0), -1}).all(1).logical_not();
+    const torch::Tensor rows = bad.nonzero().to(torch::kCPU);
+    if (rows.numel() == 0) continue;
+    const int64_t row = rows[0][0].item<int64_t>();
+    const int64_t index =
+        row < static_cast<int64_t>(batch.indices.size()) ? batch.indices[row] : row;
+    why = absl::StrCat("sample ", index, " of ", data_.train->Describe(), " has a non-finite ",
+                       field);
+    break;
+  }
+  return absl::InvalidArgumentError(absl::StrCat("trainer: the loss is ", value, " at step ", step_,
+                                                 " (micro-batch ", k, "): ", why));
 }
 
 void TrainingLoop::ClipLocal() {

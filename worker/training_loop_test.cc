@@ -21,6 +21,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
@@ -361,6 +362,35 @@ TEST(TrainingLoopTest, ABufferAssignedAnewInForwardIsFollowed) {
     EXPECT_NEAR(mode.deltas[s], -0.5f, 0.1f) << "step " << s;
     EXPECT_FLOAT_EQ(mode.mirrors[s], 5.0f + mode.deltas[s]) << "step " << s;
   }
+}
+
+// worker/testdata/nan_input: 8 MNIST-shaped samples, sample 5 with a NaN pixel. Without loss
+// scaling (which would skip the step) a non-finite loss ends the run before anything of its
+// step is exchanged, naming the sample: gossip and allreduce would otherwise spread the NaN
+// into every replica without a word.
+TEST(TrainingLoopTest, ANonFiniteLossEndsTheRunNamingTheSample) {
+  TrainerOptions o = Options(4);
+  o.spec.mutable_model()->set_name("torchscript");
+  o.spec.mutable_model()->set_path("worker/testdata/ema_buffer.pt");
+  o.spec.mutable_dataset()->set_name("tensors");
+  o.spec.mutable_dataset()->set_path("worker/testdata/nan_input");
+  o.spec.set_batch_size(4);
+  FakeMode mode;
+  std::atomic<bool> stop{false};
+  absl::StatusOr<TrainResult> r = RunTrainingLoop(o, &mode, stop);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+  EXPECT_TRUE(absl::StrContains(r.status().message(), "trainer: the loss is nan at step "))
+      << r.status();
+  EXPECT_TRUE(absl::StrContains(r.status().message(), "(micro-batch 0): sample 5 of "))
+      << r.status();
+  EXPECT_TRUE(absl::StrContains(r.status().message(), " has a non-finite x")) << r.status();
+  // Each exchanged step had a finite loss; the bad one was not exchanged (nor backward begun).
+  EXPECT_EQ(std::count_if(mode.calls.begin(), mode.calls.end(),
+                          [](const std::string& c) { return absl::StartsWith(c, "exchange"); }),
+            std::count_if(mode.calls.begin(), mode.calls.end(),
+                          [](const std::string& c) { return absl::StartsWith(c, "backward"); }));
+  EXPECT_LT(mode.losses.size(), 4u);
+  for (double l : mode.losses) EXPECT_TRUE(std::isfinite(l));
 }
 
 // worker/testdata/resizing_buffer.pt shrinks its buffer `hist` from 4 to 2 elements in
