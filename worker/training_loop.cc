@@ -197,7 +197,10 @@ class TrainingLoop {
   // The parameters' gradients of the step (grads_[0, num_params)) as writable spans.
   std::vector<absl::Span<float>> ParamGrads();
   void Progress(const Batch& batch);
+  // The end of a run whose mode evaluates (rank 0): the test set's figures (none without a
+  // test set), the report, the saved model.
   absl::Status EvaluateAndSave();
+  absl::Status EvaluateTestSet();  // Fills result_'s test figures and logs them.
   void Report(double samples_per_s, double accuracy) const;
 
   const TrainerOptions& options_;
@@ -818,6 +821,25 @@ void TrainingLoop::Report(double samples_per_s, double accuracy) const {
 }
 
 absl::Status TrainingLoop::EvaluateAndSave() {
+  // A dataset without test files (or with empty ones) trains and saves; it just has no
+  // test-set figures (-1).
+  if (data_.test == nullptr || data_.test->size() == 0) {
+    LogInfo(log_, "not_evaluated",
+            {Kv("job", spec_.name()), Kv("rank", options_.rank),
+             Kv("reason", data_.test == nullptr ? "no_test_files" : "empty_test_set")});
+  } else {
+    RETURN_IF_ERROR(EvaluateTestSet());
+  }
+  Report(result_.samples_per_s, result_.test_accuracy);
+  if (!spec_.output().empty()) {
+    if (on_gpu_) RETURN_IF_ERROR(model_->ToDevice(torch::kCPU));  // Loadable without a GPU.
+    RETURN_IF_ERROR(model_->Save(spec_.output()));
+    LogInfo(log_, "model_saved", {Kv("job", spec_.name()), Kv("path", spec_.output())});
+  }
+  return absl::OkStatus();
+}
+
+absl::Status TrainingLoop::EvaluateTestSet() {
   ASSIGN_OR_RETURN(const EvalMetrics m, Evaluate(model_.get(), loss_kind_, *data_.test, device_));
   result_.test_accuracy = m.accuracy;
   result_.test_loss = m.test_loss;
@@ -830,12 +852,6 @@ absl::Status TrainingLoop::EvaluateAndSave() {
     f.push_back(Kv("test_samples", data_.test->size()));
     for (LogField& e : mode_->EvaluatedFields()) f.push_back(std::move(e));
     log_->Info("evaluated", f);
-  }
-  Report(result_.samples_per_s, result_.test_accuracy);
-  if (!spec_.output().empty()) {
-    if (on_gpu_) RETURN_IF_ERROR(model_->ToDevice(torch::kCPU));  // Loadable without a GPU.
-    RETURN_IF_ERROR(model_->Save(spec_.output()));
-    LogInfo(log_, "model_saved", {Kv("job", spec_.name()), Kv("path", spec_.output())});
   }
   return absl::OkStatus();
 }

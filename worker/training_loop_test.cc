@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
 #include <limits>
 #include <memory>
 #include <optional>
@@ -391,6 +392,40 @@ TEST(TrainingLoopTest, ANonFiniteLossEndsTheRunNamingTheSample) {
                           [](const std::string& c) { return absl::StartsWith(c, "backward"); }));
   EXPECT_LT(mode.losses.size(), 4u);
   for (double l : mode.losses) EXPECT_TRUE(std::isfinite(l));
+}
+
+// worker/testdata/train_only has train.pt and no test file: the run trains, is not
+// evaluated (test figures -1, an event saying why) and still saves the model.
+TEST(TrainingLoopTest, ADatasetWithoutTestFilesTrainsAndSavesWithoutEvaluating) {
+  TrainerOptions o = Options(4);
+  o.spec.mutable_model()->set_name("torchscript");
+  o.spec.mutable_model()->set_path("worker/testdata/ema_buffer.pt");
+  o.spec.mutable_dataset()->set_name("tensors");
+  o.spec.mutable_dataset()->set_path("worker/testdata/train_only");
+  o.spec.set_batch_size(4);
+  const std::string out = absl::StrCat(testing::TempDir(), "/train_only_model.pt");
+  std::remove(out.c_str());
+  o.spec.set_output(out);
+  std::FILE* log_file = std::tmpfile();
+  Logger logger({}, log_file);
+  o.logger = &logger;
+  FakeMode mode;
+  mode.evaluate = true;
+  std::atomic<bool> stop{false};
+  ASSERT_OK_AND_ASSIGN(TrainResult r, RunTrainingLoop(o, &mode, stop));
+  EXPECT_EQ(r.steps, 4);
+  EXPECT_EQ(r.test_accuracy, -1);
+  EXPECT_EQ(r.test_loss, -1);
+  const std::vector<std::string> lines = Lines(log_file);
+  EXPECT_EQ(std::count_if(lines.begin(), lines.end(),
+                          [](const std::string& l) {
+                            return absl::StrContains(l, "event=not_evaluated") &&
+                                   absl::StrContains(l, "reason=no_test_files");
+                          }),
+            1)
+      << absl::StrJoin(lines, "\n");
+  EXPECT_TRUE(std::ifstream(out).good()) << out;
+  std::fclose(log_file);
 }
 
 // worker/testdata/resizing_buffer.pt shrinks its buffer `hist` from 4 to 2 elements in

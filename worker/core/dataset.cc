@@ -333,16 +333,18 @@ absl::StatusOr<JobData> LoadDataset(const std::string& name, const std::string& 
     const std::string context = absl::StrCat("dataset ", name, " in ", dir);
     auto train = OpenTensorFiles(dir, "train");
     if (!train.ok()) return Annotate(train.status(), context);
+    // Test files are optional (the train files are in this directory, so NotFound means no
+    // test*.pt): a job without them trains and is not evaluated.
     auto test = OpenTensorFiles(dir, "test");
-    if (!test.ok()) return Annotate(test.status(), context);
-    if ((*train)->x() != (*test)->x() || (*train)->y() != (*test)->y()) {
+    if (!test.ok() && !absl::IsNotFound(test.status())) return Annotate(test.status(), context);
+    if (test.ok() && ((*train)->x() != (*test)->x() || (*train)->y() != (*test)->y())) {
       return absl::InvalidArgumentError(
           absl::StrCat(context, ": training samples are x ", (*train)->x().Describe(), ", y ",
                        (*train)->y().Describe(), " but test samples are x ",
                        (*test)->x().Describe(), ", y ", (*test)->y().Describe()));
     }
     data.train = *std::move(train);
-    data.test = *std::move(test);
+    if (test.ok()) data.test = *std::move(test);
     return data;
   }
   if (std::none_of(std::begin(kDatasets), std::end(kDatasets),

@@ -85,7 +85,8 @@ absl::StatusOr<std::unique_ptr<ExampleSource>> MakeImageSource(ImageSet images, 
 // Opens dataset `name` from directory `dir`:
 // * "mnist", "fashion-mnist": LoadIdxDataset, as image sources (num_classes 10);
 // * "tensors": OpenTensorFiles(dir, "train") and OpenTensorFiles(dir, "test")
-//   (worker/core/tensor_files.h; num_classes 0).
+//   (worker/core/tensor_files.h; num_classes 0); without test*.pt files JobData.test is null
+//   (the job trains and is not evaluated).
 // An unknown name is INVALID_ARGUMENT listing KnownDatasets(); other errors as those
 // functions return them, annotated with the dataset and dir.
 absl::StatusOr<JobData> LoadDataset(const std::string& name, const std::string& dir);

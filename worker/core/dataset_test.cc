@@ -351,10 +351,14 @@ TEST(LoadDatasetTest, Tensors) {
   EXPECT_EQ(b.x, BytesOf(want_x));
   EXPECT_EQ(b.y, BytesOf(std::vector<int64_t>{3, 4}));
 
-  // A directory without test*.pt files.
-  EXPECT_STATUS_MSG(LoadDataset("tensors", TensorTestData("seq")), absl::StatusCode::kNotFound,
-                    absl::StrCat("dataset tensors in ", TensorTestData("seq"), ": no files match ",
-                                 TensorTestData("seq"), "/test*.pt"));
+  // A directory without test*.pt files: a training set, and no test set.
+  ASSERT_OK_AND_ASSIGN(JobData seq, LoadDataset("tensors", TensorTestData("seq")));
+  EXPECT_EQ(seq.train->size(), 4);
+  EXPECT_EQ(seq.test, nullptr);
+  // Without train*.pt files there is nothing to train on.
+  EXPECT_STATUS_MSG(LoadDataset("tensors", TensorTestData("bad")), absl::StatusCode::kNotFound,
+                    absl::StrCat("dataset tensors in ", TensorTestData("bad"), ": no files match ",
+                                 TensorTestData("bad"), "/train*.pt"));
 }
 
 // ---------------------------------------------------------------------------------------------

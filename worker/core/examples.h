@@ -92,7 +92,7 @@ struct Batch {
 // The training and test sets of a job.
 struct JobData {
   std::unique_ptr<ExampleSource> train;
-  std::unique_ptr<ExampleSource> test;
+  std::unique_ptr<ExampleSource> test;  // Null: the dataset has no test set.
   // Classes of a classification dataset when known from the dataset itself (IDX: 10); 0
   // when not known (tensors: the model's output says).
   int num_classes = 0;

@@ -1,0 +1,19 @@
+#!/usr/bin/python3
+# Writes the "tensors" datasets of worker/training_loop_test.cc, each sample x float32
+# [1, 28, 28] (MNIST-shaped, values i / 1000 for flat index i over the file) and y int64
+# (its index):
+#   nan_input/train.pt, test.pt  8 samples; in train.pt sample 5 has a NaN pixel.
+#   train_only/train.pt          the same 8 samples without it, and no test file.
+# Run with Debian's torch: /usr/bin/python3 worker/testdata/gen_loop_data.py
+import os
+import torch
+
+here = os.path.dirname(__file__)
+for d in ("nan_input", "train_only"):
+    os.makedirs(os.path.join(here, d), exist_ok=True)
+x = torch.arange(8 * 28 * 28, dtype=torch.float32).div(1000).reshape(8, 1, 28, 28)
+y = torch.arange(8, dtype=torch.int64)
+torch.save({"x": x.clone(), "y": y.clone()}, os.path.join(here, "nan_input", "test.pt"))
+torch.save({"x": x.clone(), "y": y.clone()}, os.path.join(here, "train_only", "train.pt"))
+x[5, 0, 3, 7] = float("nan")
+torch.save({"x": x, "y": y}, os.path.join(here, "nan_input", "train.pt"))
