@@ -93,8 +93,12 @@ def batch_loss(model, loss, x, y, totals):
         return
     out = model(x)
     if loss == "mse":
+        # As the worker (MseTarget): y of the output's shape, or [N] for an output [N, 1].
+        if out.dim() == 2 and out.shape[1] == 1 and y.dim() == 1 and y.shape[0] == n:
+            y = y.unsqueeze(1)
         if out.shape != y.shape:
-            raise ValueError(f"mse: output {tuple(out.shape)} vs y {tuple(y.shape)}")
+            raise ValueError(f"mse: output {tuple(out.shape)} vs y {tuple(y.shape)} "
+                             "(want the output's shape, or [N] for an output [N, 1])")
         per_sample = F.mse_loss(out.float(), y.float(), reduction="none").reshape(n, -1).mean(1)
         totals.loss_sum += float(per_sample.sum())
         totals.predictions += n

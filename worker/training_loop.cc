@@ -13,6 +13,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "common/job_spec.h"
 #include "common/status.h"
@@ -31,6 +32,13 @@ torch::Tensor FieldTensor(std::vector<uint8_t>& bytes, int64_t size, const Field
   std::vector<int64_t> shape = {size};
   shape.insert(shape.end(), meta.dims.begin(), meta.dims.end());
   return torch::from_blob(bytes.data(), shape, ToScalarType(meta.type));
+}
+
+// The first sample indices of `batch` ("12, 40, 7, ..."), for errors.
+std::string SampleRange(const Batch& batch) {
+  const size_t shown = std::min<size_t>(batch.indices.size(), 4);
+  std::string s = absl::StrJoin(batch.indices.begin(), batch.indices.begin() + shown, ", ");
+  return shown < batch.indices.size() ? absl::StrCat(s, ", ...") : s;
 }
 
 // Samples per evaluation batch: 1000, fewer for large samples (at most ~64 MiB of x).
@@ -539,7 +547,15 @@ absl::Status TrainingLoop::MicroStep(Batch& batch, int k, double* loss_sum) {
   torch::Tensor loss;
   {
     AutocastGuard autocast(autocast_, device_, autocast_dtype_);
-    ASSIGN_OR_RETURN(loss, ComputeLoss(model_.get(), loss_kind_, x, y));
+    absl::StatusOr<torch::Tensor> computed = ComputeLoss(model_.get(), loss_kind_, x, y);
+    // The check before the run saw one batch; a bad sample later (a label out of range) is
+    // found here: say where.
+    if (!computed.ok()) {
+      return Annotate(computed.status(),
+                      absl::StrCat("trainer: step ", step_, " (micro-batch ", k, ", samples ",
+                                   SampleRange(batch), " of ", data_.train->Describe(), ")"));
+    }
+    loss = *std::move(computed);
   }
   if (loss.scalar_type() != torch::kFloat) loss = loss.to(torch::kFloat);
   const double value = loss.item<double>();

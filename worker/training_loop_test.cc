@@ -428,6 +428,26 @@ TEST(TrainingLoopTest, ADatasetWithoutTestFilesTrainsAndSavesWithoutEvaluating) 
   std::fclose(log_file);
 }
 
+// worker/testdata/late_label: sample 6 has label 12 of 10 classes. The check before the run
+// reads the first batch (samples 0-3) only; the step that meets sample 6 fails saying which
+// step and samples.
+TEST(TrainingLoopTest, ABadSampleAfterTheFirstBatchIsPlaced) {
+  TrainerOptions o = Options(4);
+  o.spec.mutable_model()->set_name("torchscript");
+  o.spec.mutable_model()->set_path("worker/testdata/ema_buffer.pt");
+  o.spec.mutable_dataset()->set_name("tensors");
+  o.spec.mutable_dataset()->set_path("worker/testdata/late_label");
+  o.spec.set_batch_size(4);
+  FakeMode mode;
+  std::atomic<bool> stop{false};
+  absl::StatusOr<TrainResult> r = RunTrainingLoop(o, &mode, stop);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+  EXPECT_TRUE(absl::StartsWith(r.status().message(), "trainer: step ")) << r.status();
+  EXPECT_TRUE(absl::StrContains(r.status().message(), "(micro-batch 0, samples ")) << r.status();
+  EXPECT_TRUE(absl::StrContains(r.status().message(), "6")) << r.status();
+  EXPECT_TRUE(absl::StrContains(r.status().message(), "worker/testdata/late_label")) << r.status();
+}
+
 // worker/testdata/resizing_buffer.pt shrinks its buffer `hist` from 4 to 2 elements in
 // place in its third training-mode forward (export_resizing_buffer.py), after the check
 // before the run. Read with the shape the exchange has, it would be read past its end (and

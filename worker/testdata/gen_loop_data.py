@@ -4,16 +4,21 @@
 # (its index):
 #   nan_input/train.pt, test.pt  8 samples; in train.pt sample 5 has a NaN pixel.
 #   train_only/train.pt          the same 8 samples without it, and no test file.
+#   late_label/train.pt          the same 8 samples, sample 6 labelled 12 (out of range for
+#                                10 classes), and no test file.
 # Run with Debian's torch: /usr/bin/python3 worker/testdata/gen_loop_data.py
 import os
 import torch
 
 here = os.path.dirname(__file__)
-for d in ("nan_input", "train_only"):
+for d in ("nan_input", "train_only", "late_label"):
     os.makedirs(os.path.join(here, d), exist_ok=True)
 x = torch.arange(8 * 28 * 28, dtype=torch.float32).div(1000).reshape(8, 1, 28, 28)
 y = torch.arange(8, dtype=torch.int64)
 torch.save({"x": x.clone(), "y": y.clone()}, os.path.join(here, "nan_input", "test.pt"))
 torch.save({"x": x.clone(), "y": y.clone()}, os.path.join(here, "train_only", "train.pt"))
+late = y.clone()
+late[6] = 12
+torch.save({"x": x.clone(), "y": late}, os.path.join(here, "late_label", "train.pt"))
 x[5, 0, 3, 7] = float("nan")
 torch.save({"x": x, "y": y}, os.path.join(here, "nan_input", "train.pt"))
