@@ -750,6 +750,39 @@ TEST(PsServiceTest, ClientGivesUpAfterMaxAttempts) {
   EXPECT_EQ(client->bytes_pushed(), 0);
 }
 
+// 5c. ... but not once the run stops: a call waiting out a backoff against a dead shard
+// (here 5 s, with 400 attempts: what the worker daemon uses) returns CANCELLED within ~50 ms
+// of StopRetrying, and later calls do not retry at all.
+TEST(PsServiceTest, StopRetryingEndsRetriesAgainstADeadShard) {
+  const int port = PickFreePort();
+  ASSERT_NE(port, 0);
+  const std::string addr = absl::StrCat("127.0.0.1:", port);
+  const JobLayout layout = MakeLayout("dead", {Tensor("w", {5})}, 4, 0.5);
+  GrpcParameterClientOptions o = ClientOptions({addr});
+  o.max_attempts = 400;
+  o.initial_backoff = absl::Seconds(5);
+  o.max_backoff = absl::Seconds(5);
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<ParameterClient> client, NewGrpcParameterClient(layout, o));
+  Values v = Zeros(layout);
+  const absl::Time t0 = absl::Now();
+  std::thread stopper([&] {
+    absl::SleepFor(absl::Milliseconds(300));
+    client->StopRetrying();
+  });
+  const absl::Status st = client->Push(1, ConstSpans(v));
+  const absl::Duration took = absl::Now() - t0;
+  stopper.join();
+  EXPECT_TRUE(AbslHas(st, absl::StatusCode::kCancelled,
+                      {"stop requested: not retrying after 1 attempt(s)", addr}))
+      << st;
+  EXPECT_GE(took, absl::Milliseconds(300));
+  EXPECT_LT(took, absl::Seconds(2));
+  const absl::Time t1 = absl::Now();
+  EXPECT_EQ(client->Pull(Spans(v)).code(), absl::StatusCode::kCancelled);
+  EXPECT_LT(absl::Now() - t1, absl::Seconds(2));
+  EXPECT_EQ(client->bytes_pushed(), 0);
+}
+
 // 6. Concurrent pushes from 4 workers through separate clients are all applied exactly.
 TEST_F(TwoShardTest, ConcurrentPushesFromFourWorkersAreAllApplied) {
   constexpr int kWorkers = 4;

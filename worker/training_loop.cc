@@ -898,7 +898,17 @@ absl::StatusOr<TrainResult> TrainingLoop::Run() {
       break;
     }
     StepOutcome outcome;
-    RETURN_IF_ERROR(Step(micro, &outcome));
+    const absl::Status stepped = Step(micro, &outcome);
+    // A stop that found the exchange failing (a shard down) ends its retries with CANCELLED:
+    // the run stops there, its step not done (a resumed rank does it again).
+    if (!stepped.ok() && stop_.load() && absl::IsCancelled(stepped)) {
+      result_.stopped_early = true;
+      LogInfo(log_, "stop_requested",
+              {Kv("job", spec_.name()), Kv("rank", options_.rank), Kv("step", step_),
+               Kv("step_interrupted", stepped.ToString())});
+      break;
+    }
+    RETURN_IF_ERROR(stepped);
     ++step_;
     const Batch* batch = &micro.back();
     epoch_ = static_cast<int32_t>(batch->epoch + 1);

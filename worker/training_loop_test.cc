@@ -448,6 +448,39 @@ TEST(TrainingLoopTest, ABadSampleAfterTheFirstBatchIsPlaced) {
   EXPECT_TRUE(absl::StrContains(r.status().message(), "worker/testdata/late_label")) << r.status();
 }
 
+// A stop that cuts an exchange short (a ps client whose retries against a dead shard end with
+// CANCELLED once the stop is requested) stops the run there, as stopped early: the step is not
+// counted, and the mode still finishes. Any other error, or CANCELLED without a stop, fails.
+class CancelledExchangeMode : public FakeMode {
+ public:
+  std::atomic<bool>* stop = nullptr;  // Set at step 2's exchange when non-null.
+  absl::StatusOr<StepOutcome> Exchange(int64_t step,
+                                       absl::Span<const absl::Span<const float>> grads, double loss,
+                                       const StepTiming& timing) override {
+    if (step < 2) return FakeMode::Exchange(step, grads, loss, timing);
+    calls.push_back(absl::StrCat("cancelled ", step));
+    if (stop != nullptr) stop->store(true);
+    return absl::CancelledError("stop requested: not retrying after 3 attempt(s)");
+  }
+};
+
+TEST(TrainingLoopTest, AnExchangeCutShortByAStopEndsTheRunAsStopped) {
+  TrainerOptions o = Options(5);
+  std::atomic<bool> stop{false};
+  CancelledExchangeMode mode;
+  mode.stop = &stop;
+  ASSERT_OK_AND_ASSIGN(TrainResult r, RunTrainingLoop(o, &mode, stop));
+  EXPECT_TRUE(r.stopped_early);
+  EXPECT_EQ(r.steps, 2);
+  EXPECT_TRUE(mode.finish_saw_stopped);
+  EXPECT_EQ(mode.calls.back(), "finish 2");
+
+  std::atomic<bool> never{false};
+  CancelledExchangeMode without_stop;
+  absl::StatusOr<TrainResult> failed = RunTrainingLoop(o, &without_stop, never);
+  EXPECT_EQ(failed.status().code(), absl::StatusCode::kCancelled) << failed.status();
+}
+
 // worker/testdata/resizing_buffer.pt shrinks its buffer `hist` from 4 to 2 elements in
 // place in its third training-mode forward (export_resizing_buffer.py), after the check
 // before the run. Read with the shape the exchange has, it would be read past its end (and

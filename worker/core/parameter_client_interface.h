@@ -146,6 +146,11 @@ class ParameterClient {
   // Switches the push codec from the next Push on ("" = dense); error-feedback residuals start
   // from zero. InvalidArgument for an unknown codec (nothing changes).
   virtual absl::Status SetPushCodec(const std::string& spec) = 0;
+
+  // The run is stopping (a cancelled job, a daemon shutting down): from now on failures are
+  // not retried (a call waiting to retry returns CANCELLED), so a dead shard cannot hold the
+  // stop for the whole retry budget. Any thread, any time; calls in flight go on.
+  virtual void StopRetrying() {}
 };
 
 }  // namespace gradmesh

@@ -116,6 +116,8 @@ class GrpcParameterClient final : public ParameterClient {
         });
   }
 
+  void StopRetrying() override { stop_retrying_.store(true); }
+
   absl::Status SetPushCodec(const std::string& spec) override {
     std::unique_ptr<Compressor> codec;
     if (!spec.empty() && spec != "identity") {
@@ -743,14 +745,32 @@ class GrpcParameterClient final : public ParameterClient {
       if (attempt >= options_.max_attempts) {
         return Annotate(last, absl::StrCat("gave up after ", attempt, " attempts"));
       }
+      if (Stopping()) return StoppedRetrying(last, attempt);
       LogWarning(
           options_.logger, "rpc_retry",
           {Kv("job", layout_.job), Kv("rpc", what), Kv("attempt", attempt),
            Kv("backoff_ms", absl::ToInt64Milliseconds(backoff)), Kv("error", last.ToString())});
-      absl::SleepFor(backoff);
+      if (!SleepUnlessStopped(backoff)) return StoppedRetrying(last, attempt);
       backoff = std::min(backoff * 2, options_.max_backoff);
       pending = std::move(retry);
     }
+  }
+
+  bool Stopping() const { return stop_retrying_.load(); }
+
+  // Sleeps `d`, waking every 50 ms to look at the stop flag; false if it was set.
+  bool SleepUnlessStopped(absl::Duration d) const {
+    const absl::Time end = absl::Now() + d;
+    for (absl::Time now = absl::Now(); now < end; now = absl::Now()) {
+      if (Stopping()) return false;
+      absl::SleepFor(std::min(end - now, absl::Milliseconds(50)));
+    }
+    return !Stopping();
+  }
+
+  static absl::Status StoppedRetrying(const absl::Status& last, int32_t attempts) {
+    return absl::CancelledError(absl::StrCat("stop requested: not retrying after ", attempts,
+                                             " attempt(s); last error: ", last.ToString()));
   }
 
   // The job's consistency (a mode string only as the shards' InitJob carries it) is sync.
@@ -764,7 +784,8 @@ class GrpcParameterClient final : public ParameterClient {
   const GrpcParameterClientOptions options_;
   const Partition partition_;
   const uint64_t incarnation_;  // High bits of request ids: distinct per client instance.
-  AdaptiveSpin spin_{options_.spin_wait};  // WaitAll: spin first while answers come fast.
+  AdaptiveSpin spin_{options_.spin_wait};   // WaitAll: spin first while answers come fast.
+  std::atomic<bool> stop_retrying_{false};  // StopRetrying: CallAll retries no more.
   std::vector<std::unique_ptr<ParameterService::Stub>> stubs_;
   // Push and Pull go through generic stubs to avoid copying tensor data.
   std::vector<std::unique_ptr<grpc::GenericStub>> generic_stubs_;

@@ -23,7 +23,9 @@
 //
 // Retries: UNAVAILABLE, DEADLINE_EXCEEDED and ABORTED are retried with exponential backoff
 // (bounded and logged); a retried push reuses its request id, so a shard that already applied
-// it acknowledges without applying it again.
+// it acknowledges without applying it again. After StopRetrying (a cancelled job, a daemon
+// shutting down) nothing more is retried: a call whose attempt failed, or that is waiting out
+// a backoff, returns CANCELLED within ~50 ms.
 //
 // Thread safety: all methods may be called concurrently; each call blocks until every shard
 // answered (or retries are exhausted).

@@ -85,6 +85,13 @@ class PsMode : public TrainingMode {
     active_ranks_ = std::move(active_ranks);
     evaluate_ = evaluate;
   }
+  // A cancelled job or a daemon shutting down: the client retries no more (a dead shard
+  // would otherwise hold the rank for its whole retry budget), nor does the final wait.
+  void OnStopRequested() override {
+    absl::MutexLock lock(&stop_mu_);
+    stop_requested_ = true;
+    if (stoppable_ != nullptr) stoppable_->StopRetrying();
+  }
 
  protected:
   // pipeline: 1 (JobSpec.pipeline). Exchange(t) waits for step t-1's exchange, which pulled
@@ -114,7 +121,8 @@ class PsMode : public TrainingMode {
   // or zeros; sets *finite.
   std::vector<absl::Span<const float>> CommitPayload(
       absl::Span<const absl::Span<const float>> grads, bool* finite);
-  // Waits (bounded by options.wait_for_workers) until every worker of the group finished.
+  // Waits (bounded by options.wait_for_workers) until every worker of the group finished;
+  // CANCELLED once a stop is requested.
   absl::Status WaitForWorkers();
   // chunk_bytes 0 (auto): a job the shards already hold (e.g. made by a binary whose default
   // was 1 MiB chunks) keeps its chunking: if the shards that hold it report another
@@ -122,13 +130,19 @@ class PsMode : public TrainingMode {
   // back with that chunking). A job no shard holds keeps `layout`; shards that disagree are
   // FAILED_PRECONDITION.
   absl::Status AdoptStoredChunking(JobLayout layout);
+  // client_ for `layout` (replacing one made before), reachable by OnStopRequested.
+  absl::Status MakeClient(JobLayout layout);
 
   const TrainerOptions& options_;
   const JobSpec& spec_;
   const ParameterClientFactory client_factory_;
   ModelView* model_ = nullptr;
-  std::unique_ptr<ParameterClient> client_;
-  std::optional<AutoCodec> auto_codec_;  // compression.push: auto (worker/auto_codec.h).
+  std::unique_ptr<ParameterClient> client_;  // Set by MakeClient (training thread).
+  std::optional<AutoCodec> auto_codec_;      // compression.push: auto (worker/auto_codec.h).
+  // client_ as OnStopRequested (any thread) may reach it.
+  absl::Mutex stop_mu_;
+  bool stop_requested_ ABSL_GUARDED_BY(stop_mu_) = false;
+  ParameterClient* stoppable_ ABSL_GUARDED_BY(stop_mu_) = nullptr;
 
   absl::Mutex group_mu_;
   std::vector<int32_t> active_ranks_ ABSL_GUARDED_BY(group_mu_);
@@ -222,7 +236,17 @@ absl::Status PsMode::AdoptStoredChunking(JobLayout layout) {
           {Kv("job", spec_.name()), Kv("auto_chunk_elems", layout.chunk_elems),
            Kv("stored_chunk_elems", stored), Kv("from_shard", held_by)});
   layout.chunk_elems = stored;
-  ASSIGN_OR_RETURN(client_, client_factory_(std::move(layout)));
+  return MakeClient(std::move(layout));
+}
+
+absl::Status PsMode::MakeClient(JobLayout layout) {
+  ASSIGN_OR_RETURN(std::unique_ptr<ParameterClient> client, client_factory_(std::move(layout)));
+  {
+    absl::MutexLock lock(&stop_mu_);
+    stoppable_ = client.get();
+    if (stop_requested_) client->StopRetrying();
+  }
+  client_ = std::move(client);  // The one replaced, if any, is no longer reachable.
   return absl::OkStatus();
 }
 
@@ -233,7 +257,7 @@ absl::StatusOr<int64_t> PsMode::Start(ModelView* model, const LoopInfo& info) {
   commit_ = options_.mode == Mode::kSync &&
             (scaling_ || spec_.clip_grad_norm() > 0 || spec_.clip_grad_value() > 0);
   JobLayout layout = Layout(*model, info.total_steps);
-  ASSIGN_OR_RETURN(client_, client_factory_(layout));
+  RETURN_IF_ERROR(MakeClient(layout));
   if (spec_.chunk_bytes() == 0) RETURN_IF_ERROR(AdoptStoredChunking(std::move(layout)));
   if (spec_.compression().push() == "auto") auto_codec_.emplace();
   // Every worker offers the same seeded initial values; the first InitJob wins, the rest see
@@ -487,6 +511,14 @@ absl::Status PsMode::WaitForWorkers() {
       finished += counted && w.finished() ? 1 : 0;
     }
     if (finished == needed) return absl::OkStatus();
+    {
+      absl::MutexLock lock(&stop_mu_);
+      if (stop_requested_) {
+        return absl::CancelledError(absl::StrCat("trainer: stop requested while ", finished, " of ",
+                                                 needed, " workers had finished job ",
+                                                 spec_.name()));
+      }
+    }
     if (absl::Now() > deadline) {
       return absl::DeadlineExceededError(absl::StrCat("trainer: only ", finished, " of ", needed,
                                                       " workers finished job ", spec_.name(),
@@ -497,8 +529,12 @@ absl::Status PsMode::WaitForWorkers() {
 }
 
 absl::StatusOr<bool> PsMode::Finish(int64_t step, TrainResult* result) {
-  // The last step's exchange (also after a stop: its push is acknowledged before we go).
-  if (pipelined_) RETURN_IF_ERROR(DrainPipeline());
+  // The last step's exchange (also after a stop: its push is acknowledged before we go,
+  // unless the stop cut its retries short).
+  if (pipelined_) {
+    const absl::Status drained = DrainPipeline();
+    if (!drained.ok() && !(result->stopped_early && absl::IsCancelled(drained))) return drained;
+  }
   result->bytes_pushed = client_->bytes_pushed();
   result->bytes_pulled = client_->bytes_pulled();
   result->raw_bytes_pushed = client_->raw_bytes_pushed();
