@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <filesystem>
 #include <optional>
 #include <utility>
 #include <vector>
@@ -262,7 +263,27 @@ absl::Status Shard::Restore() {
   if (options_.store == nullptr) return absl::OkStatus();
   ASSIGN_OR_RETURN(std::vector<ShardStore::StoredJob> stored, options_.store->LoadAll());
   for (const ShardStore::StoredJob& s : stored) RETURN_IF_ERROR(RestoreJob(s));
+  WarnOrphanedLogs(stored);
   return absl::OkStatus();
+}
+
+void Shard::WarnOrphanedLogs(const std::vector<ShardStore::StoredJob>& stored) const {
+  // A job's update log without the job in the store: the store lost what named it (its files
+  // damaged or removed by hand). Nothing can replay it; say so rather than start as if the
+  // job never was.
+  std::error_code ec;
+  const std::string root = options_.store->log_root();
+  for (std::filesystem::directory_iterator it(root, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string job = it->path().filename().string();
+    if (!it->is_directory() ||
+        std::any_of(stored.begin(), stored.end(),
+                    [&](const ShardStore::StoredJob& s) { return s.layout.job() == job; })) {
+      continue;
+    }
+    LogWarning(options_.logger, "orphaned_update_log",
+               {Kv("job", job), Kv("path", it->path().string()),
+                Kv("why", "the store has no job of this name: its state cannot be restored")});
+  }
 }
 
 absl::Status Shard::RestoreJob(const ShardStore::StoredJob& s) {

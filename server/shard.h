@@ -206,6 +206,8 @@ class Shard {
   // Logs (durable jobs, unless replaying) and applies an update; records its requests.
   absl::Status ApplyUpdate(Job* job, const ChunkUpdate& update, bool replay);
   absl::Status Restore();
+  // Logs orphaned_update_log for each update log under the store whose job `stored` lacks.
+  void WarnOrphanedLogs(const std::vector<ShardStore::StoredJob>& stored) const;
   absl::Status RestoreJob(const ShardStore::StoredJob& stored);
   // Validates a push completely and turns it into an update of `targets`; gradients that
   // need decoding or realignment live in `scratch`.

@@ -92,9 +92,11 @@ class ShardStore {
   // log does not hold every seq after the snapshot's exactly once, in order.
   absl::StatusOr<std::vector<StoredJob>> LoadAll();
 
+  // Where the jobs' update log files are: <dir>/updates/<job>/ (server/update_log.h).
+  std::string log_root() const;
+
  private:
   ShardStore(std::string dir, Options options, std::unique_ptr<rocksdb::DB> db);
-  std::string log_root() const;
   absl::Status LoadLogFiles(StoredJob* job) const;
 
   const std::string dir_;

@@ -112,25 +112,61 @@ std::string SegmentName(const std::string& dir, int64_t first) {
   return absl::StrFormat("%s/%016x%s", dir, first, kSuffix);
 }
 
-// Appends the records of one segment's bytes to `out`, up to the first torn or garbled frame.
+// The seq of a whole, valid frame header at `head` (at least kHeadBytes), or -1.
+int64_t ValidHeaderSeq(const char* head) {
+  uint32_t magic;
+  uint64_t seq, head_sum;
+  std::memcpy(&magic, head, 4);
+  std::memcpy(&seq, head + 8, 8);
+  std::memcpy(&head_sum, head + 24, 8);
+  if (magic != kMagic || head_sum != Checksum(head, 24)) return -1;
+  return static_cast<int64_t>(seq);
+}
+
+// A segment's records end at the first frame that is not whole and valid. A writer killed
+// mid-write leaves such a frame last: nothing it wrote after it. A valid frame of a later
+// seq beyond it means a frame the writer finished (and acknowledged) was damaged since:
+// DataLoss naming the file and offset rather than replaying without it and what follows.
+absl::Status CheckTornNotDamaged(const std::string& path, const std::string& bytes, size_t at,
+                                 uint64_t next) {
+  for (size_t p = at + 1; p + kHeadBytes <= bytes.size(); ++p) {
+    if (bytes[p] != static_cast<char>(kMagic & 0xff)) continue;  // Quick reject.
+    const int64_t seq = ValidHeaderSeq(bytes.data() + p);
+    // Lower seqs past the end are a reused file's older records.
+    if (seq >= 0 && static_cast<uint64_t>(seq) >= next) {
+      return absl::DataLossError(absl::StrCat(
+          "update log ", path, ": the record at byte ", at, " (seq ", next,
+          ") is damaged, and a valid record follows it (seq ", seq, " at byte ", p,
+          "): the log is corrupt, not torn by a crash; updates it acknowledged would be lost"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Appends the records of one segment's bytes to `out`, up to the first torn frame.
 absl::Status ParseSegment(const std::string& path, int64_t first, const std::string& bytes,
                           std::vector<state::UpdateRecord>* out) {
   size_t at = 0;
   uint64_t next = static_cast<uint64_t>(first);
   while (bytes.size() - at >= kHeadBytes) {
     const char* head = bytes.data() + at;
-    uint32_t magic, size;
-    uint64_t seq, payload_sum, head_sum;
-    std::memcpy(&magic, head, 4);
+    uint32_t size;
+    uint64_t payload_sum;
     std::memcpy(&size, head + 4, 4);
-    std::memcpy(&seq, head + 8, 8);
     std::memcpy(&payload_sum, head + 16, 8);
-    std::memcpy(&head_sum, head + 24, 8);
+    const int64_t seq = ValidHeaderSeq(head);
     // A reused segment holds older records past its end: their seqs are lower.
-    if (magic != kMagic || head_sum != Checksum(head, 24) || seq != next) break;
-    if (bytes.size() - at - kHeadBytes < size) break;
+    if (seq >= 0 && static_cast<uint64_t>(seq) < next) break;
+    if (seq >= 0 && static_cast<uint64_t>(seq) > next) {
+      return absl::DataLossError(absl::StrCat("update log ", path, ": the record at byte ", at,
+                                              " has seq ", seq, " where seq ", next,
+                                              " belongs: records are missing"));
+    }
+    if (seq < 0 || bytes.size() - at - kHeadBytes < size ||
+        payload_sum != Checksum(head + kHeadBytes, size)) {
+      return CheckTornNotDamaged(path, bytes, at, next);
+    }
     const char* payload = head + kHeadBytes;
-    if (payload_sum != Checksum(payload, size)) break;
     state::UpdateRecord rec;
     if (!rec.ParseFromArray(payload, static_cast<int>(size))) {
       return absl::DataLossError(absl::StrCat("update log ", path, ": the record at byte ", at,

@@ -144,14 +144,66 @@ TEST(UpdateLogTest, AReaderStopsAtATornOrGarbledTail) {
     std::filesystem::resize_file(path, cut);
     ExpectRecords(Read(root), rs, 2);
   }
-  // A flipped byte in the second record's gradient ends the segment there.
-  std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
-  std::string bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-  const size_t second = bytes.size() / 2 + 20;
-  f.seekp(static_cast<std::streamoff>(second));
-  f.put(static_cast<char>(bytes[second] ^ 0x10));
-  f.close();
+  // A flipped byte in the last whole record (before the torn one) ends the segment there:
+  // nothing valid follows it.
+  std::filesystem::resize_file(path, size - 1);
+  const uintmax_t third = size - 1 - (size - 1) / 3;
+  {
+    std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+    std::string bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    // The third record's frame header starts two thirds in (three records of equal size).
+    ASSERT_EQ(bytes.substr(third, 4), std::string("LMG1"));
+    f.seekp(static_cast<std::streamoff>(third - 10));
+    f.put(static_cast<char>(bytes[third - 10] ^ 0x10));
+  }
+  std::filesystem::resize_file(path, third);  // The third record gone (never written).
   ExpectRecords(Read(root), rs, 1);
+}
+
+// A damaged record with a valid later record after it is not a torn tail: the writer finished
+// it (and acknowledged it) before writing the next. Reading on would drop it and replay the
+// rest over the gap; reading no further would drop the rest. DataLoss, naming where.
+TEST(UpdateLogTest, ADamagedRecordBeforeValidOnesIsDataLoss) {
+  const std::string root = TempDir();
+  std::vector<std::unique_ptr<TestRecord>> rs;
+  for (int64_t seq = 1; seq <= 3; ++seq) rs.push_back(std::make_unique<TestRecord>(seq, 2, 8, 1));
+  {
+    ASSERT_OK_AND_ASSIGN(auto log, UpdateLog::Open(root, "j", 1, true, false));
+    ASSERT_OK(log->Append(1, Ptrs(rs)));
+  }
+  const std::string path = root + "/j/0000000000000001.log";
+  const uintmax_t size = std::filesystem::file_size(path);
+  const uintmax_t second = size / 3;
+  std::string original;
+  {
+    std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+    original.assign((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    ASSERT_EQ(original.substr(second, 4), std::string("LMG1"));
+    f.seekp(static_cast<std::streamoff>(second + 40));  // In the second record's payload.
+    f.put(static_cast<char>(original[second + 40] ^ 0x10));
+  }
+  std::vector<state::UpdateRecord> out;
+  EXPECT_STATUS_MSG(UpdateLog::ReadSegments(root, "j", &out), absl::StatusCode::kDataLoss,
+                    absl::StrCat("update log ", path, ": the record at byte ", second,
+                                 " (seq 2) is damaged, and a valid record follows it (seq 3 at "
+                                 "byte ",
+                                 2 * size / 3,
+                                 "): the log is corrupt, not torn by a crash; updates it "
+                                 "acknowledged would be lost"));
+  // A frame whose header names a later seq than the one due: records are missing.
+  {
+    std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+    f.write(original.data(), static_cast<std::streamsize>(original.size()));
+  }
+  std::filesystem::resize_file(path, second);
+  {
+    std::ofstream f(path, std::ios::app | std::ios::binary);
+    f.write(original.data() + 2 * size / 3, static_cast<std::streamsize>(size / 3));
+  }
+  out.clear();
+  EXPECT_STATUS_MSG(UpdateLog::ReadSegments(root, "j", &out), absl::StatusCode::kDataLoss,
+                    absl::StrCat("update log ", path, ": the record at byte ", second,
+                                 " has seq 3 where seq 2 belongs: records are missing"));
 }
 
 TEST(UpdateLogTest, RotateDeletesTheSegmentsASnapshotCovers) {
