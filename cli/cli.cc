@@ -124,7 +124,8 @@ class WatchPrinter {
       last_rate_ = job.progress().samples_per_s();
     }
     if (IsFinalState(job.state())) {
-      // Workers that are done report no rate any more: show the last one measured.
+      // A finished job's figure sums its ranks' whole-run rates; a coordinator from before
+      // that (or a job that failed) reports none: show the last one measured.
       JobStatus shown = job;
       if (!(shown.progress().samples_per_s() > 0)) {
         shown.mutable_progress()->set_samples_per_s(last_rate_);

@@ -480,7 +480,12 @@ void Coordinator::RefreshLocked(JobEntry* job) {
     const WorkerPlacement& w = st->workers(i);
     const coordinator_state::RankRecord& rr = r.ranks(i);
     total = std::max(total, rr.total_steps());
-    if (job->rank_states[i] == TaskState::kRunning) samples += rr.samples_per_s();
+    // Running ranks' current rates; a succeeded rank's is its whole run's, so a finished job
+    // shows the rate it trained at rather than 0.
+    if (job->rank_states[i] == TaskState::kRunning ||
+        job->rank_states[i] == TaskState::kSucceeded) {
+      samples += rr.samples_per_s();
+    }
     if (rr.reported()) {
       loss += rr.loss();
       ++with_loss;

@@ -431,10 +431,15 @@ TEST_F(CoordinatorTest, ReportsDriveStateAndProgress) {
   EXPECT_EQ(Get("j").state(), RUNNING);
   EXPECT_EQ(Get("j").workers(0).step(), 10);
 
-  // Rank 1 finishes: no longer in w1's task list; rank 0 evaluates and finishes.
-  EXPECT_EQ(Beat("w1", {Report("j", 1, "succeeded", 100)}).tasks_size(), 0);
+  // Rank 1 finishes: no longer in w1's task list; rank 0 evaluates and finishes. A succeeded
+  // rank's report carries its whole run's rate, which the job's figure keeps counting.
+  TaskReport done1 = Report("j", 1, "succeeded", 100);
+  done1.set_samples_per_s(40);
+  EXPECT_EQ(Beat("w1", {done1}).tasks_size(), 0);
   EXPECT_EQ(Get("j").state(), RUNNING);
+  EXPECT_DOUBLE_EQ(Get("j").progress().samples_per_s(), 140);  // Rank 0 still at 100.
   TaskReport done = Report("j", 0, "succeeded", 100);
+  done.set_samples_per_s(90);
   done.set_accuracy(0.97);
   done.set_test_loss(1.25);
   done.set_perplexity(3.49);
@@ -446,7 +451,7 @@ TEST_F(CoordinatorTest, ReportsDriveStateAndProgress) {
   EXPECT_DOUBLE_EQ(st.progress().perplexity(), 3.49);
   EXPECT_EQ(st.progress().step(), 100);
   EXPECT_EQ(st.progress().eta_s(), 0);
-  EXPECT_EQ(st.progress().samples_per_s(), 0);
+  EXPECT_DOUBLE_EQ(st.progress().samples_per_s(), 130);
   // The shard keeps serving the finished job (export pulls the model from it).
   HeartbeatResponse s = Beat("s0");
   ASSERT_EQ(s.tasks_size(), 1);

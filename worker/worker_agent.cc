@@ -198,6 +198,9 @@ void WorkerAgent::Execute(Run* run) {
       run->report.set_state("stopped");
     } else {
       run->report.set_state("succeeded");
+      // The whole run's rate: the job's final figure sums these (a short run may have ended
+      // before any progress line reported one).
+      run->report.set_samples_per_s(result->samples_per_s);
       if (result->test_accuracy >= 0) run->report.set_accuracy(result->test_accuracy);
       if (result->test_loss >= 0) {
         run->report.set_test_loss(result->test_loss);
