@@ -20,6 +20,7 @@
 #include "common/job_name.h"
 #include "common/job_spec.h"
 #include "common/status.h"
+#include "compression/compressor.h"
 #include "google/protobuf/util/json_util.h"
 #include "rpc/auth.h"
 #include "rpc/tls.h"
@@ -280,7 +281,9 @@ int RunSubmit(Session& s) {
   // real, with its own number of servers.
   JobSpec checked = *spec;
   ApplyJobSpecDefaults(/*num_servers=*/0, &checked);
-  if (absl::Status st = ValidateJobSpec(checked); !st.ok()) {
+  absl::Status st = ValidateJobSpec(checked);
+  if (st.ok()) st = ValidatePushCodec(checked.compression().push());
+  if (!st.ok()) {
     s.err() << "error: " << path << ": " << st.message() << "\n";
     return kExitUsage;
   }

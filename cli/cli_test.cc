@@ -260,6 +260,16 @@ TEST_F(CliTest, SubmitRejectsBadSpecsBeforeAnyCall) {
   r = Run({"submit", dir_ + "/missing.yaml"});
   EXPECT_EQ(r.code, kExitUsage);
   EXPECT_EQ(r.err, absl::StrCat("error: cannot read job spec file ", dir_, "/missing.yaml\n"));
+  // Push codecs are checked against the codecs here too, as the coordinator checks them.
+  for (const char* codec : {"topk:1.5", "qsgd:0", "+fp16", "zip"}) {
+    r = Run({"submit", WriteFile("codec.yaml",
+                                 absl::StrCat("name: x\ncompression: {push: \"", codec, "\"}\n"))});
+    EXPECT_EQ(r.code, kExitUsage) << codec;
+    EXPECT_TRUE(absl::StartsWith(
+        r.err,
+        absl::StrCat("error: ", dir_, "/codec.yaml: job spec: compression.push: \"", codec, "\" ")))
+        << r.err;
+  }
   EXPECT_EQ(fake().calls(), 0);
 }
 

@@ -788,4 +788,14 @@ absl::StatusOr<std::unique_ptr<Compressor>> CompressorRegistry::Create(
   return codecs[0]->ComposeWith(*codecs[1]);
 }
 
+absl::Status ValidatePushCodec(const std::string& push) {
+  if (push.empty() || push == "auto") return absl::OkStatus();
+  absl::StatusOr<std::unique_ptr<Compressor>> c = CompressorRegistry::WithBuiltins().Create(push);
+  if (!c.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("job spec: compression.push: \"", push, "\" ", c.status().message()));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace gradmesh

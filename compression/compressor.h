@@ -142,6 +142,12 @@ class CompressorRegistry {
   NamedRegistry<Factory> factories_{"codec"};
 };
 
+// A job spec's compression.push checked against the built-in codecs (ValidateJobSpec, in
+// common/, cannot link them): OK for "" (dense) and "auto" (the worker's choice), otherwise
+// InvalidArgument "job spec: compression.push: \"<spec>\" <why>" when Create refuses it. The
+// CLI checks it before submitting, the coordinator when it takes the job.
+absl::Status ValidatePushCodec(const std::string& push);
+
 }  // namespace gradmesh
 
 #endif  // GRADMESH_COMPRESSION_COMPRESSOR_H_

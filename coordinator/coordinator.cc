@@ -38,19 +38,6 @@ std::string RandomHex(int bytes) {
 
 std::string RoleName(NodeRole role) { return NodeRole_Name(role); }
 
-// compression.push names a codec of the registry (ValidateJobSpec, in common/, cannot link
-// it); "" and "auto" (the worker's choice) are not codecs.
-absl::Status ValidatePushCodec(const JobSpec& spec) {
-  const std::string& push = spec.compression().push();
-  if (push.empty() || push == "auto") return absl::OkStatus();
-  absl::StatusOr<std::unique_ptr<Compressor>> c = CompressorRegistry::WithBuiltins().Create(push);
-  if (!c.ok()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("job spec: compression.push: \"", push, "\" ", c.status().message()));
-  }
-  return absl::OkStatus();
-}
-
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
@@ -1093,7 +1080,7 @@ absl::StatusOr<JobStatus> Coordinator::SubmitJob(const SubmitJobRequest& request
   }
   ApplyJobSpecDefaults(alive_servers, &spec);
   RETURN_IF_ERROR(ValidateJobSpec(spec));
-  RETURN_IF_ERROR(ValidatePushCodec(spec));
+  RETURN_IF_ERROR(ValidatePushCodec(spec.compression().push()));
   const std::string id = spec.name();
   auto existing_it = jobs_.find(id);
   const JobEntry* existing = existing_it == jobs_.end() ? nullptr : &existing_it->second;
