@@ -4,6 +4,7 @@
 #include <grpcpp/client_context.h>
 #include <grpcpp/server_context.h>
 
+#include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <sstream>
@@ -14,6 +15,11 @@
 namespace gradmesh {
 
 absl::StatusOr<std::string> ReadTokenFile(const std::string& path) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("token file ", path, " is a directory; name the file holding the token"));
+  }
   std::ifstream in(path, std::ios::binary);
   if (!in) return absl::NotFoundError(absl::StrCat("cannot read token file ", path));
   std::stringstream ss;

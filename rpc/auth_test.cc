@@ -41,6 +41,12 @@ TEST(ReadTokenFileTest, MissingFileIsNotFound) {
                     "cannot read token file /nonexistent/dir/token");
 }
 
+TEST(ReadTokenFileTest, ADirectoryIsNamedAsOne) {
+  const std::string dir = std::string(::testing::TempDir());
+  EXPECT_STATUS_MSG(ReadTokenFile(dir), absl::StatusCode::kInvalidArgument,
+                    "token file " + dir + " is a directory; name the file holding the token");
+}
+
 TEST(ConstantTimeEqualsTest, ComparesContentAndLength) {
   EXPECT_TRUE(ConstantTimeEquals("abc", "abc"));
   EXPECT_TRUE(ConstantTimeEquals("", ""));
