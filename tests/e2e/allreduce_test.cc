@@ -8,13 +8,16 @@
 //   * 2 workers x 2 micro-batches of 16, clip_grad_norm 0.5 = one process with batch 64
 //     clipped by torch::nn::utils::clip_grad_norm_ (to 1e-5);
 //   * checkpoints every 20 steps; a run stopped (SIGTERM) at step >= 40 resumes from the
-//     common checkpoint and ends equal to an uninterrupted run.
+//     common checkpoint and ends equal to an uninterrupted run, also when rank 1 comes back
+//     without its checkpoint files (rank 0 sends it its newest).
 #include <signal.h>
 #include <torch/torch.h>
 
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
@@ -416,6 +419,56 @@ TEST_F(AllreduceTest, ResumesFromCheckpointsToTheSameResult) {
                                  LoadSaved(straight, m->ParameterNames()));
   std::cout << "resumed at step " << first << ": max rel. difference " << err << "\n";
   EXPECT_EQ(err, 0) << "a resumed run must redo exactly the same steps";
+}
+
+// A rank that comes back without its checkpoint files (moved to another node, or its disk
+// lost): no step is common, so rank 0 sends it its newest checkpoint, and the run still ends
+// exactly where an uninterrupted one does.
+TEST_F(AllreduceTest, ARankWithoutCheckpointsIsSentThem) {
+  if (!HaveMnist()) GTEST_SKIP() << "MNIST files not found under " << DataDir() << "/mnist";
+  const std::string job = WriteYaml("moved", kCheckpointJob);
+  const std::string straight = dir_ + "/straight.pt", resumed = dir_ + "/resumed.pt";
+  {
+    auto w = StartRanks(job, Peers(2), 2,
+                        {"--output=" + straight, "--checkpoint_dir=" + dir_ + "/ck-straight"}, "s");
+    ASSERT_EQ(WaitAll(Ptrs(w), absl::Minutes(3)), (std::vector<int>{0, 0}));
+  }
+  const std::string peers = Peers(2);
+  {
+    auto w =
+        StartRanks(job, peers, 2, {"--step_delay_ms=20", "--checkpoint_dir=" + dir_ + "/ck"}, "a");
+    ASSERT_TRUE(WaitForLog(
+        w[0].get(), [](const std::string& log) { return LastProgressStep(log) >= 50; },
+        absl::Minutes(2)));
+    ASSERT_OK(w[0]->Signal(SIGTERM));
+    ASSERT_EQ(WaitAll(Ptrs(w), absl::Seconds(30)), (std::vector<int>{0, 0}));
+  }
+  // Rank 1's files are gone (the job's name is e2e-allreduce-ckpt).
+  int removed = 0;
+  for (const auto& e : std::filesystem::directory_iterator(dir_ + "/ck/e2e-allreduce-ckpt")) {
+    if (absl::StartsWith(e.path().filename().string(), "rank-1.")) {
+      std::filesystem::remove(e.path());
+      ++removed;
+    }
+  }
+  ASSERT_GE(removed, 1);
+  auto w =
+      StartRanks(job, peers, 2, {"--output=" + resumed, "--checkpoint_dir=" + dir_ + "/ck"}, "b");
+  ASSERT_EQ(WaitAll(Ptrs(w), absl::Minutes(3)), (std::vector<int>{0, 0}));
+  const std::string log1 = ReadFile(w[1]->log_path());
+  const std::vector<std::string> resuming = testutil::LinesWith(log1, "event=resuming");
+  ASSERT_EQ(resuming.size(), 1u) << log1;
+  EXPECT_EQ(LogField(resuming[0], "checkpoint_from_rank"), "0") << resuming[0];
+  const int64_t first = ToInt(LogField(DoneLine(log1), "first_step"));
+  EXPECT_GE(first, 40);
+  EXPECT_EQ(first % 20, 0);
+  ModelSpec spec;
+  spec.set_name("mlp");
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Model> m, CreateModel(spec, 1));
+  const double err = MaxRelError(LoadSaved(resumed, m->ParameterNames()),
+                                 LoadSaved(straight, m->ParameterNames()));
+  std::cout << "rank 1 sent step " << first << ": max rel. difference " << err << "\n";
+  EXPECT_EQ(err, 0) << "the sent checkpoint must be rank 0's exactly (with Adam's slots)";
 }
 
 }  // namespace

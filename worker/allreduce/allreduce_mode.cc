@@ -59,8 +59,14 @@ class AllreduceMode : public TrainingMode {
   // What every rank must agree on before the first collective.
   std::string Fingerprint() const;
   absl::Status Handshake();
-  // The newest checkpoint step every rank has (0: none), restored into the model and slots.
+  // The step the ranks resume at (checkpoint.h PlanResume; 0: none), restored into the model
+  // and slots: from each rank's own file, or sent by the rank holding it to those without.
   absl::StatusOr<int64_t> Resume();
+  // Every array of `c` has the size this rank's model and optimizer give it.
+  bool Matches(const RankCheckpoint& c) const;
+  // The source's checkpoint `from` (null on the other ranks) on every rank: an all-reduce sum
+  // of it against zeros (exact: x + 0 = x).
+  absl::StatusOr<RankCheckpoint> Receive(int64_t step, const RankCheckpoint* from);
 
   const TrainerOptions& options_;
   const JobSpec& spec_;
@@ -113,12 +119,33 @@ absl::Status AllreduceMode::Handshake() {
   return absl::OkStatus();
 }
 
+bool AllreduceMode::Matches(const RankCheckpoint& c) const {
+  const std::vector<absl::Span<const float>> mine = updater_->CheckpointArrays();
+  if (c.arrays.size() != mine.size()) return false;
+  for (size_t a = 0; a < mine.size(); ++a) {
+    if (c.arrays[a].size() != mine[a].size()) return false;
+  }
+  return true;
+}
+
+absl::StatusOr<RankCheckpoint> AllreduceMode::Receive(int64_t step, const RankCheckpoint* from) {
+  RankCheckpoint got;
+  got.step = step;
+  for (absl::Span<const float> a : updater_->CheckpointArrays()) got.arrays.emplace_back(a.size());
+  if (from != nullptr) got.arrays = from->arrays;  // Matches(): the same sizes.
+  for (std::vector<float>& a : got.arrays) {
+    RETURN_IF_ERROR(
+        Annotate(collective_->AllreduceSum(absl::MakeSpan(a)), "allreduce: sending a checkpoint"));
+  }
+  return got;
+}
+
 absl::StatusOr<int64_t> AllreduceMode::Resume() {
   if (spec_.checkpoint().every_steps() <= 0) return 0;
   std::vector<RankCheckpoint> available = ReadAvailableCheckpoints(checkpoint_path_);
   std::string mine;
   for (const RankCheckpoint& c : available) {
-    if (!updater_->Fits(c)) continue;  // Another model.
+    if (!Matches(c)) continue;  // Another model.
     absl::StrAppend(&mine, mine.empty() ? "" : ",", c.step);
   }
   absl::StatusOr<std::vector<std::string>> gathered = collective_->Allgather(mine);
@@ -130,18 +157,28 @@ absl::StatusOr<int64_t> AllreduceMode::Resume() {
       if (absl::SimpleAtoi(s, &v)) steps[r].push_back(v);
     }
   }
-  ASSIGN_OR_RETURN(const int64_t first_step, ResumeStep(steps));
-  if (first_step == 0) return 0;
+  const ResumePlan plan = PlanResume(steps);
+  if (plan.step == 0) return 0;
   const RankCheckpoint* use = nullptr;
   for (const RankCheckpoint& c : available) {
-    if (c.step == first_step) use = &c;
+    if (c.step == plan.step && Matches(c)) use = &c;
+  }
+  RankCheckpoint received;
+  if (plan.source >= 0) {
+    // No step in common: the newest one travels from the rank holding it.
+    if (options_.rank == plan.source && use == nullptr) {
+      return absl::InternalError("allreduce: the checkpoint to send vanished");
+    }
+    ASSIGN_OR_RETURN(received, Receive(plan.step, options_.rank == plan.source ? use : nullptr));
+    use = &received;
   }
   if (use == nullptr) return absl::InternalError("allreduce: chosen checkpoint vanished");
   RETURN_IF_ERROR(updater_->Restore(*use, checkpoint_path_));
-  LogInfo(options_.logger, "resuming",
-          {Kv("job", spec_.name()), Kv("rank", options_.rank), Kv("step", first_step),
-           Kv("checkpoint", checkpoint_path_)});
-  return first_step;
+  std::vector<LogField> f = {Kv("job", spec_.name()), Kv("rank", options_.rank),
+                             Kv("step", plan.step), Kv("checkpoint", checkpoint_path_)};
+  if (plan.source >= 0) f.push_back(Kv("checkpoint_from_rank", plan.source));
+  LogInfo(options_.logger, "resuming", f);
+  return plan.step;
 }
 
 absl::StatusOr<int64_t> AllreduceMode::Start(ModelView* model, const LoopInfo& info) {

@@ -8,7 +8,6 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
 #include "common/checkpoint.h"
 #include "common/status.h"
 
@@ -149,12 +148,15 @@ std::vector<RankCheckpointInfo> ListAvailableCheckpoints(const std::string& path
   return out;
 }
 
-absl::StatusOr<int64_t> ResumeStep(const std::vector<std::vector<int64_t>>& steps_per_rank) {
-  bool any = false;
+ResumePlan PlanResume(const std::vector<std::vector<int64_t>>& steps_per_rank) {
   std::set<int64_t> common;
+  ResumePlan newest;
   for (size_t r = 0; r < steps_per_rank.size(); ++r) {
     const std::set<int64_t> mine(steps_per_rank[r].begin(), steps_per_rank[r].end());
-    any = any || !mine.empty();
+    if (!mine.empty() && *mine.rbegin() > newest.step) {
+      newest.step = *mine.rbegin();
+      newest.source = static_cast<int>(r);
+    }
     if (r == 0) {
       common = mine;
     } else {
@@ -164,17 +166,8 @@ absl::StatusOr<int64_t> ResumeStep(const std::vector<std::vector<int64_t>>& step
       common = std::move(both);
     }
   }
-  if (!any) return 0;
-  if (common.empty()) {
-    std::vector<std::string> parts;
-    for (size_t r = 0; r < steps_per_rank.size(); ++r) {
-      parts.push_back(absl::StrCat("rank ", r, ": [", absl::StrJoin(steps_per_rank[r], ","), "]"));
-    }
-    return absl::FailedPreconditionError(absl::StrCat(
-        "allreduce checkpoints: the ranks have no checkpoint step in common (",
-        absl::StrJoin(parts, "; "), "); remove the checkpoint directory to start over"));
-  }
-  return *common.rbegin();
+  if (!common.empty()) return ResumePlan{*common.rbegin(), -1};
+  return newest;  // {0, -1} when no rank has any.
 }
 
 }  // namespace gradmesh

@@ -7,7 +7,7 @@
 // directory is written and fsynced, the old <path> (when it is a valid checkpoint) is renamed
 // to rank-<r>.ckpt.prev, the new one renamed over <path>, the directory fsynced. So a crash
 // at any point leaves the newest complete checkpoint, and the one before it, readable
-// (ResumeStep uses both when ranks stopped between their checkpoints of one step).
+// (PlanResume uses both when ranks stopped between their checkpoints of one step).
 //
 // Files of the old allreduce format (before common/checkpoint: little-endian "GMARCKP1", u64
 // step, u32 count, per array u64 length and the floats, u32 CRC-32 of the rest) are still
@@ -54,10 +54,16 @@ struct RankCheckpointInfo {
 };
 std::vector<RankCheckpointInfo> ListAvailableCheckpoints(const std::string& path);
 
-// Given the steps every rank has checkpoints for (per rank, any order), the largest step
-// all ranks have, or 0 when no rank has any. FAILED_PRECONDITION listing every rank's steps
-// when some rank has checkpoints but no step is common (the ranks cannot resume together).
-absl::StatusOr<int64_t> ResumeStep(const std::vector<std::vector<int64_t>>& steps_per_rank);
+// Where the ranks resume, given the steps each has checkpoints for (per rank, any order):
+// the largest step all ranks have (each restores its own file), or, when no step is common
+// (a rank moved to a node without its files, or whose files were lost), the newest step any
+// rank has, which `source`, the lowest rank holding it, sends to the others (every replica of
+// an allreduce job holds the same model and optimizer state). Step 0: no rank has any.
+struct ResumePlan {
+  int64_t step = 0;
+  int source = -1;  // -1: every rank has `step`.
+};
+ResumePlan PlanResume(const std::vector<std::vector<int64_t>>& steps_per_rank);
 
 }  // namespace gradmesh
 

@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <fstream>
 #include <iterator>
+#include <utility>
 
 #include "common/checkpoint.h"
 #include "common/safe_path.h"
@@ -162,16 +163,20 @@ TEST(CheckpointTest, RefusesGossipCheckpoints) {
                     "array 'a0' is int64; allreduce checkpoints hold float32");
 }
 
-TEST(ResumeStepTest, NewestCommonStepOrAClearError) {
-  ASSERT_OK_AND_ASSIGN(int64_t none, ResumeStep({{}, {}, {}}));
-  EXPECT_EQ(none, 0);
-  ASSERT_OK_AND_ASSIGN(int64_t same, ResumeStep({{200, 100}, {200, 100}}));
-  EXPECT_EQ(same, 200);
+TEST(PlanResumeTest, NewestCommonStepOrTheNewestOneSent) {
+  auto plan = [](const std::vector<std::vector<int64_t>>& steps) {
+    const ResumePlan p = PlanResume(steps);
+    return std::make_pair(p.step, p.source);
+  };
+  EXPECT_EQ(plan({{}, {}, {}}), std::make_pair(int64_t{0}, -1));
+  EXPECT_EQ(plan({{200, 100}, {200, 100}}), std::make_pair(int64_t{200}, -1));
   // Rank 1 died between its step-300 and rank 0's: both still have 200.
-  ASSERT_OK_AND_ASSIGN(int64_t older, ResumeStep({{300, 200}, {200, 100}}));
-  EXPECT_EQ(older, 200);
-  EXPECT_STATUS_MSG(ResumeStep({{300, 200}, {}}).status(), absl::StatusCode::kFailedPrecondition,
-                    "no checkpoint step in common (rank 0: [300,200]; rank 1: [])");
+  EXPECT_EQ(plan({{300, 200}, {200, 100}}), std::make_pair(int64_t{200}, -1));
+  // Rank 1 moved to a node without its files: rank 0 sends it step 300.
+  EXPECT_EQ(plan({{300, 200}, {}}), std::make_pair(int64_t{300}, 0));
+  // Nothing in common: the newest step anywhere, from the lowest rank holding it.
+  EXPECT_EQ(plan({{100}, {300, 200}, {300}}), std::make_pair(int64_t{300}, 1));
+  EXPECT_EQ(plan({{}, {}, {400}}), std::make_pair(int64_t{400}, 2));
 }
 
 }  // namespace
