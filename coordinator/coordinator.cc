@@ -462,17 +462,19 @@ void Coordinator::RefreshLocked(JobEntry* job) {
   JobProgress* p = st->mutable_progress();
   int64_t step = -1, total = 0, checkpoint = -2;
   int epoch = 0, with_loss = 0;
-  double loss = 0, samples = 0;
+  double loss = 0, samples = 0, finished_samples = 0;
+  bool running = false;
   for (int i = 0; i < n; ++i) {
     const WorkerPlacement& w = st->workers(i);
     const coordinator_state::RankRecord& rr = r.ranks(i);
     total = std::max(total, rr.total_steps());
-    // Running ranks' current rates; a succeeded rank's is its whole run's, so a finished job
-    // shows the rate it trained at rather than 0.
-    if (job->rank_states[i] == TaskState::kRunning ||
-        job->rank_states[i] == TaskState::kSucceeded) {
+    // Running ranks' current rates; once none runs, the succeeded ranks' whole-run rates, so
+    // a finished job shows the rate it trained at rather than 0.
+    if (job->rank_states[i] == TaskState::kRunning) {
       samples += rr.samples_per_s();
+      running = true;
     }
+    if (job->rank_states[i] == TaskState::kSucceeded) finished_samples += rr.samples_per_s();
     if (rr.reported()) {
       loss += rr.loss();
       ++with_loss;
@@ -511,7 +513,7 @@ void Coordinator::RefreshLocked(JobEntry* job) {
   p->set_epoch(epoch);
   p->set_epochs(st->spec().epochs());
   p->set_loss(with_loss > 0 ? loss / with_loss : 0);
-  p->set_samples_per_s(samples);
+  p->set_samples_per_s(running ? samples : finished_samples);
   // Rank 0 evaluates (the lowest rank still in a re-formed sync group if rank 0 is out).
   double accuracy = -1;
   for (int i = 0; i < n && accuracy < 0; ++i) accuracy = r.ranks(i).accuracy();

@@ -432,12 +432,12 @@ TEST_F(CoordinatorTest, ReportsDriveStateAndProgress) {
   EXPECT_EQ(Get("j").workers(0).step(), 10);
 
   // Rank 1 finishes: no longer in w1's task list; rank 0 evaluates and finishes. A succeeded
-  // rank's report carries its whole run's rate, which the job's figure keeps counting.
+  // rank's report carries its whole run's rate; once no rank runs, the job's figure sums them.
   TaskReport done1 = Report("j", 1, "succeeded", 100);
   done1.set_samples_per_s(40);
   EXPECT_EQ(Beat("w1", {done1}).tasks_size(), 0);
   EXPECT_EQ(Get("j").state(), RUNNING);
-  EXPECT_DOUBLE_EQ(Get("j").progress().samples_per_s(), 140);  // Rank 0 still at 100.
+  EXPECT_DOUBLE_EQ(Get("j").progress().samples_per_s(), 100);  // Rank 0's, still running.
   TaskReport done = Report("j", 0, "succeeded", 100);
   done.set_samples_per_s(90);
   done.set_accuracy(0.97);

@@ -275,7 +275,8 @@ void Shard::WarnOrphanedLogs(const std::vector<ShardStore::StoredJob>& stored) c
   const std::string root = options_.store->log_root();
   for (std::filesystem::directory_iterator it(root, ec), end; !ec && it != end; it.increment(ec)) {
     const std::string job = it->path().filename().string();
-    if (!it->is_directory() ||
+    std::error_code dir_ec;
+    if (!it->is_directory(dir_ec) ||
         std::any_of(stored.begin(), stored.end(),
                     [&](const ShardStore::StoredJob& s) { return s.layout.job() == job; })) {
       continue;

@@ -42,10 +42,10 @@ absl::StatusOr<std::unique_ptr<ShardStore>> ShardStore::Open(const std::string& 
   o.compression = rocksdb::kNoCompression;  // Float data barely compresses.
   o.write_buffer_size = 64 << 20;
   // A write-ahead log cut short by a crash (its last record torn) is recovered up to the tear;
-  // one damaged elsewhere, or missing, is an error at open. RocksDB's default recovery stops
-  // at the first damage without a word, and the jobs written after it would be forgotten.
+  // one damaged elsewhere is an error at open. RocksDB's default recovery stops at the first
+  // damage without a word, and the jobs written after it would be forgotten. (A log file
+  // removed is not noticed here: Shard::Restore reports the update logs it leaves orphaned.)
   o.wal_recovery_mode = rocksdb::WALRecoveryMode::kTolerateCorruptedTailRecords;
-  o.track_and_verify_wals_in_manifest = true;
   rocksdb::DB* raw = nullptr;
   rocksdb::Status s = rocksdb::DB::Open(o, dir, &raw);
   if (!s.ok()) {

@@ -132,13 +132,23 @@ absl::Status CheckTornNotDamaged(const std::string& path, const std::string& byt
   for (size_t p = at + 1; p + kHeadBytes <= bytes.size(); ++p) {
     if (bytes[p] != static_cast<char>(kMagic & 0xff)) continue;  // Quick reject.
     const int64_t seq = ValidHeaderSeq(bytes.data() + p);
-    // Lower seqs past the end are a reused file's older records.
-    if (seq >= 0 && static_cast<uint64_t>(seq) >= next) {
-      return absl::DataLossError(absl::StrCat(
-          "update log ", path, ": the record at byte ", at, " (seq ", next,
-          ") is damaged, and a valid record follows it (seq ", seq, " at byte ", p,
-          "): the log is corrupt, not torn by a crash; updates it acknowledged would be lost"));
+    // Lower seqs past the end are a reused file's older records; a frame that is not whole
+    // (a reused file's own torn one) proves nothing.
+    if (seq < 0 || static_cast<uint64_t>(seq) < next) continue;
+    uint32_t size;
+    uint64_t payload_sum;
+    std::memcpy(&size, bytes.data() + p + 4, 4);
+    std::memcpy(&payload_sum, bytes.data() + p + 16, 8);
+    if (bytes.size() - p - kHeadBytes < size ||
+        payload_sum != Checksum(bytes.data() + p + kHeadBytes, size)) {
+      continue;
     }
+    return absl::DataLossError(absl::StrCat(
+        "update log ", path, ": the record at byte ", at, " (seq ", next,
+        ") is damaged, and a whole record follows it (seq ", seq, " at byte ", p,
+        "): the log is corrupt, not torn by a crash; updates it acknowledged would be lost (to "
+        "accept that loss, truncate the file to ",
+        at, " bytes)"));
   }
   return absl::OkStatus();
 }

@@ -185,11 +185,19 @@ TEST(UpdateLogTest, ADamagedRecordBeforeValidOnesIsDataLoss) {
   std::vector<state::UpdateRecord> out;
   EXPECT_STATUS_MSG(UpdateLog::ReadSegments(root, "j", &out), absl::StatusCode::kDataLoss,
                     absl::StrCat("update log ", path, ": the record at byte ", second,
-                                 " (seq 2) is damaged, and a valid record follows it (seq 3 at "
+                                 " (seq 2) is damaged, and a whole record follows it (seq 3 at "
                                  "byte ",
                                  2 * size / 3,
                                  "): the log is corrupt, not torn by a crash; updates it "
-                                 "acknowledged would be lost"));
+                                 "acknowledged would be lost (to accept that loss, truncate the "
+                                 "file to ",
+                                 second, " bytes)"));
+  // The third record cut short too (a crash tore it): nothing whole follows the damage, so
+  // the segment ends before it, as at a torn tail.
+  std::filesystem::resize_file(path, size - 5);
+  out.clear();
+  ASSERT_OK(UpdateLog::ReadSegments(root, "j", &out));
+  EXPECT_EQ(out.size(), 1u);
   // A frame whose header names a later seq than the one due: records are missing.
   {
     std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);

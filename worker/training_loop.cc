@@ -149,6 +149,9 @@ class TrainingLoop {
 
   absl::StatusOr<TrainResult> Run();
   int64_t step() const { return step_; }
+  // `st` is the CANCELLED of a stop that cut a mode's calls short (ParameterClient::
+  // StopRetrying): the run ends as stopped, not failed.
+  bool StoppedBy(const absl::Status& st) const { return absl::IsCancelled(st) && stop_.load(); }
 
  private:
   absl::Status Setup();
@@ -321,6 +324,7 @@ absl::Span<const float> TrainingLoop::GradOut(int i, const torch::Tensor& grad) 
 }
 
 absl::StatusOr<std::vector<torch::Tensor>> TrainingLoop::CurrentBuffers() const {
+  if (mirrors_.empty()) return std::vector<torch::Tensor>();
   std::vector<torch::Tensor> now = model_->Buffers();
   for (size_t i = 0; i < now.size() && i < mirrors_.size(); ++i) {
     const std::string& name = view_.names[view_.num_params + i];
@@ -873,7 +877,13 @@ absl::Status TrainingLoop::EvaluateTestSet() {
 }
 
 absl::StatusOr<TrainResult> TrainingLoop::Run() {
-  RETURN_IF_ERROR(Setup());
+  // A stop that cut the start's calls short (a shard down while the rank connects) ends the
+  // run as stopped, not failed: the rank can move and start again.
+  if (absl::Status setup = Setup(); !setup.ok()) {
+    if (!StoppedBy(setup)) return setup;
+    result_.stopped_early = true;
+    return result_;
+  }
   LogStart();
   model_->SetTraining(true);
   const absl::Time start = absl::Now();
@@ -901,7 +911,7 @@ absl::StatusOr<TrainResult> TrainingLoop::Run() {
     const absl::Status stepped = Step(micro, &outcome);
     // A stop that found the exchange failing (a shard down) ends its retries with CANCELLED:
     // the run stops there, its step not done (a resumed rank does it again).
-    if (!stepped.ok() && stop_.load() && absl::IsCancelled(stepped)) {
+    if (StoppedBy(stepped)) {
       result_.stopped_early = true;
       LogInfo(log_, "stop_requested",
               {Kv("job", spec_.name()), Kv("rank", options_.rank), Kv("step", step_),
@@ -945,7 +955,16 @@ absl::StatusOr<TrainResult> TrainingLoop::Run() {
     torch::NoGradGuard no_grad;
     evaluate = mode_->Finish(step_, &result_);
   }
-  if (!evaluate.ok()) return evaluate.status();
+  if (!evaluate.ok()) {
+    // Likewise at the end (rank 0 stopped while waiting for the others to finish): reported
+    // stopped, a resumed rank 0 finishes the job.
+    if (!StoppedBy(evaluate.status())) return evaluate.status();
+    result_.stopped_early = true;
+    LogInfo(log_, "stop_requested",
+            {Kv("job", spec_.name()), Kv("rank", options_.rank), Kv("step", step_),
+             Kv("finish_interrupted", evaluate.status().ToString())});
+    return result_;
+  }
   ParamsIn();  // The final model, as the mode left it in the view.
   RETURN_IF_ERROR(
       BuffersIn(/*remember=*/false));  // The final model's buffers, as the mode left them.

@@ -481,6 +481,40 @@ TEST(TrainingLoopTest, AnExchangeCutShortByAStopEndsTheRunAsStopped) {
   EXPECT_EQ(failed.status().code(), absl::StatusCode::kCancelled) << failed.status();
 }
 
+// The same before the first step (Start cut short) and at the end (Finish cut short: rank 0
+// stopped while waiting for the others): stopped, not failed, so the rank can move.
+class CancelledStartOrFinishMode : public FakeMode {
+ public:
+  std::atomic<bool>* stop = nullptr;
+  bool in_start = true;
+  absl::StatusOr<int64_t> Start(ModelView* model, const LoopInfo& info) override {
+    absl::StatusOr<int64_t> first = FakeMode::Start(model, info);
+    if (!in_start) return first;
+    stop->store(true);
+    return absl::CancelledError("stop requested: not retrying after 1 attempt(s)");
+  }
+  absl::StatusOr<bool> Finish(int64_t step, TrainResult* result) override {
+    calls.push_back(absl::StrCat("finish ", step));
+    stop->store(true);
+    return absl::CancelledError("trainer: stop requested while 1 of 2 workers had finished");
+  }
+};
+
+TEST(TrainingLoopTest, AStartOrFinishCutShortByAStopEndsTheRunAsStopped) {
+  for (const bool in_start : {true, false}) {
+    SCOPED_TRACE(in_start ? "start" : "finish");
+    TrainerOptions o = Options(3);
+    std::atomic<bool> stop{false};
+    CancelledStartOrFinishMode mode;
+    mode.stop = &stop;
+    mode.in_start = in_start;
+    ASSERT_OK_AND_ASSIGN(TrainResult r, RunTrainingLoop(o, &mode, stop));
+    EXPECT_TRUE(r.stopped_early);
+    EXPECT_EQ(r.steps, in_start ? 0 : 3);
+    EXPECT_EQ(r.test_accuracy, -1);
+  }
+}
+
 // worker/testdata/resizing_buffer.pt shrinks its buffer `hist` from 4 to 2 elements in
 // place in its third training-mode forward (export_resizing_buffer.py), after the check
 // before the run. Read with the shape the exchange has, it would be read past its end (and
