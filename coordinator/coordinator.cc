@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <random>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -396,6 +397,31 @@ void Coordinator::MoveRankLocked(JobEntry* job, int rank, const std::string& rea
   LogWarning(options_.logger, "rank_lost",
              {Kv("job", st.job_id()), Kv("rank", rank), Kv("from", from), Kv("reason", reason),
               Kv("note", "given to the next worker node that registers")});
+}
+
+bool Coordinator::RestartAfterPeerLossLocked(JobEntry* job, int rank, const std::string& node,
+                                             const std::string& message) {
+  // An allreduce rank fails when a peer dies (its ring link breaks: UNAVAILABLE) or goes
+  // silent (DEADLINE_EXCEEDED), often before the dead peer's node misses its heartbeats. With
+  // checkpoints the job can go on: every rank starts again (a new generation), resuming from
+  // the checkpoints (a moved rank is sent them, worker/allreduce/checkpoint.h); the dead
+  // node's rank moves once the node is declared dead. Bounded, so a fault that is not a lost
+  // peer still ends the job.
+  const JobSpec& spec = job->record.status().spec();
+  if (SpecMode(spec) != Mode::kAllreduce || spec.checkpoint().every_steps() <= 0) return false;
+  if (!absl::StartsWith(message, "UNAVAILABLE:") &&
+      !absl::StartsWith(message, "DEADLINE_EXCEEDED:")) {
+    return false;
+  }
+  if (job->peer_restarts >= kMaxPeerLossRestarts) return false;
+  ++job->peer_restarts;
+  SetRankState(job, rank, TaskState::kPending);
+  BumpGenerationLocked(job, /*all_ranks=*/true, /*all_shards=*/false, -1);
+  LogWarning(
+      options_.logger, "job_restarting",
+      {Kv("job", job->record.status().job_id()), Kv("rank", rank), Kv("node_name", node),
+       Kv("restart", job->peer_restarts), Kv("of", kMaxPeerLossRestarts), Kv("cause", message)});
+  return true;
 }
 
 void Coordinator::UpdateGroupLocked(JobEntry* job) {
@@ -876,7 +902,7 @@ void Coordinator::ApplyReportLocked(const NodeEntry& node, const TaskReport& rep
   } else if (*rs == TaskState::kSucceeded) {
     if (current) SetRankState(job, index, TaskState::kSucceeded);
   } else if (*rs == TaskState::kFailed) {
-    if (current) {
+    if (current && !RestartAfterPeerLossLocked(job, index, name, report.message())) {
       SetRankState(job, index, TaskState::kFailed);
       SetStateLocked(job, FAILED,
                      absl::StrCat("rank ", index, " on node ", name, ": ", report.message()));

@@ -218,6 +218,10 @@
 
 namespace gradmesh {
 
+// allreduce: how many times a job's ranks start again after one lost a peer before the next
+// such failure ends the job (Coordinator::RestartAfterPeerLossLocked).
+inline constexpr int kMaxPeerLossRestarts = 5;
+
 class Coordinator {
  public:
   struct Options {
@@ -360,6 +364,8 @@ class Coordinator {
     // Index = rank: each rank's state, parsed once when the record entered (submit, load).
     // record.status().workers(r).state() is its name, kept equal by SetRankState.
     std::vector<TaskState> rank_states;
+    // allreduce: restarts after a rank lost a peer (RestartAfterPeerLossLocked; memory only).
+    int peer_restarts = 0;
   };
   // Sets rank `rank`'s state: the enum and the placement's state string.
   static void SetRankState(JobEntry* job, int rank, TaskState state);
@@ -392,6 +398,12 @@ class Coordinator {
   // marked the node dead (alive=false) first.
   void MoveRankLocked(JobEntry* job, int rank, const std::string& reason)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // An allreduce job with checkpoints whose rank `rank` (on `node`) failed with `message`:
+  // if the failure is a lost peer (UNAVAILABLE / DEADLINE_EXCEEDED) and the job has restarts
+  // left (kMaxPeerLossRestarts), starts every rank again (new generation) and returns true;
+  // false: the job fails.
+  bool RestartAfterPeerLossLocked(JobEntry* job, int rank, const std::string& node,
+                                  const std::string& message) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void AssignRankLocked(JobEntry* job, int rank, const NodeEntry& node)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // sync jobs: re-forms the barrier group from the ranks that are not lost, if it changed.

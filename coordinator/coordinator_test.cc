@@ -475,6 +475,66 @@ TEST_F(CoordinatorTest, FailedReportFailsTheJobAndWithdrawsTasks) {
   EXPECT_EQ(Beat("s0").tasks_size(), 0);
 }
 
+// allreduce with checkpoints: a rank that lost a peer (its ring link broke before the dead
+// node missed its heartbeats) starts every rank again instead of failing the job, at most
+// kMaxPeerLossRestarts times; any other failure, or a job without checkpoints, fails it.
+TEST_F(CoordinatorTest, AnAllreduceRankThatLostAPeerRestartsTheRanksBoundedly) {
+  Register("a", WORKER);
+  Register("b", WORKER);
+  JobSpec spec = Spec("ar", "allreduce", 2);
+  spec.mutable_checkpoint()->set_every_steps(10);
+  ASSERT_OK_AND_ASSIGN(JobStatus st, Submit(spec));
+  const std::string node0 = st.workers(0).node(), node1 = st.workers(1).node();
+  // The generation of rank `rank`'s task, as its node's heartbeat hands it out.
+  auto generation = [&](int rank) {
+    HeartbeatResponse h = Beat(rank == 0 ? node0 : node1);
+    for (const Task& t : h.tasks()) {
+      if (t.job_id() == "ar" && t.index() == rank) return t.generation();
+    }
+    ADD_FAILURE() << "no task for rank " << rank;
+    return int64_t{-1};
+  };
+  Beat(node0, {Report("ar", 0, "running", 20, generation(0))});
+  Beat(node1, {Report("ar", 1, "running", 20, generation(1))});
+  ASSERT_EQ(Get("ar").state(), RUNNING);
+  for (int restart = 1; restart <= kMaxPeerLossRestarts; ++restart) {
+    const int64_t g0 = generation(0), g1 = generation(1);
+    TaskReport lost = Report("ar", 0, "failed", 30, g0);
+    lost.set_message("UNAVAILABLE: allreduce: ring link from rank 1 (127.0.0.1:9) ended");
+    Beat(node0, {lost});
+    st = Get("ar");
+    EXPECT_EQ(st.state(), RUNNING) << restart;
+    EXPECT_EQ(st.workers(0).state(), "pending") << restart;
+    // Every rank gets a new generation: both start again and resume from checkpoints.
+    EXPECT_GT(generation(0), g0) << restart;
+    EXPECT_GT(generation(1), g1) << restart;
+  }
+  TaskReport lost = Report("ar", 0, "failed", 30, generation(0));
+  lost.set_message("DEADLINE_EXCEEDED: allreduce: rank 1 sent nothing for 30 s");
+  Beat(node0, {lost});
+  st = Get("ar");
+  EXPECT_EQ(st.state(), FAILED);
+  EXPECT_EQ(st.message(), absl::StrCat("rank 0 on node ", node0, ": ", lost.message()));
+
+  // Another cause, or no checkpoints to resume from: the job fails at once.
+  for (const bool checkpoints : {true, false}) {
+    JobSpec other = Spec(checkpoints ? "bad" : "nockpt", "allreduce", 2);
+    if (checkpoints) other.mutable_checkpoint()->set_every_steps(10);
+    ASSERT_OK_AND_ASSIGN(JobStatus o, Submit(other));
+    const std::string node = o.workers(1).node();
+    HeartbeatResponse h = Beat(node);
+    int64_t g = 0;
+    for (const Task& t : h.tasks()) {
+      if (t.job_id() == other.name() && t.index() == 1) g = t.generation();
+    }
+    TaskReport failed = Report(other.name(), 1, "failed", 5, g);
+    failed.set_message(checkpoints ? "INVALID_ARGUMENT: trainer: the loss is nan at step 5"
+                                   : "UNAVAILABLE: allreduce: ring link from rank 0 ended");
+    Beat(node, {failed});
+    EXPECT_EQ(Get(other.name()).state(), FAILED) << other.name();
+  }
+}
+
 TEST_F(CoordinatorTest, CancelWithdrawsTasks) {
   Cluster();
   ASSERT_OK(Submit(Spec("j", "async", 2, 1)));

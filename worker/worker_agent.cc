@@ -244,7 +244,9 @@ void WorkerAgent::Reconcile(const std::vector<Task>& desired) {
       absl::MutexLock run_lock(&run.mu);
       generation = run.report.generation();
     }
-    if (next.generation() != generation && OnlyGroupChanged(next, run.task)) {
+    // A run that has ended (a failed one the coordinator restarts: allreduce after a lost
+    // peer) starts again; only a live one can take a new group in place.
+    if (next.generation() != generation && !run.ended.load() && OnlyGroupChanged(next, run.task)) {
       // A sync group re-formed: every rank of a lock-step job must go on from the same step,
       // so the running trainer takes the new group in place (the shards apply it to the
       // barrier) instead of stopping, which could leave a survivor waiting at a barrier the
