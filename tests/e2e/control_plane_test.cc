@@ -9,6 +9,8 @@
 //   the shards recorded it, and every rank's data is trained to the last step.
 // * A sync job whose worker dies with no free slot elsewhere re-forms its barrier group with
 //   the survivors (lr scaled 2/3 on the shards) and finishes.
+// * An allreduce job with checkpoints whose worker daemon is killed: the ranks start again,
+//   rank 1 moves to the spare daemon, they resume from the checkpoints and finish.
 // * The coordinator killed and restarted mid-job: it still knows the job and its progress,
 //   and the job completes.
 // * Every process stopped mid-job, then restarted: the job resumes from the shards'
@@ -481,6 +483,53 @@ TEST_F(ControlPlaneTest, SyncJobReformsItsGroupWhenAWorkerDies) {
     EXPECT_EQ(info.workers(1).last_step(), st.progress().total_steps() - 1);
     EXPECT_LT(info.workers(2).last_step(), st.progress().total_steps() - 1);
   }
+}
+
+// allreduce under the coordinator, with checkpoints: SIGKILL of the daemon running rank 1.
+// The survivor's ring link breaks (UNAVAILABLE) well before the dead node misses its
+// heartbeats; the coordinator starts the ranks again instead of failing the job, moves rank 1
+// to the spare daemon when its node is declared dead, and the ranks resume from their
+// checkpoints and finish.
+TEST_F(ControlPlaneTest, AllreduceJobWithCheckpointsSurvivesAKilledWorker) {
+  StartCluster();
+  auto w2 = StartServiceWorker("w2");
+  const std::string spec = WriteYaml("allreduce", R"(name: ar-killed
+model: {name: mlp}
+dataset: {name: mnist}
+optimizer: {name: sgd, lr: 0.05, momentum: 0.9}
+batch_size: 64
+mode: allreduce
+num_workers: 2
+epochs: 8
+seed: 1
+log_every: 25
+checkpoint: {every_steps: 100}
+allreduce: {timeout_s: 5}
+)");
+  const CliResult submit = SubmitWhenPlaced(spec);
+  ASSERT_EQ(submit.code, 0) << submit.out;
+  std::string victim_node;
+  ASSERT_TRUE(WaitForStatus(
+      "ar-killed",
+      [&](const JobStatus& s) {
+        if (s.progress().step() < 250 || s.workers_size() < 2) return false;
+        victim_node = s.workers(1).node();
+        return true;
+      },
+      absl::Minutes(3)));
+  Subprocess* victim = victim_node == "w0" ? w0_.get() : victim_node == "w1" ? w1_.get() : w2.get();
+  ASSERT_OK(victim->Signal(SIGKILL));
+
+  CliResult watch = Cli({"watch", "ar-killed"}, absl::Minutes(5));
+  EXPECT_EQ(watch.code, 0) << watch.out;
+  const JobStatus st = Status("ar-killed");
+  ASSERT_EQ(st.state(), SUCCEEDED) << st.DebugString();
+  EXPECT_GE(st.workers(1).reassignments(), 1) << st.DebugString();
+  EXPECT_NE(st.workers(1).node(), victim_node);
+  EXPECT_EQ(st.progress().step(), st.progress().total_steps());
+  EXPECT_GT(st.progress().accuracy(), 0.95) << st.DebugString();
+  const std::string coordinator_log = ReadFile(coord_proc_->log_path());
+  EXPECT_GE(LinesWith(coordinator_log, "event=job_restarting").size(), 1u) << coordinator_log;
 }
 
 TEST_F(ControlPlaneTest, RestartedCoordinatorKnowsTheJobAndItCompletes) {
