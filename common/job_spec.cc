@@ -8,6 +8,7 @@
 #include <cfloat>
 #include <cmath>
 #include <fstream>
+#include <set>
 #include <sstream>
 #include <vector>
 
@@ -71,6 +72,7 @@ absl::Status MessageToJson(const YAML::Node& node, const pb::Descriptor* desc,
         absl::StrCat(Where(path), ": expected a mapping for ", desc->name()));
   }
   std::vector<std::string> parts;
+  std::set<const pb::FieldDescriptor*> seen;
   for (const auto& kv : node) {
     const std::string key = kv.first.as<std::string>();
     const pb::FieldDescriptor* field = desc->FindFieldByName(key);
@@ -81,6 +83,12 @@ absl::Status MessageToJson(const YAML::Node& node, const pb::Descriptor* desc,
       return absl::InvalidArgumentError(absl::StrCat("unknown field \"", key, "\" in ", Where(path),
                                                      " (known fields: ", absl::StrJoin(known, ", "),
                                                      ")"));
+    }
+    // A key given twice (or in both spellings) would silently keep the last: a typo's
+    // second block, or an override the user did not mean.
+    if (!seen.insert(field).second) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("field \"", field->name(), "\" appears twice in ", Where(path)));
     }
     const std::string child = path.empty() ? key : absl::StrCat(path, ".", key);
     std::string value;

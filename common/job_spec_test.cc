@@ -77,6 +77,19 @@ TEST(JobSpecTest, RejectsUnknownFieldsByName) {
                     "unknown field \"learning_rate\" in job spec at \"optimizer\"");
 }
 
+TEST(JobSpecTest, RejectsAFieldGivenTwice) {
+  EXPECT_STATUS_MSG(ParseJobSpec("name: x\nbatch_size: 32\nbatch_size: 64\n"),
+                    absl::StatusCode::kInvalidArgument,
+                    "field \"batch_size\" appears twice in job spec");
+  EXPECT_STATUS_MSG(ParseJobSpec("optimizer: {name: sgd, lr: 0.1, lr: 0.2}\n"),
+                    absl::StatusCode::kInvalidArgument,
+                    "field \"lr\" appears twice in job spec at \"optimizer\"");
+  // Both spellings of one field are the same field.
+  EXPECT_STATUS_MSG(ParseJobSpec("batch_size: 32\nbatchSize: 64\n"),
+                    absl::StatusCode::kInvalidArgument,
+                    "field \"batch_size\" appears twice in job spec");
+}
+
 TEST(JobSpecTest, RejectsWrongTypesAndSyntax) {
   EXPECT_STATUS_MSG(ParseJobSpec("batch_size: lots\n"), absl::StatusCode::kInvalidArgument,
                     "wrong type");
