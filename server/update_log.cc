@@ -123,6 +123,17 @@ int64_t ValidHeaderSeq(const char* head) {
   return static_cast<int64_t>(seq);
 }
 
+// Whether the frame whose header is at byte `at` of `bytes` has its whole payload there,
+// matching the header's checksum.
+bool PayloadWhole(const std::string& bytes, size_t at) {
+  uint32_t size;
+  uint64_t payload_sum;
+  std::memcpy(&size, bytes.data() + at + 4, 4);
+  std::memcpy(&payload_sum, bytes.data() + at + 16, 8);
+  return bytes.size() - at - kHeadBytes >= size &&
+         payload_sum == Checksum(bytes.data() + at + kHeadBytes, size);
+}
+
 // A segment's records end at the first frame that is not whole and valid. A writer killed
 // mid-write leaves such a frame last: nothing it wrote after it. A valid frame of a later
 // seq beyond it means a frame the writer finished (and acknowledged) was damaged since:
@@ -134,15 +145,7 @@ absl::Status CheckTornNotDamaged(const std::string& path, const std::string& byt
     const int64_t seq = ValidHeaderSeq(bytes.data() + p);
     // Lower seqs past the end are a reused file's older records; a frame that is not whole
     // (a reused file's own torn one) proves nothing.
-    if (seq < 0 || static_cast<uint64_t>(seq) < next) continue;
-    uint32_t size;
-    uint64_t payload_sum;
-    std::memcpy(&size, bytes.data() + p + 4, 4);
-    std::memcpy(&payload_sum, bytes.data() + p + 16, 8);
-    if (bytes.size() - p - kHeadBytes < size ||
-        payload_sum != Checksum(bytes.data() + p + kHeadBytes, size)) {
-      continue;
-    }
+    if (seq < 0 || static_cast<uint64_t>(seq) < next || !PayloadWhole(bytes, p)) continue;
     return absl::DataLossError(absl::StrCat(
         "update log ", path, ": the record at byte ", at, " (seq ", next,
         ") is damaged, and a whole record follows it (seq ", seq, " at byte ", p,
@@ -160,10 +163,6 @@ absl::Status ParseSegment(const std::string& path, int64_t first, const std::str
   uint64_t next = static_cast<uint64_t>(first);
   while (bytes.size() - at >= kHeadBytes) {
     const char* head = bytes.data() + at;
-    uint32_t size;
-    uint64_t payload_sum;
-    std::memcpy(&size, head + 4, 4);
-    std::memcpy(&payload_sum, head + 16, 8);
     const int64_t seq = ValidHeaderSeq(head);
     // A reused segment holds older records past its end: their seqs are lower.
     if (seq >= 0 && static_cast<uint64_t>(seq) < next) break;
@@ -172,10 +171,9 @@ absl::Status ParseSegment(const std::string& path, int64_t first, const std::str
                                               " has seq ", seq, " where seq ", next,
                                               " belongs: records are missing"));
     }
-    if (seq < 0 || bytes.size() - at - kHeadBytes < size ||
-        payload_sum != Checksum(head + kHeadBytes, size)) {
-      return CheckTornNotDamaged(path, bytes, at, next);
-    }
+    if (seq < 0 || !PayloadWhole(bytes, at)) return CheckTornNotDamaged(path, bytes, at, next);
+    uint32_t size;
+    std::memcpy(&size, head + 4, 4);
     const char* payload = head + kHeadBytes;
     state::UpdateRecord rec;
     if (!rec.ParseFromArray(payload, static_cast<int>(size))) {
