@@ -627,6 +627,13 @@ EvalMetrics Metrics(const EvalTotals& totals) {
   return m;
 }
 
+std::string BufferChange(const std::string& name, const torch::Tensor& now, int64_t elements) {
+  if (!now.defined()) return absl::StrCat("set buffer ", name, " to None");
+  if (now.numel() == elements) return "";
+  return absl::StrCat("resized buffer ", name, " from ", elements, " to ", now.numel(),
+                      " elements");
+}
+
 absl::Status CheckModelFitsData(Model* model, LossKind kind, const torch::Tensor& x,
                                 const torch::Tensor& y, const std::string& where) {
   torch::NoGradGuard no_grad;
@@ -650,14 +657,11 @@ absl::Status CheckModelFitsData(Model* model, LossKind kind, const torch::Tensor
     buffers = model->Buffers();
     const std::vector<std::string> names = model->BufferNames();
     for (size_t i = 0; i < buffers.size() && i < saved.size(); ++i) {
-      if (!buffers[i].defined() || buffers[i].numel() != saved[i].numel()) {
+      if (const std::string change = BufferChange(names[i], buffers[i], saved[i].numel());
+          !change.empty()) {
         return Annotate(
-            absl::FailedPreconditionError(absl::StrCat(
-                Describe(model), ": forward ",
-                buffers[i].defined()
-                    ? absl::StrCat("resized buffer ", names[i], " from ", saved[i].numel(), " to ",
-                                   buffers[i].numel(), " elements; buffers must keep their shapes")
-                    : absl::StrCat("set buffer ", names[i], " to None"))),
+            absl::FailedPreconditionError(absl::StrCat(Describe(model), ": forward ", change,
+                                                       "; buffers must keep their shapes")),
             where);
       }
       buffers[i].copy_(saved[i]);

@@ -193,6 +193,11 @@ struct EvalMetrics {
 };
 EvalMetrics Metrics(const EvalTotals& totals);
 
+// What a model did to its buffer `name` that the exchange cannot follow, given the tensor it
+// holds now and the element count it had: "set buffer NAME to None" or "resized buffer NAME
+// from A to B elements"; "" when it kept the buffer's size.
+std::string BufferChange(const std::string& name, const torch::Tensor& now, int64_t elements);
+
 // Checks at job start, on one real batch, that the model takes x and that its output fits
 // the loss (shapes, dtypes, class indices within the number of classes, a `loss` method for
 // kModule), without changing the model (no autograd, buffers restored). INVALID_ARGUMENT

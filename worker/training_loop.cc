@@ -326,23 +326,19 @@ absl::Span<const float> TrainingLoop::GradOut(int i, const torch::Tensor& grad) 
 absl::StatusOr<std::vector<torch::Tensor>> TrainingLoop::CurrentBuffers() const {
   if (mirrors_.empty()) return std::vector<torch::Tensor>();
   std::vector<torch::Tensor> now = model_->Buffers();
-  for (size_t i = 0; i < now.size() && i < mirrors_.size(); ++i) {
-    const std::string& name = view_.names[view_.num_params + i];
-    if (!now[i].defined()) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("trainer: the model set buffer ", name, " to None (step ", step_, ")"));
-    }
-    // The exchange has the shapes the model started with; a buffer resized in place (or
-    // assigned anew with another size) would be read past its end.
-    if (now[i].numel() != static_cast<int64_t>(mirrors_[i].size())) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "trainer: the model resized buffer ", name, " from ", mirrors_[i].size(), " to ",
-          now[i].numel(), " elements (step ", step_, "); buffers must keep their shapes"));
-    }
-  }
   if (now.size() != mirrors_.size()) {
     return absl::InternalError(
         absl::StrCat("trainer: the model has ", now.size(), " buffers, not ", mirrors_.size()));
+  }
+  for (size_t i = 0; i < now.size(); ++i) {
+    // The exchange has the shapes the model started with; a buffer resized in place (or
+    // assigned anew with another size) would be read past its end.
+    const std::string change = BufferChange(view_.names[view_.num_params + i], now[i],
+                                            static_cast<int64_t>(mirrors_[i].size()));
+    if (!change.empty()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "trainer: the model ", change, " (step ", step_, "); buffers must keep their shapes"));
+    }
   }
   return now;
 }
