@@ -40,6 +40,35 @@ using testutil::ReadFile;
 
 class AllreduceTest : public E2eHarness {
  protected:
+  // The checkpoint tests' phases. An uninterrupted run of `job` saving its model to `out`.
+  void RunStraight(const std::string& job, const std::string& out) {
+    auto w = StartRanks(job, Peers(2), 2,
+                        {"--output=" + out, "--checkpoint_dir=" + dir_ + "/ck-straight"}, "s");
+    ASSERT_EQ(WaitAll(Ptrs(w), absl::Minutes(3)), (std::vector<int>{0, 0}));
+  }
+  // A run of `job` on `peers` with checkpoints in <dir>/ck, stopped by SIGTERM to rank
+  // `signalled` once past step 50 (both ranks stop after the same step); their done lines.
+  void RunAndStop(const std::string& job, const std::string& peers, int signalled,
+                  std::vector<std::string>* done) {
+    auto w =
+        StartRanks(job, peers, 2, {"--step_delay_ms=20", "--checkpoint_dir=" + dir_ + "/ck"}, "a");
+    ASSERT_TRUE(WaitForLog(
+        w[0].get(), [](const std::string& log) { return LastProgressStep(log) >= 50; },
+        absl::Minutes(2)));
+    ASSERT_OK(w[signalled]->Signal(SIGTERM));
+    ASSERT_EQ(WaitAll(Ptrs(w), absl::Seconds(30)), (std::vector<int>{0, 0}));
+    for (int r = 0; r < 2; ++r) done->push_back(DoneLine(ReadFile(w[r]->log_path())));
+  }
+  // The max relative difference of two saved MLPs' parameters.
+  static double SavedMlpDifference(const std::string& a, const std::string& b) {
+    ModelSpec spec;
+    spec.set_name("mlp");
+    absl::StatusOr<std::unique_ptr<Model>> m = CreateModel(spec, 1);
+    EXPECT_OK(m.status());
+    if (!m.ok()) return 1;
+    return MaxRelError(LoadSaved(a, (*m)->ParameterNames()), LoadSaved(b, (*m)->ParameterNames()));
+  }
+
   // Two distinct free ports as a --peers value.
   std::string Peers(int n) {
     std::vector<std::string> out;
@@ -381,26 +410,16 @@ TEST_F(AllreduceTest, ResumesFromCheckpointsToTheSameResult) {
   if (!HaveMnist()) GTEST_SKIP() << "MNIST files not found under " << DataDir() << "/mnist";
   const std::string job = WriteYaml("ckpt", kCheckpointJob);
   const std::string straight = dir_ + "/straight.pt", resumed = dir_ + "/resumed.pt";
-  {
-    auto w = StartRanks(job, Peers(2), 2,
-                        {"--output=" + straight, "--checkpoint_dir=" + dir_ + "/ck-straight"}, "s");
-    ASSERT_EQ(WaitAll(Ptrs(w), absl::Minutes(3)), (std::vector<int>{0, 0}));
-  }
+  ASSERT_NO_FATAL_FAILURE(RunStraight(job, straight));
   const std::string peers = Peers(2);
   {
-    auto w =
-        StartRanks(job, peers, 2, {"--step_delay_ms=20", "--checkpoint_dir=" + dir_ + "/ck"}, "a");
-    ASSERT_TRUE(WaitForLog(
-        w[0].get(), [](const std::string& log) { return LastProgressStep(log) >= 50; },
-        absl::Minutes(2)));
-    ASSERT_OK(w[1]->Signal(SIGTERM));  // One rank asks; both stop after the same step.
-    ASSERT_EQ(WaitAll(Ptrs(w), absl::Seconds(30)), (std::vector<int>{0, 0}));
-    for (int r = 0; r < 2; ++r) {
-      const std::string done = DoneLine(ReadFile(w[r]->log_path()));
+    std::vector<std::string> stopped;
+    // One rank asks; both stop after the same step.
+    ASSERT_NO_FATAL_FAILURE(RunAndStop(job, peers, /*signalled=*/1, &stopped));
+    for (const std::string& done : stopped) {
       EXPECT_EQ(LogField(done, "stopped_early"), "true") << done;
     }
-    EXPECT_EQ(ToInt(LogField(DoneLine(ReadFile(w[0]->log_path())), "steps")),
-              ToInt(LogField(DoneLine(ReadFile(w[1]->log_path())), "steps")));
+    EXPECT_EQ(ToInt(LogField(stopped[0], "steps")), ToInt(LogField(stopped[1], "steps")));
   }
   auto w =
       StartRanks(job, peers, 2, {"--output=" + resumed, "--checkpoint_dir=" + dir_ + "/ck"}, "b");
@@ -412,11 +431,7 @@ TEST_F(AllreduceTest, ResumesFromCheckpointsToTheSameResult) {
   EXPECT_EQ(first % 20, 0);
   EXPECT_EQ(ToInt(LogField(done, "steps")), 120 - first);
   EXPECT_NE(log0.find("event=resuming"), std::string::npos);
-  ModelSpec spec;
-  spec.set_name("mlp");
-  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Model> m, CreateModel(spec, 1));
-  const double err = MaxRelError(LoadSaved(resumed, m->ParameterNames()),
-                                 LoadSaved(straight, m->ParameterNames()));
+  const double err = SavedMlpDifference(resumed, straight);
   std::cout << "resumed at step " << first << ": max rel. difference " << err << "\n";
   EXPECT_EQ(err, 0) << "a resumed run must redo exactly the same steps";
 }
@@ -428,21 +443,10 @@ TEST_F(AllreduceTest, ARankWithoutCheckpointsIsSentThem) {
   if (!HaveMnist()) GTEST_SKIP() << "MNIST files not found under " << DataDir() << "/mnist";
   const std::string job = WriteYaml("moved", kCheckpointJob);
   const std::string straight = dir_ + "/straight.pt", resumed = dir_ + "/resumed.pt";
-  {
-    auto w = StartRanks(job, Peers(2), 2,
-                        {"--output=" + straight, "--checkpoint_dir=" + dir_ + "/ck-straight"}, "s");
-    ASSERT_EQ(WaitAll(Ptrs(w), absl::Minutes(3)), (std::vector<int>{0, 0}));
-  }
+  ASSERT_NO_FATAL_FAILURE(RunStraight(job, straight));
   const std::string peers = Peers(2);
-  {
-    auto w =
-        StartRanks(job, peers, 2, {"--step_delay_ms=20", "--checkpoint_dir=" + dir_ + "/ck"}, "a");
-    ASSERT_TRUE(WaitForLog(
-        w[0].get(), [](const std::string& log) { return LastProgressStep(log) >= 50; },
-        absl::Minutes(2)));
-    ASSERT_OK(w[0]->Signal(SIGTERM));
-    ASSERT_EQ(WaitAll(Ptrs(w), absl::Seconds(30)), (std::vector<int>{0, 0}));
-  }
+  std::vector<std::string> stopped;
+  ASSERT_NO_FATAL_FAILURE(RunAndStop(job, peers, /*signalled=*/0, &stopped));
   // Rank 1's files are gone (the job's name is e2e-allreduce-ckpt).
   int removed = 0;
   for (const auto& e : std::filesystem::directory_iterator(dir_ + "/ck/e2e-allreduce-ckpt")) {
@@ -462,11 +466,7 @@ TEST_F(AllreduceTest, ARankWithoutCheckpointsIsSentThem) {
   const int64_t first = ToInt(LogField(DoneLine(log1), "first_step"));
   EXPECT_GE(first, 40);
   EXPECT_EQ(first % 20, 0);
-  ModelSpec spec;
-  spec.set_name("mlp");
-  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Model> m, CreateModel(spec, 1));
-  const double err = MaxRelError(LoadSaved(resumed, m->ParameterNames()),
-                                 LoadSaved(straight, m->ParameterNames()));
+  const double err = SavedMlpDifference(resumed, straight);
   std::cout << "rank 1 sent step " << first << ": max rel. difference " << err << "\n";
   EXPECT_EQ(err, 0) << "the sent checkpoint must be rank 0's exactly (with Adam's slots)";
 }
