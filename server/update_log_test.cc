@@ -129,14 +129,18 @@ TEST(UpdateLogTest, RecordsReadBackAsTheUpdateRecordsTheyEncode) {
   EXPECT_TRUE(none.empty());
 }
 
+// Writes records seq 1-3 of equal size (`rs`) as job j's log under `root`, in one segment,
+// <root>/j/0000000000000001.log.
+void WriteThreeRecords(const std::string& root, std::vector<std::unique_ptr<TestRecord>>* rs) {
+  for (int64_t seq = 1; seq <= 3; ++seq) rs->push_back(std::make_unique<TestRecord>(seq, 2, 8, 1));
+  ASSERT_OK_AND_ASSIGN(auto log, UpdateLog::Open(root, "j", 1, true, false));
+  ASSERT_OK(log->Append(1, Ptrs(*rs)));
+}
+
 TEST(UpdateLogTest, AReaderStopsAtATornOrGarbledTail) {
   const std::string root = TempDir();
   std::vector<std::unique_ptr<TestRecord>> rs;
-  for (int64_t seq = 1; seq <= 3; ++seq) rs.push_back(std::make_unique<TestRecord>(seq, 2, 8, 1));
-  {
-    ASSERT_OK_AND_ASSIGN(auto log, UpdateLog::Open(root, "j", 1, true, false));
-    ASSERT_OK(log->Append(1, Ptrs(rs)));
-  }
+  ASSERT_NO_FATAL_FAILURE(WriteThreeRecords(root, &rs));
   const std::string path = root + "/j/0000000000000001.log";
   const auto size = std::filesystem::file_size(path);
   // Every cut inside the last record leaves the first two.
@@ -166,11 +170,7 @@ TEST(UpdateLogTest, AReaderStopsAtATornOrGarbledTail) {
 TEST(UpdateLogTest, ADamagedRecordBeforeValidOnesIsDataLoss) {
   const std::string root = TempDir();
   std::vector<std::unique_ptr<TestRecord>> rs;
-  for (int64_t seq = 1; seq <= 3; ++seq) rs.push_back(std::make_unique<TestRecord>(seq, 2, 8, 1));
-  {
-    ASSERT_OK_AND_ASSIGN(auto log, UpdateLog::Open(root, "j", 1, true, false));
-    ASSERT_OK(log->Append(1, Ptrs(rs)));
-  }
+  ASSERT_NO_FATAL_FAILURE(WriteThreeRecords(root, &rs));
   const std::string path = root + "/j/0000000000000001.log";
   const uintmax_t size = std::filesystem::file_size(path);
   const uintmax_t second = size / 3;
