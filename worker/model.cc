@@ -583,9 +583,16 @@ absl::StatusOr<int64_t> CountCorrect(Model* model, const torch::Tensor& x, const
 }
 
 absl::Status EvaluateBatch(Model* model, LossKind kind, const torch::Tensor& x,
-                           const torch::Tensor& y, EvalTotals* totals) {
+                           const torch::Tensor& y_in, EvalTotals* totals, int64_t valid) {
   torch::NoGradGuard no_grad;
-  const int64_t samples = BatchSamples(x, y);
+  const int64_t batch = BatchSamples(x, y_in);
+  const bool padded = valid >= 0 && valid < batch;
+  if (padded && (kind == LossKind::kModule || y_in.dim() == 0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "evaluating ", Describe(model), ": a padded batch needs per-sample outputs and targets"));
+  }
+  const int64_t samples = padded ? valid : batch;
+  torch::Tensor y = padded ? y_in.narrow(0, 0, samples) : y_in;
   try {
     if (kind == LossKind::kModule) {
       ASSIGN_OR_RETURN(torch::Tensor loss, model->ModuleLoss(x, y));
@@ -595,6 +602,14 @@ absl::Status EvaluateBatch(Model* model, LossKind kind, const torch::Tensor& x,
       return absl::OkStatus();
     }
     ASSIGN_OR_RETURN(torch::Tensor out, model->Forward(x));
+    if (padded) {
+      if (out.dim() == 0 || out.size(0) != batch) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("evaluating ", Describe(model), ": output ", TensorString(out), " for ",
+                         batch, " samples has no batch dimension to leave the padding out of"));
+      }
+      out = out.narrow(0, 0, samples);
+    }
     ASSIGN_OR_RETURN(torch::Tensor loss, LossOfOutput(kind, out, y));
     // Weighted by predictions so that Metrics() gives the mean over the whole test set
     // whatever the batch sizes.

@@ -182,9 +182,12 @@ struct EvalTotals {
 };
 
 // Adds batch (x, y) to *totals: forward without autograd (the caller sets evaluation mode),
-// the loss of `kind` and, for cross-entropy, the correct predictions.
+// the loss of `kind` and, for cross-entropy, the correct predictions. With `valid` >= 0 only
+// the first `valid` samples count (the rest pad the batch to a size the model needs): their
+// outputs and targets alone go into the loss. kModule computes its loss over the whole
+// batch, so it takes no padding (`valid` must be -1 or the batch size).
 absl::Status EvaluateBatch(Model* model, LossKind kind, const torch::Tensor& x,
-                           const torch::Tensor& y, EvalTotals* totals);
+                           const torch::Tensor& y, EvalTotals* totals, int64_t valid = -1);
 
 struct EvalMetrics {
   double test_loss = 0;    // Mean loss per prediction (per sample for mse and module).

@@ -72,21 +72,90 @@ absl::StatusOr<torch::Device> PickDevice(ComputeDevice want, int32_t gpu, int32_
   return torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(index));
 }
 
-// Test-set metrics of `model` (evaluation mode, no autograd) with batches moved to `device`.
+// Adds test samples [begin, begin + count) to *totals as one forward of `batch` samples
+// (count <= batch): when count < batch, copies of the last sample pad the forward to `batch`
+// and are left out of the figures.
+absl::Status EvaluateRange(Model* model, LossKind loss, const ExampleSource& test, int64_t begin,
+                           int64_t count, int64_t batch, const torch::Device& device,
+                           EvalTotals* totals) {
+  ASSIGN_OR_RETURN(Batch b, ReadBatch(test, begin, count));
+  torch::Tensor x = FieldTensor(b.x, b.size, test.x());
+  torch::Tensor y = FieldTensor(b.y, b.size, test.y());
+  if (batch > count) {
+    const torch::Tensor pad = torch::arange(batch).clamp_max(count - 1);
+    x = x.index_select(0, pad);
+    y = y.index_select(0, pad);
+  }
+  return Annotate(
+      EvaluateBatch(model, loss, x.to(device), y.to(device), totals, batch > count ? count : -1),
+      absl::StrCat("evaluating test samples ", begin, "..", begin + count - 1, " of ",
+                   test.Describe()));
+}
+
+// Adds the whole test set to *totals in forwards of `batch` samples. With `fixed`, the last
+// partial batch is padded to `batch`, or left out for a model computing its own loss (which
+// cannot leave padding out); without, it is a smaller forward. *failed_first: the error came
+// from the first forward.
+absl::Status EvaluateInBatches(Model* model, LossKind loss, const ExampleSource& test,
+                               int64_t batch, bool fixed, const torch::Device& device,
+                               EvalTotals* totals, bool* failed_first) {
+  const int64_t n = test.size();
+  for (int64_t begin = 0; begin < n; begin += batch) {
+    const int64_t count = std::min(batch, n - begin);
+    if (fixed && count < batch && loss == LossKind::kModule) break;
+    absl::Status st =
+        EvaluateRange(model, loss, test, begin, count, fixed ? batch : count, device, totals);
+    if (!st.ok()) {
+      *failed_first = begin == 0;
+      return st;
+    }
+  }
+  return absl::OkStatus();
+}
+
+struct TestSetResult {
+  EvalMetrics metrics;
+  int64_t batch = 0;    // Samples per forward.
+  int64_t samples = 0;  // Samples in the figures.
+};
+
+// Test-set metrics of `model` (evaluation mode, no autograd) with batches moved to `device`,
+// in batches of EvalBatchSize. A model that fails on the first of those is evaluated again in
+// batches of `train_batch`, the size it trained on: one written or traced for a fixed batch
+// (x.view(64, -1), a zeros(64, h) state) works there (EvaluateInBatches' `fixed`).
 // Leaves the model in evaluation mode.
-absl::StatusOr<EvalMetrics> Evaluate(Model* model, LossKind loss, const ExampleSource& test,
-                                     const torch::Device& device) {
+absl::StatusOr<TestSetResult> Evaluate(Model* model, LossKind loss, const ExampleSource& test,
+                                       int64_t train_batch, const torch::Device& device) {
   if (test.size() == 0) return absl::FailedPreconditionError("evaluate: empty test set");
   model->SetTraining(false);
   torch::NoGradGuard no_grad;
+  TestSetResult r;
+  r.batch = std::min(EvalBatchSize(test), test.size());
   EvalTotals totals;
-  const int64_t chunk = EvalBatchSize(test);
-  for (int64_t begin = 0; begin < test.size(); begin += chunk) {
-    ASSIGN_OR_RETURN(Batch b, ReadBatch(test, begin, std::min(chunk, test.size() - begin)));
-    RETURN_IF_ERROR(EvaluateBatch(model, loss, FieldTensor(b.x, b.size, test.x()).to(device),
-                                  FieldTensor(b.y, b.size, test.y()).to(device), &totals));
+  bool failed_first = false;
+  absl::Status st = EvaluateInBatches(model, loss, test, r.batch, /*fixed=*/false, device, &totals,
+                                      &failed_first);
+  if (!st.ok() && failed_first && train_batch > 0 && train_batch != r.batch) {
+    const int64_t tried = r.batch;
+    r.batch = train_batch;
+    totals = EvalTotals();
+    st = EvaluateInBatches(model, loss, test, r.batch, /*fixed=*/true, device, &totals,
+                           &failed_first);
+    if (!st.ok()) {
+      return absl::Status(st.code(), absl::StrCat(st.message(), " (in batches of ", train_batch,
+                                                  ", the training batch size, tried as ",
+                                                  "batches of ", tried, " failed)"));
+    }
   }
-  return Metrics(totals);
+  RETURN_IF_ERROR(st);
+  r.samples = totals.samples;
+  if (r.samples == 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("evaluate: the test set's ", test.size(), " samples are fewer than one ",
+                     "batch of ", train_batch, " for a model computing its own loss"));
+  }
+  r.metrics = Metrics(totals);
+  return r;
 }
 
 // The forward pass under autocast to `dtype` on `device` (JobSpec.precision), for the guard's
@@ -837,26 +906,32 @@ void TrainingLoop::Report(double samples_per_s, double accuracy) const {
 }
 
 absl::Status TrainingLoop::EvaluateAndSave() {
+  // Saved before the evaluation, so that a test set the model fails on does not lose it.
+  if (!spec_.output().empty()) {
+    if (on_gpu_) RETURN_IF_ERROR(model_->ToDevice(torch::kCPU));  // Loadable without a GPU.
+    RETURN_IF_ERROR(model_->Save(spec_.output()));
+    LogInfo(log_, "model_saved", {Kv("job", spec_.name()), Kv("path", spec_.output())});
+    if (on_gpu_) RETURN_IF_ERROR(model_->ToDevice(device_));
+  }
   // A dataset without test files (or with empty ones) trains and saves; it just has no
   // test-set figures (-1).
   if (data_.test == nullptr || data_.test->size() == 0) {
     LogInfo(log_, "not_evaluated",
             {Kv("job", spec_.name()), Kv("rank", options_.rank),
              Kv("reason", data_.test == nullptr ? "no_test_files" : "empty_test_set")});
-  } else {
-    RETURN_IF_ERROR(EvaluateTestSet());
+  } else if (absl::Status st = EvaluateTestSet(); !st.ok()) {
+    if (spec_.output().empty()) return st;
+    return absl::Status(st.code(), absl::StrCat(st.message(), " (the trained model is saved in ",
+                                                spec_.output(), ")"));
   }
   Report(result_.samples_per_s, result_.test_accuracy);
-  if (!spec_.output().empty()) {
-    if (on_gpu_) RETURN_IF_ERROR(model_->ToDevice(torch::kCPU));  // Loadable without a GPU.
-    RETURN_IF_ERROR(model_->Save(spec_.output()));
-    LogInfo(log_, "model_saved", {Kv("job", spec_.name()), Kv("path", spec_.output())});
-  }
   return absl::OkStatus();
 }
 
 absl::Status TrainingLoop::EvaluateTestSet() {
-  ASSIGN_OR_RETURN(const EvalMetrics m, Evaluate(model_.get(), loss_kind_, *data_.test, device_));
+  ASSIGN_OR_RETURN(const TestSetResult t,
+                   Evaluate(model_.get(), loss_kind_, *data_.test, spec_.batch_size(), device_));
+  const EvalMetrics& m = t.metrics;
   result_.test_accuracy = m.accuracy;
   result_.test_loss = m.test_loss;
   result_.perplexity = m.perplexity;
@@ -865,7 +940,8 @@ absl::Status TrainingLoop::EvaluateTestSet() {
                                Kv("test_loss", absl::StrFormat("%.4f", m.test_loss))};
     if (m.accuracy >= 0) f.push_back(Kv("accuracy", absl::StrFormat("%.4f", m.accuracy)));
     if (m.perplexity >= 0) f.push_back(Kv("perplexity", absl::StrFormat("%.3f", m.perplexity)));
-    f.push_back(Kv("test_samples", data_.test->size()));
+    f.push_back(Kv("test_samples", t.samples));
+    f.push_back(Kv("eval_batch", t.batch));
     for (LogField& e : mode_->EvaluatedFields()) f.push_back(std::move(e));
     log_->Info("evaluated", f);
   }

@@ -428,6 +428,86 @@ TEST(TrainingLoopTest, ADatasetWithoutTestFilesTrainsAndSavesWithoutEvaluating) 
   std::fclose(log_file);
 }
 
+// Trains `model` (from worker/testdata) on worker/testdata/<dataset> for 2 steps of 4, saving
+// it, and evaluates it; the log in *lines.
+absl::StatusOr<TrainResult> RunOnTestData(const std::string& model, const std::string& dataset,
+                                          const std::string& loss, const std::string& out,
+                                          std::vector<std::string>* lines) {
+  TrainerOptions o = Options(2);
+  o.spec.mutable_model()->set_name("torchscript");
+  o.spec.mutable_model()->set_path(absl::StrCat("worker/testdata/", model));
+  o.spec.mutable_dataset()->set_name("tensors");
+  o.spec.mutable_dataset()->set_path(absl::StrCat("worker/testdata/", dataset));
+  o.spec.set_loss(loss);
+  o.spec.set_batch_size(4);
+  std::remove(out.c_str());
+  o.spec.set_output(out);
+  std::FILE* log_file = std::tmpfile();
+  Logger logger({}, log_file);
+  o.logger = &logger;
+  FakeMode mode;
+  mode.evaluate = true;
+  std::atomic<bool> stop{false};
+  absl::StatusOr<TrainResult> r = RunTrainingLoop(o, &mode, stop);
+  *lines = Lines(log_file);
+  std::fclose(log_file);
+  return r;
+}
+
+int CountLines(const std::vector<std::string>& lines, const std::string& a, const std::string& b) {
+  return static_cast<int>(std::count_if(lines.begin(), lines.end(), [&](const std::string& l) {
+    return absl::StrContains(l, a) && absl::StrContains(l, b);
+  }));
+}
+
+// fixed_batch.pt takes batches of exactly 4 (x.view(4, 784)); the test set has 10 samples, so
+// batches of 10 fail. It is evaluated in batches of 4, the last one padded, with the figures
+// of its any-batch twin free_batch.pt (same weights; FakeMode leaves them as they are) over
+// all 10 samples.
+TEST(TrainingLoopTest, AFixedBatchModelIsEvaluatedInItsTrainingBatchSize) {
+  const std::string dir = testing::TempDir();
+  std::vector<std::string> lines;
+  ASSERT_OK_AND_ASSIGN(TrainResult free, RunOnTestData("free_batch.pt", "odd_test", "",
+                                                       dir + "/free_batch_out.pt", &lines));
+  EXPECT_EQ(CountLines(lines, "event=evaluated", "test_samples=10 eval_batch=10"), 1)
+      << absl::StrJoin(lines, "\n");
+  ASSERT_OK_AND_ASSIGN(TrainResult fixed, RunOnTestData("fixed_batch.pt", "odd_test", "",
+                                                        dir + "/fixed_batch_out.pt", &lines));
+  EXPECT_EQ(CountLines(lines, "event=evaluated", "test_samples=10 eval_batch=4"), 1)
+      << absl::StrJoin(lines, "\n");
+  EXPECT_GE(free.test_accuracy, 0);
+  EXPECT_EQ(fixed.test_accuracy, free.test_accuracy);
+  EXPECT_NEAR(fixed.test_loss, free.test_loss, 1e-6 * std::abs(free.test_loss));
+  EXPECT_TRUE(std::ifstream(dir + "/fixed_batch_out.pt").good());
+
+  // With its own loss (loss: module) the padding cannot be left out of the loss: the last 2
+  // samples are, and the loss is the mean over the first 8.
+  ASSERT_OK_AND_ASSIGN(TrainResult own, RunOnTestData("fixed_batch.pt", "odd_test", "module",
+                                                      dir + "/fixed_batch_own.pt", &lines));
+  EXPECT_EQ(CountLines(lines, "event=evaluated", "test_samples=8 eval_batch=4"), 1)
+      << absl::StrJoin(lines, "\n");
+  EXPECT_GT(own.test_loss, 0);
+  EXPECT_NE(own.test_loss, fixed.test_loss);
+}
+
+// bad_test's test file labels sample 3 with 12 of 10 classes: the evaluation fails, saying
+// so, and the trained model has been saved before it.
+TEST(TrainingLoopTest, AFailedEvaluationKeepsTheSavedModel) {
+  const std::string out = absl::StrCat(testing::TempDir(), "/bad_test_model.pt");
+  std::vector<std::string> lines;
+  absl::StatusOr<TrainResult> r = RunOnTestData("free_batch.pt", "bad_test", "", out, &lines);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+  EXPECT_TRUE(absl::StrContains(r.status().message(), "evaluating test samples 0..3 of "))
+      << r.status();
+  EXPECT_TRUE(absl::StrContains(r.status().message(), "target class index 12 is out of range"))
+      << r.status();
+  EXPECT_TRUE(absl::StrContains(r.status().message(),
+                                absl::StrCat("(the trained model is saved in ", out, ")")))
+      << r.status();
+  EXPECT_TRUE(std::ifstream(out).good()) << out;
+  EXPECT_EQ(CountLines(lines, "event=model_saved", out), 1) << absl::StrJoin(lines, "\n");
+}
+
 // worker/testdata/late_label: sample 6 has label 12 of 10 classes. The check before the run
 // reads the first batch (samples 0-3) only; the step that meets sample 6 fails saying which
 // step and samples.

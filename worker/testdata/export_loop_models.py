@@ -14,6 +14,10 @@
 #                       sparse=True): its weight's gradient is a sparse tensor, which the loop
 #                       exchanges as the dense gradient it stands for.
 #   dense_embedding.pt  the same model and initial weights with sparse=False: the reference.
+#   fixed_batch.pt      a linear model written for batches of exactly 4 (x.view(4, 784)), with
+#                       a method loss(x, y) (cross-entropy) for loss: module: evaluation must
+#                       use the training batch size, padding the last partial batch.
+#   free_batch.pt       the same initial weights taking any batch: the reference.
 # Run with Debian's torch: /usr/bin/python3 worker/testdata/export_buffer_models.py
 import os
 import torch
@@ -57,6 +61,22 @@ class Embedding(torch.nn.Module):
         return self.fc(self.embed(ids).flatten(1))
 
 
+class Batch(torch.nn.Module):
+    def __init__(self, fixed: bool):
+        super().__init__()
+        self.fc = torch.nn.Linear(28 * 28, 10)
+        self.fixed = fixed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fixed:
+            return self.fc(x.view(4, 28 * 28))
+        return self.fc(x.flatten(1))
+
+    @torch.jit.export
+    def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(self.forward(x), y)
+
+
 here = os.path.dirname(__file__)
 torch.manual_seed(0)
 torch.jit.script(EmaBuffer()).save(os.path.join(here, "ema_buffer.pt"))
@@ -66,3 +86,7 @@ for sparse in (True, False):
     torch.manual_seed(0)
     torch.jit.script(Embedding(sparse)).save(
         os.path.join(here, "sparse_embedding.pt" if sparse else "dense_embedding.pt"))
+for fixed in (True, False):
+    torch.manual_seed(0)
+    torch.jit.script(Batch(fixed)).save(
+        os.path.join(here, "fixed_batch.pt" if fixed else "free_batch.pt"))

@@ -6,12 +6,15 @@
 #   train_only/train.pt          the same 8 samples without it, and no test file.
 #   late_label/train.pt          the same 8 samples, sample 6 labelled 12 (out of range for
 #                                10 classes), and no test file.
+#   odd_test/train.pt, test.pt   the same 8 samples; 10 test samples (x (i + 0.5) / 1000,
+#                                y index % 10): 2 left after batches of 4.
+#   bad_test/train.pt, test.pt   the same 8 samples; the test file's sample 3 labelled 12.
 # Run with Debian's torch: /usr/bin/python3 worker/testdata/gen_loop_data.py
 import os
 import torch
 
 here = os.path.dirname(__file__)
-for d in ("nan_input", "train_only", "late_label"):
+for d in ("nan_input", "train_only", "late_label", "odd_test", "bad_test"):
     os.makedirs(os.path.join(here, d), exist_ok=True)
 x = torch.arange(8 * 28 * 28, dtype=torch.float32).div(1000).reshape(8, 1, 28, 28)
 y = torch.arange(8, dtype=torch.int64)
@@ -20,5 +23,13 @@ torch.save({"x": x.clone(), "y": y.clone()}, os.path.join(here, "train_only", "t
 late = y.clone()
 late[6] = 12
 torch.save({"x": x.clone(), "y": late}, os.path.join(here, "late_label", "train.pt"))
+torch.save({"x": x.clone(), "y": y.clone()}, os.path.join(here, "odd_test", "train.pt"))
+odd_x = torch.arange(10 * 28 * 28, dtype=torch.float32).add(0.5).div(1000).reshape(10, 1, 28, 28)
+odd_y = torch.arange(10, dtype=torch.int64) % 10
+torch.save({"x": odd_x, "y": odd_y}, os.path.join(here, "odd_test", "test.pt"))
+torch.save({"x": x.clone(), "y": y.clone()}, os.path.join(here, "bad_test", "train.pt"))
+bad = y.clone()
+bad[3] = 12
+torch.save({"x": x.clone(), "y": bad}, os.path.join(here, "bad_test", "test.pt"))
 x[5, 0, 3, 7] = float("nan")
 torch.save({"x": x, "y": y}, os.path.join(here, "nan_input", "train.pt"))
