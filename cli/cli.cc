@@ -461,6 +461,15 @@ void AddTiedNames(const std::vector<TiedName>& tied, std::vector<ExportedTensor>
   }
 }
 
+// Appends the tensors of `more` whose names `tensors` lacks.
+void AddMissing(std::vector<ExportedTensor> more, std::vector<ExportedTensor>* tensors) {
+  for (ExportedTensor& t : more) {
+    const bool present = std::any_of(tensors->begin(), tensors->end(),
+                                     [&](const ExportedTensor& e) { return e.name == t.name; });
+    if (!present) tensors->push_back(std::move(t));
+  }
+}
+
 int RunExport(Session& s) {
   const std::string& job_id = s.arg(0);
   const std::string out_path = s.args.Get("out");
@@ -504,6 +513,10 @@ int RunExport(Session& s) {
     absl::StatusOr<TorchScriptExportResult> r =
         SaveTorchScriptWithWeights(module->payload, src->tensors, out_path);
     if (!r.ok()) return Failure(s, Annotate(r.status(), absl::StrCat("export of job ", job_id)));
+    if (r->frozen_kept > 0) {
+      s.err() << "note: " << r->frozen_kept
+              << " frozen parameters (requires_grad off) keep the module's values\n";
+    }
     if (!r->unused.empty()) {
       s.err() << "note: the module has no parameter or buffer for " << r->unused.size()
               << " exported tensors (not written): " << absl::StrJoin(r->unused, ", ") << "\n";
@@ -523,6 +536,11 @@ int RunExport(Session& s) {
                    "module: "
                 << tied.status().message() << ")\n";
       }
+      // Frozen parameters were not trained: the module's values, under their names.
+      absl::StatusOr<std::vector<ExportedTensor>> frozen =
+          module.ok() ? FrozenTensors(module->payload) : module.status();
+      if (!frozen.ok()) return Failure(s, Annotate(frozen.status(), "export of job " + job_id));
+      AddMissing(*std::move(frozen), &src->tensors);
     }
     if (absl::Status st = SaveStateDict(out_path, src->tensors); !st.ok()) return Failure(s, st);
   }

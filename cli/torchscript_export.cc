@@ -54,6 +54,22 @@ absl::StatusOr<torch::jit::Module> LoadModule(const std::string& module_bytes) {
   }
 }
 
+// The module's frozen parameters, by name: requires_grad off while others have it on (the
+// worker's rule, worker/model.h: it does not train or exchange them).
+std::map<std::string, at::Tensor> FrozenParameters(const torch::jit::Module& module) {
+  std::map<std::string, at::Tensor> frozen;
+  bool any_trainable = false;
+  for (const auto& p : module.named_parameters(/*recurse=*/true)) {
+    if (p.value.requires_grad()) {
+      any_trainable = true;
+    } else {
+      frozen.emplace(p.name, p.value);
+    }
+  }
+  if (!any_trainable) frozen.clear();  // Then the worker trains them all.
+  return frozen;
+}
+
 // The module's parameters, then its buffers, by name; a tensor held under an earlier name
 // too goes to `tied` (alias, first name) instead.
 std::vector<std::pair<std::string, at::Tensor>> ModuleTensors(const torch::jit::Module& module,
@@ -89,6 +105,30 @@ absl::StatusOr<std::vector<TiedName>> TiedTensorNames(const std::string& module_
   }
 }
 
+absl::StatusOr<std::vector<ExportedTensor>> FrozenTensors(const std::string& module_bytes) {
+  try {
+    absl::StatusOr<torch::jit::Module> module = LoadModule(module_bytes);
+    if (!module.ok()) return module.status();
+    std::vector<ExportedTensor> out;
+    for (const auto& [name, value] : FrozenParameters(*module)) {
+      ExportedTensor t;
+      t.name = name;
+      t.shape.assign(value.sizes().begin(), value.sizes().end());
+      const at::Tensor f = value.detach().to(torch::kCPU, torch::kFloat32).contiguous();
+      t.values.assign(f.data_ptr<float>(), f.data_ptr<float>() + f.numel());
+      t.dtype = value.scalar_type() == torch::kFloat64    ? FLOAT64
+                : value.scalar_type() == torch::kFloat16  ? FLOAT16
+                : value.scalar_type() == torch::kBFloat16 ? BFLOAT16
+                                                          : FLOAT32;
+      out.push_back(std::move(t));
+    }
+    return out;
+  } catch (const std::exception& e) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("reading the job's TorchScript module: ", e.what()));
+  }
+}
+
 absl::StatusOr<TorchScriptExportResult> SaveTorchScriptWithWeights(
     const std::string& module_bytes, const std::vector<ExportedTensor>& tensors,
     const std::string& path) {
@@ -107,12 +147,14 @@ absl::StatusOr<TorchScriptExportResult> SaveTorchScriptWithWeights(
     // A tied tensor is written once, under its first name: the alias is the same tensor.
     std::vector<TiedName> tied;
     const std::vector<std::pair<std::string, at::Tensor>> targets = ModuleTensors(module, &tied);
+    // Frozen parameters keep the module's values unless the export has them.
+    const std::map<std::string, at::Tensor> frozen = FrozenParameters(module);
     std::vector<std::string> missing;
     std::set<std::string> used;
     for (const auto& [name, tensor] : targets) {
       auto it = by_name.find(name);
       if (it == by_name.end()) {
-        missing.push_back(name);
+        if (frozen.count(name) == 0) missing.push_back(name);
         continue;
       }
       used.insert(name);
@@ -123,9 +165,11 @@ absl::StatusOr<TorchScriptExportResult> SaveTorchScriptWithWeights(
                        targets.size(), " parameters and buffers: ", absl::StrJoin(missing, ", ")));
     }
     for (const auto& [name, tensor] : targets) {
+      if (used.count(name) == 0) continue;  // Frozen, kept.
       if (absl::Status s = CopyInto(*by_name.at(name), tensor); !s.ok()) return s;
     }
-    result.tensors = static_cast<int64_t>(targets.size());
+    result.tensors = static_cast<int64_t>(used.size());
+    result.frozen_kept = static_cast<int64_t>(targets.size() - used.size());
     for (const ExportedTensor& t : tensors) {
       if (used.count(t.name) == 0) result.unused.push_back(t.name);
     }

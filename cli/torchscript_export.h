@@ -22,7 +22,8 @@ namespace gradmesh {
 namespace cli {
 
 struct TorchScriptExportResult {
-  int64_t tensors = 0;  // Module parameters and buffers written.
+  int64_t tensors = 0;      // Module parameters and buffers written.
+  int64_t frozen_kept = 0;  // Frozen parameters the export lacked: the module's values kept.
   // Exported tensors the module has no parameter or buffer for (not written).
   std::vector<std::string> unused;
 };
@@ -33,7 +34,8 @@ struct TorchScriptExportResult {
 // temporary file renamed into place (a failed export leaves no partial file). Errors:
 // INVALID_ARGUMENT when the bytes are not a TorchScript module, or a tensor's values do not
 // match its shape; FAILED_PRECONDITION naming the module tensors that `tensors` lacks (every
-// one must be covered) or whose shapes differ; INTERNAL (with the path) when the file cannot
+// one must be covered, but for frozen parameters, FrozenTensors, which keep the module's
+// values) or whose shapes differ; INTERNAL (with the path) when the file cannot
 // be written.
 absl::StatusOr<TorchScriptExportResult> SaveTorchScriptWithWeights(
     const std::string& module_bytes, const std::vector<ExportedTensor>& tensors,
@@ -49,6 +51,13 @@ struct TiedName {
   std::string first;
 };
 absl::StatusOr<std::vector<TiedName>> TiedTensorNames(const std::string& module_bytes);
+
+// Frozen parameters: those the module holds with requires_grad off while others have it on
+// (all off: none are frozen). The worker neither trains nor exchanges them (worker/model.h),
+// so the shards and a published model lack them; a state_dict export adds them with the
+// module's values (as float32 values with the parameter's dtype). INVALID_ARGUMENT when the
+// bytes are not a TorchScript module.
+absl::StatusOr<std::vector<ExportedTensor>> FrozenTensors(const std::string& module_bytes);
 
 }  // namespace cli
 }  // namespace gradmesh

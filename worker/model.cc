@@ -275,6 +275,7 @@ class TorchScriptModel : public NamedModel {
     return now;
   }
   std::vector<std::string> BufferNames() override { return buffer_names_; }
+  std::vector<std::string> FrozenParameterNames() override { return frozen_names_; }
   void SetTraining(bool training) override { module_.train(training); }
   absl::Status ToDevice(const torch::Device& device) override {
     try {
@@ -305,11 +306,24 @@ class TorchScriptModel : public NamedModel {
   // buffers up again). A tensor registered
   // under two names (tied weights) is listed once, under its first name: listing it twice
   // would apply its (already summed) gradient twice.
+  //
+  // A parameter saved with requires_grad off while others have it on is frozen (a model
+  // fine-tuned in part, as `p.requires_grad = False` leaves it in PyTorch): it is not trained
+  // or exchanged and keeps the module's value (any dtype). A module with it off on every
+  // parameter (exported for inference, or from torch.no_grad code) trains them all.
   absl::Status CollectTensors() {
     std::unordered_set<const c10::TensorImpl*> seen;
+    bool any_trainable = false;
+    for (const auto& item : module_.named_parameters(/*recurse=*/true)) {
+      any_trainable = any_trainable || item.value.requires_grad();
+    }
     for (const auto& item : module_.named_parameters(/*recurse=*/true)) {
       torch::Tensor p = item.value;
       if (!seen.insert(p.unsafeGetTensorImpl()).second) continue;
+      if (any_trainable && !p.requires_grad()) {
+        frozen_names_.push_back(item.name);
+        continue;
+      }
       // Gradients travel as contiguous float32 spans over host memory (ModelView); reject
       // anything else here rather than failing later in the middle of training.
       if (p.scalar_type() != torch::kFloat32 || !p.device().is_cpu() || !p.is_contiguous()) {
@@ -318,9 +332,7 @@ class TorchScriptModel : public NamedModel {
             p.is_contiguous() ? "" : " (not contiguous)", " on ", p.device().str(),
             "; only contiguous float32 CPU parameters are supported"));
       }
-      // Modules saved after freezing or from torch.no_grad code may have it off, and then
-      // backward would not fill .grad().
-      p.requires_grad_(true);
+      p.requires_grad_(true);  // Off on every parameter: train them all (above).
       names_.push_back(item.name);
       params_.push_back(p);
     }
@@ -343,6 +355,7 @@ class TorchScriptModel : public NamedModel {
   std::vector<std::string> names_;
   std::vector<torch::Tensor> params_;
   std::vector<std::string> buffer_names_;
+  std::vector<std::string> frozen_names_;
 };
 
 template <typename Holder>

@@ -91,6 +91,11 @@ class Model {
   // Dotted names ("bn1.running_mean", ...) of Buffers(), in the same order.
   virtual std::vector<std::string> BufferNames() = 0;
 
+  // Parameters the model keeps as they are (not in Parameters(): not trained, not exchanged),
+  // in named_parameters() order: a TorchScript module's parameters saved with requires_grad
+  // off while others have it on. Built-in models have none.
+  virtual std::vector<std::string> FrozenParameterNames() { return {}; }
+
   // Switches between training and evaluation behaviour (matters for modules with dropout or
   // batch norm).
   virtual void SetTraining(bool training) = 0;
@@ -149,8 +154,9 @@ class ModelRegistry {
 //   ReLU, max-pool 2; fc 400->120, ReLU; fc 120->84, ReLU; fc 84->10. Parameters
 //   conv1.{weight,bias}, conv2.{weight,bias}, fc1..fc3.{weight,bias}.
 // * "torchscript": torch::jit::load(spec.path()) (NOT_FOUND if the file does not exist,
-//   INVALID_ARGUMENT if it cannot be loaded or has no parameters), put in training mode with
-//   requires_grad set on every parameter. Parameters in Module::named_parameters() order.
+//   INVALID_ARGUMENT if it cannot be loaded or has no parameters), put in training mode.
+//   Parameters in Module::named_parameters() order, less frozen ones (requires_grad off
+//   while others have it on: FrozenParameterNames()); with it off on all, all are trained.
 //   The seed does not affect it.
 // Not thread-safe: see the note on the RNG above.
 absl::StatusOr<std::unique_ptr<Model>> CreateModel(const ModelSpec& spec, uint64_t seed);

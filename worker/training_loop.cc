@@ -583,6 +583,7 @@ void TrainingLoop::LogStart() const {
       Kv("y", data_.train->y().Describe()),
       Kv("params", view_.numel()),
       Kv("buffers", view_.size() - view_.num_params),
+      Kv("frozen_params", model_->FrozenParameterNames().size()),
       Kv("steps", total_),
       Kv("steps_per_epoch", loader_->steps_per_epoch() / accum_),
       Kv("epochs", epochs_),

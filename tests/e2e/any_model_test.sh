@@ -13,6 +13,8 @@
 #     reported one within 1%;
 #   * bf16 autocast against fp32: allreduce CNN (300 steps) and transformer jobs under
 #     `precision: bf16`, accuracy within 0.5 pt and perplexity within 3% of fp32;
+#   * fine-tuning a model with a frozen part (requires_grad off): in async and allreduce the
+#     frozen parameters keep their values in the output and both exports, the rest train;
 #   * bad input fails at job start with the file named: x/y length mismatch, a module without
 #     loss() for `loss: module`, a model whose output does not fit the loss.
 set -euo pipefail
@@ -139,6 +141,47 @@ got="$(export_and_score "$name" state_dict "$tmp/resnet" accuracy)" || fail "$go
 within "$want" "$got" 0.003 ||
   fail "$name: the state_dict export scores $got independently, the job reported $want"
 echo "ok: $name reported accuracy $want, the state_dict export scores $got"
+
+# --- Fine-tuning with a frozen part: parameters saved with requires_grad off (while others have
+# it on) are not trained. In a ps mode and allreduce, the job's own output and both exports
+# keep their values bit for bit while the trained ones move, and the state_dict export loads
+# strictly (it has the frozen names too).
+mkdir -p "$tmp/frozen"
+ln -s "$tmp/resnet/data" "$tmp/frozen/data"
+"$PY" - "$tmp/frozen" <<'PYEOF' || fail "making the frozen-part model"
+import sys, torch
+torch.manual_seed(0)
+m = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(784, 32), torch.nn.ReLU(),
+                        torch.nn.Linear(32, 10))
+for p in m[1].parameters():
+    p.requires_grad = False
+torch.jit.script(m).save(sys.argv[1] + "/model.pt")
+PYEOF
+for mode in async allreduce; do
+  name="frozen-$mode"
+  run_job "$name" "$mode" "$tmp/frozen" 100 64 "output: $tmp/$name.out.pt"
+  grep -h "event=train_start" "$tmp"/worker*.log | grep " job=$name " | grep -q " frozen_params=2 " ||
+    fail "$name: no train_start line with frozen_params=2"
+  for format in state_dict torchscript; do
+    cli/gradmesh export "$name" --out "$tmp/$name.$format.pt" --format "$format" \
+      >"$tmp/export.log" 2>&1 || fail "export --format $format $name: $(cat "$tmp/export.log")"
+  done
+  "$PY" - "$tmp/frozen/model.pt" "$tmp/$name.out.pt" "$tmp/$name.torchscript.pt" \
+    "$tmp/$name.state_dict.pt" <<'PYEOF' || fail "$name: a frozen parameter moved or a trained one did not"
+import sys, torch
+init = dict(torch.jit.load(sys.argv[1]).named_parameters())
+from_state = torch.jit.load(sys.argv[1])
+from_state.load_state_dict(torch.load(sys.argv[4]), strict=True)
+for label, m in (("output", torch.jit.load(sys.argv[2])), ("torchscript", torch.jit.load(sys.argv[3])),
+                 ("state_dict", from_state)):
+    for n, p in m.named_parameters():
+        same = torch.equal(p, init[n])
+        if same != n.startswith("1."):
+            sys.exit(f"{label}: {n} {'unchanged' if same else 'changed'}")
+print("frozen kept, trained moved")
+PYEOF
+  echo "ok: $name kept its frozen layer and trained the rest"
+done
 
 # --- The transformer on KJV text, in a ps mode with bounded staleness and the shard-less ones.
 for mode in ssp:1 allreduce gossip; do
