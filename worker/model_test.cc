@@ -294,6 +294,38 @@ TEST_F(ModelTest, TorchScriptTrainSaveReload) {
                     "TorchScript model " + path + ": forward on float32[3, 5]");
 }
 
+// A module saved with requires_grad off on layer 1 (fine-tuning the rest) lists layer 2 alone
+// as its parameters and layer 1 as frozen, which backward leaves without gradients and a save
+// keeps frozen; with it off on every parameter all are trained.
+TEST_F(ModelTest, TorchScriptFrozenParametersAreNotTrained) {
+  const std::string part = dir_ + "/frozen_part.pt";
+  const std::string all = dir_ + "/frozen_all.pt";
+  ASSERT_EQ(std::system(absl::StrCat(kPython, " -c 'import sys, torch\n",
+                                     "m = torch.nn.Sequential(torch.nn.Flatten(), ",
+                                     "torch.nn.Linear(784, 8), torch.nn.Linear(8, 10))\n",
+                                     "m[1].requires_grad_(False)\n",
+                                     "torch.jit.script(m).save(sys.argv[1])\n",
+                                     "m.requires_grad_(False)\n",
+                                     "torch.jit.script(m).save(sys.argv[2])' ", part, " ", all)
+                            .c_str()),
+            0);
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Model> model, CreateModel(Spec("torchscript", part), 1));
+  EXPECT_EQ(model->ParameterNames(), (std::vector<std::string>{"2.weight", "2.bias"}));
+  EXPECT_EQ(model->FrozenParameterNames(), (std::vector<std::string>{"1.weight", "1.bias"}));
+  ASSERT_OK_AND_ASSIGN(torch::Tensor out, model->Forward(torch::randn({2, 1, 28, 28})));
+  out.sum().backward();
+  for (const torch::Tensor& p : model->Parameters()) EXPECT_TRUE(p.grad().defined());
+  const std::string saved = dir_ + "/frozen_saved.pt";
+  ASSERT_OK(model->Save(saved));
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Model> again, CreateModel(Spec("torchscript", saved), 1));
+  EXPECT_EQ(again->FrozenParameterNames(), model->FrozenParameterNames());
+
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Model> every, CreateModel(Spec("torchscript", all), 1));
+  EXPECT_TRUE(every->FrozenParameterNames().empty());
+  EXPECT_EQ(every->ParameterNames(),
+            (std::vector<std::string>{"1.weight", "1.bias", "2.weight", "2.bias"}));
+}
+
 // ---- Any model, any data: the TorchScript modules of testdata/models (made by gen.py). ----
 
 std::string ModelPath(const std::string& name) {
