@@ -23,7 +23,8 @@ std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address, const Rpc
   // different workers in one process must not serialise on one socket.
   args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, ClampToInt(options.min_reconnect_backoff_ms));
-  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, ClampToInt(options.min_reconnect_backoff_ms));
+  // Despite its name, the minimum time a connection attempt gets (RpcOptions).
+  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, ClampToInt(options.connect_timeout_ms));
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, ClampToInt(options.max_reconnect_backoff_ms));
   return grpc::CreateCustomChannel(address, ChannelCredentialsFor(options.tls), args);
 }

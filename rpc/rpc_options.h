@@ -45,6 +45,13 @@ struct RpcOptions {
   // max. gRPC's defaults (1 s, 120 s) are too slow for a shard that restarts in a second.
   int64_t min_reconnect_backoff_ms = 100;
   int64_t max_reconnect_backoff_ms = 5000;
+  // How long one connection attempt may take (TCP, TLS and HTTP/2 handshakes: several round
+  // trips) before it counts as failed. gRPC takes its minimum from the same channel argument
+  // as the reconnect backoff's (GRPC_ARG_MIN_RECONNECT_BACKOFF_MS), so it is set on its own:
+  // at 100 ms no connection over a link of 50 ms round trip or more completed its first
+  // attempts. gRPC's default, 20 s. A refused connection (a peer that is down) fails at once
+  // whatever this is; a call's own deadline still bounds the call.
+  int64_t connect_timeout_ms = 20000;
   // Models a slower link for a client's tensor traffic (each direction paced separately, as a
   // full-duplex NIC), in bits per second; 0 = as fast as the transport goes. For measuring
   // compression on a slow network with loopback daemons (see worker --link_mbit).

@@ -700,7 +700,10 @@ class GrpcParameterClient final : public ParameterClient {
     absl::Duration backoff = options_.initial_backoff;
     // A sync push waits at the shard's barrier for up to the job's barrier timeout: an attempt
     // must outlast it, or the client would give up on a step the shard still completes.
-    absl::Duration deadline = options_.rpc_deadline;
+    // An attempt that ran out of time doubles the next one's (kept for later calls, up to
+    // kMaxRpcDeadline): a message that needs longer than rpc_deadline on a slow link then
+    // gets through instead of timing out on every attempt.
+    absl::Duration deadline = absl::Milliseconds(grown_deadline_ms_.load());
     if (sync_ && std::string(what) == "Push") {
       const double barrier = layout_.barrier_timeout_s > 0 ? layout_.barrier_timeout_s : 120;
       deadline = std::max(deadline, absl::Seconds(barrier) + absl::Seconds(30));
@@ -729,6 +732,7 @@ class GrpcParameterClient final : public ParameterClient {
              });
       }
       WaitAll(&done_mu, &left, &finished, attempt_deadline, pending);
+      const bool out_of_time = absl::Now() >= attempt_deadline;
       std::vector<int32_t> retry;
       absl::Status last;
       for (size_t i = 0; i < pending.size(); ++i) {
@@ -746,10 +750,17 @@ class GrpcParameterClient final : public ParameterClient {
         return Annotate(last, absl::StrCat("gave up after ", attempt, " attempts"));
       }
       if (Stopping()) return StoppedRetrying(last, attempt);
-      LogWarning(
-          options_.logger, "rpc_retry",
-          {Kv("job", layout_.job), Kv("rpc", what), Kv("attempt", attempt),
-           Kv("backoff_ms", absl::ToInt64Milliseconds(backoff)), Kv("error", last.ToString())});
+      if (out_of_time && deadline < kMaxRpcDeadline) {
+        deadline = std::min(deadline * 2, kMaxRpcDeadline);
+        int64_t was = grown_deadline_ms_.load();
+        const int64_t now_ms = absl::ToInt64Milliseconds(deadline);
+        while (was < now_ms && !grown_deadline_ms_.compare_exchange_weak(was, now_ms)) {
+        }
+      }
+      LogWarning(options_.logger, "rpc_retry",
+                 {Kv("job", layout_.job), Kv("rpc", what), Kv("attempt", attempt),
+                  Kv("backoff_ms", absl::ToInt64Milliseconds(backoff)),
+                  Kv("deadline_s", absl::ToDoubleSeconds(deadline)), Kv("error", last.ToString())});
       if (!SleepUnlessStopped(backoff)) return StoppedRetrying(last, attempt);
       backoff = std::min(backoff * 2, options_.max_backoff);
       pending = std::move(retry);
@@ -786,6 +797,9 @@ class GrpcParameterClient final : public ParameterClient {
   const uint64_t incarnation_;  // High bits of request ids: distinct per client instance.
   AdaptiveSpin spin_{options_.spin_wait};   // WaitAll: spin first while answers come fast.
   std::atomic<bool> stop_retrying_{false};  // StopRetrying: CallAll retries no more.
+  // Per-attempt deadline: options_.rpc_deadline, doubled by each attempt that ran out of time.
+  static constexpr absl::Duration kMaxRpcDeadline = absl::Minutes(30);
+  std::atomic<int64_t> grown_deadline_ms_{absl::ToInt64Milliseconds(options_.rpc_deadline)};
   std::vector<std::unique_ptr<ParameterService::Stub>> stubs_;
   // Push and Pull go through generic stubs to avoid copying tensor data.
   std::vector<std::unique_ptr<grpc::GenericStub>> generic_stubs_;

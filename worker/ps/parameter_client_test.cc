@@ -28,6 +28,7 @@
 #include "rpc/grpc_util.h"
 #include "server/parameter_service.h"
 #include "server/shard.h"
+#include "tests/testing/delay_proxy.h"
 #include "worker/core/device_gradients.h"
 
 namespace gradmesh {
@@ -455,6 +456,54 @@ TEST(PushPullFallbackTest, AShardWithoutFusedPullsGetsAPullOfItsOwn) {
   const std::vector<std::string> lines = log.lines();
   ASSERT_EQ(lines.size(), 1u);  // Said once; the second step made two calls straight away.
   EXPECT_NE(lines[0].find("event=fused_pull_unsupported"), std::string::npos) << lines[0];
+  server->Shutdown();
+}
+
+// Through a link slower than the client's per-attempt deadline (a proxy that holds every
+// piece 150 ms, so a call takes at least 300 ms, the first one longer), every attempt of 100 ms
+// would time out: each attempt that runs out of time doubles the next one's, so the call gets
+// through, its push applied once, and later calls keep the longer deadline.
+TEST(SlowLinkTest, AnAttemptThatRanOutOfTimeDoublesTheNextOnesDeadline) {
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Shard> shard, Shard::Create(ShardOptions()));
+  ParameterServiceImpl service(shard.get());
+  std::string addr;
+  std::unique_ptr<grpc::Server> server = Serve(&service, &addr);
+  ASSERT_NE(server, nullptr);
+  const int port = std::stoi(addr.substr(addr.rfind(':') + 1));
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<testutil::DelayProxy> proxy,
+                       testutil::DelayProxy::Start(port, absl::Milliseconds(150)));
+  JobLayout layout;
+  layout.job = "slow";
+  layout.tensors = {Spec("w", {6})};
+  layout.chunk_elems = 8;
+  layout.optimizer.set_name("sgd");
+  layout.optimizer.set_lr(1);
+  CapturedLog log;
+  GrpcParameterClientOptions o;
+  o.logger = log.logger();
+  o.servers = {proxy->address()};
+  o.rpc_deadline = absl::Milliseconds(100);
+  o.initial_backoff = absl::Milliseconds(1);
+  o.max_attempts = 8;
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<ParameterClient> client, NewGrpcParameterClient(layout, o));
+  std::vector<float> w(6, 1.0f);
+  ASSERT_OK(client->InitJob({absl::MakeConstSpan(w)}));
+  const std::vector<float> g = {1, 2, 3, 4, 5, 6};
+  std::vector<float> got(6, -9.0f);
+  ASSERT_OK(client->PushPull(0, {absl::MakeConstSpan(g)}, {absl::MakeSpan(got)}, nullptr));
+  for (int i = 0; i < 6; ++i) EXPECT_EQ(got[i], 1.0f - g[i]) << i;
+  const size_t retries_before = log.lines().size();
+  EXPECT_GE(retries_before, 1u);  // InitJob's first attempts ran out of time.
+  for (const std::string& line : log.lines()) {
+    EXPECT_NE(line.find("event=rpc_retry"), std::string::npos) << line;
+  }
+  EXPECT_NE(log.lines().back().find("deadline_s="), std::string::npos) << log.lines().back();
+  ASSERT_OK(client->PushPull(1, {absl::MakeConstSpan(g)}, {absl::MakeSpan(got)}, nullptr));
+  EXPECT_EQ(log.lines().size(), retries_before);  // The grown deadline was kept.
+  ASSERT_OK_AND_ASSIGN(std::vector<JobInfoResponse> infos, client->GetJobInfo());
+  EXPECT_EQ(infos[0].pushes_applied(), 2);  // Each push applied once, retried or not.
+  for (int i = 0; i < 6; ++i) EXPECT_EQ(got[i], 1.0f - 2 * g[i]) << i;
+  proxy.reset();
   server->Shutdown();
 }
 
