@@ -210,17 +210,42 @@ class TorchScriptModel : public NamedModel {
       return absl::InvalidArgumentError(absl::StrCat(Describe(), ": forward on undefined tensor"));
     }
     try {
-      torch::jit::IValue result = module_.forward({x});
-      if (!result.isTensor()) {
-        return absl::InvalidArgumentError(absl::StrCat(Describe(), ": forward on ", TensorString(x),
-                                                       " returned a ", result.tagKind(),
-                                                       ", not a tensor"));
+      const torch::jit::IValue result = module_.forward({x});
+      std::optional<torch::Tensor> out = OutputTensor(result);
+      if (!out.has_value()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            Describe(), ": forward on ", TensorString(x), " returned a ", result.tagKind(),
+            "; it must return a tensor, a tuple or list whose first element is one, or a dict "
+            "with a tensor under \"logits\" or \"out\""));
       }
-      return result.toTensor();
+      return *std::move(out);
     } catch (const std::exception& e) {
       return FromException(absl::StatusCode::kInvalidArgument,
                            absl::StrCat(Describe(), ": forward on ", TensorString(x)), e);
     }
+  }
+
+  // The prediction in what forward returned: the tensor itself; the first element of a tuple
+  // or list (as models with auxiliary outputs return (logits, aux), or HuggingFace models
+  // with return_dict=False); the "logits" or "out" entry of a dict (torchvision's
+  // segmentation models: {"out": ..., "aux": ...}). None otherwise.
+  static std::optional<torch::Tensor> OutputTensor(const torch::jit::IValue& v) {
+    if (v.isTensor()) return v.toTensor();
+    if (v.isTuple() && !v.toTupleRef().elements().empty() &&
+        v.toTupleRef().elements()[0].isTensor()) {
+      return v.toTupleRef().elements()[0].toTensor();
+    }
+    if (v.isList() && !v.toListRef().empty() && v.toListRef()[0].isTensor()) {
+      return v.toListRef()[0].toTensor();
+    }
+    if (v.isGenericDict() && v.toGenericDict().keyType()->kind() == c10::TypeKind::StringType) {
+      const c10::Dict<torch::jit::IValue, torch::jit::IValue> d = v.toGenericDict();
+      for (const char* key : {"logits", "out"}) {
+        auto it = d.find(torch::jit::IValue(std::string(key)));
+        if (it != d.end() && it->value().isTensor()) return it->value().toTensor();
+      }
+    }
+    return std::nullopt;
   }
 
   absl::StatusOr<torch::Tensor> ModuleLoss(const torch::Tensor& x,

@@ -326,6 +326,57 @@ TEST_F(ModelTest, TorchScriptFrozenParametersAreNotTrained) {
             (std::vector<std::string>{"1.weight", "1.bias", "2.weight", "2.bias"}));
 }
 
+// A forward returning more than the prediction: the first element of a tuple or list, the
+// "logits" or "out" entry of a dict; anything else is refused saying what is accepted.
+TEST_F(ModelTest, TorchScriptForwardOutputsWithAuxiliaryParts) {
+  const std::string script = dir_ + "/outputs.py";
+  std::ofstream(script) << R"PY(import sys, torch
+from typing import Dict, List, Tuple
+class T(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(784, 10)
+    def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        y = self.fc(x.flatten(1))
+        return y, y.sum()
+class L(T):
+    def forward(self, x: torch.Tensor) -> List[torch.Tensor]:
+        y = self.fc(x.flatten(1))
+        return [y, -y]
+class D(T):
+    def forward(self, x: torch.Tensor) -> Dict[str, torch.Tensor]:
+        y = self.fc(x.flatten(1))
+        return {"aux": -y, "out": y}
+class N(T):
+    def forward(self, x: torch.Tensor) -> Dict[str, torch.Tensor]:
+        return {"aux": self.fc(x.flatten(1))}
+for c, f in ((T, "tuple"), (L, "list"), (D, "dict"), (N, "none")):
+    torch.manual_seed(0)
+    torch.jit.script(c()).save(sys.argv[1] + "/out_" + f + ".pt")
+)PY";
+  const std::string py = absl::StrCat(kPython, " ", script, " ", dir_);
+  ASSERT_EQ(std::system(py.c_str()), 0) << py;
+  const torch::Tensor x = torch::randn({3, 1, 28, 28});
+  std::optional<torch::Tensor> first;
+  for (const char* kind : {"tuple", "list", "dict"}) {
+    ASSERT_OK_AND_ASSIGN(std::unique_ptr<Model> model,
+                         CreateModel(Spec("torchscript", dir_ + "/out_" + kind + ".pt"), 1));
+    ASSERT_OK_AND_ASSIGN(torch::Tensor out, model->Forward(x));
+    EXPECT_EQ(out.sizes().vec(), (std::vector<int64_t>{3, 10})) << kind;
+    if (!first.has_value()) first = out.detach();
+    EXPECT_TRUE(torch::equal(out, *first)) << kind;  // Same weights (seed 0): same logits.
+    ASSERT_OK_AND_ASSIGN(torch::Tensor loss, ComputeLoss(model.get(), LossKind::kCrossEntropy, x,
+                                                         torch::tensor({1, 2, 3}, torch::kInt64)));
+    loss.backward();
+    EXPECT_TRUE(model->Parameters()[0].grad().defined()) << kind;
+  }
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Model> none,
+                       CreateModel(Spec("torchscript", dir_ + "/out_none.pt"), 1));
+  EXPECT_STATUS_MSG(none->Forward(x), absl::StatusCode::kInvalidArgument,
+                    "returned a GenericDict; it must return a tensor, a tuple or list whose first "
+                    "element is one, or a dict with a tensor under \"logits\" or \"out\"");
+}
+
 // ---- Any model, any data: the TorchScript modules of testdata/models (made by gen.py). ----
 
 std::string ModelPath(const std::string& name) {
