@@ -9,7 +9,7 @@ parameter and buffer must be there, with its shape; nothing else may be), model.
 every DIR/test*.pt file (torch.save({"x": X, "y": Y})), in name order, in batches without autograd.
 Prints one JSON line, with gradmesh's definitions (worker/model.h, EvalMetrics):
   test_loss   mean loss per prediction: per sample for [N, C] logits vs int64 [N], per token for
-              [N, T, C] vs int64 [N, T] (cross_entropy); per sample for mse (mean over the elements of
+              [N, T, C] vs integer [N, T] (cross_entropy); per sample for mse (mean over the elements of
               each sample, then over samples) and for module (the module's loss(x, y), a batch mean)
   accuracy    cross_entropy only: arg-max of the logits == y, per sample or per token
   perplexity  cross_entropy over [N, T] targets only: exp(test_loss)
@@ -83,6 +83,20 @@ class Totals:
         return out
 
 
+def prediction(out):
+    """As the worker takes it: the tensor, the first of a tuple or list, or a dict's "logits"
+    or "out" entry."""
+    if isinstance(out, (tuple, list)) and out and torch.is_tensor(out[0]):
+        return out[0]
+    if isinstance(out, dict):
+        for key in ("logits", "out"):
+            if torch.is_tensor(out.get(key)):
+                return out[key]
+    if not torch.is_tensor(out):
+        raise ValueError(f"forward returned a {type(out).__name__}, not a prediction tensor")
+    return out
+
+
 def batch_loss(model, loss, x, y, totals):
     """Adds batch (x, y) to totals (no autograd; the caller sets eval mode)."""
     n = x.shape[0]
@@ -91,7 +105,7 @@ def batch_loss(model, loss, x, y, totals):
         totals.loss_sum += float(model.loss(x, y)) * n
         totals.predictions += n
         return
-    out = model(x)
+    out = prediction(model(x))
     if loss == "mse":
         # As the worker (MseTarget): y of the output's shape, or [N] for an output [N, 1].
         if out.dim() == 2 and out.shape[1] == 1 and y.dim() == 1 and y.shape[0] == n:
@@ -103,8 +117,9 @@ def batch_loss(model, loss, x, y, totals):
         totals.loss_sum += float(per_sample.sum())
         totals.predictions += n
         return
-    if y.dtype != torch.int64:
-        raise ValueError(f"cross_entropy: y must be int64, got {y.dtype}")
+    if y.is_floating_point() or y.is_complex() or y.dtype == torch.bool:
+        raise ValueError(f"cross_entropy: y must be integer class indices, got {y.dtype}")
+    y = y.long()  # Any integer dtype, as the worker takes it.
     if out.dim() != y.dim() + 1 or out.shape[:-1] != y.shape:
         raise ValueError(f"cross_entropy: logits {tuple(out.shape)} do not fit y {tuple(y.shape)} "
                          "(want [N,C] with [N] or [N,T,C] with [N,T])")

@@ -403,8 +403,10 @@ absl::Status CheckCrossEntropyFits(const torch::Tensor& out, const torch::Tensor
   };
   if (!out.defined() || !y.defined()) return mismatch("undefined tensor");
   if (!out.is_floating_point()) return mismatch("the output must be floating-point logits");
-  if (y.scalar_type() != torch::kInt64) {
-    return mismatch("targets must be int64 class indices (float targets: use loss mse)");
+  if (y.is_floating_point() || y.is_complex() || y.scalar_type() == torch::kBool) {
+    return mismatch(
+        "targets must be integer class indices (any integer dtype; float targets: use loss "
+        "mse)");
   }
   const bool flat = out.dim() == 2 && y.dim() == 1 && y.size(0) == out.size(0);
   const bool sequence =
@@ -453,8 +455,10 @@ absl::StatusOr<torch::Tensor> LossOfOutput(LossKind kind, const torch::Tensor& o
   try {
     if (kind == LossKind::kCrossEntropy) {
       RETURN_IF_ERROR(CheckCrossEntropyFits(out, y));
-      // [N, T, C] flattens to N*T predictions: the mean is over every token.
-      return torch::nn::functional::cross_entropy(out.reshape({-1, out.size(-1)}), y.reshape({-1}));
+      // [N, T, C] flattens to N*T predictions: the mean is over every token. Integer targets
+      // of any width are class indices (uint8 labels, as IDX files hold them, convert exactly).
+      return torch::nn::functional::cross_entropy(out.reshape({-1, out.size(-1)}),
+                                                  y.reshape({-1}).to(torch::kInt64));
     }
     if (kind == LossKind::kMse) {
       ASSIGN_OR_RETURN(torch::Tensor target, MseTarget(out, y));

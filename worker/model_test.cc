@@ -737,9 +737,23 @@ TEST(LossShapeTest, CrossEntropyRejectsWhatDoesNotFit) {
                     "loss cross_entropy: model output float32[64, 10] does not fit targets "
                     "int64[64, 5]");
   EXPECT_STATUS_MSG(ce(logits, torch::zeros({64})), absl::StatusCode::kInvalidArgument,
-                    "does not fit targets float32[64]; targets must be int64 class indices");
-  EXPECT_STATUS_MSG(ce(logits, torch::zeros({64}, torch::kInt32)),
-                    absl::StatusCode::kInvalidArgument, "targets must be int64 class indices");
+                    "does not fit targets float32[64]; targets must be integer class indices");
+  EXPECT_STATUS_MSG(ce(logits, torch::zeros({64}, torch::kBool)),
+                    absl::StatusCode::kInvalidArgument, "targets must be integer class indices");
+  // Any integer dtype is class indices, with the same loss as int64 (uint8: IDX labels).
+  const torch::Tensor wide = torch::tensor({3, 0, 9, 7}, torch::kInt64);
+  const torch::Tensor scores = torch::randn({4, 10});
+  auto ce_loss = [&](const torch::Tensor& y) {
+    FixedOutputModel model(scores);
+    return ComputeLoss(&model, LossKind::kCrossEntropy, torch::zeros({1}), y);
+  };
+  ASSERT_OK_AND_ASSIGN(const torch::Tensor want, ce_loss(wide));
+  for (torch::ScalarType t : {torch::kUInt8, torch::kInt8, torch::kInt16, torch::kInt32}) {
+    ASSERT_OK_AND_ASSIGN(const torch::Tensor got, ce_loss(wide.to(t)));
+    EXPECT_EQ(got.item<float>(), want.item<float>()) << t;
+  }
+  EXPECT_STATUS_MSG(ce_loss(torch::tensor({3, 0, 10, 7}, torch::kUInt8)),
+                    absl::StatusCode::kInvalidArgument, "target class index 10 is out of range");
   EXPECT_STATUS_MSG(ce(logits, torch::zeros({63}, torch::kInt64)),
                     absl::StatusCode::kInvalidArgument,
                     "model output float32[64, 10] does not fit targets int64[63]");
