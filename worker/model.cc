@@ -350,12 +350,18 @@ class TorchScriptModel : public NamedModel {
         continue;
       }
       // Gradients travel as contiguous float32 spans over host memory (ModelView); reject
-      // anything else here rather than failing later in the middle of training.
+      // anything else here rather than failing later in the middle of training. A strided
+      // one (nn.Parameter(w.t())) is made contiguous in place: the module keeps the same
+      // parameter with the same values, now in row-major order.
+      if (p.scalar_type() == torch::kFloat32 && p.device().is_cpu() && !p.is_contiguous()) {
+        torch::NoGradGuard no_grad;
+        p.set_data(p.contiguous());
+      }
       if (p.scalar_type() != torch::kFloat32 || !p.device().is_cpu() || !p.is_contiguous()) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "TorchScript model ", path_, ": parameter ", item.name, " is ", TensorString(p),
-            p.is_contiguous() ? "" : " (not contiguous)", " on ", p.device().str(),
-            "; only contiguous float32 CPU parameters are supported"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("TorchScript model ", path_, ": parameter ", item.name, " is ",
+                         TensorString(p), p.is_contiguous() ? "" : " (not contiguous)", " on ",
+                         p.device().str(), "; only float32 CPU parameters are supported"));
       }
       p.requires_grad_(true);  // Off on every parameter: train them all (above).
       names_.push_back(item.name);

@@ -2,6 +2,7 @@
 
 #include <stdlib.h>
 #include <sys/stat.h>
+#include <torch/script.h>
 #include <torch/torch.h>
 
 #include <cmath>
@@ -375,6 +376,37 @@ for c, f in ((T, "tuple"), (L, "list"), (D, "dict"), (N, "none")):
   EXPECT_STATUS_MSG(none->Forward(x), absl::StatusCode::kInvalidArgument,
                     "returned a GenericDict; it must return a tensor, a tuple or list whose first "
                     "element is one, or a dict with a tensor under \"logits\" or \"out\"");
+}
+
+// A parameter stored strided (nn.Parameter(w.t())) is made contiguous in place: it trains
+// as any other, and the forward gives what the module as saved gives.
+TEST_F(ModelTest, TorchScriptStridedParameterIsMadeContiguous) {
+  const std::string script = dir_ + "/strided.py";
+  std::ofstream(script) << R"PY(import sys, torch
+class S(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(10, 784).t())
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.flatten(1).matmul(self.w)
+torch.manual_seed(0)
+m = S()
+assert not m.w.is_contiguous()
+torch.jit.script(m).save(sys.argv[1])
+)PY";
+  const std::string path = dir_ + "/strided.pt";
+  ASSERT_EQ(std::system(absl::StrCat(kPython, " ", script, " ", path).c_str()), 0);
+  torch::jit::Module as_saved = torch::jit::load(path);
+  ASSERT_FALSE((*as_saved.named_parameters().begin()).value.is_contiguous());
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Model> model, CreateModel(Spec("torchscript", path), 1));
+  ASSERT_EQ(model->Parameters().size(), 1u);
+  EXPECT_TRUE(model->Parameters()[0].is_contiguous());
+  const torch::Tensor x = torch::randn({3, 1, 28, 28});
+  ASSERT_OK_AND_ASSIGN(torch::Tensor out, model->Forward(x));
+  torch::NoGradGuard no_grad;
+  // (The GEMM may round differently over the two layouts.)
+  const torch::Tensor want = as_saved.forward({x}).toTensor();
+  EXPECT_TRUE(torch::allclose(out, want, 1e-5, 1e-4)) << (out - want).abs().max();
 }
 
 // ---- Any model, any data: the TorchScript modules of testdata/models (made by gen.py). ----
