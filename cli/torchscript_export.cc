@@ -47,7 +47,7 @@ absl::Status CopyInto(const ExportedTensor& from, at::Tensor to) {
 absl::StatusOr<torch::jit::Module> LoadModule(const std::string& module_bytes) {
   try {
     std::istringstream in(module_bytes);
-    return torch::jit::load(in);
+    return torch::jit::load(in, torch::Device(torch::kCPU));  // Saved on a GPU or not.
   } catch (const c10::Error& e) {
     return absl::InvalidArgumentError(
         absl::StrCat("the job's module is not a TorchScript module: ", e.what_without_backtrace()));

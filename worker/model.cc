@@ -186,7 +186,9 @@ class TorchScriptModel : public NamedModel {
     }
     auto model = std::unique_ptr<TorchScriptModel>(new TorchScriptModel(path));
     try {
-      model->module_ = torch::jit::load(path);
+      // Onto the CPU whatever device it was saved from (a module saved on a GPU names CUDA
+      // storages, which a CPU LibTorch cannot make): the loop moves it to its own device.
+      model->module_ = torch::jit::load(path, torch::Device(torch::kCPU));
       model->module_.train(true);
       if (absl::Status s = model->CollectTensors(); !s.ok()) return s;
       model->has_loss_ = model->module_.find_method("loss").has_value();

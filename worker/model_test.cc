@@ -409,6 +409,38 @@ torch.jit.script(m).save(sys.argv[1])
   EXPECT_TRUE(torch::allclose(out, want, 1e-5, 1e-4)) << (out - want).abs().max();
 }
 
+// A module saved from a GPU (its storages say "cuda"; made here by renaming the CPU module's
+// storage location, as this machine's PyTorch has no CUDA) loads onto the CPU.
+TEST_F(ModelTest, TorchScriptSavedOnAGpuLoadsOntoTheCpu) {
+  const std::string script = dir_ + "/cuda_saved.py";
+  std::ofstream(script) << R"PY(import sys, torch, zipfile
+torch.manual_seed(0)
+torch.jit.script(torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(784, 10))).save(
+    sys.argv[1] + ".cpu")
+src = zipfile.ZipFile(sys.argv[1] + ".cpu")
+with zipfile.ZipFile(sys.argv[1], "w") as out:
+    for i in src.infolist():
+        data = src.read(i.filename)
+        if i.filename.endswith("data.pkl"):
+            assert b"X\x03\x00\x00\x00cpu" in data
+            data = data.replace(b"X\x03\x00\x00\x00cpu", b"X\x04\x00\x00\x00cuda")
+        out.writestr(i, data)
+try:
+    torch.jit.load(sys.argv[1])
+    sys.exit("a CPU torch loaded CUDA storages without map_location")
+except RuntimeError:
+    pass
+)PY";
+  const std::string path = dir_ + "/cuda_saved.pt";
+  ASSERT_EQ(std::system(absl::StrCat(kPython, " ", script, " ", path).c_str()), 0);
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Model> model, CreateModel(Spec("torchscript", path), 1));
+  ASSERT_EQ(model->Parameters().size(), 2u);
+  for (const torch::Tensor& p : model->Parameters()) EXPECT_TRUE(p.device().is_cpu());
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Model> cpu,
+                       CreateModel(Spec("torchscript", path + ".cpu"), 1));
+  EXPECT_TRUE(torch::equal(model->Parameters()[0], cpu->Parameters()[0]));
+}
+
 // ---- Any model, any data: the TorchScript modules of testdata/models (made by gen.py). ----
 
 std::string ModelPath(const std::string& name) {
