@@ -252,9 +252,12 @@ absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
 }
 
 struct MetricsHttpServer::Conn {
-  Fd fd;
+  Fd fd;  // Reset under conns_mu_ (Admit may shut it down meanwhile).
   std::thread thread;
-  bool done = false;  // Guarded by conns_mu_: set by the thread as its last step.
+  bool done = false;     // Guarded by conns_mu_: set by the thread as its last step.
+  bool evicted = false;  // Guarded by conns_mu_: shut down to make room.
+  // Still waiting for its request head (no answer started): what Admit may evict.
+  std::atomic<bool> reading{true};
 };
 
 MetricsHttpServer::MetricsHttpServer(Fd listen_fd, Fd wake_fd, int port, MetricsRegistry* registry,
@@ -316,7 +319,20 @@ void MetricsHttpServer::ReapFinished() {
 void MetricsHttpServer::Admit(Fd conn) {
   absl::MutexLock lock(&conns_mu_);
   ReapFinished();
-  if (active_ >= options_.max_connections) {
+  if (active_ - evicted_ >= options_.max_connections && active_ < 2 * options_.max_connections) {
+    // At the cap: the oldest connection still waiting for its request head makes room
+    // (shut down, its thread ends at once), so that idle or trickling clients holding every
+    // slot cannot keep a liveness probe out. Past twice the cap (evictions still ending),
+    // the new one is refused below.
+    for (const std::unique_ptr<Conn>& c : conns_) {
+      if (c->done || c->evicted || !c->reading.load() || c->fd.get() < 0) continue;
+      c->evicted = true;
+      shutdown(c->fd.get(), SHUT_RDWR);
+      ++evicted_;
+      break;
+    }
+  }
+  if (active_ - evicted_ >= options_.max_connections) {
     // Best effort, never blocking the accept loop: the answer fits in the socket buffer. What
     // the client has sent so far is read first (unread input makes close() send a reset that
     // can discard the answer); a request still in flight may still meet a reset.
@@ -335,7 +351,7 @@ void MetricsHttpServer::Admit(Fd conn) {
   c->fd = std::move(conn);
   c->thread = std::thread([this, c] {
     const int fd = c->fd.get();
-    Serve(fd);
+    Serve(fd, &c->reading);
     // Unread input (a body, an oversized head) would make close() send a reset that can cut
     // the response short: end our side, then drain briefly.
     shutdown(fd, SHUT_WR);
@@ -346,9 +362,10 @@ void MetricsHttpServer::Admit(Fd conn) {
       if (poll(p, 2, PollTimeoutMs(drain_until)) <= 0 || p[1].revents != 0) break;
       if (recv(fd, sink, sizeof(sink), 0) <= 0) break;
     }
-    c->fd.reset();
     absl::MutexLock lock(&conns_mu_);
+    c->fd.reset();
     --active_;
+    if (c->evicted) --evicted_;
     c->done = true;
   });
 }
@@ -361,7 +378,7 @@ std::string MetricsHttpServer::Answer(const std::string& head) {
   return Respond(*request, registry_, handlers_);
 }
 
-void MetricsHttpServer::Serve(int fd) {
+void MetricsHttpServer::Serve(int fd, std::atomic<bool>* reading) {
   const absl::Time deadline = absl::Now() + options_.request_timeout;
   const size_t max = options_.max_request_bytes;
   std::string head;
@@ -390,6 +407,7 @@ void MetricsHttpServer::Serve(int fd) {
       state = kTooLarge;
     }
   }
+  reading->store(false);
   std::string out;
   switch (state) {
     case kComplete:

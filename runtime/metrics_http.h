@@ -9,8 +9,10 @@
 // HEAD answers as GET without the body. The query string is ignored.
 //
 // Connections are served concurrently, each on its own thread, at most
-// MetricsHttpOptions::max_connections at a time (one more is closed at once, with a 503 when
-// its request has arrived), so idle or slow clients cannot delay a liveness probe. Each
+// MetricsHttpOptions::max_connections at a time. One more makes the oldest connection still
+// waiting for its request head close (idle or trickling clients holding every slot cannot
+// keep a liveness probe out); when every slot is answering, it is closed at once, with a 503
+// when its request has arrived. Each
 // connection has a deadline for its request head and one for sending the response
 // (request_timeout each); every response closes the connection. /metrics and the HttpHandlers run
 // one request at a time (under one mutex); /healthz never waits for them.
@@ -19,6 +21,7 @@
 #ifndef GRADMESH_RUNTIME_METRICS_HTTP_H_
 #define GRADMESH_RUNTIME_METRICS_HTTP_H_
 
+#include <atomic>
 #include <functional>
 #include <list>
 #include <map>
@@ -54,8 +57,8 @@ using HttpHandlers = std::map<std::string, HttpHandler>;
 
 // Limits of one MetricsHttpServer. Defaults suit every daemon; tests shorten the deadline.
 struct MetricsHttpOptions {
-  // Connections served at once; one more is closed at once (503 if its request has arrived).
-  // Default 64.
+  // Connections served at once; one more closes the oldest still waiting for its request
+  // head, or is closed at once (503 if its request has arrived) when none is. Default 64.
   int max_connections = 64;
   // Time allowed to receive a complete request head (408 after it), and separately to send
   // the response (the connection is closed after it). Default 5 s.
@@ -105,7 +108,7 @@ class MetricsHttpServer {
   void Loop();
   void Admit(Fd conn);
   void ReapFinished() ABSL_EXCLUSIVE_LOCKS_REQUIRED(conns_mu_);
-  void Serve(int fd);
+  void Serve(int fd, std::atomic<bool>* reading);  // Clears *reading once the head is in.
   std::string Answer(const std::string& head);
 
   const Fd listen_fd_;
@@ -119,6 +122,7 @@ class MetricsHttpServer {
   mutable absl::Mutex conns_mu_;
   std::list<std::unique_ptr<Conn>> conns_ ABSL_GUARDED_BY(conns_mu_);
   int active_ ABSL_GUARDED_BY(conns_mu_) = 0;
+  int evicted_ ABSL_GUARDED_BY(conns_mu_) = 0;  // Of active_: shut down by Admit, ending.
 
   absl::Mutex respond_mu_;  // Serialises /metrics and the handlers.
 };
