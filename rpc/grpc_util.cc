@@ -4,6 +4,7 @@
 #include <grpcpp/security/credentials.h>
 #include <grpcpp/support/channel_arguments.h>
 
+#include <algorithm>
 #include <climits>
 
 #include "absl/strings/str_cat.h"
@@ -26,6 +27,14 @@ std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address, const Rpc
   // Despite its name, the minimum time a connection attempt gets (RpcOptions).
   args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, ClampToInt(options.connect_timeout_ms));
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, ClampToInt(options.max_reconnect_backoff_ms));
+  if (options.keepalive_time_ms > 0) {
+    args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, ClampToInt(options.keepalive_time_ms));
+    args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, ClampToInt(options.keepalive_timeout_ms));
+    args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+    // Keep pinging while a call waits without data (a sync push at the barrier): gRPC's
+    // default stops after 2 pings without data, which would leave that wait unwatched.
+    args.SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
+  }
   return grpc::CreateCustomChannel(address, ChannelCredentialsFor(options.tls), args);
 }
 
@@ -34,6 +43,19 @@ void ConfigureServerBuilder(const RpcOptions& options, grpc::ServerBuilder* buil
   // share its connections with the first (two daemons, or two tests' servers, answering each
   // other's clients). A taken port must fail instead.
   builder->AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  // Clients ping as often as RpcOptions says (MakeChannel), also with no call open: answer
+  // every ping rather than count it against them (gRPC's default sends GOAWAY "too_many_pings"
+  // after 2 pings under 5 min apart without data). And ping idle clients, so that a dead
+  // one's connection and streams are closed.
+  builder->AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  builder->AddChannelArgument(GRPC_ARG_HTTP2_MAX_PING_STRIKES, 0);
+  builder->AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 0);
+  if (options.keepalive_time_ms > 0) {
+    builder->AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS,
+                                ClampToInt(std::max<int64_t>(options.keepalive_time_ms, 30000)));
+    builder->AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS,
+                                ClampToInt(options.keepalive_timeout_ms));
+  }
   builder->SetMaxReceiveMessageSize(ClampToInt(options.max_message_bytes));
   builder->SetMaxSendMessageSize(ClampToInt(options.max_message_bytes));
 }

@@ -52,6 +52,16 @@ struct RpcOptions {
   // attempts. gRPC's default, 20 s. A refused connection (a peer that is down) fails at once
   // whatever this is; a call's own deadline still bounds the call.
   int64_t connect_timeout_ms = 20000;
+  // HTTP/2 keepalive: a connection that has seen nothing for keepalive_time_ms is pinged, and
+  // one whose ping is not answered within keepalive_timeout_ms is closed, failing its calls
+  // UNAVAILABLE so that they are retried over a new connection. Without it a connection that
+  // died silently (a NAT or load balancer dropping it, a peer machine gone, a link that stops
+  // forwarding) was kept: every retry went out on it and waited out its deadline, and a
+  // daemon never rejoined its coordinator. Clients ping (also with no call open: a node
+  // agent's channel between heartbeats), servers answer any ping rate and ping idle clients
+  // too, so dead clients' streams are closed. 0 = off. Defaults 10 s and 10 s.
+  int64_t keepalive_time_ms = 10000;
+  int64_t keepalive_timeout_ms = 10000;
   // Models a slower link for a client's tensor traffic (each direction paced separately, as a
   // full-duplex NIC), in bits per second; 0 = as fast as the transport goes. For measuring
   // compression on a slow network with loopback daemons (see worker --link_mbit).

@@ -80,18 +80,20 @@ void DelayProxy::Accept() {
       continue;
     }
     absl::MutexLock lock(&mu_);
+    const int id = accepted_.fetch_add(1);
     fds_.push_back(client);
     fds_.push_back(upstream);
-    forwarders_.emplace_back(&DelayProxy::Forward, this, client, upstream);
-    forwarders_.emplace_back(&DelayProxy::Forward, this, upstream, client);
+    forwarders_.emplace_back(&DelayProxy::Forward, this, client, upstream, id);
+    forwarders_.emplace_back(&DelayProxy::Forward, this, upstream, client, id);
   }
 }
 
-void DelayProxy::Forward(int from, int to) {
+void DelayProxy::Forward(int from, int to, int id) {
   char buf[64 << 10];
   while (!stop_) {
     const ssize_t n = read(from, buf, sizeof(buf));
     if (n <= 0) break;
+    if (id < frozen_below_.load()) continue;  // Frozen: dropped.
     absl::SleepFor(delay_);
     for (ssize_t done = 0; done < n;) {
       const ssize_t w = write(to, buf + done, static_cast<size_t>(n - done));

@@ -1,6 +1,8 @@
 // A TCP proxy on 127.0.0.1 that delays what it forwards: a slow link for tests. Each piece of
 // data read from one side is written to the other `delay` later (pieces keep their order), in
 // both directions, for every connection accepted. Closing either side closes the other.
+// Freeze() makes the connections open so far a black hole (what they carry is read and
+// dropped, nothing is closed: a connection that died silently), while new ones work.
 //
 // Thread safety: construct with Start(), destroy from one thread; the proxy runs its own
 // threads (one accepting, two per connection).
@@ -30,18 +32,22 @@ class DelayProxy {
   DelayProxy& operator=(const DelayProxy&) = delete;
 
   int port() const { return port_; }
-  std::string address() const;  // "127.0.0.1:<port>".
+  void Freeze() { frozen_below_ = accepted_.load(); }
+  int accepted() const { return accepted_.load(); }  // Connections accepted so far.
+  std::string address() const;                       // "127.0.0.1:<port>".
 
  private:
   DelayProxy(int listen_fd, int port, int target_port, absl::Duration delay);
   void Accept();
-  void Forward(int from, int to);
+  void Forward(int from, int to, int id);
 
   const int listen_fd_;
   const int port_;
   const int target_port_;
   const absl::Duration delay_;
   std::atomic<bool> stop_{false};
+  std::atomic<int> accepted_{0};
+  std::atomic<int> frozen_below_{0};  // Connections with a lower id carry nothing.
   std::thread acceptor_;
   absl::Mutex mu_;
   std::vector<int> fds_ ABSL_GUARDED_BY(mu_);

@@ -507,6 +507,50 @@ TEST(SlowLinkTest, AnAttemptThatRanOutOfTimeDoublesTheNextOnesDeadline) {
   server->Shutdown();
 }
 
+// A connection that dies silently (the proxy drops what it carries, closing nothing, as a NAT
+// that forgot it would) is found by keepalive and replaced: the next exchange goes through a
+// new connection in about keepalive time + timeout, not after its 30 s deadline, and its push
+// is applied once.
+TEST(SlowLinkTest, AConnectionThatDiedSilentlyIsReplaced) {
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Shard> shard, Shard::Create(ShardOptions()));
+  ParameterServiceImpl service(shard.get());
+  std::string addr;
+  std::unique_ptr<grpc::Server> server = Serve(&service, &addr);
+  ASSERT_NE(server, nullptr);
+  const int port = std::stoi(addr.substr(addr.rfind(':') + 1));
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<testutil::DelayProxy> proxy,
+                       testutil::DelayProxy::Start(port, absl::ZeroDuration()));
+  JobLayout layout;
+  layout.job = "frozen";
+  layout.tensors = {Spec("w", {6})};
+  layout.chunk_elems = 8;
+  layout.optimizer.set_name("sgd");
+  layout.optimizer.set_lr(1);
+  GrpcParameterClientOptions o;
+  o.servers = {proxy->address()};
+  o.rpc_deadline = absl::Seconds(30);
+  o.max_attempts = 3;
+  o.rpc.keepalive_time_ms = 500;
+  o.rpc.keepalive_timeout_ms = 500;
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<ParameterClient> client, NewGrpcParameterClient(layout, o));
+  std::vector<float> w(6, 1.0f);
+  ASSERT_OK(client->InitJob({absl::MakeConstSpan(w)}));
+  const std::vector<float> g = {1, 2, 3, 4, 5, 6};
+  std::vector<float> got(6, -9.0f);
+  ASSERT_OK(client->PushPull(0, {absl::MakeConstSpan(g)}, {absl::MakeSpan(got)}, nullptr));
+  const int before = proxy->accepted();
+  proxy->Freeze();
+  const absl::Time start = absl::Now();
+  ASSERT_OK(client->PushPull(1, {absl::MakeConstSpan(g)}, {absl::MakeSpan(got)}, nullptr));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+  EXPECT_GT(proxy->accepted(), before);  // A new connection carried it.
+  for (int i = 0; i < 6; ++i) EXPECT_EQ(got[i], 1.0f - 2 * g[i]) << i;
+  ASSERT_OK_AND_ASSIGN(std::vector<JobInfoResponse> infos, client->GetJobInfo());
+  EXPECT_EQ(infos[0].pushes_applied(), 2);
+  proxy.reset();
+  server->Shutdown();
+}
+
 // A sync step flagged non-finite (PushPrepared with zeros, then a skip) is skipped by every
 // shard, so it must leave the error-feedback residual as it was: job A (steps g1, skipped,
 // g2) ends with the same values as job B (steps g1, g2). top-k keeps 1 of each chunk's
