@@ -166,6 +166,10 @@ ABSL_FLAG(int64_t, ps_spin_wait_us, 300,
           "ps modes: waiting for its shards' answers, the worker first spins (yielding the CPU) "
           "for up to this many µs while its recent waits were under half of it; 0 = always "
           "block (GrpcParameterClientOptions.spin_wait).");
+ABSL_FLAG(int32_t, ps_max_attempts, 0,
+          "ps modes: attempts of each call to the shards (first included; 100 ms backoff "
+          "doubling to 5 s) before the rank fails. 0: 40 standalone (a shard down for about 3 "
+          "min), 400 as a daemon (about 33 min: the coordinator shows the job PAUSED).");
 ABSL_FLAG(int64_t, step_delay_ms, 0,
           "Fault injection for tests: sleep this long before every step (a slow worker).");
 ABSL_FLAG(std::vector<std::string>, fault_nonfinite_steps, {},
@@ -208,6 +212,16 @@ absl::StatusOr<absl::Duration> SpinWaitFlag() {
         absl::StrCat("--ps_spin_wait_us must be >= 0 (0: always block), got ", us));
   }
   return absl::Microseconds(us);
+}
+
+// --ps_max_attempts, checked; 0 is the default for how the worker runs.
+absl::StatusOr<int32_t> MaxAttemptsFlag(bool standalone) {
+  const int32_t n = absl::GetFlag(FLAGS_ps_max_attempts);
+  if (n < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--ps_max_attempts must be >= 0 (0: the default), got ", n));
+  }
+  return n > 0 ? n : standalone ? 40 : 400;
 }
 
 struct WorkerMainOptions {
@@ -378,6 +392,7 @@ absl::StatusOr<WorkerMainOptions> ParseOptions() {
   o.client.worker = o.trainer.rank;
   SetClientOptionsFromSpec(spec, &o.client);
   ASSIGN_OR_RETURN(o.client.spin_wait, SpinWaitFlag());
+  ASSIGN_OR_RETURN(o.client.max_attempts, MaxAttemptsFlag(/*standalone=*/true));
   ASSIGN_OR_RETURN(o.client.rpc, RpcFlags());
   o.trainer.peer_rpc = o.client.rpc;
   o.trainer.peer_rpc.link_bits_per_s = 0;
@@ -410,6 +425,7 @@ struct ServiceFlags {
   ComputeDevice device = ComputeDevice::kCpu;
   DeviceCodecUse device_codec = DeviceCodecUse::kAuto;
   absl::Duration spin_wait;
+  int32_t max_attempts = 400;
 };
 
 absl::StatusOr<ServiceFlags> CheckServiceFlags(const std::string& node, const std::string& token) {
@@ -423,6 +439,7 @@ absl::StatusOr<ServiceFlags> CheckServiceFlags(const std::string& node, const st
   f.device = *device;
   ASSIGN_OR_RETURN(f.device_codec, DeviceCodecFlag());
   ASSIGN_OR_RETURN(f.spin_wait, SpinWaitFlag());
+  ASSIGN_OR_RETURN(f.max_attempts, MaxAttemptsFlag(/*standalone=*/false));
   return f;
 }
 
@@ -487,8 +504,8 @@ int RunService() {
   wo.client.logger = &logger;
   wo.client.spin_wait = flags->spin_wait;
   // A shard that is down pauses the job (the coordinator says PAUSED) until it is back: keep
-  // retrying for about half an hour (5 s apart) instead of failing the rank after ~11 s.
-  wo.client.max_attempts = 400;
+  // retrying for about half an hour (5 s apart) by default.
+  wo.client.max_attempts = flags->max_attempts;
   wo.peer_services = PeerServices{&collective, &gossip};
   wo.logger = &logger;
   // The node's own token, obtained by the NodeAgent below, authenticates rank 0's model

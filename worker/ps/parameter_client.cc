@@ -656,12 +656,16 @@ class GrpcParameterClient final : public ParameterClient {
   }
 
   // Waits until `*left` (guarded by `mu`, as `finished`) is 0. Past `deadline` (plus a
-  // second, so that a unary call's own deadline fires first), breaks the streams of the
-  // shards still unanswered (pending[i] with !finished[i]), which completes their operations.
+  // second, so that a unary call's own deadline fires first), or as soon as a stop is
+  // requested (StopRetrying), cuts short the calls still unanswered (pending[i] with
+  // !finished[i]): cancels their contexts and breaks their shards' streams, which completes
+  // their operations. Returns the indices cut short at the deadline (none after a stop).
   // While recent waits were short it first spins (common/spin_wait.h): a small operation's
   // answer then finds this thread running instead of asleep.
-  void WaitAll(absl::Mutex* mu, const size_t* left, const std::vector<bool>* finished,
-               absl::Time deadline, const std::vector<int32_t>& pending) {
+  std::vector<size_t> WaitAll(absl::Mutex* mu, const size_t* left,
+                              const std::vector<bool>* finished, absl::Time deadline,
+                              const std::vector<int32_t>& pending,
+                              const std::vector<std::unique_ptr<grpc::ClientContext>>& contexts) {
     const absl::Time start = absl::Now();
     absl::MutexLock lock(mu);
     const absl::Time spin_until = start + spin_.SpinFor();
@@ -672,20 +676,29 @@ class GrpcParameterClient final : public ParameterClient {
     }
     const absl::Condition all_done(
         +[](const size_t* n) { return *n == 0; }, left);
-    if (streams_.empty() || mu->AwaitWithDeadline(all_done, deadline + absl::Seconds(1))) {
+    const absl::Time give_up = deadline + absl::Seconds(1);
+    bool stopping = false;
+    // Wakes every 50 ms to look at the stop flag.
+    while (
+        !mu->AwaitWithDeadline(all_done, std::min(give_up, absl::Now() + absl::Milliseconds(50)))) {
+      stopping = Stopping();
+      if (!stopping && absl::Now() < give_up) continue;
+      std::vector<size_t> cut;
+      for (size_t i = 0; i < pending.size(); ++i) {
+        if (!(*finished)[i]) cut.push_back(i);
+      }
+      mu->Unlock();
+      for (size_t i : cut) {
+        contexts[i]->TryCancel();
+        if (!streams_.empty()) streams_[pending[i]]->Abort();
+      }
+      mu->Lock();
       mu->Await(all_done);
       spin_.Record(absl::Now() - start);
-      return;
+      return stopping ? std::vector<size_t>() : cut;
     }
-    std::vector<int32_t> late;
-    for (size_t i = 0; i < pending.size(); ++i) {
-      if (!(*finished)[i]) late.push_back(pending[i]);
-    }
-    mu->Unlock();
-    for (int32_t s : late) streams_[s]->Abort();
-    mu->Lock();
-    mu->Await(all_done);
     spin_.Record(absl::Now() - start);
+    return {};
   }
 
   // Sends reqs[s] to shard s for every shard, in parallel; retries retryable failures with
@@ -731,8 +744,15 @@ class GrpcParameterClient final : public ParameterClient {
                --left;
              });
       }
-      WaitAll(&done_mu, &left, &finished, attempt_deadline, pending);
+      const std::vector<size_t> cut =
+          WaitAll(&done_mu, &left, &finished, attempt_deadline, pending, contexts);
       const bool out_of_time = absl::Now() >= attempt_deadline;
+      for (size_t i : cut) {
+        if (results[i].ok()) continue;
+        results[i] = grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
+                                  absl::StrCat("no answer within ", absl::FormatDuration(deadline),
+                                               " (", results[i].error_message(), ")"));
+      }
       std::vector<int32_t> retry;
       absl::Status last;
       for (size_t i = 0; i < pending.size(); ++i) {
@@ -741,6 +761,7 @@ class GrpcParameterClient final : public ParameterClient {
         absl::Status st =
             Annotate(FromGrpcStatus(results[i]),
                      absl::StrCat(what, " to shard ", s, " (", options_.servers[s], ")"));
+        if (Stopping()) return StoppedRetrying(st, attempt);  // Cut short by the stop.
         if (!Retryable(st.code())) return st;
         retry.push_back(s);
         last = st;

@@ -14,6 +14,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -548,6 +549,54 @@ TEST(SlowLinkTest, AConnectionThatDiedSilentlyIsReplaced) {
   ASSERT_OK_AND_ASSIGN(std::vector<JobInfoResponse> infos, client->GetJobInfo());
   EXPECT_EQ(infos[0].pushes_applied(), 2);
   proxy.reset();
+  server->Shutdown();
+}
+
+// A stop (a cancelled job) cuts short a call waiting for an answer that is not coming (a
+// black-holed link, keepalive off), over the stream and unary alike: CANCELLED within a
+// second, not after the attempt's 30 s deadline.
+TEST(SlowLinkTest, AStopCutsShortACallInFlight) {
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Shard> shard, Shard::Create(ShardOptions()));
+  ParameterServiceImpl service(shard.get());
+  std::string addr;
+  std::unique_ptr<grpc::Server> server = Serve(&service, &addr);
+  ASSERT_NE(server, nullptr);
+  const int port = std::stoi(addr.substr(addr.rfind(':') + 1));
+  for (const char* transport : {"stream", "unary"}) {
+    ASSERT_OK_AND_ASSIGN(std::unique_ptr<testutil::DelayProxy> proxy,
+                         testutil::DelayProxy::Start(port, absl::ZeroDuration()));
+    JobLayout layout;
+    layout.job = absl::StrCat("stopped-", transport);
+    layout.tensors = {Spec("w", {6})};
+    layout.chunk_elems = 8;
+    layout.optimizer.set_name("sgd");
+    layout.optimizer.set_lr(1);
+    GrpcParameterClientOptions o;
+    o.servers = {proxy->address()};
+    o.transport = transport;
+    o.rpc_deadline = absl::Seconds(30);
+    o.rpc.keepalive_time_ms = 0;
+    ASSERT_OK_AND_ASSIGN(std::unique_ptr<ParameterClient> client,
+                         NewGrpcParameterClient(layout, o));
+    std::vector<float> w(6, 1.0f);
+    ASSERT_OK(client->InitJob({absl::MakeConstSpan(w)}));
+    const std::vector<float> g = {1, 2, 3, 4, 5, 6};
+    std::vector<float> got(6, -9.0f);
+    ASSERT_OK(client->PushPull(0, {absl::MakeConstSpan(g)}, {absl::MakeSpan(got)}, nullptr));
+    proxy->Freeze();
+    std::thread stopper([&] {
+      absl::SleepFor(absl::Milliseconds(300));
+      client->StopRetrying();
+    });
+    const absl::Time start = absl::Now();
+    const absl::Status st =
+        client->PushPull(1, {absl::MakeConstSpan(g)}, {absl::MakeSpan(got)}, nullptr);
+    const absl::Duration took = absl::Now() - start;
+    stopper.join();
+    EXPECT_EQ(st.code(), absl::StatusCode::kCancelled) << transport << ": " << st;
+    EXPECT_NE(st.message().find("stop requested"), std::string::npos) << st;
+    EXPECT_LT(took, absl::Seconds(2)) << transport;
+  }
   server->Shutdown();
 }
 
