@@ -29,7 +29,7 @@
 #include "rpc/grpc_util.h"
 #include "server/parameter_service.h"
 #include "server/shard.h"
-#include "tests/testing/delay_proxy.h"
+#include "tests/proxy/delay_proxy.h"
 #include "worker/core/device_gradients.h"
 
 namespace gradmesh {

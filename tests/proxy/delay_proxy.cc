@@ -1,5 +1,5 @@
 // DelayProxy (see delay_proxy.h).
-#include "tests/testing/delay_proxy.h"
+#include "tests/proxy/delay_proxy.h"
 
 #include <arpa/inet.h>
 #include <netinet/in.h>

@@ -6,8 +6,8 @@
 //
 // Thread safety: construct with Start(), destroy from one thread; the proxy runs its own
 // threads (one accepting, two per connection).
-#ifndef GRADMESH_TESTS_TESTING_DELAY_PROXY_H_
-#define GRADMESH_TESTS_TESTING_DELAY_PROXY_H_
+#ifndef GRADMESH_TESTS_PROXY_DELAY_PROXY_H_
+#define GRADMESH_TESTS_PROXY_DELAY_PROXY_H_
 
 #include <atomic>
 #include <memory>
@@ -57,4 +57,4 @@ class DelayProxy {
 }  // namespace testutil
 }  // namespace gradmesh
 
-#endif  // GRADMESH_TESTS_TESTING_DELAY_PROXY_H_
+#endif  // GRADMESH_TESTS_PROXY_DELAY_PROXY_H_
