@@ -349,7 +349,6 @@ absl::StatusOr<WorkerMainOptions> ParseOptions() {
   if (absl::GetFlag(FLAGS_warmup_steps) != 0) {
     cs->set_warmup_steps(absl::GetFlag(FLAGS_warmup_steps));
   }
-
   for (absl::string_view s : absl::StrSplit(absl::GetFlag(FLAGS_servers), ',', absl::SkipEmpty())) {
     o.client.servers.emplace_back(s);
   }
