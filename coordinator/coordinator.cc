@@ -524,14 +524,22 @@ void Coordinator::RefreshLocked(JobEntry* job) {
     job->step_samples.erase(job->step_samples.begin());
   }
   double eta = -1;
+  bool stalled = false;
   if (total > 0 && step >= total) {
     eta = 0;
   } else if (job->step_samples.size() >= 2 && total > 0) {
     const auto& a = job->step_samples.front();
     const auto& b = job->step_samples.back();
     if (b.first > a.first && b.second > a.second) {
-      const double steps_per_ms = static_cast<double>(b.second - a.second) / (b.first - a.first);
-      eta = (total - step) / steps_per_ms / 1000.0;
+      const double ms_per_step = static_cast<double>(b.first - a.first) / (b.second - a.second);
+      // No step for the whole window and three steps' time (a dead link, a paused shard):
+      // the rate and the ETA are unknown, not the last ones measured.
+      stalled = running && now - b.first > std::max<double>(kEtaWindowMs, 3 * ms_per_step);
+      if (!stalled) {
+        const double steps_per_ms =
+            static_cast<double>(b.second - a.second) / (std::max(now, b.first) - a.first);
+        eta = (total - step) / steps_per_ms / 1000.0;
+      }
     }
   }
   p->set_step(step);
@@ -539,7 +547,7 @@ void Coordinator::RefreshLocked(JobEntry* job) {
   p->set_epoch(epoch);
   p->set_epochs(st->spec().epochs());
   p->set_loss(with_loss > 0 ? loss / with_loss : 0);
-  p->set_samples_per_s(running ? samples : finished_samples);
+  p->set_samples_per_s(stalled ? 0 : running ? samples : finished_samples);
   // Rank 0 evaluates (the lowest rank still in a re-formed sync group if rank 0 is out).
   double accuracy = -1;
   for (int i = 0; i < n && accuracy < 0; ++i) accuracy = r.ranks(i).accuracy();

@@ -426,6 +426,25 @@ TEST_F(CoordinatorTest, ReportsDriveStateAndProgress) {
   EXPECT_EQ(Get("j").progress().step(), 10);
   EXPECT_NEAR(Get("j").progress().eta_s(), 27.0, 1e-9);
 
+  // Stalled: no step for more than the 30 s window while the ranks still heartbeat their
+  // last rates: samples/s 0 and the ETA unknown, until the step moves again.
+  for (int i = 0; i < 31; ++i) {  // Heartbeats every second, as live daemons do.
+    clock_.AdvanceMs(1000);
+    Beat("w0", {r0});
+    Beat("w1", {r1});
+    for (const char* idle : {"w2", "s0", "s1"}) Beat(idle);
+    if (i == 20) EXPECT_GT(Get("j").progress().eta_s(), 27.0);  // The rate decays meanwhile.
+  }
+  EXPECT_EQ(Get("j").progress().samples_per_s(), 0);
+  EXPECT_EQ(Get("j").progress().eta_s(), -1);
+  clock_.AdvanceMs(1000);
+  r0.set_step(40);
+  Beat("w0", {r0});
+  EXPECT_DOUBLE_EQ(Get("j").progress().samples_per_s(), 150);
+  EXPECT_GT(Get("j").progress().eta_s(), 0);
+  r0.set_step(10);  // As the rest of this test expects.
+  Beat("w0", {r0});
+
   // Reports from a node that does not hold the rank are ignored.
   Beat("w2", {Report("j", 0, "failed", 99)});
   EXPECT_EQ(Get("j").state(), RUNNING);
