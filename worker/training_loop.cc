@@ -417,9 +417,19 @@ absl::Status TrainingLoop::BuffersIn(bool remember) {
   ASSIGN_OR_RETURN(std::vector<torch::Tensor> buffers, CurrentBuffers());
   for (size_t i = 0; i < buffers.size(); ++i) {
     torch::Tensor m = torch::from_blob(mirrors_[i].data(), buffers[i].sizes(), torch::kFloat32);
-    if (!torch::isFloatingType(buffers[i].scalar_type())) m = m.round();
+    const bool integral = !torch::isFloatingType(buffers[i].scalar_type());
+    if (integral) m = m.round();
     buffers[i].copy_(m);
-    if (remember) before_[i] = mirrors_[i];
+    if (!remember) continue;
+    // The value the forward starts from: for an integer buffer the rounded mirror, so that
+    // its delta is what the forward did (a counter's +1), not that plus the rounding (a
+    // mixed or averaged counter can be fractional; the mode keeps its fraction).
+    if (integral) {
+      const float* r = m.data_ptr<float>();
+      before_[i].assign(r, r + mirrors_[i].size());
+    } else {
+      before_[i] = mirrors_[i];
+    }
   }
   return absl::OkStatus();
 }

@@ -18,6 +18,9 @@
 //   stops mixing, writes its checkpoint and exits 0; restarted, it resumes at that step
 //   (event=resuming), finishes the remaining steps, and rank 0 averages all four finals, whose
 //   push-sum weights still sum to 4 (no share was lost in the stop and restart).
+// * PushSumCountsEveryLocalStepOnce: a constant-gradient model, one rank slowed: the average
+//   is exactly the sum of every rank's steps, and integer and float counter buffers count
+//   every forward.
 #include <grpcpp/grpcpp.h>
 #include <signal.h>
 
@@ -174,6 +177,82 @@ TEST_F(GossipE2eTest, ExponentialReachesAccuracyAndConsensusShrinks) {
   EXPECT_LT(peak_step, c.back().first);
   EXPECT_LT(last, peak / 4) << "consensus distance should shrink as the lr decays";
   RecordProperty("accuracy", absl::StrCat(accuracy));
+}
+
+// Push-sum counts every local step once, whatever weight the rank holds when it steps. A
+// model whose gradient is 1 in each of its 1,000 elements (loss = sum(w)), plain SGD lr 0.001,
+// 150 steps on each of the 4 ranks, one of them slowed (--step_delay_ms=4, so it steps while
+// its shares are in flight and at other weights than 1): any exact mixing ends with the
+// average w = -0.001 * 150 = -0.15 in every element, and the int64 and float counters the
+// forward increments at 150. Before, a step counted w-fold (x moved by the step, the mass
+// w x by w times it) and a share taken back counted the steps taken meanwhile again: runs
+// ended anywhere from -0.10 to -0.32; the int64 counter also drifted by its rounding.
+TEST_F(GossipE2eTest, PushSumCountsEveryLocalStepOnce) {
+  const std::string make = dir_ + "/make_constant.py";
+  std::ofstream(make) << R"PY(import sys, torch
+class M(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1000))
+        self.register_buffer("count", torch.zeros((), dtype=torch.long))
+        self.register_buffer("fcount", torch.zeros(4))
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.count += 1
+        self.fcount += 1.0
+        return x.sum(1) * 0 + self.w.sum()
+    @torch.jit.export
+    def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.forward(x).mean()
+d = sys.argv[1]
+torch.jit.script(M()).save(d + "/constant.pt")
+import os
+os.makedirs(d + "/constant_data", exist_ok=True)
+torch.save({"x": torch.randn(400, 4), "y": torch.zeros(400)}, d + "/constant_data/train.pt")
+)PY";
+  ASSERT_EQ(std::system(absl::StrCat("/usr/bin/python3 ", make, " ", dir_).c_str()), 0);
+  std::vector<std::string> peers;
+  for (int r = 0; r < kWorkers; ++r) {
+    ASSERT_OK_AND_ASSIGN(int port, PickFreePort());
+    peers.push_back(absl::StrCat("127.0.0.1:", port));
+  }
+  const std::string spec = dir_ + "/constant.yaml";
+  std::ofstream(spec) << "name: gossip-constant\nmode: gossip\nmodel: {name: torchscript, path: "
+                      << dir_ << "/constant.pt}\ndataset: {name: tensors, path: " << dir_
+                      << "/constant_data}\nloss: module\nnum_workers: " << kWorkers
+                      << "\nbatch_size: 4\nsteps: 150\nlog_every: 50\n"
+                      << "optimizer: {name: sgd, lr: 0.001, lr_schedule: constant}\n"
+                      << "gossip: {topology: exponential, every_steps: 1}\n";
+  for (int r = 0; r < kWorkers; ++r) {
+    std::vector<std::string> args = {"--job=" + spec, "--peers=" + absl::StrJoin(peers, ","),
+                                     absl::StrCat("--rank=", r),
+                                     "--output=" + dir_ + "/constant_out.pt"};
+    if (r == 1) args.push_back("--step_delay_ms=4");
+    workers_.push_back(StartWorker(absl::StrCat("gossip-constant-rank", r), args));
+    ASSERT_NE(workers_.back(), nullptr);
+  }
+  const std::vector<int> codes = WaitAll(Procs(), absl::Minutes(4));
+  for (int r = 0; r < kWorkers; ++r) ASSERT_EQ(codes[r], 0) << "rank " << r << "\n" << Log(r);
+  EXPECT_EQ(LogField(LinesWith(Log(0), "event=final_average")[0], "ranks"), "0,1,2,3");
+  const std::string check = dir_ + "/check_constant.py";
+  const std::string result = dir_ + "/constant_result.txt";
+  std::ofstream(check) << R"PY(import sys, torch
+m = torch.jit.load(sys.argv[1])
+w = m.w.detach()
+open(sys.argv[2], "w").write("%.9f %.9f %d %.6f %.6f\n" % (
+    float(w.min()), float(w.max()), int(m.count), float(m.fcount.min()), float(m.fcount.max())))
+)PY";
+  ASSERT_EQ(
+      std::system(
+          absl::StrCat("/usr/bin/python3 ", check, " ", dir_, "/constant_out.pt ", result).c_str()),
+      0);
+  double w_min = 0, w_max = 0, f_min = 0, f_max = 0;
+  int64_t count = 0;
+  std::ifstream(result) >> w_min >> w_max >> count >> f_min >> f_max;
+  EXPECT_NEAR(w_min, -0.15, 1e-5);
+  EXPECT_NEAR(w_max, -0.15, 1e-5);
+  EXPECT_EQ(count, 150);
+  EXPECT_NEAR(f_min, 150, 1e-3);
+  EXPECT_NEAR(f_max, 150, 1e-3);
 }
 
 TEST_F(GossipE2eTest, KilledWorkerDoesNotStopTheOthers) {

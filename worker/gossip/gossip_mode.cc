@@ -218,9 +218,10 @@ absl::StatusOr<StepOutcome> GossipMode::Exchange(int64_t step,
   }
   // The local step, on the shared values (which may have been mixed since the forward pass:
   // AD-PSGD applies the gradient to the current model): the optimizer on the parameters, the
-  // forward's deltas added to the buffers (local_step.h).
+  // forward's deltas added to the buffers (local_step.h), scaled by 1 / w for push-sum
+  // (GossipReplica::ApplyStep).
   const float lr_scale = LrScheduleFactor(optimizer_spec_, step);
-  replica_->Update([&](absl::Span<float> xs) {
+  replica_->ApplyStep([&](absl::Span<float> xs) {
     ApplyLocalStep(*optimizer_, step + 1, lr_scale, grad_, param_numel_, slot_ptrs_.data(), xs);
   });
   EndStep(step);

@@ -121,7 +121,7 @@ RoundResult Gossiper::PushSum(int32_t peer, int64_t round, int64_t step) {
   }
   if (!st.ok()) {
     // Our own values cannot be sent (diverged to NaN/Inf): keep everything, blame nobody.
-    replica_->EndPushSum(false, *weight);
+    replica_->EndPushSum(false, *weight, sent_);
     LogWarning(options_.logger, "gossip_encode_failed",
                {Kv("job", replica_->options().job), Kv("rank", rank_), Kv("error", st.ToString())});
     return RoundResult{RoundResult::Outcome::kFailed, peer, st};
@@ -152,10 +152,8 @@ RoundResult Gossiper::PushSum(int32_t peer, int64_t round, int64_t step) {
       p.header = h;
       p.payload = payload_;
       p.weight = *weight;
-      if (!codec_.lossless()) {
-        p.sent = sent_;
-        p.decoded = sent_decoded_;
-      }
+      p.sent = sent_;  // Taken back with it if refused.
+      if (!codec_.lossless()) p.decoded = sent_decoded_;
       {
         absl::MutexLock lock(&mu_);
         ++stats_.pending;
@@ -164,10 +162,8 @@ RoundResult Gossiper::PushSum(int32_t peer, int64_t round, int64_t step) {
     }
     reply = std::move(again);  // Absorbed (now or before), or definitely refused.
   }
-  replica_->EndPushSum(reply.ok(), *weight);
-  if (reply.ok() && !codec_.lossless()) {
-    replica_->AddScaledDifference(sent_, sent_decoded_, 1.0f);
-  }
+  replica_->EndPushSum(reply.ok(), *weight, sent_);
+  if (reply.ok() && !codec_.lossless()) replica_->CompensateShare(sent_, sent_decoded_, *weight);
   return Settle(peer, reply.status(), reply.ok());
 }
 
@@ -180,9 +176,9 @@ RoundResult Gossiper::ResendPending(int32_t peer) {
     return Settle(peer, reply.status(), false);  // Still unknown.
   }
   if (reply.ok()) {
-    if (!p.sent.empty()) replica_->AddScaledDifference(p.sent, p.decoded, 1.0f);
+    if (!p.decoded.empty()) replica_->CompensateShare(p.sent, p.decoded, p.weight);
   } else {
-    replica_->EndPushSum(false, p.weight);  // Refused: it was never absorbed.
+    replica_->EndPushSum(false, p.weight, p.sent);  // Refused: it was never absorbed.
   }
   pending_.erase(it);
   {

@@ -199,7 +199,8 @@ class Gossiper {
     ExchangeHeader header;
     std::string payload;
     double weight = 0;
-    std::vector<float> sent, decoded;  // Lossy codecs: the rounding to compensate once absorbed.
+    std::vector<float> sent;     // What it carried (taken back if refused).
+    std::vector<float> decoded;  // Lossy codecs: as it arrives (the rounding to compensate).
   };
   std::map<int32_t, PendingShare> pending_;
 

@@ -295,9 +295,9 @@ TEST(GossiperTest, ARankBelowTheWeightFloorKeepsItsMass) {
   Cluster c(Initial(), "exponential");  // Default floor 0.5.
   std::vector<float> v;
   ASSERT_OK_AND_ASSIGN(double w, c.replicas[0]->BeginPushSum(&v));
-  c.replicas[0]->EndPushSum(true, w);
+  c.replicas[0]->EndPushSum(true, w, v);
   ASSERT_OK_AND_ASSIGN(w, c.replicas[0]->BeginPushSum(&v));
-  c.replicas[0]->EndPushSum(true, w);  // Weight 0.25 (its shares are "in flight").
+  c.replicas[0]->EndPushSum(true, w, v);  // Weight 0.25 (its shares are "in flight").
   RoundResult r = c.gossipers[0]->RunRound(0, 0);
   EXPECT_EQ(r.outcome, Outcome::kKept);
   EXPECT_EQ(c.transport.calls(1), 0);
@@ -407,7 +407,7 @@ TEST(GossiperTest, FinalRoundAveragesEveryRanksFinalAtTheRoot) {
   // Uneven weights, as push-sum leaves them.
   std::vector<float> v;
   ASSERT_OK_AND_ASSIGN(double w, c.replicas[1]->BeginPushSum(&v));
-  c.replicas[1]->EndPushSum(true, w);  // Rank 1 now has weight 0.5 (its half is "in flight").
+  c.replicas[1]->EndPushSum(true, w, v);  // Rank 1 now has weight 0.5 (its half is "in flight").
   for (int32_t r = 1; r < 4; ++r) {
     ASSERT_OK(c.gossipers[r]->DeliverFinal(c.replicas[r]->Finish()));
   }

@@ -71,6 +71,20 @@ void GossipReplica::Update(const std::function<void(absl::Span<float> x)>& fn) {
   fn(absl::MakeSpan(x_));
 }
 
+void GossipReplica::ApplyStep(const std::function<void(absl::Span<float> x)>& fn) {
+  absl::MutexLock lock(&mu_);
+  if (w_ == 1.0) {
+    fn(absl::MakeSpan(x_));
+    return;
+  }
+  before_step_.assign(x_.begin(), x_.end());
+  fn(absl::MakeSpan(x_));
+  const double inv = 1.0 / w_;
+  for (size_t i = 0; i < x_.size(); ++i) {
+    x_[i] = before_step_[i] + static_cast<float>((x_[i] - before_step_[i]) * inv);
+  }
+}
+
 void GossipReplica::set_step(int64_t step) {
   absl::MutexLock lock(&mu_);
   step_ = step;
@@ -98,10 +112,23 @@ absl::StatusOr<double> GossipReplica::BeginPushSum(std::vector<float>* values, d
   return w_;
 }
 
-void GossipReplica::EndPushSum(bool delivered, double weight_sent) {
+void GossipReplica::EndPushSum(bool delivered, double weight_sent, absl::Span<const float> sent) {
   if (delivered) return;
   absl::MutexLock lock(&mu_);
-  w_ += weight_sent;
+  const double w = w_ + weight_sent;
+  if (static_cast<int64_t>(sent.size()) == numel_ && w > 0) {
+    for (int64_t i = 0; i < numel_; ++i) {
+      x_[i] = static_cast<float>((w_ * x_[i] + weight_sent * sent[i]) / w);
+    }
+  }
+  w_ = w;
+}
+
+void GossipReplica::CompensateShare(absl::Span<const float> sent, absl::Span<const float> decoded,
+                                    double weight_sent) {
+  absl::MutexLock lock(&mu_);
+  const float scale = static_cast<float>(weight_sent / w_);
+  for (int64_t i = 0; i < numel_; ++i) x_[i] += scale * (sent[i] - decoded[i]);
 }
 
 void GossipReplica::AddScaledDifference(absl::Span<const float> a, absl::Span<const float> b,

@@ -5,12 +5,14 @@
 // State: x, the flat parameter vector (every tensor of the model concatenated), and w, the
 // push-sum weight (double; 1 at the start). The model the rank trains and evaluates is x; the
 // push-sum "mass" is w * x. Storing the de-biased x (not the mass) keeps the local optimizer
-// working on the model itself, and makes halving the mass a change of w alone.
+// working on the model itself, and makes halving the mass a change of w alone; a local step
+// (ApplyStep) moves x by step / w, so that the mass moves by the whole step.
 //
 // Push-sum (SGP, topology "exponential"), sender i, receiver j:
 //   sender    BeginPushSum: w_i /= 2 (x_i unchanged; the half (x_i, w_i/2) travels)
 //   receiver  x_j = (w_j x_j + w_s x_s) / (w_j + w_s);  w_j += w_s     (one critical section)
-//   sender    delivered: done; not delivered (error, timeout, peer finished): w_i += w_s.
+//   sender    delivered: done; not delivered (error, timeout, peer finished): the half comes
+//             back as a share would, x_i = (w_i x_i + w_s x_s) / (w_i + w_s); w_i += w_s.
 //   A timeout or broken connection leaves the outcome unknown (the receiver may have absorbed
 //   the share and lost only the reply), so the sender sends the same share again, with the
 //   same exchange id: a receiver that already absorbed it answers "duplicate" and changes
@@ -31,8 +33,8 @@
 //   Both end at (s + p) / 2 plus whatever local steps each took meanwhile: training continues
 //   while an exchange is in flight and its progress is not overwritten. Weights stay 1.
 // Lossy codecs (fp16, bf16): whoever sends values v that arrive as d = decode(encode(v))
-// adds the rounding back to itself (v - d for push-sum, (v - d) / 2 for pairwise), so both
-// rules conserve total mass exactly, up to float32 arithmetic.
+// adds the rounding back to itself ((w_s / w_i)(v - d) for push-sum, (v - d) / 2 for
+// pairwise), so both rules conserve total mass exactly, up to float32 arithmetic.
 // Final round: after its last step a rank calls Finish() (later push-sum or pairwise requests
 // are refused with FAILED_PRECONDITION, so no mass is absorbed by a rank that stopped mixing)
 // and hands (x, w) to rank 0, the gather root, whose replica keeps one final per rank; rank 0
@@ -125,8 +127,16 @@ class GossipReplica {
   // ---- Training thread.
   // Copies x into `out` (size numel()).
   void Read(absl::Span<float> out) const;
-  // Runs fn(x) under the mutex (e.g. the optimizer step); fn must not call the replica.
+  // Runs fn(x) under the mutex (e.g. copying x into the model); fn must not call the replica.
   void Update(const std::function<void(absl::Span<float> x)>& fn);
+  // A local step: fn changes x as the optimizer changes a model (and adds the buffers'
+  // deltas), under the mutex; the change is then divided by w, so that the push-sum mass
+  // w x moves by the whole step, as SGP applies the step to the numerator. Applied to x
+  // as it stands, a step taken while the rank holds weight w counted w-fold in the final
+  // average sum w_r x_r / sum w_r: progress made at low weight (a rank whose share is in
+  // flight, a straggler) was partly lost. Weights stay 1 in pairwise averaging, where
+  // this is the plain step. fn must not call the replica.
+  void ApplyStep(const std::function<void(absl::Span<float> x)>& fn);
   void set_step(int64_t step);
   // x, w and step, consistent with each other.
   ReplicaSnapshot Snapshot() const;
@@ -137,9 +147,16 @@ class GossipReplica {
   // 0 and sends nothing when w < min_weight (see "Weight floor" above). FAILED_PRECONDITION
   // once finished.
   absl::StatusOr<double> BeginPushSum(std::vector<float>* values, double min_weight = 0);
-  // Ends a BeginPushSum: if the share was not delivered, takes its weight back.
-  void EndPushSum(bool delivered, double weight_sent);
-  // x += scale * (a - b) (codec compensation; see above).
+  // Ends a BeginPushSum: if the share (`sent`, `weight_sent`) was not delivered, takes it back
+  // as a receiver would absorb it: x = (w x + weight_sent sent) / (w + weight_sent), w +=
+  // weight_sent. (Adding the weight alone would count the local steps taken while it was out,
+  // which ApplyStep scaled by 1 / w, once more.)
+  void EndPushSum(bool delivered, double weight_sent, absl::Span<const float> sent);
+  // A lossy codec's share was absorbed as `decoded`, not `sent`: adds the missing mass back,
+  // x += (weight_sent / w) (sent - decoded).
+  void CompensateShare(absl::Span<const float> sent, absl::Span<const float> decoded,
+                       double weight_sent);
+  // x += scale * (a - b) (pairwise codec compensation; see above).
   void AddScaledDifference(absl::Span<const float> a, absl::Span<const float> b, float scale);
   // Pairwise caller, after the reply: x += (peer_before - sent) / 2. Records the distance.
   void ApplyAverageReply(absl::Span<const float> sent, absl::Span<const float> peer_before);
@@ -194,6 +211,7 @@ class GossipReplica {
 
   mutable absl::Mutex mu_;
   std::vector<float> x_ ABSL_GUARDED_BY(mu_);
+  std::vector<float> before_step_ ABSL_GUARDED_BY(mu_);  // ApplyStep's copy of x.
   double w_ ABSL_GUARDED_BY(mu_);
   // The id of the newest push-sum share absorbed from each sender: a share of the same
   // incarnation (id >> 32) with a sequence (low 32 bits) not above it is a duplicate.

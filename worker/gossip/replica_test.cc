@@ -112,15 +112,51 @@ TEST(ReplicaTest, PushSumSenderHalvesTheWeightAndTakesItBackWhenNotDelivered) {
   EXPECT_EQ(sent, (std::vector<float>{3.0f, 5.0f}));
   EXPECT_DOUBLE_EQ(r.Snapshot().weight, 0.375);
   EXPECT_EQ(Values(r), (std::vector<float>{3.0f, 5.0f}));  // The de-biased model is unchanged.
-  r.EndPushSum(/*delivered=*/false, w);
+  r.EndPushSum(/*delivered=*/false, w, sent);
   EXPECT_DOUBLE_EQ(r.Snapshot().weight, 0.75);
   ASSERT_OK_AND_ASSIGN(w, r.BeginPushSum(&sent));
-  r.EndPushSum(/*delivered=*/true, w);
+  r.EndPushSum(/*delivered=*/true, w, sent);
   EXPECT_DOUBLE_EQ(r.Snapshot().weight, 0.375);
   // Below the floor nothing is sent.
   ASSERT_OK_AND_ASSIGN(w, r.BeginPushSum(&sent, /*min_weight=*/0.5));
   EXPECT_EQ(w, 0.0);
   EXPECT_DOUBLE_EQ(r.Snapshot().weight, 0.375);
+}
+
+// A local step moves the push-sum mass w x by the whole step whatever w is: x by step / w.
+// Two ranks, one holding 0.25 of the weight and one 1.75 (a share absorbed), each take the
+// step -1 on every element: the final average sum w x / sum w moves by exactly -1, as if
+// both had stepped at weight 1.
+TEST(ReplicaTest, ALocalStepMovesTheMassByTheWholeStep) {
+  GossipReplica low(Opts(0, 2), {2, 4}, 0.25);
+  GossipReplica high(Opts(1, 2), {2, 4}, 1.75);
+  auto step = [](absl::Span<float> x) {
+    for (float& v : x) v -= 1.0f;
+  };
+  low.ApplyStep(step);
+  high.ApplyStep(step);
+  EXPECT_EQ(Values(low), (std::vector<float>{-2.0f, 0.0f}));  // 2 - 1 / 0.25.
+  const double mean0 = (0.25 * Values(low)[0] + 1.75 * Values(high)[0]) / 2.0;
+  const double mean1 = (0.25 * Values(low)[1] + 1.75 * Values(high)[1]) / 2.0;
+  EXPECT_NEAR(mean0, 2.0 - 1.0, 1e-6);
+  EXPECT_NEAR(mean1, 4.0 - 1.0, 1e-6);
+  GossipReplica one(Opts(0, 2), {2, 4}, 1.0);
+  one.ApplyStep(step);
+  EXPECT_EQ(Values(one), (std::vector<float>{1.0f, 3.0f}));  // Weight 1: the plain step.
+}
+
+// A share that was not delivered comes back as a share: the local steps taken while it was
+// out (scaled by 1 / w) are not counted twice. Mass before: 1 * [3]; a step of -1 at weight
+// 0.5 (-2 on x); the half returns: (0.5 * 1 + 0.5 * 3) / 1 = 2, mass 3 - 1.
+TEST(ReplicaTest, AShareTakenBackKeepsTheStepsTakenMeanwhileOnce) {
+  GossipReplica r(Opts(0), {3}, 1.0);
+  std::vector<float> sent;
+  ASSERT_OK_AND_ASSIGN(double w, r.BeginPushSum(&sent));
+  r.ApplyStep([](absl::Span<float> x) { x[0] -= 1.0f; });
+  EXPECT_EQ(Values(r), (std::vector<float>{1.0f}));
+  r.EndPushSum(/*delivered=*/false, w, sent);
+  EXPECT_DOUBLE_EQ(r.Snapshot().weight, 1.0);
+  EXPECT_EQ(Values(r), (std::vector<float>{2.0f}));
 }
 
 TEST(ReplicaTest, PairwiseAverageBothSidesEndAtTheMeanAndKeepLocalProgress) {
