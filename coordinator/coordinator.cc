@@ -103,9 +103,10 @@ absl::Status Coordinator::Load() {
   for (auto& record : nodes) {
     NodeEntry& entry = nodes_[record.info().name()];
     entry.record = std::move(record);
-    // Grace: a node alive at the last write counts as seen now, so it has one heartbeat
-    // timeout to reach the restarted coordinator before its work is moved.
+    // Grace: a node alive at the last write counts as seen now and alive for the restart
+    // grace, time to reach the restarted coordinator before its work is moved.
     entry.last_seen_ms = now;
+    entry.grace_until_ms = now + std::max(options_.restart_grace_ms, options_.heartbeat_timeout_ms);
     if (entry.record.alive()) ++alive;
   }
   for (auto& record : jobs) {
@@ -131,7 +132,8 @@ absl::Status Coordinator::Load() {
   }
   LogInfo(options_.logger, "tables_loaded",
           {Kv("dir", store_->dir()), Kv("jobs", jobs_.size()), Kv("nodes", nodes_.size()),
-           Kv("alive_nodes", alive), Kv("grace_ms", options_.heartbeat_timeout_ms)});
+           Kv("alive_nodes", alive),
+           Kv("grace_ms", std::max(options_.restart_grace_ms, options_.heartbeat_timeout_ms))});
   return absl::OkStatus();
 }
 
@@ -590,7 +592,8 @@ void Coordinator::CheckNodesLocked() {
   const int64_t now = Now();
   std::vector<NodeEntry*> expired;
   for (auto& [name, node] : nodes_) {
-    if (node.record.alive() && now - node.last_seen_ms > options_.heartbeat_timeout_ms) {
+    if (node.record.alive() && now - node.last_seen_ms > options_.heartbeat_timeout_ms &&
+        now > node.grace_until_ms) {
       expired.push_back(&node);
     }
   }
@@ -827,6 +830,7 @@ absl::StatusOr<RegisterResponse> Coordinator::Register(const RegisterRequest& re
   node.record.set_alive(true);
   node.record.set_registered_ms(Now());
   node.last_seen_ms = Now();
+  node.grace_until_ms = 0;  // Back: the restart grace is over for it.
   persist_nodes_.insert(info.name());
   LogInfo(options_.logger, was_alive ? "node_registered" : "node_up",
           {Kv("node_name", info.name()), Kv("node_role", RoleName(info.role())),
@@ -947,6 +951,7 @@ absl::StatusOr<HeartbeatResponse> Coordinator::Heartbeat(const HeartbeatRequest&
   RETURN_IF_ERROR(CheckIdentityLocked(request.node(), &it->second, credentials, "heartbeat"));
   NodeEntry* node = &it->second;
   node->last_seen_ms = Now();
+  node->grace_until_ms = 0;  // Back: the restart grace is over for it.
   if (!node->record.alive()) {
     // Declared dead (e.g. it stalled past the timeout) and back: same as registering again.
     node->record.set_alive(true);
@@ -1019,7 +1024,12 @@ std::vector<Task> Coordinator::TasksForLocked(const NodeEntry& node) const {
 absl::StatusOr<std::vector<std::string>> Coordinator::ResumableShardNodesLocked(
     const JobSpec& spec, const JobEntry* existing, bool resume) const {
   const std::string& id = spec.name();
-  if (existing == nullptr) return std::vector<std::string>();
+  if (existing == nullptr) {
+    if (!resume) return std::vector<std::string>();
+    return absl::NotFoundError(absl::StrCat("job \"", id,
+                                            "\" does not exist: nothing to resume (submit it "
+                                            "without resume to start it)"));
+  }
   const JobState state = existing->record.status().state();
   if (!resume) {
     return absl::AlreadyExistsError(
@@ -1029,11 +1039,27 @@ absl::StatusOr<std::vector<std::string>> Coordinator::ResumableShardNodesLocked(
   if (IsActive(state)) {
     return absl::AlreadyExistsError(
         absl::StrCat("job \"", id, "\" is ", JobState_Name(state),
-                     "; only a job that ended (SUCCEEDED, FAILED, CANCELLED) can be resumed"));
+                     "; only a job that ended (FAILED, CANCELLED; SUCCEEDED with more steps) can "
+                     "be resumed"));
+  }
+  const JobStatus& old = existing->record.status();
+  // A job that succeeded has trained what it was asked to: resuming it as it was would
+  // train nothing and overwrite its results. More steps or epochs train further.
+  if (state == SUCCEEDED && spec.steps() <= old.spec().steps() &&
+      spec.epochs() <= old.spec().epochs()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("job \"", id,
+                     "\" SUCCEEDED: nothing left to train; resume it with more steps or "
+                     "epochs to train further, or submit it under another name"));
   }
   std::vector<std::string> shard_nodes;
-  if (!IsPsMode(spec.mode()) || existing->record.status().shards().empty()) return shard_nodes;
-  const JobStatus& old = existing->record.status();
+  if (!IsPsMode(spec.mode()) || old.shards().empty()) return shard_nodes;
+  if (old.spec().num_workers() != spec.num_workers()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "job \"", id, "\" ran with ", old.spec().num_workers(),
+        " workers, which its shards' state is laid out for; resume it with num_workers: ",
+        old.spec().num_workers()));
+  }
   if (old.shards_size() != spec.num_shards()) {
     return absl::FailedPreconditionError(absl::StrCat(
         "job \"", id, "\" ran with ", old.shards_size(),

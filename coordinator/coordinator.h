@@ -23,7 +23,7 @@
 //   every heartbeat_interval_ms and at the start of every call that writes), or at once when a
 //   heartbeat says `leaving` (the reports of that heartbeat are applied first).
 // * Restart: nodes and jobs are in RocksDB (coordinator_store.h). Nodes stored as alive count
-//   as alive for one heartbeat timeout after start (grace), so running jobs go on; jobs keep
+//   as alive for restart_grace_ms after start (grace), so running jobs go on; jobs keep
 //   their placements, so restarting every daemon with its old name resumes every job.
 //
 // # Node identity
@@ -235,6 +235,11 @@ class Coordinator {
     int64_t heartbeat_interval_ms = 500;
     // A node without heartbeats for longer than this is dead, ms. Default 3000.
     int64_t heartbeat_timeout_ms = 3000;
+    // After a restart, nodes stored as alive count as alive this long (at least one
+    // heartbeat timeout) before their work moves: daemons reconnect only after gRPC's
+    // reconnect backoff (up to 5 s) and their heartbeat backoff (up to 2 s), so one timeout
+    // of 3 s declared live daemons dead and ran their ranks twice. Default 15000.
+    int64_t restart_grace_ms = 15000;
     // Minimum time between two writes of one job's progress-only changes, ms. Default 1000.
     int64_t progress_persist_interval_ms = 1000;
     // How often the monitor thread checks liveness and writes held-back progress, ms (real
@@ -349,6 +354,7 @@ class Coordinator {
   struct NodeEntry {
     coordinator_state::NodeRecord record;
     int64_t last_seen_ms = 0;
+    int64_t grace_until_ms = 0;  // Alive until then whatever last_seen_ms says (restart).
   };
   struct JobEntry {
     coordinator_state::JobRecord record;

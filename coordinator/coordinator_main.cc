@@ -4,6 +4,7 @@
 //   gradmesh_coordinator --data_dir=DIR [--host=127.0.0.1] [--port=7000] [--port_file=F]
 //                        [--auth_token_file=F [--node_token_file=G]]
 //                        [--heartbeat_interval_ms=500] [--heartbeat_timeout_ms=3000]
+//                        [--restart_grace_ms=15000]
 //                        [--finished_job_retention_s=86400] [--max_finished_jobs=1000]
 //                        [--node_identity_from_certificate]
 //                        [--node=NAME] [--metrics_port=-1]
@@ -55,6 +56,9 @@ ABSL_FLAG(std::string, node_token_file, "",
 ABSL_FLAG(int64_t, heartbeat_interval_ms, 500, "Heartbeat interval daemons are told to use, ms.");
 ABSL_FLAG(int64_t, heartbeat_timeout_ms, 3000,
           "A node without heartbeats for this long is dead and its ranks are moved, ms.");
+ABSL_FLAG(int64_t, restart_grace_ms, 15000,
+          "After a restart, nodes that were alive keep their work this long while they "
+          "reconnect, ms (at least --heartbeat_timeout_ms).");
 ABSL_FLAG(std::string, node, "", "Node name in logs (default: host name).");
 ABSL_FLAG(int, shutdown_grace_s, 2, "Seconds to let calls in flight finish on shutdown.");
 ABSL_FLAG(int64_t, finished_job_retention_s, 86400,
@@ -92,6 +96,7 @@ struct CoordinatorMainOptions {
   std::string node;
   int64_t heartbeat_interval_ms = 500;
   int64_t heartbeat_timeout_ms = 3000;
+  int64_t restart_grace_ms = 15000;
   int64_t finished_job_retention_s = 86400;     // 0 = no limit.
   int64_t max_finished_jobs = 1000;             // 0 = no limit.
   int64_t max_model_bytes = int64_t{2} << 30;   // Per published model.
@@ -162,6 +167,7 @@ absl::StatusOr<std::unique_ptr<Coordinator>> OpenCoordinator(const CoordinatorMa
   co.logger = logger;
   co.heartbeat_interval_ms = options.heartbeat_interval_ms;
   co.heartbeat_timeout_ms = options.heartbeat_timeout_ms;
+  co.restart_grace_ms = options.restart_grace_ms;
   co.finished_job_retention_ms = options.finished_job_retention_s * 1000;
   co.max_finished_jobs = options.max_finished_jobs;
   co.max_model_bytes = options.max_model_bytes;
@@ -270,6 +276,7 @@ int main(int argc, char** argv) {
   options.node = gradmesh::NodeNameOrHostName(absl::GetFlag(FLAGS_node));
   options.heartbeat_interval_ms = absl::GetFlag(FLAGS_heartbeat_interval_ms);
   options.heartbeat_timeout_ms = absl::GetFlag(FLAGS_heartbeat_timeout_ms);
+  options.restart_grace_ms = absl::GetFlag(FLAGS_restart_grace_ms);
   options.finished_job_retention_s = absl::GetFlag(FLAGS_finished_job_retention_s);
   options.max_finished_jobs = absl::GetFlag(FLAGS_max_finished_jobs);
   options.max_model_bytes = absl::GetFlag(FLAGS_max_model_bytes);

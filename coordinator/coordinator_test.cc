@@ -769,6 +769,30 @@ TEST_F(CoordinatorTest, DeadServerPausesJobsUntilItComesBack) {
   EXPECT_EQ(Get("j").state(), RUNNING);
 }
 
+// Resume needs something to resume: a job that does not exist is NOT_FOUND (nothing is
+// created), and one that succeeded is refused unless the spec asks for more steps.
+TEST_F(CoordinatorTest, ResumeNeedsSomethingToResume) {
+  Cluster();
+  EXPECT_STATUS_MSG(Submit(Spec("ghost", "gossip", 1), false, /*resume=*/true),
+                    absl::StatusCode::kNotFound, "job \"ghost\" does not exist: nothing to resume");
+  EXPECT_STATUS(core_->GetJob("ghost"), absl::StatusCode::kNotFound);
+  ASSERT_OK(Submit(Spec("done", "gossip", 1)));
+  const std::string node = Get("done").workers(0).node();
+  TaskReport ok = Report("done", 0, "succeeded", 100);
+  ok.set_samples_per_s(90);
+  Beat(node, {ok});
+  ASSERT_EQ(Get("done").state(), SUCCEEDED);
+  EXPECT_STATUS_MSG(Submit(Spec("done", "gossip", 1), false, true),
+                    absl::StatusCode::kFailedPrecondition,
+                    "job \"done\" SUCCEEDED: nothing left to train");
+  EXPECT_EQ(Get("done").state(), SUCCEEDED);
+  EXPECT_DOUBLE_EQ(Get("done").progress().samples_per_s(), 90);  // Its results are kept.
+  JobSpec longer = Spec("done", "gossip", 1);
+  longer.set_steps(200);
+  ASSERT_OK_AND_ASSIGN(JobStatus again, Submit(longer, false, true));
+  EXPECT_EQ(again.state(), PENDING);
+}
+
 TEST_F(CoordinatorTest, ResumeReusesShardsAndToken) {
   Cluster();
   ASSERT_OK(Submit(Spec("j", "async", 1, 2)));
@@ -781,6 +805,11 @@ TEST_F(CoordinatorTest, ResumeReusesShardsAndToken) {
                     "job \"j\" ran with 2 shards, which hold its state; resume it with "
                     "num_shards: 2");
   spec.set_num_shards(2);
+  JobSpec more_workers = spec;
+  more_workers.set_num_workers(2);
+  EXPECT_STATUS_MSG(Submit(more_workers, false, true), absl::StatusCode::kFailedPrecondition,
+                    "job \"j\" ran with 1 workers, which its shards' state is laid out for; "
+                    "resume it with num_workers: 1");
   ASSERT_OK_AND_ASSIGN(JobStatus st, Submit(spec, false, /*resume=*/true));
   EXPECT_EQ(st.state(), PENDING);
   EXPECT_EQ(st.job_token(), "tok-1");
@@ -936,8 +965,12 @@ TEST_F(CoordinatorTest, RestartKeepsJobsNodesAndPlacements) {
   EXPECT_EQ(w1.tasks(0).index(), 1);
   EXPECT_EQ(w1.tasks(0).job_token(), "tok-1");
   EXPECT_TRUE(Beat("never-seen").register_again());
+  // A heartbeat timeout later w0 has not come back, but the restart grace (15 s: daemons
+  // reconnect only after gRPC's and their own backoffs) keeps its rank in place.
+  Pass(kTimeoutMs + 500, {"s0", "s1", "w1", "w2"});
+  EXPECT_EQ(WorkerNodes(Get("j")), (Strings{"w0", "w1"}));
   // After the grace, nodes that did not come back are dead: rank 0 moves to w2.
-  Pass(kTimeoutMs + 500, {"s0", "w1", "w2"});
+  Pass(15'000, {"s0", "w1", "w2"});
   st = Get("j");
   EXPECT_EQ(WorkerNodes(st), (Strings{"w2", "w1"}));
   EXPECT_EQ(st.workers(0).reassignments(), 1);
