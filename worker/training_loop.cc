@@ -113,6 +113,15 @@ absl::Status EvaluateInBatches(Model* model, LossKind loss, const ExampleSource&
   return absl::OkStatus();
 }
 
+// Whether the model's forward takes the first `count` test samples as one batch (a failure
+// there is the batch size's; past it, the loss's or the data's).
+bool ForwardTakes(Model* model, const ExampleSource& test, int64_t count,
+                  const torch::Device& device) {
+  absl::StatusOr<Batch> b = ReadBatch(test, 0, count);
+  if (!b.ok()) return false;
+  return model->Forward(FieldTensor(b->x, b->size, test.x()).to(device)).ok();
+}
+
 struct TestSetResult {
   EvalMetrics metrics;
   int64_t batch = 0;    // Samples per forward.
@@ -120,10 +129,10 @@ struct TestSetResult {
 };
 
 // Test-set metrics of `model` (evaluation mode, no autograd) with batches moved to `device`,
-// in batches of EvalBatchSize. A model that fails on the first of those is evaluated again in
-// batches of `train_batch`, the size it trained on: one written or traced for a fixed batch
-// (x.view(64, -1), a zeros(64, h) state) works there (EvaluateInBatches' `fixed`).
-// Leaves the model in evaluation mode.
+// in batches of EvalBatchSize. A model whose forward fails on the first of those is evaluated
+// again in batches of `train_batch`, the size it trained on: one written or traced for a fixed
+// batch (x.view(64, -1), a zeros(64, h) state) works there (EvaluateInBatches' `fixed`). Leaves the
+// model in evaluation mode.
 absl::StatusOr<TestSetResult> Evaluate(Model* model, LossKind loss, const ExampleSource& test,
                                        int64_t train_batch, const torch::Device& device) {
   if (test.size() == 0) return absl::FailedPreconditionError("evaluate: empty test set");
@@ -135,7 +144,8 @@ absl::StatusOr<TestSetResult> Evaluate(Model* model, LossKind loss, const Exampl
   bool failed_first = false;
   absl::Status st = EvaluateInBatches(model, loss, test, r.batch, /*fixed=*/false, device, &totals,
                                       &failed_first);
-  if (!st.ok() && failed_first && train_batch > 0 && train_batch != r.batch) {
+  if (!st.ok() && failed_first && train_batch > 0 && train_batch != r.batch &&
+      !ForwardTakes(model, test, r.batch, device)) {
     const int64_t tried = r.batch;
     r.batch = train_batch;
     totals = EvalTotals();
