@@ -460,25 +460,46 @@ TEST(PushPullFallbackTest, AShardWithoutFusedPullsGetsAPullOfItsOwn) {
   server->Shutdown();
 }
 
+// An in-process shard behind a DelayProxy (tests/proxy/delay_proxy.h): a slow or broken link.
+class SlowLinkTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ASSERT_OK_AND_ASSIGN(shard_, Shard::Create(ShardOptions()));
+    service_ = std::make_unique<ParameterServiceImpl>(shard_.get());
+    std::string addr;
+    server_ = Serve(service_.get(), &addr);
+    ASSERT_NE(server_, nullptr);
+    port_ = std::stoi(addr.substr(addr.rfind(':') + 1));
+  }
+  void TearDown() override {
+    if (server_ != nullptr) server_->Shutdown();
+  }
+
+  // Job `job`: one tensor w[6] in one chunk, sgd lr 1 (a value drops by exactly the gradient).
+  static JobLayout Layout(const std::string& job) {
+    JobLayout layout;
+    layout.job = job;
+    layout.tensors = {Spec("w", {6})};
+    layout.chunk_elems = 8;
+    layout.optimizer.set_name("sgd");
+    layout.optimizer.set_lr(1);
+    return layout;
+  }
+
+  std::unique_ptr<Shard> shard_;
+  std::unique_ptr<ParameterServiceImpl> service_;
+  std::unique_ptr<grpc::Server> server_;
+  int port_ = 0;
+};
+
 // Through a link slower than the client's per-attempt deadline (a proxy that holds every
 // piece 150 ms, so a call takes at least 300 ms, the first one longer), every attempt of 100 ms
 // would time out: each attempt that runs out of time doubles the next one's, so the call gets
 // through, its push applied once, and later calls keep the longer deadline.
-TEST(SlowLinkTest, AnAttemptThatRanOutOfTimeDoublesTheNextOnesDeadline) {
-  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Shard> shard, Shard::Create(ShardOptions()));
-  ParameterServiceImpl service(shard.get());
-  std::string addr;
-  std::unique_ptr<grpc::Server> server = Serve(&service, &addr);
-  ASSERT_NE(server, nullptr);
-  const int port = std::stoi(addr.substr(addr.rfind(':') + 1));
+TEST_F(SlowLinkTest, AnAttemptThatRanOutOfTimeDoublesTheNextOnesDeadline) {
   ASSERT_OK_AND_ASSIGN(std::unique_ptr<testutil::DelayProxy> proxy,
-                       testutil::DelayProxy::Start(port, absl::Milliseconds(150)));
-  JobLayout layout;
-  layout.job = "slow";
-  layout.tensors = {Spec("w", {6})};
-  layout.chunk_elems = 8;
-  layout.optimizer.set_name("sgd");
-  layout.optimizer.set_lr(1);
+                       testutil::DelayProxy::Start(port_, absl::Milliseconds(150)));
+  const JobLayout layout = Layout("slow");
   CapturedLog log;
   GrpcParameterClientOptions o;
   o.logger = log.logger();
@@ -504,29 +525,16 @@ TEST(SlowLinkTest, AnAttemptThatRanOutOfTimeDoublesTheNextOnesDeadline) {
   ASSERT_OK_AND_ASSIGN(std::vector<JobInfoResponse> infos, client->GetJobInfo());
   EXPECT_EQ(infos[0].pushes_applied(), 2);  // Each push applied once, retried or not.
   for (int i = 0; i < 6; ++i) EXPECT_EQ(got[i], 1.0f - 2 * g[i]) << i;
-  proxy.reset();
-  server->Shutdown();
 }
 
 // A connection that dies silently (the proxy drops what it carries, closing nothing, as a NAT
 // that forgot it would) is found by keepalive and replaced: the next exchange goes through a
 // new connection in about keepalive time + timeout, not after its 30 s deadline, and its push
 // is applied once.
-TEST(SlowLinkTest, AConnectionThatDiedSilentlyIsReplaced) {
-  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Shard> shard, Shard::Create(ShardOptions()));
-  ParameterServiceImpl service(shard.get());
-  std::string addr;
-  std::unique_ptr<grpc::Server> server = Serve(&service, &addr);
-  ASSERT_NE(server, nullptr);
-  const int port = std::stoi(addr.substr(addr.rfind(':') + 1));
+TEST_F(SlowLinkTest, AConnectionThatDiedSilentlyIsReplaced) {
   ASSERT_OK_AND_ASSIGN(std::unique_ptr<testutil::DelayProxy> proxy,
-                       testutil::DelayProxy::Start(port, absl::ZeroDuration()));
-  JobLayout layout;
-  layout.job = "frozen";
-  layout.tensors = {Spec("w", {6})};
-  layout.chunk_elems = 8;
-  layout.optimizer.set_name("sgd");
-  layout.optimizer.set_lr(1);
+                       testutil::DelayProxy::Start(port_, absl::ZeroDuration()));
+  const JobLayout layout = Layout("frozen");
   GrpcParameterClientOptions o;
   o.servers = {proxy->address()};
   o.rpc_deadline = absl::Seconds(30);
@@ -548,29 +556,16 @@ TEST(SlowLinkTest, AConnectionThatDiedSilentlyIsReplaced) {
   for (int i = 0; i < 6; ++i) EXPECT_EQ(got[i], 1.0f - 2 * g[i]) << i;
   ASSERT_OK_AND_ASSIGN(std::vector<JobInfoResponse> infos, client->GetJobInfo());
   EXPECT_EQ(infos[0].pushes_applied(), 2);
-  proxy.reset();
-  server->Shutdown();
 }
 
 // A stop (a cancelled job) cuts short a call waiting for an answer that is not coming (a
 // black-holed link, keepalive off), over the stream and unary alike: CANCELLED within a
 // second, not after the attempt's 30 s deadline.
-TEST(SlowLinkTest, AStopCutsShortACallInFlight) {
-  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Shard> shard, Shard::Create(ShardOptions()));
-  ParameterServiceImpl service(shard.get());
-  std::string addr;
-  std::unique_ptr<grpc::Server> server = Serve(&service, &addr);
-  ASSERT_NE(server, nullptr);
-  const int port = std::stoi(addr.substr(addr.rfind(':') + 1));
+TEST_F(SlowLinkTest, AStopCutsShortACallInFlight) {
   for (const char* transport : {"stream", "unary"}) {
     ASSERT_OK_AND_ASSIGN(std::unique_ptr<testutil::DelayProxy> proxy,
-                         testutil::DelayProxy::Start(port, absl::ZeroDuration()));
-    JobLayout layout;
-    layout.job = absl::StrCat("stopped-", transport);
-    layout.tensors = {Spec("w", {6})};
-    layout.chunk_elems = 8;
-    layout.optimizer.set_name("sgd");
-    layout.optimizer.set_lr(1);
+                         testutil::DelayProxy::Start(port_, absl::ZeroDuration()));
+    const JobLayout layout = Layout(absl::StrCat("stopped-", transport));
     GrpcParameterClientOptions o;
     o.servers = {proxy->address()};
     o.transport = transport;
@@ -597,7 +592,6 @@ TEST(SlowLinkTest, AStopCutsShortACallInFlight) {
     EXPECT_NE(st.message().find("stop requested"), std::string::npos) << st;
     EXPECT_LT(took, absl::Seconds(2)) << transport;
   }
-  server->Shutdown();
 }
 
 // A sync step flagged non-finite (PushPrepared with zeros, then a skip) is skipped by every
