@@ -96,7 +96,9 @@ void DelayProxy::Forward(int from, int to, int id) {
     if (id < frozen_below_.load()) continue;  // Frozen: dropped.
     absl::SleepFor(delay_);
     for (ssize_t done = 0; done < n;) {
-      const ssize_t w = write(to, buf + done, static_cast<size_t>(n - done));
+      // send with MSG_NOSIGNAL: a peer that closed its side must end this forwarding, not
+      // raise SIGPIPE in the test process.
+      const ssize_t w = send(to, buf + done, static_cast<size_t>(n - done), MSG_NOSIGNAL);
       if (w <= 0) {
         shutdown(from, SHUT_RDWR);
         return;
