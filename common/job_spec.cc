@@ -377,6 +377,8 @@ absl::Status ValidateLimits(const JobSpec& spec) {
                              spec.durability().snapshot_every_seconds(), 0, kMaxSpecSeconds));
   RETURN_IF_ERROR(CheckFloat("gossip.timeout_s", spec.gossip().timeout_s(), 0, kMaxSpecSeconds));
   RETURN_IF_ERROR(
+      CheckFloat("gossip.start_wait_s", spec.gossip().start_wait_s(), 0, kMaxSpecSeconds));
+  RETURN_IF_ERROR(
       CheckFloat("allreduce.timeout_s", spec.allreduce().timeout_s(), 0, kMaxSpecSeconds));
   RETURN_IF_ERROR(CheckFloat("compression.momentum", spec.compression().momentum(), 0, 1, true));
   for (const auto& [field, value] : std::vector<std::pair<const char*, const std::string*>>{
@@ -483,6 +485,7 @@ void ApplyJobSpecDefaults(int num_servers, JobSpec* spec) {
     if (g->topology().empty()) g->set_topology("exponential");
     if (g->every_steps() == 0) g->set_every_steps(1);
     if (g->timeout_s() == 0) g->set_timeout_s(2);
+    if (g->start_wait_s() == 0) g->set_start_wait_s(60);
   }
   if (spec->mode() == "allreduce") {
     AllreduceSpec* a = spec->mutable_allreduce();

@@ -115,6 +115,12 @@ TEST(JobSpecTest, DefaultsAndValidation) {
   EXPECT_EQ(spec.num_shards(), 2);
   EXPECT_EQ(spec.chunk_bytes(), 0);  // Auto: common/partitioner.h AutoChunkElems.
   EXPECT_OK(ValidateJobSpec(spec));
+  JobSpec gossip;
+  gossip.set_mode("gossip");
+  ApplyJobSpecDefaults(2, &gossip);
+  EXPECT_EQ(gossip.gossip().topology(), "exponential");
+  EXPECT_DOUBLE_EQ(gossip.gossip().timeout_s(), 2);
+  EXPECT_DOUBLE_EQ(gossip.gossip().start_wait_s(), 60);
 
   JobSpec bad = spec;
   bad.set_batch_size(-4);
@@ -271,6 +277,8 @@ TEST(JobSpecTest, ValidationTable) {
        "job spec: barrier_timeout_s: inf is not a finite float32"},
       {"mode: gossip\ngossip: {timeout_s: 1e7}",
        "gossip.timeout_s: 1e+07 is out of range [0, 604800]"},
+      {"mode: gossip\ngossip: {start_wait_s: -1}",
+       "gossip.start_wait_s: -1 is out of range [0, 604800]"},
       {R"({"name": "t", "mode": "allreduce", "allreduce": {"timeout_s": "NaN"}})",
        "allreduce.timeout_s: nan is not a finite float32"},
       {"durability: {mode: periodic, snapshot_every_seconds: 1e9}",

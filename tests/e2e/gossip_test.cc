@@ -5,6 +5,8 @@
 // * ExponentialReachesAccuracyAndConsensusShrinks: SGP push-sum over the exponential graph,
 //   adam (lr 0.003: four ranks of batch 64 train like one of batch 256) + cosine schedule, 3
 //   epochs (2 reach ~0.972, 3 ~0.978; about 4 s per epoch for all four on 2 cores): every rank
+//   waits for its three peers before its first step (gossip.start_wait_s; a rank started
+//   seconds late on a busy machine left the others to train without it) and
 //   runs all its steps and exits 0, rank 0 averages all four finals and reaches >= 0.97 test
 //   accuracy, and the consensus distance in the progress lines
 //   falls by a clear factor from its peak (the models drift apart while the learning rate is
@@ -141,6 +143,10 @@ TEST_F(GossipE2eTest, ExponentialReachesAccuracyAndConsensusShrinks) {
     EXPECT_EQ(ToInt(LogField(done, "steps")), kSteps);
     EXPECT_EQ(LogField(done, "stopped_early"), "false");
     EXPECT_GT(ToInt(LogField(done, "bytes_pushed")), 0);
+    // Each waited for its three peers before its first step, so all four train side by side.
+    const std::vector<std::string> ready = LinesWith(Log(r), "event=gossip_peers_ready");
+    ASSERT_EQ(ready.size(), 1u);
+    EXPECT_EQ(LogField(ready[0], "until"), "all_answered");
     if (r > 0) {
       EXPECT_EQ(LinesWith(Log(r), "event=final_delivered").size(), 1u);
       // It stays until the root has gathered, so peers can settle their shares with it.
@@ -326,6 +332,8 @@ TEST_F(GossipE2eTest, StoppedWorkerResumesFromItsCheckpoint) {
   const std::vector<std::string> resuming = LinesWith(resumed, "event=resuming");
   ASSERT_EQ(resuming.size(), 1u);
   EXPECT_EQ(ToInt(LogField(resuming[0], "step")), stop_step);
+  // A resumed rank joins its running peers at once: no start rendezvous.
+  EXPECT_TRUE(LinesWith(resumed, "event=gossip_peers_ready").empty());
   const std::string done = DoneLine(resumed);
   EXPECT_EQ(ToInt(LogField(done, "first_step")), stop_step);
   EXPECT_EQ(ToInt(LogField(done, "steps")), kSteps - stop_step);

@@ -72,9 +72,10 @@ class GossipTransport {
                                                  absl::string_view payload,
                                                  absl::Duration timeout) = 0;
 
-  // The state of (job, peer), waiting at most `timeout`.
+  // The state of (job, peer), waiting at most `timeout`; `from` is the caller's rank (the
+  // peer records it as up: GossipReplica::Callers), or -1 for none.
   virtual absl::StatusOr<ReplicaState> GetState(int32_t peer, const std::string& job,
-                                                absl::Duration timeout) = 0;
+                                                absl::Duration timeout, int32_t from) = 0;
 };
 
 }  // namespace gradmesh

@@ -68,7 +68,9 @@ class GossipMode : public TrainingMode {
   // Resumes from this rank's checkpoint if there is one: values, slots, weight; the step.
   absl::StatusOr<int64_t> Restore(std::vector<float>* values, double* weight);
   absl::Status WriteCheckpoint(ReplicaSnapshot snap, int64_t step);
-  absl::Status StartGossiper(std::unique_ptr<Topology> topology);
+  // Creates and starts the Gossiper; before a first step (not a resume) it waits up to
+  // gossip.start_wait_s for every peer (Gossiper::AwaitPeers).
+  absl::Status StartGossiper(std::unique_ptr<Topology> topology, bool first_start);
   void LogStats(const ReplicaSnapshot& final) const;
 
   const TrainerOptions& options_;
@@ -142,7 +144,7 @@ absl::StatusOr<int64_t> GossipMode::Restore(std::vector<float>* values, double* 
   return step;
 }
 
-absl::Status GossipMode::StartGossiper(std::unique_ptr<Topology> topology) {
+absl::Status GossipMode::StartGossiper(std::unique_ptr<Topology> topology, bool first_start) {
   transport_ = NewGrpcGossipTransport(options_.peers, options_.peer_rpc, options_.job_token,
                                       options_.rank_token);
   GossiperOptions go;
@@ -154,6 +156,9 @@ absl::Status GossipMode::StartGossiper(std::unique_ptr<Topology> topology) {
   go.logger = options_.logger;
   ASSIGN_OR_RETURN(gossiper_,
                    Gossiper::Create(go, replica_, std::move(topology), transport_.get()));
+  // Ranks started seconds apart (process start, data loading, a busy machine) would otherwise
+  // train apart: the first would mix with nobody, the last with finished peers.
+  if (first_start) gossiper_->AwaitPeers(absl::Seconds(gs_.start_wait_s()));
   gossiper_->Start();
   return absl::OkStatus();
 }
@@ -193,7 +198,7 @@ absl::StatusOr<int64_t> GossipMode::Start(ModelView* model, const LoopInfo& info
   replica_ = std::make_shared<GossipReplica>(ro, std::move(values), weight, first_step);
   RETURN_IF_ERROR(local_->Register(replica_, options_.job_token, options_.rank_token_hashes));
   registered_ = true;
-  RETURN_IF_ERROR(StartGossiper(std::move(topology)));
+  RETURN_IF_ERROR(StartGossiper(std::move(topology), first_step == 0));
   return first_step;
 }
 

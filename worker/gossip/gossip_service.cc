@@ -96,9 +96,18 @@ grpc::ServerUnaryReactor* GossipServiceImpl::GetState(grpc::CallbackServerContex
                                                       const GossipStateRequest* request,
                                                       GossipStateResponse* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  auto replica = Find(context, "GetState", request->job(), request->rank(), std::nullopt);
+  std::optional<int64_t> from;
+  if (request->has_from_rank()) from = request->from_rank();
+  auto replica = Find(context, "GetState", request->job(), request->rank(), from);
+  if (replica.ok() && from.has_value() &&
+      (*from < 0 || *from >= (*replica)->options().num_workers || *from == request->rank())) {
+    replica = absl::InvalidArgumentError(absl::StrCat(
+        "GossipService.GetState to gossip job ", request->job(), " rank ", request->rank(),
+        ": from_rank ", *from, " is not another rank of its ", (*replica)->options().num_workers));
+  }
   if (replica.ok()) {
-    const ReplicaState s = (*replica)->StateForPeer();
+    const ReplicaState s = (*replica)->StateForPeer(
+        from.has_value() ? std::optional<int32_t>(static_cast<int32_t>(*from)) : std::nullopt);
     response->set_step(s.step);
     response->set_total_steps(s.total_steps);
     response->set_finished(s.finished);

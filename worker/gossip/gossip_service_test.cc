@@ -143,21 +143,34 @@ TEST(GossipServiceTest, RoutesByJobAndRankAndMapsErrorsToGrpcCodes) {
   auto transport = NewGrpcGossipTransport(
       {"127.0.0.1:1", absl::StrCat("127.0.0.1:", port), "127.0.0.1:1"}, RpcOptions{});
   a->set_step(7);
-  ASSERT_OK_AND_ASSIGN(ReplicaState s, transport->GetState(1, "a", absl::Seconds(5)));
+  ASSERT_OK_AND_ASSIGN(ReplicaState s, transport->GetState(1, "a", absl::Seconds(5), -1));
+  EXPECT_TRUE(a->Callers().empty());
   EXPECT_EQ(s.step, 7);
   EXPECT_EQ(s.total_steps, 50);
   EXPECT_FALSE(s.finished);
   EXPECT_DOUBLE_EQ(s.weight, 1.5);
-  EXPECT_STATUS_MSG(transport->GetState(1, "zzz", absl::Seconds(5)), absl::StatusCode::kNotFound,
+  EXPECT_STATUS_MSG(transport->GetState(1, "zzz", absl::Seconds(5), -1),
+                    absl::StatusCode::kNotFound,
                     absl::StrCat("gossip peer 1 (127.0.0.1:", port, "): gossip job zzz rank 1"));
+  // A caller that names its rank is recorded as up (the start rendezvous); a rank outside the
+  // job, or the callee's own, is refused and recorded nowhere.
+  ASSERT_OK(transport->GetState(1, "a", absl::Seconds(5), 2).status());
+  EXPECT_EQ(a->Callers(), (std::set<int32_t>{2}));
+  EXPECT_STATUS_MSG(transport->GetState(1, "a", absl::Seconds(5), 3),
+                    absl::StatusCode::kInvalidArgument,
+                    "GossipService.GetState to gossip job a rank 1: from_rank 3 is not another "
+                    "rank of its 3");
+  EXPECT_STATUS(transport->GetState(1, "a", absl::Seconds(5), 1),
+                absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(a->Callers(), (std::set<int32_t>{2}));
   a->Finish();
   EXPECT_STATUS(
       transport->Exchange(1, ExchangeHeader{"a", 0, 1, ExchangeKind::kPushSum, 0, 0, 0.5, "", 2},
                           Raw({1, 1}), absl::Seconds(5)),
       absl::StatusCode::kFailedPrecondition);
   service.Unregister("a", 1);
-  EXPECT_STATUS(transport->GetState(1, "a", absl::Seconds(5)), absl::StatusCode::kNotFound);
-  ASSERT_OK_AND_ASSIGN(s, transport->GetState(1, "b", absl::Seconds(5)));
+  EXPECT_STATUS(transport->GetState(1, "a", absl::Seconds(5), -1), absl::StatusCode::kNotFound);
+  ASSERT_OK_AND_ASSIGN(s, transport->GetState(1, "b", absl::Seconds(5), -1));
   server->Shutdown();
 }
 

@@ -383,7 +383,7 @@ void Gossiper::AwaitGathered() {
   absl::Time unreachable_since = absl::InfiniteFuture();
   std::string why = "gathered";
   while (true) {
-    absl::StatusOr<ReplicaState> st = transport_->GetState(root, job, options_.timeout);
+    absl::StatusOr<ReplicaState> st = transport_->GetState(root, job, options_.timeout, rank_);
     const absl::Time now = absl::Now();
     if (st.ok()) {
       if (st->gathered) break;
@@ -413,6 +413,48 @@ void Gossiper::AwaitGathered() {
            Kv("waited_s", absl::StrFormat("%.2f", absl::ToDoubleSeconds(absl::Now() - start)))});
 }
 
+std::vector<int32_t> Gossiper::AwaitPeers(absl::Duration bound) {
+  const std::string& job = replica_->options().job;
+  const absl::Time start = absl::Now();
+  std::vector<int32_t> missing;
+  for (int32_t p = 0; p < n_; ++p) {
+    if (p != rank_) missing.push_back(p);
+  }
+  std::string why = "all_answered";
+  while (!missing.empty()) {
+    // A peer is up once it answered, or once it asked this rank (a late rank asks the early
+    // ones at once; the early ones' channels to it may be in reconnect backoff for seconds).
+    const std::set<int32_t> callers = replica_->Callers();
+    std::vector<int32_t> still;
+    for (int32_t p : missing) {
+      if (callers.count(p) == 0 && !transport_->GetState(p, job, options_.timeout, rank_).ok()) {
+        still.push_back(p);
+      }
+    }
+    missing = std::move(still);
+    if (missing.empty()) break;
+    if (absl::Now() - start >= bound) {
+      why = "start_wait";
+      break;
+    }
+    if (options_.cancel != nullptr && options_.cancel->load()) {
+      why = "stop_requested";
+      break;
+    }
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  std::vector<LogField> fields = {
+      Kv("job", job), Kv("rank", rank_), Kv("until", why),
+      Kv("waited_s", absl::StrFormat("%.2f", absl::ToDoubleSeconds(absl::Now() - start)))};
+  if (missing.empty()) {
+    LogInfo(options_.logger, "gossip_peers_ready", fields);
+  } else {
+    fields.push_back(Kv("missing", absl::StrJoin(missing, ",")));
+    LogWarning(options_.logger, "gossip_peers_ready", fields);
+  }
+  return missing;
+}
+
 FinalAverage Gossiper::GatherFinal() {
   const std::string& job = replica_->options().job;
   const absl::Time start = absl::Now();
@@ -427,7 +469,7 @@ FinalAverage Gossiper::GatherFinal() {
       const absl::Time now = absl::Now();
       if (now >= next_probe[p]) {
         next_probe[p] = now + absl::Milliseconds(500);
-        absl::StatusOr<ReplicaState> st = transport_->GetState(p, job, options_.timeout);
+        absl::StatusOr<ReplicaState> st = transport_->GetState(p, job, options_.timeout, rank_);
         if (st.ok()) {
           unreachable_since[p] = absl::InfiniteFuture();
         } else {

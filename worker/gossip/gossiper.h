@@ -132,6 +132,12 @@ class Gossiper {
   // One round now, on the calling thread.
   RoundResult RunRound(int64_t round, int64_t step);
 
+  // Before the first step: asks every other rank's service for its state (every 50 ms, each
+  // call bounded by the timeout) until each has answered once, or `bound` passes, or
+  // options.cancel becomes true; logs event=gossip_peers_ready. Returns the ranks that never
+  // answered (they join in when they come: rounds skip an unreachable peer).
+  std::vector<int32_t> AwaitPeers(absl::Duration bound);
+
   // Starts the background thread.
   void Start();
   // Asks the background thread to run `round` (non-blocking; see the protocol above).

@@ -10,6 +10,7 @@
 #include <memory>
 #include <set>
 #include <thread>
+#include <vector>
 
 #include "absl/strings/cord.h"
 #include "absl/synchronization/notification.h"
@@ -53,13 +54,15 @@ class LocalTransport : public GossipTransport {
     }
     return reply;
   }
-  absl::StatusOr<ReplicaState> GetState(int32_t peer, const std::string& job,
-                                        absl::Duration) override {
+  absl::StatusOr<ReplicaState> GetState(int32_t peer, const std::string& job, absl::Duration,
+                                        int32_t from) override {
     absl::MutexLock lock(&mu_);
+    ++state_calls_[peer];
     if (down_.count(peer) > 0 || replicas_.count(peer) == 0) {
       return absl::UnavailableError("peer down");
     }
-    return replicas_[peer]->StateForPeer();  // As GossipServiceImpl::GetState.
+    // As GossipServiceImpl::GetState.
+    return replicas_[peer]->StateForPeer(from >= 0 ? std::optional<int32_t>(from) : std::nullopt);
   }
 
   void Add(std::shared_ptr<GossipReplica> r) {
@@ -78,6 +81,10 @@ class LocalTransport : public GossipTransport {
     absl::MutexLock lock(&mu_);
     return calls_[peer];
   }
+  int state_calls(int32_t peer) {
+    absl::MutexLock lock(&mu_);
+    return state_calls_[peer];
+  }
   std::vector<int64_t> rounds() {
     absl::MutexLock lock(&mu_);
     return rounds_;
@@ -92,6 +99,7 @@ class LocalTransport : public GossipTransport {
   std::map<int32_t, std::shared_ptr<GossipReplica>> replicas_;
   std::set<int32_t> down_;
   std::map<int32_t, int> calls_;
+  std::map<int32_t, int> state_calls_;
   std::vector<int64_t> rounds_;
   int64_t handled_ = 0;
 };
@@ -498,6 +506,38 @@ TEST(GossiperTest, FinalRoundGivesUpOnUnreachableRanksAfterDeadAfter) {
   c.transport.SetDown(0, true);
   EXPECT_STATUS_MSG(c.gossipers[3]->DeliverFinal(c.replicas[3]->Finish()),
                     absl::StatusCode::kUnavailable, "gave up delivering the final model to rank 0");
+}
+
+// The start rendezvous waits for a rank that comes up late, and gives up on one that never
+// does once the bound has passed, returning it.
+TEST(GossiperTest, AwaitPeersWaitsForLateRanksUpToTheBound) {
+  Cluster c(Initial(), "exponential");
+  c.transport.SetDown(2, true);
+  std::thread late([&] {
+    absl::SleepFor(absl::Milliseconds(300));
+    c.transport.SetDown(2, false);
+  });
+  absl::Time start = absl::Now();
+  EXPECT_TRUE(c.gossipers[0]->AwaitPeers(absl::Seconds(20)).empty());
+  const absl::Duration waited = absl::Now() - start;
+  late.join();
+  EXPECT_GE(waited, absl::Milliseconds(300));
+  EXPECT_LT(waited, absl::Seconds(5));
+
+  c.transport.SetDown(3, true);
+  start = absl::Now();
+  EXPECT_EQ(c.gossipers[1]->AwaitPeers(absl::Milliseconds(400)), (std::vector<int32_t>{3}));
+  EXPECT_GE(absl::Now() - start, absl::Milliseconds(400));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+
+  // A peer that has asked this rank for its state is up, even while this rank cannot reach it
+  // (its channel may be in reconnect backoff): no waiting, and no call to it.
+  c.replicas[2]->StateForPeer(3);
+  const int calls_to_3 = c.transport.state_calls(3);
+  start = absl::Now();
+  EXPECT_TRUE(c.gossipers[2]->AwaitPeers(absl::Seconds(20)).empty());
+  EXPECT_LT(absl::Now() - start, absl::Seconds(1));
+  EXPECT_EQ(c.transport.state_calls(3), calls_to_3);
 }
 
 }  // namespace

@@ -58,11 +58,12 @@ class GrpcGossipTransport final : public GossipTransport {
   }
 
   absl::StatusOr<ReplicaState> GetState(int32_t peer, const std::string& job,
-                                        absl::Duration timeout) override {
+                                        absl::Duration timeout, int32_t from) override {
     RETURN_IF_ERROR(CheckPeer(peer));
     GossipStateRequest request;
     request.set_job(job);
     request.set_rank(peer);
+    if (from >= 0) request.set_from_rank(from);
     GossipStateResponse response;
     grpc::ClientContext ctx;
     ctx.set_deadline(absl::ToChronoTime(absl::Now() + timeout));

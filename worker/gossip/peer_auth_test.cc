@@ -8,6 +8,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -208,12 +209,13 @@ TEST_F(GossipPeerAuthTest, TheTransportSendsTheToken) {
                 absl::StatusCode::kUnauthenticated);
   EXPECT_STATUS(other->Exchange(1, h, payload, absl::Seconds(10)),
                 absl::StatusCode::kPermissionDenied);
-  EXPECT_STATUS(none->GetState(1, "job-a", absl::Seconds(10)), absl::StatusCode::kUnauthenticated);
+  EXPECT_STATUS(none->GetState(1, "job-a", absl::Seconds(10), -1),
+                absl::StatusCode::kUnauthenticated);
   ExpectUntouched();
   ASSERT_OK(good->Exchange(1, h, payload, absl::Seconds(10)));
   EXPECT_EQ(a1_->Snapshot().values, (std::vector<float>{3, 4, 5}));  // (1*x + 1*v) / 2.
   EXPECT_EQ(a1_->Snapshot().weight, 2.0);
-  ASSERT_OK_AND_ASSIGN(ReplicaState state, good->GetState(1, "job-a", absl::Seconds(10)));
+  ASSERT_OK_AND_ASSIGN(ReplicaState state, good->GetState(1, "job-a", absl::Seconds(10), -1));
   EXPECT_EQ(state.weight, 2.0);
 }
 
@@ -285,6 +287,12 @@ TEST_F(GossipPeerAuthTest, ACallerMustHoldTheTokenOfTheRankItClaims) {
   EXPECT_STATUS(rank0->Exchange(1, h, Raw({5, 6, 7}), absl::Seconds(10)),
                 absl::StatusCode::kPermissionDenied);
   untouched();
+  // Claiming a rank in GetState (the start rendezvous counts it as up) needs its token too.
+  EXPECT_STATUS(rank0->GetState(1, "job-r", absl::Seconds(10), 3),
+                absl::StatusCode::kPermissionDenied);
+  EXPECT_TRUE(r1->Callers().empty());
+  ASSERT_OK(rank3->GetState(1, "job-r", absl::Seconds(10), 3).status());
+  EXPECT_EQ(r1->Callers(), (std::set<int32_t>{3}));
   ASSERT_OK(rank3->Exchange(1, h, Raw({5, 6, 7}), absl::Seconds(10)));
   EXPECT_EQ(r1->Snapshot().values, (std::vector<float>{3, 4, 5}));
   EXPECT_EQ(r1->Snapshot().weight, 2.0);

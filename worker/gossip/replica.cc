@@ -293,10 +293,16 @@ void GossipReplica::MarkGathered() {
   gathered_ = true;
 }
 
-ReplicaState GossipReplica::StateForPeer() {
+ReplicaState GossipReplica::StateForPeer(std::optional<int32_t> from) {
   absl::MutexLock lock(&mu_);
+  if (from.has_value()) callers_.insert(*from);
   if (gathered_) ++gathered_seen_;
   return ReplicaState{step_, options_.total_steps, finished_, w_, gathered_};
+}
+
+std::set<int32_t> GossipReplica::Callers() const {
+  absl::MutexLock lock(&mu_);
+  return callers_;
 }
 
 bool GossipReplica::AwaitGatheredSeen(int64_t peers, absl::Duration timeout) {

@@ -58,6 +58,8 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -183,7 +185,10 @@ class GossipReplica {
   void MarkGathered();
   // State() for a peer's GetState: once gathered, also counts the answer. A lingering peer
   // stops asking at its first answer that says gathered, so the count is the peers that know.
-  ReplicaState StateForPeer();
+  // `from`: the caller's rank if it said (recorded for Callers()).
+  ReplicaState StateForPeer(std::optional<int32_t> from = std::nullopt);
+  // The ranks that have asked for this rank's state (the start rendezvous counts them as up).
+  std::set<int32_t> Callers() const;
   // Root: waits until `peers` GetState answers said gathered, or `timeout`; true if they did.
   // Keeps the root (and its peer service) up until the lingering peers have seen it gather:
   // a root that evaluates and exits quickly would otherwise leave them polling a dead address.
@@ -218,6 +223,7 @@ class GossipReplica {
   std::map<int32_t, uint64_t> last_share_ ABSL_GUARDED_BY(mu_);
   int64_t step_ ABSL_GUARDED_BY(mu_);
   bool finished_ ABSL_GUARDED_BY(mu_) = false;      // Finish() was called.
+  std::set<int32_t> callers_ ABSL_GUARDED_BY(mu_);  // StateForPeer's `from`s.
   bool stopped_ ABSL_GUARDED_BY(mu_) = false;       // Finish() or Stop() was called.
   bool gathered_ ABSL_GUARDED_BY(mu_) = false;      // MarkGathered() was called.
   int64_t gathered_seen_ ABSL_GUARDED_BY(mu_) = 0;  // GetState answers that said gathered.
