@@ -490,8 +490,9 @@ TEST(TrainingLoopTest, AFixedBatchModelIsEvaluatedInItsTrainingBatchSize) {
   EXPECT_NE(own.test_loss, fixed.test_loss);
 }
 
-// bad_test's test file labels sample 3 with 12 of 10 classes: the evaluation fails, saying
-// so, and the trained model has been saved before it.
+// bad_test's test file labels sample 6 with 12 of 10 classes (past the first batch, which is
+// checked before the run): the evaluation fails, saying so, and the trained model has been
+// saved before it.
 TEST(TrainingLoopTest, AFailedEvaluationKeepsTheSavedModel) {
   const std::string out = absl::StrCat(testing::TempDir(), "/bad_test_model.pt");
   std::vector<std::string> lines;
@@ -509,6 +510,22 @@ TEST(TrainingLoopTest, AFailedEvaluationKeepsTheSavedModel) {
       << r.status();
   EXPECT_TRUE(std::ifstream(out).good()) << out;
   EXPECT_EQ(CountLines(lines, "event=model_saved", out), 1) << absl::StrJoin(lines, "\n");
+}
+
+// bad_first_test's test file labels sample 3 with 12 of 10 classes: the check before the run
+// reads the test set's first batch too, so the job fails at once, naming the test files, not
+// after its training.
+TEST(TrainingLoopTest, ABadTestLabelInTheFirstBatchFailsBeforeTheRun) {
+  const std::string out = absl::StrCat(testing::TempDir(), "/bad_first_test_model.pt");
+  std::vector<std::string> lines;
+  absl::StatusOr<TrainResult> r = RunOnTestData("free_batch.pt", "bad_first_test", "", out, &lines);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+  EXPECT_TRUE(absl::StrContains(r.status().message(), "worker/testdata/bad_first_test/test*.pt"))
+      << r.status();
+  EXPECT_TRUE(absl::StrContains(r.status().message(), "target class index 12 is out of range"))
+      << r.status();
+  EXPECT_EQ(CountLines(lines, "event=progress", ""), 0) << absl::StrJoin(lines, "\n");
+  EXPECT_FALSE(std::ifstream(out).good()) << out;
 }
 
 // worker/testdata/late_label: sample 6 has label 12 of 10 classes. The check before the run
@@ -610,13 +627,13 @@ TEST(TrainingLoopTest, AModelThatResizesABufferIsRefusedByName) {
   std::atomic<bool> stop{false};
   absl::StatusOr<TrainResult> r = RunTrainingLoop(o, &mode, stop);
   EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition) << r.status();
-  // The check's forward is the first, step 0's the second: step 1's forward resizes it.
-  EXPECT_NE(r.status().message().find("resized buffer hist from 4 to 2 elements (step 1)"),
+  // The check's forwards are the first two (a training batch, a test batch): step 0's
+  // forward resizes it.
+  EXPECT_NE(r.status().message().find("resized buffer hist from 4 to 2 elements (step 0)"),
             std::string::npos)
       << r.status();
-  // Step 1 is never handed to the mode.
-  EXPECT_EQ(mode.calls, (std::vector<std::string>{"start total=6", "forward 0", "backward 0",
-                                                  "exchange 0", "checkpoint? 1", "forward 1"}));
+  // Step 0 is never handed to the mode.
+  EXPECT_EQ(mode.calls, (std::vector<std::string>{"start total=6", "forward 0"}));
 }
 
 TEST(TrainingLoopTest, AModelWhoseOutputDoesNotFitTheLossFailsBeforeTheModeStarts) {

@@ -337,7 +337,7 @@ absl::StatusOr<JobData> LoadDataset(const std::string& name, const std::string& 
     // test*.pt): a job without them trains and is not evaluated.
     auto test = OpenTensorFiles(dir, "test");
     if (!test.ok() && !absl::IsNotFound(test.status())) return Annotate(test.status(), context);
-    if (test.ok() && ((*train)->x() != (*test)->x() || (*train)->y() != (*test)->y())) {
+    if (test.ok() && !TestFitsTraining(**train, **test)) {
       return absl::InvalidArgumentError(
           absl::StrCat(context, ": training samples are x ", (*train)->x().Describe(), ", y ",
                        (*train)->y().Describe(), " but test samples are x ",

@@ -351,6 +351,18 @@ TEST(LoadDatasetTest, Tensors) {
   EXPECT_EQ(b.x, BytesOf(want_x));
   EXPECT_EQ(b.y, BytesOf(std::vector<int64_t>{3, 4}));
 
+  // Test labels of another integer dtype are taken as they are; test inputs of another dtype
+  // are refused (the model takes the training inputs').
+  ASSERT_OK_AND_ASSIGN(JobData labels32, LoadDataset("tensors", TensorTestData("labels32")));
+  EXPECT_EQ(labels32.train->y(), (FieldMeta{ElemType::kInt64, {}}));
+  EXPECT_EQ(labels32.test->y(), (FieldMeta{ElemType::kInt32, {}}));
+  ASSERT_OK_AND_ASSIGN(Batch t, ReadBatch(*labels32.test, 0, 2));
+  EXPECT_EQ(t.y, BytesOf(std::vector<int32_t>{1, 0}));
+  EXPECT_STATUS_MSG(LoadDataset("tensors", TensorTestData("xdouble")),
+                    absl::StatusCode::kInvalidArgument,
+                    "training samples are x float32[2], y int64[] but test samples are x "
+                    "float64[2], y int64[]");
+
   // A directory without test*.pt files: a training set, and no test set.
   ASSERT_OK_AND_ASSIGN(JobData seq, LoadDataset("tensors", TensorTestData("seq")));
   EXPECT_EQ(seq.train->size(), 4);

@@ -51,6 +51,17 @@ const char* ElemTypeName(ElemType type) {
   return "unknown";
 }
 
+bool TargetsCompatible(const FieldMeta& a, const FieldMeta& b) {
+  if (a.dims != b.dims) return false;
+  if (a.type == b.type) return true;
+  if (IsFloating(a.type) || IsFloating(b.type)) return IsFloating(a.type) && IsFloating(b.type);
+  return a.type != ElemType::kBool && b.type != ElemType::kBool;
+}
+
+bool TestFitsTraining(const ExampleSource& train, const ExampleSource& test) {
+  return train.x() == test.x() && TargetsCompatible(train.y(), test.y());
+}
+
 bool IsFloating(ElemType type) {
   return type == ElemType::kFloat32 || type == ElemType::kFloat64 || type == ElemType::kFloat16 ||
          type == ElemType::kBFloat16;

@@ -61,6 +61,12 @@ struct FieldMeta {
   bool operator!=(const FieldMeta& o) const { return !(*this == o); }
 };
 
+// Whether targets `b` can stand in for targets `a`: the same per-sample shape and the same
+// kind (class indices of any integer dtype, which the losses take alike; float targets of any
+// float dtype, converted to the output's), as a test set saved apart from its training set
+// often has them (int32 labels beside int64 ones).
+bool TargetsCompatible(const FieldMeta& a, const FieldMeta& b);
+
 // A random-access set of samples.
 class ExampleSource {
  public:
@@ -77,6 +83,10 @@ class ExampleSource {
   // What the source is, for logs and errors ("tensors /data/kjv (3 files, 120000 samples)").
   virtual std::string Describe() const = 0;
 };
+
+// Whether `test` can be evaluated by a model trained on `train`: the same inputs (the model
+// takes the training inputs' dtype and shape) and compatible targets.
+bool TestFitsTraining(const ExampleSource& train, const ExampleSource& test);
 
 // A mini-batch: `size` samples, each field as contiguous bytes of [size, dims...] in the
 // source's element type (little-endian, row-major), ready for torch::from_blob.

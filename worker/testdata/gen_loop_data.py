@@ -8,13 +8,15 @@
 #                                10 classes), and no test file.
 #   odd_test/train.pt, test.pt   the same 8 samples; 10 test samples (x (i + 0.5) / 1000,
 #                                y index % 10): 2 left after batches of 4.
-#   bad_test/train.pt, test.pt   the same 8 samples; the test file's sample 3 labelled 12.
+#   bad_test/train.pt, test.pt   the same 8 samples; the test file's sample 6 labelled 12 (past
+#                                the first batch of 4, which is checked before the run).
+#   bad_first_test/train.pt, test.pt  the same; the test file's sample 3 labelled 12.
 # Run with Debian's torch: /usr/bin/python3 worker/testdata/gen_loop_data.py
 import os
 import torch
 
 here = os.path.dirname(__file__)
-for d in ("nan_input", "train_only", "late_label", "odd_test", "bad_test"):
+for d in ("nan_input", "train_only", "late_label", "odd_test", "bad_test", "bad_first_test"):
     os.makedirs(os.path.join(here, d), exist_ok=True)
 x = torch.arange(8 * 28 * 28, dtype=torch.float32).div(1000).reshape(8, 1, 28, 28)
 y = torch.arange(8, dtype=torch.int64)
@@ -29,7 +31,11 @@ odd_y = torch.arange(10, dtype=torch.int64) % 10
 torch.save({"x": odd_x, "y": odd_y}, os.path.join(here, "odd_test", "test.pt"))
 torch.save({"x": x.clone(), "y": y.clone()}, os.path.join(here, "bad_test", "train.pt"))
 bad = y.clone()
-bad[3] = 12
+bad[6] = 12
 torch.save({"x": x.clone(), "y": bad}, os.path.join(here, "bad_test", "test.pt"))
+torch.save({"x": x.clone(), "y": y.clone()}, os.path.join(here, "bad_first_test", "train.pt"))
+bad_first = y.clone()
+bad_first[3] = 12
+torch.save({"x": x.clone(), "y": bad_first}, os.path.join(here, "bad_first_test", "test.pt"))
 x[5, 0, 3, 7] = float("nan")
 torch.save({"x": x, "y": y}, os.path.join(here, "nan_input", "train.pt"))

@@ -113,6 +113,14 @@ def main():
 
     save("mismatch/train-a.pt", x=torch.zeros(2, 3), y=torch.zeros(2, dtype=torch.int64))
     save("mismatch/train-b.pt", x=torch.zeros(2, 4), y=torch.zeros(2, dtype=torch.int64))
+    # Test labels of another integer dtype than the training ones (taken as they are), and
+    # test inputs of another dtype (refused: the model takes the training inputs' dtype).
+    save("labels32/train.pt", x=torch.arange(8, dtype=torch.float32).reshape(4, 2),
+         y=torch.tensor([0, 1, 1, 0]))
+    save("labels32/test.pt", x=torch.arange(4, dtype=torch.float32).reshape(2, 2),
+         y=torch.tensor([1, 0], dtype=torch.int32))
+    save("xdouble/train.pt", x=torch.zeros(2, 2), y=torch.tensor([0, 1]))
+    save("xdouble/test.pt", x=torch.zeros(2, 2, dtype=torch.float64), y=torch.tensor([0, 1]))
 
 
 if __name__ == "__main__":
