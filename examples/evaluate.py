@@ -120,6 +120,8 @@ def batch_loss(model, loss, x, y, totals):
     if y.is_floating_point() or y.is_complex() or y.dtype == torch.bool:
         raise ValueError(f"cross_entropy: y must be integer class indices, got {y.dtype}")
     y = y.long()  # Any integer dtype, as the worker takes it.
+    if out.dim() == 2 and y.dim() == 2 and y.shape[1] == 1 and y.shape[0] == n:
+        y = y.reshape(-1)  # A label column [N, 1] is the [N] it stands for, as in the worker.
     if out.dim() != y.dim() + 1 or out.shape[:-1] != y.shape:
         raise ValueError(f"cross_entropy: logits {tuple(out.shape)} do not fit y {tuple(y.shape)} "
                          "(want [N,C] with [N] or [N,T,C] with [N,T])")

@@ -198,7 +198,9 @@ class TorchScriptModel : public NamedModel {
     }
     if (model->params_.empty()) {
       return absl::InvalidArgumentError(
-          absl::StrCat("TorchScript model ", path, " has no parameters to train"));
+          absl::StrCat("TorchScript model ", path,
+                       " has no parameters to train (a module saved after torch.jit.freeze "
+                       "holds its weights as constants: save it before freezing)"));
     }
     return std::unique_ptr<Model>(std::move(model));
   }
@@ -403,11 +405,23 @@ absl::StatusOr<std::unique_ptr<Model>> MakeBuiltin(const std::string& name) {
 // Checks that a model output fits cross-entropy targets: logits [N, C] with int64 [N], or
 // [N, T, C] with int64 [N, T], every index in [0, C). y.min()/y.max() keep the range check
 // to two reductions; LibTorch's own message for a bad index is a bare assertion.
-absl::Status CheckCrossEntropyFits(const torch::Tensor& out, const torch::Tensor& y) {
+// Class-index targets as the loss takes them: a column of labels [N, 1] beside logits [N, C]
+// (a label column, as tabular data often has it) is the [N] it stands for; anything else as it
+// is.
+torch::Tensor ClassTargets(const torch::Tensor& out, const torch::Tensor& y) {
+  if (out.defined() && y.defined() && out.dim() == 2 && y.dim() == 2 && y.size(1) == 1 &&
+      y.size(0) == out.size(0)) {
+    return y.reshape({-1});
+  }
+  return y;
+}
+
+absl::Status CheckCrossEntropyFits(const torch::Tensor& out, const torch::Tensor& y_in) {
+  const torch::Tensor y = ClassTargets(out, y_in);
   auto mismatch = [&](const std::string& why) {
     return absl::InvalidArgumentError(absl::StrCat("loss cross_entropy: model output ",
                                                    TensorString(out), " does not fit targets ",
-                                                   TensorString(y), "; ", why));
+                                                   TensorString(y_in), "; ", why));
   };
   if (!out.defined() || !y.defined()) return mismatch("undefined tensor");
   if (!out.is_floating_point()) return mismatch("the output must be floating-point logits");
@@ -420,7 +434,8 @@ absl::Status CheckCrossEntropyFits(const torch::Tensor& out, const torch::Tensor
   const bool sequence =
       out.dim() == 3 && y.dim() == 2 && y.size(0) == out.size(0) && y.size(1) == out.size(1);
   if (!flat && !sequence) {
-    return mismatch("expected logits [N, C] with targets [N], or [N, T, C] with targets [N, T]");
+    return mismatch(
+        "expected logits [N, C] with targets [N] (or [N, 1]), or [N, T, C] with targets [N, T]");
   }
   if (y.numel() == 0 || out.size(-1) == 0) return mismatch("empty batch or no classes");
   const int64_t classes = out.size(-1);
@@ -626,7 +641,7 @@ absl::StatusOr<int64_t> CountCorrect(Model* model, const torch::Tensor& x, const
   ASSIGN_OR_RETURN(torch::Tensor logits, model->Forward(x));
   try {
     RETURN_IF_ERROR(CheckCrossEntropyFits(logits, y));
-    return logits.argmax(-1).eq(y).sum().item<int64_t>();
+    return logits.argmax(-1).eq(ClassTargets(logits, y)).sum().item<int64_t>();
   } catch (const std::exception& e) {
     return FromException(absl::StatusCode::kInvalidArgument, "counting correct predictions", e);
   }
@@ -660,6 +675,7 @@ absl::Status EvaluateBatch(Model* model, LossKind kind, const torch::Tensor& x,
       }
       out = out.narrow(0, 0, samples);
     }
+    if (kind == LossKind::kCrossEntropy) y = ClassTargets(out, y);
     ASSIGN_OR_RETURN(torch::Tensor loss, LossOfOutput(kind, out, y));
     // Weighted by predictions so that Metrics() gives the mean over the whole test set
     // whatever the batch sizes.

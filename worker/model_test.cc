@@ -110,6 +110,22 @@ TEST_F(ModelTest, ForwardShapeAndGradients) {
     }
     ASSERT_OK_AND_ASSIGN(int64_t correct, CountCorrect(model.get(), x, y));
     EXPECT_EQ(correct, logits.argmax(1).eq(y).sum().item<int64_t>());
+
+    // A label column [N, 1] is the [N] it stands for: the same loss, count and metrics (not
+    // a sequence of one token).
+    const torch::Tensor column = y.unsqueeze(1);
+    ASSERT_OK_AND_ASSIGN(torch::Tensor column_loss, CrossEntropyLoss(model.get(), x, column));
+    EXPECT_EQ(column_loss.item<float>(), loss.item<float>());
+    ASSERT_OK_AND_ASSIGN(int64_t column_correct, CountCorrect(model.get(), x, column));
+    EXPECT_EQ(column_correct, correct);
+    torch::NoGradGuard no_grad;
+    EvalTotals flat_totals, column_totals;
+    ASSERT_OK(EvaluateBatch(model.get(), LossKind::kCrossEntropy, x, y, &flat_totals));
+    ASSERT_OK(EvaluateBatch(model.get(), LossKind::kCrossEntropy, x, column, &column_totals));
+    const EvalMetrics flat_m = Metrics(flat_totals), column_m = Metrics(column_totals);
+    EXPECT_EQ(column_m.accuracy, flat_m.accuracy);
+    EXPECT_EQ(column_m.test_loss, flat_m.test_loss);
+    EXPECT_EQ(column_m.perplexity, -1);
   }
 }
 
@@ -125,8 +141,8 @@ TEST_F(ModelTest, ForwardRejectsBadInput) {
   EXPECT_STATUS_MSG(CrossEntropyLoss(model.get(), x, torch::tensor({1, 2, 3}, torch::kInt64)),
                     absl::StatusCode::kInvalidArgument,
                     "loss cross_entropy: model output float32[2, 10] does not fit targets "
-                    "int64[3]; expected logits [N, C] with targets [N], or [N, T, C] with "
-                    "targets [N, T]");
+                    "int64[3]; expected logits [N, C] with targets [N] (or [N, 1]), or [N, T, "
+                    "C] with targets [N, T]");
   // Out-of-range class: caught before LibTorch's bare assertion, naming index and classes.
   EXPECT_STATUS_MSG(CrossEntropyLoss(model.get(), x, torch::tensor({1, 10}, torch::kInt64)),
                     absl::StatusCode::kInvalidArgument,
@@ -824,7 +840,7 @@ TEST(LossShapeTest, CrossEntropyRejectsWhatDoesNotFit) {
   EXPECT_STATUS_MSG(ce(torch::zeros({64}), torch::zeros({64}, torch::kInt64)),
                     absl::StatusCode::kInvalidArgument,
                     "model output float32[64] does not fit targets int64[64]; expected logits "
-                    "[N, C] with targets [N], or [N, T, C] with targets [N, T]");
+                    "[N, C] with targets [N] (or [N, 1]), or [N, T, C] with targets [N, T]");
   EXPECT_STATUS_MSG(ce(torch::zeros({2, 3, 4, 5}), torch::zeros({2, 3}, torch::kInt64)),
                     absl::StatusCode::kInvalidArgument, "float32[2, 3, 4, 5]");
   EXPECT_STATUS_MSG(ce(torch::zeros({4, 10}, torch::kInt64), torch::zeros({4}, torch::kInt64)),
