@@ -326,6 +326,22 @@ TEST(CheckInitialValuesTest, ExactlyTheOwnedChunksEachOnceAllFinite) {
   r = good;
   r.mutable_initial(0)->set_dtype(FLOAT16);
   EXPECT_STATUS_MSG(CheckInitialValues(r, p), absl::StatusCode::kInvalidArgument, "FLOAT16");
+
+  // A buffer may start with infinities (a causal mask of -inf), never NaN; a parameter may not.
+  const float inf = std::numeric_limits<float>::infinity();
+  const float minus_inf = -inf;
+  r = good;
+  std::memcpy(&(*r.mutable_initial(0)->mutable_data())[4], &minus_inf, sizeof(float));
+  const int32_t t = r.initial(0).tensor();
+  EXPECT_STATUS_MSG(CheckInitialValues(r, p), absl::StatusCode::kInvalidArgument,
+                    "element 1 is not finite (-inf)");
+  r.mutable_tensors(t)->set_buffer(true);
+  EXPECT_OK(CheckInitialValues(r, p));
+  std::memcpy(&(*r.mutable_initial(0)->mutable_data())[0], &inf, sizeof(float));
+  EXPECT_OK(CheckInitialValues(r, p));
+  std::memcpy(&(*r.mutable_initial(0)->mutable_data())[8], &nan, sizeof(float));
+  EXPECT_STATUS_MSG(CheckInitialValues(r, p), absl::StatusCode::kInvalidArgument,
+                    "element 2 is not finite (nan)");
 }
 
 TEST(EstimateJobMemoryTest, CountsEveryPart) {

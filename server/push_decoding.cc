@@ -1,5 +1,6 @@
 #include "server/push_decoding.h"
 
+#include <cmath>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -50,7 +51,8 @@ absl::Status NonFinite(const std::string& where, int64_t index, float value) {
 
 }  // namespace
 
-absl::Status CheckDenseFloats(const ChunkData& c, int64_t numel, const std::string& where) {
+absl::Status CheckDenseFloats(const ChunkData& c, int64_t numel, const std::string& where,
+                              bool allow_infinite) {
   RETURN_IF_ERROR(CheckDenseLayout(c, static_cast<int64_t>(c.data().size()), numel, where));
   std::vector<float> aligned;
   const float* x = reinterpret_cast<const float*>(c.data().data());
@@ -58,6 +60,12 @@ absl::Status CheckDenseFloats(const ChunkData& c, int64_t numel, const std::stri
     aligned.resize(numel);
     std::memcpy(aligned.data(), c.data().data(), c.data().size());
     x = aligned.data();
+  }
+  if (allow_infinite) {
+    for (int64_t i = 0; i < numel; ++i) {
+      if (std::isnan(x[i])) return NonFinite(where, i, x[i]);
+    }
+    return absl::OkStatus();
   }
   const int64_t bad = FirstNonFinite(x, numel);
   if (bad >= 0) return NonFinite(where, bad, x[bad]);

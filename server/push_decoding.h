@@ -39,8 +39,10 @@ class CodecCache {
 };
 
 // Checks that `c` holds exactly `numel` finite float32 values, raw (dtype FLOAT32 or unset, no
-// codec). InvalidArgument prefixed by `where`.
-absl::Status CheckDenseFloats(const ChunkData& c, int64_t numel, const std::string& where);
+// codec); with `allow_infinite`, +-inf too (a buffer's initial values: a causal mask of -inf),
+// never NaN. InvalidArgument prefixed by `where`.
+absl::Status CheckDenseFloats(const ChunkData& c, int64_t numel, const std::string& where,
+                              bool allow_infinite = false);
 
 // Float view of validated raw float32 bytes (copied into `scratch` only if misaligned).
 const float* FloatView(const std::string& data, std::vector<float>* scratch);

@@ -452,7 +452,9 @@ absl::Status TrainingLoop::BuffersOut() {
     const float* v = values.data_ptr<float>();
     for (size_t j = 0; j < mirrors_[i].size(); ++j) {
       mirrors_[i][j] = v[j];
-      deltas_[i][j] = v[j] - before_[i][j];
+      // Unchanged is a zero delta, also for an infinite element (a causal mask of -inf,
+      // registered as a buffer: -inf - -inf would be NaN and poison every replica).
+      deltas_[i][j] = v[j] == before_[i][j] ? 0.0f : v[j] - before_[i][j];
     }
     grads_[view_.num_params + i] = absl::Span<const float>(deltas_[i]);
   }

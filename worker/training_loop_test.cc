@@ -365,6 +365,42 @@ TEST(TrainingLoopTest, ABufferAssignedAnewInForwardIsFollowed) {
   }
 }
 
+// Records every step's buffer deltas and mirrors.
+class AllBuffersMode : public FakeMode {
+ public:
+  std::vector<std::vector<float>> deltas, mirrors;
+  absl::StatusOr<StepOutcome> Exchange(int64_t step,
+                                       absl::Span<const absl::Span<const float>> grads, double loss,
+                                       const StepTiming& timing) override {
+    for (size_t i = view->num_params; i < grads.size(); ++i) {
+      deltas.emplace_back(grads[i].begin(), grads[i].end());
+      mirrors.emplace_back(view->params[i].begin(), view->params[i].end());
+    }
+    return FakeMode::Exchange(step, grads, loss, timing);
+  }
+};
+
+// worker/testdata/inf_mask.pt registers a causal mask of -inf as a buffer. The forward leaves
+// it unchanged, so its delta is exactly 0 in every element (-inf - -inf would be NaN, and the
+// modes would spread it: allreduce's mean delta, the shard's buffer, gossip's mix), and the
+// mirror keeps the -inf.
+TEST(TrainingLoopTest, AnUnchangedInfiniteBufferElementHasAZeroDelta) {
+  TrainerOptions o = Options(3);
+  o.spec.mutable_model()->set_name("torchscript");
+  o.spec.mutable_model()->set_path("worker/testdata/inf_mask.pt");
+  AllBuffersMode mode;
+  std::atomic<bool> stop{false};
+  ASSERT_OK_AND_ASSIGN(TrainResult r, RunTrainingLoop(o, &mode, stop));
+  ASSERT_EQ(r.steps, 3);
+  ASSERT_EQ(mode.deltas.size(), 3u);  // One buffer, three steps.
+  const float inf = std::numeric_limits<float>::infinity();
+  const std::vector<float> mask = {0, -inf, -inf, 0, 0, -inf, 0, 0, 0};
+  for (int s = 0; s < 3; ++s) {
+    EXPECT_EQ(mode.deltas[s], std::vector<float>(9, 0.0f)) << "step " << s;
+    EXPECT_EQ(mode.mirrors[s], mask) << "step " << s;
+  }
+}
+
 // worker/testdata/nan_input: 8 MNIST-shaped samples, sample 5 with a NaN pixel. Without loss
 // scaling (which would skip the step) a non-finite loss ends the run before anything of its
 // step is exchanged, naming the sample: gossip and allreduce would otherwise spread the NaN

@@ -22,7 +22,7 @@
 //   push-sum weights still sum to 4 (no share was lost in the stop and restart).
 // * PushSumCountsEveryLocalStepOnce: a constant-gradient model, one rank slowed: the average
 //   is exactly the sum of every rank's steps, and integer and float counter buffers count
-//   every forward.
+//   every forward; a causal-mask buffer of -inf is pinned (not mixed) and comes out intact.
 #include <grpcpp/grpcpp.h>
 #include <signal.h>
 
@@ -202,10 +202,11 @@ class M(torch.nn.Module):
         self.w = torch.nn.Parameter(torch.zeros(1000))
         self.register_buffer("count", torch.zeros((), dtype=torch.long))
         self.register_buffer("fcount", torch.zeros(4))
+        self.register_buffer("mask", torch.full((3, 3), float("-inf")).triu(1))
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.count += 1
         self.fcount += 1.0
-        return x.sum(1) * 0 + self.w.sum()
+        return x.sum(1) * 0 + self.w.sum() + torch.exp(self.mask).sum() * 0.0
     @torch.jit.export
     def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return self.forward(x).mean()
@@ -244,16 +245,25 @@ torch.save({"x": torch.randn(400, 4), "y": torch.zeros(400)}, d + "/constant_dat
   std::ofstream(check) << R"PY(import sys, torch
 m = torch.jit.load(sys.argv[1])
 w = m.w.detach()
-open(sys.argv[2], "w").write("%.9f %.9f %d %.6f %.6f\n" % (
-    float(w.min()), float(w.max()), int(m.count), float(m.fcount.min()), float(m.fcount.max())))
+open(sys.argv[2], "w").write("%.9f %.9f %d %.6f %.6f %d %d\n" % (
+    float(w.min()), float(w.max()), int(m.count), float(m.fcount.min()), float(m.fcount.max()),
+    int(torch.isneginf(m.mask).sum()), int(torch.isnan(m.mask).sum())))
 )PY";
   ASSERT_EQ(
       std::system(
           absl::StrCat("/usr/bin/python3 ", check, " ", dir_, "/constant_out.pt ", result).c_str()),
       0);
   double w_min = 0, w_max = 0, f_min = 0, f_max = 0;
-  int64_t count = 0;
-  std::ifstream(result) >> w_min >> w_max >> count >> f_min >> f_max;
+  int64_t count = 0, neg_inf = 0, nan = -1;
+  std::ifstream(result) >> w_min >> w_max >> count >> f_min >> f_max >> neg_inf >> nan;
+  // The causal mask of -inf (a buffer the forward reads) is pinned, not mixed: still 3 -inf.
+  EXPECT_EQ(neg_inf, 3);
+  EXPECT_EQ(nan, 0);
+  for (int r = 0; r < kWorkers; ++r) {
+    const std::vector<std::string> pinned = LinesWith(Log(r), "event=gossip_pinned");
+    ASSERT_EQ(pinned.size(), 1u) << "rank " << r;
+    EXPECT_EQ(LogField(pinned[0], "elements"), "3");
+  }
   EXPECT_NEAR(w_min, -0.15, 1e-5);
   EXPECT_NEAR(w_max, -0.15, 1e-5);
   EXPECT_EQ(count, 150);

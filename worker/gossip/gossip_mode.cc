@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -23,6 +24,7 @@
 #include "worker/gossip/local_step.h"
 #include "worker/gossip/replica.h"
 #include "worker/gossip/topology.h"
+#include "worker/gossip/value_codec.h"
 
 namespace gradmesh {
 namespace {
@@ -63,11 +65,21 @@ class GossipMode : public TrainingMode {
  private:
   std::atomic<bool> stop_requested_{false};  // Ends AwaitGathered early.
   // The model's entries (parameters, then buffers) <-> the replica's flat vector.
+  // (CopyIn puts the pinned elements' values back.)
   void CopyIn(absl::Span<const float> x);
   void CopyOut(float* x) const;
+  // Pins every buffer element of `values` (the model's, flat) that is not finite: a causal
+  // mask of -inf registered as a buffer cannot be mixed (-inf - -inf is NaN in a mixing
+  // step, and the wire refuses non-finite values). The replica holds 0 there, the model its
+  // own value, and the element is never changed by training or mixing.
+  void PinNonFiniteBuffers(std::vector<float>* values);
   // Resumes from this rank's checkpoint if there is one: values, slots, weight; the step.
   absl::StatusOr<int64_t> Restore(std::vector<float>* values, double* weight);
   absl::Status WriteCheckpoint(ReplicaSnapshot snap, int64_t step);
+  // FailedPrecondition when an exchange of the whole model (`numel` values in gossip.codec)
+  // would exceed the peer service's message limit: every exchange would fail and the rank
+  // would train alone.
+  absl::Status CheckMessageSize(int64_t numel) const;
   // Creates and starts the Gossiper; before a first step (not a resume) it waits up to
   // gossip.start_wait_s for every peer (Gossiper::AwaitPeers).
   absl::Status StartGossiper(std::unique_ptr<Topology> topology, bool first_start);
@@ -94,6 +106,12 @@ class GossipMode : public TrainingMode {
   std::unique_ptr<Gossiper> gossiper_;
   double consensus_ = -1;
   size_t ranks_averaged_ = 0;
+  struct Pinned {
+    int64_t flat;     // Index in the replica's flat vector (which holds 0 there).
+    float* in_model;  // The loop's element (its buffer mirror).
+    float value;      // What the model holds there, for good.
+  };
+  std::vector<Pinned> pinned_;
 };
 
 GossipMode::~GossipMode() {
@@ -106,6 +124,24 @@ void GossipMode::CopyIn(absl::Span<const float> x) {
   for (absl::Span<float> p : model_->params) {
     std::memcpy(p.data(), src, p.size() * sizeof(float));
     src += p.size();
+  }
+  for (const Pinned& p : pinned_) *p.in_model = p.value;
+}
+
+void GossipMode::PinNonFiniteBuffers(std::vector<float>* values) {
+  int64_t flat = 0;
+  for (absl::Span<float> p : model_->params) {
+    for (size_t j = 0; j < p.size(); ++j, ++flat) {
+      if (flat < param_numel_ || std::isfinite((*values)[flat])) continue;
+      pinned_.push_back(Pinned{flat, &p[j], (*values)[flat]});
+      (*values)[flat] = 0.0f;
+    }
+  }
+  if (!pinned_.empty()) {
+    LogInfo(
+        options_.logger, "gossip_pinned",
+        {Kv("job", spec_.name()), Kv("rank", options_.rank), Kv("elements", pinned_.size()),
+         Kv("why", "non-finite buffer elements (a -inf mask) are kept as they are, not mixed")});
   }
 }
 
@@ -163,6 +199,25 @@ absl::Status GossipMode::StartGossiper(std::unique_ptr<Topology> topology, bool 
   return absl::OkStatus();
 }
 
+absl::Status GossipMode::CheckMessageSize(int64_t numel) const {
+  ASSIGN_OR_RETURN(const ValueCodec codec, ValueCodec::Create(gs_.codec()));
+  std::string encoded;  // Of zeros: the size depends on the element count only.
+  RETURN_IF_ERROR(codec.Encode(std::vector<float>(numel, 0.0f), &encoded));
+  // Room for the request's other fields (job, ranks, weight, ids).
+  constexpr int64_t kSlack = 64 << 10;
+  const int64_t limit = options_.peer_rpc.max_message_bytes;
+  if (static_cast<int64_t>(encoded.size()) + kSlack > limit) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "gossip: every exchange carries the whole model, ", encoded.size(), " bytes as ",
+        codec.name().empty() ? "float32" : codec.name(), ", which exceeds the ", limit,
+        "-byte message limit less 64 KiB for the rest of the request: raise --max_message_mb "
+        "on every rank",
+        codec.lossless() ? " or set gossip.codec: bf16 (half the bytes)" : "",
+        ", or train this model in mode allreduce or a ps mode (they send it in pieces)"));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<int64_t> GossipMode::Start(ModelView* model, const LoopInfo& info) {
   model_ = model;
   numel_ = model->numel();
@@ -183,6 +238,8 @@ absl::StatusOr<int64_t> GossipMode::Start(ModelView* model, const LoopInfo& info
 
   std::vector<float> values(numel_);
   CopyOut(values.data());
+  PinNonFiniteBuffers(&values);
+  RETURN_IF_ERROR(CheckMessageSize(numel_));
   double weight = 1.0;
   ASSIGN_OR_RETURN(const int64_t first_step, Restore(&values, &weight));
 
@@ -221,6 +278,7 @@ absl::StatusOr<StepOutcome> GossipMode::Exchange(int64_t step,
     std::memcpy(g, p.data(), p.size() * sizeof(float));
     g += p.size();
   }
+  for (const Pinned& p : pinned_) grad_[p.flat] = 0.0f;
   // The local step, on the shared values (which may have been mixed since the forward pass:
   // AD-PSGD applies the gradient to the current model): the optimizer on the parameters, the
   // forward's deltas added to the buffers (local_step.h), scaled by 1 / w for push-sum

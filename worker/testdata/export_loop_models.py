@@ -18,6 +18,9 @@
 #                       a method loss(x, y) (cross-entropy) for loss: module: evaluation must
 #                       use the training batch size, padding the last partial batch.
 #   free_batch.pt       the same initial weights taking any batch: the reference.
+#   inf_mask.pt         a linear model with a causal-mask buffer `mask` (float32 [3, 3], -inf
+#                       above the diagonal, as attention code registers it) that its forward
+#                       reads (exp(mask).sum() * 0: NaN there would make the loss NaN).
 # Run with Debian's torch: /usr/bin/python3 worker/testdata/export_buffer_models.py
 import os
 import torch
@@ -33,6 +36,16 @@ class EmaBuffer(torch.nn.Module):
         if self.training:
             self.ema = 0.9 * self.ema + 0.1 * x.mean()
         return self.fc(x.flatten(1))
+
+
+class InfMask(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(28 * 28, 10)
+        self.register_buffer("mask", torch.full((3, 3), float("-inf")).triu(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x.flatten(1)) + torch.exp(self.mask).sum() * 0.0
 
 
 class ResizingBuffer(torch.nn.Module):
@@ -90,3 +103,5 @@ for fixed in (True, False):
     torch.manual_seed(0)
     torch.jit.script(Batch(fixed)).save(
         os.path.join(here, "fixed_batch.pt" if fixed else "free_batch.pt"))
+torch.manual_seed(0)
+torch.jit.script(InfMask()).save(os.path.join(here, "inf_mask.pt"))
