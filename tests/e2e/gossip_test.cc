@@ -23,6 +23,8 @@
 // * PushSumCountsEveryLocalStepOnce: a constant-gradient model, one rank slowed: the average
 //   is exactly the sum of every rank's steps, and integer and float counter buffers count
 //   every forward; a causal-mask buffer of -inf is pinned (not mixed) and comes out intact.
+// * AModelOverTheMessageLimitIsRefusedAtStart: a model whose exchange exceeds the peer
+//   service's message limit fails every rank at start with FAILED_PRECONDITION.
 #include <grpcpp/grpcpp.h>
 #include <signal.h>
 
@@ -269,6 +271,28 @@ open(sys.argv[2], "w").write("%.9f %.9f %d %.6f %.6f %d %d\n" % (
   EXPECT_EQ(count, 150);
   EXPECT_NEAR(f_min, 150, 1e-3);
   EXPECT_NEAR(f_max, 150, 1e-3);
+}
+
+// Every gossip exchange carries the whole model in one message. One over the peer service's
+// message limit (here 1 MiB against the MLP's 1,077,288 bytes) would fail every exchange and
+// leave each rank training alone: the job is refused at start, saying what to change.
+TEST_F(GossipE2eTest, AModelOverTheMessageLimitIsRefusedAtStart) {
+  if (!HaveMnist()) GTEST_SKIP() << "MNIST files not found under " << DataDir() << "/mnist";
+  ASSERT_NO_FATAL_FAILURE(
+      StartGossipWorkers("gossip-big", "topology: exponential", {"--max_message_mb=1"}));
+  for (int r = 0; r < kWorkers; ++r) {
+    SCOPED_TRACE(absl::StrCat("rank ", r));
+    ASSERT_OK_AND_ASSIGN(const int code, workers_[r]->Wait(absl::Minutes(2)));
+    EXPECT_NE(code, 0) << Log(r);
+    const std::vector<std::string> failed = LinesWith(Log(r), "event=failed");
+    ASSERT_EQ(failed.size(), 1u) << Log(r);
+    EXPECT_NE(failed[0].find("FAILED_PRECONDITION: gossip: every exchange carries the whole "
+                             "model, 1077288 bytes as float32, which exceeds the 1048576-byte "
+                             "message limit"),
+              std::string::npos)
+        << failed[0];
+    EXPECT_TRUE(LinesWith(Log(r), "event=progress").empty());
+  }
 }
 
 TEST_F(GossipE2eTest, KilledWorkerDoesNotStopTheOthers) {
