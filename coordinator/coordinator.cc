@@ -471,14 +471,22 @@ void Coordinator::RefreshLocked(JobEntry* job) {
     // A sync job whose group was re-formed is done when every rank still in it is: its lost
     // ranks are out of the job for good.
     const bool reformed = UsesSyncBarrier(SpecMode(st->spec())) && r.active_ranks_size() > 0;
-    bool all_done = n > 0, all_running = n > 0;
+    bool all_done = n > 0, all_running = n > 0, any_succeeded = false, all_out = n > 0;
     for (const TaskState state : job->rank_states) {
       const bool out = reformed && state == TaskState::kLost;
       all_done = all_done && (state == TaskState::kSucceeded || out);
       all_running =
           all_running && (state == TaskState::kRunning || state == TaskState::kSucceeded || out);
+      any_succeeded = any_succeeded || state == TaskState::kSucceeded;
+      all_out = all_out && out;
     }
-    if (all_done) {
+    if (all_out) {
+      // Every rank of the group is gone: nobody can train it any more, and nothing finished
+      // (it used to count as done, SUCCEEDED at step 0).
+      SetStateLocked(job, FAILED,
+                     "every rank of the sync group was lost (its nodes stopped heartbeating); "
+                     "resume it with `gradmesh resume` once nodes are back");
+    } else if (all_done && any_succeeded) {
       // Also from PAUSED: every rank finished (rank 0 evaluated) before the shard went down.
       SetStateLocked(job, SUCCEEDED, "");
     } else if (all_running) {
@@ -590,6 +598,22 @@ void Coordinator::RecordHistoryLocked(JobEntry* job) {
 
 void Coordinator::CheckNodesLocked() {
   const int64_t now = Now();
+  // With the monitor thread checking every monitor_interval_ms, a gap of more than a
+  // heartbeat timeout since the last check means this process did not run (stopped, its
+  // machine frozen or starved): it cannot tell a dead node from its own absence, and every
+  // node's heartbeats are late by that gap. Each gets one timeout from now to be heard from
+  // (a probe saw a 4.6 s SIGSTOP declare all four daemons dead at once and end a sync job
+  // that had lost every rank).
+  if (options_.monitor_interval_ms > 0 && last_check_ms_ > 0 &&
+      now - last_check_ms_ > options_.heartbeat_timeout_ms) {
+    for (auto& [name, node] : nodes_) {
+      node.grace_until_ms = std::max(node.grace_until_ms, now + options_.heartbeat_timeout_ms);
+    }
+    LogWarning(
+        options_.logger, "coordinator_stalled",
+        {Kv("stalled_ms", now - last_check_ms_), Kv("grace_ms", options_.heartbeat_timeout_ms)});
+  }
+  last_check_ms_ = now;
   std::vector<NodeEntry*> expired;
   for (auto& [name, node] : nodes_) {
     if (node.record.alive() && now - node.last_seen_ms > options_.heartbeat_timeout_ms &&

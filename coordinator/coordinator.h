@@ -395,6 +395,7 @@ class Coordinator {
   // All *Locked methods need mu_.
   int64_t Now() const { return options_.clock->NowMs(); }
   void CheckNodesLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  int64_t last_check_ms_ ABSL_GUARDED_BY(mu_) = 0;  // CheckNodesLocked's last run.
   // Acts on a node that the caller has just set alive=false.
   void MarkDeadLocked(NodeEntry* node, const std::string& reason)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -43,7 +43,7 @@ class CoordinatorTest : public ::testing::Test {
     o.max_finished_jobs = max_finished_jobs_;
     o.heartbeat_interval_ms = 500;
     o.heartbeat_timeout_ms = kTimeoutMs;
-    o.monitor_interval_ms = -1;  // The test drives time.
+    o.monitor_interval_ms = monitor_interval_ms_;  // -1: the test drives time.
     o.token_source = [this] { return absl::StrCat("tok-", ++tokens_); };
     o.history_capacity = history_capacity_;
     auto core = Coordinator::Create(std::move(o));
@@ -155,6 +155,7 @@ class CoordinatorTest : public ::testing::Test {
   int tokens_ = 0;
   std::map<std::string, std::string> node_tokens_;  // Per-node tokens issued by Register.
   int64_t retention_ms_ = 86'400'000;
+  int64_t monitor_interval_ms_ = -1;
   int64_t max_finished_jobs_ = 1000;
   CoordinatorStore* store_ = nullptr;  // Owned by core_.
   int history_capacity_ = kDefaultHistoryCapacity;
@@ -690,6 +691,55 @@ TEST_F(CoordinatorTest, SyncRegroupsWithoutALostRankAndFinishesWithTheSurvivors)
   EXPECT_EQ(Get("s").state(), RUNNING);
   Beat("w1", {Report("s", 1, "succeeded", 20)});
   EXPECT_EQ(Get("s").state(), SUCCEEDED);
+}
+
+// A sync group that loses its last rank has nobody left to train it: the job FAILS, saying
+// so. (Its lost ranks count as out of a re-formed group, so it used to count as done:
+// SUCCEEDED at step 0 with nothing trained.)
+TEST_F(CoordinatorTest, ASyncGroupThatLosesEveryRankFails) {
+  Register("s0", SERVER);
+  Register("w0", WORKER);
+  Register("w1", WORKER);
+  ASSERT_OK(Submit(Spec("s", "sync", 2, 1)));
+  Beat("w0", {Report("s", 0, "running", 3)});
+  Beat("w1", {Report("s", 1, "running", 3)});
+  ASSERT_EQ(Get("s").state(), RUNNING);
+  Pass(kTimeoutMs + 500, {"s0", "w1"});  // w0 dies: the group re-forms with rank 1.
+  ASSERT_EQ(Get("s").state(), RUNNING);
+  ASSERT_EQ(Get("s").active_workers(), 1);
+  Pass(kTimeoutMs + 500, {"s0"});  // w1 dies too.
+  const JobStatus st = Get("s");
+  EXPECT_EQ(st.workers(0).state(), "lost");
+  EXPECT_EQ(st.workers(1).state(), "lost");
+  EXPECT_EQ(st.state(), FAILED);
+  EXPECT_NE(st.message().find("every rank of the sync group was lost"), std::string::npos)
+      << st.message();
+}
+
+// The monitor thread checks liveness every few ms; a gap of more than a heartbeat timeout
+// between two checks means the coordinator itself did not run (SIGSTOP, a frozen machine),
+// so every node gets a timeout from then to be heard from instead of all being declared dead
+// at once. A node that stays silent after that is declared dead as usual.
+TEST_F(CoordinatorTest, ACoordinatorThatStalledGivesNodesATimeoutBeforeDeclaringThemDead) {
+  monitor_interval_ms_ = 5;
+  Start();
+  Register("w0", WORKER);
+  auto alive = [&] {
+    for (const coordinator_state::NodeRecord& n : core_->ListNodes()) {
+      if (n.info().name() == "w0") return n.alive();
+    }
+    return false;
+  };
+  absl::SleepFor(absl::Milliseconds(50));  // The thread has checked at this time.
+  clock_.AdvanceMs(kTimeoutMs + 4000);     // The stall: no check ran meanwhile.
+  absl::SleepFor(absl::Milliseconds(100));
+  EXPECT_TRUE(alive()) << "declared dead for the coordinator's own stall";
+  // Silent for more than the grace (a timeout) after the stall: dead.
+  for (int64_t t = 0; t <= kTimeoutMs + 1000; t += 250) {
+    clock_.AdvanceMs(250);
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  EXPECT_FALSE(alive());
 }
 
 TEST_F(CoordinatorTest, SyncWithoutLrScalingKeepsTheRate) {

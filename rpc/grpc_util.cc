@@ -50,6 +50,10 @@ void ConfigureServerBuilder(const RpcOptions& options, grpc::ServerBuilder* buil
   builder->AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
   builder->AddChannelArgument(GRPC_ARG_HTTP2_MAX_PING_STRIKES, 0);
   builder->AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 0);
+  if (options.max_concurrent_streams > 0) {
+    builder->AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS,
+                                ClampToInt(options.max_concurrent_streams));
+  }
   if (options.keepalive_time_ms > 0) {
     builder->AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS,
                                 ClampToInt(std::max<int64_t>(options.keepalive_time_ms, 30000)));

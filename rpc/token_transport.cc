@@ -55,6 +55,10 @@ absl::Status CheckTokenTransport(absl::string_view address, const TlsOptions& tl
   if (token.empty() || tls.enabled() || tls.allow_insecure || IsLoopbackAddress(address)) {
     return absl::OkStatus();
   }
+  if (address.empty()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("no address to send the ", what, " to (a peer without an address)"));
+  }
   return absl::FailedPreconditionError(absl::StrCat(
       "refusing to send the ", what, " in plaintext to ", address,
       " (not a loopback address): use TLS (--tls_ca_file, and --tls_cert_file/--tls_key_file "
