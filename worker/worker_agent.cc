@@ -246,7 +246,13 @@ void WorkerAgent::Reconcile(const std::vector<Task>& desired) {
     }
     // A run that has ended (a failed one the coordinator restarts: allreduce after a lost
     // peer) starts again; only a live one can take a new group in place.
-    if (next.generation() != generation && !run.ended.load() && OnlyGroupChanged(next, run.task)) {
+    // Not allreduce: a new generation there is a restart of every rank (the coordinator's
+    // answer to a lost peer), even when the task reads the same (a peer's node restarted on
+    // the same address): the ring must be built again from the checkpoints. Taken in place,
+    // the run kept waiting on the old ring, was stopped, and its "stopped" report lost the
+    // rank for good (the job then failed).
+    if (next.generation() != generation && !run.ended.load() &&
+        SpecMode(next.spec()) != Mode::kAllreduce && OnlyGroupChanged(next, run.task)) {
       // A sync group re-formed: every rank of a lock-step job must go on from the same step,
       // so the running trainer takes the new group in place (the shards apply it to the
       // barrier) instead of stopping, which could leave a survivor waiting at a barrier the
