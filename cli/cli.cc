@@ -777,6 +777,16 @@ int RunCli(const std::vector<std::string>& args, const CliOptions& options, cons
 
   s.coordinator = s.args.Get("coordinator", EnvOr(options, kCoordinatorEnv, kDefaultCoordinator));
   if (s.coordinator.empty()) return UsageError(s, "--coordinator is empty", help_for);
+  // gRPC would take port 99999 as 99999 mod 65536 and report a failure to another port.
+  if (const size_t colon = s.coordinator.rfind(':'); colon != std::string::npos) {
+    const std::string port = s.coordinator.substr(colon + 1);
+    int64_t value = 0;
+    if (!port.empty() && absl::SimpleAtoi(port, &value) && (value < 1 || value > 65535)) {
+      return UsageError(
+          s, absl::StrCat("--coordinator ", s.coordinator, ": port ", port, " is not in 1..65535"),
+          help_for);
+    }
+  }
   CoordinatorClientOptions client;
   client.address = s.coordinator;
   client.deadline = options.rpc_deadline;

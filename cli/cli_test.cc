@@ -192,6 +192,12 @@ TEST_F(CliTest, UsageErrorsExit2WithoutAnyCall) {
       {{"logs", "a/b"}, "error: JOB \"a/b\" is not a valid name"},
       {{"watch", "my_job"}, "error: JOB \"my_job\" is not a valid name"},
       {{"export", "j.x", "--out=m.pt"}, "error: JOB \"j.x\" is not a valid name"},
+      {{"list", "--coordinator=127.0.0.1:99999"},
+       "error: --coordinator 127.0.0.1:99999: port 99999 is not in 1..65535"},
+      {{"list", "--coordinator=127.0.0.1:0"},
+       "error: --coordinator 127.0.0.1:0: port 0 is not in 1..65535"},
+      {{"list", "--auth_token_file=/dev/zero"},
+       "error: token file /dev/zero is larger than 65536 bytes"},
   };
   for (const Case& c : cases) {
     Result r = Run(c.args);

@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "common/file_read.h"
 #include "common/job_name.h"
 #include "common/mode.h"
 #include "common/optimizer.h"
@@ -427,11 +428,9 @@ absl::StatusOr<JobSpec> ParseJobSpec(const std::string& text) {
 }
 
 absl::StatusOr<JobSpec> LoadJobSpecFile(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) return absl::NotFoundError(absl::StrCat("cannot read job spec file ", path));
-  std::stringstream ss;
-  ss << in.rdbuf();
-  auto spec = ParseJobSpec(ss.str());
+  // A job spec is a few KB; 16 MiB is far more than any needs.
+  ASSIGN_OR_RETURN(const std::string text, ReadFileUpTo(path, 16 << 20, "job spec file"));
+  auto spec = ParseJobSpec(text);
   if (!spec.ok()) return Annotate(spec.status(), path);
   return spec;
 }

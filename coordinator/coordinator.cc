@@ -936,7 +936,11 @@ void Coordinator::ApplyReportLocked(const NodeEntry& node, const TaskReport& rep
       SetRankState(job, index, TaskState::kRunning);
     }
   } else if (*rs == TaskState::kSucceeded) {
-    if (current) SetRankState(job, index, TaskState::kSucceeded);
+    // Also from an earlier generation on this node, when it ran every step: a daemon paused
+    // past its heartbeat timeout whose run then finished has done the rank's work (its rank
+    // was meanwhile given back to it; the new run would wait for peers that are done).
+    const bool finished = report.total_steps() > 0 && report.step() >= report.total_steps();
+    if (current || finished) SetRankState(job, index, TaskState::kSucceeded);
   } else if (*rs == TaskState::kFailed) {
     if (current && !RestartAfterPeerLossLocked(job, index, name, report.message())) {
       SetRankState(job, index, TaskState::kFailed);

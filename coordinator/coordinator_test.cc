@@ -555,6 +555,38 @@ TEST_F(CoordinatorTest, AnAllreduceRankThatLostAPeerRestartsTheRanksBoundedly) {
   }
 }
 
+// A rank's success counts from an earlier generation too when it ran every step: a daemon
+// paused past its heartbeat timeout lost its rank, got it back (a new generation) and then
+// its old run finished. A stale report that did not finish changes nothing.
+TEST_F(CoordinatorTest, AStaleReportThatRanEveryStepFinishesTheRank) {
+  Register("a", WORKER);
+  Register("b", WORKER);
+  JobSpec spec = Spec("ar", "allreduce", 2);
+  spec.mutable_checkpoint()->set_every_steps(10);
+  ASSERT_OK_AND_ASSIGN(JobStatus st, Submit(spec));
+  const std::string node0 = st.workers(0).node(), node1 = st.workers(1).node();
+  auto generation = [&](int rank) {
+    HeartbeatResponse h = Beat(rank == 0 ? node0 : node1);
+    for (const Task& t : h.tasks()) {
+      if (t.job_id() == "ar" && t.index() == rank) return t.generation();
+    }
+    return int64_t{-1};
+  };
+  const int64_t old0 = generation(0);
+  Beat(node1, {Report("ar", 1, "running", 20, generation(1))});
+  // A restart (a lost peer) gives every rank a new generation.
+  TaskReport lost = Report("ar", 1, "failed", 30, generation(1));
+  lost.set_message("UNAVAILABLE: allreduce: ring link from rank 0 ended");
+  Beat(node1, {lost});
+  ASSERT_GT(generation(0), old0);
+  Beat(node0, {Report("ar", 0, "succeeded", 50, old0)});  // Stale, not finished: ignored.
+  EXPECT_EQ(Get("ar").workers(0).state(), "pending");
+  Beat(node0, {Report("ar", 0, "succeeded", 100, old0)});  // Stale, every step: done.
+  EXPECT_EQ(Get("ar").workers(0).state(), "succeeded");
+  Beat(node1, {Report("ar", 1, "succeeded", 100, generation(1))});
+  EXPECT_EQ(Get("ar").state(), SUCCEEDED);
+}
+
 TEST_F(CoordinatorTest, CancelWithdrawsTasks) {
   Cluster();
   ASSERT_OK(Submit(Spec("j", "async", 2, 1)));

@@ -11,6 +11,8 @@
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "common/file_read.h"
+#include "common/status.h"
 
 namespace gradmesh {
 
@@ -20,11 +22,9 @@ absl::StatusOr<std::string> ReadTokenFile(const std::string& path) {
     return absl::InvalidArgumentError(
         absl::StrCat("token file ", path, " is a directory; name the file holding the token"));
   }
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat("cannot read token file ", path));
-  std::stringstream ss;
-  ss << in.rdbuf();
-  const std::string token(absl::StripAsciiWhitespace(ss.str()));
+  // A token rides every call as a header (gRPC's limit for all of them is 8 KiB).
+  ASSIGN_OR_RETURN(const std::string text, ReadFileUpTo(path, 64 << 10, "token file"));
+  const std::string token(absl::StripAsciiWhitespace(text));
   if (token.empty()) {
     return absl::InvalidArgumentError(
         absl::StrCat("token file ", path, " is empty; write a secret token into it"));

@@ -66,7 +66,7 @@ struct RpcOptions {
   // client with more waits for one to end (gRPC queues them). gRPC's default is unbounded: a
   // probe's unauthenticated client opening streams it never completed grew a shard by ~11 KB
   // per stream (80 connections x 4,000 streams: 2.2 GB, kept after they closed). No
-  // gradmesh client needs more than a few per connection. Default 256.
+  // gradmesh client needs more than a few per connection. Default 256; 0 = gRPC's default.
   int64_t max_concurrent_streams = 256;
   // Models a slower link for a client's tensor traffic (each direction paced separately, as a
   // full-duplex NIC), in bits per second; 0 = as fast as the transport goes. For measuring

@@ -71,7 +71,11 @@ std::unique_ptr<CappedServer> StartCapped(ShardOptions options = ShardOptions())
   grpc::ServerBuilder builder;
   int port = 0;
   builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-  ConfigureServerBuilder(RpcOptions(), &builder);
+  // The tests hold a thousand waiting calls, standing for a thousand workers, on one client
+  // connection: no cap on streams per connection (RpcOptions.max_concurrent_streams).
+  RpcOptions rpc;
+  rpc.max_concurrent_streams = 0;
+  ConfigureServerBuilder(rpc, &builder);
   grpc::ResourceQuota quota("capped");
   quota.SetMaxThreads(kSyncThreads);
   builder.SetResourceQuota(quota);

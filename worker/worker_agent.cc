@@ -122,6 +122,7 @@ void WorkerAgent::Execute(Run* run) {
   TrainerOptions to = options_.base;
   to.spec = task.spec();
   to.rank = task.index();
+  to.generation = task.generation();
   to.logger = run->logger.get();
   to.evaluate = Evaluates(task);
   to.peers.assign(task.peers().begin(), task.peers().end());
@@ -170,6 +171,17 @@ void WorkerAgent::Execute(Run* run) {
     result = (*trainer)->Run();
     absl::MutexLock lock(&run->mu);
     run->trainer = nullptr;
+  }
+  // An allreduce rank stops with its peers (a collective stop): one that stopped without
+  // being asked to here stopped because a peer did (its daemon leaving, or restarting its
+  // rank for a new generation). That is a lost peer, not this node leaving: reported as
+  // "stopped" it moved this healthy rank away for good. As UNAVAILABLE the coordinator
+  // restarts the ranks from their checkpoints (or fails the job without them).
+  if (result.ok() && result->stopped_early && !run->stop.load() &&
+      SpecMode(task.spec()) == Mode::kAllreduce) {
+    result = absl::UnavailableError(
+        absl::StrCat("allreduce rank ", task.index(), " stopped at step ",
+                     result->first_step + result->steps, " because a peer rank stopped"));
   }
   // task_end first: the report that carries the final state then carries this line too
   // (the coordinator stops listing the task once it has the final state).
@@ -281,7 +293,28 @@ void WorkerAgent::Reconcile(const std::vector<Task>& desired) {
     ++it;
   }
   for (const auto& [key, task] : want) {
-    if (runs_.count(key) == 0) runs_[key] = Start(*task);
+    if (runs_.count(key) > 0) continue;
+    // An allreduce rank whose peer has no node yet (its rank waits for the next worker
+    // daemon) cannot build its ring: it waits, reporting nothing, until the coordinator
+    // places that rank (a new generation with every address). Started now, it failed at
+    // once and failed the job.
+    if (SpecMode(task->spec()) == Mode::kAllreduce &&
+        std::any_of(task->peers().begin(), task->peers().end(),
+                    [](const std::string& p) { return p.empty(); })) {
+      auto [w, fresh] = waiting_.emplace(key, task->generation());
+      if (fresh || w->second != task->generation()) {
+        w->second = task->generation();
+        LogInfo(options_.logger, "task_waiting_for_peers",
+                {Kv("job", task->job_id()), Kv("rank", task->index()),
+                 Kv("generation", task->generation())});
+      }
+      continue;
+    }
+    waiting_.erase(key);
+    runs_[key] = Start(*task);
+  }
+  for (auto it = waiting_.begin(); it != waiting_.end();) {
+    it = want.count(it->first) > 0 ? std::next(it) : waiting_.erase(it);
   }
   for (auto& r : to_join) {
     if (r->thread.joinable()) r->thread.join();

@@ -88,6 +88,9 @@ class WorkerAgent {
   const WorkerAgentOptions options_;
   absl::Mutex mu_;
   std::map<Key, std::shared_ptr<Run>> runs_ ABSL_GUARDED_BY(mu_);
+  // Allreduce tasks held back because a peer rank has no node yet, with the generation
+  // logged (event=task_waiting_for_peers once per generation).
+  std::map<Key, int64_t> waiting_ ABSL_GUARDED_BY(mu_);
   // Set by StopAll: Reconcile no longer starts, stops or joins anything.
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   // "<job>/<job token>" of the modules uploaded (a job submitted again under the same id has

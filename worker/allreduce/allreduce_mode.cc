@@ -191,7 +191,11 @@ absl::StatusOr<int64_t> AllreduceMode::Start(ModelView* model, const LoopInfo& i
   updater_->set_clip(ClipOptions{spec_.clip_grad_norm(), spec_.clip_grad_value()});
 
   CollectiveContext ctx;
-  ctx.job = spec_.name();
+  // Under a daemon the ring is the generation's: a rank restarted for a new generation
+  // (a lost peer, a moved rank) would otherwise link with a peer still running the old one,
+  // whose stop then stopped it too, restarting the ranks again and again.
+  ctx.job = options_.generation > 0 ? absl::StrCat(spec_.name(), "/g", options_.generation)
+                                    : spec_.name();
   ctx.rank = options_.rank;
   ctx.peers = options_.peers;
   ctx.rpc = options_.peer_rpc;

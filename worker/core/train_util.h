@@ -93,9 +93,13 @@ struct ModelSnapshot {
 };
 
 struct TrainerOptions {
-  JobSpec spec;                  // Defaults applied and validated by the caller.
-  Mode mode = Mode::kAsync;      // spec.mode(), parsed once by Trainer::Create.
-  int32_t rank = 0;              // In [0, spec.num_workers()).
+  JobSpec spec;              // Defaults applied and validated by the caller.
+  Mode mode = Mode::kAsync;  // spec.mode(), parsed once by Trainer::Create.
+  int32_t rank = 0;          // In [0, spec.num_workers()).
+  // Daemon: the task's generation (the coordinator's count of its placements and restarts);
+  // 0 standalone. An allreduce ring links only ranks of one generation, so a rank restarted
+  // for a new generation never joins a peer's run of the old one.
+  int64_t generation = 0;
   std::string data_dir;          // Parent of <dataset name>/ when spec.dataset.path is empty.
   bool evaluate = true;          // Wait for all workers, evaluate and save at the end.
   int32_t intra_op_threads = 1;  // torch::set_num_threads; 1 avoids oversubscription.
