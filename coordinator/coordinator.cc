@@ -99,6 +99,7 @@ absl::Status Coordinator::Load() {
   ASSIGN_OR_RETURN(std::vector<coordinator_state::JobRecord> jobs, store_->LoadJobs());
   absl::MutexLock lock(&mu_);
   const int64_t now = Now();
+  const int64_t grace_ms = std::max(options_.restart_grace_ms, options_.heartbeat_timeout_ms);
   int alive = 0;
   for (auto& record : nodes) {
     NodeEntry& entry = nodes_[record.info().name()];
@@ -106,7 +107,7 @@ absl::Status Coordinator::Load() {
     // Grace: a node alive at the last write counts as seen now and alive for the restart
     // grace, time to reach the restarted coordinator before its work is moved.
     entry.last_seen_ms = now;
-    entry.grace_until_ms = now + std::max(options_.restart_grace_ms, options_.heartbeat_timeout_ms);
+    entry.grace_until_ms = now + grace_ms;
     if (entry.record.alive()) ++alive;
   }
   for (auto& record : jobs) {
@@ -132,8 +133,7 @@ absl::Status Coordinator::Load() {
   }
   LogInfo(options_.logger, "tables_loaded",
           {Kv("dir", store_->dir()), Kv("jobs", jobs_.size()), Kv("nodes", nodes_.size()),
-           Kv("alive_nodes", alive),
-           Kv("grace_ms", std::max(options_.restart_grace_ms, options_.heartbeat_timeout_ms))});
+           Kv("alive_nodes", alive), Kv("grace_ms", grace_ms)});
   return absl::OkStatus();
 }
 

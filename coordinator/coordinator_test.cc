@@ -86,6 +86,16 @@ class CoordinatorTest : public ::testing::Test {
   }
 
   // Keeps `nodes` alive across `ms` of fake time (heartbeats every 500 ms).
+  // The generation of `job`'s rank `rank` task, as `node`'s heartbeat hands it out.
+  int64_t TaskGeneration(const std::string& node, const std::string& job, int rank) {
+    const HeartbeatResponse h = Beat(node);
+    for (const Task& t : h.tasks()) {
+      if (t.job_id() == job && t.index() == rank) return t.generation();
+    }
+    ADD_FAILURE() << "no task for " << job << " rank " << rank << " on " << node;
+    return -1;
+  }
+
   void Pass(int64_t ms, const std::vector<std::string>& nodes) {
     for (int64_t t = 0; t < ms; t += 500) {
       clock_.AdvanceMs(500);
@@ -505,15 +515,7 @@ TEST_F(CoordinatorTest, AnAllreduceRankThatLostAPeerRestartsTheRanksBoundedly) {
   spec.mutable_checkpoint()->set_every_steps(10);
   ASSERT_OK_AND_ASSIGN(JobStatus st, Submit(spec));
   const std::string node0 = st.workers(0).node(), node1 = st.workers(1).node();
-  // The generation of rank `rank`'s task, as its node's heartbeat hands it out.
-  auto generation = [&](int rank) {
-    HeartbeatResponse h = Beat(rank == 0 ? node0 : node1);
-    for (const Task& t : h.tasks()) {
-      if (t.job_id() == "ar" && t.index() == rank) return t.generation();
-    }
-    ADD_FAILURE() << "no task for rank " << rank;
-    return int64_t{-1};
-  };
+  auto generation = [&](int rank) { return TaskGeneration(rank == 0 ? node0 : node1, "ar", rank); };
   Beat(node0, {Report("ar", 0, "running", 20, generation(0))});
   Beat(node1, {Report("ar", 1, "running", 20, generation(1))});
   ASSERT_EQ(Get("ar").state(), RUNNING);
@@ -542,12 +544,7 @@ TEST_F(CoordinatorTest, AnAllreduceRankThatLostAPeerRestartsTheRanksBoundedly) {
     if (checkpoints) other.mutable_checkpoint()->set_every_steps(10);
     ASSERT_OK_AND_ASSIGN(JobStatus o, Submit(other));
     const std::string node = o.workers(1).node();
-    HeartbeatResponse h = Beat(node);
-    int64_t g = 0;
-    for (const Task& t : h.tasks()) {
-      if (t.job_id() == other.name() && t.index() == 1) g = t.generation();
-    }
-    TaskReport failed = Report(other.name(), 1, "failed", 5, g);
+    TaskReport failed = Report(other.name(), 1, "failed", 5, TaskGeneration(node, other.name(), 1));
     failed.set_message(checkpoints ? "INVALID_ARGUMENT: trainer: the loss is nan at step 5"
                                    : "UNAVAILABLE: allreduce: ring link from rank 0 ended");
     Beat(node, {failed});
@@ -565,13 +562,7 @@ TEST_F(CoordinatorTest, AStaleReportThatRanEveryStepFinishesTheRank) {
   spec.mutable_checkpoint()->set_every_steps(10);
   ASSERT_OK_AND_ASSIGN(JobStatus st, Submit(spec));
   const std::string node0 = st.workers(0).node(), node1 = st.workers(1).node();
-  auto generation = [&](int rank) {
-    HeartbeatResponse h = Beat(rank == 0 ? node0 : node1);
-    for (const Task& t : h.tasks()) {
-      if (t.job_id() == "ar" && t.index() == rank) return t.generation();
-    }
-    return int64_t{-1};
-  };
+  auto generation = [&](int rank) { return TaskGeneration(rank == 0 ? node0 : node1, "ar", rank); };
   const int64_t old0 = generation(0);
   Beat(node1, {Report("ar", 1, "running", 20, generation(1))});
   // A restart (a lost peer) gives every rank a new generation.

@@ -402,9 +402,6 @@ absl::StatusOr<std::unique_ptr<Model>> MakeBuiltin(const std::string& name) {
   }
 }
 
-// Checks that a model output fits cross-entropy targets: logits [N, C] with int64 [N], or
-// [N, T, C] with int64 [N, T], every index in [0, C). y.min()/y.max() keep the range check
-// to two reductions; LibTorch's own message for a bad index is a bare assertion.
 // Class-index targets as the loss takes them: a column of labels [N, 1] beside logits [N, C]
 // (a label column, as tabular data often has it) is the [N] it stands for; anything else as it
 // is.
@@ -416,6 +413,9 @@ torch::Tensor ClassTargets(const torch::Tensor& out, const torch::Tensor& y) {
   return y;
 }
 
+// Checks that a model output fits cross-entropy targets: logits [N, C] with integer [N] (or
+// [N, 1]), or [N, T, C] with integer [N, T], every index in [0, C). y.min()/y.max() keep the range
+// check to two reductions; LibTorch's own message for a bad index is a bare assertion.
 absl::Status CheckCrossEntropyFits(const torch::Tensor& out, const torch::Tensor& y_in) {
   const torch::Tensor y = ClassTargets(out, y_in);
   auto mismatch = [&](const std::string& why) {

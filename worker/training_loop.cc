@@ -465,10 +465,14 @@ absl::Status TrainingLoop::CheckFit() {
   const ExampleSource& train = *data_.train;
   const int64_t n = std::min<int64_t>(train.size(), std::max(1, spec_.batch_size()));
   if (n == 0) return absl::InvalidArgumentError(absl::StrCat(train.Describe(), ": no samples"));
-  ASSIGN_OR_RETURN(Batch b, ReadBatch(train, 0, n));
-  RETURN_IF_ERROR(
-      CheckModelFitsData(model_.get(), loss_kind_, OnDevice(FieldTensor(b.x, b.size, train.x())),
-                         OnDevice(FieldTensor(b.y, b.size, train.y())), train.Describe()));
+  // The model on the first n samples of `source`.
+  auto first_batch_fits = [&](const ExampleSource& source) -> absl::Status {
+    ASSIGN_OR_RETURN(Batch b, ReadBatch(source, 0, n));
+    return CheckModelFitsData(model_.get(), loss_kind_,
+                              OnDevice(FieldTensor(b.x, b.size, source.x())),
+                              OnDevice(FieldTensor(b.y, b.size, source.y())), source.Describe());
+  };
+  RETURN_IF_ERROR(first_batch_fits(train));
   const ExampleSource* test = data_.test.get();
   if (test == nullptr || test->size() == 0) return absl::OkStatus();
   if (!TestFitsTraining(train, *test)) {
@@ -479,10 +483,7 @@ absl::Status TrainingLoop::CheckFit() {
   // The test set's first batch too (a class index out of range, targets that do not fit the
   // output): found now rather than after the training. A test set smaller than one batch is
   // left to the evaluation, which handles models written for a fixed batch.
-  if (test->size() < n) return absl::OkStatus();
-  ASSIGN_OR_RETURN(Batch t, ReadBatch(*test, 0, n));
-  return CheckModelFitsData(model_.get(), loss_kind_, OnDevice(FieldTensor(t.x, t.size, test->x())),
-                            OnDevice(FieldTensor(t.y, t.size, test->y())), test->Describe());
+  return test->size() < n ? absl::OkStatus() : first_batch_fits(*test);
 }
 
 void TrainingLoop::PublishModel(bool final) {

@@ -323,20 +323,22 @@ TEST_P(DeviceTest, BuffersAreMirroredWithTheirDeltasAndTheModesValuesReachTheMod
   EXPECT_EQ(r.steps, 2);
 }
 
-// A mode that records the first buffer's delta and mirror at each Exchange and then sets
-// the buffer to 5 (as a pull would): the next forward must start from 5.
-class FirstBufferMode : public FakeMode {
+// A mode that records every buffer's deltas and mirror at each Exchange (one entry per step
+// and buffer) and, with `set_first_to`, then sets the first buffer's first element to it (as a
+// pull would): the next forward must start from there.
+class BuffersMode : public FakeMode {
  public:
-  std::vector<float> deltas;
-  std::vector<float> mirrors;
+  std::vector<std::vector<float>> deltas, mirrors;
+  std::optional<float> set_first_to;
 
   absl::StatusOr<StepOutcome> Exchange(int64_t step,
                                        absl::Span<const absl::Span<const float>> grads, double loss,
                                        const StepTiming& timing) override {
-    const int b = view->num_params;
-    deltas.push_back(grads[b][0]);
-    mirrors.push_back(view->params[b][0]);
-    view->params[b][0] = 5.0f;
+    for (size_t i = view->num_params; i < grads.size(); ++i) {
+      deltas.emplace_back(grads[i].begin(), grads[i].end());
+      mirrors.emplace_back(view->params[i].begin(), view->params[i].end());
+    }
+    if (set_first_to.has_value()) view->params[view->num_params][0] = *set_first_to;
     return FakeMode::Exchange(step, grads, loss, timing);
   }
 };
@@ -349,36 +351,22 @@ TEST(TrainingLoopTest, ABufferAssignedAnewInForwardIsFollowed) {
   TrainerOptions o = Options(3);
   o.spec.mutable_model()->set_name("torchscript");
   o.spec.mutable_model()->set_path("worker/testdata/ema_buffer.pt");
-  FirstBufferMode mode;
+  BuffersMode mode;
+  mode.set_first_to = 5.0f;
   std::atomic<bool> stop{false};
   ASSERT_OK_AND_ASSIGN(TrainResult r, RunTrainingLoop(o, &mode, stop));
   ASSERT_EQ(r.steps, 3);
-  ASSERT_EQ(mode.deltas.size(), 3u);
+  ASSERT_EQ(mode.deltas.size(), 3u);  // One buffer (ema, one element), three steps.
   // Step 0 from 0: ema = 0.1 * mean(x), the batch's mean pixel (MNIST's is about 0.13 in
   // [0, 1], or about 0 normalised: not exactly 0 either way).
-  EXPECT_NE(mode.deltas[0], 0.0f);
-  EXPECT_FLOAT_EQ(mode.mirrors[0], mode.deltas[0]);
+  EXPECT_NE(mode.deltas[0][0], 0.0f);
+  EXPECT_FLOAT_EQ(mode.mirrors[0][0], mode.deltas[0][0]);
   // Steps 1 and 2 from the mode's 5: ema = 4.5 + 0.1 * mean(x).
   for (int s = 1; s < 3; ++s) {
-    EXPECT_NEAR(mode.deltas[s], -0.5f, 0.1f) << "step " << s;
-    EXPECT_FLOAT_EQ(mode.mirrors[s], 5.0f + mode.deltas[s]) << "step " << s;
+    EXPECT_NEAR(mode.deltas[s][0], -0.5f, 0.1f) << "step " << s;
+    EXPECT_FLOAT_EQ(mode.mirrors[s][0], 5.0f + mode.deltas[s][0]) << "step " << s;
   }
 }
-
-// Records every step's buffer deltas and mirrors.
-class AllBuffersMode : public FakeMode {
- public:
-  std::vector<std::vector<float>> deltas, mirrors;
-  absl::StatusOr<StepOutcome> Exchange(int64_t step,
-                                       absl::Span<const absl::Span<const float>> grads, double loss,
-                                       const StepTiming& timing) override {
-    for (size_t i = view->num_params; i < grads.size(); ++i) {
-      deltas.emplace_back(grads[i].begin(), grads[i].end());
-      mirrors.emplace_back(view->params[i].begin(), view->params[i].end());
-    }
-    return FakeMode::Exchange(step, grads, loss, timing);
-  }
-};
 
 // worker/testdata/inf_mask.pt registers a causal mask of -inf as a buffer. The forward leaves
 // it unchanged, so its delta is exactly 0 in every element (-inf - -inf would be NaN, and the
@@ -388,7 +376,7 @@ TEST(TrainingLoopTest, AnUnchangedInfiniteBufferElementHasAZeroDelta) {
   TrainerOptions o = Options(3);
   o.spec.mutable_model()->set_name("torchscript");
   o.spec.mutable_model()->set_path("worker/testdata/inf_mask.pt");
-  AllBuffersMode mode;
+  BuffersMode mode;
   std::atomic<bool> stop{false};
   ASSERT_OK_AND_ASSIGN(TrainResult r, RunTrainingLoop(o, &mode, stop));
   ASSERT_EQ(r.steps, 3);

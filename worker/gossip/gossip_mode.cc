@@ -201,14 +201,13 @@ absl::Status GossipMode::StartGossiper(std::unique_ptr<Topology> topology, bool 
 
 absl::Status GossipMode::CheckMessageSize(int64_t numel) const {
   ASSIGN_OR_RETURN(const ValueCodec codec, ValueCodec::Create(gs_.codec()));
-  std::string encoded;  // Of zeros: the size depends on the element count only.
-  RETURN_IF_ERROR(codec.Encode(std::vector<float>(numel, 0.0f), &encoded));
+  const int64_t encoded = static_cast<int64_t>(codec.EncodedSize(static_cast<size_t>(numel)));
   // Room for the request's other fields (job, ranks, weight, ids).
   constexpr int64_t kSlack = 64 << 10;
   const int64_t limit = options_.peer_rpc.max_message_bytes;
-  if (static_cast<int64_t>(encoded.size()) + kSlack > limit) {
+  if (encoded + kSlack > limit) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "gossip: every exchange carries the whole model, ", encoded.size(), " bytes as ",
+        "gossip: every exchange carries the whole model, ", encoded, " bytes as ",
         codec.name().empty() ? "float32" : codec.name(), ", which exceeds the ", limit,
         "-byte message limit less 64 KiB for the rest of the request: raise --max_message_mb "
         "on every rank",

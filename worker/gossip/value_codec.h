@@ -36,6 +36,11 @@ class ValueCodec {
   // element.
   absl::Status Encode(absl::Span<const float> in, std::string* out) const;
 
+  // Bytes Encode writes for `numel` values (at most that for a compressor's format).
+  size_t EncodedSize(size_t numel) const {
+    return compressor_ != nullptr ? compressor_->MaxEncodedSize(numel) : numel * sizeof(float);
+  }
+
   // Decodes `in` into `out` (whose size is the expected element count). InvalidArgument with a
   // message naming the problem (size, malformed payload, non-finite value).
   absl::Status Decode(absl::string_view in, absl::Span<float> out) const;
