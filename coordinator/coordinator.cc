@@ -384,7 +384,13 @@ void Coordinator::MoveRankLocked(JobEntry* job, int rank, const std::string& rea
     if (sync && load.free() == 0) continue;
     candidates.push_back(std::move(load));
   }
-  std::optional<std::string> to = PickReplacement(candidates);
+  // A gossip rank (not rank 0, which publishes the model) whose peers have all finished has
+  // no one left to gossip with, and their final model is out: it is not moved.
+  bool peers_done = SpecMode(st.spec()) == Mode::kGossip && rank != 0;
+  for (int i = 0; peers_done && i < static_cast<int>(job->rank_states.size()); ++i) {
+    peers_done = i == rank || job->rank_states[i] == TaskState::kSucceeded;
+  }
+  std::optional<std::string> to = peers_done ? std::nullopt : PickReplacement(candidates);
   if (to.has_value()) {
     LogInfo(options_.logger, "rank_moving",
             {Kv("job", st.job_id()), Kv("rank", rank), Kv("from", from), Kv("reason", reason)});
@@ -463,6 +469,29 @@ void Coordinator::UpdateGroupLocked(JobEntry* job) {
 // ---------------------------------------------------------------------------------------------
 // Progress and derived state.
 
+bool Coordinator::GossipSurvivorsDone(const JobEntry& job) {
+  // Rank 0 gathers, averages and publishes the final model: without it nothing was.
+  if (SpecMode(job.record.status().spec()) != Mode::kGossip || job.rank_states.empty() ||
+      job.rank_states[0] != TaskState::kSucceeded) {
+    return false;
+  }
+  bool any_lost = false;
+  for (const TaskState state : job.rank_states) {
+    if (state != TaskState::kSucceeded && state != TaskState::kLost) return false;
+    any_lost = any_lost || state == TaskState::kLost;
+  }
+  return any_lost;
+}
+
+std::string Coordinator::LostRanksNote(const JobEntry& job) {
+  std::vector<int> lost;
+  for (size_t i = 0; i < job.rank_states.size(); ++i) {
+    if (job.rank_states[i] == TaskState::kLost) lost.push_back(static_cast<int>(i));
+  }
+  return absl::StrCat("finished without lost rank(s) ", absl::StrJoin(lost, ","),
+                      ": the other ranks averaged and published the final model without them");
+}
+
 void Coordinator::RefreshLocked(JobEntry* job) {
   coordinator_state::JobRecord& r = job->record;
   JobStatus* st = r.mutable_status();
@@ -471,9 +500,14 @@ void Coordinator::RefreshLocked(JobEntry* job) {
     // A sync job whose group was re-formed is done when every rank still in it is: its lost
     // ranks are out of the job for good.
     const bool reformed = UsesSyncBarrier(SpecMode(st->spec())) && r.active_ranks_size() > 0;
+    // A gossip job whose every other rank, rank 0 among them, has succeeded is done too: they
+    // gave up on the lost ones in their final round, and rank 0 published the model it
+    // averaged; a lost rank given a node now would train alone, with no peer left. (With rank
+    // 0 lost the job waits for a node for it, as other modes do: nobody published a model.)
+    const bool gossip_done = GossipSurvivorsDone(*job);
     bool all_done = n > 0, all_running = n > 0, any_succeeded = false, all_out = n > 0;
     for (const TaskState state : job->rank_states) {
-      const bool out = reformed && state == TaskState::kLost;
+      const bool out = (reformed || gossip_done) && state == TaskState::kLost;
       all_done = all_done && (state == TaskState::kSucceeded || out);
       all_running =
           all_running && (state == TaskState::kRunning || state == TaskState::kSucceeded || out);
@@ -488,7 +522,7 @@ void Coordinator::RefreshLocked(JobEntry* job) {
                      "resume it with `gradmesh resume` once nodes are back");
     } else if (all_done && any_succeeded) {
       // Also from PAUSED: every rank finished (rank 0 evaluated) before the shard went down.
-      SetStateLocked(job, SUCCEEDED, "");
+      SetStateLocked(job, SUCCEEDED, gossip_done ? LostRanksNote(*job) : "");
     } else if (all_running) {
       r.set_reached_running(true);
       if (st->state() == PENDING) SetStateLocked(job, RUNNING, "");

@@ -426,6 +426,10 @@ class Coordinator {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Recomputes progress and the derived state transitions (RUNNING, SUCCEEDED).
   void RefreshLocked(JobEntry* job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A gossip job with a lost rank whose every other rank has succeeded (it is done).
+  static bool GossipSurvivorsDone(const JobEntry& job);
+  // The SUCCEEDED message of such a job: which ranks were lost.
+  static std::string LostRanksNote(const JobEntry& job);
   // Offers the job's progress (once its step is > 0) to its history.
   void RecordHistoryLocked(JobEntry* job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Publishes a change (version, updated_ms, watchers) and schedules the write: at once when

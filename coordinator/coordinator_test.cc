@@ -719,6 +719,49 @@ TEST_F(CoordinatorTest, SyncRegroupsWithoutALostRankAndFinishesWithTheSurvivors)
 // A sync group that loses its last rank has nobody left to train it: the job FAILS, saying
 // so. (Its lost ranks count as out of a re-formed group, so it used to count as done:
 // SUCCEEDED at step 0 with nothing trained.)
+// A gossip rank lost once every other rank has finished must not keep the job RUNNING: they
+// gave up on it in their final round and rank 0 published the model. It is not moved to a free
+// node either, where it would train alone. Without rank 0 nobody published a model: the job
+// waits for a node for it, as other modes do.
+TEST_F(CoordinatorTest, AGossipJobEndsWithoutALostRankOnceRankZeroAndTheOthersFinished) {
+  Register("w0", WORKER);
+  Register("w1", WORKER);
+  Register("w2", WORKER);
+  ASSERT_OK(Submit(Spec("g", "gossip", 3)));
+  EXPECT_EQ(WorkerNodes(Get("g")), (Strings{"w0", "w1", "w2"}));
+  Register("w3", WORKER);  // Free.
+  Beat("w0", {Report("g", 0, "succeeded", 100)});
+  Beat("w1", {Report("g", 1, "succeeded", 100)});
+  Beat("w2", {Report("g", 2, "running", 90)});
+  EXPECT_EQ(Get("g").state(), RUNNING);
+  Pass(kTimeoutMs + 500, {"w0", "w1", "w3"});  // w2 dies.
+  JobStatus g = Get("g");
+  EXPECT_EQ(g.workers(2).state(), "lost");
+  EXPECT_EQ(g.workers(2).node(), "");
+  EXPECT_EQ(g.state(), SUCCEEDED);
+  EXPECT_EQ(g.message(),
+            "finished without lost rank(s) 2: the other ranks averaged and published the final "
+            "model without them");
+
+  ASSERT_OK(Submit(Spec("h", "gossip", 3)));
+  EXPECT_EQ(WorkerNodes(Get("h")), (Strings{"w0", "w1", "w3"}));
+  Beat("w0", {Report("h", 0, "running", 3)});
+  Beat("w1", {Report("h", 1, "running", 3)});
+  Beat("w3", {Report("h", 2, "running", 3)});
+  Pass(kTimeoutMs + 500, {"w1", "w3"});  // w0 dies: rank 0 has nowhere to go.
+  Beat("w1", {Report("h", 1, "succeeded", 100)});
+  Beat("w3", {Report("h", 2, "succeeded", 100)});
+  JobStatus h = Get("h");
+  EXPECT_EQ(h.workers(0).state(), "lost");
+  EXPECT_EQ(h.state(), RUNNING) << "nobody published h's model: it waits for rank 0";
+  Register("w5", WORKER);
+  EXPECT_EQ(Get("h").workers(0).node(), "w5");
+  Beat("w5", {Report("h", 0, "succeeded", 100)});
+  h = Get("h");
+  EXPECT_EQ(h.state(), SUCCEEDED);
+  EXPECT_EQ(h.message(), "");
+}
+
 TEST_F(CoordinatorTest, ASyncGroupThatLosesEveryRankFails) {
   Register("s0", SERVER);
   Register("w0", WORKER);

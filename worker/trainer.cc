@@ -33,8 +33,10 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerOptions options,
         "mode ", spec.mode(), " needs the peer address of every worker (--peers): got ",
         options.peers.size(), " for ", spec.num_workers(), " workers"));
   }
-  // The job token rides every peer call: never in plaintext to another machine.
+  // The job token rides every peer call: never in plaintext to another machine. A gossip
+  // peer without an address (its rank has no node) is unreachable until it gets one.
   for (const std::string& peer : options.peers) {
+    if (peer.empty() && options.mode == Mode::kGossip) continue;
     RETURN_IF_ERROR(
         CheckTokenTransport(peer, options.peer_rpc.tls, options.job_token, "job token"));
   }

@@ -45,6 +45,9 @@ class Trainer {
     mode_->SetGroup(std::move(active_ranks), evaluate);
   }
 
+  // A peer rank moved, or lost its node (address ""): see TrainingMode::SetPeers.
+  void SetPeers(std::vector<std::string> peers) { mode_->SetPeers(std::move(peers)); }
+
  private:
   explicit Trainer(TrainerOptions options) : options_(std::move(options)) {}
 

@@ -24,6 +24,9 @@ struct WorkerAgent::Run {
   Trainer* trainer ABSL_GUARDED_BY(mu) = nullptr;  // While Execute runs it.
   TaskReport report ABSL_GUARDED_BY(mu);
   int64_t log_sent ABSL_GUARDED_BY(mu) = 0;  // Last log sequence put in a report.
+  // Gossip: the peers' addresses of the latest generation taken in place (empty: as started),
+  // for a trainer created after it came.
+  std::vector<std::string> peers ABSL_GUARDED_BY(mu);
 
   void RequestStop() {
     stop.store(true);
@@ -42,12 +45,15 @@ bool Evaluates(const Task& task) {
 
 // True if `a` and `b` differ at most in the sync group (active ranks, lr scale) and the
 // generation: the rank can go on in place.
-bool OnlyGroupChanged(const Task& a, const Task& b) {
+// Whether tasks a and b differ only in their sync group (and generation), or also in their
+// peers' addresses when `peers_too`.
+bool OnlyGroupChanged(const Task& a, const Task& b, bool peers_too = false) {
   Task x = a, y = b;
   for (Task* t : {&x, &y}) {
     t->clear_active_ranks();
     t->clear_lr_scale();
     t->clear_generation();
+    if (peers_too) t->clear_peers();
   }
   return x.SerializeAsString() == y.SerializeAsString();
 }
@@ -166,6 +172,7 @@ void WorkerAgent::Execute(Run* run) {
     {
       absl::MutexLock lock(&run->mu);
       run->trainer = trainer->get();
+      if (!run->peers.empty()) run->trainer->SetPeers(run->peers);
     }
     if (run->stop.load()) (*trainer)->RequestStop();
     result = (*trainer)->Run();
@@ -263,8 +270,11 @@ void WorkerAgent::Reconcile(const std::vector<Task>& desired) {
     // the same address): the ring must be built again from the checkpoints. Taken in place,
     // the run kept waiting on the old ring, was stopped, and its "stopped" report lost the
     // rank for good (the job then failed).
+    // Gossip takes moved peers in place too: a rank restarted for a peer's new address (or
+    // a peer that lost its node) started over from step 0 without a checkpoint.
+    const bool gossip = SpecMode(next.spec()) == Mode::kGossip;
     if (next.generation() != generation && !run.ended.load() &&
-        SpecMode(next.spec()) != Mode::kAllreduce && OnlyGroupChanged(next, run.task)) {
+        SpecMode(next.spec()) != Mode::kAllreduce && OnlyGroupChanged(next, run.task, gossip)) {
       // A sync group re-formed: every rank of a lock-step job must go on from the same step,
       // so the running trainer takes the new group in place (the shards apply it to the
       // barrier) instead of stopping, which could leave a survivor waiting at a barrier the
@@ -276,6 +286,10 @@ void WorkerAgent::Reconcile(const std::vector<Task>& desired) {
         run.trainer->SetGroup(
             std::vector<int32_t>(next.active_ranks().begin(), next.active_ranks().end()),
             Evaluates(next));
+      }
+      if (gossip) {
+        run.peers.assign(next.peers().begin(), next.peers().end());
+        if (run.trainer != nullptr) run.trainer->SetPeers(run.peers);
       }
       LogInfo(options_.logger, "task_group_changed",
               {Kv("job", next.job_id()), Kv("rank", next.index()),

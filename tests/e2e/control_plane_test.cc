@@ -485,6 +485,60 @@ TEST_F(ControlPlaneTest, SyncJobReformsItsGroupWhenAWorkerDies) {
   }
 }
 
+// gossip under the coordinator: SIGKILL of the daemon running rank 2, with no node to move it
+// to. The survivors take the lost peer's empty address in place (they neither restart from
+// step 0 nor fail on a peer without an address), give up on it in their final round, and the
+// job ends SUCCEEDED without it (it stayed RUNNING, waiting for a node, before).
+TEST_F(ControlPlaneTest, GossipJobFinishesWithoutAKilledWorkersRank) {
+  StartCluster();
+  auto w2 = StartServiceWorker("w2");
+  const std::string spec = WriteYaml("gossip-killed", R"(name: gossip-killed
+model: {name: mlp}
+dataset: {name: mnist}
+optimizer: {name: adam, lr: 0.001}
+batch_size: 64
+mode: gossip
+num_workers: 3
+steps: 3000
+seed: 1
+log_every: 25
+gossip: {topology: exponential, every_steps: 1, timeout_s: 2}
+)");
+  const CliResult submit = SubmitWhenPlaced(spec);
+  ASSERT_EQ(submit.code, 0) << submit.out;
+  std::string victim_node;
+  ASSERT_TRUE(WaitForStatus(
+      "gossip-killed",
+      [&](const JobStatus& s) {
+        if (s.progress().step() < 200 || s.workers_size() < 3) return false;
+        victim_node = s.workers(2).node();
+        return true;
+      },
+      absl::Minutes(3)));
+  Subprocess* victim = victim_node == "w0" ? w0_.get() : victim_node == "w1" ? w1_.get() : w2.get();
+  ASSERT_OK(victim->Signal(SIGKILL));
+  CliResult watch = Cli({"watch", "gossip-killed"}, absl::Minutes(5));
+  EXPECT_EQ(watch.code, 0) << watch.out;
+  const JobStatus st = Status("gossip-killed");
+  ASSERT_EQ(st.state(), SUCCEEDED) << st.DebugString();
+  EXPECT_EQ(st.message(),
+            "finished without lost rank(s) 2: the other ranks averaged and published the final "
+            "model without them");
+  EXPECT_EQ(st.workers(2).state(), "lost");
+  EXPECT_GT(st.progress().accuracy(), 0.9) << st.DebugString();
+  for (int rank : {0, 1}) {
+    EXPECT_EQ(st.workers(rank).step(), 3000) << rank;
+    Subprocess* node = st.workers(rank).node() == "w0"   ? w0_.get()
+                       : st.workers(rank).node() == "w1" ? w1_.get()
+                                                         : w2.get();
+    const std::string log = ReadFile(node->log_path());
+    // One run, from step 0 to the end: the new peers were taken in place.
+    EXPECT_EQ(LinesWith(log, "event=task_start").size(), 1u) << log;
+    EXPECT_NE(log.find("event=task_group_changed"), std::string::npos) << log;
+    EXPECT_NE(log.find("state=succeeded steps=3000"), std::string::npos) << log;
+  }
+}
+
 // allreduce under the coordinator, with checkpoints: SIGKILL of the daemon running rank 1.
 // The survivor's ring link breaks (UNAVAILABLE) well before the dead node misses its
 // heartbeats; the coordinator starts the ranks again instead of failing the job, moves rank 1

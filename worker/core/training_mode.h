@@ -201,6 +201,11 @@ class TrainingMode {
   // this rank evaluates at the end. Ignored by modes without such a group.
   virtual void SetGroup(std::vector<int32_t> active_ranks, bool evaluate) {}
 
+  // The coordinator moved a peer rank (or it lost its node: address ""): `peers`, one address
+  // per rank, replaces the peer addresses this rank started with. Gossip takes them in place
+  // (a restart would lose the rank's progress); other modes ignore it. Any thread.
+  virtual void SetPeers(std::vector<std::string> peers) {}
+
   // A stop was requested (SIGTERM, cancel) while the mode may be inside Finish: waits there
   // that are only courtesy to peers should end. Any thread, any time.
   virtual void OnStopRequested() {}

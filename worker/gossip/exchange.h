@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -76,6 +77,11 @@ class GossipTransport {
   // peer records it as up: GossipReplica::Callers), or -1 for none.
   virtual absl::StatusOr<ReplicaState> GetState(int32_t peer, const std::string& job,
                                                 absl::Duration timeout, int32_t from) = 0;
+
+  // The peers' addresses changed (a rank moved to another node, or lost its node: ""): later
+  // calls go to `peers[r]` (one per rank, as at creation; another count is ignored). A rank
+  // without an address is unreachable (UNAVAILABLE, nothing sent). Any thread.
+  virtual void SetPeers(const std::vector<std::string>& peers) {}
 };
 
 }  // namespace gradmesh

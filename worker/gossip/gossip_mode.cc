@@ -32,7 +32,11 @@ namespace {
 class GossipMode : public TrainingMode {
  public:
   GossipMode(const TrainerOptions& options, GossipServiceImpl* local)
-      : options_(options), spec_(options.spec), gs_(options.spec.gossip()), local_(local) {}
+      : options_(options),
+        spec_(options.spec),
+        gs_(options.spec.gossip()),
+        local_(local),
+        peers_(options.peers) {}
   ~GossipMode() override;
 
   absl::StatusOr<int64_t> Start(ModelView* model, const LoopInfo& info) override;
@@ -58,6 +62,12 @@ class GossipMode : public TrainingMode {
   std::vector<LogField> ProgressFields(int64_t done, int64_t window) override;
   absl::StatusOr<bool> Finish(int64_t step, TrainResult* result) override;
   void OnStopRequested() override { stop_requested_.store(true); }
+  void SetPeers(std::vector<std::string> peers) override {
+    absl::MutexLock lock(&peers_mu_);
+    if (peers.size() != peers_.size()) return;
+    peers_ = std::move(peers);
+    if (transport_ != nullptr) transport_->SetPeers(peers_);
+  }
   std::vector<LogField> EvaluatedFields() const override {
     return {Kv("ranks_averaged", ranks_averaged_)};
   }
@@ -102,7 +112,11 @@ class GossipMode : public TrainingMode {
   std::string checkpoint_path_;
   std::shared_ptr<GossipReplica> replica_;
   bool registered_ = false;
-  std::unique_ptr<GossipTransport> transport_;
+  // The peers' current addresses (SetPeers, any thread) and the transport using them.
+  absl::Mutex peers_mu_;
+  std::vector<std::string> peers_ ABSL_GUARDED_BY(peers_mu_);
+  std::unique_ptr<GossipTransport> transport_ ABSL_GUARDED_BY(peers_mu_);
+  GossipTransport* transport_view_ = nullptr;  // transport_, for the training thread.
   std::unique_ptr<Gossiper> gossiper_;
   double consensus_ = -1;
   size_t ranks_averaged_ = 0;
@@ -181,8 +195,12 @@ absl::StatusOr<int64_t> GossipMode::Restore(std::vector<float>* values, double* 
 }
 
 absl::Status GossipMode::StartGossiper(std::unique_ptr<Topology> topology, bool first_start) {
-  transport_ = NewGrpcGossipTransport(options_.peers, options_.peer_rpc, options_.job_token,
-                                      options_.rank_token);
+  {
+    absl::MutexLock lock(&peers_mu_);
+    transport_ =
+        NewGrpcGossipTransport(peers_, options_.peer_rpc, options_.job_token, options_.rank_token);
+    transport_view_ = transport_.get();
+  }
   GossiperOptions go;
   go.codec = gs_.codec();
   go.timeout = absl::Seconds(gs_.timeout_s());
@@ -190,8 +208,7 @@ absl::Status GossipMode::StartGossiper(std::unique_ptr<Topology> topology, bool 
   go.max_wait = options_.wait_for_workers;
   go.cancel = &stop_requested_;
   go.logger = options_.logger;
-  ASSIGN_OR_RETURN(gossiper_,
-                   Gossiper::Create(go, replica_, std::move(topology), transport_.get()));
+  ASSIGN_OR_RETURN(gossiper_, Gossiper::Create(go, replica_, std::move(topology), transport_view_));
   // Ranks started seconds apart (process start, data loading, a busy machine) would otherwise
   // train apart: the first would mix with nobody, the last with finished peers.
   if (first_start) gossiper_->AwaitPeers(absl::Seconds(gs_.start_wait_s()));

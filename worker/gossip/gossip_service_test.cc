@@ -174,6 +174,42 @@ TEST(GossipServiceTest, RoutesByJobAndRankAndMapsErrorsToGrpcCodes) {
   server->Shutdown();
 }
 
+// Under the coordinator a peer rank can lose its node (address "") or move to another
+// (SetPeers, taken in place by the running rank): a rank without an address is unreachable
+// at once, nothing sent, and calls follow a new address as soon as it is set.
+TEST(GossipServiceTest, APeerWithoutAnAddressIsUnreachableAndSetPeersRedirectsCalls) {
+  GossipServiceImpl service;
+  auto a = Replica("a", 1, 3, {1, 2});
+  ASSERT_OK(service.Register(a));
+  int port = 0;
+  auto server = Serve(&service, "127.0.0.1:0", &port);
+  ASSERT_NE(server, nullptr);
+  const std::string address = absl::StrCat("127.0.0.1:", port);
+  auto transport = NewGrpcGossipTransport({"127.0.0.1:1", "", "127.0.0.1:1"}, RpcOptions{});
+  const ExchangeHeader header{"a", 0, 1, ExchangeKind::kPushSum, 0, 0, 0.5, "", 2};
+  const absl::Time t0 = absl::Now();
+  const auto sent = transport->Exchange(1, header, Raw({4, 8}), absl::Seconds(5));
+  EXPECT_STATUS_MSG(sent.status(), absl::StatusCode::kUnavailable,
+                    "gossip peer 1 (-): no address (its rank has no node) (nothing was sent)");
+  EXPECT_TRUE(sent.status().GetPayload(kGossipNotSentPayload).has_value());
+  EXPECT_STATUS_MSG(transport->GetState(1, "a", absl::Seconds(5), 0).status(),
+                    absl::StatusCode::kUnavailable, "gossip peer 1 (-): no address");
+  EXPECT_LT(absl::Now() - t0, absl::Seconds(1)) << "no address must not wait for a deadline";
+  // Another number of peers is not this job's: ignored.
+  transport->SetPeers({address});
+  EXPECT_STATUS(transport->GetState(1, "a", absl::Seconds(5), 0).status(),
+                absl::StatusCode::kUnavailable);
+  transport->SetPeers({"127.0.0.1:1", address, ""});
+  a->set_step(3);
+  ASSERT_OK_AND_ASSIGN(ReplicaState st, transport->GetState(1, "a", absl::Seconds(5), 0));
+  EXPECT_EQ(st.step, 3);
+  ASSERT_OK(transport->Exchange(1, header, Raw({4, 8}), absl::Seconds(5)).status());
+  EXPECT_EQ(a->Snapshot().values, (std::vector<float>{2, 4}));
+  EXPECT_STATUS_MSG(transport->GetState(2, "a", absl::Seconds(5), 0).status(),
+                    absl::StatusCode::kUnavailable, "gossip peer 2 (-): no address");
+  server->Shutdown();
+}
+
 TEST(GossipServiceTest, DeadAndHungPeersAreSkippedWithinTheTimeoutAndALateJoinerIsIncluded) {
   PortHolder hung(/*listen_forever=*/true);
   PortHolder late(/*listen_forever=*/false);
