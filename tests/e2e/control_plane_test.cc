@@ -11,6 +11,8 @@
 //   the survivors (lr scaled 2/3 on the shards) and finishes.
 // * An allreduce job with checkpoints whose worker daemon is killed: the ranks start again,
 //   rank 1 moves to the spare daemon, they resume from the checkpoints and finish.
+// * A gossip job whose worker daemon is killed with no node to move its rank to: the others
+//   take the lost peer in place (no restart), and the job ends SUCCEEDED without it.
 // * The coordinator killed and restarted mid-job: it still knows the job and its progress,
 //   and the job completes.
 // * Every process stopped mid-job, then restarted: the job resumes from the shards'
