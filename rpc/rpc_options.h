@@ -67,6 +67,11 @@ struct RpcOptions {
   // probe's unauthenticated client opening streams it never completed grew a shard by ~11 KB
   // per stream (80 connections x 4,000 streams: 2.2 GB, kept after they closed). No
   // gradmesh client needs more than a few per connection. Default 256; 0 = gRPC's default.
+  // gRPC 1.51 holds to it only clients that acknowledge the server's SETTINGS (every gRPC
+  // client does); a raw client that never does is not held to it, and nothing in 1.51 bounds
+  // connections or their streams' memory (its ResourceQuota, measured, bounds message
+  // buffers only): mutual TLS (no HTTP/2 frame is read before the handshake) or a connection
+  // limit in the network is the defence (README, Security).
   int64_t max_concurrent_streams = 256;
   // Models a slower link for a client's tensor traffic (each direction paced separately, as a
   // full-duplex NIC), in bits per second; 0 = as fast as the transport goes. For measuring
