@@ -384,9 +384,9 @@ void Coordinator::MoveRankLocked(JobEntry* job, int rank, const std::string& rea
     if (sync && load.free() == 0) continue;
     candidates.push_back(std::move(load));
   }
-  // A gossip rank (not rank 0, which publishes the model) whose peers have all finished has
-  // no one left to gossip with, and their final model is out: it is not moved.
-  bool peers_done = SpecMode(st.spec()) == Mode::kGossip && rank != 0;
+  // A gossip rank whose peers have all finished has no one left to gossip with, and their
+  // final model is out (rank 0's, or a fallback root's): it is not moved.
+  bool peers_done = SpecMode(st.spec()) == Mode::kGossip && (rank != 0 || job->final_published);
   for (int i = 0; peers_done && i < static_cast<int>(job->rank_states.size()); ++i) {
     peers_done = i == rank || job->rank_states[i] == TaskState::kSucceeded;
   }
@@ -469,10 +469,19 @@ void Coordinator::UpdateGroupLocked(JobEntry* job) {
 // ---------------------------------------------------------------------------------------------
 // Progress and derived state.
 
+int Coordinator::PublisherRank(const JobEntry& job) {
+  if (SpecMode(job.record.status().spec()) != Mode::kGossip) return 0;
+  for (size_t r = 0; r < job.rank_states.size(); ++r) {
+    if (job.rank_states[r] != TaskState::kLost) return static_cast<int>(r);
+  }
+  return 0;
+}
+
 bool Coordinator::GossipSurvivorsDone(const JobEntry& job) {
-  // Rank 0 gathers, averages and publishes the final model: without it nothing was.
+  // Rank 0 gathers, averages and publishes the final model, or, if it was lost, the lowest
+  // surviving rank does: until one of them has, nothing was.
   if (SpecMode(job.record.status().spec()) != Mode::kGossip || job.rank_states.empty() ||
-      job.rank_states[0] != TaskState::kSucceeded) {
+      (job.rank_states[0] != TaskState::kSucceeded && !job.final_published)) {
     return false;
   }
   bool any_lost = false;
@@ -500,10 +509,11 @@ void Coordinator::RefreshLocked(JobEntry* job) {
     // A sync job whose group was re-formed is done when every rank still in it is: its lost
     // ranks are out of the job for good.
     const bool reformed = UsesSyncBarrier(SpecMode(st->spec())) && r.active_ranks_size() > 0;
-    // A gossip job whose every other rank, rank 0 among them, has succeeded is done too: they
-    // gave up on the lost ones in their final round, and rank 0 published the model it
-    // averaged; a lost rank given a node now would train alone, with no peer left. (With rank
-    // 0 lost the job waits for a node for it, as other modes do: nobody published a model.)
+    // A gossip job whose every other rank has succeeded is done too: they gave up on the lost
+    // ones in their final round, and rank 0 (or, with rank 0 lost, the lowest surviving rank,
+    // gathering in its place) published the model they averaged; a lost rank given a node now
+    // would train alone, with no peer left. (Until a final model is published, the job waits
+    // for a node for rank 0, as other modes do.)
     const bool gossip_done = GossipSurvivorsDone(*job);
     bool all_done = n > 0, all_running = n > 0, any_succeeded = false, all_out = n > 0;
     for (const TaskState state : job->rank_states) {

@@ -372,7 +372,12 @@ class Coordinator {
     std::vector<TaskState> rank_states;
     // allreduce: restarts after a rank lost a peer (RestartAfterPeerLossLocked; memory only).
     int peer_restarts = 0;
+    // A final model (MODEL_STATE, final) was published (memory only).
+    bool final_published = false;
   };
+  // The rank whose node publishes the job's model: 0; in gossip, with rank 0 lost, the lowest
+  // rank not lost (it gathers the finals in rank 0's place: worker/gossip/gossip_mode.cc).
+  static int PublisherRank(const JobEntry& job);
   // Sets rank `rank`'s state: the enum and the placement's state string.
   static void SetRankState(JobEntry* job, int rank, TaskState state);
 
@@ -426,7 +431,8 @@ class Coordinator {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Recomputes progress and the derived state transitions (RUNNING, SUCCEEDED).
   void RefreshLocked(JobEntry* job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // A gossip job with a lost rank whose every other rank has succeeded (it is done).
+  // A gossip job with a lost rank whose every other rank has succeeded, and whose final model
+  // was published (by rank 0, or by the rank that gathered in its place): it is done.
   static bool GossipSurvivorsDone(const JobEntry& job);
   // The SUCCEEDED message of such a job: which ranks were lost.
   static std::string LostRanksNote(const JobEntry& job);

@@ -106,12 +106,14 @@ absl::StatusOr<int64_t> Coordinator::CheckModelHeaderLocked(const ModelHeader& h
   RETURN_IF_ERROR(CheckIdentityLocked(header.node(), node == nodes_.end() ? nullptr : &node->second,
                                       credentials, "PublishModel"));
   const JobStatus& st = job->second.record.status();
-  const std::string rank0 = st.workers_size() > 0 ? st.workers(0).node() : "";
-  if (rank0 != header.node()) {
+  const int r = PublisherRank(job->second);
+  const std::string publisher = r < st.workers_size() ? st.workers(r).node() : "";
+  if (publisher != header.node()) {
     return absl::PermissionDeniedError(absl::StrCat(
         "PublishModel of job ", header.job_id(), " by node \"", header.node(),
-        "\" refused: only the node running rank 0 publishes the model (rank 0 is on ",
-        rank0.empty() ? std::string("no node") : absl::StrCat("node \"", rank0, "\""), ")"));
+        "\" refused: only the node running rank ", r, " publishes the model (rank ", r, " is on ",
+        publisher.empty() ? std::string("no node") : absl::StrCat("node \"", publisher, "\""),
+        ")"));
   }
   if (header.kind() == MODEL_MODULE && st.spec().model().name() != kTorchScriptModel) {
     return absl::InvalidArgumentError(absl::StrCat("PublishModel of job ", header.job_id(),
@@ -150,6 +152,7 @@ absl::Status Coordinator::PublishModel(ModelHeader header, absl::string_view pay
     return absl::NotFoundError(absl::StrCat("PublishModel: job ", header.job_id(),
                                             " was removed while its model was written"));
   }
+  if (header.kind() == MODEL_STATE && header.final()) job->second.final_published = true;
   // "publisher": the logger's own fields already hold the coordinator's "node".
   if (header.kind() == MODEL_STATE) {
     LogInfo(options_.logger, "model_published",

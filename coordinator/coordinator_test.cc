@@ -762,6 +762,46 @@ TEST_F(CoordinatorTest, AGossipJobEndsWithoutALostRankOnceRankZeroAndTheOthersFi
   EXPECT_EQ(h.message(), "");
 }
 
+// Rank 0 of a gossip job lost for good: the lowest surviving rank gathers the finals in its
+// place and publishes the final model, which only its node may (not another survivor's); once
+// it has and the survivors have succeeded, the job ends SUCCEEDED without rank 0.
+TEST_F(CoordinatorTest, AGossipJobWhoseRankZeroIsLostEndsOnceTheFallbackRootPublished) {
+  Register("w0", WORKER);
+  Register("w1", WORKER);
+  Register("w2", WORKER);
+  ASSERT_OK(Submit(Spec("g", "gossip", 3)));
+  Beat("w0", {Report("g", 0, "running", 3)});
+  Beat("w1", {Report("g", 1, "running", 3)});
+  Beat("w2", {Report("g", 2, "running", 3)});
+  Pass(kTimeoutMs + 500, {"w1", "w2"});  // w0 dies: rank 0 has nowhere to go.
+  ASSERT_EQ(Get("g").workers(0).state(), "lost");
+  ModelHeader h;
+  h.set_job_id("g");
+  h.set_kind(MODEL_STATE);
+  h.set_step(100);
+  h.set_final(true);
+  ModelTensorInfo* t = h.add_tensors();
+  t->set_name("w");
+  t->add_shape(2);
+  h.set_total_bytes(8);
+  const std::string payload(8, '\0');
+  h.set_node("w2");
+  EXPECT_STATUS_MSG(core_->PublishModel(h, payload, Creds("w2")),
+                    absl::StatusCode::kPermissionDenied,
+                    "only the node running rank 1 publishes the model (rank 1 is on node \"w1\")");
+  Beat("w2", {Report("g", 2, "succeeded", 100)});
+  Beat("w1", {Report("g", 1, "succeeded", 100)});
+  EXPECT_EQ(Get("g").state(), RUNNING) << "no final model yet";
+  h.set_node("w1");
+  ASSERT_OK(core_->PublishModel(h, payload, Creds("w1")));
+  Beat("w1", {Report("g", 1, "succeeded", 100)});
+  const JobStatus g = Get("g");
+  EXPECT_EQ(g.state(), SUCCEEDED);
+  EXPECT_EQ(g.message(),
+            "finished without lost rank(s) 0: the other ranks averaged and published the final "
+            "model without them");
+}
+
 TEST_F(CoordinatorTest, ASyncGroupThatLosesEveryRankFails) {
   Register("s0", SERVER);
   Register("w0", WORKER);

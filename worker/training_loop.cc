@@ -487,7 +487,9 @@ absl::Status TrainingLoop::CheckFit() {
 }
 
 void TrainingLoop::PublishModel(bool final) {
-  if (!options_.on_model || options_.rank != 0) return;
+  // Rank 0 publishes; another rank only its final model, when it gathered the finals in
+  // rank 0's place (a gossip fallback root).
+  if (!options_.on_model || (options_.rank != 0 && !final)) return;
   if (options_.mode != Mode::kGossip && options_.mode != Mode::kAllreduce) return;
   ModelSnapshot snap;
   snap.step = step_;

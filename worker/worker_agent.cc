@@ -92,7 +92,11 @@ std::shared_ptr<WorkerAgent::Run> WorkerAgent::Start(const Task& task) {
 
 void WorkerAgent::WirePublishing(const Task& task, const Logger* logger, TrainerOptions* to) {
   const ModelPublisher* publisher = options_.publisher;
-  if (publisher == nullptr || task.index() != 0) return;
+  // Rank 0 publishes; in gossip another rank may publish the final model it gathered in a
+  // lost rank 0's place (TrainingLoop::PublishModel).
+  if (publisher == nullptr || (task.index() != 0 && SpecMode(task.spec()) != Mode::kGossip)) {
+    return;
+  }
   const std::string job = task.job_id();
   to->on_model = [publisher, job, logger](const ModelSnapshot& m) {
     absl::Status st = publisher->PublishState(job, m);
@@ -105,7 +109,7 @@ void WorkerAgent::WirePublishing(const Task& task, const Logger* logger, Trainer
                  {Kv("job", job), Kv("step", m.step), Kv("error", st.ToString())});
     }
   };
-  if (task.spec().model().name() != "torchscript") return;
+  if (task.spec().model().name() != "torchscript" || task.index() != 0) return;
   const std::string key = absl::StrCat(job, "/", task.job_token());
   {
     absl::MutexLock lock(&mu_);

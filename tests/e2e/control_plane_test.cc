@@ -11,8 +11,9 @@
 //   the survivors (lr scaled 2/3 on the shards) and finishes.
 // * An allreduce job with checkpoints whose worker daemon is killed: the ranks start again,
 //   rank 1 moves to the spare daemon, they resume from the checkpoints and finish.
-// * A gossip job whose worker daemon is killed with no node to move its rank to: the others
-//   take the lost peer in place (no restart), and the job ends SUCCEEDED without it.
+// * A gossip job whose rank 0's worker daemon is killed with no node to move it to: the
+//   others take the lost peer in place (no restart), rank 1 gathers and publishes in its
+//   place, and the job ends SUCCEEDED without it.
 // * The coordinator killed and restarted mid-job: it still knows the job and its progress,
 //   and the job completes.
 // * Every process stopped mid-job, then restarted: the job resumes from the shards'
@@ -487,10 +488,11 @@ TEST_F(ControlPlaneTest, SyncJobReformsItsGroupWhenAWorkerDies) {
   }
 }
 
-// gossip under the coordinator: SIGKILL of the daemon running rank 2, with no node to move it
+// gossip under the coordinator: SIGKILL of the daemon running rank 0, with no node to move it
 // to. The survivors take the lost peer's empty address in place (they neither restart from
-// step 0 nor fail on a peer without an address), give up on it in their final round, and the
-// job ends SUCCEEDED without it (it stayed RUNNING, waiting for a node, before).
+// step 0 nor fail on a peer without an address); rank 1, having given up delivering its final
+// to rank 0, gathers the finals in its place and publishes the model, and the job ends
+// SUCCEEDED without rank 0 (it failed, and later stayed RUNNING, before).
 TEST_F(ControlPlaneTest, GossipJobFinishesWithoutAKilledWorkersRank) {
   StartCluster();
   auto w2 = StartServiceWorker("w2");
@@ -513,32 +515,39 @@ gossip: {topology: exponential, every_steps: 1, timeout_s: 2}
       "gossip-killed",
       [&](const JobStatus& s) {
         if (s.progress().step() < 200 || s.workers_size() < 3) return false;
-        victim_node = s.workers(2).node();
+        victim_node = s.workers(0).node();
         return true;
       },
       absl::Minutes(3)));
-  Subprocess* victim = victim_node == "w0" ? w0_.get() : victim_node == "w1" ? w1_.get() : w2.get();
-  ASSERT_OK(victim->Signal(SIGKILL));
+  auto node_of = [&](const std::string& name) {
+    return name == "w0" ? w0_.get() : name == "w1" ? w1_.get() : w2.get();
+  };
+  ASSERT_OK(node_of(victim_node)->Signal(SIGKILL));
   CliResult watch = Cli({"watch", "gossip-killed"}, absl::Minutes(5));
   EXPECT_EQ(watch.code, 0) << watch.out;
   const JobStatus st = Status("gossip-killed");
   ASSERT_EQ(st.state(), SUCCEEDED) << st.DebugString();
   EXPECT_EQ(st.message(),
-            "finished without lost rank(s) 2: the other ranks averaged and published the final "
+            "finished without lost rank(s) 0: the other ranks averaged and published the final "
             "model without them");
-  EXPECT_EQ(st.workers(2).state(), "lost");
+  EXPECT_EQ(st.workers(0).state(), "lost");
   EXPECT_GT(st.progress().accuracy(), 0.9) << st.DebugString();
-  for (int rank : {0, 1}) {
+  for (int rank : {1, 2}) {
     EXPECT_EQ(st.workers(rank).step(), 3000) << rank;
-    Subprocess* node = st.workers(rank).node() == "w0"   ? w0_.get()
-                       : st.workers(rank).node() == "w1" ? w1_.get()
-                                                         : w2.get();
-    const std::string log = ReadFile(node->log_path());
+    const std::string log = ReadFile(node_of(st.workers(rank).node())->log_path());
     // One run, from step 0 to the end: the new peers were taken in place.
     EXPECT_EQ(LinesWith(log, "event=task_start").size(), 1u) << log;
     EXPECT_NE(log.find("event=task_group_changed"), std::string::npos) << log;
     EXPECT_NE(log.find("state=succeeded steps=3000"), std::string::npos) << log;
+    // Rank 1 gathered in rank 0's place; rank 2 delivered its final to it.
+    EXPECT_EQ(LinesWith(log, "event=final_root_fallback").size(), rank == 1 ? 1u : 0u) << log;
   }
+  const std::string coordinator_log = ReadFile(coord_proc_->log_path());
+  EXPECT_EQ(LinesWith(coordinator_log,
+                      absl::StrCat("publisher=", st.workers(1).node(), " step=3000 final=true"))
+                .size(),
+            1u)
+      << coordinator_log;
 }
 
 // allreduce under the coordinator, with checkpoints: SIGKILL of the daemon running rank 1.

@@ -5,12 +5,14 @@
 #include <cmath>
 #include <cstring>
 #include <memory>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "common/job_spec.h"
 #include "common/optimizer.h"
@@ -378,23 +380,39 @@ absl::StatusOr<bool> GossipMode::Finish(int64_t step, TrainResult* result) {
     if (spec_.checkpoint().every_steps() > 0) RETURN_IF_ERROR(WriteCheckpoint(final, step));
     return false;
   }
-  if (options_.rank != 0) {
-    absl::Status st = gossiper_->DeliverFinal(final);
-    if (!st.ok()) {
-      LogWarning(options_.logger, "final_not_delivered",
-                 {Kv("job", spec_.name()), Kv("rank", options_.rank), Kv("error", st.ToString())});
-    } else {
-      gossiper_->AwaitGathered();
+  std::set<int32_t> gone;  // Lower ranks this one gave up delivering its final to.
+  for (int32_t to = 0; to < options_.rank; ++to) {
+    // To rank 0, the root; if it is gone, to the lowest rank that gathers in its place (it
+    // may still be trying the ranks below it: its refusal is retried); if every lower rank is
+    // gone, this rank gathers (a lost rank 0 left the survivors without a model, the job
+    // without an end).
+    absl::Status st = gossiper_->DeliverFinal(final, to, /*until_root=*/to > 0);
+    if (st.ok()) {
+      gossiper_->AwaitGathered(to);
+      result->comm_s += SecondsSince(final_start);
+      return false;
     }
-    result->comm_s += SecondsSince(final_start);
-    return false;
+    LogWarning(options_.logger, "final_not_delivered",
+               {Kv("job", spec_.name()), Kv("rank", options_.rank), Kv("to", to),
+                Kv("error", st.ToString())});
+    if (st.code() != absl::StatusCode::kUnavailable || stop_requested_.load()) {
+      result->comm_s += SecondsSince(final_start);
+      return false;  // Refused for another reason, or stopping: no fallback.
+    }
+    gone.insert(to);
   }
-  FinalAverage avg = gossiper_->GatherFinal();
+  if (options_.rank != 0) {
+    replica_->BecomeRoot();
+    LogWarning(
+        options_.logger, "final_root_fallback",
+        {Kv("job", spec_.name()), Kv("rank", options_.rank), Kv("gone", absl::StrJoin(gone, ","))});
+  }
+  FinalAverage avg = gossiper_->GatherFinal(gone);
   result->comm_s += SecondsSince(final_start);
   result->consensus_distance = avg.consensus;
   ranks_averaged_ = avg.ranks.size();
   CopyIn(avg.values);
-  return options_.evaluate;
+  return options_.evaluate || options_.rank != 0;  // A fallback root evaluates and publishes.
 }
 
 }  // namespace

@@ -8,6 +8,7 @@
 #include <set>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -340,8 +341,8 @@ GossiperStats Gossiper::stats() const {
   return stats_;
 }
 
-absl::Status Gossiper::DeliverFinal(const ReplicaSnapshot& final) {
-  const int32_t root = replica_->options().root;
+absl::Status Gossiper::DeliverFinal(const ReplicaSnapshot& final, int32_t to, bool until_root) {
+  const int32_t root = to >= 0 ? to : replica_->root();
   ExchangeHeader h = Header(root, ExchangeKind::kFinal, -1, final.step);
   h.codec = "";  // Finals travel exactly: they are averaged once, for the evaluated model.
   h.weight = final.weight;
@@ -349,6 +350,7 @@ absl::Status Gossiper::DeliverFinal(const ReplicaSnapshot& final) {
                       final.values.size() * sizeof(float));
   absl::Duration backoff = absl::Milliseconds(100);
   absl::Time first_failure = absl::InfiniteFuture();
+  const absl::Time start = absl::Now();
   while (true) {
     absl::StatusOr<ExchangeReply> reply = transport_->Exchange(root, h, payload, options_.timeout);
     if (reply.ok()) {
@@ -359,13 +361,21 @@ absl::Status Gossiper::DeliverFinal(const ReplicaSnapshot& final) {
       return absl::OkStatus();
     }
     const absl::StatusCode code = reply.status().code();
-    if (code == absl::StatusCode::kFailedPrecondition ||
-        code == absl::StatusCode::kInvalidArgument) {
+    const absl::Time now = absl::Now();
+    const bool not_root_yet = until_root && code == absl::StatusCode::kFailedPrecondition &&
+                              absl::StrContains(reply.status().message(), "finals go to rank");
+    if (not_root_yet) {
+      first_failure = absl::InfiniteFuture();  // It answers: alive, not the root yet.
+      if (now - start > options_.max_wait ||
+          (options_.cancel != nullptr && options_.cancel->load())) {
+        return reply.status();
+      }
+    } else if (code == absl::StatusCode::kFailedPrecondition ||
+               code == absl::StatusCode::kInvalidArgument) {
       return reply.status();
     }
-    const absl::Time now = absl::Now();
-    if (first_failure == absl::InfiniteFuture()) first_failure = now;
-    if (now - first_failure >= options_.dead_after) {
+    if (!not_root_yet && first_failure == absl::InfiniteFuture()) first_failure = now;
+    if (!not_root_yet && now - first_failure >= options_.dead_after) {
       return absl::UnavailableError(
           absl::StrCat("gossip job ", h.job, " rank ", rank_,
                        ": gave up delivering the final model to rank ", root, " after ",
@@ -376,9 +386,9 @@ absl::Status Gossiper::DeliverFinal(const ReplicaSnapshot& final) {
   }
 }
 
-void Gossiper::AwaitGathered() {
+void Gossiper::AwaitGathered(int32_t to) {
   const std::string& job = replica_->options().job;
-  const int32_t root = replica_->options().root;
+  const int32_t root = to >= 0 ? to : replica_->root();
   const absl::Time start = absl::Now();
   absl::Time unreachable_since = absl::InfiniteFuture();
   std::string why = "gathered";
@@ -455,12 +465,15 @@ std::vector<int32_t> Gossiper::AwaitPeers(absl::Duration bound) {
   return missing;
 }
 
-FinalAverage Gossiper::GatherFinal() {
+FinalAverage Gossiper::GatherFinal(const std::set<int32_t>& gone) {
   const std::string& job = replica_->options().job;
   const absl::Time start = absl::Now();
   std::vector<absl::Time> unreachable_since(n_, absl::InfiniteFuture());
   std::vector<absl::Time> next_probe(n_, absl::InfinitePast());
   std::vector<bool> given_up(n_, false);
+  for (int32_t p : gone) {
+    if (p >= 0 && p < n_) given_up[p] = true;
+  }
   while (true) {
     const std::map<int32_t, ReplicaSnapshot> finals = replica_->Finals();
     bool waiting = false;

@@ -47,6 +47,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -154,10 +155,12 @@ class Gossiper {
   // logged as event=gossip_share_lost, still counted in stats().pending).
   void SettlePending();
 
-  // Non-root: sends `final` to the root, retrying with backoff until it is acknowledged or the
-  // root has been unreachable for dead_after. OK when delivered (or already there);
-  // UNAVAILABLE when given up; the root's error when it refused.
-  absl::Status DeliverFinal(const ReplicaSnapshot& final);
+  // Non-root: sends `final` to rank `to` (-1: the replica's root), retrying with backoff until
+  // it is acknowledged or `to` has been unreachable for dead_after. OK when delivered (or
+  // already there); UNAVAILABLE when given up; the receiver's error when it refused. With
+  // `until_root` (a fallback root: a lower rank that has not given up on its own lower ranks
+  // yet), its "finals go to rank R" refusal is retried too, up to max_wait.
+  absl::Status DeliverFinal(const ReplicaSnapshot& final, int32_t to = -1, bool until_root = false);
 
   // Non-root, after DeliverFinal: keeps this rank (its replica still registered, refusing new
   // shares with FAILED_PRECONDITION and answering resends as duplicates) until the root
@@ -165,12 +168,13 @@ class Gossiper {
   // for dead_after, or max_wait passes, or options.cancel becomes true. A peer whose share to this
   // rank is still pending settles it in its SettlePending before its own final, so it must find
   // this rank there: had this rank left, the peer could not tell an absorbed share from a lost one.
-  void AwaitGathered();
+  void AwaitGathered(int32_t root = -1);  // -1: the replica's root.
 
   // Root (after Finish()): waits for every other rank's final until all have arrived, or the
   // missing ones have been unreachable (GetState fails) for dead_after, or max_wait passes;
-  // then averages the finals received (AverageFinals).
-  FinalAverage GatherFinal();
+  // then averages the finals received (AverageFinals). Ranks in `given_up` are not waited for
+  // (a fallback root already gave up on its lower ranks).
+  FinalAverage GatherFinal(const std::set<int32_t>& given_up = {});
 
  private:
   // Sends peer's pending share again; settles it if the answer says what became of it.

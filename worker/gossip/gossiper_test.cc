@@ -508,6 +508,38 @@ TEST(GossiperTest, FinalRoundGivesUpOnUnreachableRanksAfterDeadAfter) {
                     absl::StatusCode::kUnavailable, "gave up delivering the final model to rank 0");
 }
 
+// Rank 0 gone: rank 1 gives up delivering to it and gathers in its place (BecomeRoot). Rank 2,
+// delivering to rank 1 while rank 1 has not become the root yet, is refused ("finals go to
+// rank 0") and retries until it is; GatherFinal does not wait again for the rank given up.
+TEST(GossiperTest, ALowerRankGathersInAGoneRootsPlace) {
+  GossiperOptions o;
+  o.dead_after = absl::Milliseconds(300);
+  o.timeout = absl::Milliseconds(100);
+  Cluster c(Initial(), "exponential", "", o);
+  c.transport.SetDown(0, true);
+  const ReplicaSnapshot f1 = c.replicas[1]->Finish();
+  const ReplicaSnapshot f2 = c.replicas[2]->Finish();
+  const ReplicaSnapshot f3 = c.replicas[3]->Finish();
+  // Without until_root, the refusal ends the delivery at once.
+  EXPECT_STATUS_MSG(c.gossipers[2]->DeliverFinal(f2, 1), absl::StatusCode::kFailedPrecondition,
+                    "finals go to rank 0");
+  EXPECT_EQ(c.replicas[1]->root(), 0);
+  std::thread late_root([&] {
+    EXPECT_STATUS(c.gossipers[1]->DeliverFinal(f1), absl::StatusCode::kUnavailable);
+    c.replicas[1]->BecomeRoot();
+  });
+  ASSERT_OK(c.gossipers[2]->DeliverFinal(f2, 1, /*until_root=*/true));
+  late_root.join();
+  EXPECT_EQ(c.replicas[1]->root(), 1);
+  ASSERT_OK(c.gossipers[3]->DeliverFinal(f3, 1, /*until_root=*/true));
+  const absl::Time start = absl::Now();
+  FinalAverage avg = c.gossipers[1]->GatherFinal(/*given_up=*/{0});
+  EXPECT_LT(absl::Now() - start, absl::Milliseconds(250)) << "waited for rank 0 again";
+  EXPECT_EQ(avg.ranks, (std::vector<int32_t>{1, 2, 3}));
+  const FinalAverage want = AverageFinals({{1, f1}, {2, f2}, {3, f3}});
+  EXPECT_EQ(avg.values, want.values);
+}
+
 // The start rendezvous waits for a rank that comes up late, and gives up on one that never
 // does once the bound has passed, returning it.
 TEST(GossiperTest, AwaitPeersWaitsForLateRanksUpToTheBound) {

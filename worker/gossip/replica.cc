@@ -59,7 +59,8 @@ GossipReplica::GossipReplica(Options options, std::vector<float> values, double 
       numel_(static_cast<int64_t>(values.size())),
       x_(std::move(values)),
       w_(weight),
-      step_(step) {}
+      step_(step),
+      root_(options_.root) {}
 
 void GossipReplica::Read(absl::Span<float> out) const {
   absl::MutexLock lock(&mu_);
@@ -233,9 +234,8 @@ absl::StatusOr<ExchangeReply> GossipReplica::Handle(const ExchangeHeader& h,
     return absl::InvalidArgumentError(
         absl::StrCat(where, ": push-sum weight must be finite and > 0, got ", h.weight));
   }
-  if (h.kind == ExchangeKind::kFinal && options_.rank != options_.root) {
-    return absl::FailedPreconditionError(
-        absl::StrCat(where, ": finals go to rank ", options_.root));
+  if (const int32_t root = this->root(); h.kind == ExchangeKind::kFinal && options_.rank != root) {
+    return absl::FailedPreconditionError(absl::StrCat(where, ": finals go to rank ", root));
   }
   auto codec = ValueCodec::Create(h.codec);
   if (!codec.ok()) return Annotate(codec.status(), where);
@@ -278,8 +278,19 @@ ReplicaSnapshot GossipReplica::Finish() {
   finished_ = true;
   stopped_ = true;
   ReplicaSnapshot mine{x_, w_, step_};
-  if (options_.rank == options_.root) finals_.emplace(options_.rank, mine);
+  if (options_.rank == root_) finals_.emplace(options_.rank, mine);
   return mine;
+}
+
+int32_t GossipReplica::root() const {
+  absl::MutexLock lock(&mu_);
+  return root_;
+}
+
+void GossipReplica::BecomeRoot() {
+  absl::MutexLock lock(&mu_);
+  root_ = options_.rank;
+  if (finished_) finals_.emplace(options_.rank, ReplicaSnapshot{x_, w_, step_});
 }
 
 ReplicaSnapshot GossipReplica::Stop() {

@@ -179,6 +179,12 @@ class GossipReplica {
   // resumed rank is included again), and nothing is recorded as a final. Returns (x, w, step)
   // for the checkpoint: every share absorbed before the call is in it.
   ReplicaSnapshot Stop();
+  // The rank that gathers finals: options().root, or this rank once BecomeRoot ran.
+  int32_t root() const;
+  // A rank whose every lower rank is gone (gave up delivering its final to each) gathers the
+  // finals itself: from now on finals are accepted here, and (once finished) its own final
+  // is recorded as one of them. Idempotent.
+  void BecomeRoot();
   // Root: the finals received so far (including its own after Finish), by rank.
   std::map<int32_t, ReplicaSnapshot> Finals() const;
   // Root: every final is in (or given up); reported by State().gathered.
@@ -228,6 +234,7 @@ class GossipReplica {
   bool gathered_ ABSL_GUARDED_BY(mu_) = false;      // MarkGathered() was called.
   int64_t gathered_seen_ ABSL_GUARDED_BY(mu_) = 0;  // GetState answers that said gathered.
   std::map<int32_t, ReplicaSnapshot> finals_ ABSL_GUARDED_BY(mu_);  // Root only.
+  int32_t root_ ABSL_GUARDED_BY(mu_);                               // See root().
   ConsensusSample consensus_ ABSL_GUARDED_BY(mu_);
 };
 
