@@ -124,6 +124,21 @@ absl::Status Coordinator::Load() {
     JobEntry& entry = jobs_[record.status().job_id()];
     entry.record = std::move(record);
     entry.rank_states = std::move(rank_states);
+    if (IsActive(entry.record.status().state()) &&
+        SpecMode(entry.record.status().spec()) == Mode::kGossip) {
+      // Whether a final model is out is read back from the model the store holds (its header
+      // only: the callback stops the read).
+      const std::string& id = entry.record.status().job_id();
+      store_
+          ->ReadModel(
+              id, MODEL_STATE,
+              [&entry](const ModelHeader& h) {
+                entry.final_published = h.final();
+                return false;
+              },
+              [](absl::string_view) { return false; })
+          .IgnoreError();
+    }
     JobStatus published = entry.record.status();
     published.set_updated_ms(0);
     entry.published = published.SerializeAsString();

@@ -372,7 +372,8 @@ class Coordinator {
     std::vector<TaskState> rank_states;
     // allreduce: restarts after a rank lost a peer (RestartAfterPeerLossLocked; memory only).
     int peer_restarts = 0;
-    // A final model (MODEL_STATE, final) was published (memory only).
+    // A final model (MODEL_STATE, final) was published (read back from the store at Load for
+    // active gossip jobs).
     bool final_published = false;
   };
   // The rank whose node publishes the job's model: 0; in gossip, with rank 0 lost, the lowest

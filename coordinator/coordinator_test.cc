@@ -794,6 +794,8 @@ TEST_F(CoordinatorTest, AGossipJobWhoseRankZeroIsLostEndsOnceTheFallbackRootPubl
   EXPECT_EQ(Get("g").state(), RUNNING) << "no final model yet";
   h.set_node("w1");
   ASSERT_OK(core_->PublishModel(h, payload, Creds("w1")));
+  // A coordinator restart after the publish keeps the fact: the model is in its store.
+  ASSERT_NO_FATAL_FAILURE(Start());
   Beat("w1", {Report("g", 1, "succeeded", 100)});
   const JobStatus g = Get("g");
   EXPECT_EQ(g.state(), SUCCEEDED);

@@ -295,10 +295,17 @@ void WorkerAgent::Reconcile(const std::vector<Task>& desired) {
         run.peers.assign(next.peers().begin(), next.peers().end());
         if (run.trainer != nullptr) run.trainer->SetPeers(run.peers);
       }
-      LogInfo(options_.logger, "task_group_changed",
-              {Kv("job", next.job_id()), Kv("rank", next.index()),
-               Kv("active_ranks", absl::StrJoin(next.active_ranks(), ",")),
-               Kv("generation", next.generation())});
+      std::vector<LogField> fields = {Kv("job", next.job_id()), Kv("rank", next.index()),
+                                      Kv("active_ranks", absl::StrJoin(next.active_ranks(), ",")),
+                                      Kv("generation", next.generation())};
+      // Gossip: the peers taken in place ("-": a rank without a node).
+      if (gossip) {
+        fields.push_back(Kv(
+            "peers", absl::StrJoin(next.peers(), ",", [](std::string* out, const std::string& p) {
+              out->append(p.empty() ? "-" : p);
+            })));
+      }
+      LogInfo(options_.logger, "task_group_changed", fields);
     } else if (next.generation() != generation) {
       // New placement: stop this run; start the new one once it has ended.
       run.RequestStop();
