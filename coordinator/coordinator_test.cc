@@ -85,7 +85,6 @@ class CoordinatorTest : public ::testing::Test {
     return resp.ok() ? *resp : HeartbeatResponse();
   }
 
-  // Keeps `nodes` alive across `ms` of fake time (heartbeats every 500 ms).
   // The generation of `job`'s rank `rank` task, as `node`'s heartbeat hands it out.
   int64_t TaskGeneration(const std::string& node, const std::string& job, int rank) {
     const HeartbeatResponse h = Beat(node);
@@ -96,6 +95,18 @@ class CoordinatorTest : public ::testing::Test {
     return -1;
   }
 
+  // Registers workers a and b and submits allreduce job "ar" (2 ranks, checkpoints every 10
+  // steps); `nodes[r]` is then the node running rank r.
+  void SubmitCheckpointedAllreduce(std::vector<std::string>* nodes) {
+    Register("a", WORKER);
+    Register("b", WORKER);
+    JobSpec spec = Spec("ar", "allreduce", 2);
+    spec.mutable_checkpoint()->set_every_steps(10);
+    ASSERT_OK_AND_ASSIGN(JobStatus st, Submit(spec));
+    *nodes = {st.workers(0).node(), st.workers(1).node()};
+  }
+
+  // Keeps `nodes` alive across `ms` of fake time (heartbeats every 500 ms).
   void Pass(int64_t ms, const std::vector<std::string>& nodes) {
     for (int64_t t = 0; t < ms; t += 500) {
       clock_.AdvanceMs(500);
@@ -509,13 +520,11 @@ TEST_F(CoordinatorTest, FailedReportFailsTheJobAndWithdrawsTasks) {
 // node missed its heartbeats) starts every rank again instead of failing the job, at most
 // kMaxPeerLossRestarts times; any other failure, or a job without checkpoints, fails it.
 TEST_F(CoordinatorTest, AnAllreduceRankThatLostAPeerRestartsTheRanksBoundedly) {
-  Register("a", WORKER);
-  Register("b", WORKER);
-  JobSpec spec = Spec("ar", "allreduce", 2);
-  spec.mutable_checkpoint()->set_every_steps(10);
-  ASSERT_OK_AND_ASSIGN(JobStatus st, Submit(spec));
-  const std::string node0 = st.workers(0).node(), node1 = st.workers(1).node();
-  auto generation = [&](int rank) { return TaskGeneration(rank == 0 ? node0 : node1, "ar", rank); };
+  std::vector<std::string> nodes;
+  ASSERT_NO_FATAL_FAILURE(SubmitCheckpointedAllreduce(&nodes));
+  const std::string node0 = nodes[0], node1 = nodes[1];
+  auto generation = [&](int rank) { return TaskGeneration(nodes[rank], "ar", rank); };
+  JobStatus st;
   Beat(node0, {Report("ar", 0, "running", 20, generation(0))});
   Beat(node1, {Report("ar", 1, "running", 20, generation(1))});
   ASSERT_EQ(Get("ar").state(), RUNNING);
@@ -556,13 +565,10 @@ TEST_F(CoordinatorTest, AnAllreduceRankThatLostAPeerRestartsTheRanksBoundedly) {
 // paused past its heartbeat timeout lost its rank, got it back (a new generation) and then
 // its old run finished. A stale report that did not finish changes nothing.
 TEST_F(CoordinatorTest, AStaleReportThatRanEveryStepFinishesTheRank) {
-  Register("a", WORKER);
-  Register("b", WORKER);
-  JobSpec spec = Spec("ar", "allreduce", 2);
-  spec.mutable_checkpoint()->set_every_steps(10);
-  ASSERT_OK_AND_ASSIGN(JobStatus st, Submit(spec));
-  const std::string node0 = st.workers(0).node(), node1 = st.workers(1).node();
-  auto generation = [&](int rank) { return TaskGeneration(rank == 0 ? node0 : node1, "ar", rank); };
+  std::vector<std::string> nodes;
+  ASSERT_NO_FATAL_FAILURE(SubmitCheckpointedAllreduce(&nodes));
+  const std::string node0 = nodes[0], node1 = nodes[1];
+  auto generation = [&](int rank) { return TaskGeneration(nodes[rank], "ar", rank); };
   const int64_t old0 = generation(0);
   Beat(node1, {Report("ar", 1, "running", 20, generation(1))});
   // A restart (a lost peer) gives every rank a new generation.

@@ -43,10 +43,8 @@ bool Evaluates(const Task& task) {
   return task.index() == *std::min_element(task.active_ranks().begin(), task.active_ranks().end());
 }
 
-// True if `a` and `b` differ at most in the sync group (active ranks, lr scale) and the
-// generation: the rank can go on in place.
-// Whether tasks a and b differ only in their sync group (and generation), or also in their
-// peers' addresses when `peers_too`.
+// True if `a` and `b` differ at most in the sync group (active ranks, lr scale), the
+// generation and, with `peers_too`, the peers' addresses: the rank can go on in place.
 bool OnlyGroupChanged(const Task& a, const Task& b, bool peers_too = false) {
   Task x = a, y = b;
   for (Task* t : {&x, &y}) {
@@ -291,15 +289,13 @@ void WorkerAgent::Reconcile(const std::vector<Task>& desired) {
             std::vector<int32_t>(next.active_ranks().begin(), next.active_ranks().end()),
             Evaluates(next));
       }
-      if (gossip) {
-        run.peers.assign(next.peers().begin(), next.peers().end());
-        if (run.trainer != nullptr) run.trainer->SetPeers(run.peers);
-      }
       std::vector<LogField> fields = {Kv("job", next.job_id()), Kv("rank", next.index()),
                                       Kv("active_ranks", absl::StrJoin(next.active_ranks(), ",")),
                                       Kv("generation", next.generation())};
-      // Gossip: the peers taken in place ("-": a rank without a node).
       if (gossip) {
+        run.peers.assign(next.peers().begin(), next.peers().end());
+        if (run.trainer != nullptr) run.trainer->SetPeers(run.peers);
+        // The peers taken in place ("-": a rank without a node).
         fields.push_back(Kv(
             "peers", absl::StrJoin(next.peers(), ",", [](std::string* out, const std::string& p) {
               out->append(p.empty() ? "-" : p);

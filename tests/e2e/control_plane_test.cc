@@ -252,6 +252,27 @@ log_every: 25
 
   void LoseWorkerMidJob(int sig, const std::string& job);
 
+  // Submits `spec` (job `job`) and waits until the job is past step `step` with its `workers`
+  // ranks placed; `*node` is then the node running rank `rank` (the one a test kills).
+  void SubmitAndAwaitStep(const std::string& spec, const std::string& job, int64_t step,
+                          int workers, int rank, std::string* node) {
+    const CliResult submit = SubmitWhenPlaced(spec);
+    ASSERT_EQ(submit.code, 0) << submit.out;
+    ASSERT_TRUE(WaitForStatus(
+        job,
+        [&](const JobStatus& s) {
+          if (s.progress().step() < step || s.workers_size() < workers) return false;
+          *node = s.workers(rank).node();
+          return true;
+        },
+        absl::Minutes(3)));
+  }
+
+  // The worker daemon named `name`: w0, w1, or `w2` (started by the tests that need a third).
+  Subprocess* WorkerDaemon(const std::string& name, Subprocess* w2 = nullptr) {
+    return name == "w0" ? w0_.get() : name == "w1" ? w1_.get() : w2;
+  }
+
   std::string coordinator_bin_, cli_bin_, token_file_, coordinator_;
   int coordinator_port_ = 0;
   std::unique_ptr<Subprocess> coord_proc_;
@@ -343,20 +364,11 @@ TEST_F(ControlPlaneTest, SubmitAndWatchThroughTheCliReachesAccuracy) {
 void ControlPlaneTest::LoseWorkerMidJob(int sig, const std::string& job) {
   StartCluster();
   const std::string spec = WriteYaml("mlp", MlpSpec(job, 2));
-  const CliResult submit = SubmitWhenPlaced(spec);
-  ASSERT_EQ(submit.code, 0) << submit.out;
 
   // Kill the daemon running rank 1 once the job is well under way.
   std::string victim_node;
-  ASSERT_TRUE(WaitForStatus(
-      job,
-      [&](const JobStatus& s) {
-        if (s.progress().step() < 200 || s.workers_size() < 2) return false;
-        victim_node = s.workers(1).node();
-        return true;
-      },
-      absl::Minutes(3)));
-  Subprocess* victim = victim_node == "w0" ? w0_.get() : w1_.get();
+  ASSERT_NO_FATAL_FAILURE(SubmitAndAwaitStep(spec, job, 200, 2, 1, &victim_node));
+  Subprocess* victim = WorkerDaemon(victim_node);
   ASSERT_OK(victim->Signal(sig));
   if (sig == SIGTERM) {
     // Preempted: it leaves cleanly and promptly, reporting its rank stopped.
@@ -454,18 +466,9 @@ TEST_F(ControlPlaneTest, SyncJobReformsItsGroupWhenAWorkerDies) {
       // on a quiet machine too (1 epoch once finished before the coordinator saw step 50).
       "sync", absl::StrReplaceAll(MlpSpec("elastic", 3), {{"mode: async", "mode: sync"},
                                                           {"num_workers: 2", "num_workers: 3"}}));
-  const CliResult submit = SubmitWhenPlaced(spec);
-  ASSERT_EQ(submit.code, 0) << submit.out;
   std::string victim_node;
-  ASSERT_TRUE(WaitForStatus(
-      "elastic",
-      [&](const JobStatus& s) {
-        if (s.progress().step() < 50 || s.workers_size() < 3) return false;
-        victim_node = s.workers(2).node();
-        return true;
-      },
-      absl::Minutes(3)));
-  Subprocess* victim = victim_node == "w0" ? w0_.get() : victim_node == "w1" ? w1_.get() : w2.get();
+  ASSERT_NO_FATAL_FAILURE(SubmitAndAwaitStep(spec, "elastic", 50, 3, 2, &victim_node));
+  Subprocess* victim = WorkerDaemon(victim_node, w2.get());
   ASSERT_OK(victim->Signal(SIGKILL));
 
   // No worker has a free slot: the group re-forms with the two survivors, which finish the job.
@@ -508,21 +511,9 @@ seed: 1
 log_every: 25
 gossip: {topology: exponential, every_steps: 1, timeout_s: 2}
 )");
-  const CliResult submit = SubmitWhenPlaced(spec);
-  ASSERT_EQ(submit.code, 0) << submit.out;
   std::string victim_node;
-  ASSERT_TRUE(WaitForStatus(
-      "gossip-killed",
-      [&](const JobStatus& s) {
-        if (s.progress().step() < 200 || s.workers_size() < 3) return false;
-        victim_node = s.workers(0).node();
-        return true;
-      },
-      absl::Minutes(3)));
-  auto node_of = [&](const std::string& name) {
-    return name == "w0" ? w0_.get() : name == "w1" ? w1_.get() : w2.get();
-  };
-  ASSERT_OK(node_of(victim_node)->Signal(SIGKILL));
+  ASSERT_NO_FATAL_FAILURE(SubmitAndAwaitStep(spec, "gossip-killed", 200, 3, 0, &victim_node));
+  ASSERT_OK(WorkerDaemon(victim_node, w2.get())->Signal(SIGKILL));
   CliResult watch = Cli({"watch", "gossip-killed"}, absl::Minutes(5));
   EXPECT_EQ(watch.code, 0) << watch.out;
   const JobStatus st = Status("gossip-killed");
@@ -534,7 +525,7 @@ gossip: {topology: exponential, every_steps: 1, timeout_s: 2}
   EXPECT_GT(st.progress().accuracy(), 0.9) << st.DebugString();
   for (int rank : {1, 2}) {
     EXPECT_EQ(st.workers(rank).step(), 3000) << rank;
-    const std::string log = ReadFile(node_of(st.workers(rank).node())->log_path());
+    const std::string log = ReadFile(WorkerDaemon(st.workers(rank).node(), w2.get())->log_path());
     // One run, from step 0 to the end: the new peers were taken in place.
     EXPECT_EQ(LinesWith(log, "event=task_start").size(), 1u) << log;
     EXPECT_NE(log.find("event=task_group_changed"), std::string::npos) << log;
@@ -571,18 +562,9 @@ log_every: 25
 checkpoint: {every_steps: 100}
 allreduce: {timeout_s: 5}
 )");
-  const CliResult submit = SubmitWhenPlaced(spec);
-  ASSERT_EQ(submit.code, 0) << submit.out;
   std::string victim_node;
-  ASSERT_TRUE(WaitForStatus(
-      "ar-killed",
-      [&](const JobStatus& s) {
-        if (s.progress().step() < 250 || s.workers_size() < 2) return false;
-        victim_node = s.workers(1).node();
-        return true;
-      },
-      absl::Minutes(3)));
-  Subprocess* victim = victim_node == "w0" ? w0_.get() : victim_node == "w1" ? w1_.get() : w2.get();
+  ASSERT_NO_FATAL_FAILURE(SubmitAndAwaitStep(spec, "ar-killed", 250, 2, 1, &victim_node));
+  Subprocess* victim = WorkerDaemon(victim_node, w2.get());
   ASSERT_OK(victim->Signal(SIGKILL));
 
   CliResult watch = Cli({"watch", "ar-killed"}, absl::Minutes(5));

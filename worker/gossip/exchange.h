@@ -60,6 +60,11 @@ struct ReplicaState {
 // connection leaves that unknown.
 inline constexpr char kGossipNotSentPayload[] = "type.gradmesh/gossip.not_sent";
 
+// How a rank that is not the gather root refuses a final (FAILED_PRECONDITION, followed by the
+// root's rank). A sender waiting for a fallback root to take over recognises it by this text:
+// status payloads do not cross gRPC.
+inline constexpr char kFinalsGoToRank[] = "finals go to rank ";
+
 // How the Gossiper reaches peers. The gRPC implementation is NewGrpcGossipTransport
 // (grpc_transport.h); tests use in-process ones.
 class GossipTransport {

@@ -118,7 +118,6 @@ class GossipMode : public TrainingMode {
   absl::Mutex peers_mu_;
   std::vector<std::string> peers_ ABSL_GUARDED_BY(peers_mu_);
   std::unique_ptr<GossipTransport> transport_ ABSL_GUARDED_BY(peers_mu_);
-  GossipTransport* transport_view_ = nullptr;  // transport_, for the training thread.
   std::unique_ptr<Gossiper> gossiper_;
   double consensus_ = -1;
   size_t ranks_averaged_ = 0;
@@ -197,11 +196,12 @@ absl::StatusOr<int64_t> GossipMode::Restore(std::vector<float>* values, double* 
 }
 
 absl::Status GossipMode::StartGossiper(std::unique_ptr<Topology> topology, bool first_start) {
+  GossipTransport* transport;  // Lives as long as this mode; the Gossiper holds it.
   {
     absl::MutexLock lock(&peers_mu_);
     transport_ =
         NewGrpcGossipTransport(peers_, options_.peer_rpc, options_.job_token, options_.rank_token);
-    transport_view_ = transport_.get();
+    transport = transport_.get();
   }
   GossiperOptions go;
   go.codec = gs_.codec();
@@ -210,7 +210,7 @@ absl::Status GossipMode::StartGossiper(std::unique_ptr<Topology> topology, bool 
   go.max_wait = options_.wait_for_workers;
   go.cancel = &stop_requested_;
   go.logger = options_.logger;
-  ASSIGN_OR_RETURN(gossiper_, Gossiper::Create(go, replica_, std::move(topology), transport_view_));
+  ASSIGN_OR_RETURN(gossiper_, Gossiper::Create(go, replica_, std::move(topology), transport));
   // Ranks started seconds apart (process start, data loading, a busy machine) would otherwise
   // train apart: the first would mix with nobody, the last with finished peers.
   if (first_start) gossiper_->AwaitPeers(absl::Seconds(gs_.start_wait_s()));

@@ -362,24 +362,25 @@ absl::Status Gossiper::DeliverFinal(const ReplicaSnapshot& final, int32_t to, bo
     }
     const absl::StatusCode code = reply.status().code();
     const absl::Time now = absl::Now();
-    const bool not_root_yet = until_root && code == absl::StatusCode::kFailedPrecondition &&
-                              absl::StrContains(reply.status().message(), "finals go to rank");
-    if (not_root_yet) {
-      first_failure = absl::InfiniteFuture();  // It answers: alive, not the root yet.
+    if (until_root && code == absl::StatusCode::kFailedPrecondition &&
+        absl::StrContains(reply.status().message(), kFinalsGoToRank)) {
+      // It answers: alive, not the root yet.
       if (now - start > options_.max_wait ||
           (options_.cancel != nullptr && options_.cancel->load())) {
         return reply.status();
       }
+      first_failure = absl::InfiniteFuture();
     } else if (code == absl::StatusCode::kFailedPrecondition ||
                code == absl::StatusCode::kInvalidArgument) {
       return reply.status();
-    }
-    if (!not_root_yet && first_failure == absl::InfiniteFuture()) first_failure = now;
-    if (!not_root_yet && now - first_failure >= options_.dead_after) {
-      return absl::UnavailableError(
-          absl::StrCat("gossip job ", h.job, " rank ", rank_,
-                       ": gave up delivering the final model to rank ", root, " after ",
-                       absl::FormatDuration(now - first_failure), ": ", reply.status().ToString()));
+    } else {
+      if (first_failure == absl::InfiniteFuture()) first_failure = now;
+      if (now - first_failure >= options_.dead_after) {
+        return absl::UnavailableError(absl::StrCat(
+            "gossip job ", h.job, " rank ", rank_, ": gave up delivering the final model to rank ",
+            root, " after ", absl::FormatDuration(now - first_failure), ": ",
+            reply.status().ToString()));
+      }
     }
     absl::SleepFor(backoff);
     backoff = std::min(2 * backoff, absl::Seconds(1));

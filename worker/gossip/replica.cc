@@ -235,7 +235,7 @@ absl::StatusOr<ExchangeReply> GossipReplica::Handle(const ExchangeHeader& h,
         absl::StrCat(where, ": push-sum weight must be finite and > 0, got ", h.weight));
   }
   if (const int32_t root = this->root(); h.kind == ExchangeKind::kFinal && options_.rank != root) {
-    return absl::FailedPreconditionError(absl::StrCat(where, ": finals go to rank ", root));
+    return absl::FailedPreconditionError(absl::StrCat(where, ": ", kFinalsGoToRank, root));
   }
   auto codec = ValueCodec::Create(h.codec);
   if (!codec.ok()) return Annotate(codec.status(), where);
