@@ -15,9 +15,22 @@ namespace gradmesh {
 
 ShardDurability::ShardDurability(const JobState* job, RequestLedger* ledger, ShardStore* store,
                                  const Logger* logger)
-    : job_(job), ledger_(ledger), store_(store), logger_(logger) {
+    : job_(job), ledger_(ledger), store_(store), logger_(logger), state_bytes_(StateBytes(*job)) {
   absl::MutexLock lock(&mu_);
   snapshot_time_ = absl::Now();
+}
+
+int64_t LogBytesPerSnapshot(int64_t state_bytes) {
+  return std::max(kLogBytesPerSnapshot, kLogPerStateBytes * state_bytes);
+}
+
+int64_t ShardDurability::StateBytes(const JobState& job) {
+  int64_t floats = 0;
+  for (const auto& [idx, chunk] : job.chunks()) {
+    const int slots = job.is_buffer(chunk->info.tensor) ? 0 : job.optimizer().num_slots();
+    floats += chunk->info.numel * (1 + slots);
+  }
+  return floats * static_cast<int64_t>(sizeof(float));
 }
 
 absl::Status ShardDurability::Apply(const ChunkUpdate& u, bool replay,
@@ -166,7 +179,7 @@ bool ShardDurability::StartSnapshot(bool force) {
   const int64_t updates = ledger_->updates_applied();
   const bool by_count = updates - snapshot_update_ >= d.snapshot_every_updates();
   // Bounds the log files and replay (see kLogBytesPerSnapshot).
-  const bool by_bytes = logged_bytes_ >= kLogBytesPerSnapshot;
+  const bool by_bytes = logged_bytes_ >= LogBytesPerSnapshot(state_bytes_);
   // Time-based snapshots would differ between shards of a sync job: count only there.
   const bool by_time = !job_->sync_mode() && d.snapshot_every_seconds() > 0 &&
                        updates > snapshot_update_ &&
@@ -177,18 +190,16 @@ bool ShardDurability::StartSnapshot(bool force) {
   return true;
 }
 
-void ShardDurability::Capture(std::map<int64_t, state::ChunkState>* chunks,
-                              state::JobSnapshot* snap) {
+void ShardDurability::Capture(SnapshotWrite* write, state::JobSnapshot* snap) {
   // Exclusive: no update is half-applied while we copy.
   absl::WriterMutexLock apply_lock(&apply_mu_);
   for (const auto& [idx, chunk] : job_->chunks()) {
     absl::MutexLock lock(&chunk->mu);
-    state::ChunkState& cs = (*chunks)[idx];
-    cs.set_version(chunk->version);
-    cs.set_values(reinterpret_cast<const char*>(chunk->values.data()),
-                  chunk->values.size() * sizeof(float));
-    cs.set_slots(reinterpret_cast<const char*>(chunk->slots.data()),
-                 chunk->slots.size() * sizeof(float));
+    write->AddChunk(idx, chunk->version,
+                    absl::string_view(reinterpret_cast<const char*>(chunk->values.data()),
+                                      chunk->values.size() * sizeof(float)),
+                    absl::string_view(reinterpret_cast<const char*>(chunk->slots.data()),
+                                      chunk->slots.size() * sizeof(float)));
   }
   ledger_->SaveTo(snap);
 }
@@ -202,11 +213,11 @@ absl::Status ShardDurability::MaybeSnapshot(bool force) {
     return st;
   }
   const absl::Time start = absl::Now();
-  std::map<int64_t, state::ChunkState> chunks;
+  SnapshotWrite write(job_->name(), static_cast<size_t>(state_bytes_));
   state::JobSnapshot snap;
-  Capture(&chunks, &snap);
+  Capture(&write, &snap);
   // A forced snapshot (job creation, job end) also (re)writes the layout: the first one must.
-  auto bytes = store_->WriteSnapshot(job_->name(), force ? &job_->layout() : nullptr, chunks, snap);
+  auto bytes = store_->WriteSnapshot(&write, force ? &job_->layout() : nullptr, snap);
   // Before the next snapshot may start (snapshot_running_), so that no later snapshot's
   // segments are deleted under an earlier one.
   const absl::Status rotated = bytes.ok() && job_->durability() == Durability::kEveryUpdate
@@ -344,6 +355,7 @@ ShardDurability::Stats ShardDurability::stats() const {
   s.replayed = replayed_;
   s.log_records = log_records_;
   s.log_writes = log_writes_;
+  s.state_bytes = state_bytes_;
   return s;
 }
 

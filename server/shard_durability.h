@@ -23,7 +23,7 @@
 //                 it, then writes one atomic batch (which also drops the RocksDB log records of
 //                 older stores up to the snapshot) and rotates the log files, deleting the
 //                 segments the snapshot covers. Due every snapshot_every_updates updates,
-//                 every kLogBytesPerSnapshot of log, or every snapshot_every_seconds (not for
+//                 every LogBytesPerSnapshot of log, or every snapshot_every_seconds (not for
 //                 sync jobs, so all shards of a sync job snapshot at the same steps); a failed
 //                 one is retried no sooner than 5 s later.
 //   Restore       loads the stored chunks and ledger, then replays the log in order.
@@ -64,11 +64,18 @@
 
 namespace gradmesh {
 
-// every_update: snapshot once this much has been logged. It bounds replay and the log's files
-// (about 4x this per job: the live segment, the previous one until the next snapshot, and two
-// spares), and amortises snapshots: at 4 MiB pushes, one snapshot (a RocksDB write of every
-// chunk) per 32 pushes instead of per 8 (at 32 MiB) costs ~6% less CPU per push.
+// every_update: snapshot once LogBytesPerSnapshot(the job's state bytes on this shard) have
+// been logged: kLogBytesPerSnapshot, or kLogPerStateBytes times the state (values and
+// optimizer slots) if that is more. It bounds replay and the log's files (about 4x it per job:
+// the live segment, the previous one until the next snapshot, and two spares), and amortises
+// snapshots, which cost several times more per byte than the log (a RocksDB write of every
+// chunk: write-ahead log, memtable, flush to a table file). At 4 MiB pushes, one snapshot per
+// 32 pushes instead of per 8 (at 32 MiB) costs ~6% less CPU per push. A fixed bound alone
+// made a large shard snapshot after nearly every push: a 64 MiB state, pushed whole, ran
+// every_update at 0.13-0.29x of none (one snapshot per two pushes).
 inline constexpr int64_t kLogBytesPerSnapshot = 128ll << 20;
+inline constexpr int64_t kLogPerStateBytes = 4;
+int64_t LogBytesPerSnapshot(int64_t state_bytes);
 
 // Thread safety: every method may be called concurrently (Restore before the job is shared);
 // lock order apply_mu_ > Chunk::mu > mu_ > the ledger's lock; log_mu_ and order_mu_ are
@@ -112,6 +119,7 @@ class ShardDurability {
     int64_t replayed = 0;     // Log records replayed by Restore.
     int64_t log_records = 0;  // Records written to the log (every_update).
     int64_t log_writes = 0;   // Writes that wrote them (group commit: <= log_records).
+    int64_t state_bytes = 0;  // The job's values and optimizer slots here (StateBytes).
   };
   Stats stats() const ABSL_LOCKS_EXCLUDED(mu_);
 
@@ -145,8 +153,9 @@ class ShardDurability {
   // Whether a snapshot should start now; if so marks it running.
   bool StartSnapshot(bool force) ABSL_LOCKS_EXCLUDED(mu_);
   // Copies every chunk and the ledger, from one instant.
-  void Capture(std::map<int64_t, state::ChunkState>* chunks, state::JobSnapshot* snap)
-      ABSL_LOCKS_EXCLUDED(apply_mu_);
+  // The job's values and optimizer slots on this shard, in bytes (fixed by its layout).
+  static int64_t StateBytes(const JobState& job);
+  void Capture(SnapshotWrite* write, state::JobSnapshot* snap) ABSL_LOCKS_EXCLUDED(apply_mu_);
   absl::Status RestoreChunks(const ShardStore::StoredJob& stored) const;
   absl::Status ReplayLog(const ShardStore::StoredJob& stored,
                          const std::function<absl::Status(const ChunkUpdate&)>& replay) const;
@@ -155,6 +164,7 @@ class ShardDurability {
   RequestLedger* const ledger_;
   ShardStore* const store_;  // Not owned.
   const Logger* const logger_;
+  const int64_t state_bytes_;  // StateBytes(*job_).
 
   // Updates hold this shared; snapshots hold it exclusive to see a consistent state.
   absl::Mutex apply_mu_;

@@ -209,6 +209,19 @@ TEST_F(ShardDurabilityTest, SnapshotsAreTakenByCountAndDropTheLog) {
   EXPECT_EQ(s.chunks.at(1).version(), 3);
 }
 
+// A snapshot costs several times more per byte than the log, so the log between two grows with
+// the state: a large shard does not snapshot after every push.
+TEST_F(ShardDurabilityTest, TheLogBetweenSnapshotsGrowsWithTheState) {
+  EXPECT_EQ(LogBytesPerSnapshot(0), kLogBytesPerSnapshot);
+  EXPECT_EQ(LogBytesPerSnapshot(kLogBytesPerSnapshot / kLogPerStateBytes), kLogBytesPerSnapshot);
+  EXPECT_EQ(LogBytesPerSnapshot(int64_t{1} << 30), kLogPerStateBytes << 30);
+  // a[8]: 8 values, and with Adam its two slots of 8.
+  Parts sgd(Layout("every_update", 1000), store_.get());
+  EXPECT_EQ(sgd.durability.stats().state_bytes, 8 * 4);
+  Parts adam(Layout("every_update", 1000, /*adam=*/true), store_.get());
+  EXPECT_EQ(adam.durability.stats().state_bytes, 3 * 8 * 4);
+}
+
 TEST_F(ShardDurabilityTest, RestoreLoadsTheSnapshotAndReplaysTheLogExactly) {
   std::vector<float> want;
   {

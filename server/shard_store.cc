@@ -1,5 +1,6 @@
 #include "server/shard_store.h"
 
+#include <google/protobuf/io/coded_stream.h>
 #include <rocksdb/db.h>
 #include <rocksdb/options.h>
 #include <rocksdb/write_batch.h>
@@ -41,6 +42,14 @@ absl::StatusOr<std::unique_ptr<ShardStore>> ShardStore::Open(const std::string& 
   o.create_if_missing = true;
   o.compression = rocksdb::kNoCompression;  // Float data barely compresses.
   o.write_buffer_size = 64 << 20;
+  // Chunk states (64 KiB and up) go to blob files when the memtable is flushed, instead of
+  // into table files that compaction rewrites again and again: a snapshot is a rewrite of every
+  // chunk. Measured with every_update at 64 MiB pushes (a 64 MiB state, one snapshot per four
+  // pushes): 1.15x the throughput; at 4 MiB within the noise. Blobs of chunks a later snapshot
+  // replaced are dropped by compaction. Stores from before still open (they have no blobs).
+  o.enable_blob_files = true;
+  o.min_blob_size = 64 << 10;
+  o.enable_blob_garbage_collection = true;
   // A write-ahead log cut short by a crash (its last record torn) is recovered up to the tear;
   // one damaged elsewhere is an error at open. RocksDB's default recovery stops at the first
   // damage without a word, and the jobs written after it would be forgotten. (A log file
@@ -101,23 +110,61 @@ absl::Status ShardStore::DeleteJob(const std::string& job) {
   return RemoveLog(job);
 }
 
-absl::StatusOr<int64_t> ShardStore::WriteSnapshot(
-    const std::string& job, const InitJobRequest* layout,
-    const std::map<int64_t, state::ChunkState>& chunks, const state::JobSnapshot& snapshot) {
-  rocksdb::WriteBatch batch;
-  int64_t bytes = 0;
+SnapshotWrite::SnapshotWrite(std::string job, size_t reserve_bytes)
+    : job_(std::move(job)), batch_(std::make_unique<rocksdb::WriteBatch>(reserve_bytes + 4096)) {}
+
+SnapshotWrite::~SnapshotWrite() = default;
+
+void SnapshotWrite::AddChunk(int64_t idx, int64_t version, absl::string_view values,
+                             absl::string_view slots) {
+  // state::ChunkState's wire bytes, as protobuf writes them (proto3: a zero version and empty
+  // arrays are left out): version = 1 (varint), values = 2 and slots = 3 (length-delimited).
+  using google::protobuf::io::CodedOutputStream;
+  uint8_t head[2 * (1 + 10)], mid[1 + 10];
+  uint8_t* h = head;
+  if (version != 0) {
+    *h++ = (1 << 3) | 0;
+    h = CodedOutputStream::WriteVarint64ToArray(static_cast<uint64_t>(version), h);
+  }
+  if (!values.empty()) {
+    *h++ = (2 << 3) | 2;
+    h = CodedOutputStream::WriteVarint64ToArray(values.size(), h);
+  }
+  uint8_t* m = mid;
+  if (!slots.empty()) {
+    *m++ = (3 << 3) | 2;
+    m = CodedOutputStream::WriteVarint64ToArray(slots.size(), m);
+  }
+  const std::string key = ChunkKey(job_, idx);
+  const rocksdb::Slice key_part(key);
+  const rocksdb::Slice parts[] = {
+      rocksdb::Slice(reinterpret_cast<const char*>(head), static_cast<size_t>(h - head)),
+      rocksdb::Slice(values.data(), values.size()),
+      rocksdb::Slice(reinterpret_cast<const char*>(mid), static_cast<size_t>(m - mid)),
+      rocksdb::Slice(slots.data(), slots.size())};
+  batch_->Put(rocksdb::SliceParts(&key_part, 1), rocksdb::SliceParts(parts, 4));
+  bytes_ +=
+      static_cast<int64_t>(key.size() + (h - head) + values.size() + (m - mid) + slots.size());
+}
+
+absl::StatusOr<int64_t> ShardStore::WriteSnapshot(SnapshotWrite* write,
+                                                  const InitJobRequest* layout,
+                                                  const state::JobSnapshot& snapshot) {
+  const std::string& job = write->job_;
+  rocksdb::WriteBatch& batch = *write->batch_;
+  int64_t bytes = write->bytes_;
   auto put = [&](const std::string& key, const std::string& value) {
     bytes += static_cast<int64_t>(key.size() + value.size());
     batch.Put(key, value);
   };
   if (layout != nullptr) put(MetaKey(job), layout->SerializeAsString());
-  for (const auto& [idx, chunk] : chunks) put(ChunkKey(job, idx), chunk.SerializeAsString());
   put(SnapKey(job), snapshot.SerializeAsString());
   batch.DeleteRange(LogKey(job, 0), LogKey(job, snapshot.seq() + 1));
   rocksdb::WriteOptions w;
   w.sync = options_.fsync;
   absl::Status st =
       FromRocks(db_->Write(w, &batch), absl::StrCat("snapshot of job ", job, " in ", dir_));
+  batch.Clear();
   if (!st.ok()) return st;
   return bytes;
 }

@@ -1,6 +1,8 @@
 #include "server/shard_store.h"
 
 #include <cstdlib>
+#include <map>
+#include <memory>
 #include <string>
 
 #include "common/status_testing.h"
@@ -14,6 +16,14 @@ std::string TempDir() {
   char* d = mkdtemp(tmpl.data());
   EXPECT_NE(d, nullptr);
   return tmpl;
+}
+
+// A snapshot write of `chunks` (as the shard adds them: version, values, slots).
+std::unique_ptr<SnapshotWrite> Chunks(const std::string& job,
+                                      const std::map<int64_t, state::ChunkState>& chunks) {
+  auto write = std::make_unique<SnapshotWrite>(job, 0);
+  for (const auto& [idx, c] : chunks) write->AddChunk(idx, c.version(), c.values(), c.slots());
+  return write;
 }
 
 state::UpdateRecord Record(int64_t seq, float value) {
@@ -42,13 +52,14 @@ TEST(ShardStoreTest, SnapshotAndLogSurviveReopen) {
   snap.set_seq(0);
   {
     ASSERT_OK_AND_ASSIGN(auto store, ShardStore::Open(dir, {}));
-    ASSERT_OK_AND_ASSIGN(int64_t bytes, store->WriteSnapshot("j1", &layout, chunks, snap));
+    ASSERT_OK_AND_ASSIGN(int64_t bytes,
+                         store->WriteSnapshot(Chunks("j1", chunks).get(), &layout, snap));
     EXPECT_GT(bytes, 8);
     for (int64_t seq = 1; seq <= 5; ++seq) ASSERT_OK(store->AppendUpdate("j1", Record(seq, seq)));
     // A later snapshot at seq 3 drops records 1-3 and keeps 4-5.
     snap.set_seq(3);
     chunks[0].set_version(3);
-    ASSERT_OK(store->WriteSnapshot("j1", nullptr, chunks, snap));
+    ASSERT_OK(store->WriteSnapshot(Chunks("j1", chunks).get(), nullptr, snap));
   }
   ASSERT_OK_AND_ASSIGN(auto store, ShardStore::Open(dir, {}));
   ASSERT_OK_AND_ASSIGN(auto jobs, store->LoadAll());
@@ -65,13 +76,44 @@ TEST(ShardStoreTest, SnapshotAndLogSurviveReopen) {
   EXPECT_EQ(jobs[0].log[1].requests(0).request_id(), 1005u);
 }
 
+// The chunks a snapshot writes are read back as protobuf wrote them: every field, a zero
+// version and empty arrays (which proto3 leaves out), versions and sizes past one byte.
+TEST(ShardStoreTest, SnapshotChunksAreChunkStatesWhateverTheirFields) {
+  const std::string dir = TempDir();
+  std::map<int64_t, state::ChunkState> chunks;
+  chunks[0].set_values("abcd");                        // version 0: left out
+  chunks[1].set_version(300);                          // a two-byte varint, no arrays
+  chunks[2].set_version(-1);                           // negative: ten bytes
+  chunks[2].set_values(std::string(1 << 20, '\x7f'));  // a three-byte length
+  chunks[2].set_slots(std::string(2 << 20, '\x01'));
+  chunks[0x123456789].set_version(int64_t{1} << 40);  // a key past 32 bits
+  chunks[0x123456789].set_slots("wxyz");              // slots without values
+  ASSERT_OK_AND_ASSIGN(auto store, ShardStore::Open(dir, {}));
+  InitJobRequest layout;
+  layout.set_job("j");
+  ASSERT_OK_AND_ASSIGN(int64_t bytes, store->WriteSnapshot(Chunks("j", chunks).get(), &layout,
+                                                           state::JobSnapshot()));
+  EXPECT_GT(bytes, 3 << 20);
+  ASSERT_OK_AND_ASSIGN(auto jobs, store->LoadAll());
+  ASSERT_EQ(jobs.size(), 1u);
+  ASSERT_EQ(jobs[0].chunks.size(), chunks.size());
+  for (const auto& [idx, c] : chunks) {
+    SCOPED_TRACE(idx);
+    const state::ChunkState& got = jobs[0].chunks.at(idx);
+    EXPECT_EQ(got.version(), c.version());
+    EXPECT_EQ(got.values(), c.values());
+    EXPECT_EQ(got.slots(), c.slots());
+    EXPECT_EQ(got.SerializeAsString(), c.SerializeAsString());
+  }
+}
+
 TEST(ShardStoreTest, JobsAreSeparateAndOrderedNumerically) {
   const std::string dir = TempDir();
   ASSERT_OK_AND_ASSIGN(auto store, ShardStore::Open(dir, {}));
   for (const char* name : {"a", "a.b", "b"}) {
     InitJobRequest layout;
     layout.set_job(name);
-    ASSERT_OK(store->WriteSnapshot(name, &layout, {}, state::JobSnapshot()));
+    ASSERT_OK(store->WriteSnapshot(Chunks(name, {}).get(), &layout, state::JobSnapshot()));
   }
   // 300 records: keys must sort numerically (hex, fixed width), not as decimal strings.
   for (int64_t seq = 1; seq <= 300; ++seq) ASSERT_OK(store->AppendUpdate("a", Record(seq, 0)));
