@@ -8,6 +8,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "common/status.h"
+#include "server/chunks_file.h"
 #include "server/push_decoding.h"
 #include "server/update_log.h"
 
@@ -190,18 +191,31 @@ bool ShardDurability::StartSnapshot(bool force) {
   return true;
 }
 
-void ShardDurability::Capture(SnapshotWrite* write, state::JobSnapshot* snap) {
-  // Exclusive: no update is half-applied while we copy.
+void ShardDurability::Capture(ChunksFileWriter* file, state::JobSnapshot* snap) {
+  // Exclusive: no update is half-applied while the chunks are written.
   absl::WriterMutexLock apply_lock(&apply_mu_);
   for (const auto& [idx, chunk] : job_->chunks()) {
     absl::MutexLock lock(&chunk->mu);
-    write->AddChunk(idx, chunk->version,
-                    absl::string_view(reinterpret_cast<const char*>(chunk->values.data()),
-                                      chunk->values.size() * sizeof(float)),
-                    absl::string_view(reinterpret_cast<const char*>(chunk->slots.data()),
-                                      chunk->slots.size() * sizeof(float)));
+    file->Add(idx, chunk->version,
+              absl::string_view(reinterpret_cast<const char*>(chunk->values.data()),
+                                chunk->values.size() * sizeof(float)),
+              absl::string_view(reinterpret_cast<const char*>(chunk->slots.data()),
+                                chunk->slots.size() * sizeof(float)));
   }
   ledger_->SaveTo(snap);
+}
+
+absl::StatusOr<int64_t> ShardDurability::WriteSnapshot(int slot, bool force,
+                                                       state::JobSnapshot* snap) {
+  ASSIGN_OR_RETURN(std::unique_ptr<ChunksFileWriter> file,
+                   store_->OpenChunksFile(job_->name(), slot));
+  Capture(file.get(), snap);
+  ASSIGN_OR_RETURN(state::ChunksFileRef ref, file->Finish());  // Synced with fsync.
+  ref.set_slot(slot);
+  *snap->mutable_chunks_file() = ref;
+  SnapshotWrite keys(job_->name(), 0);  // No chunk keys: the file holds them.
+  // A forced snapshot (job creation, job end) also (re)writes the layout: the first one must.
+  return store_->WriteSnapshot(&keys, force ? &job_->layout() : nullptr, *snap);
 }
 
 absl::Status ShardDurability::MaybeSnapshot(bool force) {
@@ -213,11 +227,15 @@ absl::Status ShardDurability::MaybeSnapshot(bool force) {
     return st;
   }
   const absl::Time start = absl::Now();
-  SnapshotWrite write(job_->name(), static_cast<size_t>(state_bytes_));
+  int slot;
+  {
+    // The chunk file the stored snapshot does not name: a crash while it is written leaves
+    // that snapshot whole.
+    absl::MutexLock lock(&mu_);
+    slot = chunks_slot_ == 0 ? 1 : 0;
+  }
   state::JobSnapshot snap;
-  Capture(&write, &snap);
-  // A forced snapshot (job creation, job end) also (re)writes the layout: the first one must.
-  auto bytes = store_->WriteSnapshot(&write, force ? &job_->layout() : nullptr, snap);
+  const absl::StatusOr<int64_t> bytes = WriteSnapshot(slot, force, &snap);
   // Before the next snapshot may start (snapshot_running_), so that no later snapshot's
   // segments are deleted under an earlier one.
   const absl::Status rotated = bytes.ok() && job_->durability() == Durability::kEveryUpdate
@@ -234,6 +252,7 @@ absl::Status ShardDurability::MaybeSnapshot(bool force) {
     return bytes.status();
   }
   snapshot_update_ = snap.seq();
+  chunks_slot_ = slot;
   logged_bytes_ = 0;
   snapshot_time_ = absl::Now();
   ++snapshots_;
@@ -324,6 +343,7 @@ absl::Status ShardDurability::Restore(
     ledger_->RestoreFrom(s.snapshot);
     absl::MutexLock lock(&mu_);
     snapshot_update_ = s.snapshot.seq();
+    chunks_slot_ = s.snapshot.has_chunks_file() ? s.snapshot.chunks_file().slot() : -1;
     restored_ = true;
   }
   // Replay logged updates in order, through the same code that applied them.

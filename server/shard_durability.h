@@ -68,11 +68,10 @@ namespace gradmesh {
 // been logged: kLogBytesPerSnapshot, or kLogPerStateBytes times the state (values and
 // optimizer slots) if that is more. It bounds replay and the log's files (about 4x it per job:
 // the live segment, the previous one until the next snapshot, and two spares), and amortises
-// snapshots, which cost several times more per byte than the log (a RocksDB write of every
-// chunk: write-ahead log, memtable, flush to a table file). At 4 MiB pushes, one snapshot per
-// 32 pushes instead of per 8 (at 32 MiB) costs ~6% less CPU per push. A fixed bound alone
-// made a large shard snapshot after nearly every push: a 64 MiB state, pushed whole, ran
-// every_update at 0.13-0.29x of none (one snapshot per two pushes).
+// snapshots: each writes the whole state (a chunk file, server/chunks_file.h), so with
+// whole-state pushes a snapshot per push would double what the log costs. A fixed bound alone
+// made a large shard snapshot after nearly every push (a 64 MiB state pushed whole: one
+// snapshot per two pushes, every_update at 0.22x of none; 0.74x now, with the chunk files).
 inline constexpr int64_t kLogBytesPerSnapshot = 128ll << 20;
 inline constexpr int64_t kLogPerStateBytes = 4;
 int64_t LogBytesPerSnapshot(int64_t state_bytes);
@@ -80,6 +79,8 @@ int64_t LogBytesPerSnapshot(int64_t state_bytes);
 // Thread safety: every method may be called concurrently (Restore before the job is shared);
 // lock order apply_mu_ > Chunk::mu > mu_ > the ledger's lock; log_mu_ and order_mu_ are
 // leaves. One job's durability.
+class ChunksFileWriter;
+
 class ShardDurability {
  public:
   // `job` and `ledger` must outlive this; `store` may be null only for jobs without
@@ -155,7 +156,11 @@ class ShardDurability {
   // Copies every chunk and the ledger, from one instant.
   // The job's values and optimizer slots on this shard, in bytes (fixed by its layout).
   static int64_t StateBytes(const JobState& job);
-  void Capture(SnapshotWrite* write, state::JobSnapshot* snap) ABSL_LOCKS_EXCLUDED(apply_mu_);
+  // Writes every chunk to `file` and the ledger to `snap`, with the apply lock exclusive.
+  void Capture(ChunksFileWriter* file, state::JobSnapshot* snap) ABSL_LOCKS_EXCLUDED(apply_mu_);
+  // Writes chunk file `slot` (Capture), then the snapshot naming it; the bytes written.
+  absl::StatusOr<int64_t> WriteSnapshot(int slot, bool force, state::JobSnapshot* snap)
+      ABSL_LOCKS_EXCLUDED(apply_mu_, mu_);
   absl::Status RestoreChunks(const ShardStore::StoredJob& stored) const;
   absl::Status ReplayLog(const ShardStore::StoredJob& stored,
                          const std::function<absl::Status(const ChunkUpdate&)>& replay) const;
@@ -183,7 +188,8 @@ class ShardDurability {
   mutable absl::Mutex mu_;
   bool snapshot_running_ ABSL_GUARDED_BY(mu_) = false;
   int64_t snapshot_update_ ABSL_GUARDED_BY(mu_) = 0;
-  int64_t logged_bytes_ ABSL_GUARDED_BY(mu_) = 0;         // Log bytes since the last snapshot.
+  int chunks_slot_ ABSL_GUARDED_BY(mu_) = -1;      // The stored snapshot's chunk file; -1: none.
+  int64_t logged_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // Log bytes since the last snapshot.
   absl::Time snapshot_retry_after_ ABSL_GUARDED_BY(mu_);  // Back-off after a failure.
   absl::Time snapshot_time_ ABSL_GUARDED_BY(mu_);
   int64_t snapshots_ ABSL_GUARDED_BY(mu_) = 0;

@@ -775,7 +775,7 @@ TEST_F(DurabilityTest, ADamagedStoreLogFailsAndALostOneLeavesAnOrphanedUpdateLog
   ASSERT_FALSE(logs.empty());
   const std::string wal = logs.back();
   const uintmax_t size = std::filesystem::file_size(wal);
-  ASSERT_GT(size, 300u);
+  ASSERT_GT(size, 150u);
   std::string original;
   {
     std::fstream f(wal, std::ios::in | std::ios::out | std::ios::binary);

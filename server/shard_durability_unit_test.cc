@@ -1,5 +1,6 @@
 #include <signal.h>
 #include <sys/resource.h>
+#include <unistd.h>
 
 #include <cstdlib>
 #include <cstring>
@@ -410,6 +411,77 @@ TEST_F(ShardDurabilityTest, OldStoresWithTheLogInRocksDbStillRestore) {
   ASSERT_EQ(after.log.size(), 4u);
   EXPECT_EQ(after.log[3].seq(), 4);
   EXPECT_EQ(after.log[3].requests(0).request_id(), 103u);
+}
+
+// Snapshots write their chunks to chunks.0 and chunks.1 in turn, each over the file the stored
+// snapshot does not name: a crash while one is written (here: that file garbled or cut) leaves
+// the stored snapshot whole, and the restore exact.
+TEST_F(ShardDurabilityTest, SnapshotsAlternateChunkFilesSoATornOneLosesNothing) {
+  const std::string files = dir_ + "/updates/j/";
+  std::vector<float> want;
+  {
+    Parts p(Layout("every_update", 2, /*adam=*/true), store_.get());
+    p.SetValues(1.0f);
+    ASSERT_OK(p.durability.MaybeSnapshot(/*force=*/true));
+    EXPECT_EQ(Load().snapshot.chunks_file().slot(), 0);
+    for (int step = 0; step < 2; ++step) {
+      ASSERT_OK(p.Push(0.25f, 0, step));
+      ASSERT_OK(p.durability.MaybeSnapshot(/*force=*/false));
+    }
+    EXPECT_EQ(p.durability.stats().snapshots, 2);
+    const ShardStore::StoredJob s = Load();
+    EXPECT_EQ(s.snapshot.chunks_file().slot(), 1);
+    EXPECT_EQ(s.snapshot.chunks_file().chunks(), 2);
+    EXPECT_EQ(s.snapshot.chunks_file().bytes(), 8 + 2 * (32 + 3 * 4 * 4));  // Adam: 2 slots.
+    ASSERT_OK(p.Push(0.5f, 1, 0));  // Logged after the snapshot.
+    want = p.Values();
+  }
+  // The next snapshot would write chunks.0: a crash in the middle of it.
+  ASSERT_EQ(truncate((files + "chunks.0").c_str(), 20), 0);
+  ShardStore::StoredJob s = Load();
+  ASSERT_EQ(s.log.size(), 1u);
+  Parts r(s.layout, store_.get());
+  ASSERT_OK(
+      r.durability.Restore(s, [&r](const ChunkUpdate& u) { return r.Apply(u, /*replay=*/true); }));
+  EXPECT_EQ(r.Values(), want);
+  // The restored job goes on with the other file, and the torn one is written whole.
+  ASSERT_OK(r.durability.MaybeSnapshot(/*force=*/true));
+  s = Load();
+  EXPECT_EQ(s.snapshot.chunks_file().slot(), 0);
+  EXPECT_TRUE(s.log.empty());
+  Parts again(s.layout, store_.get());
+  ASSERT_OK(again.durability.Restore(s, [](const ChunkUpdate&) { return absl::OkStatus(); }));
+  EXPECT_EQ(again.Values(), want);
+  EXPECT_EQ(again.ChunkBytes(), r.ChunkBytes());
+}
+
+// A store from before chunk files: chunk states as RocksDB keys. It restores, and its next
+// snapshot moves them to a file and deletes the keys.
+TEST_F(ShardDurabilityTest, OldStoresWithChunkKeysRestoreAndMoveToAFile) {
+  Parts p(Layout("periodic", 1000), store_.get());
+  p.SetValues(2.0f);
+  {
+    SnapshotWrite keys("j", 0);
+    std::vector<float> v0(4, 3.0f), v1(4, 4.0f);
+    keys.AddChunk(0, 5, absl::string_view(reinterpret_cast<const char*>(v0.data()), 16), "");
+    keys.AddChunk(1, 6, absl::string_view(reinterpret_cast<const char*>(v1.data()), 16), "");
+    state::JobSnapshot snap;
+    p.ledger.SaveTo(&snap);
+    ASSERT_OK(store_->WriteSnapshot(&keys, &p.job->layout(), snap));
+  }
+  ShardStore::StoredJob s = Load();
+  EXPECT_FALSE(s.snapshot.has_chunks_file());
+  Parts r(s.layout, store_.get());
+  ASSERT_OK(r.durability.Restore(s, [](const ChunkUpdate&) { return absl::OkStatus(); }));
+  EXPECT_EQ(r.Values(), std::vector<float>({3, 3, 3, 3, 4, 4, 4, 4}));
+  ASSERT_OK(r.durability.MaybeSnapshot(/*force=*/true));
+  s = Load();
+  EXPECT_EQ(s.snapshot.chunks_file().slot(), 0);
+  EXPECT_EQ(s.chunks.at(1).version(), 6);
+  // The keys are gone: with the reference cleared the snapshot has no chunks at all.
+  ASSERT_OK(store_->WriteSnapshot(std::make_unique<SnapshotWrite>("j", 0).get(), nullptr,
+                                  state::JobSnapshot()));
+  EXPECT_TRUE(Load().chunks.empty());
 }
 
 TEST_F(ShardDurabilityTest, PeriodicDoesNotLogAndNoneDoesNothing) {

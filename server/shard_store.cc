@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/status.h"
+#include "server/chunks_file.h"
 #include "server/update_log.h"
 
 namespace gradmesh {
@@ -22,6 +23,13 @@ std::string ChunkKey(const std::string& job, int64_t idx) {
 std::string LogPrefix(const std::string& job) { return absl::StrCat("l/", job, "/"); }
 std::string LogKey(const std::string& job, int64_t seq) {
   return absl::StrFormat("l/%s/%016x", job, seq);
+}
+
+// Keys of a job's chunks and log records run from PREFIX up to (not including) the prefix
+// with its last byte, '/', replaced by the next one, '0'.
+std::string EndOfPrefix(std::string prefix) {
+  prefix.back() = '0';
+  return prefix;
 }
 
 absl::Status FromRocks(const rocksdb::Status& s, const std::string& what) {
@@ -42,14 +50,6 @@ absl::StatusOr<std::unique_ptr<ShardStore>> ShardStore::Open(const std::string& 
   o.create_if_missing = true;
   o.compression = rocksdb::kNoCompression;  // Float data barely compresses.
   o.write_buffer_size = 64 << 20;
-  // Chunk states (64 KiB and up) go to blob files when the memtable is flushed, instead of
-  // into table files that compaction rewrites again and again: a snapshot is a rewrite of every
-  // chunk. Measured with every_update at 64 MiB pushes (a 64 MiB state, one snapshot per four
-  // pushes): 1.15x the throughput; at 4 MiB within the noise. Blobs of chunks a later snapshot
-  // replaced are dropped by compaction. Stores from before still open (they have no blobs).
-  o.enable_blob_files = true;
-  o.min_blob_size = 64 << 10;
-  o.enable_blob_garbage_collection = true;
   // A write-ahead log cut short by a crash (its last record torn) is recovered up to the tear;
   // one damaged elsewhere is an error at open. RocksDB's default recovery stops at the first
   // damage without a word, and the jobs written after it would be forgotten. (A log file
@@ -88,18 +88,18 @@ absl::Status ShardStore::RemoveLog(const std::string& job) {
   return UpdateLog::Remove(log_root(), job);
 }
 
+absl::StatusOr<std::unique_ptr<ChunksFileWriter>> ShardStore::OpenChunksFile(const std::string& job,
+                                                                             int slot) {
+  return ChunksFileWriter::Open(ChunksFilePath(absl::StrCat(log_root(), "/", job), slot),
+                                options_.fsync);
+}
+
 absl::Status ShardStore::DeleteJob(const std::string& job) {
-  // Keys of the job's chunks and log records run from PREFIX up to (not including) the
-  // prefix with its last byte, '/', replaced by the next one, '0'.
-  auto end_of = [](std::string prefix) {
-    prefix.back() = '0';
-    return prefix;
-  };
   rocksdb::WriteBatch batch;
   batch.Delete(MetaKey(job));
   batch.Delete(SnapKey(job));
-  batch.DeleteRange(ChunkPrefix(job), end_of(ChunkPrefix(job)));
-  batch.DeleteRange(LogPrefix(job), end_of(LogPrefix(job)));
+  batch.DeleteRange(ChunkPrefix(job), EndOfPrefix(ChunkPrefix(job)));
+  batch.DeleteRange(LogPrefix(job), EndOfPrefix(LogPrefix(job)));
   rocksdb::WriteOptions w;
   w.sync = options_.fsync;
   absl::Status st =
@@ -153,6 +153,10 @@ absl::StatusOr<int64_t> ShardStore::WriteSnapshot(SnapshotWrite* write,
   const std::string& job = write->job_;
   rocksdb::WriteBatch& batch = *write->batch_;
   int64_t bytes = write->bytes_;
+  if (snapshot.has_chunks_file()) {
+    bytes += snapshot.chunks_file().bytes();
+    batch.DeleteRange(ChunkPrefix(job), EndOfPrefix(ChunkPrefix(job)));
+  }
   auto put = [&](const std::string& key, const std::string& value) {
     bytes += static_cast<int64_t>(key.size() + value.size());
     batch.Put(key, value);
@@ -189,8 +193,15 @@ absl::StatusOr<std::vector<ShardStore::StoredJob>> ShardStore::LoadAll() {
       return absl::DataLossError(
           absl::StrCat("job ", name, " has no readable snapshot in ", dir_, ": ", s.ToString()));
     }
+    if (job.snapshot.has_chunks_file()) {
+      const state::ChunksFileRef& ref = job.snapshot.chunks_file();
+      ASSIGN_OR_RETURN(
+          job.chunks,
+          ReadChunksFile(ChunksFilePath(absl::StrCat(log_root(), "/", name), ref.slot()), ref));
+    }
     const std::string cp = ChunkPrefix(name);
-    for (it->Seek(cp); it->Valid() && it->key().starts_with(cp); it->Next()) {
+    for (it->Seek(cp); !job.snapshot.has_chunks_file() && it->Valid() && it->key().starts_with(cp);
+         it->Next()) {
       const std::string hex = it->key().ToString().substr(cp.size());
       const int64_t idx = static_cast<int64_t>(std::stoull(hex, nullptr, 16));
       state::ChunkState chunk;

@@ -8,18 +8,22 @@
 //
 // Keys (job names are [A-Za-z0-9_.-]+, so '/' separates safely):
 //   m/<job>            InitJobRequest without initial values
-//   s/<job>            state::JobSnapshot
-//   c/<job>/<idx:16x>  state::ChunkState of partition chunk idx
+//   s/<job>            state::JobSnapshot, naming the chunk file that holds its chunk states
+//   c/<job>/<idx:16x>  state::ChunkState of partition chunk idx: the chunk states as stores
+//                      written before the chunk files kept them (still read, and dropped by
+//                      snapshots)
 //   l/<job>/<seq:16x>  state::UpdateRecord, seq > snapshot seq: the log as stores written
 //                      before the log files kept it (still read, and dropped by snapshots)
-// and beside them, the every_update log as files (server/update_log.h):
+// and beside them, as files, the every_update log (server/update_log.h) and the snapshots'
+// chunk states (server/chunks_file.h):
 //   <dir>/updates/<job>/<first seq:16x>.log
+//   <dir>/updates/<job>/chunks.<0|1>
 // RocksDB's write-ahead log, CRC and memtable cost several copies of every gradient and
 // serialised the pushes; an append-only file written with one writev per group of
 // concurrent records references the gradients' bytes where they are (see README.md,
 // "Durability cost").
 //
-// Writes go through RocksDB's write-ahead log, or the log file's write. With fsync=false
+// Writes go through RocksDB's write-ahead log, or the files' writes. With fsync=false
 // (default) a write survives the process dying (kill -9) but not the machine; fsync=true
 // survives both and costs an fsync per write (per group of records for the log files).
 //
@@ -46,14 +50,13 @@ class WriteBatch;
 
 namespace gradmesh {
 
+class ChunksFileWriter;
 class UpdateLog;
 
-// A snapshot being put together for ShardStore::WriteSnapshot: each chunk's state is encoded
-// as a state::ChunkState straight into the write (the bytes protobuf would write), so its values
-// and slots are copied once, into a write sized up front. A snapshot used to copy them into a
-// ChunkState, serialise that (a second copy) and put it into a growing write (a third, plus
-// the write's reallocations): 5% of a shard's cycles in every_update at 4 MiB pushes.
-// Not thread-safe.
+// Chunk states as RocksDB keys c/<job>/<idx> (the format of snapshots before chunk files),
+// encoded as state::ChunkState straight into the write: what stores written before hold, and
+// how tests write them. A snapshot now writes its chunks to a file (OpenChunksFile) and
+// passes an empty SnapshotWrite. Not thread-safe.
 class SnapshotWrite {
  public:
   // `reserve_bytes`: about what the chunks' values and slots will take.
@@ -97,9 +100,16 @@ class ShardStore {
   // Deletes the job's update log files.
   absl::Status RemoveLog(const std::string& job);
 
-  // Atomically writes a snapshot of `write`'s job, its chunks as added to `write` (and the
-  // layout, when `layout` is non-null, as InitJob does), and drops log records with
-  // seq <= snapshot.seq(). Returns the bytes written. `write` is used up.
+  // Starts writing chunk file `slot` (0 or 1) of `job` (server/chunks_file.h) over what it
+  // held; its Finish syncs as Options.fsync says. Internal error naming the path.
+  absl::StatusOr<std::unique_ptr<ChunksFileWriter>> OpenChunksFile(const std::string& job,
+                                                                   int slot);
+
+  // Atomically writes a snapshot of `write`'s job (and the layout, when `layout` is non-null,
+  // as InitJob does) and drops log records with seq <= snapshot.seq(). Its chunks are those of
+  // the file snapshot.chunks_file() names (written and finished before; the chunk keys of an
+  // older store are deleted), or without one, those added to `write`. Returns the bytes
+  // written (the chunk file's included). `write` is used up.
   absl::StatusOr<int64_t> WriteSnapshot(SnapshotWrite* write, const InitJobRequest* layout,
                                         const state::JobSnapshot& snapshot);
 
@@ -113,7 +123,8 @@ class ShardStore {
     std::vector<state::UpdateRecord> log;  // seq > snapshot.seq, ascending.
   };
 
-  // Every job in the store: its log is the RocksDB records, then the log files' (each segment
+  // Every job in the store: its chunks from the snapshot's chunk file (or keys); its log is the
+  // RocksDB records, then the log files' (each segment
   // up to a torn tail). DataLoss naming the key or file if a value cannot be parsed, or if the
   // log does not hold every seq after the snapshot's exactly once, in order.
   absl::StatusOr<std::vector<StoredJob>> LoadAll();

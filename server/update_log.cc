@@ -76,19 +76,6 @@ uint64_t Checksum(const char* data, size_t size) {
   return c.Finish();
 }
 
-absl::Status Errno(const std::string& what, const std::string& path) {
-  return absl::InternalError(absl::StrCat(what, " ", path, ": ", std::strerror(errno)));
-}
-
-absl::Status SyncDir(const std::string& dir) {
-  const int fd = open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd < 0) return Errno("cannot open directory", dir);
-  const int rc = fsync(fd);
-  close(fd);
-  if (rc != 0) return Errno("cannot sync directory", dir);
-  return absl::OkStatus();
-}
-
 // The first seqs of the segments in `dir`, ascending (none if there is no directory).
 absl::StatusOr<std::vector<int64_t>> ListSegments(const std::string& dir) {
   std::vector<int64_t> firsts;
@@ -190,6 +177,19 @@ absl::Status ParseSegment(const std::string& path, int64_t first, const std::str
 
 }  // namespace
 
+absl::Status FileError(const std::string& what, const std::string& path) {
+  return absl::InternalError(absl::StrCat(what, " ", path, ": ", std::strerror(errno)));
+}
+
+absl::Status SyncDirectory(const std::string& dir) {
+  const int fd = open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) return FileError("cannot open directory", dir);
+  const int rc = fsync(fd);
+  close(fd);
+  if (rc != 0) return FileError("cannot sync directory", dir);
+  return absl::OkStatus();
+}
+
 void StreamChecksum::Update(const char* data, size_t size) {
   total_ += size;
   if (pending_size_ > 0) {
@@ -288,14 +288,14 @@ absl::StatusOr<std::unique_ptr<UpdateLog>> UpdateLog::Open(const std::string& ro
       continue;
     }
     if (unlink(SegmentName(dir, first).c_str()) != 0) {
-      return Errno("cannot delete stale log segment", SegmentName(dir, first));
+      return FileError("cannot delete stale log segment", SegmentName(dir, first));
     }
   }
   for (int i = 0; fresh && i < kSpares; ++i) {
     // Their records could have the seqs of the new job's first ones.
     const std::string spare = absl::StrCat(dir, "/spare.", i);
     if (unlink(spare.c_str()) != 0 && errno != ENOENT) {
-      return Errno("cannot delete stale log file", spare);
+      return FileError("cannot delete stale log file", spare);
     }
   }
   return std::unique_ptr<UpdateLog>(new UpdateLog(dir, fsync, std::move(kept)));
@@ -306,16 +306,16 @@ absl::Status UpdateLog::StartSegment(int64_t first) {
   if (!spares_.empty()) {
     // Written from its start; a reader stops at the older records past the new ones.
     const std::string spare = SparePath(spares_.back());
-    if (rename(spare.c_str(), path.c_str()) != 0) return Errno("cannot reuse log file", spare);
+    if (rename(spare.c_str(), path.c_str()) != 0) return FileError("cannot reuse log file", spare);
     spares_.pop_back();
     fd_ = open(path.c_str(), O_WRONLY | O_CLOEXEC);
   } else {
     fd_ = open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   }
-  if (fd_ < 0) return Errno("cannot create log segment", path);
+  if (fd_ < 0) return FileError("cannot create log segment", path);
   segments_.push_back({first, first - 1});
   size_ = 0;
-  if (fsync_) return SyncDir(dir_);  // The new file's name must survive a crash too.
+  if (fsync_) return SyncDirectory(dir_);  // The new file's name must survive a crash too.
   return absl::OkStatus();
 }
 
@@ -326,7 +326,7 @@ absl::Status UpdateLog::WriteAll(std::vector<iovec>* iov) {
     ssize_t n = writev(fd_, iov->data() + at, count);
     if (n < 0) {
       if (errno == EINTR) continue;
-      return Errno("cannot write log segment", SegmentPath(segments_.back().first));
+      return FileError("cannot write log segment", SegmentPath(segments_.back().first));
     }
     // Skip what was written (a short write continues where it stopped).
     while (at < iov->size() && static_cast<size_t>(n) >= (*iov)[at].iov_len) {
@@ -378,7 +378,7 @@ absl::Status UpdateLog::Append(int64_t first_seq, absl::Span<const EncodedRecord
   }
   absl::Status st = WriteAll(&iov);
   if (st.ok() && fsync_ && fdatasync(fd_) != 0) {
-    st = Errno("cannot sync log segment", SegmentPath(segments_.back().first));
+    st = FileError("cannot sync log segment", SegmentPath(segments_.back().first));
   }
   if (!st.ok()) {
     // Nothing of a failed batch may be replayed: cut the segment back to where it was.
@@ -407,11 +407,11 @@ absl::Status UpdateLog::Rotate(int64_t snapshot_seq) {
       int slot = 0;  // A spare name not in use.
       while (std::find(spares_.begin(), spares_.end(), slot) != spares_.end()) ++slot;
       if (rename(path.c_str(), SparePath(slot).c_str()) != 0) {
-        return Errno("cannot set aside log segment", path);
+        return FileError("cannot set aside log segment", path);
       }
       spares_.push_back(slot);
     } else if (unlink(path.c_str()) != 0 && errno != ENOENT) {
-      return Errno("cannot delete log segment", path);
+      return FileError("cannot delete log segment", path);
     }
   }
   segments_ = std::move(kept);
@@ -426,11 +426,11 @@ absl::Status UpdateLog::ReadSegments(const std::string& root, const std::string&
   for (int64_t first : *firsts) {
     const std::string path = SegmentName(dir, first);
     std::ifstream in(path, std::ios::binary | std::ios::ate);
-    if (!in.is_open()) return Errno("cannot open log segment", path);
+    if (!in.is_open()) return FileError("cannot open log segment", path);
     std::string bytes(static_cast<size_t>(in.tellg()), '\0');
     in.seekg(0);
     if (!in.read(bytes.data(), static_cast<std::streamsize>(bytes.size()))) {
-      return Errno("cannot read log segment", path);
+      return FileError("cannot read log segment", path);
     }
     if (absl::Status st = ParseSegment(path, first, bytes, out); !st.ok()) return st;
   }

@@ -86,6 +86,11 @@ class StreamChecksum {
   uint64_t total_ = 0;
 };
 
+// Internal error "<what> <path>: <strerror(errno)>".
+absl::Status FileError(const std::string& what, const std::string& path);
+// fsync of directory `dir` (after a file in it was created, renamed or deleted).
+absl::Status SyncDirectory(const std::string& dir);
+
 class UpdateLog {
  public:
   // The log of `job` under `root` (<store dir>/updates), whose next record will be `next_seq`.

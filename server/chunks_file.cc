@@ -1,0 +1,165 @@
+#include "server/chunks_file.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <system_error>
+
+#include "absl/strings/str_cat.h"
+
+namespace gradmesh {
+namespace {
+
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "chunk files are written little-endian");
+
+constexpr uint32_t kMagic = 0x31474d43;  // "CMG1" on disk.
+constexpr size_t kFileHead = 8;          // magic, zero.
+constexpr size_t kChunkHead = 32;        // index, version, values bytes, slots bytes.
+
+absl::Status Damaged(const std::string& path, const std::string& what) {
+  return absl::DataLossError(absl::StrCat("snapshot chunk file ", path, ": ", what,
+                                          " (the file was damaged or replaced after the "
+                                          "snapshot that names it was written)"));
+}
+
+}  // namespace
+
+std::string ChunksFilePath(const std::string& dir, int slot) {
+  return absl::StrCat(dir, "/chunks.", slot);
+}
+
+ChunksFileWriter::ChunksFileWriter(std::string path, int fd, bool fsync, bool created)
+    : path_(std::move(path)), fd_(fd), fsync_(fsync), created_(created) {}
+
+ChunksFileWriter::~ChunksFileWriter() {
+  if (fd_ >= 0) close(fd_);
+}
+
+absl::StatusOr<std::unique_ptr<ChunksFileWriter>> ChunksFileWriter::Open(const std::string& path,
+                                                                         bool fsync) {
+  const std::string dir = std::filesystem::path(path).parent_path().string();
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec) return absl::InternalError(absl::StrCat("cannot create ", dir, ": ", ec.message()));
+  // Written over in place (no O_TRUNC): the pages cached from the last time are reused.
+  bool created = false;
+  int fd = open(path.c_str(), O_WRONLY | O_CLOEXEC);
+  if (fd < 0 && errno == ENOENT) {
+    fd = open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+    created = true;
+  }
+  if (fd < 0) return FileError("cannot open snapshot chunk file", path);
+  auto writer = std::unique_ptr<ChunksFileWriter>(new ChunksFileWriter(path, fd, fsync, created));
+  const uint32_t head[2] = {kMagic, 0};
+  iovec iov{const_cast<uint32_t*>(head), kFileHead};
+  writer->Write(&iov, 1, kFileHead);
+  return writer;
+}
+
+void ChunksFileWriter::Write(const iovec* iov, int n, size_t bytes) {
+  if (!status_.ok()) return;
+  for (int i = 0; i < n; ++i) {
+    checksum_.Update(static_cast<const char*>(iov[i].iov_base), iov[i].iov_len);
+  }
+  // pwritev may write less than asked: continue from where it stopped.
+  std::vector<iovec> rest(iov, iov + n);
+  size_t done = 0;
+  size_t first = 0;
+  while (done < bytes) {
+    const ssize_t w = pwritev(fd_, rest.data() + first, static_cast<int>(rest.size() - first),
+                              static_cast<off_t>(size_ + done));
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) {
+      status_ = FileError("cannot write snapshot chunk file", path_);
+      return;
+    }
+    done += static_cast<size_t>(w);
+    size_t left = static_cast<size_t>(w);
+    while (first < rest.size() && left >= rest[first].iov_len) left -= rest[first++].iov_len;
+    if (first < rest.size()) {
+      rest[first].iov_base = static_cast<char*>(rest[first].iov_base) + left;
+      rest[first].iov_len -= left;
+    }
+  }
+  size_ += static_cast<int64_t>(bytes);
+}
+
+void ChunksFileWriter::Add(int64_t index, int64_t version, absl::string_view values,
+                           absl::string_view slots) {
+  const uint64_t head[4] = {static_cast<uint64_t>(index), static_cast<uint64_t>(version),
+                            values.size(), slots.size()};
+  const iovec iov[3] = {{const_cast<uint64_t*>(head), kChunkHead},
+                        {const_cast<char*>(values.data()), values.size()},
+                        {const_cast<char*>(slots.data()), slots.size()}};
+  Write(iov, 3, kChunkHead + values.size() + slots.size());
+  ++chunks_;
+}
+
+absl::StatusOr<state::ChunksFileRef> ChunksFileWriter::Finish() {
+  if (status_.ok() && ftruncate(fd_, static_cast<off_t>(size_)) != 0) {
+    status_ = FileError("cannot cut snapshot chunk file", path_);
+  }
+  if (status_.ok() && fsync_ && fdatasync(fd_) != 0) {
+    status_ = FileError("cannot sync snapshot chunk file", path_);
+  }
+  if (close(fd_) != 0 && status_.ok()) {
+    status_ = FileError("cannot close snapshot chunk file", path_);
+  }
+  fd_ = -1;
+  if (status_.ok() && fsync_ && created_) {
+    status_ = SyncDirectory(std::filesystem::path(path_).parent_path().string());
+  }
+  if (!status_.ok()) return status_;
+  state::ChunksFileRef ref;
+  ref.set_bytes(size_);
+  ref.set_chunks(chunks_);
+  ref.set_checksum(checksum_.Finish());
+  return ref;
+}
+
+absl::StatusOr<std::map<int64_t, state::ChunkState>> ReadChunksFile(
+    const std::string& path, const state::ChunksFileRef& ref) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return Damaged(path, "cannot be opened");
+  const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  if (in.bad()) return Damaged(path, "cannot be read");
+  if (static_cast<int64_t>(bytes.size()) != ref.bytes()) {
+    return Damaged(path, absl::StrCat("holds ", bytes.size(), " bytes, not ", ref.bytes()));
+  }
+  StreamChecksum sum;
+  sum.Update(bytes.data(), bytes.size());
+  uint32_t magic = 0;
+  if (bytes.size() >= 4) std::memcpy(&magic, bytes.data(), 4);
+  if (sum.Finish() != ref.checksum() || bytes.size() < kFileHead || magic != kMagic) {
+    return Damaged(path, "its checksum does not match");
+  }
+  std::map<int64_t, state::ChunkState> chunks;
+  size_t at = kFileHead;
+  while (at < bytes.size()) {
+    uint64_t head[4];
+    if (bytes.size() - at < kChunkHead) return Damaged(path, "a chunk header is cut short");
+    std::memcpy(head, bytes.data() + at, kChunkHead);
+    at += kChunkHead;
+    if (head[2] > bytes.size() - at || head[3] > bytes.size() - at - head[2]) {
+      return Damaged(path, absl::StrCat("chunk ", static_cast<int64_t>(head[0]), " is cut short"));
+    }
+    state::ChunkState& c = chunks[static_cast<int64_t>(head[0])];
+    c.set_version(static_cast<int64_t>(head[1]));
+    c.set_values(bytes.data() + at, head[2]);
+    c.set_slots(bytes.data() + at + head[2], head[3]);
+    at += head[2] + head[3];
+  }
+  if (static_cast<int64_t>(chunks.size()) != ref.chunks()) {
+    return Damaged(path, absl::StrCat("holds ", chunks.size(), " chunks, not ", ref.chunks()));
+  }
+  return chunks;
+}
+
+}  // namespace gradmesh
