@@ -8,8 +8,6 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
-#include <iterator>
 #include <system_error>
 
 #include "absl/strings/str_cat.h"
@@ -35,8 +33,8 @@ std::string ChunksFilePath(const std::string& dir, int slot) {
   return absl::StrCat(dir, "/chunks.", slot);
 }
 
-ChunksFileWriter::ChunksFileWriter(std::string path, int fd, bool fsync, bool created)
-    : path_(std::move(path)), fd_(fd), fsync_(fsync), created_(created) {}
+ChunksFileWriter::ChunksFileWriter(std::string path, int fd, bool fsync)
+    : path_(std::move(path)), fd_(fd), fsync_(fsync) {}
 
 ChunksFileWriter::~ChunksFileWriter() {
   if (fd_ >= 0) close(fd_);
@@ -49,14 +47,9 @@ absl::StatusOr<std::unique_ptr<ChunksFileWriter>> ChunksFileWriter::Open(const s
   std::filesystem::create_directories(dir, ec);
   if (ec) return absl::InternalError(absl::StrCat("cannot create ", dir, ": ", ec.message()));
   // Written over in place (no O_TRUNC): the pages cached from the last time are reused.
-  bool created = false;
-  int fd = open(path.c_str(), O_WRONLY | O_CLOEXEC);
-  if (fd < 0 && errno == ENOENT) {
-    fd = open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
-    created = true;
-  }
+  const int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0644);
   if (fd < 0) return FileError("cannot open snapshot chunk file", path);
-  auto writer = std::unique_ptr<ChunksFileWriter>(new ChunksFileWriter(path, fd, fsync, created));
+  auto writer = std::unique_ptr<ChunksFileWriter>(new ChunksFileWriter(path, fd, fsync));
   const uint32_t head[2] = {kMagic, 0};
   iovec iov{const_cast<uint32_t*>(head), kFileHead};
   writer->Write(&iov, 1, kFileHead);
@@ -66,7 +59,10 @@ absl::StatusOr<std::unique_ptr<ChunksFileWriter>> ChunksFileWriter::Open(const s
 void ChunksFileWriter::Write(const iovec* iov, int n, size_t bytes) {
   if (!status_.ok()) return;
   for (int i = 0; i < n; ++i) {
-    checksum_.Update(static_cast<const char*>(iov[i].iov_base), iov[i].iov_len);
+    // (An empty array's data() may be null, which the checksum's memcpy must not get.)
+    if (iov[i].iov_len > 0) {
+      checksum_.Update(static_cast<const char*>(iov[i].iov_base), iov[i].iov_len);
+    }
   }
   // pwritev may write less than asked: continue from where it stopped.
   std::vector<iovec> rest(iov, iov + n);
@@ -77,6 +73,7 @@ void ChunksFileWriter::Write(const iovec* iov, int n, size_t bytes) {
                               static_cast<off_t>(size_ + done));
     if (w < 0 && errno == EINTR) continue;
     if (w <= 0) {
+      if (w == 0) errno = EIO;  // Nothing written, and no error said why.
       status_ = FileError("cannot write snapshot chunk file", path_);
       return;
     }
@@ -113,8 +110,13 @@ absl::StatusOr<state::ChunksFileRef> ChunksFileWriter::Finish() {
     status_ = FileError("cannot close snapshot chunk file", path_);
   }
   fd_ = -1;
-  if (status_.ok() && fsync_ && created_) {
-    status_ = SyncDirectory(std::filesystem::path(path_).parent_path().string());
+  if (status_.ok() && fsync_) {
+    // The file's name, and its directory's in updates/ (either may be new: this job's first
+    // snapshot, or an earlier attempt that created the file and failed), must survive a crash
+    // before the snapshot naming it is written. Two fsyncs per snapshot.
+    const std::filesystem::path dir = std::filesystem::path(path_).parent_path();
+    status_ = SyncDirectory(dir.string());
+    if (status_.ok()) status_ = SyncDirectory(dir.parent_path().string());
   }
   if (!status_.ok()) return status_;
   state::ChunksFileRef ref;
@@ -126,10 +128,26 @@ absl::StatusOr<state::ChunksFileRef> ChunksFileWriter::Finish() {
 
 absl::StatusOr<std::map<int64_t, state::ChunkState>> ReadChunksFile(
     const std::string& path, const state::ChunksFileRef& ref) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return Damaged(path, "cannot be opened");
-  const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  if (in.bad()) return Damaged(path, "cannot be read");
+  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0 && errno == ENOENT) return Damaged(path, "is missing");
+  if (fd < 0) return FileError("cannot open snapshot chunk file", path);
+  struct stat st;
+  std::string bytes;
+  bool read_ok = fstat(fd, &st) == 0;
+  if (read_ok) bytes.resize(static_cast<size_t>(st.st_size));
+  for (size_t at = 0; read_ok && at < bytes.size();) {
+    const ssize_t r = read(fd, bytes.data() + at, bytes.size() - at);
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) {
+      read_ok = false;
+      if (r == 0) errno = EIO;  // Shorter than its size a moment ago.
+    }
+    at += r > 0 ? static_cast<size_t>(r) : 0;
+  }
+  const absl::Status read_error =
+      read_ok ? absl::OkStatus() : FileError("cannot read snapshot chunk file", path);
+  close(fd);
+  if (!read_error.ok()) return read_error;
   if (static_cast<int64_t>(bytes.size()) != ref.bytes()) {
     return Damaged(path, absl::StrCat("holds ", bytes.size(), " bytes, not ", ref.bytes()));
   }

@@ -1,5 +1,6 @@
 // ChunksFile: the chunk states of one job's snapshot (values, optimizer slots, versions) as a
-// file beside its update log, <store dir>/updates/<job>/chunks.<slot> (slot 0 or 1):
+// file beside its update log, <store dir>/updates/<job>/chunks.<slot> (slot 0 or 1 in turn; 2 once
+// a snapshot's RocksDB write failed, which may yet name the file it wrote):
 //
 //   magic u32 | zero u32, then per chunk:
 //   index i64 | version i64 | values bytes u64 | slots bytes u64 | values | slots
@@ -39,13 +40,16 @@ std::string ChunksFilePath(const std::string& dir, int slot);
 class ChunksFileWriter {
  public:
   // Starts writing `path` over whatever it holds (creating it and its directory if needed).
-  // `fsync`: Finish syncs the file (and the directory when the file is new). Internal error
-  // naming the path.
+  // `fsync`: Finish syncs the file, its directory and that one's parent. Internal error naming
+  // the path.
   static absl::StatusOr<std::unique_ptr<ChunksFileWriter>> Open(const std::string& path,
                                                                 bool fsync);
   ~ChunksFileWriter();
   ChunksFileWriter(const ChunksFileWriter&) = delete;
   ChunksFileWriter& operator=(const ChunksFileWriter&) = delete;
+
+  // Whether every write so far succeeded.
+  bool ok() const { return status_.ok(); }
 
   // Writes chunk `index`'s state (`values` and `slots`: float32 arrays' bytes) at the end. A
   // failed write is kept and returned by Finish; later Adds do nothing.
@@ -56,13 +60,12 @@ class ChunksFileWriter {
   absl::StatusOr<state::ChunksFileRef> Finish();
 
  private:
-  ChunksFileWriter(std::string path, int fd, bool fsync, bool created);
+  ChunksFileWriter(std::string path, int fd, bool fsync);
   void Write(const struct iovec* iov, int n, size_t bytes);
 
   const std::string path_;
   int fd_;
   const bool fsync_;
-  const bool created_;
   int64_t size_ = 0;
   int64_t chunks_ = 0;
   StreamChecksum checksum_;
@@ -70,7 +73,8 @@ class ChunksFileWriter {
 };
 
 // The chunk states of the file at `path` as `ref` describes it. DataLoss naming the path if it
-// is missing, or its size, checksum, chunk count or framing does not match.
+// is missing, or its size, checksum, chunk count or framing does not match; Internal error if
+// it cannot be opened or read.
 absl::StatusOr<std::map<int64_t, state::ChunkState>> ReadChunksFile(
     const std::string& path, const state::ChunksFileRef& ref);
 

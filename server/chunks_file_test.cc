@@ -103,7 +103,7 @@ TEST(ChunksFileTest, ADamagedMissingOrOtherFileIsDataLossNamingIt) {
   ASSERT_EQ(truncate(path.c_str(), ref.bytes() - 1), 0);
   expect_loss(ref, absl::StrCat("holds ", ref.bytes() - 1, " bytes, not ", ref.bytes()));
   std::filesystem::remove(path);
-  expect_loss(ref, "cannot be opened");
+  expect_loss(ref, "is missing");
 }
 
 TEST(ChunksFileTest, AFileThatCannotBeCreatedIsAnErrorNamingIt) {

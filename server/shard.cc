@@ -179,6 +179,9 @@ absl::Status Shard::DropStaleJob(const std::string& name, const std::string& inc
   }
   // Its workers are gone: the coordinator compacted the job and gave the name to a new one,
   // whose token the old workers do not have. Its memory returns when the last reference goes.
+  // A push still in flight must not write the old job's log or a snapshot into the files the
+  // new job is about to own.
+  old->durability.Close();
   if (options_.store != nullptr) {
     RETURN_IF_ERROR(
         Annotate(options_.store->DeleteJob(name), absl::StrCat("InitJob: replacing job ", name)));
@@ -270,7 +273,8 @@ absl::Status Shard::Restore() {
 void Shard::WarnOrphanedLogs(const std::vector<ShardStore::StoredJob>& stored) const {
   // A job's update log without the job in the store: the store lost what named it (its files
   // damaged or removed by hand). Nothing can replay it; say so rather than start as if the
-  // job never was.
+  // job never was. (A directory with only chunk files is a job whose creation did not finish:
+  // its first snapshot wrote the file, and the store never named it.)
   std::error_code ec;
   const std::string root = options_.store->log_root();
   for (std::filesystem::directory_iterator it(root, ec), end; !ec && it != end; it.increment(ec)) {
@@ -281,6 +285,13 @@ void Shard::WarnOrphanedLogs(const std::vector<ShardStore::StoredJob>& stored) c
                     [&](const ShardStore::StoredJob& s) { return s.layout.job() == job; })) {
       continue;
     }
+    bool has_log = false;
+    std::error_code file_ec;
+    for (std::filesystem::directory_iterator f(it->path(), file_ec), f_end;
+         !file_ec && f != f_end && !has_log; f.increment(file_ec)) {
+      has_log = f->path().extension() == ".log";
+    }
+    if (!has_log) continue;
     LogWarning(options_.logger, "orphaned_update_log",
                {Kv("job", job), Kv("path", it->path().string()),
                 Kv("why", "the store has no job of this name: its state cannot be restored")});

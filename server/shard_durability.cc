@@ -93,6 +93,14 @@ absl::Status ShardDurability::Commit(const EncodedRecord& record, absl::Function
 void ShardDurability::LeadBatch() {
   std::vector<Pending*> batch(queue_.begin(), queue_.end());
   queue_.clear();
+  if (log_closed_) {
+    for (Pending* p : batch) {
+      p->status = absl::AbortedError(absl::StrCat(
+          "Push: job ", job_->name(), " not applied: the job was replaced on this shard"));
+      p->done = true;
+    }
+    return;
+  }
   writing_ = true;
   const int64_t first = next_seq_;
   const bool fresh = !log_restored_;
@@ -170,10 +178,12 @@ absl::Status ShardDurability::RotateLog(int64_t snapshot_seq) {
 bool ShardDurability::StartSnapshot(bool force) {
   const DurabilitySpec& d = job_->layout().durability();
   absl::MutexLock lock(&mu_);
+  if (closed_) return false;
   if (force) {
     // A forced snapshot must capture the state as of now: wait for one in progress.
     mu_.Await(absl::Condition(
         +[](bool* running) { return !*running; }, &snapshot_running_));
+    if (closed_) return false;
   } else if (snapshot_running_) {
     return false;
   }
@@ -205,15 +215,28 @@ void ShardDurability::Capture(ChunksFileWriter* file, state::JobSnapshot* snap) 
   ledger_->SaveTo(snap);
 }
 
-absl::StatusOr<int64_t> ShardDurability::WriteSnapshot(int slot, bool force,
-                                                       state::JobSnapshot* snap) {
+absl::StatusOr<int64_t> ShardDurability::WriteSnapshot(bool force, state::JobSnapshot* snap,
+                                                       int* slot, bool* store_written) {
+  int stored, uncertain;
+  {
+    absl::MutexLock lock(&mu_);
+    stored = stored_slot_;
+    uncertain = uncertain_slot_;
+  }
+  // A chunk file no stored snapshot may name: a crash while it is written leaves the stored
+  // snapshot whole.
+  *slot = 0;
+  while (*slot == stored || *slot == uncertain) ++*slot;
   ASSIGN_OR_RETURN(std::unique_ptr<ChunksFileWriter> file,
-                   store_->OpenChunksFile(job_->name(), slot));
-  Capture(file.get(), snap);
+                   store_->OpenChunksFile(job_->name(), *slot));
+  if (file->ok()) Capture(file.get(), snap);  // Not for nothing under the exclusive lock.
   ASSIGN_OR_RETURN(state::ChunksFileRef ref, file->Finish());  // Synced with fsync.
-  ref.set_slot(slot);
+  ref.set_slot(*slot);
   *snap->mutable_chunks_file() = ref;
   SnapshotWrite keys(job_->name(), 0);  // No chunk keys: the file holds them.
+  // The first file of a job (of a store from before chunk files: its chunk keys are stale now).
+  if (stored < 0) keys.DropChunkKeys();
+  *store_written = true;
   // A forced snapshot (job creation, job end) also (re)writes the layout: the first one must.
   return store_->WriteSnapshot(&keys, force ? &job_->layout() : nullptr, *snap);
 }
@@ -227,15 +250,10 @@ absl::Status ShardDurability::MaybeSnapshot(bool force) {
     return st;
   }
   const absl::Time start = absl::Now();
-  int slot;
-  {
-    // The chunk file the stored snapshot does not name: a crash while it is written leaves
-    // that snapshot whole.
-    absl::MutexLock lock(&mu_);
-    slot = chunks_slot_ == 0 ? 1 : 0;
-  }
   state::JobSnapshot snap;
-  const absl::StatusOr<int64_t> bytes = WriteSnapshot(slot, force, &snap);
+  int slot = -1;
+  bool store_written = false;
+  const absl::StatusOr<int64_t> bytes = WriteSnapshot(force, &snap, &slot, &store_written);
   // Before the next snapshot may start (snapshot_running_), so that no later snapshot's
   // segments are deleted under an earlier one.
   const absl::Status rotated = bytes.ok() && job_->durability() == Durability::kEveryUpdate
@@ -245,6 +263,9 @@ absl::Status ShardDurability::MaybeSnapshot(bool force) {
   absl::MutexLock lock(&mu_);
   snapshot_running_ = false;
   if (!bytes.ok()) {
+    // A store write that failed may still have reached RocksDB's log, and name this file after
+    // a restart: the next attempt writes another (three slots).
+    if (store_written) uncertain_slot_ = slot;
     // Not on every push: each attempt holds apply_mu_ exclusively.
     snapshot_retry_after_ = absl::Now() + absl::Seconds(5);
     LogError(logger_, "snapshot_failed",
@@ -252,7 +273,8 @@ absl::Status ShardDurability::MaybeSnapshot(bool force) {
     return bytes.status();
   }
   snapshot_update_ = snap.seq();
-  chunks_slot_ = slot;
+  stored_slot_ = slot;
+  uncertain_slot_ = -1;
   logged_bytes_ = 0;
   snapshot_time_ = absl::Now();
   ++snapshots_;
@@ -343,7 +365,7 @@ absl::Status ShardDurability::Restore(
     ledger_->RestoreFrom(s.snapshot);
     absl::MutexLock lock(&mu_);
     snapshot_update_ = s.snapshot.seq();
-    chunks_slot_ = s.snapshot.has_chunks_file() ? s.snapshot.chunks_file().slot() : -1;
+    stored_slot_ = s.snapshot.has_chunks_file() ? s.snapshot.chunks_file().slot() : -1;
     restored_ = true;
   }
   // Replay logged updates in order, through the same code that applied them.
@@ -362,6 +384,20 @@ absl::Status ShardDurability::Restore(
   absl::MutexLock lock(&mu_);
   replayed_ = static_cast<int64_t>(s.log.size());
   return absl::OkStatus();
+}
+
+void ShardDurability::Close() {
+  {
+    absl::MutexLock lock(&mu_);
+    closed_ = true;
+    mu_.Await(absl::Condition(
+        +[](bool* running) { return !*running; }, &snapshot_running_));
+  }
+  absl::MutexLock lock(&log_mu_);
+  log_closed_ = true;
+  auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(log_mu_) { return !writing_; };
+  log_mu_.Await(absl::Condition(&idle));
+  log_.reset();
 }
 
 ShardDurability::Stats ShardDurability::stats() const {

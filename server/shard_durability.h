@@ -19,13 +19,17 @@
 //                      thread is woken once. The next leader writes the next batch meanwhile.
 //                 Otherwise it takes the apply lock shared and updates run concurrently
 //                 (per-chunk locks).
-//   MaybeSnapshot takes the apply lock exclusively, copies every chunk and the ledger, releases
-//                 it, then writes one atomic batch (which also drops the RocksDB log records of
-//                 older stores up to the snapshot) and rotates the log files, deleting the
-//                 segments the snapshot covers. Due every snapshot_every_updates updates,
-//                 every LogBytesPerSnapshot of log, or every snapshot_every_seconds (not for
-//                 sync jobs, so all shards of a sync job snapshot at the same steps); a failed
-//                 one is retried no sooner than 5 s later.
+//   MaybeSnapshot takes the apply lock exclusively, writes every chunk to a chunk file
+//                 (server/chunks_file.h: the one of two the stored snapshot does not name, from
+//                 the chunks' memory: a checksum pass and the kernel's copy) and copies the
+//                 ledger, releases it, syncs the file with fsync, then writes one atomic batch
+//                 naming the file (which also drops the RocksDB log records of older stores up
+//                 to the snapshot) and rotates the log files, deleting the segments the
+//                 snapshot covers. A disk that stalls the file's writes stalls pushes too; the
+//                 log's writes, in every push, would stall them anyway. Due every
+//                 snapshot_every_updates updates, every LogBytesPerSnapshot of log, or every
+//                 snapshot_every_seconds (not for sync jobs, so all shards of a sync job snapshot
+//                 at the same steps); a failed one is retried no sooner than 5 s later.
 //   Restore       loads the stored chunks and ledger, then replays the log in order.
 // The on-disk format is ShardStore's keys holding the messages of server/state.proto, and
 // UpdateLog's segment files of UpdateRecords.
@@ -103,6 +107,11 @@ class ShardDurability {
   // returned.
   absl::Status MaybeSnapshot(bool force) ABSL_LOCKS_EXCLUDED(apply_mu_, mu_);
 
+  // Ends the job's durability before its files are deleted (the job is replaced): waits for a
+  // snapshot or log write in progress; later snapshots do nothing, and later every_update
+  // updates fail with ABORTED, not applied.
+  void Close() ABSL_LOCKS_EXCLUDED(mu_, log_mu_);
+
   // Restores the job from `stored`: chunk states (DataLoss naming the store's directory and
   // the chunk if one is missing or has the wrong size), the ledger, then every log record in
   // order through `replay` (which must apply it via Apply(u, /*replay=*/true, ...)); DataLoss
@@ -153,14 +162,15 @@ class ShardDurability {
   absl::Status RemoveStaleLog() ABSL_LOCKS_EXCLUDED(mu_);
   // Whether a snapshot should start now; if so marks it running.
   bool StartSnapshot(bool force) ABSL_LOCKS_EXCLUDED(mu_);
-  // Copies every chunk and the ledger, from one instant.
   // The job's values and optimizer slots on this shard, in bytes (fixed by its layout).
   static int64_t StateBytes(const JobState& job);
   // Writes every chunk to `file` and the ledger to `snap`, with the apply lock exclusive.
   void Capture(ChunksFileWriter* file, state::JobSnapshot* snap) ABSL_LOCKS_EXCLUDED(apply_mu_);
-  // Writes chunk file `slot` (Capture), then the snapshot naming it; the bytes written.
-  absl::StatusOr<int64_t> WriteSnapshot(int slot, bool force, state::JobSnapshot* snap)
-      ABSL_LOCKS_EXCLUDED(apply_mu_, mu_);
+  // Writes a chunk file no stored snapshot may name (Capture; its slot in `slot`), then the
+  // snapshot naming it (the layout too if `force`; `store_written` once that write was
+  // attempted); the bytes written.
+  absl::StatusOr<int64_t> WriteSnapshot(bool force, state::JobSnapshot* snap, int* slot,
+                                        bool* store_written) ABSL_LOCKS_EXCLUDED(apply_mu_, mu_);
   absl::Status RestoreChunks(const ShardStore::StoredJob& stored) const;
   absl::Status ReplayLog(const ShardStore::StoredJob& stored,
                          const std::function<absl::Status(const ChunkUpdate&)>& replay) const;
@@ -180,6 +190,7 @@ class ShardDurability {
   bool writing_ ABSL_GUARDED_BY(log_mu_) = false;       // Someone uses log_ (see Thread safety).
   int64_t next_seq_ ABSL_GUARDED_BY(log_mu_) = 1;       // Of the next record written.
   bool log_restored_ ABSL_GUARDED_BY(log_mu_) = false;  // Restore ran: keep the segments.
+  bool log_closed_ ABSL_GUARDED_BY(log_mu_) = false;    // Close ran.
   std::unique_ptr<UpdateLog> log_;  // Opened by the first write; used only by writing_'s owner.
   // Seq of the last update applied in log order (every_update).
   absl::Mutex order_mu_;
@@ -187,9 +198,13 @@ class ShardDurability {
 
   mutable absl::Mutex mu_;
   bool snapshot_running_ ABSL_GUARDED_BY(mu_) = false;
+  bool closed_ ABSL_GUARDED_BY(mu_) = false;  // Close ran: no more snapshots.
   int64_t snapshot_update_ ABSL_GUARDED_BY(mu_) = 0;
-  int chunks_slot_ ABSL_GUARDED_BY(mu_) = -1;      // The stored snapshot's chunk file; -1: none.
-  int64_t logged_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // Log bytes since the last snapshot.
+  // The chunk file the stored snapshot names (-1: none), and the one a failed store write
+  // may have named (-1: none).
+  int stored_slot_ ABSL_GUARDED_BY(mu_) = -1;
+  int uncertain_slot_ ABSL_GUARDED_BY(mu_) = -1;
+  int64_t logged_bytes_ ABSL_GUARDED_BY(mu_) = 0;         // Log bytes since the last snapshot.
   absl::Time snapshot_retry_after_ ABSL_GUARDED_BY(mu_);  // Back-off after a failure.
   absl::Time snapshot_time_ ABSL_GUARDED_BY(mu_);
   int64_t snapshots_ ABSL_GUARDED_BY(mu_) = 0;

@@ -791,6 +791,9 @@ TEST_F(DurabilityTest, ADamagedStoreLogFailsAndALostOneLeavesAnOrphanedUpdateLog
   damaged = absl::UnknownError("closed");
 
   for (const std::string& l : RocksLogs(dir_)) std::filesystem::remove(l);
+  // A job whose creation did not finish: its first snapshot's chunk file, never named.
+  std::filesystem::create_directories(dir_ + "/updates/k");
+  std::ofstream(dir_ + "/updates/k/chunks.0") << "half";
   std::FILE* out = std::tmpfile();
   Logger logger({}, out);
   ASSERT_OK_AND_ASSIGN(std::unique_ptr<ShardStore> store, ShardStore::Open(dir_, {}));
@@ -807,6 +810,7 @@ TEST_F(DurabilityTest, ADamagedStoreLogFailsAndALostOneLeavesAnOrphanedUpdateLog
   EXPECT_TRUE(
       absl::StrContains(lines, "event=orphaned_update_log job=j path=" + dir_ + "/updates/j"))
       << lines;
+  EXPECT_FALSE(absl::StrContains(lines, "job=k")) << lines;
 }
 
 TEST_F(DurabilityTest, StalenessDampingScalesByOneOverOnePlusStaleness) {

@@ -484,6 +484,24 @@ TEST_F(ShardDurabilityTest, OldStoresWithChunkKeysRestoreAndMoveToAFile) {
   EXPECT_TRUE(Load().chunks.empty());
 }
 
+// A replaced job (Shard::DropStaleJob) must not write into the files its successor owns.
+TEST_F(ShardDurabilityTest, AfterCloseNothingIsLoggedAppliedOrSnapshotted) {
+  Parts p(Layout("every_update", 1), store_.get());
+  p.SetValues(1.0f);
+  ASSERT_OK(p.durability.MaybeSnapshot(/*force=*/true));
+  ASSERT_OK(p.Push(1.0f, 0, 0));
+  const std::vector<float> before = p.Values();
+  p.durability.Close();
+  const absl::Status st = p.Push(1.0f, 0, 1);
+  EXPECT_EQ(st.code(), absl::StatusCode::kAborted) << st;
+  EXPECT_TRUE(absl::StrContains(st.message(), "job j not applied: the job was replaced")) << st;
+  EXPECT_EQ(p.Values(), before);
+  ASSERT_OK(p.durability.MaybeSnapshot(/*force=*/true));
+  const ShardDurability::Stats stats = p.durability.stats();
+  EXPECT_EQ(stats.snapshots, 1);  // The one before Close only.
+  EXPECT_EQ(stats.log_records, 1);
+}
+
 TEST_F(ShardDurabilityTest, PeriodicDoesNotLogAndNoneDoesNothing) {
   Parts p(Layout("periodic", 1000), store_.get());
   p.SetValues(0.0f);

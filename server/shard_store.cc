@@ -147,16 +147,17 @@ void SnapshotWrite::AddChunk(int64_t idx, int64_t version, absl::string_view val
       static_cast<int64_t>(key.size() + (h - head) + values.size() + (m - mid) + slots.size());
 }
 
+void SnapshotWrite::DropChunkKeys() {
+  batch_->DeleteRange(ChunkPrefix(job_), EndOfPrefix(ChunkPrefix(job_)));
+}
+
 absl::StatusOr<int64_t> ShardStore::WriteSnapshot(SnapshotWrite* write,
                                                   const InitJobRequest* layout,
                                                   const state::JobSnapshot& snapshot) {
   const std::string& job = write->job_;
   rocksdb::WriteBatch& batch = *write->batch_;
   int64_t bytes = write->bytes_;
-  if (snapshot.has_chunks_file()) {
-    bytes += snapshot.chunks_file().bytes();
-    batch.DeleteRange(ChunkPrefix(job), EndOfPrefix(ChunkPrefix(job)));
-  }
+  if (snapshot.has_chunks_file()) bytes += snapshot.chunks_file().bytes();
   auto put = [&](const std::string& key, const std::string& value) {
     bytes += static_cast<int64_t>(key.size() + value.size());
     batch.Put(key, value);

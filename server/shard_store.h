@@ -17,7 +17,7 @@
 // and beside them, as files, the every_update log (server/update_log.h) and the snapshots'
 // chunk states (server/chunks_file.h):
 //   <dir>/updates/<job>/<first seq:16x>.log
-//   <dir>/updates/<job>/chunks.<0|1>
+//   <dir>/updates/<job>/chunks.<0|1|2>
 // RocksDB's write-ahead log, CRC and memtable cost several copies of every gradient and
 // serialised the pushes; an append-only file written with one writev per group of
 // concurrent records references the gradients' bytes where they are (see README.md,
@@ -67,6 +67,9 @@ class SnapshotWrite {
 
   // Chunk `idx`'s state: `values` and `slots` are float32 arrays' bytes, copied here.
   void AddChunk(int64_t idx, int64_t version, absl::string_view values, absl::string_view slots);
+  // Deletes the job's chunk keys (those added after this call stay): once, when a snapshot
+  // first names a chunk file.
+  void DropChunkKeys();
 
  private:
   friend class ShardStore;
@@ -100,16 +103,15 @@ class ShardStore {
   // Deletes the job's update log files.
   absl::Status RemoveLog(const std::string& job);
 
-  // Starts writing chunk file `slot` (0 or 1) of `job` (server/chunks_file.h) over what it
+  // Starts writing chunk file `slot` (0, 1 or 2) of `job` (server/chunks_file.h) over what it
   // held; its Finish syncs as Options.fsync says. Internal error naming the path.
   absl::StatusOr<std::unique_ptr<ChunksFileWriter>> OpenChunksFile(const std::string& job,
                                                                    int slot);
 
   // Atomically writes a snapshot of `write`'s job (and the layout, when `layout` is non-null,
   // as InitJob does) and drops log records with seq <= snapshot.seq(). Its chunks are those of
-  // the file snapshot.chunks_file() names (written and finished before; the chunk keys of an
-  // older store are deleted), or without one, those added to `write`. Returns the bytes
-  // written (the chunk file's included). `write` is used up.
+  // the file snapshot.chunks_file() names (written and finished before), or without one, those
+  // added to `write`. Returns the bytes written (the chunk file's included). `write` is used up.
   absl::StatusOr<int64_t> WriteSnapshot(SnapshotWrite* write, const InitJobRequest* layout,
                                         const state::JobSnapshot& snapshot);
 
