@@ -21,6 +21,8 @@
 #     batch and 1 epoch (the peer's only length: EPOCHS must be 1), with its optimizer (SGD lr 0.05, momentum 0.9): PS_FLAGS above gives
 #     gradmesh's ps the same. SHARDS (2) is the number of gradmesh shards; PEERS the peers'
 #     directory.
+#   DURABLE=1 MODES=ps PS_FLAGS="--durability=every_update" bash tests/bench/modes.sh
+#     the shards keep their state on disk (each its own --data_dir under the run's directory).
 #   GRADMESH_BIN=/path bash tests/bench/modes.sh
 #     runs prebuilt binaries (<path>/server/gradmesh_server, <path>/worker/gradmesh_worker),
 #     e.g. another commit's, for a before/after comparison in one session.
@@ -157,8 +159,10 @@ if want ps; then
 SERVERS=""
 SHARD_PIDS=()
 for s in $(seq 0 $((${SHARDS:-2} - 1))); do
+  # DURABLE=1: each shard keeps its state under the run's directory (--data_dir), for
+  # PS_FLAGS="--durability=every_update" or periodic.
   "$BIN/server/gradmesh_server" --host=127.0.0.1 --port=0 --port_file="$RUN_DIR/port$s" \
-    --node="shard$s" 2>"$RUN_DIR/server$s.log" &
+    --node="shard$s" ${DURABLE:+--data_dir="$RUN_DIR/shard$s"} 2>"$RUN_DIR/server$s.log" &
   PIDS+=($!)
   SHARD_PIDS+=($!)
 done
