@@ -51,51 +51,29 @@ absl::StatusOr<std::unique_ptr<ChunksFileWriter>> ChunksFileWriter::Open(const s
   if (fd < 0) return FileError("cannot open snapshot chunk file", path);
   auto writer = std::unique_ptr<ChunksFileWriter>(new ChunksFileWriter(path, fd, fsync));
   const uint32_t head[2] = {kMagic, 0};
-  iovec iov{const_cast<uint32_t*>(head), kFileHead};
-  writer->Write(&iov, 1, kFileHead);
+  writer->Write({{const_cast<uint32_t*>(head), kFileHead}});
   return writer;
 }
 
-void ChunksFileWriter::Write(const iovec* iov, int n, size_t bytes) {
+void ChunksFileWriter::Write(std::vector<iovec> iov) {
   if (!status_.ok()) return;
-  for (int i = 0; i < n; ++i) {
+  int64_t bytes = 0;
+  for (const iovec& v : iov) {
     // (An empty array's data() may be null, which the checksum's memcpy must not get.)
-    if (iov[i].iov_len > 0) {
-      checksum_.Update(static_cast<const char*>(iov[i].iov_base), iov[i].iov_len);
-    }
+    if (v.iov_len > 0) checksum_.Update(static_cast<const char*>(v.iov_base), v.iov_len);
+    bytes += static_cast<int64_t>(v.iov_len);
   }
-  // pwritev may write less than asked: continue from where it stopped.
-  std::vector<iovec> rest(iov, iov + n);
-  size_t done = 0;
-  size_t first = 0;
-  while (done < bytes) {
-    const ssize_t w = pwritev(fd_, rest.data() + first, static_cast<int>(rest.size() - first),
-                              static_cast<off_t>(size_ + done));
-    if (w < 0 && errno == EINTR) continue;
-    if (w <= 0) {
-      if (w == 0) errno = EIO;  // Nothing written, and no error said why.
-      status_ = FileError("cannot write snapshot chunk file", path_);
-      return;
-    }
-    done += static_cast<size_t>(w);
-    size_t left = static_cast<size_t>(w);
-    while (first < rest.size() && left >= rest[first].iov_len) left -= rest[first++].iov_len;
-    if (first < rest.size()) {
-      rest[first].iov_base = static_cast<char*>(rest[first].iov_base) + left;
-      rest[first].iov_len -= left;
-    }
-  }
-  size_ += static_cast<int64_t>(bytes);
+  status_ = WriteFully(fd_, &iov, "cannot write snapshot chunk file", path_);
+  size_ += bytes;
 }
 
 void ChunksFileWriter::Add(int64_t index, int64_t version, absl::string_view values,
                            absl::string_view slots) {
   const uint64_t head[4] = {static_cast<uint64_t>(index), static_cast<uint64_t>(version),
                             values.size(), slots.size()};
-  const iovec iov[3] = {{const_cast<uint64_t*>(head), kChunkHead},
-                        {const_cast<char*>(values.data()), values.size()},
-                        {const_cast<char*>(slots.data()), slots.size()}};
-  Write(iov, 3, kChunkHead + values.size() + slots.size());
+  Write({{const_cast<uint64_t*>(head), kChunkHead},
+         {const_cast<char*>(values.data()), values.size()},
+         {const_cast<char*>(slots.data()), slots.size()}});
   ++chunks_;
 }
 

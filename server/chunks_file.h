@@ -21,10 +21,13 @@
 #ifndef GRADMESH_SERVER_CHUNKS_FILE_H_
 #define GRADMESH_SERVER_CHUNKS_FILE_H_
 
+#include <sys/uio.h>
+
 #include <cstdint>
 #include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -61,7 +64,8 @@ class ChunksFileWriter {
 
  private:
   ChunksFileWriter(std::string path, int fd, bool fsync);
-  void Write(const struct iovec* iov, int n, size_t bytes);
+  // Writes `iov` at the end (the file's offset), adding it to the checksum.
+  void Write(std::vector<iovec> iov);
 
   const std::string path_;
   int fd_;

@@ -159,12 +159,13 @@ void JobState::BuildChunks() {
   const Partition& p = *partition_;
   for (int64_t idx : p.shard_chunks(layout_.shard_index())) {
     auto chunk = std::make_unique<Chunk>(p.chunks()[idx]);
+    // Buffers take plain deltas (no optimizer), so they have no slots.
+    const int num_slots = is_buffer(chunk->info.tensor) ? 0 : optimizer_->num_slots();
     {
       absl::MutexLock lock(&chunk->mu);
-      // Buffers take plain deltas (no optimizer), so they have no slots.
-      const int num_slots = is_buffer(chunk->info.tensor) ? 0 : optimizer_->num_slots();
       chunk->slots.assign(static_cast<size_t>(num_slots) * chunk->info.numel, 0.0f);
     }
+    owned_slot_elements_ += chunk->info.numel * num_slots;
     chunks_.emplace(idx, std::move(chunk));
     owned_elements_ += p.chunks()[idx].numel;
   }

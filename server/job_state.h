@@ -82,6 +82,8 @@ class JobState {
   Durability durability() const { return durability_; }
   bool sync_mode() const { return sync_mode_; }
   int64_t owned_elements() const { return owned_elements_; }
+  // Optimizer slot elements of the owned chunks (buffers have none).
+  int64_t owned_slot_elements() const { return owned_slot_elements_; }
   // Owned chunks, keyed by index in partition().chunks().
   const ChunkMap& chunks() const { return chunks_; }
   // Partition indices of the owned chunks, in partition order.
@@ -131,6 +133,7 @@ class JobState {
   ChunkMap chunks_;
   std::vector<bool> buffer_tensors_;  // Per layout tensor: TensorSpec.buffer.
   int64_t owned_elements_ = 0;
+  int64_t owned_slot_elements_ = 0;
   Durability durability_ = Durability::kNone;
   bool sync_mode_ = false;
 

@@ -20,6 +20,7 @@
 #include "server/request_ledger.h"
 #include "server/shard_durability.h"
 #include "server/sync_commits.h"
+#include "server/update_log.h"
 
 namespace gradmesh {
 
@@ -285,13 +286,7 @@ void Shard::WarnOrphanedLogs(const std::vector<ShardStore::StoredJob>& stored) c
                     [&](const ShardStore::StoredJob& s) { return s.layout.job() == job; })) {
       continue;
     }
-    bool has_log = false;
-    std::error_code file_ec;
-    for (std::filesystem::directory_iterator f(it->path(), file_ec), f_end;
-         !file_ec && f != f_end && !has_log; f.increment(file_ec)) {
-      has_log = f->path().extension() == ".log";
-    }
-    if (!has_log) continue;
+    if (!UpdateLog::HasSegments(root, job)) continue;
     LogWarning(options_.logger, "orphaned_update_log",
                {Kv("job", job), Kv("path", it->path().string()),
                 Kv("why", "the store has no job of this name: its state cannot be restored")});

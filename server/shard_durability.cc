@@ -16,7 +16,7 @@ namespace gradmesh {
 
 ShardDurability::ShardDurability(const JobState* job, RequestLedger* ledger, ShardStore* store,
                                  const Logger* logger)
-    : job_(job), ledger_(ledger), store_(store), logger_(logger), state_bytes_(StateBytes(*job)) {
+    : job_(job), ledger_(ledger), store_(store), logger_(logger) {
   absl::MutexLock lock(&mu_);
   snapshot_time_ = absl::Now();
 }
@@ -25,13 +25,9 @@ int64_t LogBytesPerSnapshot(int64_t state_bytes) {
   return std::max(kLogBytesPerSnapshot, kLogPerStateBytes * state_bytes);
 }
 
-int64_t ShardDurability::StateBytes(const JobState& job) {
-  int64_t floats = 0;
-  for (const auto& [idx, chunk] : job.chunks()) {
-    const int slots = job.is_buffer(chunk->info.tensor) ? 0 : job.optimizer().num_slots();
-    floats += chunk->info.numel * (1 + slots);
-  }
-  return floats * static_cast<int64_t>(sizeof(float));
+int64_t ShardDurability::StateBytes() const {
+  return (job_->owned_elements() + job_->owned_slot_elements()) *
+         static_cast<int64_t>(sizeof(float));
 }
 
 absl::Status ShardDurability::Apply(const ChunkUpdate& u, bool replay,
@@ -190,7 +186,7 @@ bool ShardDurability::StartSnapshot(bool force) {
   const int64_t updates = ledger_->updates_applied();
   const bool by_count = updates - snapshot_update_ >= d.snapshot_every_updates();
   // Bounds the log files and replay (see kLogBytesPerSnapshot).
-  const bool by_bytes = logged_bytes_ >= LogBytesPerSnapshot(state_bytes_);
+  const bool by_bytes = logged_bytes_ >= LogBytesPerSnapshot(StateBytes());
   // Time-based snapshots would differ between shards of a sync job: count only there.
   const bool by_time = !job_->sync_mode() && d.snapshot_every_seconds() > 0 &&
                        updates > snapshot_update_ &&
@@ -233,7 +229,7 @@ absl::StatusOr<int64_t> ShardDurability::WriteSnapshot(bool force, state::JobSna
   ASSIGN_OR_RETURN(state::ChunksFileRef ref, file->Finish());  // Synced with fsync.
   ref.set_slot(*slot);
   *snap->mutable_chunks_file() = ref;
-  SnapshotWrite keys(job_->name(), 0);  // No chunk keys: the file holds them.
+  SnapshotWrite keys(job_->name());  // No chunk keys: the file holds them.
   // The first file of a job (of a store from before chunk files: its chunk keys are stale now).
   if (stored < 0) keys.DropChunkKeys();
   *store_written = true;
@@ -411,7 +407,7 @@ ShardDurability::Stats ShardDurability::stats() const {
   s.replayed = replayed_;
   s.log_records = log_records_;
   s.log_writes = log_writes_;
-  s.state_bytes = state_bytes_;
+  s.state_bytes = StateBytes();
   return s;
 }
 

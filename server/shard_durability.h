@@ -163,7 +163,7 @@ class ShardDurability {
   // Whether a snapshot should start now; if so marks it running.
   bool StartSnapshot(bool force) ABSL_LOCKS_EXCLUDED(mu_);
   // The job's values and optimizer slots on this shard, in bytes (fixed by its layout).
-  static int64_t StateBytes(const JobState& job);
+  int64_t StateBytes() const;
   // Writes every chunk to `file` and the ledger to `snap`, with the apply lock exclusive.
   void Capture(ChunksFileWriter* file, state::JobSnapshot* snap) ABSL_LOCKS_EXCLUDED(apply_mu_);
   // Writes a chunk file no stored snapshot may name (Capture; its slot in `slot`), then the
@@ -179,7 +179,6 @@ class ShardDurability {
   RequestLedger* const ledger_;
   ShardStore* const store_;  // Not owned.
   const Logger* const logger_;
-  const int64_t state_bytes_;  // StateBytes(*job_).
 
   // Updates hold this shared; snapshots hold it exclusive to see a consistent state.
   absl::Mutex apply_mu_;

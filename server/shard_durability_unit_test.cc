@@ -461,7 +461,7 @@ TEST_F(ShardDurabilityTest, OldStoresWithChunkKeysRestoreAndMoveToAFile) {
   Parts p(Layout("periodic", 1000), store_.get());
   p.SetValues(2.0f);
   {
-    SnapshotWrite keys("j", 0);
+    SnapshotWrite keys("j");
     std::vector<float> v0(4, 3.0f), v1(4, 4.0f);
     keys.AddChunk(0, 5, absl::string_view(reinterpret_cast<const char*>(v0.data()), 16), "");
     keys.AddChunk(1, 6, absl::string_view(reinterpret_cast<const char*>(v1.data()), 16), "");
@@ -479,7 +479,7 @@ TEST_F(ShardDurabilityTest, OldStoresWithChunkKeysRestoreAndMoveToAFile) {
   EXPECT_EQ(s.snapshot.chunks_file().slot(), 0);
   EXPECT_EQ(s.chunks.at(1).version(), 6);
   // The keys are gone: with the reference cleared the snapshot has no chunks at all.
-  ASSERT_OK(store_->WriteSnapshot(std::make_unique<SnapshotWrite>("j", 0).get(), nullptr,
+  ASSERT_OK(store_->WriteSnapshot(std::make_unique<SnapshotWrite>("j").get(), nullptr,
                                   state::JobSnapshot()));
   EXPECT_TRUE(Load().chunks.empty());
 }

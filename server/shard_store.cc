@@ -1,6 +1,5 @@
 #include "server/shard_store.h"
 
-#include <google/protobuf/io/coded_stream.h>
 #include <rocksdb/db.h>
 #include <rocksdb/options.h>
 #include <rocksdb/write_batch.h>
@@ -110,41 +109,21 @@ absl::Status ShardStore::DeleteJob(const std::string& job) {
   return RemoveLog(job);
 }
 
-SnapshotWrite::SnapshotWrite(std::string job, size_t reserve_bytes)
-    : job_(std::move(job)), batch_(std::make_unique<rocksdb::WriteBatch>(reserve_bytes + 4096)) {}
+SnapshotWrite::SnapshotWrite(std::string job)
+    : job_(std::move(job)), batch_(std::make_unique<rocksdb::WriteBatch>()) {}
 
 SnapshotWrite::~SnapshotWrite() = default;
 
 void SnapshotWrite::AddChunk(int64_t idx, int64_t version, absl::string_view values,
                              absl::string_view slots) {
-  // state::ChunkState's wire bytes, as protobuf writes them (proto3: a zero version and empty
-  // arrays are left out): version = 1 (varint), values = 2 and slots = 3 (length-delimited).
-  using google::protobuf::io::CodedOutputStream;
-  uint8_t head[2 * (1 + 10)], mid[1 + 10];
-  uint8_t* h = head;
-  if (version != 0) {
-    *h++ = (1 << 3) | 0;
-    h = CodedOutputStream::WriteVarint64ToArray(static_cast<uint64_t>(version), h);
-  }
-  if (!values.empty()) {
-    *h++ = (2 << 3) | 2;
-    h = CodedOutputStream::WriteVarint64ToArray(values.size(), h);
-  }
-  uint8_t* m = mid;
-  if (!slots.empty()) {
-    *m++ = (3 << 3) | 2;
-    m = CodedOutputStream::WriteVarint64ToArray(slots.size(), m);
-  }
+  state::ChunkState chunk;
+  chunk.set_version(version);
+  chunk.set_values(values.data(), values.size());
+  chunk.set_slots(slots.data(), slots.size());
   const std::string key = ChunkKey(job_, idx);
-  const rocksdb::Slice key_part(key);
-  const rocksdb::Slice parts[] = {
-      rocksdb::Slice(reinterpret_cast<const char*>(head), static_cast<size_t>(h - head)),
-      rocksdb::Slice(values.data(), values.size()),
-      rocksdb::Slice(reinterpret_cast<const char*>(mid), static_cast<size_t>(m - mid)),
-      rocksdb::Slice(slots.data(), slots.size())};
-  batch_->Put(rocksdb::SliceParts(&key_part, 1), rocksdb::SliceParts(parts, 4));
-  bytes_ +=
-      static_cast<int64_t>(key.size() + (h - head) + values.size() + (m - mid) + slots.size());
+  const std::string value = chunk.SerializeAsString();
+  batch_->Put(key, value);
+  bytes_ += static_cast<int64_t>(key.size() + value.size());
 }
 
 void SnapshotWrite::DropChunkKeys() {

@@ -53,14 +53,13 @@ namespace gradmesh {
 class ChunksFileWriter;
 class UpdateLog;
 
-// Chunk states as RocksDB keys c/<job>/<idx> (the format of snapshots before chunk files),
-// encoded as state::ChunkState straight into the write: what stores written before hold, and
-// how tests write them. A snapshot now writes its chunks to a file (OpenChunksFile) and
-// passes an empty SnapshotWrite. Not thread-safe.
+// What a snapshot writes to RocksDB beside its record. A snapshot writes its chunks to a file
+// (OpenChunksFile) and passes a SnapshotWrite without chunks; AddChunk writes chunk states as
+// RocksDB keys c/<job>/<idx>, the format of snapshots before chunk files, which stores
+// written before hold (and tests write). Not thread-safe.
 class SnapshotWrite {
  public:
-  // `reserve_bytes`: about what the chunks' values and slots will take.
-  SnapshotWrite(std::string job, size_t reserve_bytes);
+  explicit SnapshotWrite(std::string job);
   ~SnapshotWrite();
   SnapshotWrite(const SnapshotWrite&) = delete;
   SnapshotWrite& operator=(const SnapshotWrite&) = delete;

@@ -21,7 +21,7 @@ std::string TempDir() {
 // A snapshot write of `chunks` (as the shard adds them: version, values, slots).
 std::unique_ptr<SnapshotWrite> Chunks(const std::string& job,
                                       const std::map<int64_t, state::ChunkState>& chunks) {
-  auto write = std::make_unique<SnapshotWrite>(job, 0);
+  auto write = std::make_unique<SnapshotWrite>(job);
   for (const auto& [idx, c] : chunks) write->AddChunk(idx, c.version(), c.values(), c.slots());
   return write;
 }

@@ -181,6 +181,34 @@ absl::Status FileError(const std::string& what, const std::string& path) {
   return absl::InternalError(absl::StrCat(what, " ", path, ": ", std::strerror(errno)));
 }
 
+absl::Status WriteFully(int fd, std::vector<iovec>* iov, const std::string& what,
+                        const std::string& path) {
+  size_t at = 0;
+  while (at < iov->size()) {
+    if ((*iov)[at].iov_len == 0) {  // Nothing to write there (an empty array's data() may be
+      ++at;                         // null).
+      continue;
+    }
+    const int count = static_cast<int>(std::min<size_t>(iov->size() - at, IOV_MAX));
+    ssize_t n = writev(fd, iov->data() + at, count);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      if (n == 0) errno = EIO;  // Nothing written, and no error said why.
+      return FileError(what, path);
+    }
+    // Skip what was written (a short write continues where it stopped).
+    while (at < iov->size() && static_cast<size_t>(n) >= (*iov)[at].iov_len) {
+      n -= static_cast<ssize_t>((*iov)[at].iov_len);
+      ++at;
+    }
+    if (n > 0) {
+      (*iov)[at].iov_base = static_cast<char*>((*iov)[at].iov_base) + n;
+      (*iov)[at].iov_len -= static_cast<size_t>(n);
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status SyncDirectory(const std::string& dir) {
   const int fd = open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (fd < 0) return FileError("cannot open directory", dir);
@@ -319,28 +347,6 @@ absl::Status UpdateLog::StartSegment(int64_t first) {
   return absl::OkStatus();
 }
 
-absl::Status UpdateLog::WriteAll(std::vector<iovec>* iov) {
-  size_t at = 0;
-  while (at < iov->size()) {
-    const int count = static_cast<int>(std::min<size_t>(iov->size() - at, IOV_MAX));
-    ssize_t n = writev(fd_, iov->data() + at, count);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      return FileError("cannot write log segment", SegmentPath(segments_.back().first));
-    }
-    // Skip what was written (a short write continues where it stopped).
-    while (at < iov->size() && static_cast<size_t>(n) >= (*iov)[at].iov_len) {
-      n -= static_cast<ssize_t>((*iov)[at].iov_len);
-      ++at;
-    }
-    if (n > 0) {
-      (*iov)[at].iov_base = static_cast<char*>((*iov)[at].iov_base) + n;
-      (*iov)[at].iov_len -= static_cast<size_t>(n);
-    }
-  }
-  return absl::OkStatus();
-}
-
 absl::Status UpdateLog::Append(int64_t first_seq, absl::Span<const EncodedRecord* const> records) {
   if (!broken_.ok()) return broken_;
   if (fd_ < 0) {
@@ -376,7 +382,8 @@ absl::Status UpdateLog::Append(int64_t first_seq, absl::Span<const EncodedRecord
     }
     bytes += static_cast<int64_t>(kHeadBytes) + r.payload_bytes();
   }
-  absl::Status st = WriteAll(&iov);
+  absl::Status st =
+      WriteFully(fd_, &iov, "cannot write log segment", SegmentPath(segments_.back().first));
   if (st.ok() && fsync_ && fdatasync(fd_) != 0) {
     st = FileError("cannot sync log segment", SegmentPath(segments_.back().first));
   }
@@ -435,6 +442,11 @@ absl::Status UpdateLog::ReadSegments(const std::string& root, const std::string&
     if (absl::Status st = ParseSegment(path, first, bytes, out); !st.ok()) return st;
   }
   return absl::OkStatus();
+}
+
+bool UpdateLog::HasSegments(const std::string& root, const std::string& job) {
+  const absl::StatusOr<std::vector<int64_t>> firsts = ListSegments(absl::StrCat(root, "/", job));
+  return firsts.ok() && !firsts->empty();
 }
 
 absl::Status UpdateLog::Remove(const std::string& root, const std::string& job) {

@@ -88,6 +88,11 @@ class StreamChecksum {
 
 // Internal error "<what> <path>: <strerror(errno)>".
 absl::Status FileError(const std::string& what, const std::string& path);
+// Writes all of `iov` at `fd`'s offset with writev (IOV_MAX entries at a time, a short write
+// continued where it stopped; `iov` is used up). Internal error "<what> <path>: ..." if a write
+// fails or writes nothing.
+absl::Status WriteFully(int fd, std::vector<iovec>* iov, const std::string& what,
+                        const std::string& path);
 // fsync of directory `dir` (after a file in it was created, renamed or deleted).
 absl::Status SyncDirectory(const std::string& dir);
 
@@ -122,6 +127,9 @@ class UpdateLog {
   static absl::Status ReadSegments(const std::string& root, const std::string& job,
                                    std::vector<state::UpdateRecord>* out);
 
+  // Whether the log of `job` under `root` has segment files (false if they cannot be listed).
+  static bool HasSegments(const std::string& root, const std::string& job);
+
   // Deletes the log of `job` under `root` (all its segments and the directory).
   static absl::Status Remove(const std::string& root, const std::string& job);
 
@@ -134,7 +142,6 @@ class UpdateLog {
   std::string SegmentPath(int64_t first) const;
   std::string SparePath(int i) const;
   absl::Status StartSegment(int64_t first);
-  absl::Status WriteAll(std::vector<iovec>* iov);
 
   const std::string dir_;
   const bool fsync_;
