@@ -10,6 +10,7 @@
 #include <grpcpp/channel.h>
 #include <grpcpp/server.h>
 #include <grpcpp/server_builder.h>
+#include <grpcpp/support/channel_arguments.h>
 
 #include <cstdint>
 #include <memory>
@@ -20,6 +21,10 @@
 #include "rpc/rpc_options.h"
 
 namespace gradmesh {
+
+// The channel arguments of a client channel with `options` (limits, reconnection, keepalive,
+// HTTP/2 flow control), as MakeChannel uses them.
+grpc::ChannelArguments ChannelArgumentsFor(const RpcOptions& options);
 
 // A channel to `address` ("host:port") with the limits of `options`: TLS (mutual when
 // options.tls.cert_file is set) when options.tls.enabled(), else plaintext. Unusable

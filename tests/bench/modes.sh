@@ -23,6 +23,8 @@
 #     directory.
 #   DURABLE=1 MODES=ps PS_FLAGS="--durability=every_update" bash tests/bench/modes.sh
 #     the shards keep their state on disk (each its own --data_dir under the run's directory).
+#   SERVER_FLAGS="--http2_window_kb=8192" PS_FLAGS="--http2_window_kb=8192" MODES=ps ...
+#     extra flags of every shard (SERVER_FLAGS) and of the ps workers (PS_FLAGS).
 #   GRADMESH_BIN=/path bash tests/bench/modes.sh
 #     runs prebuilt binaries (<path>/server/gradmesh_server, <path>/worker/gradmesh_worker),
 #     e.g. another commit's, for a before/after comparison in one session.
@@ -162,7 +164,8 @@ for s in $(seq 0 $((${SHARDS:-2} - 1))); do
   # DURABLE=1: each shard keeps its state under the run's directory (--data_dir), for
   # PS_FLAGS="--durability=every_update" or periodic.
   "$BIN/server/gradmesh_server" --host=127.0.0.1 --port=0 --port_file="$RUN_DIR/port$s" \
-    --node="shard$s" ${DURABLE:+--data_dir="$RUN_DIR/shard$s"} 2>"$RUN_DIR/server$s.log" &
+    --node="shard$s" ${DURABLE:+--data_dir="$RUN_DIR/shard$s"} ${SERVER_FLAGS:-} \
+    2>"$RUN_DIR/server$s.log" &
   PIDS+=($!)
   SHARD_PIDS+=($!)
 done

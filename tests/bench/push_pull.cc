@@ -15,8 +15,9 @@
 // Each configuration is measured with each client transport of --transports (stream: one
 // ParameterService.Stream per client and shard; unary: one call per operation), in turn.
 // Prints one JSON object per line: op, bytes (payload per op), shards, durability, transport,
-// inflight, ops, gb_per_s (payload GB/s, 1e9 bytes, summed over clients), p50_us, p99_us (per
-// op).
+// http2_window_kb (--http2_window_kb: 0 = gRPC's probed HTTP/2 windows, N = a fixed N KiB window
+// on the shards and clients, rpc/rpc_options.h), inflight, ops, gb_per_s (payload GB/s, 1e9 bytes,
+// summed over clients), p50_us, p99_us (per op).
 //
 // --keys=K makes each operation one step of a K-tensor model (K x size bytes, fused into one
 // message per shard by the client, as in training): the same payload as one round of
@@ -55,6 +56,7 @@
 #include "proto/gradmesh.pb.h"
 #include "rpc/grpc_util.h"
 #include "rpc/op_stream.h"
+#include "rpc/rpc_options.h"
 #include "rpc/tensor_wire.h"
 #include "server/parameter_service.h"
 #include "server/shard.h"
@@ -85,6 +87,9 @@ ABSL_FLAG(int64_t, stream_max_bytes, -1,
           "GrpcParameterClientOptions.stream_max_bytes (-1: the client's default).");
 ABSL_FLAG(int64_t, spin_wait_us, -1,
           "GrpcParameterClientOptions.spin_wait in µs (-1: the client's default; 0: never spin).");
+ABSL_FLAG(int64_t, http2_window_kb, 0,
+          "RpcOptions.http2_window_bytes of the shards and clients, KiB, as the daemons' "
+          "--http2_window_kb (0: gRPC's probed windows; N: a fixed N KiB window).");
 ABSL_FLAG(bool, mutex_deadlock_detection, false,
           "Leave absl::Mutex deadlock detection on (the daemons turn it off; for an A/B run).");
 ABSL_FLAG(double, warmup_seconds, 0.5,
@@ -323,6 +328,12 @@ Measured MeasureDepth(std::vector<std::unique_ptr<DepthClient>>* clients, absl::
 
 int Run() {
   RpcOptions rpc;
+  absl::StatusOr<int64_t> window = Http2WindowBytesFromKb(absl::GetFlag(FLAGS_http2_window_kb));
+  if (!window.ok()) {
+    std::fprintf(stderr, "%s\n", window.status().ToString().c_str());
+    return 2;
+  }
+  rpc.http2_window_bytes = *window;
   const double seconds = absl::GetFlag(FLAGS_seconds);
   const int inflight = absl::GetFlag(FLAGS_inflight);
   const int keys = absl::GetFlag(FLAGS_keys);
@@ -424,10 +435,11 @@ int Run() {
                                    (op == "pushpull" || op == "fused" ? 2 : 1);
             std::printf(
                 "{\"op\":\"%s\",\"bytes\":%lld,\"shards\":%d,\"durability\":\"%s\","
-                "\"transport\":\"%s\",\"inflight\":%d,\"depth\":%d,\"keys\":%d,\"ops\":%lld,"
-                "\"gb_per_s\":%.3f,\"p50_us\":%.1f,\"p99_us\":%.1f}\n",
+                "\"transport\":\"%s\",\"http2_window_kb\":%lld,\"inflight\":%d,\"depth\":%d,"
+                "\"keys\":%d,\"ops\":%lld,\"gb_per_s\":%.3f,\"p50_us\":%.1f,\"p99_us\":%.1f}\n",
                 std::string(op).c_str(), static_cast<long long>(bytes), num_shards,
-                durability.c_str(), transports[t].c_str(), inflight, depth, keys,
+                durability.c_str(), transports[t].c_str(),
+                static_cast<long long>(rpc.http2_window_bytes >> 10), inflight, depth, keys,
                 static_cast<long long>(m.ops), payload / m.wall_s / 1e9, m.p50_us, m.p99_us);
             std::fflush(stdout);
           }

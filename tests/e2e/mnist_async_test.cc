@@ -422,6 +422,14 @@ TEST_F(E2eTest, BadFlagsAndSpecExitTwo) {
         << run.log;
   }
   {
+    WorkerRun run =
+        RunWorker("bad_window", {"--servers=127.0.0.1:1", "--http2_window_kb=63", data});
+    EXPECT_EQ(run.exit_code, 2);
+    EXPECT_NE(run.error.find("--http2_window_kb must be 0 (gRPC's own) or 64 to 1048576, got 63"),
+              std::string::npos)
+        << run.log;
+  }
+  {
     WorkerRun run = RunWorker("rank_out_of_range",
                               {"--servers=127.0.0.1:1", "--rank=2", "--num_workers=2", data});
     EXPECT_EQ(run.exit_code, 2);

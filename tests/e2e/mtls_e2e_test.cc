@@ -273,6 +273,11 @@ TEST_F(MtlsE2eTest, DaemonsRefuseATokenInPlaintextToARemoteCoordinator) {
   // So are node names that break the name rule (the worker checks --node too).
   ExpectRefused("server-bad-node", {server_bin_, "--host=127.0.0.1", "--port=0", "--node=a.b"},
                 "INVALID_ARGUMENT: --node \"a.b\" is not a valid name");
+  // And an HTTP/2 window out of range.
+  ExpectRefused("server-bad-window",
+                {server_bin_, "--host=127.0.0.1", "--port=0", "--http2_window_kb=2000000"},
+                "INVALID_ARGUMENT: --http2_window_kb must be 0 (gRPC's own) or 64 to 1048576, "
+                "got 2000000");
   ExpectRefused("worker-bad-node",
                 {worker_bin_, "--host=127.0.0.1", "--peer_port=0", "--coordinator=127.0.0.1:1",
                  "--node=../x"},

@@ -37,6 +37,8 @@ namespace {
 
 using Values = std::vector<std::vector<float>>;
 
+constexpr int64_t kFixedWindowForTest = int64_t{64} << 10;
+
 struct InProcessShard {
   std::unique_ptr<Shard> shard;
   std::unique_ptr<ParameterServiceImpl> service;
@@ -61,12 +63,13 @@ TensorSpec Spec(const std::string& name, std::vector<int64_t> shape, bool buffer
   return t;
 }
 
-// Serves `service` on a free port of 127.0.0.1; sets *addr to it.
-std::unique_ptr<grpc::Server> Serve(grpc::Service* service, std::string* addr) {
+// Serves `service` on a free port of 127.0.0.1 with `rpc`'s options; sets *addr to it.
+std::unique_ptr<grpc::Server> Serve(grpc::Service* service, std::string* addr,
+                                    const RpcOptions& rpc = RpcOptions()) {
   grpc::ServerBuilder builder;
   int port = 0;
   builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-  ConfigureServerBuilder(RpcOptions(), &builder);
+  ConfigureServerBuilder(rpc, &builder);
   builder.RegisterService(service);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   *addr = absl::StrCat("127.0.0.1:", port);
@@ -556,6 +559,54 @@ TEST_F(SlowLinkTest, AConnectionThatDiedSilentlyIsReplaced) {
   for (int i = 0; i < 6; ++i) EXPECT_EQ(got[i], 1.0f - 2 * g[i]) << i;
   ASSERT_OK_AND_ASSIGN(std::vector<JobInfoResponse> infos, client->GetJobInfo());
   EXPECT_EQ(infos[0].pushes_applied(), 2);
+}
+
+// Fixed HTTP/2 windows (RpcOptions.http2_window_bytes, the daemons' --http2_window_kb) on
+// the shard and the client, at the smallest allowed (64 KiB): messages 20 times the window,
+// pushed and pulled over both transports through a link with a 2 ms delay, arrive whole and
+// exact, the window reopened as the reader consumes them (2 MiB messages go unary whatever
+// the transport: stream_max_bytes).
+TEST(FixedHttp2WindowTest, MessagesLargerThanTheWindowArriveExactly) {
+  RpcOptions rpc;
+  rpc.http2_window_bytes = kFixedWindowForTest;
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Shard> shard, Shard::Create(ShardOptions()));
+  ParameterServiceImpl service(shard.get());
+  std::string addr;
+  std::unique_ptr<grpc::Server> server = Serve(&service, &addr, rpc);
+  ASSERT_NE(server, nullptr);
+  const int port = std::stoi(addr.substr(addr.rfind(':') + 1));
+  for (const char* transport : {"stream", "unary"}) {
+    for (int64_t n : {int64_t{200}, int64_t{200000}, int64_t{20} * kFixedWindowForTest / 4}) {
+      ASSERT_OK_AND_ASSIGN(std::unique_ptr<testutil::DelayProxy> proxy,
+                           testutil::DelayProxy::Start(port, absl::Milliseconds(2)));
+      JobLayout layout;
+      layout.job = absl::StrCat("window-", transport, "-", n);
+      layout.tensors = {Spec("w", {n})};
+      layout.chunk_elems = n;
+      layout.optimizer.set_name("sgd");
+      layout.optimizer.set_lr(1);
+      GrpcParameterClientOptions o;
+      o.servers = {proxy->address()};
+      o.transport = transport;
+      o.rpc = rpc;
+      ASSERT_OK_AND_ASSIGN(std::unique_ptr<ParameterClient> client,
+                           NewGrpcParameterClient(layout, o));
+      std::vector<float> w(n), g(n), got(n, -1.0f);
+      for (int64_t i = 0; i < n; ++i) {
+        w[i] = static_cast<float>(i % 1000);
+        g[i] = static_cast<float>(i % 7) - 3.0f;
+      }
+      ASSERT_OK(client->InitJob({absl::MakeConstSpan(w)}));
+      for (int step = 0; step < 2; ++step) {
+        ASSERT_OK(client->PushPull(step, {absl::MakeConstSpan(g)}, {absl::MakeSpan(got)}, nullptr))
+            << transport << " " << n;
+      }
+      for (int64_t i = 0; i < n; ++i) ASSERT_EQ(got[i], w[i] - 2 * g[i]) << transport << " " << i;
+      ASSERT_OK(client->Pull({absl::MakeSpan(got)}));
+      for (int64_t i = 0; i < n; ++i) ASSERT_EQ(got[i], w[i] - 2 * g[i]) << transport << " " << i;
+    }
+  }
+  server->Shutdown();
 }
 
 // A stop (a cancelled job) cuts short a call waiting for an answer that is not coming (a
