@@ -82,10 +82,11 @@ struct RpcOptions {
   // frames from the estimate. N > 0: no probing; each stream may have N bytes unread (its
   // initial window) and frames may be up to min(N, 16 MiB - 1) bytes. Measured on loopback
   // (README, HTTP/2 flow control): with one shard a fixed 8 MiB window moves 4 MiB pushes
-  // 1.5-2.2x and pulls 1.1-1.8x faster (gRPC's estimate there stays under the message, which
-  // then waits for window updates), while 256 KiB-1 MiB messages over the Stream (a typical
-  // worker's step) are 5-30% slower. Over a real link N must cover its bandwidth-delay
-  // product, or the link is not filled. Valid: 0 or [64 KiB, 1 GiB] (Http2WindowBytesFromKb).
+  // 1.5-2.2x and pulls 1.1-1.8x faster, while 256 KiB-1 MiB messages over the Stream (a
+  // typical worker's step) are 5-30% slower (without probing, gRPC 1.51 keeps the
+  // connection's own window near 64 KiB, and each such message stalls on it once). Over a
+  // real link N must cover its bandwidth-delay product, or the link is not filled. Valid: 0
+  // or [64 KiB, 1 GiB] (Http2WindowBytesFromKb).
   int64_t http2_window_bytes = 0;
   // Models a slower link for a client's tensor traffic (each direction paced separately, as a
   // full-duplex NIC), in bits per second; 0 = as fast as the transport goes. For measuring
