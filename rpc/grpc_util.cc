@@ -15,19 +15,16 @@ namespace gradmesh {
 namespace {
 int ClampToInt(int64_t v) { return v > INT_MAX ? INT_MAX : static_cast<int>(v); }
 
-// RpcOptions.http2_window_bytes as channel arguments, through `set` (a client's
-// ChannelArguments or a server's builder): nothing for gRPC's probed windows, else probing off,
-// the initial stream window and the largest frame (HTTP/2 allows 16 MiB - 1).
-template <typename SetInt>
-void SetFlowControl(const RpcOptions& options, SetInt set) {
-  if (options.http2_window_bytes <= 0) return;
-  constexpr int64_t kMaxHttp2Frame = (int64_t{1} << 24) - 1;
-  set(GRPC_ARG_HTTP2_BDP_PROBE, 0);
-  set(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, ClampToInt(options.http2_window_bytes));
-  set(GRPC_ARG_HTTP2_MAX_FRAME_SIZE,
-      ClampToInt(std::min(options.http2_window_bytes, kMaxHttp2Frame)));
-}
 }  // namespace
+
+std::vector<std::pair<std::string, int>> FlowControlArguments(const RpcOptions& options) {
+  if (options.http2_window_bytes <= 0) return {};
+  constexpr int64_t kMaxHttp2Frame = (int64_t{1} << 24) - 1;  // HTTP/2's largest frame.
+  return {{GRPC_ARG_HTTP2_BDP_PROBE, 0},
+          {GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, ClampToInt(options.http2_window_bytes)},
+          {GRPC_ARG_HTTP2_MAX_FRAME_SIZE,
+           ClampToInt(std::min(options.http2_window_bytes, kMaxHttp2Frame))}};
+}
 
 grpc::ChannelArguments ChannelArgumentsFor(const RpcOptions& options) {
   grpc::ChannelArguments args;
@@ -48,7 +45,7 @@ grpc::ChannelArguments ChannelArgumentsFor(const RpcOptions& options) {
     // default stops after 2 pings without data, which would leave that wait unwatched.
     args.SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
   }
-  SetFlowControl(options, [&](const char* name, int value) { args.SetInt(name, value); });
+  for (const auto& [name, value] : FlowControlArguments(options)) args.SetInt(name, value);
   return args;
 }
 
@@ -79,8 +76,9 @@ void ConfigureServerBuilder(const RpcOptions& options, grpc::ServerBuilder* buil
     builder->AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS,
                                 ClampToInt(options.keepalive_timeout_ms));
   }
-  SetFlowControl(options,
-                 [&](const char* name, int value) { builder->AddChannelArgument(name, value); });
+  for (const auto& [name, value] : FlowControlArguments(options)) {
+    builder->AddChannelArgument(name, value);
+  }
   builder->SetMaxReceiveMessageSize(ClampToInt(options.max_message_bytes));
   builder->SetMaxSendMessageSize(ClampToInt(options.max_message_bytes));
 }

@@ -15,12 +15,19 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "rpc/rpc_options.h"
 
 namespace gradmesh {
+
+// RpcOptions.http2_window_bytes as gRPC channel arguments (name, value), the same for client
+// channels and servers: none for gRPC's probed windows (0); else probing off
+// (grpc.http2.bdp_probe 0), the initial stream window (grpc.http2.lookahead_bytes) and the
+// largest frame (grpc.http2.max_frame_size: the window, at most HTTP/2's 16 MiB - 1).
+std::vector<std::pair<std::string, int>> FlowControlArguments(const RpcOptions& options);
 
 // The channel arguments of a client channel with `options` (limits, reconnection, keepalive,
 // HTTP/2 flow control), as MakeChannel uses them.

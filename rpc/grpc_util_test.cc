@@ -3,8 +3,11 @@
 #include <grpc/grpc.h>
 #include <gtest/gtest.h>
 
+#include <cstdint>
 #include <map>
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace gradmesh {
 namespace {
@@ -21,25 +24,35 @@ std::map<std::string, int> IntArgs(const RpcOptions& options) {
 }
 
 // http2_window_bytes 0 leaves gRPC's flow control alone (probing on, its own windows); N turns
-// probing off with an initial stream window of N and frames of up to min(N, 16 MiB - 1).
-TEST(ChannelArgumentsForTest, FixedWindowTurnsProbingOffAndSetsWindowAndFrame) {
+// probing off with an initial stream window of N and frames of up to min(N, 16 MiB - 1). The
+// servers' builder (ConfigureServerBuilder) takes the same list.
+TEST(FlowControlArgumentsTest, FixedWindowTurnsProbingOffAndSetsWindowAndFrame) {
+  using Args = std::vector<std::pair<std::string, int>>;
+  RpcOptions options;
+  EXPECT_EQ(FlowControlArguments(options), Args());
+  options.http2_window_bytes = 8 << 20;
+  EXPECT_EQ(FlowControlArguments(options), (Args{{GRPC_ARG_HTTP2_BDP_PROBE, 0},
+                                                 {GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 8 << 20},
+                                                 {GRPC_ARG_HTTP2_MAX_FRAME_SIZE, 8 << 20}}));
+  options.http2_window_bytes = int64_t{1} << 30;
+  EXPECT_EQ(FlowControlArguments(options), (Args{{GRPC_ARG_HTTP2_BDP_PROBE, 0},
+                                                 {GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 1 << 30},
+                                                 {GRPC_ARG_HTTP2_MAX_FRAME_SIZE, (1 << 24) - 1}}));
+}
+
+// A client channel carries them with its other limits.
+TEST(ChannelArgumentsForTest, CarriesTheFlowControlArguments) {
   RpcOptions options;
   std::map<std::string, int> args = IntArgs(options);
   EXPECT_EQ(args.count(GRPC_ARG_HTTP2_BDP_PROBE), 0u);
   EXPECT_EQ(args.count(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES), 0u);
-  EXPECT_EQ(args.count(GRPC_ARG_HTTP2_MAX_FRAME_SIZE), 0u);
   EXPECT_EQ(args.at(GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH), 256 << 20);
-
-  options.http2_window_bytes = 8 << 20;
-  args = IntArgs(options);
-  EXPECT_EQ(args.at(GRPC_ARG_HTTP2_BDP_PROBE), 0);
-  EXPECT_EQ(args.at(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES), 8 << 20);
-  EXPECT_EQ(args.at(GRPC_ARG_HTTP2_MAX_FRAME_SIZE), 8 << 20);
-
   options.http2_window_bytes = 64 << 20;
   args = IntArgs(options);
+  EXPECT_EQ(args.at(GRPC_ARG_HTTP2_BDP_PROBE), 0);
   EXPECT_EQ(args.at(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES), 64 << 20);
   EXPECT_EQ(args.at(GRPC_ARG_HTTP2_MAX_FRAME_SIZE), (1 << 24) - 1);
+  EXPECT_EQ(args.at(GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH), 256 << 20);
 }
 
 }  // namespace

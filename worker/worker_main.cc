@@ -200,8 +200,7 @@ absl::StatusOr<TlsOptions> TlsFlags() {
 }
 
 // The gRPC options of this worker's channels and servers (--max_message_mb, --link_mbit,
-// --http2_window_kb, TLS),
-// checked.
+// --http2_window_kb, TLS), checked.
 absl::StatusOr<RpcOptions> RpcFlags() {
   RpcOptions rpc;
   rpc.max_message_bytes = absl::GetFlag(FLAGS_max_message_mb) << 20;

@@ -37,7 +37,7 @@ namespace {
 
 using Values = std::vector<std::vector<float>>;
 
-constexpr int64_t kFixedWindowForTest = int64_t{64} << 10;
+constexpr int64_t kFixedWindowForTest = int64_t{128} << 10;
 
 struct InProcessShard {
   std::unique_ptr<Shard> shard;
@@ -562,10 +562,10 @@ TEST_F(SlowLinkTest, AConnectionThatDiedSilentlyIsReplaced) {
 }
 
 // Fixed HTTP/2 windows (RpcOptions.http2_window_bytes, the daemons' --http2_window_kb) on
-// the shard and the client, at the smallest allowed (64 KiB): messages 20 times the window,
-// pushed and pulled over both transports through a link with a 2 ms delay, arrive whole and
-// exact, the window reopened as the reader consumes them (2 MiB messages go unary whatever
-// the transport: stream_max_bytes).
+// the shard and the client, at 128 KiB (twice gRPC's default): messages up to 20 times the
+// window, pushed and pulled over both transports through a link with a 2 ms delay, arrive
+// whole and exact, the windows reopened as the readers consume them (the largest, 2.5 MiB,
+// go unary whatever the transport: over stream_max_bytes).
 TEST(FixedHttp2WindowTest, MessagesLargerThanTheWindowArriveExactly) {
   RpcOptions rpc;
   rpc.http2_window_bytes = kFixedWindowForTest;
