@@ -1,6 +1,5 @@
 #include "server/chunks_file.h"
 
-#include <stdlib.h>
 #include <unistd.h>
 
 #include <filesystem>
@@ -9,17 +8,11 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_testing.h"
+#include "common/test_dirs.h"
 #include "gtest/gtest.h"
 
 namespace gradmesh {
 namespace {
-
-std::string TempDir() {
-  std::string tmpl = ::testing::TempDir() + "/chunks.XXXXXX";
-  char* d = mkdtemp(tmpl.data());
-  EXPECT_NE(d, nullptr);
-  return tmpl;
-}
 
 // Writes `chunks` to `path` and returns the reference a snapshot keeps.
 state::ChunksFileRef Write(const std::string& path,
@@ -56,7 +49,8 @@ void ExpectSame(const std::map<int64_t, state::ChunkState>& got,
 }
 
 TEST(ChunksFileTest, ReadsBackWhatWasWrittenIntoANewDirectory) {
-  const std::string path = ChunksFilePath(TempDir() + "/updates/job", 1);
+  ASSERT_OK_AND_ASSIGN(const std::string dir, testutil::MakeUniqueTestDir("chunks"));
+  const std::string path = ChunksFilePath(dir + "/updates/job", 1);
   const state::ChunksFileRef ref = Write(path, Chunks());
   EXPECT_EQ(ref.chunks(), 3);
   EXPECT_EQ(ref.bytes(), static_cast<int64_t>(std::filesystem::file_size(path)));
@@ -65,7 +59,8 @@ TEST(ChunksFileTest, ReadsBackWhatWasWrittenIntoANewDirectory) {
 }
 
 TEST(ChunksFileTest, WritingOverALargerFileCutsItAtTheNewEnd) {
-  const std::string path = ChunksFilePath(TempDir(), 0);
+  ASSERT_OK_AND_ASSIGN(const std::string dir, testutil::MakeUniqueTestDir("chunks"));
+  const std::string path = ChunksFilePath(dir, 0);
   std::map<int64_t, state::ChunkState> big;
   big[1].set_values(std::string(1 << 20, 'z'));
   Write(path, big);
@@ -77,7 +72,7 @@ TEST(ChunksFileTest, WritingOverALargerFileCutsItAtTheNewEnd) {
 
 // Damage after the snapshot was written is DataLoss naming the file, never other values.
 TEST(ChunksFileTest, ADamagedMissingOrOtherFileIsDataLossNamingIt) {
-  const std::string dir = TempDir();
+  ASSERT_OK_AND_ASSIGN(const std::string dir, testutil::MakeUniqueTestDir("chunks"));
   const std::string path = ChunksFilePath(dir, 0);
   const state::ChunksFileRef ref = Write(path, Chunks());
   auto expect_loss = [&](const state::ChunksFileRef& r, const std::string& what) {
@@ -107,7 +102,7 @@ TEST(ChunksFileTest, ADamagedMissingOrOtherFileIsDataLossNamingIt) {
 }
 
 TEST(ChunksFileTest, AFileThatCannotBeCreatedIsAnErrorNamingIt) {
-  const std::string dir = TempDir();
+  ASSERT_OK_AND_ASSIGN(const std::string dir, testutil::MakeUniqueTestDir("chunks"));
   const std::string blocker = dir + "/file";
   std::ofstream(blocker) << "x";
   auto w = ChunksFileWriter::Open(ChunksFilePath(blocker + "/sub", 0), false);

@@ -2,7 +2,6 @@
 // and the InitJob options that go with it (durability, consistency, staleness damping).
 #include <cmath>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -19,6 +18,7 @@
 #include "common/partitioner.h"
 #include "common/status.h"
 #include "common/status_testing.h"
+#include "common/test_dirs.h"
 #include "gtest/gtest.h"
 #include "server/shard.h"
 #include "server/shard_store.h"
@@ -33,13 +33,6 @@ std::vector<float> Floats(const std::string& b) {
   std::vector<float> v(b.size() / sizeof(float));
   std::memcpy(v.data(), b.data(), b.size());
   return v;
-}
-
-std::string MakeTempDir() {
-  std::string tmpl = ::testing::TempDir() + "/durability.XXXXXX";
-  char* d = mkdtemp(tmpl.data());
-  EXPECT_NE(d, nullptr);
-  return tmpl;
 }
 
 // Layout: tensors a[10] and b[3x4], chunks of 4 elements, one shard (which owns all six
@@ -198,7 +191,7 @@ PushRequest GenPush(int i, std::vector<int64_t>* versions, const std::string& jo
 class DurabilityTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = MakeTempDir();
+    ASSERT_OK_AND_ASSIGN(dir_, testutil::MakeUniqueTestDir("durability"));
     Open();
   }
 

@@ -2,7 +2,6 @@
 #include <sys/resource.h>
 #include <unistd.h>
 
-#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <memory>
@@ -13,18 +12,12 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/status_testing.h"
+#include "common/test_dirs.h"
 #include "gtest/gtest.h"
 #include "server/shard_durability.h"
 
 namespace gradmesh {
 namespace {
-
-std::string TempDir() {
-  std::string tmpl = ::testing::TempDir() + "/durability.XXXXXX";
-  char* d = mkdtemp(tmpl.data());
-  EXPECT_NE(d, nullptr);
-  return tmpl;
-}
 
 // Job "j": one tensor a[8] in two chunks of 4 on one shard, SGD lr 0.5 (or Adam), two workers.
 InitJobRequest Layout(const std::string& mode, int64_t every_updates, bool adam = false) {
@@ -140,7 +133,7 @@ absl::Status ThreadPush(Parts* p, int t, int i, bool replay = false) {
 class ShardDurabilityTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = TempDir();
+    ASSERT_OK_AND_ASSIGN(dir_, testutil::MakeUniqueTestDir("durability"));
     store_ = ShardStore::Open(dir_, {}).value();
   }
   ShardStore::StoredJob Load() {

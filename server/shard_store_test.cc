@@ -1,22 +1,15 @@
 #include "server/shard_store.h"
 
-#include <cstdlib>
 #include <map>
 #include <memory>
 #include <string>
 
 #include "common/status_testing.h"
+#include "common/test_dirs.h"
 #include "gtest/gtest.h"
 
 namespace gradmesh {
 namespace {
-
-std::string TempDir() {
-  std::string tmpl = ::testing::TempDir() + "/store.XXXXXX";
-  char* d = mkdtemp(tmpl.data());
-  EXPECT_NE(d, nullptr);
-  return tmpl;
-}
 
 // A snapshot write of `chunks` (as the shard adds them: version, values, slots).
 std::unique_ptr<SnapshotWrite> Chunks(const std::string& job,
@@ -39,7 +32,7 @@ state::UpdateRecord Record(int64_t seq, float value) {
 }
 
 TEST(ShardStoreTest, SnapshotAndLogSurviveReopen) {
-  const std::string dir = TempDir();
+  ASSERT_OK_AND_ASSIGN(const std::string dir, testutil::MakeUniqueTestDir("store"));
   InitJobRequest layout;
   layout.set_job("j1");
   layout.set_num_workers(2);
@@ -79,7 +72,7 @@ TEST(ShardStoreTest, SnapshotAndLogSurviveReopen) {
 // The chunks a snapshot writes are read back as protobuf wrote them: every field, a zero
 // version and empty arrays (which proto3 leaves out), versions and sizes past one byte.
 TEST(ShardStoreTest, SnapshotChunksAreChunkStatesWhateverTheirFields) {
-  const std::string dir = TempDir();
+  ASSERT_OK_AND_ASSIGN(const std::string dir, testutil::MakeUniqueTestDir("store"));
   std::map<int64_t, state::ChunkState> chunks;
   chunks[0].set_values("abcd");                        // version 0: left out
   chunks[1].set_version(300);                          // a two-byte varint, no arrays
@@ -108,7 +101,7 @@ TEST(ShardStoreTest, SnapshotChunksAreChunkStatesWhateverTheirFields) {
 }
 
 TEST(ShardStoreTest, JobsAreSeparateAndOrderedNumerically) {
-  const std::string dir = TempDir();
+  ASSERT_OK_AND_ASSIGN(const std::string dir, testutil::MakeUniqueTestDir("store"));
   ASSERT_OK_AND_ASSIGN(auto store, ShardStore::Open(dir, {}));
   for (const char* name : {"a", "a.b", "b"}) {
     InitJobRequest layout;
@@ -129,7 +122,7 @@ TEST(ShardStoreTest, JobsAreSeparateAndOrderedNumerically) {
 }
 
 TEST(ShardStoreTest, SecondOpenOfALockedDirectoryFailsClearly) {
-  const std::string dir = TempDir();
+  ASSERT_OK_AND_ASSIGN(const std::string dir, testutil::MakeUniqueTestDir("store"));
   ASSERT_OK_AND_ASSIGN(auto store, ShardStore::Open(dir, {}));
   EXPECT_STATUS_MSG(ShardStore::Open(dir, {}), absl::StatusCode::kInternal,
                     "cannot open shard state in " + dir);

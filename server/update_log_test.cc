@@ -5,7 +5,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -18,17 +17,11 @@
 #include "absl/strings/str_cat.h"
 #include "absl/types/span.h"
 #include "common/status_testing.h"
+#include "common/test_dirs.h"
 #include "gtest/gtest.h"
 
 namespace gradmesh {
 namespace {
-
-std::string TempDir() {
-  std::string tmpl = ::testing::TempDir() + "/update_log.XXXXXX";
-  char* d = mkdtemp(tmpl.data());
-  EXPECT_NE(d, nullptr);
-  return tmpl;
-}
 
 // A record with `grads` gradients of `n` floats (value v + i), worker 3's request.
 struct TestRecord {
@@ -112,7 +105,7 @@ TEST(StreamChecksumTest, DoesNotDependOnHowTheStreamIsCut) {
 }
 
 TEST(UpdateLogTest, RecordsReadBackAsTheUpdateRecordsTheyEncode) {
-  const std::string root = TempDir();
+  ASSERT_OK_AND_ASSIGN(const std::string root, testutil::MakeUniqueTestDir("update_log"));
   std::vector<std::unique_ptr<TestRecord>> rs;
   rs.push_back(std::make_unique<TestRecord>(1, 2, 5, 0.25f));
   rs.push_back(std::make_unique<TestRecord>(2, 0, 0, 1.0f));
@@ -138,7 +131,7 @@ void WriteThreeRecords(const std::string& root, std::vector<std::unique_ptr<Test
 }
 
 TEST(UpdateLogTest, AReaderStopsAtATornOrGarbledTail) {
-  const std::string root = TempDir();
+  ASSERT_OK_AND_ASSIGN(const std::string root, testutil::MakeUniqueTestDir("update_log"));
   std::vector<std::unique_ptr<TestRecord>> rs;
   ASSERT_NO_FATAL_FAILURE(WriteThreeRecords(root, &rs));
   const std::string path = root + "/j/0000000000000001.log";
@@ -168,7 +161,7 @@ TEST(UpdateLogTest, AReaderStopsAtATornOrGarbledTail) {
 // it (and acknowledged it) before writing the next. Reading on would drop it and replay the
 // rest over the gap; reading no further would drop the rest. DataLoss, naming where.
 TEST(UpdateLogTest, ADamagedRecordBeforeValidOnesIsDataLoss) {
-  const std::string root = TempDir();
+  ASSERT_OK_AND_ASSIGN(const std::string root, testutil::MakeUniqueTestDir("update_log"));
   std::vector<std::unique_ptr<TestRecord>> rs;
   ASSERT_NO_FATAL_FAILURE(WriteThreeRecords(root, &rs));
   const std::string path = root + "/j/0000000000000001.log";
@@ -215,7 +208,7 @@ TEST(UpdateLogTest, ADamagedRecordBeforeValidOnesIsDataLoss) {
 }
 
 TEST(UpdateLogTest, RotateDeletesTheSegmentsASnapshotCovers) {
-  const std::string root = TempDir();
+  ASSERT_OK_AND_ASSIGN(const std::string root, testutil::MakeUniqueTestDir("update_log"));
   std::vector<std::unique_ptr<TestRecord>> rs;
   for (int64_t seq = 1; seq <= 6; ++seq) rs.push_back(std::make_unique<TestRecord>(seq, 1, 4, 2));
   const auto p = Ptrs(rs);
@@ -240,7 +233,7 @@ TEST(UpdateLogTest, RotateDeletesTheSegmentsASnapshotCovers) {
 }
 
 TEST(UpdateLogTest, OpenKeepsReplayedSegmentsAndDropsTheRest) {
-  const std::string root = TempDir();
+  ASSERT_OK_AND_ASSIGN(const std::string root, testutil::MakeUniqueTestDir("update_log"));
   std::vector<std::unique_ptr<TestRecord>> rs;
   for (int64_t seq = 1; seq <= 4; ++seq) rs.push_back(std::make_unique<TestRecord>(seq, 1, 4, 3));
   const auto p = Ptrs(rs);
@@ -268,7 +261,7 @@ TEST(UpdateLogTest, OpenKeepsReplayedSegmentsAndDropsTheRest) {
 }
 
 TEST(UpdateLogTest, AFailedWriteLeavesNothingOfItsBatch) {
-  const std::string root = TempDir();
+  ASSERT_OK_AND_ASSIGN(const std::string root, testutil::MakeUniqueTestDir("update_log"));
   std::vector<std::unique_ptr<TestRecord>> rs;
   rs.push_back(std::make_unique<TestRecord>(1, 1, 16, 4));
   rs.push_back(std::make_unique<TestRecord>(2, 2, 50000, 5));  // ~400 KB.

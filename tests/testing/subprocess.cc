@@ -357,29 +357,5 @@ absl::StatusOr<std::string> RunfilePath(const std::string& workspace_relative_pa
   return path;
 }
 
-std::string TestTmpDir() {
-  const char* dir = std::getenv("TEST_TMPDIR");
-  std::string out = dir != nullptr && *dir != '\0' ? dir : "/tmp";
-  while (out.size() > 1 && out.back() == '/') out.pop_back();
-  return out;
-}
-
-absl::StatusOr<std::string> MakeTestDir(const std::string& name) {
-  const std::string dir = absl::StrCat(TestTmpDir(), "/", name);
-  if (mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST) {
-    return absl::InternalError(absl::StrCat("MakeTestDir: mkdir ", dir, ": ", ErrnoText(errno)));
-  }
-  return dir;
-}
-
-absl::StatusOr<std::string> MakeUniqueTestDir(const std::string& prefix) {
-  std::string tmpl = absl::StrCat(TestTmpDir(), "/", prefix, ".XXXXXX");
-  if (mkdtemp(tmpl.data()) == nullptr) {
-    return absl::InternalError(
-        absl::StrCat("MakeUniqueTestDir: mkdtemp ", tmpl, ": ", ErrnoText(errno)));
-  }
-  return tmpl;
-}
-
 }  // namespace testutil
 }  // namespace gradmesh

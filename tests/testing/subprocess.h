@@ -31,6 +31,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
+#include "common/test_dirs.h"  // TestTmpDir, MakeTestDir, MakeUniqueTestDir: for its users.
 
 namespace gradmesh {
 namespace testutil {
@@ -120,16 +121,6 @@ std::string LastLines(absl::string_view text, int n);
 // ("server/gradmesh_server"): $TEST_SRCDIR/$TEST_WORKSPACE/<path> (TEST_WORKSPACE defaults
 // to "gradmesh"). NotFound if TEST_SRCDIR is unset or the file does not exist.
 absl::StatusOr<std::string> RunfilePath(const std::string& workspace_relative_path);
-
-// $TEST_TMPDIR (or /tmp outside Bazel), without a trailing '/'.
-std::string TestTmpDir();
-
-// Creates (if needed) and returns TestTmpDir()/<name>; for per-test logs and port files.
-absl::StatusOr<std::string> MakeTestDir(const std::string& name);
-
-// Creates a new, empty directory TestTmpDir()/<prefix>.XXXXXX (mkdtemp) and returns it; each
-// call gets its own, so state from an earlier run or call (a durable store) is never reused.
-absl::StatusOr<std::string> MakeUniqueTestDir(const std::string& prefix);
 
 }  // namespace testutil
 }  // namespace gradmesh
