@@ -14,7 +14,6 @@
 namespace gradmesh {
 namespace {
 int ClampToInt(int64_t v) { return v > INT_MAX ? INT_MAX : static_cast<int>(v); }
-
 }  // namespace
 
 std::vector<std::pair<std::string, int>> FlowControlArguments(const RpcOptions& options) {

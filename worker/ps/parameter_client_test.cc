@@ -37,8 +37,6 @@ namespace {
 
 using Values = std::vector<std::vector<float>>;
 
-constexpr int64_t kFixedWindowForTest = int64_t{128} << 10;
-
 struct InProcessShard {
   std::unique_ptr<Shard> shard;
   std::unique_ptr<ParameterServiceImpl> service;
@@ -470,13 +468,15 @@ class SlowLinkTest : public ::testing::Test {
     ASSERT_OK_AND_ASSIGN(shard_, Shard::Create(ShardOptions()));
     service_ = std::make_unique<ParameterServiceImpl>(shard_.get());
     std::string addr;
-    server_ = Serve(service_.get(), &addr);
+    server_ = Serve(service_.get(), &addr, ServerRpc());
     ASSERT_NE(server_, nullptr);
     port_ = std::stoi(addr.substr(addr.rfind(':') + 1));
   }
   void TearDown() override {
     if (server_ != nullptr) server_->Shutdown();
   }
+  // The shard server's gRPC options (a subclass may change them).
+  virtual RpcOptions ServerRpc() const { return RpcOptions(); }
 
   // Job `job`: one tensor w[6] in one chunk, sgd lr 1 (a value drops by exactly the gradient).
   static JobLayout Layout(const std::string& job) {
@@ -566,19 +566,22 @@ TEST_F(SlowLinkTest, AConnectionThatDiedSilentlyIsReplaced) {
 // window, pushed and pulled over both transports through a link with a 2 ms delay, arrive
 // whole and exact, the windows reopened as the readers consume them (the largest, 2.5 MiB,
 // go unary whatever the transport: over stream_max_bytes).
-TEST(FixedHttp2WindowTest, MessagesLargerThanTheWindowArriveExactly) {
-  RpcOptions rpc;
-  rpc.http2_window_bytes = kFixedWindowForTest;
-  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Shard> shard, Shard::Create(ShardOptions()));
-  ParameterServiceImpl service(shard.get());
-  std::string addr;
-  std::unique_ptr<grpc::Server> server = Serve(&service, &addr, rpc);
-  ASSERT_NE(server, nullptr);
-  const int port = std::stoi(addr.substr(addr.rfind(':') + 1));
+class FixedHttp2WindowTest : public SlowLinkTest {
+ protected:
+  static constexpr int64_t kWindow = int64_t{128} << 10;
+  static RpcOptions FixedWindow() {
+    RpcOptions rpc;
+    rpc.http2_window_bytes = kWindow;
+    return rpc;
+  }
+  RpcOptions ServerRpc() const override { return FixedWindow(); }
+};
+
+TEST_F(FixedHttp2WindowTest, MessagesLargerThanTheWindowArriveExactly) {
   for (const char* transport : {"stream", "unary"}) {
-    for (int64_t n : {int64_t{200}, int64_t{200000}, int64_t{20} * kFixedWindowForTest / 4}) {
+    for (int64_t n : {int64_t{200}, int64_t{200000}, int64_t{20} * kWindow / 4}) {
       ASSERT_OK_AND_ASSIGN(std::unique_ptr<testutil::DelayProxy> proxy,
-                           testutil::DelayProxy::Start(port, absl::Milliseconds(2)));
+                           testutil::DelayProxy::Start(port_, absl::Milliseconds(2)));
       JobLayout layout;
       layout.job = absl::StrCat("window-", transport, "-", n);
       layout.tensors = {Spec("w", {n})};
@@ -588,7 +591,7 @@ TEST(FixedHttp2WindowTest, MessagesLargerThanTheWindowArriveExactly) {
       GrpcParameterClientOptions o;
       o.servers = {proxy->address()};
       o.transport = transport;
-      o.rpc = rpc;
+      o.rpc = FixedWindow();
       ASSERT_OK_AND_ASSIGN(std::unique_ptr<ParameterClient> client,
                            NewGrpcParameterClient(layout, o));
       std::vector<float> w(n), g(n), got(n, -1.0f);
@@ -606,7 +609,6 @@ TEST(FixedHttp2WindowTest, MessagesLargerThanTheWindowArriveExactly) {
       for (int64_t i = 0; i < n; ++i) ASSERT_EQ(got[i], w[i] - 2 * g[i]) << transport << " " << i;
     }
   }
-  server->Shutdown();
 }
 
 // A stop (a cancelled job) cuts short a call waiting for an answer that is not coming (a
