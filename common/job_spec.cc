@@ -454,7 +454,10 @@ void ApplyJobSpecDefaults(int num_servers, JobSpec* spec) {
     const int32_t inner = spec->mode() == "diloco" && spec->diloco().inner_steps() > 0
                               ? spec->diloco().inner_steps()
                               : (spec->mode() == "diloco" ? 50 : 1);
-    spec->set_barrier_timeout_s(std::max(120, 10 * std::min(inner, 1 << 20)));
+    // At most the limit on timeouts (kMaxSpecSeconds), so that a long round's default is never
+    // what refuses the spec.
+    spec->set_barrier_timeout_s(std::min(static_cast<int32_t>(kMaxSpecSeconds),
+                                         std::max(120, 10 * std::min(inner, 1 << 20))));
   }
   if (spec->mode() == "ps") spec->set_mode("async");
   // diloco averages pseudo-gradients: a smaller group changes no lr.

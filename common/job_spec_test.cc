@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -54,6 +55,21 @@ loss: module
   EXPECT_OK(ValidateJobSpec(spec));
   spec.set_loss("cross_entropy");
   EXPECT_OK(ValidateJobSpec(spec));
+}
+
+// diloco's default barrier timeout grows with its rounds (10 s per inner step) but stops at
+// the limit on timeouts: a long round's default never refuses the spec.
+TEST(JobSpecTest, DilocoDefaultBarrierTimeoutStaysWithinTheLimit) {
+  for (const auto& [inner, want] : std::vector<std::pair<int32_t, double>>{
+           {5, 120}, {50, 500}, {60480, 604800}, {100000, 604800}, {1 << 30, 604800}}) {
+    JobSpec spec;
+    spec.set_name("d");
+    spec.set_mode("diloco");
+    spec.mutable_diloco()->set_inner_steps(inner);
+    ApplyJobSpecDefaults(1, &spec);
+    EXPECT_EQ(spec.barrier_timeout_s(), want) << inner;
+    EXPECT_OK(ValidateJobSpec(spec)) << inner;
+  }
 }
 
 TEST(JobSpecTest, ParsesJsonWithCamelCase) {

@@ -17,8 +17,24 @@
 namespace gradmesh {
 namespace {
 
-// Window of (time, step) samples behind eta_s.
+// Window of (time, step) samples behind eta_s, and the most samples kept in it.
 constexpr int64_t kEtaWindowMs = 30'000;
+constexpr std::ptrdiff_t kMaxStepSamples = 1024;
+// Reported steps and totals are clamped to this (2^53: exact in a double, and far beyond any
+// job), so that the ETA's differences and products cannot overflow.
+constexpr int64_t kMaxReportedSteps = int64_t{1} << 53;
+
+// Adds (now, step) to a job's samples for its ETA if the step moved. Samples older than the
+// window go (two stay), and at most kMaxStepSamples stay in all, in one erase: a node whose
+// heartbeat reports many steps of a job (one report each) cannot grow the list, or make
+// trimming it quadratic, under the coordinator's lock.
+void AddStepSample(int64_t now, int64_t step, std::deque<std::pair<int64_t, int64_t>>* samples) {
+  if (samples->empty() || samples->back().second != step) samples->emplace_back(now, step);
+  auto keep = samples->begin();
+  while (samples->end() - keep > 2 && keep->first < now - kEtaWindowMs) ++keep;
+  if (samples->end() - keep > kMaxStepSamples) keep = samples->end() - kMaxStepSamples;
+  samples->erase(samples->begin(), keep);
+}
 
 bool IsActive(JobState s) { return s == PENDING || s == RUNNING || s == PAUSED; }
 bool IsFinished(JobState s) { return s == SUCCEEDED || s == FAILED || s == CANCELLED; }
@@ -586,12 +602,7 @@ void Coordinator::RefreshLocked(JobEntry* job) {
   if (step < 0) step = p->step();  // Every rank lost: keep the last figure.
   if (total == 0) total = st->spec().steps();
   const int64_t now = Now();
-  if (job->step_samples.empty() || job->step_samples.back().second != step) {
-    job->step_samples.emplace_back(now, step);
-  }
-  while (job->step_samples.size() > 2 && job->step_samples.front().first < now - kEtaWindowMs) {
-    job->step_samples.erase(job->step_samples.begin());
-  }
+  AddStepSample(now, step, &job->step_samples);
   double eta = -1;
   bool stalled = false;
   if (total > 0 && step >= total) {
@@ -974,8 +985,9 @@ void Coordinator::ApplyReportLocked(const NodeEntry& node, const TaskReport& rep
   const bool current = report.generation() == 0 || report.generation() == rr->generation();
   const JobState state_before = st->state();
   const TaskState rank_state_before = job->rank_states[index];
-  w->set_step(report.step());
-  rr->set_total_steps(report.total_steps());
+  // Clamped to what a job can count: the ETA subtracts and divides these.
+  w->set_step(std::clamp<int64_t>(report.step(), 0, kMaxReportedSteps));
+  rr->set_total_steps(std::clamp<int64_t>(report.total_steps(), 0, kMaxReportedSteps));
   rr->set_epoch(report.epoch());
   rr->set_loss(report.loss());
   rr->set_reported(true);
@@ -1159,6 +1171,17 @@ absl::StatusOr<std::vector<std::string>> Coordinator::ResumableShardNodesLocked(
           "resuming job \"", id, "\" needs shard ", s.shard(), "'s node ", s.node(),
           " (it holds the job's state), which is not alive; start gradmesh_server --node=",
           s.node(), " --coordinator=... again"));
+    }
+    // The name may have been registered again since, by another kind of daemon (a role may
+    // change once no active job uses the node): its address has no ParameterService.
+    if (n->second.record.info().role() != SERVER) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("resuming job \"", id, "\" needs shard ", s.shard(), "'s node ", s.node(),
+                       " (it holds the job's state), which is now registered as a ",
+                       RoleName(n->second.record.info().role()),
+                       ", not a server; start gradmesh_server "
+                       "--node=",
+                       s.node(), " --coordinator=... with the job's data directory again"));
     }
     shard_nodes.push_back(s.node());
   }

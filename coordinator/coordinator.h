@@ -193,6 +193,7 @@
 #define GRADMESH_COORDINATOR_COORDINATOR_H_
 
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -327,8 +328,15 @@ class Coordinator {
   // Every check of PublishModel that does not need the payload, so the service can refuse a
   // publish before receiving it: INVALID_ARGUMENT for a malformed header, RESOURCE_EXHAUSTED
   // above max_model_bytes, NOT_FOUND for an unknown job, PERMISSION_DENIED unless the call is
-  // as header.node and rank 0 of the job is placed there.
+  // as header.node and rank 0 of the job is placed there. Who publishes is checked first, under
+  // the coordinator's lock; the header's tensors (up to kMaxModelHeaderBytes of them) after,
+  // outside it, so that a refused caller costs the other RPCs nothing.
   absl::Status CheckModelHeader(const ModelHeader& header, const NodeCredentials& credentials);
+  // One publish of each kind per job at a time (the service holds one between a checked header
+  // and the end of its payload, which it buffers up to header.total_bytes):
+  // RESOURCE_EXHAUSTED while another is in flight. EndPublish frees it.
+  absl::Status BeginPublish(const ModelHeader& header);
+  void EndPublish(const ModelHeader& header);
   // CheckModelHeader, then INVALID_ARGUMENT unless the payload has header.total_bytes bytes;
   // then stores the model (published_ms = now), replacing the previous one of that kind.
   absl::Status PublishModel(ModelHeader header, absl::string_view payload,
@@ -361,8 +369,8 @@ class Coordinator {
     int64_t version = 1;
     std::string published;  // Status as of the last version bump (updated_ms cleared).
     int64_t last_persist_ms = 0;
-    bool dirty = false;  // Progress changed since the last write.
-    std::vector<std::pair<int64_t, int64_t>> step_samples;  // (ms, job step), for eta.
+    bool dirty = false;                                    // Progress changed since the last write.
+    std::deque<std::pair<int64_t, int64_t>> step_samples;  // (ms, job step), for eta.
     // Index = rank: the last log lines the rank's heartbeats brought (memory only), numbered
     // by log_sequence across the job's ranks.
     std::vector<std::shared_ptr<LogTail>> rank_logs;
@@ -392,10 +400,11 @@ class Coordinator {
                                    const NodeCredentials& credentials, absl::string_view what) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
-  // CheckModelHeader under mu_; returns the job's record.sequence() (which tells a job
-  // compacted and submitted again under the same id from the one that was checked).
-  absl::StatusOr<int64_t> CheckModelHeaderLocked(const ModelHeader& header,
-                                                 const NodeCredentials& credentials)
+  // CheckModelHeader's checks of the caller, job and kind (not the tensors); returns the job's
+  // record.sequence() (which tells a job compacted and submitted again under the same id from
+  // the one that was checked).
+  absl::StatusOr<int64_t> CheckPublisherLocked(const ModelHeader& header,
+                                               const NodeCredentials& credentials)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // All *Locked methods need mu_.
@@ -485,6 +494,7 @@ class Coordinator {
   std::map<int64_t, JobEntry*> by_sequence_ ABSL_GUARDED_BY(mu_);
   std::set<std::string> persist_jobs_ ABSL_GUARDED_BY(mu_);
   std::set<std::string> persist_nodes_ ABSL_GUARDED_BY(mu_);
+  std::set<std::pair<std::string, int>> publishing_ ABSL_GUARDED_BY(mu_);  // (job, kind).
   int64_t next_sequence_ ABSL_GUARDED_BY(mu_) = 1;
   bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;
 

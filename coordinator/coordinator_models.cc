@@ -95,9 +95,8 @@ absl::Status ValidateModelHeader(const ModelHeader& h, int64_t max_bytes) {
 
 }  // namespace
 
-absl::StatusOr<int64_t> Coordinator::CheckModelHeaderLocked(const ModelHeader& header,
-                                                            const NodeCredentials& credentials) {
-  RETURN_IF_ERROR(ValidateModelHeader(header, options_.max_model_bytes));
+absl::StatusOr<int64_t> Coordinator::CheckPublisherLocked(const ModelHeader& header,
+                                                          const NodeCredentials& credentials) {
   auto job = jobs_.find(header.job_id());
   if (job == jobs_.end()) {
     return absl::NotFoundError(absl::StrCat("PublishModel: job ", header.job_id(), " not found"));
@@ -125,16 +124,35 @@ absl::StatusOr<int64_t> Coordinator::CheckModelHeaderLocked(const ModelHeader& h
 
 absl::Status Coordinator::CheckModelHeader(const ModelHeader& header,
                                            const NodeCredentials& credentials) {
+  {
+    absl::MutexLock lock(&mu_);
+    RETURN_IF_ERROR(CheckPublisherLocked(header, credentials).status());
+  }
+  return ValidateModelHeader(header, options_.max_model_bytes);
+}
+
+absl::Status Coordinator::BeginPublish(const ModelHeader& header) {
   absl::MutexLock lock(&mu_);
-  return CheckModelHeaderLocked(header, credentials).status();
+  if (!publishing_.emplace(header.job_id(), static_cast<int>(header.kind())).second) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("PublishModel of job ", header.job_id(), ": another publish of its ",
+                     ModelKind_Name(header.kind()), " is in progress"));
+  }
+  return absl::OkStatus();
+}
+
+void Coordinator::EndPublish(const ModelHeader& header) {
+  absl::MutexLock lock(&mu_);
+  publishing_.erase({header.job_id(), static_cast<int>(header.kind())});
 }
 
 absl::Status Coordinator::PublishModel(ModelHeader header, absl::string_view payload,
                                        const NodeCredentials& credentials) {
+  RETURN_IF_ERROR(CheckModelHeader(header, credentials));
   int64_t sequence = 0;
   {
     absl::MutexLock lock(&mu_);
-    ASSIGN_OR_RETURN(sequence, CheckModelHeaderLocked(header, credentials));
+    ASSIGN_OR_RETURN(sequence, CheckPublisherLocked(header, credentials));
     header.set_published_ms(Now());
   }
   if (static_cast<int64_t>(payload.size()) != header.total_bytes()) {

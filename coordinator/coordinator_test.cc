@@ -8,11 +8,13 @@
 #include <atomic>
 #include <cmath>
 #include <functional>
+#include <limits>
 #include <map>
 #include <set>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "common/status_testing.h"
 #include "common/token_hash.h"
 #include "gtest/gtest.h"
@@ -810,6 +812,38 @@ TEST_F(CoordinatorTest, AGossipJobWhoseRankZeroIsLostEndsOnceTheFallbackRootPubl
             "model without them");
 }
 
+// Publishes of a job go one at a time per kind (the service buffers each payload), and who
+// publishes is checked before the header's tensors: a caller that may not publish is refused
+// without the coordinator walking what it sent.
+TEST_F(CoordinatorTest, PublishesGoOneAtATimeAndStrangersAreRefusedFirst) {
+  Register("w0", WORKER);
+  ASSERT_OK(Submit(Spec("p", "gossip", 1)));
+  ModelHeader h;
+  h.set_job_id("p");
+  h.set_kind(MODEL_STATE);
+  h.set_node("w0");
+  ASSERT_OK(core_->BeginPublish(h));
+  EXPECT_STATUS_MSG(core_->BeginPublish(h), absl::StatusCode::kResourceExhausted,
+                    "PublishModel of job p: another publish of its MODEL_STATE is in progress");
+  ModelHeader module = h;
+  module.set_kind(MODEL_MODULE);
+  ASSERT_OK(core_->BeginPublish(module));  // Another kind.
+  core_->EndPublish(module);
+  core_->EndPublish(h);
+  ASSERT_OK(core_->BeginPublish(h));
+  core_->EndPublish(h);
+  // A malformed header (a repeated name) for an unknown job, or from a node that is not rank
+  // 0's: the caller's refusal comes first.
+  ModelHeader bad = h;
+  for (int i = 0; i < 2; ++i) bad.add_tensors()->set_name("same");
+  bad.set_job_id("nope");
+  EXPECT_STATUS(core_->CheckModelHeader(bad, Creds("w0")), absl::StatusCode::kNotFound);
+  bad.set_job_id("p");
+  EXPECT_STATUS(core_->CheckModelHeader(bad, Creds("w0")), absl::StatusCode::kInvalidArgument);
+  bad.set_node("w9");
+  EXPECT_STATUS(core_->CheckModelHeader(bad, Creds("w0")), absl::StatusCode::kPermissionDenied);
+}
+
 TEST_F(CoordinatorTest, ASyncGroupThatLosesEveryRankFails) {
   Register("s0", SERVER);
   Register("w0", WORKER);
@@ -991,6 +1025,39 @@ TEST_F(CoordinatorTest, ResumeReusesShardsAndToken) {
                     "resuming job \"j\" needs shard 1's node s1 (it holds the job's state), "
                     "which is not alive");
   EXPECT_EQ(Get("j").state(), CANCELLED);
+  // Its name registered again by a worker daemon (no active job uses it): its address has no
+  // ParameterService, so the job's state is not there either.
+  Register("s1", WORKER);
+  EXPECT_STATUS_MSG(Submit(spec, false, true), absl::StatusCode::kFailedPrecondition,
+                    "resuming job \"j\" needs shard 1's node s1 (it holds the job's state), "
+                    "which is now registered as a WORKER, not a server");
+  EXPECT_EQ(Get("j").state(), CANCELLED);
+}
+
+// A heartbeat that reports many steps of one rank (a broken or hostile daemon: one report per
+// step) costs time linear in its size, now and when the samples age out: the job's (time,
+// step) samples for its ETA stay bounded. Reported steps beyond any job's are clamped.
+TEST_F(CoordinatorTest, AFloodOfReportsInOneHeartbeatStaysCheap) {
+  Cluster();
+  ASSERT_OK_AND_ASSIGN(JobStatus st, Submit(Spec("flood", "gossip", 1)));
+  const std::string node = st.workers(0).node();
+  constexpr int kReports = 300'000;
+  HeartbeatRequest req;
+  req.set_node(node);
+  for (int i = 1; i <= kReports; ++i) *req.add_tasks() = Report("flood", 0, "running", i);
+  const absl::Time start = absl::Now();
+  ASSERT_OK(core_->Heartbeat(req, Creds(node)));
+  clock_.AdvanceMs(31'000);
+  Beat(node, {Report("flood", 0, "running", kReports + 10)});
+  // Linear work takes well under a second here; trimming the samples one erase at a time
+  // took minutes.
+  EXPECT_LT(absl::Now() - start, absl::Seconds(20));
+  EXPECT_EQ(Get("flood").progress().step(), kReports + 10);
+  TaskReport huge = Report("flood", 0, "running", std::numeric_limits<int64_t>::max());
+  huge.set_total_steps(std::numeric_limits<int64_t>::max());
+  Beat(node, {huge});
+  EXPECT_EQ(Get("flood").progress().step(), int64_t{1} << 53);
+  EXPECT_EQ(Get("flood").progress().total_steps(), int64_t{1} << 53);
 }
 
 // The job's progress history: one point per new job step, downsampled at the capacity, the

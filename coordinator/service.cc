@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/status.h"
@@ -203,6 +204,9 @@ grpc::Status NodeServiceImpl::PublishModel(grpc::ServerContext* context,
     if (absl::Status s = coordinator_->CheckModelHeader(header, credentials); !s.ok()) {
       return ToGrpcStatus(s);
     }
+    // One at a time per job and kind: a publisher cannot hold many buffered payloads.
+    if (absl::Status s = coordinator_->BeginPublish(header); !s.ok()) return ToGrpcStatus(s);
+    const absl::Cleanup end_publish = [&] { coordinator_->EndPublish(header); };
     // total_bytes is within --max_model_bytes and the caller is rank 0's node (checked above).
     std::string payload;
     payload.reserve(static_cast<size_t>(header.total_bytes()));

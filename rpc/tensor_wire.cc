@@ -547,7 +547,7 @@ bool InField(CodedInputStream* in, Body body) {
 
 // One ChunkData (the stream limited to it), written to `out` without its raw data, which goes
 // to `d`. Only raw chunks come here: a push with an encoded chunk is parsed by protobuf
-// (PushHasCodec), and a codec found here anyway refuses the message.
+// (ScanPush), and a codec found here anyway refuses the message.
 bool StripChunk(CodedInputStream* in, std::string* out, DenseData* d) {
   std::string codec;
   DenseData data;
@@ -594,42 +594,46 @@ bool StripPush(CodedInputStream* in, std::string* out, DenseChunks* dense) {
   return in->ConsumedEntireMessage() && !os.HadError();
 }
 
-// Whether a chunk of the push (up to the current limit) names a codec (its last codec field,
-// as protobuf keeps). Reads only codec strings and skips the rest, data included. False on
-// malformed input too (the decoding that follows refuses it).
-bool PushHasCodec(CodedInputStream* in) {
+// Walks a PushRequest's fields up to the current limit, reading only codec strings and
+// skipping the rest, data included: adds its chunks to *chunks and sets *codec if a chunk
+// names a codec (its last codec field, as protobuf keeps). Stops, false, on malformed input
+// (the decoding that follows refuses it) or once *chunks passes max_chunks.
+bool ScanPush(CodedInputStream* in, int64_t max_chunks, int64_t* chunks, bool* codec) {
   while (true) {
     const uint32_t tag = in->ReadTag();
-    if (tag == 0) return false;
+    if (tag == 0) return true;
     if (tag != Tag(5, kLengthDelimited)) {
       if (!WireFormatLite::SkipField(in, tag)) return false;
       continue;
     }
-    std::string codec;
+    if (++*chunks > max_chunks) return false;
+    std::string name;
     const bool read = InField(in, [&] {
       while (true) {
         const uint32_t t = in->ReadTag();
         if (t == 0) return in->ConsumedEntireMessage();
         uint32_t n;
         if (t == Tag(5, kLengthDelimited)) {
-          if (!ReadLength(in, &n) || !in->ReadString(&codec, static_cast<int>(n))) return false;
+          if (!ReadLength(in, &n) || !in->ReadString(&name, static_cast<int>(n))) return false;
         } else if (!WireFormatLite::SkipField(in, t)) {
           return false;
         }
       }
     });
     if (!read) return false;
-    if (!codec.empty()) return true;
+    if (!name.empty()) *codec = true;
   }
 }
 
 // Decodes `buffer` with `strip` (which writes the message without its raw chunk data) and
-// parses the result into `message` with protobuf. A message in which `has_codec` finds an
-// encoded chunk is parsed whole by protobuf instead (`dense` stays empty): its payloads would
-// otherwise be copied once per level of nesting, for no scan saved.
-template <typename Message, typename HasCodec, typename Strip>
+// parses the result into `message` with protobuf. A message in which `scan` (a ScanPush over
+// the message's pushes) finds an encoded chunk is parsed whole by protobuf instead (`dense`
+// stays empty): its payloads would otherwise be copied once per level of nesting, for no scan
+// saved. A message with more than `max_chunks` chunks is refused before anything is allocated
+// for them.
+template <typename Message, typename Scan, typename Strip>
 absl::Status DecodeStripped(const grpc::ByteBuffer& buffer, const char* what, Message* message,
-                            DenseChunks* dense, HasCodec has_codec, Strip strip) {
+                            DenseChunks* dense, int64_t max_chunks, Scan scan, Strip strip) {
   message->Clear();
   dense->clear();
   const size_t total = buffer.Length();
@@ -649,7 +653,13 @@ absl::Status DecodeStripped(const grpc::ByteBuffer& buffer, const char* what, Me
     CodedInputStream in(&reader);
     in.SetTotalBytesLimit(INT32_MAX);
     in.PushLimit(static_cast<int>(total));
-    encoded = has_codec(&in);
+    int64_t chunks = 0;
+    encoded = false;
+    // A malformed message goes on to the parse chosen by what was seen so far, which refuses it.
+    scan(&in, max_chunks, &chunks, &encoded);
+    if (chunks > max_chunks) {
+      return absl::InvalidArgumentError(absl::StrCat(what, ": more than ", max_chunks, " chunks"));
+    }
   }
   grpc::ByteBuffer copy(buffer);
   grpc::ProtoBufferReader reader(&copy);
@@ -671,28 +681,28 @@ absl::Status DecodeStripped(const grpc::ByteBuffer& buffer, const char* what, Me
 }  // namespace
 
 absl::Status DecodePushRequest(const grpc::ByteBuffer& buffer, PushRequest* request,
-                               DenseChunks* dense) {
+                               DenseChunks* dense, int64_t max_chunks) {
   return DecodeStripped(
-      buffer, "PushRequest", request, dense, PushHasCodec,
+      buffer, "PushRequest", request, dense, max_chunks, ScanPush,
       [dense](CodedInputStream* in, std::string* out) { return StripPush(in, out, dense); });
 }
 
 absl::Status DecodeStreamRequest(const grpc::ByteBuffer& buffer, StreamRequest* request,
-                                 DenseChunks* dense) {
-  const auto has_codec = [](CodedInputStream* in) {
+                                 DenseChunks* dense, int64_t max_chunks) {
+  // Every push field counts: protobuf merges repeated ones, chunks and all.
+  const auto scan = [](CodedInputStream* in, int64_t max, int64_t* chunks, bool* codec) {
     while (true) {
       const uint32_t tag = in->ReadTag();
-      if (tag == 0) return false;
+      if (tag == 0) return true;
       if (tag != Tag(static_cast<uint32_t>(StreamOp::kPush), kLengthDelimited)) {
         if (!WireFormatLite::SkipField(in, tag)) return false;
         continue;
       }
-      bool found = false;
-      if (!InField(in, [&] { return !(found = PushHasCodec(in)); })) return found;
+      if (!InField(in, [&] { return ScanPush(in, max, chunks, codec); })) return false;
     }
   };
   return DecodeStripped(
-      buffer, "StreamRequest", request, dense, has_codec,
+      buffer, "StreamRequest", request, dense, max_chunks, scan,
       [dense](CodedInputStream* in, std::string* out) {
         StringOutputStream stream(out);
         CodedOutputStream os(&stream);

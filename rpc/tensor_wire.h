@@ -96,12 +96,16 @@ absl::Status DecodePullResponse(const grpc::ByteBuffer& buffer, const PullChunkS
 // back); what it refuses is DataLoss, except a few encodings that CodedInputStream reads and
 // protobuf does not (overlong tag or length varints; the result is still a valid message).
 // Checked against protobuf by tensor_wire_test and //tests/fuzz:push_request_fuzz.
+// A push of more than `max_chunks` chunks is INVALID_ARGUMENT before anything is allocated for
+// them (an empty chunk is 2 bytes on the wire and about a hundred decoded: a shard passes its
+// --max_chunks_per_job, which no job's push can exceed).
+inline constexpr int64_t kNoChunkLimit = INT64_MAX;
 absl::Status DecodePushRequest(const grpc::ByteBuffer& buffer, PushRequest* request,
-                               DenseChunks* dense);
+                               DenseChunks* dense, int64_t max_chunks = kNoChunkLimit);
 // The same for a StreamRequest: its push's chunks as DecodePushRequest decodes them (none for
 // a pull).
 absl::Status DecodeStreamRequest(const grpc::ByteBuffer& buffer, StreamRequest* request,
-                                 DenseChunks* dense);
+                                 DenseChunks* dense, int64_t max_chunks = kNoChunkLimit);
 
 // Which operation a StreamRequest carries: its oneof field number.
 enum class StreamOp : int32_t { kPush = 2, kPull = 3 };

@@ -570,6 +570,37 @@ TEST(TensorWireTest, PushWithAnEncodedChunkIsParsedWholeByProtobuf) {
   EXPECT_EQ(sgot.SerializeAsString(), r.SerializeAsString());
 }
 
+// A push of more chunks than the decoder is allowed is INVALID_ARGUMENT, raw or encoded, alone
+// or in a StreamRequest (where every push field's chunks count: protobuf merges them), and
+// one at the limit decodes as without one.
+TEST(TensorWireTest, PushDecodingRefusesMoreChunksThanAllowed) {
+  PushRequest raw = SamplePush();  // 3 chunks.
+  PushRequest encoded = SamplePush();
+  encoded.mutable_chunks(2)->set_codec("fp16");
+  for (const PushRequest& p : {raw, encoded}) {
+    PushRequest got;
+    DenseChunks dense;
+    const absl::Status st = DecodePushRequest(FromString(p.SerializeAsString()), &got, &dense, 2);
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(st.message(), "PushRequest: more than 2 chunks");
+    EXPECT_TRUE(dense.empty());
+    ASSERT_OK(DecodePushRequest(FromString(p.SerializeAsString()), &got, &dense, 3));
+    EXPECT_EQ(Restored(got, dense).SerializeAsString(), p.SerializeAsString());
+  }
+  // Two push fields of 3 chunks each: one push of 6 once merged.
+  StreamRequest r;
+  r.set_call(4);
+  *r.mutable_push() = raw;
+  const std::string twice = r.SerializeAsString() + r.SerializeAsString();
+  StreamRequest got;
+  DenseChunks dense;
+  const absl::Status st = DecodeStreamRequest(FromString(twice), &got, &dense, 5);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(st.message(), "StreamRequest: more than 5 chunks");
+  ASSERT_OK(DecodeStreamRequest(FromString(twice), &got, &dense, 6));
+  EXPECT_EQ(got.push().chunks_size(), 6);
+}
+
 TEST(TensorWireTest, PushDecodingKeepsTheLastDataAndCodecAsProtobufDoes) {
   ChunkData first, second;
   first.set_tensor(1);

@@ -449,6 +449,18 @@ absl::Status SyncPolicy::AdmitLocked(const ChunkUpdate& push, const Step* step) 
                                                       " is not in the sync group of job ", job_,
                                                       " (active: ", RankList(group), ")"));
   }
+  // One push per worker waits at a time: a worker needs step s's result before it computes
+  // step s + 1. A push for another step while one of the worker's pushes waits comes from a
+  // broken client (or a restarted worker whose old push is not yet withdrawn): ABORTED, which
+  // clients retry with backoff until that one completes, times out or is withdrawn. Without
+  // this one client could park a gradient for every future step.
+  for (const auto& [number, other] : steps_) {
+    if (number != me.step && !other->sealed && other->contributions[me.worker].has_value()) {
+      return absl::AbortedError(absl::StrCat("sync step ", me.step, ": worker ", me.worker,
+                                             " still waits at step ", number, " of job ", job_,
+                                             "; a worker's pushes wait one at a time"));
+    }
+  }
   if (step == nullptr) return absl::OkStatus();
   if (step->contributions[me.worker].has_value()) {
     return absl::AbortedError(absl::StrCat("sync step ", me.step, ": worker ", me.worker,

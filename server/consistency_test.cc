@@ -970,6 +970,35 @@ TEST(WaitWithoutThreadTest, ThousandSyncPushesWaitOnNoThreads) {
   EXPECT_EQ(a.grads[0][1], static_cast<float>(kWaiting + 1) * (1.0f / (kWaiting + 1)));
 }
 
+// A worker's pushes wait one at a time: a push for another step while one of the worker's
+// pushes waits is ABORTED and changes nothing (one client cannot park a gradient for every
+// future step); once that one has completed, the next step's push is admitted and waits.
+TEST(WaitWithoutThreadTest, AWorkersSecondWaitingPushIsRefused) {
+  Outcome first, ahead, other, later;  // Outlive the policy, which ends `later`'s wait.
+  FakeApply apply;
+  auto policy = MakePolicy("sync", 2);
+  auto p0 = SimplePush(0, 0);
+  policy->StartPush(p0->update, apply.fn(), first.fn(), nullptr);
+  auto p0_next = SimplePush(0, 1);
+  policy->StartPush(p0_next->update, apply.fn(), ahead.fn(), nullptr);
+  ASSERT_EQ(ahead.calls(), 1);
+  EXPECT_EQ(ahead.status().code(), absl::StatusCode::kAborted);
+  EXPECT_EQ(ahead.status().message(),
+            "sync step 1: worker 0 still waits at step 0 of job j; a worker's pushes wait one at "
+            "a time");
+  EXPECT_EQ(policy->waiting(), 1);
+  EXPECT_EQ(first.calls(), 0);
+  auto p1 = SimplePush(1, 0);
+  policy->StartPush(p1->update, apply.fn(), other.fn(), nullptr);
+  ASSERT_EQ(first.calls(), 1);
+  EXPECT_OK(first.status());
+  EXPECT_OK(other.status());
+  EXPECT_EQ(apply.calls(), 1);
+  policy->StartPush(p0_next->update, apply.fn(), later.fn(), nullptr);
+  EXPECT_EQ(later.calls(), 0);  // Waits at step 1 for worker 1.
+  EXPECT_EQ(policy->waiting(), 1);
+}
+
 // The step's apply (the log write of a durable job) runs without the policy's lock: while it
 // is blocked, stats(), SetGroup and other workers' pushes of the next step go on.
 TEST(WaitWithoutThreadTest, ApplyRunsWithoutThePolicyLock) {

@@ -1,5 +1,6 @@
 #include "server/parameter_service.h"
 
+#include <algorithm>
 #include <deque>
 #include <memory>
 #include <utility>
@@ -35,13 +36,31 @@ absl::Status CheckJobToken(const JobTokens* tokens, grpc::ServerContextBase* ctx
 }
 
 // Parses a request's bytes: a push with its raw chunk data decoded outside protobuf (copied
-// once and scanned as it lands: rpc/tensor_wire.h), a pull with protobuf.
-bool ParseRequest(const grpc::ByteBuffer& bytes, PushRequest* request, DenseChunks* dense) {
-  return DecodePushRequest(bytes, request, dense).ok();
+// once and scanned as it lands: rpc/tensor_wire.h; more than `max_chunks` chunks refused before
+// they are decoded), a pull with protobuf.
+absl::Status ParseRequest(const grpc::ByteBuffer& bytes, int64_t max_chunks, PushRequest* request,
+                          DenseChunks* dense) {
+  return DecodePushRequest(bytes, request, dense, max_chunks);
 }
-bool ParseRequest(const grpc::ByteBuffer& bytes, PullRequest* request, DenseChunks* /*dense*/) {
+absl::Status ParseRequest(const grpc::ByteBuffer& bytes, int64_t /*max_chunks*/,
+                          PullRequest* request, DenseChunks* /*dense*/) {
   grpc::ByteBuffer copy(bytes);  // Shares gRPC's slices: the parse reads a shared copy.
-  return grpc::GenericDeserialize<grpc::ProtoBufferReader, PullRequest>(&copy, request).ok();
+  const grpc::Status st =
+      grpc::GenericDeserialize<grpc::ProtoBufferReader, PullRequest>(&copy, request);
+  return st.ok() ? absl::OkStatus() : absl::DataLossError("PullRequest: malformed");
+}
+
+// What the caller of a request that did not decode is told, `where` naming the call (and the
+// message of a stream): more chunks than a job can have (INVALID_ARGUMENT from the decoder),
+// or not a `type` at all, with the decoder's reason.
+absl::Status Undecodable(const absl::Status& decoded, absl::string_view where,
+                         absl::string_view type) {
+  if (decoded.code() == absl::StatusCode::kInvalidArgument) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": ", decoded.message(),
+                                                   ", more than a job has (--max_chunks_per_job)"));
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat(where, ": the request is not a ", type, ": ", decoded.message()));
 }
 
 // One Push or Pull in the callback API, on raw bytes: the parsed request and the response
@@ -57,12 +76,11 @@ class RawUnaryReactor final : public grpc::ServerUnaryReactor {
 
   // Parses the request bytes (which stay gRPC's) for `rpc` and checks its job's token. False
   // if either fails: the call is then completed with the error.
-  bool Accept(const JobTokens* tokens, grpc::CallbackServerContext* ctx,
+  bool Accept(const Shard& shard, const JobTokens* tokens, grpc::CallbackServerContext* ctx,
               const grpc::ByteBuffer& bytes, const char* rpc) {
-    absl::Status st = ParseRequest(bytes, &request, &dense)
-                          ? CheckJobToken(tokens, ctx, request.job())
-                          : absl::InvalidArgumentError(absl::StrCat(rpc, ": the request is not a ",
-                                                                    Request::descriptor()->name()));
+    absl::Status st = ParseRequest(bytes, shard.limits().max_chunks_per_job, &request, &dense);
+    st = st.ok() ? CheckJobToken(tokens, ctx, request.job())
+                 : Undecodable(st, rpc, Request::descriptor()->name());
     if (!st.ok()) Complete(st);
     return st.ok();
   }
@@ -79,18 +97,23 @@ class RawUnaryReactor final : public grpc::ServerUnaryReactor {
 };
 
 // One ParameterService.Stream call: reads StreamRequests, starts each on the shard as the
-// unary Push or Pull would (token check included), and writes each StreamResponse when its
-// operation completes (completion order). It reads the next message only when fewer than
-// kMaxInFlight operations are in flight and fewer than kMaxInFlight answers wait to be
-// written (a client that does not read its answers is held back too), and no batch is still
-// being started; gRPC's flow control then holds the client back. A message may be a batch of
-// up to kMaxStreamBatch operations, so up to twice kMaxInFlight can be in flight.
-// A cancelled stream withdraws its waiting operations; the call finishes once every operation
-// has completed and every response is written (or the client is gone). Deletes itself when
-// gRPC is done with it.
+// unary Push or Pull would (token check included), in message order, and writes each
+// StreamResponse when its operation completes (completion order). It reads the next message
+// only once every operation read so far has started, fewer than kMaxInFlight operations are in
+// flight and fewer than kMaxInFlight answers wait to be written; gRPC's flow control then holds
+// the client back. A message may be a batch of up to kMaxStreamBatch operations, so up to
+// twice kMaxInFlight can be in flight. While the answers waiting to be written (or being
+// written) hold kMaxHeldBytes or more, the stream's next operations wait to be started: a
+// client that does not read its answers holds at most that much of the shard's memory, plus
+// one answer, plus the answers of operations that were waiting at a barrier (those are bounded
+// by --max_waiting_pushes).
+// A cancelled stream withdraws its waiting operations, answers those not yet started
+// CANCELLED, and starts nothing more; the call finishes once every operation has completed and
+// every response is written (or the client is gone). Deletes itself when gRPC is done with it.
 class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
  public:
   static constexpr size_t kMaxInFlight = 256;
+  static constexpr int64_t kMaxHeldBytes = int64_t{64} << 20;
 
   StreamReactor(Shard* shard, const JobTokens* tokens, grpc::CallbackServerContext* ctx)
       : shard_(shard), tokens_(tokens), ctx_(ctx) {
@@ -120,13 +143,14 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   // in ops_; on an error none is registered.
   absl::Status DecodeLocked(std::vector<std::shared_ptr<Op>>* ops)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Starts the operations of pending_ in order while the answers held stay under
+  // kMaxHeldBytes, one thread at a time (starting_); answers them CANCELLED instead once the
+  // stream is gone. The caller then calls Proceed.
+  void StartPending();
   // Starts `op` (in ops_) on the shard; its completion calls Complete.
   void Begin(std::shared_ptr<Op> op);
   // Queues the response of `op` with `status` and forgets the operation.
   void Complete(const std::shared_ptr<Op>& op, const absl::Status& status);
-  // Ends the stream with `status` (malformed input): no more reads, waiting operations
-  // withdrawn.
-  void Fail(const absl::Status& status);
   void CancelAll();
   // Starts the next read or write if one is due; true if the call should finish now.
   bool ProceedLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -148,6 +172,11 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   grpc::ByteBuffer in_ ABSL_GUARDED_BY(mu_);   // The read in progress.
   grpc::ByteBuffer out_ ABSL_GUARDED_BY(mu_);  // The write in progress.
   std::deque<grpc::ByteBuffer> queued_ ABSL_GUARDED_BY(mu_);
+  int64_t queued_bytes_ ABSL_GUARDED_BY(mu_) = 0;   // Of queued_ (elements' own lengths).
+  int64_t writing_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // Of out_ while it is written.
+  // Operations read (and in ops_) that have not started yet, in message order.
+  std::deque<std::shared_ptr<Op>> pending_ ABSL_GUARDED_BY(mu_);
+  // Every operation in flight, started or pending.
   absl::flat_hash_map<uint64_t, std::shared_ptr<Op>> ops_ ABSL_GUARDED_BY(mu_);
   int64_t received_ ABSL_GUARDED_BY(mu_) = 0;  // Messages read (for error messages).
   bool reading_ ABSL_GUARDED_BY(mu_) = false;
@@ -156,47 +185,70 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   bool gone_ ABSL_GUARDED_BY(mu_) = false;        // Cancelled or a write failed: write no more.
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
   bool batch_responses_ ABSL_GUARDED_BY(mu_) = false;  // The client reads batches.
-  // Batches whose operations are being started (a half-close may be read meanwhile, on
-  // another thread): answers that complete meanwhile are written together once all have
-  // started, and no other message is read until then.
-  int starting_ ABSL_GUARDED_BY(mu_) = 0;
+  // A thread is starting pending_ (a half-close may be read meanwhile, on another thread):
+  // answers that complete meanwhile are written together once all have started (or the held
+  // answers reach kMaxHeldBytes), and no other message is read until then.
+  bool starting_ ABSL_GUARDED_BY(mu_) = false;
   absl::Status error_ ABSL_GUARDED_BY(mu_);
 };
 
 void StreamReactor::OnReadDone(bool ok) {
-  std::vector<std::shared_ptr<Op>> ops;
   bool failed;
   {
     absl::MutexLock lock(&mu_);
     reading_ = false;
-    if (!ok) {
+    if (!ok || gone_) {
+      // Half-closed; or cancelled while this read completed, whose operations would come after
+      // CancelAll's and never be withdrawn: nothing of it starts.
       reads_done_ = true;
     } else {
       ++received_;
+      std::vector<std::shared_ptr<Op>> ops;
       error_ = DecodeLocked(&ops);
-      in_.Clear();  // Everything needed was copied out: gRPC's buffers can go now.
       if (!error_.ok()) reads_done_ = true;
+      for (std::shared_ptr<Op>& op : ops) pending_.push_back(std::move(op));
     }
+    in_.Clear();  // Everything needed was copied out: gRPC's buffers can go now.
     failed = !error_.ok();
-    if (ops.size() > 1) ++starting_;
   }
-  // In message order: a batch's operations start as consecutive messages' would. The answers
-  // of those that complete meanwhile are written together after the last has started.
-  for (std::shared_ptr<Op>& op : ops) Begin(std::move(op));
-  if (ops.size() > 1) {
-    absl::MutexLock lock(&mu_);
-    --starting_;
-  }
+  StartPending();
   if (failed) CancelAll();
   Proceed();
+}
+
+void StreamReactor::StartPending() {
+  {
+    absl::MutexLock lock(&mu_);
+    if (starting_) return;  // That thread takes what was added (it checks under mu_).
+    starting_ = true;
+  }
+  while (true) {
+    std::shared_ptr<Op> op;
+    bool gone;
+    {
+      absl::MutexLock lock(&mu_);
+      gone = gone_;
+      if (pending_.empty() || (!gone && queued_bytes_ + writing_bytes_ >= kMaxHeldBytes)) {
+        starting_ = false;
+        return;
+      }
+      op = std::move(pending_.front());
+      pending_.pop_front();
+    }
+    if (gone) {
+      Complete(op, absl::CancelledError(absl::StrCat("Stream: call ", op->request.call(),
+                                                     " cancelled before it started")));
+    } else {
+      Begin(std::move(op));
+    }
+  }
 }
 
 absl::Status StreamReactor::DecodeLocked(std::vector<std::shared_ptr<Op>>* ops) {
   std::vector<grpc::ByteBuffer> parts;
   bool batch = false;
   if (absl::Status st = SplitStreamBatch(in_, kMaxStreamBatch, &parts, &batch); !st.ok()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("Stream: message ", received_, " is not a StreamRequest: ", st.message()));
+    return Undecodable(st, absl::StrCat("Stream: message ", received_), "StreamRequest");
   }
   if (!batch) parts.push_back(in_);  // Shares the slices.
   absl::flat_hash_set<uint64_t> calls;
@@ -206,8 +258,10 @@ absl::Status StreamReactor::DecodeLocked(std::vector<std::shared_ptr<Op>>* ops) 
                                                    " of ", parts.size(), ")")
                                     : absl::StrCat("message ", received_);
     auto op = std::make_shared<Op>();
-    if (!DecodeStreamRequest(parts[i], &op->request, &op->dense).ok()) {
-      return absl::InvalidArgumentError(absl::StrCat("Stream: ", where, " is not a StreamRequest"));
+    if (absl::Status st = DecodeStreamRequest(parts[i], &op->request, &op->dense,
+                                              shard_->limits().max_chunks_per_job);
+        !st.ok()) {
+      return Undecodable(st, absl::StrCat("Stream: ", where), "StreamRequest");
     }
     const uint64_t call = op->request.call();
     if (op->request.batch_size() > 0) {
@@ -274,6 +328,7 @@ void StreamReactor::Complete(const std::shared_ptr<Op>& op, const absl::Status& 
     absl::MutexLock lock(&mu_);
     ops_.erase(op->request.call());
     if (!gone_) {
+      queued_bytes_ += static_cast<int64_t>(encoded.Length());
       queued_.push_back(std::move(encoded));
     }
     finish = ProceedLocked();
@@ -284,15 +339,19 @@ void StreamReactor::Complete(const std::shared_ptr<Op>& op, const absl::Status& 
 
 bool StreamReactor::ProceedLocked() {
   if (finished_) return false;
-  if (!gone_ && !writing_ && starting_ == 0 && !queued_.empty()) {
+  if (!gone_ && !writing_ && !starting_ && !queued_.empty()) {
     out_ = TakeStreamMessages(&queued_, batch_responses_);
+    writing_bytes_ = static_cast<int64_t>(out_.Length());
+    // A batch's tags and lengths count in out_ too; what is left is recounted when empty.
+    queued_bytes_ = queued_.empty() ? 0 : std::max<int64_t>(0, queued_bytes_ - writing_bytes_);
     writing_ = true;
     StartWrite(&out_);  // Never runs OnWriteDone inline.
   }
-  // Not while a batch is being started: the next batch would keep the cork on (starting_)
-  // for as long as the client keeps sending, and no answer would be written meanwhile.
-  if (!reading_ && !reads_done_ && !gone_ && starting_ == 0 && ops_.size() < kMaxInFlight &&
-      queued_.size() < kMaxInFlight) {
+  // Not while operations are being started or wait to be: the next batch would keep the cork
+  // on (starting_) for as long as the client keeps sending, and no answer would be written
+  // meanwhile; and pending operations must start before any read later.
+  if (!reading_ && !reads_done_ && !gone_ && !starting_ && pending_.empty() &&
+      ops_.size() < kMaxInFlight && queued_.size() < kMaxInFlight) {
     reading_ = true;
     StartRead(&in_);
   }
@@ -308,11 +367,15 @@ void StreamReactor::OnWriteDone(bool ok) {
   {
     absl::MutexLock lock(&mu_);
     writing_ = false;
+    writing_bytes_ = 0;
+    out_.Clear();
     if (!ok) {
       gone_ = true;
       queued_.clear();
+      queued_bytes_ = 0;
     }
   }
+  StartPending();  // The answers held went down (or the stream is gone).
   Proceed();
 }
 
@@ -321,8 +384,10 @@ void StreamReactor::OnCancel() {
     absl::MutexLock lock(&mu_);
     gone_ = true;
     queued_.clear();
+    queued_bytes_ = 0;
   }
   CancelAll();
+  StartPending();
   Proceed();
 }
 
@@ -362,7 +427,7 @@ grpc::ServerUnaryReactor* ParameterServiceImpl::Push(grpc::CallbackServerContext
                                                      const grpc::ByteBuffer* request,
                                                      grpc::ByteBuffer* response) {
   auto* call = new RawUnaryReactor<PushRequest, PushResponse>();
-  if (!call->Accept(tokens_, ctx, *request, "Push")) return call;
+  if (!call->Accept(*shard_, tokens_, ctx, *request, "Push")) return call;
   shard_->PushAsync(
       call->request,
       [call, response](absl::StatusOr<PushResponse> result) {
@@ -380,7 +445,7 @@ grpc::ServerUnaryReactor* ParameterServiceImpl::Pull(grpc::CallbackServerContext
                                                      const grpc::ByteBuffer* request,
                                                      grpc::ByteBuffer* response) {
   auto* call = new RawUnaryReactor<PullRequest, PullResponse>();
-  if (!call->Accept(tokens_, ctx, *request, "Pull")) return call;
+  if (!call->Accept(*shard_, tokens_, ctx, *request, "Pull")) return call;
   // The call's request and response live until it finishes.
   shard_->PullAsync(
       call->request, &call->response,

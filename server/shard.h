@@ -115,6 +115,8 @@ class Shard {
   Shard(const Shard&) = delete;
   Shard& operator=(const Shard&) = delete;
 
+  const ShardLimits& limits() const { return options_.limits; }
+
   // Validates every field before anything is allocated (server/init_job_validation.h):
   // INVALID_ARGUMENT naming the field; RESOURCE_EXHAUSTED when the shard holds
   // options.limits.max_jobs jobs or the job's memory does not fit the budget (naming what it

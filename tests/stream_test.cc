@@ -631,7 +631,8 @@ TEST_F(StreamTest, UnaryCallsRefuseUnparsableBytesAndAnswerFusedPushes) {
                       });
     done.WaitForNotification();
     EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << method;
-    EXPECT_EQ(st.error_message(), method + ": the request is not a " + method + "Request");
+    EXPECT_EQ(st.error_message(), method + ": the request is not a " + method +
+                                      "Request: " + method + "Request: malformed");
   }
   EXPECT_EQ(Snapshot(stubs_[0].get(), "raw"), before);
 
@@ -661,6 +662,136 @@ TEST_F(StreamTest, UnaryCallsRefuseUnparsableBytesAndAnswerFusedPushes) {
   EXPECT_NE(Snapshot(stubs_[0].get(), "raw"), before);
   ASSERT_GT(after.chunks_size(), 0);
   EXPECT_EQ(after.chunks(0).version(), 1);
+}
+
+// The push of `step` on job "unread" (worker 0): 16 floats into tensor 0 and, in the same call,
+// a pull of everything the shard holds (PushRequest.pull with no chunks listed).
+StreamRequest FusedSmallPush(uint64_t call, int64_t step) {
+  StreamRequest op;
+  op.set_call(call);
+  PushRequest* push = op.mutable_push();
+  push->set_job("unread");
+  push->set_step(step);
+  push->set_request_id(1000 + static_cast<uint64_t>(step));
+  ChunkData* d = push->add_chunks();
+  d->set_tensor(0);
+  d->set_chunk(0);
+  d->set_dtype(FLOAT32);
+  d->set_data(Bytes(std::vector<float>(16, 0.25f)));
+  push->mutable_pull()->set_job("unread");
+  return op;
+}
+
+JobLayout UnreadLayout() {
+  JobLayout l;
+  l.job = "unread";
+  l.tensors = {Tensor("a", {16}), Tensor("big", {1 << 19})};  // 2 MiB of values.
+  l.chunk_elems = 1 << 16;
+  l.optimizer.set_name("sgd");
+  l.optimizer.set_lr(0.01);
+  l.num_workers = 1;
+  return l;
+}
+
+// A client that sends many operations and does not read their answers holds a bounded share
+// of the shard's memory: 256 fused pushes in one batch, each answered with the shard's 2 MiB of
+// values, would be 512 MiB of answers at once; the stream starts its operations only while the
+// answers waiting to be written stay under 64 MiB, and starts the rest, in order, as the
+// client reads.
+TEST_F(StreamTest, AClientThatDoesNotReadItsAnswersHoldsBoundedMemory) {
+  const JobLayout l = UnreadLayout();
+  auto c = InitJobOn(servers_[0]->addr, l);
+  ASSERT_NE(c, nullptr);
+  constexpr int kOps = 256;
+  StreamRequest m;
+  for (int i = 1; i <= kOps; ++i) *m.add_batch() = FusedSmallPush(i, i);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  auto stream = stubs_[0]->Stream(&ctx);
+  ASSERT_TRUE(stream->Write(m));
+  // Time for every operation to run if nothing held them back (each takes well under 1 ms).
+  absl::SleepFor(absl::Seconds(1));
+  const int64_t started = RawInfo(stubs_[0].get(), "unread").pushes_applied();
+  EXPECT_GE(started, 1);
+  // 64 MiB of answers is 32; gRPC's windows and the socket take a few more off the shard.
+  EXPECT_LE(started, 48);
+  ASSERT_TRUE(stream->WritesDone());
+  int answers = 0;
+  for (StreamResponse r; stream->Read(&r);) {
+    ++answers;
+    EXPECT_EQ(r.code(), 0) << r.message();
+    EXPECT_EQ(r.call(), static_cast<uint64_t>(answers));  // Started, and so answered, in order.
+    EXPECT_EQ(r.push().pulled().chunks_size(), 9);
+  }
+  EXPECT_TRUE(stream->Finish().ok());
+  EXPECT_EQ(answers, kOps);
+  const JobInfoResponse info = RawInfo(stubs_[0].get(), "unread");
+  EXPECT_EQ(info.pushes_applied(), kOps);
+  EXPECT_EQ(info.duplicates_dropped(), 0);
+}
+
+// Operations sent as separate messages start in message order, also while answers are being
+// written on other threads: pushes of increasing steps from one worker are all applied (a push
+// started after a later step of its worker would be dropped as a duplicate).
+TEST_F(StreamTest, OperationsOfSeparateMessagesStartInMessageOrder) {
+  const JobLayout l = UnreadLayout();
+  auto c = InitJobOn(servers_[0]->addr, l);
+  ASSERT_NE(c, nullptr);
+  constexpr int kOps = 300;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  auto stream = stubs_[0]->Stream(&ctx);
+  std::thread reader([&] {
+    for (StreamResponse r; stream->Read(&r);) EXPECT_EQ(r.code(), 0) << r.message();
+  });
+  for (int i = 1; i <= kOps; ++i) ASSERT_TRUE(stream->Write(FusedSmallPush(i, i)));
+  stream->WritesDone();
+  reader.join();
+  EXPECT_TRUE(stream->Finish().ok());
+  const JobInfoResponse info = RawInfo(stubs_[0].get(), "unread");
+  EXPECT_EQ(info.pushes_applied(), kOps);
+  EXPECT_EQ(info.duplicates_dropped(), 0);
+}
+
+// A push of more chunks than a job may have (--max_chunks_per_job) is refused before its
+// chunks are decoded (an empty chunk is 2 bytes on the wire and about a hundred decoded),
+// over the unary call and the stream, naming the limit, and changes nothing.
+TEST(StreamLimitsTest, APushOfMoreChunksThanAJobMayHaveIsRefusedUndecoded) {
+  ShardOptions options;
+  options.limits.max_chunks_per_job = 64;
+  auto server = StartShardServer(std::move(options));
+  ASSERT_NE(server, nullptr);
+  auto stub = ParameterService::NewStub(MakeChannel(server->addr, RpcOptions()));
+  const JobLayout l = Layout("chunks");
+  auto c = InitJobOn(server->addr, l);
+  ASSERT_NE(c, nullptr);
+  const std::string before = Snapshot(stub.get(), "chunks");
+  PushRequest push;
+  push.set_job("chunks");
+  push.set_step(1);
+  push.set_request_id(9);
+  for (int i = 0; i < 65; ++i) push.add_chunks();  // Empty chunks: 2 bytes each.
+  PushResponse resp;
+  grpc::Status st = RawPush(stub.get(), push, &resp);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(st.error_message(),
+            "Push: PushRequest: more than 64 chunks, more than a job has (--max_chunks_per_job)");
+  StreamRequest m;
+  m.set_call(1);
+  *m.mutable_push() = push;
+  auto ctx = Ctx();
+  auto stream = stub->Stream(ctx.get());
+  stream->Write(m);  // The shard may end the stream before this returns.
+  stream->WritesDone();
+  StreamResponse r;
+  EXPECT_FALSE(stream->Read(&r));
+  st = stream->Finish();
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(st.error_message(),
+            "Stream: message 1: StreamRequest: more than 64 chunks, more than a job has "
+            "(--max_chunks_per_job)");
+  EXPECT_EQ(Snapshot(stub.get(), "chunks"), before);
+  EXPECT_EQ(RawInfo(stub.get(), "chunks").pushes_applied(), 0);
 }
 
 }  // namespace
