@@ -184,6 +184,11 @@ class TorchScriptModel : public NamedModel {
       return absl::NotFoundError(
           absl::StrCat("TorchScript model file \"", path, "\" not found (set model.path)"));
     }
+    if (!S_ISREG(st.st_mode)) {
+      // A directory, or a FIFO or device whose open would block the job's start for good.
+      return absl::InvalidArgumentError(
+          absl::StrCat("TorchScript model file \"", path, "\" is not a regular file"));
+    }
     auto model = std::unique_ptr<TorchScriptModel>(new TorchScriptModel(path));
     try {
       // Onto the CPU whatever device it was saved from (a module saved on a GPU names CUDA

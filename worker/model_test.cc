@@ -231,6 +231,13 @@ TEST_F(ModelTest, TorchScriptErrors) {
   std::fclose(f);
   EXPECT_STATUS_MSG(CreateModel(Spec("torchscript", garbage), 1),
                     absl::StatusCode::kInvalidArgument, "loading TorchScript model " + garbage);
+  // A directory or a FIFO: refused at once (opening a FIFO would block the job's start).
+  EXPECT_STATUS_MSG(CreateModel(Spec("torchscript", dir_), 1), absl::StatusCode::kInvalidArgument,
+                    "is not a regular file");
+  const std::string fifo = dir_ + "/model.fifo";
+  ASSERT_EQ(mkfifo(fifo.c_str(), 0600), 0);
+  EXPECT_STATUS_MSG(CreateModel(Spec("torchscript", fifo), 1), absl::StatusCode::kInvalidArgument,
+                    "TorchScript model file \"" + fifo + "\" is not a regular file");
 }
 
 // Where bazel puts the test's data files: the working directory is the runfiles root of

@@ -16,6 +16,13 @@
 namespace gradmesh {
 namespace {
 
+// What a rank that sent `id` instead of an NCCL id said ("!" and its error), or what it sent;
+// a peer's bytes, so never assumed to be either.
+std::string NcclIdError(const std::string& id) {
+  if (!id.empty() && id[0] == '!') return id.substr(1);
+  return absl::StrCat("it sent ", id.size(), " bytes instead of ", kNcclUniqueIdBytes);
+}
+
 class RingCollective final : public Collective {
  public:
   RingCollective(std::unique_ptr<RingTransport> transport, RingOptions options)
@@ -145,7 +152,7 @@ absl::StatusOr<std::unique_ptr<Collective>> ConnectNccl(
   ASSIGN_OR_RETURN(std::vector<std::string> ids, RingAllgather(ring.get(), mine, RingOptionsOf(c)));
   if (ids[0].size() != kNcclUniqueIdBytes) {
     return absl::UnavailableError(absl::StrCat(
-        "allreduce backend nccl: rank 0 could not create an NCCL id: ", ids[0].substr(1)));
+        "allreduce backend nccl: rank 0 could not create an NCCL id: ", NcclIdError(ids[0])));
   }
   int local_rank = 0;
   for (int r = 0; r < c.rank; ++r) local_rank += placements[r].host == placements[c.rank].host;
@@ -251,9 +258,9 @@ absl::StatusOr<std::unique_ptr<Collective>> ConnectHierarchicalOver(
     if (local_backend == "nccl") {
       const std::string& id = ids[group[0]];
       if (id.size() != kNcclUniqueIdBytes) {
-        return absl::UnavailableError(absl::StrCat("allreduce backend hierarchical: rank ",
-                                                   group[0],
-                                                   " could not create an NCCL id: ", id.substr(1)));
+        return absl::UnavailableError(
+            absl::StrCat("allreduce backend hierarchical: rank ", group[0],
+                         " could not create an NCCL id: ", NcclIdError(id)));
       }
       NcclOptions no;
       no.timeout = c.timeout;

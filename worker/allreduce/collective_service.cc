@@ -269,6 +269,7 @@ class CollectiveServiceImpl::RingReader final : public grpc::ServerReadReactor<g
   bool held = false;
   RingChunk held_header;  // The first chunk while held.
   RingMessage held_payload;
+  int64_t held_bytes = 0;  // held_payload.size(), counted in held_bytes_.
   uint64_t chunks = 0, bytes = 0;
   grpc::ByteBuffer buffer;
   std::optional<std::string> token;       // The call's job token metadata; constant after creation.
@@ -311,9 +312,10 @@ CollectiveServiceImpl::Next CollectiveServiceImpl::Deliver(RingReader* reader, R
     }
     if (header.to_rank() != (header.from_rank() + 1) % ws) {
       // A rank claiming to feed a rank it does not precede in the ring.
-      return finish(absl::PermissionDeniedError(absl::StrCat(
-          "ring: ", StreamName(header), " refused: only rank ", (header.to_rank() + ws - 1) % ws,
-          " (its predecessor in the ring) feeds rank ", header.to_rank())));
+      return finish(absl::PermissionDeniedError(
+          absl::StrCat("ring: ", StreamName(header), " refused: only rank ",
+                       (int64_t{header.to_rank()} + ws - 1) % ws,
+                       " (its predecessor in the ring) feeds rank ", header.to_rank())));
     }
     reader->has_first = true;
     reader->first = header;
@@ -325,9 +327,17 @@ CollectiveServiceImpl::Next CollectiveServiceImpl::Deliver(RingReader* reader, R
             "ring: ", held_.size(), " streams already wait for ranks not served here; ",
             StreamName(header), " refused")));
       }
+      const int64_t bytes = static_cast<int64_t>(payload.size());
+      if (!held_.empty() && held_bytes_ + bytes > options_.max_held_bytes) {
+        return finish(absl::ResourceExhaustedError(absl::StrCat(
+            "ring: ", held_bytes_, " bytes of streams already wait for ranks not served here; ",
+            StreamName(header), " refused")));
+      }
       reader->held = true;
       reader->held_header = std::move(header);
       reader->held_payload = std::move(payload);
+      reader->held_bytes = bytes;
+      held_bytes_ += bytes;
       held_.emplace(key, reader);
       return Next::kWait;
     }
@@ -446,16 +456,7 @@ void CollectiveServiceImpl::StreamEnded(RingReader* reader, bool read_done) {
   {
     absl::MutexLock lock(&mu_);
     if (read_done) reader->reading = false;
-    if (reader->held) {
-      for (auto it = held_.begin(); it != held_.end(); ++it) {
-        if (it->second == reader) {
-          held_.erase(it);
-          break;
-        }
-      }
-      reader->held = false;
-      reader->held_payload = RingMessage();
-    }
+    UnholdLocked(reader);
     Inbox* inbox = reader->inbox.get();
     if (inbox != nullptr && inbox->stream == reader && !inbox->stream_ended) {
       inbox->stream_ended = true;
@@ -473,14 +474,23 @@ void CollectiveServiceImpl::StreamEnded(RingReader* reader, bool read_done) {
   if (finish) reader->Continue(Next::kFinish);
 }
 
-void CollectiveServiceImpl::StreamDone(RingReader* reader) {
-  absl::MutexLock lock(&mu_);
+void CollectiveServiceImpl::UnholdLocked(RingReader* reader) {
+  if (!reader->held) return;
   for (auto it = held_.begin(); it != held_.end(); ++it) {
     if (it->second == reader) {
       held_.erase(it);
       break;
     }
   }
+  held_bytes_ -= reader->held_bytes;
+  reader->held_bytes = 0;
+  reader->held = false;
+  reader->held_payload = RingMessage();
+}
+
+void CollectiveServiceImpl::StreamDone(RingReader* reader) {
+  absl::MutexLock lock(&mu_);
+  UnholdLocked(reader);
   Inbox* inbox = reader->inbox.get();
   if (inbox != nullptr) {
     if (inbox->stream == reader) {
@@ -515,6 +525,8 @@ absl::StatusOr<std::shared_ptr<CollectiveServiceImpl::Inbox>> CollectiveServiceI
     held_.erase(range.first, range.second);
     for (RingReader* reader : waiting) {
       reader->held = false;
+      held_bytes_ -= reader->held_bytes;
+      reader->held_bytes = 0;
       RingChunk header = std::move(reader->held_header);
       RingMessage payload = std::move(reader->held_payload);
       actions.emplace_back(reader,

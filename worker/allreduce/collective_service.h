@@ -58,6 +58,10 @@ class CollectiveServiceImpl final
     int64_t inbox_bytes = 32 << 20;
     // Streams held for inboxes that are not open yet, at most. Default 64.
     int max_held_streams = 64;
+    // Bytes of their first chunks held at once, at most (one stream is always held, whatever
+    // its size). Default 64 MiB. A held stream's token is checked only once its inbox opens,
+    // so this bounds what callers without one can make the service keep.
+    int64_t max_held_bytes = int64_t{64} << 20;
   };
 
   // An open inbox; opaque outside the service.
@@ -111,12 +115,15 @@ class CollectiveServiceImpl final
   // Queues an accepted chunk's payload in `inbox`: read on, or wait while it is full.
   Next EnqueueLocked(RingReader* reader, Inbox* inbox, RingMessage payload)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Lets go of a held stream's place in held_ and its first chunk (no-op if not held).
+  void UnholdLocked(RingReader* reader) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const Options options_;
   absl::Mutex mu_;
   std::map<std::pair<std::string, int>, std::shared_ptr<Inbox>> inboxes_ ABSL_GUARDED_BY(mu_);
   // Streams whose first chunk names an inbox that is not open, with that chunk.
   std::multimap<std::pair<std::string, int>, RingReader*> held_ ABSL_GUARDED_BY(mu_);
+  int64_t held_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // Of their first chunks' payloads.
 };
 
 }  // namespace gradmesh

@@ -198,6 +198,49 @@ TEST_F(RingAuthTest, HeldStreamsAreCheckedWhenTheInboxOpens) {
   node_->service->CloseInbox(inbox);
 }
 
+// Streams for inboxes that are not open yet are held with their first chunk before their token
+// can be checked (the inbox says which token it needs): the bytes held are bounded
+// (Options::max_held_bytes), one stream always fits, and a stream that goes frees its share.
+TEST(RingHeldBytesTest, HeldFirstChunksAreBoundedInBytes) {
+  CollectiveServiceImpl::Options o;
+  o.max_held_bytes = int64_t{1} << 20;
+  Node n;
+  n.service = std::make_unique<CollectiveServiceImpl>(o);
+  grpc::ServerBuilder b;
+  int port = 0;
+  b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  b.RegisterService(n.service.get());
+  n.server = b.BuildAndStart();
+  ASSERT_NE(n.server, nullptr);
+  auto stub = CollectiveService::NewStub(
+      grpc::CreateChannel(absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials()));
+  // A first chunk of `bytes` for rank 1 of `job` (not served here), without a token; the
+  // stream's status once it ends (a held stream waits for its inbox until its deadline).
+  const auto send = [&](const std::string& job, size_t bytes) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Milliseconds(1500)));
+    RingAck ack;
+    auto w = stub->Ring(&ctx, &ack);
+    w->Write(Chunk(job, 0, 1, 2, 0, std::string(bytes, 'x')));
+    w->WritesDone();
+    return FromGrpcStatus(w->Finish());
+  };
+  // 2 MiB and 1 KiB at once: whichever comes first is held, the other refused.
+  absl::Status big, small;
+  std::thread t([&] { big = send("ghost", 2 << 20); });
+  small = send("ghost2", 1024);
+  t.join();
+  const bool big_held = big.code() == absl::StatusCode::kDeadlineExceeded;
+  EXPECT_STATUS_MSG(big_held ? small : big, absl::StatusCode::kResourceExhausted,
+                    "bytes of streams already wait for ranks not served here");
+  EXPECT_STATUS(big_held ? big : small, absl::StatusCode::kDeadlineExceeded);
+  // Both gone (the server sees the deadline pass a moment after the client): their shares are
+  // free, and a 2 MiB one is held again.
+  absl::SleepFor(absl::Milliseconds(300));
+  EXPECT_STATUS(send("ghost3", 2 << 20), absl::StatusCode::kDeadlineExceeded);
+  n.server->Shutdown(absl::ToChronoTime(absl::Now()));
+}
+
 // A rank that is not the inbox's predecessor in the ring (even with the right token) is
 // refused before it can be held or attached.
 TEST_F(RingAuthTest, OnlyThePredecessorFeedsARank) {

@@ -61,8 +61,11 @@ class GzReader {
       return absl::Status(absl::ErrnoToStatusCode(err),
                           absl::StrCat("cannot open ", path, ": ", std::strerror(err)));
     }
-    if (S_ISDIR(st.st_mode)) {
-      return absl::InvalidArgumentError(absl::StrCat(path, " is a directory, not an IDX file"));
+    if (!S_ISREG(st.st_mode)) {
+      // A directory, or a FIFO or device whose open would block the job's start for good.
+      return absl::InvalidArgumentError(
+          absl::StrCat(path, S_ISDIR(st.st_mode) ? " is a directory" : " is not a regular file",
+                       ", not an IDX file"));
     }
     errno = 0;
     gzFile file = gzopen(path.c_str(), "rb");

@@ -147,6 +147,15 @@ TEST_F(IdxTest, MissingFileIsNotFound) {
                     Path("nope.gz"));
 }
 
+// A FIFO (or device) where an IDX file should be is refused at once: opening it would block
+// the job's start for as long as nothing writes to it.
+TEST_F(IdxTest, AFifoIsRefusedNotOpened) {
+  WriteFile(Path("lbl"), IdxLabels(kLabels));
+  ASSERT_EQ(mkfifo(Path("fifo").c_str(), 0600), 0);
+  EXPECT_STATUS_MSG(LoadIdxPair(Path("fifo"), Path("lbl")), absl::StatusCode::kInvalidArgument,
+                    Path("fifo") + " is not a regular file, not an IDX file");
+}
+
 TEST_F(IdxTest, TruncatedPixelsAreInvalidArgument) {
   Bytes img = IdxImages(3, 2, 3, kPixels);
   img.pop_back();

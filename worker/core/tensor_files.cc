@@ -27,9 +27,13 @@ namespace {
 
 // data.pkl of a dict of tensors is a few hundred bytes (more with plain values under other
 // keys). The bounds keep a hostile pickle from making the machine allocate much: at most
-// kMaxPickleBytes marks and stack slots, and kMaxValues values (~200 bytes each).
+// kMaxPickleBytes marks and stack slots, kMaxValues values (~200 bytes each, strings aside),
+// and kMaxTextBytes of strings in all: a few opcodes copy a memoized string into a new value
+// (STACK_GLOBAL joins two, a persistent id or tensor rebuild copies its storage key), so a
+// 1 MiB pickle could otherwise make ~10^5 copies of a 1 MiB string.
 constexpr uint64_t kMaxPickleBytes = uint64_t{1} << 20;
 constexpr size_t kMaxValues = size_t{1} << 17;
+constexpr uint64_t kMaxTextBytes = 4 * kMaxPickleBytes;
 // A dataset file has ~3 + (number of storages) entries; 64 MiB of central directory is far
 // more than any real file needs.
 constexpr uint64_t kMaxCentralDirBytes = uint64_t{64} << 20;
@@ -394,6 +398,7 @@ class PickleMachine {
   uint64_t op_at_ = 0;
   bool stopped_ = false;
   std::deque<Value> arena_;
+  uint64_t text_bytes_ = 0;  // Of the strings and keys of arena_'s values.
   std::vector<Value*> stack_;
   std::vector<size_t> marks_;
   absl::flat_hash_map<uint64_t, Value*> memo_;
@@ -402,11 +407,19 @@ class PickleMachine {
 absl::StatusOr<Value*> PickleMachine::Run() {
   while (!stopped_) {
     op_at_ = pos_;
+    const size_t values = arena_.size();
     ASSIGN_OR_RETURN(const uint8_t* op, Take(1));
     RETURN_IF_ERROR(Step(*op));
     // A step makes at most one value.
     if (arena_.size() > kMaxValues) {
       return Error(absl::StrCat("more than ", kMaxValues, " values; not a dict of tensors"));
+    }
+    if (arena_.size() > values) {
+      text_bytes_ += arena_.back().s.size() + arena_.back().tensor.key.size();
+      if (text_bytes_ > kMaxTextBytes) {
+        return Error(
+            absl::StrCat("more than ", kMaxTextBytes, " bytes of strings; not a dict of tensors"));
+      }
     }
   }
   if (stack_.size() != 1 || !marks_.empty()) return Error("pickle ends with a malformed stack");

@@ -266,6 +266,17 @@ TEST(TensorFilesTest, HostilePicklesAreInvalidArgument) {
     std::string message;
   };
   const std::string many_values = "\x80\x02(" + std::string((1 << 17) + 1, 'N') + "t.";
+  // A 64 KiB string, memoized, then joined with itself by STACK_GLOBAL 100 times (6 bytes each,
+  // each result popped): 12.8 MB of strings from a 65 KB pickle, which would otherwise end as a
+  // valid empty dict.
+  std::string joins = "\x80\x02X\x00\x00\x01\x00"s + std::string(1 << 16, 'a') +
+                      "q\x00"
+                      "0"s;
+  for (int i = 0; i < 100; ++i)
+    joins +=
+        "h\x00h\x00\x93"
+        "0"s;
+  joins += "}.";
   for (const Case& c : {
            Case{"\x80\x02]q\x00."s, "data.pkl does not hold a dict"},
            Case{"\x80\x02}q\x00\xff."s, "unsupported pickle opcode 0xff"},
@@ -281,6 +292,7 @@ TEST(TensorFilesTest, HostilePicklesAreInvalidArgument) {
                 "persistent id is not a ('storage', type, key, location, numel) tuple"},
            Case{"\x80\x02}(X\x01\x00\x00\x00xctorch\nFloatStorage\n)Ru."s, "x is not a tensor"},
            Case{many_values, "more than 131072 values"},
+           Case{joins, "more than 4194304 bytes of strings"},
            Case{"\x80\x02"s + std::string((1 << 20) + 1, 'N'), "more than 1048576"},
        }) {
     SCOPED_TRACE(c.message);

@@ -230,9 +230,16 @@ absl::StatusOr<ExchangeReply> GossipReplica::Handle(const ExchangeHeader& h,
                                                    " parameters sent, this replica has ", numel_,
                                                    " (a different model?)"));
   }
-  if (h.kind != ExchangeKind::kAverage && !(std::isfinite(h.weight) && h.weight > 0)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(where, ": push-sum weight must be finite and > 0, got ", h.weight));
+  // Push-sum weights start at 1 per worker and are only split and merged, so they sum to
+  // about num_workers (a rank resumed from a checkpoint may bring back some twice): far more
+  // (a broken or hostile peer) would swamp this replica's values, and a few such messages
+  // overflow its weight to inf and its values to NaN.
+  const double max_weight = 4.0 * options_.num_workers;
+  if (h.kind != ExchangeKind::kAverage &&
+      !(std::isfinite(h.weight) && h.weight > 0 && h.weight <= max_weight)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, ": push-sum weight must be finite, > 0 and at most 4x the number of workers (",
+        max_weight, "), got ", h.weight));
   }
   if (const int32_t root = this->root(); h.kind == ExchangeKind::kFinal && options_.rank != root) {
     return absl::FailedPreconditionError(absl::StrCat(where, ": ", kFinalsGoToRank, root));

@@ -217,7 +217,9 @@ TEST(ReplicaTest, InvalidRequestsAreRejectedWithTheirCodeAndChangeNothing) {
   bad = h;
   bad.job = "other";
   EXPECT_STATUS(r.Handle(bad, ok, never), absl::StatusCode::kInvalidArgument);
-  for (double w : {0.0, -1.0, std::numeric_limits<double>::infinity(),
+  // 4 workers: weights sum to about 4, and more than 16 is refused (1.7e308 would overflow the
+  // replica's weight, and a final's weighted sum, to inf).
+  for (double w : {0.0, -1.0, 16.001, 1.7e308, std::numeric_limits<double>::infinity(),
                    std::numeric_limits<double>::quiet_NaN()}) {
     bad = h;
     bad.weight = w;
