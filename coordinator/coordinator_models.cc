@@ -133,17 +133,18 @@ absl::Status Coordinator::CheckModelHeader(const ModelHeader& header,
 
 absl::Status Coordinator::BeginPublish(const ModelHeader& header) {
   absl::MutexLock lock(&mu_);
-  if (!publishing_.emplace(header.job_id(), static_cast<int>(header.kind())).second) {
+  if (!publishing_.emplace(header.job_id(), static_cast<int>(header.kind()), header.node())
+           .second) {
     return absl::ResourceExhaustedError(
         absl::StrCat("PublishModel of job ", header.job_id(), ": another publish of its ",
-                     ModelKind_Name(header.kind()), " is in progress"));
+                     ModelKind_Name(header.kind()), " by node ", header.node(), " is in progress"));
   }
   return absl::OkStatus();
 }
 
 void Coordinator::EndPublish(const ModelHeader& header) {
   absl::MutexLock lock(&mu_);
-  publishing_.erase({header.job_id(), static_cast<int>(header.kind())});
+  publishing_.erase({header.job_id(), static_cast<int>(header.kind()), header.node()});
 }
 
 absl::Status Coordinator::PublishModel(ModelHeader header, absl::string_view payload,

@@ -51,13 +51,13 @@ absl::Status ParseRequest(const grpc::ByteBuffer& bytes, int64_t /*max_chunks*/,
 }
 
 // What the caller of a request that did not decode is told, `where` naming the call (and the
-// message of a stream): more chunks than a job can have (INVALID_ARGUMENT from the decoder),
-// or not a `type` at all, with the decoder's reason.
+// message of a stream): more than `max_chunks` chunks, more than a job can have
+// (INVALID_ARGUMENT from the decoder), or not a `type` at all, with the decoder's reason.
 absl::Status Undecodable(const absl::Status& decoded, absl::string_view where,
-                         absl::string_view type) {
+                         absl::string_view type, int64_t max_chunks) {
   if (decoded.code() == absl::StatusCode::kInvalidArgument) {
-    return absl::InvalidArgumentError(absl::StrCat(where, ": ", decoded.message(),
-                                                   ", more than a job has (--max_chunks_per_job)"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, ": more than ", max_chunks, " chunks, more than a job has (--max_chunks_per_job)"));
   }
   return absl::InvalidArgumentError(
       absl::StrCat(where, ": the request is not a ", type, ": ", decoded.message()));
@@ -78,9 +78,10 @@ class RawUnaryReactor final : public grpc::ServerUnaryReactor {
   // if either fails: the call is then completed with the error.
   bool Accept(const Shard& shard, const JobTokens* tokens, grpc::CallbackServerContext* ctx,
               const grpc::ByteBuffer& bytes, const char* rpc) {
-    absl::Status st = ParseRequest(bytes, shard.limits().max_chunks_per_job, &request, &dense);
+    const int64_t max_chunks = shard.limits().max_chunks_per_job;
+    absl::Status st = ParseRequest(bytes, max_chunks, &request, &dense);
     st = st.ok() ? CheckJobToken(tokens, ctx, request.job())
-                 : Undecodable(st, rpc, Request::descriptor()->name());
+                 : Undecodable(st, rpc, Request::descriptor()->name(), max_chunks);
     if (!st.ok()) Complete(st);
     return st.ok();
   }
@@ -248,21 +249,25 @@ absl::Status StreamReactor::DecodeLocked(std::vector<std::shared_ptr<Op>>* ops) 
   std::vector<grpc::ByteBuffer> parts;
   bool batch = false;
   if (absl::Status st = SplitStreamBatch(in_, kMaxStreamBatch, &parts, &batch); !st.ok()) {
-    return Undecodable(st, absl::StrCat("Stream: message ", received_), "StreamRequest");
+    return Undecodable(st, absl::StrCat("Stream: message ", received_), "StreamRequest", 0);
   }
   if (!batch) parts.push_back(in_);  // Shares the slices.
   absl::flat_hash_set<uint64_t> calls;
   std::vector<std::shared_ptr<Op>> decoded;  // Handed out only if the whole message is good.
+  const int64_t max_chunks = shard_->limits().max_chunks_per_job;
+  int64_t chunks = 0;  // In the message's pushes so far.
   for (size_t i = 0; i < parts.size(); ++i) {
     const std::string where = batch ? absl::StrCat("message ", received_, " (batch element ", i + 1,
                                                    " of ", parts.size(), ")")
                                     : absl::StrCat("message ", received_);
     auto op = std::make_shared<Op>();
-    if (absl::Status st = DecodeStreamRequest(parts[i], &op->request, &op->dense,
-                                              shard_->limits().max_chunks_per_job);
+    // One budget for the whole message: a batch is decoded whole before any of it starts.
+    if (absl::Status st =
+            DecodeStreamRequest(parts[i], &op->request, &op->dense, max_chunks - chunks);
         !st.ok()) {
-      return Undecodable(st, absl::StrCat("Stream: ", where), "StreamRequest");
+      return Undecodable(st, absl::StrCat("Stream: ", where), "StreamRequest", max_chunks);
     }
+    if (op->request.has_push()) chunks += op->request.push().chunks_size();
     const uint64_t call = op->request.call();
     if (op->request.batch_size() > 0) {
       return absl::InvalidArgumentError(absl::StrCat(

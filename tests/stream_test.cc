@@ -775,7 +775,7 @@ TEST(StreamLimitsTest, APushOfMoreChunksThanAJobMayHaveIsRefusedUndecoded) {
   grpc::Status st = RawPush(stub.get(), push, &resp);
   EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_EQ(st.error_message(),
-            "Push: PushRequest: more than 64 chunks, more than a job has (--max_chunks_per_job)");
+            "Push: more than 64 chunks, more than a job has (--max_chunks_per_job)");
   StreamRequest m;
   m.set_call(1);
   *m.mutable_push() = push;
@@ -788,7 +788,24 @@ TEST(StreamLimitsTest, APushOfMoreChunksThanAJobMayHaveIsRefusedUndecoded) {
   st = stream->Finish();
   EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_EQ(st.error_message(),
-            "Stream: message 1: StreamRequest: more than 64 chunks, more than a job has "
+            "Stream: message 1: more than 64 chunks, more than a job has (--max_chunks_per_job)");
+  // One budget per message: a batch of two pushes of 40 chunks each is refused at its second.
+  m.Clear();
+  for (int e = 0; e < 2; ++e) {
+    StreamRequest* op = m.add_batch();
+    op->set_call(e + 1);
+    *op->mutable_push() = push;
+    op->mutable_push()->mutable_chunks()->DeleteSubrange(0, 25);
+  }
+  auto batch_ctx = Ctx();
+  auto batch = stub->Stream(batch_ctx.get());
+  batch->Write(m);
+  batch->WritesDone();
+  EXPECT_FALSE(batch->Read(&r));
+  st = batch->Finish();
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(st.error_message(),
+            "Stream: message 1 (batch element 2 of 2): more than 64 chunks, more than a job has "
             "(--max_chunks_per_job)");
   EXPECT_EQ(Snapshot(stub.get(), "chunks"), before);
   EXPECT_EQ(RawInfo(stub.get(), "chunks").pushes_applied(), 0);
