@@ -112,6 +112,12 @@ absl::StatusOr<std::map<int64_t, state::ChunkState>> ReadChunksFile(
   struct stat st;
   std::string bytes;
   bool read_ok = fstat(fd, &st) == 0;
+  if (read_ok && st.st_size != ref.bytes()) {
+    // Before anything is allocated: a damaged size (a file grown to a terabyte) is this error,
+    // not an allocation of its size.
+    close(fd);
+    return Damaged(path, absl::StrCat("holds ", st.st_size, " bytes, not ", ref.bytes()));
+  }
   if (read_ok) bytes.resize(static_cast<size_t>(st.st_size));
   for (size_t at = 0; read_ok && at < bytes.size();) {
     const ssize_t r = read(fd, bytes.data() + at, bytes.size() - at);

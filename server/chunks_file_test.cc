@@ -97,6 +97,9 @@ TEST(ChunksFileTest, ADamagedMissingOrOtherFileIsDataLossNamingIt) {
   expect_loss(ref, "checksum does not match");
   ASSERT_EQ(truncate(path.c_str(), ref.bytes() - 1), 0);
   expect_loss(ref, absl::StrCat("holds ", ref.bytes() - 1, " bytes, not ", ref.bytes()));
+  // Grown to a terabyte (sparse): refused from its size, before anything is allocated for it.
+  ASSERT_EQ(truncate(path.c_str(), int64_t{1} << 40), 0);
+  expect_loss(ref, absl::StrCat("holds ", int64_t{1} << 40, " bytes, not ", ref.bytes()));
   std::filesystem::remove(path);
   expect_loss(ref, "is missing");
 }

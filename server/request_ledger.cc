@@ -88,6 +88,11 @@ std::optional<int64_t> RequestLedger::MarkFinished(int32_t worker) {
   return w.pushes_applied;
 }
 
+void RequestLedger::UnmarkFinished(int32_t worker) {
+  absl::MutexLock lock(&mu_);
+  workers_[worker].progress.finished = false;
+}
+
 bool RequestLedger::AllFinished(const std::vector<bool>& counted) const {
   absl::MutexLock lock(&mu_);
   for (size_t w = 0; w < workers_.size(); ++w) {

@@ -67,6 +67,8 @@ class RequestLedger {
 
   // Marks `worker` finished; returns its pushes applied if this was its first Finish.
   std::optional<int64_t> MarkFinished(int32_t worker) ABSL_LOCKS_EXCLUDED(mu_);
+  // Undoes MarkFinished (its Finish could not be made durable: the retry marks it again).
+  void UnmarkFinished(int32_t worker) ABSL_LOCKS_EXCLUDED(mu_);
   // True if every worker w with counted[w] has finished.
   bool AllFinished(const std::vector<bool>& counted) const ABSL_LOCKS_EXCLUDED(mu_);
 

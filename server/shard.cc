@@ -646,14 +646,18 @@ absl::Status Shard::Finish(const FinishRequest& request) {
   job->state->policy().OnFinish(request.worker());
   const std::optional<int64_t> pushes_applied = job->ledger.MarkFinished(request.worker());
   if (!pushes_applied.has_value()) return absl::OkStatus();  // Not its first Finish.
+  // A durable job records each worker's Finish (a restarted shard must not wait for a worker
+  // that is gone), and its final state when the last worker finishes: acknowledged only once
+  // recorded. If that fails the worker is unmarked, so that its retry records it again.
+  if (job->state->durability() != Durability::kNone) {
+    if (absl::Status st = job->durability.MaybeSnapshot(/*force=*/true); !st.ok()) {
+      job->ledger.UnmarkFinished(request.worker());
+      return st;
+    }
+  }
   LogInfo(options_.logger, "worker_finished",
           {Kv("job", request.job()), Kv("worker", request.worker()), Kv("step", request.step()),
            Kv("pushes_applied", *pushes_applied)});
-  // A durable job records each worker's Finish (a restarted shard must not wait for a worker
-  // that is gone), and its final state when the last worker finishes.
-  if (job->state->durability() != Durability::kNone) {
-    (void)job->durability.MaybeSnapshot(/*force=*/true);  // Logged on failure.
-  }
   MaybeLogJobStats(*job);
   return absl::OkStatus();
 }

@@ -20,6 +20,7 @@
 #include "common/status_testing.h"
 #include "common/test_dirs.h"
 #include "gtest/gtest.h"
+#include "server/chunks_file.h"
 #include "server/shard.h"
 #include "server/shard_store.h"
 
@@ -870,6 +871,40 @@ TEST_F(DurabilityTest, PeriodicSnapshotByTime) {
   EXPECT_EQ(PullAll(shard_.get()), state);
   ASSERT_OK_AND_ASSIGN(info, Info(shard_.get()));
   EXPECT_EQ(info.updates_applied(), 1);
+}
+
+// A Finish whose snapshot fails is not acknowledged, and its retry records it: a shard that
+// then restarts knows the worker finished (it would otherwise wait for a worker that is gone).
+TEST_F(DurabilityTest, AFinishThatCannotBeRecordedFailsAndItsRetryRecordsIt) {
+  JobOptions o;
+  o.durability = "periodic";
+  ASSERT_OK(shard_->InitJob(MakeInit(o)));
+  std::vector<int64_t> versions(6, 0);
+  ASSERT_OK(shard_->Push(GenPush(0, &versions)));
+  // Both snapshot slots made directories (which not even root can open as files): the next
+  // snapshot cannot be written, whichever slot it takes.
+  const std::string job_dir = absl::StrCat(dir_, "/updates/j");
+  std::vector<std::string> blocked;
+  for (int slot = 0; slot < 2; ++slot) {
+    const std::string path = ChunksFilePath(job_dir, slot);
+    if (std::filesystem::exists(path)) continue;  // The slot the stored snapshot names.
+    ASSERT_TRUE(std::filesystem::create_directories(path)) << path;
+    blocked.push_back(path);
+  }
+  ASSERT_EQ(blocked.size(), 1u);
+  FinishRequest f;
+  f.set_job("j");
+  f.set_worker(1);
+  f.set_step(0);
+  EXPECT_FALSE(shard_->Finish(f).ok());
+  ASSERT_OK_AND_ASSIGN(JobInfoResponse info, Info(shard_.get()));
+  EXPECT_FALSE(info.workers(1).finished());
+  std::filesystem::remove_all(blocked[0]);
+  ASSERT_OK(shard_->Finish(f));
+  Restart();
+  ASSERT_OK_AND_ASSIGN(info, Info(shard_.get()));
+  EXPECT_TRUE(info.workers(1).finished());
+  EXPECT_FALSE(info.workers(0).finished());
 }
 
 // Each worker's first Finish is made durable (a snapshot), so a restarted shard knows who is

@@ -18,6 +18,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/status.h"
 
 namespace gradmesh {
 namespace {
@@ -305,8 +306,14 @@ absl::StatusOr<std::unique_ptr<UpdateLog>> UpdateLog::Open(const std::string& ro
                                                            bool fresh, bool fsync) {
   const std::string dir = absl::StrCat(root, "/", job);
   std::error_code ec;
-  std::filesystem::create_directories(dir, ec);
+  const bool created = std::filesystem::create_directories(dir, ec);
   if (ec) return absl::InternalError(absl::StrCat("cannot create ", dir, ": ", ec.message()));
+  if (created && fsync) {
+    // The new directories' names must survive a crash like the files in them (a store from
+    // before chunk files creates its log directory here).
+    RETURN_IF_ERROR(SyncDirectory(root));
+    RETURN_IF_ERROR(SyncDirectory(std::filesystem::path(root).parent_path().string()));
+  }
   auto firsts = ListSegments(dir);
   if (!firsts.ok()) return firsts.status();
   std::vector<Segment> kept;
@@ -341,9 +348,12 @@ absl::Status UpdateLog::StartSegment(int64_t first) {
     fd_ = open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   }
   if (fd_ < 0) return FileError("cannot create log segment", path);
+  // The new file's name must survive a crash too. Listed only once that holds: a failed sync
+  // leaves the segment to the retry, which starts it again (listed twice, a later Rotate
+  // would move the live file away with the stale entry).
+  if (fsync_) RETURN_IF_ERROR(SyncDirectory(dir_));
   segments_.push_back({first, first - 1});
   size_ = 0;
-  if (fsync_) return SyncDirectory(dir_);  // The new file's name must survive a crash too.
   return absl::OkStatus();
 }
 
