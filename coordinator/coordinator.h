@@ -200,7 +200,6 @@
 #include <set>
 #include <string>
 #include <thread>
-#include <tuple>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -333,11 +332,11 @@ class Coordinator {
   // the coordinator's lock; the header's tensors (up to kMaxModelHeaderBytes of them) after,
   // outside it, so that a refused caller costs the other RPCs nothing.
   absl::Status CheckModelHeader(const ModelHeader& header, const NodeCredentials& credentials);
-  // One publish of each kind per job and node at a time (the service holds one between a
-  // checked header and the end of its payload, which it buffers up to header.total_bytes):
-  // RESOURCE_EXHAUSTED while another is in flight. Per node, so that a publish left in flight
-  // by a node that lost rank 0 (until its deadline) never blocks the next publisher.
-  // EndPublish frees it.
+  // One publish of each kind per job at a time (the service holds one between a checked
+  // header and the end of its payload, which it buffers up to header.total_bytes, so two
+  // publishers' writes cannot land out of order either): ABORTED while another is in flight,
+  // which publishers retry with backoff (one left by a node that lost rank 0 holds it until
+  // that call ends: its deadline, or its connection found dead). EndPublish frees it.
   absl::Status BeginPublish(const ModelHeader& header);
   void EndPublish(const ModelHeader& header);
   // CheckModelHeader, then INVALID_ARGUMENT unless the payload has header.total_bytes bytes;
@@ -497,8 +496,7 @@ class Coordinator {
   std::map<int64_t, JobEntry*> by_sequence_ ABSL_GUARDED_BY(mu_);
   std::set<std::string> persist_jobs_ ABSL_GUARDED_BY(mu_);
   std::set<std::string> persist_nodes_ ABSL_GUARDED_BY(mu_);
-  // (job, kind, node) of the publishes in flight.
-  std::set<std::tuple<std::string, int, std::string>> publishing_ ABSL_GUARDED_BY(mu_);
+  std::set<std::pair<std::string, int>> publishing_ ABSL_GUARDED_BY(mu_);  // (job, kind).
   int64_t next_sequence_ ABSL_GUARDED_BY(mu_) = 1;
   bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;
 

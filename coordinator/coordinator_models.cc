@@ -133,18 +133,17 @@ absl::Status Coordinator::CheckModelHeader(const ModelHeader& header,
 
 absl::Status Coordinator::BeginPublish(const ModelHeader& header) {
   absl::MutexLock lock(&mu_);
-  if (!publishing_.emplace(header.job_id(), static_cast<int>(header.kind()), header.node())
-           .second) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("PublishModel of job ", header.job_id(), ": another publish of its ",
-                     ModelKind_Name(header.kind()), " by node ", header.node(), " is in progress"));
+  if (!publishing_.emplace(header.job_id(), static_cast<int>(header.kind())).second) {
+    return absl::AbortedError(absl::StrCat("PublishModel of job ", header.job_id(),
+                                           ": another publish of its ",
+                                           ModelKind_Name(header.kind()), " is in progress"));
   }
   return absl::OkStatus();
 }
 
 void Coordinator::EndPublish(const ModelHeader& header) {
   absl::MutexLock lock(&mu_);
-  publishing_.erase({header.job_id(), static_cast<int>(header.kind()), header.node()});
+  publishing_.erase({header.job_id(), static_cast<int>(header.kind())});
 }
 
 absl::Status Coordinator::PublishModel(ModelHeader header, absl::string_view payload,

@@ -88,9 +88,14 @@ std::optional<int64_t> RequestLedger::MarkFinished(int32_t worker) {
   return w.pushes_applied;
 }
 
-void RequestLedger::UnmarkFinished(int32_t worker) {
+bool RequestLedger::FinishRecorded(int32_t worker) const {
   absl::MutexLock lock(&mu_);
-  workers_[worker].progress.finished = false;
+  return workers_[worker].finish_recorded;
+}
+
+void RequestLedger::MarkFinishRecorded(int32_t worker) {
+  absl::MutexLock lock(&mu_);
+  workers_[worker].finish_recorded = true;
 }
 
 bool RequestLedger::AllFinished(const std::vector<bool>& counted) const {

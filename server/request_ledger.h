@@ -67,8 +67,11 @@ class RequestLedger {
 
   // Marks `worker` finished; returns its pushes applied if this was its first Finish.
   std::optional<int64_t> MarkFinished(int32_t worker) ABSL_LOCKS_EXCLUDED(mu_);
-  // Undoes MarkFinished (its Finish could not be made durable: the retry marks it again).
-  void UnmarkFinished(int32_t worker) ABSL_LOCKS_EXCLUDED(mu_);
+  // Whether a snapshot taken after `worker`'s Finish succeeded in this process (durable jobs
+  // acknowledge a Finish only then), and recording that one did. Not restored: after a restart
+  // a repeated Finish snapshots once more.
+  bool FinishRecorded(int32_t worker) const ABSL_LOCKS_EXCLUDED(mu_);
+  void MarkFinishRecorded(int32_t worker) ABSL_LOCKS_EXCLUDED(mu_);
   // True if every worker w with counted[w] has finished.
   bool AllFinished(const std::vector<bool>& counted) const ABSL_LOCKS_EXCLUDED(mu_);
 
@@ -109,6 +112,7 @@ class RequestLedger {
     std::deque<uint64_t> id_order;
     // Steps whose push is being applied now (normally at most one).
     absl::flat_hash_set<int64_t> steps_in_progress;
+    bool finish_recorded = false;  // FinishRecorded.
   };
 
   const std::string job_;

@@ -873,8 +873,9 @@ TEST_F(DurabilityTest, PeriodicSnapshotByTime) {
   EXPECT_EQ(info.updates_applied(), 1);
 }
 
-// A Finish whose snapshot fails is not acknowledged, and its retry records it: a shard that
-// then restarts knows the worker finished (it would otherwise wait for a worker that is gone).
+// A Finish whose snapshot fails is not acknowledged, nor is its repeat, and the retry once the
+// disk works records it (once): a shard that then restarts knows the worker finished (it would
+// otherwise wait for a worker that is gone).
 TEST_F(DurabilityTest, AFinishThatCannotBeRecordedFailsAndItsRetryRecordsIt) {
   JobOptions o;
   o.durability = "periodic";
@@ -897,10 +898,16 @@ TEST_F(DurabilityTest, AFinishThatCannotBeRecordedFailsAndItsRetryRecordsIt) {
   f.set_worker(1);
   f.set_step(0);
   EXPECT_FALSE(shard_->Finish(f).ok());
-  ASSERT_OK_AND_ASSIGN(JobInfoResponse info, Info(shard_.get()));
-  EXPECT_FALSE(info.workers(1).finished());
+  EXPECT_FALSE(shard_->Finish(f).ok());  // A repeat is not acknowledged either.
   std::filesystem::remove_all(blocked[0]);
-  ASSERT_OK(shard_->Finish(f));
+  ASSERT_OK_AND_ASSIGN(JobInfoResponse info, Info(shard_.get()));
+  const int64_t snapshots = info.snapshots();
+  ASSERT_OK(shard_->Finish(f));  // The retry records it...
+  ASSERT_OK_AND_ASSIGN(info, Info(shard_.get()));
+  EXPECT_EQ(info.snapshots(), snapshots + 1);
+  ASSERT_OK(shard_->Finish(f));  // ... once.
+  ASSERT_OK_AND_ASSIGN(info, Info(shard_.get()));
+  EXPECT_EQ(info.snapshots(), snapshots + 1);
   Restart();
   ASSERT_OK_AND_ASSIGN(info, Info(shard_.get()));
   EXPECT_TRUE(info.workers(1).finished());

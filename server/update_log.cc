@@ -306,11 +306,12 @@ absl::StatusOr<std::unique_ptr<UpdateLog>> UpdateLog::Open(const std::string& ro
                                                            bool fresh, bool fsync) {
   const std::string dir = absl::StrCat(root, "/", job);
   std::error_code ec;
-  const bool created = std::filesystem::create_directories(dir, ec);
+  std::filesystem::create_directories(dir, ec);
   if (ec) return absl::InternalError(absl::StrCat("cannot create ", dir, ": ", ec.message()));
-  if (created && fsync) {
-    // The new directories' names must survive a crash like the files in them (a store from
-    // before chunk files creates its log directory here).
+  if (fsync) {
+    // The directories' names must survive a crash like the files in them (a store from before
+    // chunk files creates its log directory here). On every open, not only when created: an
+    // open whose sync failed is retried by the next push, which finds them made.
     RETURN_IF_ERROR(SyncDirectory(root));
     RETURN_IF_ERROR(SyncDirectory(std::filesystem::path(root).parent_path().string()));
   }

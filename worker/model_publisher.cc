@@ -91,6 +91,25 @@ absl::Status Upload(NodeService::Stub* stub, const ModelPublisherOptions& o, Mod
                   absl::StrCat("PublishModel to coordinator ", o.coordinator));
 }
 
+// Upload, again with backoff (1 s doubling to 16 s, for up to 2 minutes) while the coordinator
+// answers ABORTED: another publish of the job's model of that kind is in flight (one left by a
+// node that lost rank 0 holds it until that call ends). `restart` rewinds what `fill` sends
+// before each attempt after the first.
+absl::Status UploadRetrying(NodeService::Stub* stub, const ModelPublisherOptions& o,
+                            const ModelHeader& header,
+                            const std::function<bool(std::string*)>& fill,
+                            const std::function<void()>& restart) {
+  const absl::Time give_up = absl::Now() + absl::Minutes(2);
+  absl::Duration backoff = absl::Seconds(1);
+  while (true) {
+    absl::Status st = Upload(stub, o, header, fill);
+    if (st.code() != absl::StatusCode::kAborted || absl::Now() + backoff > give_up) return st;
+    absl::SleepFor(backoff);
+    backoff = std::min(backoff * 2, absl::Seconds(16));
+    restart();
+  }
+}
+
 }  // namespace
 
 absl::Status ModelPublisher::PublishState(const std::string& job_id,
@@ -98,7 +117,8 @@ absl::Status ModelPublisher::PublishState(const std::string& job_id,
   ModelHeader header;
   RETURN_IF_ERROR(StateHeader(job_id, snapshot, &header));
   size_t tensor = 0, offset = 0;  // Next value to send.
-  return Upload(stub_.get(), options_, std::move(header), [&](std::string* data) {
+  const auto restart = [&] { tensor = offset = 0; };
+  const auto fill = [&](std::string* data) {
     const size_t max_values = std::max<size_t>(options_.chunk_bytes / sizeof(float), 1);
     size_t room = max_values;
     while (room > 0 && tensor < snapshot.values.size()) {
@@ -113,7 +133,8 @@ absl::Status ModelPublisher::PublishState(const std::string& job_id,
       }
     }
     return tensor < snapshot.values.size();
-  });
+  };
+  return UploadRetrying(stub_.get(), options_, header, fill, restart);
 }
 
 absl::Status ModelPublisher::PublishModule(const std::string& job_id,
@@ -135,7 +156,12 @@ absl::Status ModelPublisher::PublishModule(const std::string& job_id,
   header.set_total_bytes(size);
   int64_t sent = 0;
   bool read_error = false;
-  absl::Status st = Upload(stub_.get(), options_, std::move(header), [&](std::string* data) {
+  const auto restart = [&] {
+    in.clear();
+    in.seekg(0);
+    sent = 0;
+  };
+  const auto fill = [&](std::string* data) {
     const int64_t n = std::min<int64_t>(static_cast<int64_t>(options_.chunk_bytes), size - sent);
     data->resize(static_cast<size_t>(n));
     if (n > 0 && !in.read(&(*data)[0], n)) {
@@ -146,7 +172,8 @@ absl::Status ModelPublisher::PublishModule(const std::string& job_id,
     }
     sent += n;
     return sent < size;
-  });
+  };
+  absl::Status st = UploadRetrying(stub_.get(), options_, header, fill, restart);
   if (read_error) return absl::InternalError(absl::StrCat("reading ", path, " failed"));
   return st;
 }

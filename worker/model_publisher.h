@@ -11,7 +11,8 @@
 //
 // A call streams the header, then the payload in chunk_bytes pieces, built from the snapshot
 // piece by piece (the model is not copied whole). It blocks until the coordinator answered or
-// the deadline passed.
+// the deadline passed; while the coordinator answers ABORTED (another publish of the job's
+// model of that kind is in flight) it tries again with backoff, for up to 2 minutes.
 //
 // Thread safety: all methods may be called concurrently.
 #ifndef GRADMESH_WORKER_MODEL_PUBLISHER_H_

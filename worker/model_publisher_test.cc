@@ -12,8 +12,10 @@
 #include <cstring>
 #include <fstream>
 #include <memory>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "common/status_testing.h"
 #include "coordinator/service.h"
 #include "gtest/gtest.h"
@@ -150,6 +152,30 @@ TEST_F(ModelPublisherTest, PublishesTheSnapshotExactly) {
   EXPECT_EQ(h.tensors(2).dtype(), INT64);
   EXPECT_EQ(h.tensors(2).shape_size(), 0);
   EXPECT_EQ(h.total_bytes(), 40);
+  const std::vector<float> want = {0.5f, -1.f, 1.5f, 2.f, -2.5f, 3.f, 0.125f, 0.25f, -4.f, 40.f};
+  ASSERT_EQ(payload.size(), want.size() * 4);
+  std::vector<float> got(want.size());
+  std::memcpy(got.data(), payload.data(), payload.size());
+  EXPECT_EQ(got, want);
+}
+
+// While another publish of the job's state is in flight the coordinator answers ABORTED, and
+// the publisher tries again with backoff, sending the whole snapshot again from its start.
+TEST_F(ModelPublisherTest, APublishWaitsForTheOneInFlight) {
+  const std::string rank0 = Submit("j");
+  ModelHeader held;
+  held.set_job_id("j");
+  held.set_kind(MODEL_STATE);
+  ASSERT_OK(core_->BeginPublish(held));  // As the service holds it for a publish in flight.
+  absl::Status st;
+  std::thread publish([&] { st = Publisher(rank0).PublishState("j", Snapshot()); });
+  absl::SleepFor(absl::Milliseconds(500));  // Its first attempt is refused meanwhile.
+  core_->EndPublish(held);
+  publish.join();
+  ASSERT_OK(st);
+  ModelHeader h;
+  std::string payload;
+  ASSERT_OK(Read("j", MODEL_STATE, &h, &payload));
   const std::vector<float> want = {0.5f, -1.f, 1.5f, 2.f, -2.5f, 3.f, 0.125f, 0.25f, -4.f, 40.f};
   ASSERT_EQ(payload.size(), want.size() * 4);
   std::vector<float> got(want.size());
