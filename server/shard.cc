@@ -645,6 +645,11 @@ absl::Status Shard::Finish(const FinishRequest& request) {
   RETURN_IF_ERROR(job->state->CheckWorker("Finish", request.worker()));
   job->state->policy().OnFinish(request.worker());
   const std::optional<int64_t> pushes_applied = job->ledger.MarkFinished(request.worker());
+  if (pushes_applied.has_value()) {
+    LogInfo(options_.logger, "worker_finished",
+            {Kv("job", request.job()), Kv("worker", request.worker()), Kv("step", request.step()),
+             Kv("pushes_applied", *pushes_applied)});
+  }
   // A durable job records each worker's Finish (a restarted shard must not wait for a worker
   // that is gone), and its final state when the last worker finishes: a Finish is acknowledged
   // only once a snapshot taken after it succeeded, also when it is a repeat (a retry whose
@@ -655,11 +660,6 @@ absl::Status Shard::Finish(const FinishRequest& request) {
     RETURN_IF_ERROR(job->durability.MaybeSnapshot(/*force=*/true));
     job->ledger.MarkFinishRecorded(request.worker());
     recorded_now = true;
-  }
-  if (pushes_applied.has_value()) {
-    LogInfo(options_.logger, "worker_finished",
-            {Kv("job", request.job()), Kv("worker", request.worker()), Kv("step", request.step()),
-             Kv("pushes_applied", *pushes_applied)});
   }
   // Once per worker: its first Finish, or the retry that recorded it.
   if (pushes_applied.has_value() || recorded_now) MaybeLogJobStats(*job);

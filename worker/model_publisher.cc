@@ -91,19 +91,22 @@ absl::Status Upload(NodeService::Stub* stub, const ModelPublisherOptions& o, Mod
                   absl::StrCat("PublishModel to coordinator ", o.coordinator));
 }
 
-// Upload, again with backoff (1 s doubling to 16 s, for up to 2 minutes) while the coordinator
-// answers ABORTED: another publish of the job's model of that kind is in flight (one left by a
-// node that lost rank 0 holds it until that call ends). `restart` rewinds what `fill` sends
-// before each attempt after the first.
+// Upload; with `retry`, again with backoff (1 s doubling to 16 s, for up to 2 minutes) while
+// the coordinator answers ABORTED: another publish of the job's model of that kind is in
+// flight (one left by a node that lost rank 0 holds it until that call ends). Only the final
+// model is worth the wait: a periodic publish runs on the training thread, whose peers would
+// time out meanwhile, and the next one comes soon. `restart` rewinds what `fill` sends.
 absl::Status UploadRetrying(NodeService::Stub* stub, const ModelPublisherOptions& o,
                             const ModelHeader& header,
                             const std::function<bool(std::string*)>& fill,
-                            const std::function<void()>& restart) {
+                            const std::function<void()>& restart, bool retry) {
   const absl::Time give_up = absl::Now() + absl::Minutes(2);
   absl::Duration backoff = absl::Seconds(1);
   while (true) {
     absl::Status st = Upload(stub, o, header, fill);
-    if (st.code() != absl::StatusCode::kAborted || absl::Now() + backoff > give_up) return st;
+    if (!retry || st.code() != absl::StatusCode::kAborted || absl::Now() + backoff > give_up) {
+      return st;
+    }
     absl::SleepFor(backoff);
     backoff = std::min(backoff * 2, absl::Seconds(16));
     restart();
@@ -134,7 +137,7 @@ absl::Status ModelPublisher::PublishState(const std::string& job_id,
     }
     return tensor < snapshot.values.size();
   };
-  return UploadRetrying(stub_.get(), options_, header, fill, restart);
+  return UploadRetrying(stub_.get(), options_, header, fill, restart, /*retry=*/snapshot.final);
 }
 
 absl::Status ModelPublisher::PublishModule(const std::string& job_id,
@@ -160,6 +163,7 @@ absl::Status ModelPublisher::PublishModule(const std::string& job_id,
     in.clear();
     in.seekg(0);
     sent = 0;
+    read_error = false;
   };
   const auto fill = [&](std::string* data) {
     const int64_t n = std::min<int64_t>(static_cast<int64_t>(options_.chunk_bytes), size - sent);
@@ -173,7 +177,8 @@ absl::Status ModelPublisher::PublishModule(const std::string& job_id,
     sent += n;
     return sent < size;
   };
-  absl::Status st = UploadRetrying(stub_.get(), options_, header, fill, restart);
+  // Not retried: it is sent before rank 0 starts, whose peers would time out meanwhile.
+  absl::Status st = UploadRetrying(stub_.get(), options_, header, fill, restart, /*retry=*/false);
   if (read_error) return absl::InternalError(absl::StrCat("reading ", path, " failed"));
   return st;
 }

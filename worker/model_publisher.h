@@ -11,8 +11,9 @@
 //
 // A call streams the header, then the payload in chunk_bytes pieces, built from the snapshot
 // piece by piece (the model is not copied whole). It blocks until the coordinator answered or
-// the deadline passed; while the coordinator answers ABORTED (another publish of the job's
-// model of that kind is in flight) it tries again with backoff, for up to 2 minutes.
+// the deadline passed. A final state publish that the coordinator answers ABORTED (another
+// publish of the job's model is in flight) is tried again with backoff, for up to 2 minutes;
+// periodic ones and the module are not (rank 0's peers would time out meanwhile).
 //
 // Thread safety: all methods may be called concurrently.
 #ifndef GRADMESH_WORKER_MODEL_PUBLISHER_H_
