@@ -148,13 +148,14 @@ void Coordinator::EndPublish(const ModelHeader& header) {
 
 absl::Status Coordinator::PublishModel(ModelHeader header, absl::string_view payload,
                                        const NodeCredentials& credentials) {
-  RETURN_IF_ERROR(CheckModelHeader(header, credentials));
   int64_t sequence = 0;
   {
     absl::MutexLock lock(&mu_);
     ASSIGN_OR_RETURN(sequence, CheckPublisherLocked(header, credentials));
     header.set_published_ms(Now());
   }
+  // As CheckModelHeader: the tensors after the caller, outside the lock.
+  RETURN_IF_ERROR(ValidateModelHeader(header, options_.max_model_bytes));
   if (static_cast<int64_t>(payload.size()) != header.total_bytes()) {
     return absl::InvalidArgumentError(
         absl::StrCat("PublishModel of job ", header.job_id(), ": got ", payload.size(),

@@ -267,9 +267,8 @@ class CollectiveServiceImpl::RingReader final : public grpc::ServerReadReactor<g
   RingChunk first;               // Identity of the stream (no data).
   std::shared_ptr<Inbox> inbox;  // Once attached.
   bool held = false;
-  RingChunk held_header;  // The first chunk while held.
-  RingMessage held_payload;
-  int64_t held_bytes = 0;  // held_payload.size(), counted in held_bytes_.
+  RingChunk held_header;     // The first chunk while held.
+  RingMessage held_payload;  // Its size() is counted in held_bytes_ while held.
   uint64_t chunks = 0, bytes = 0;
   grpc::ByteBuffer buffer;
   std::optional<std::string> token;       // The call's job token metadata; constant after creation.
@@ -336,7 +335,6 @@ CollectiveServiceImpl::Next CollectiveServiceImpl::Deliver(RingReader* reader, R
       reader->held = true;
       reader->held_header = std::move(header);
       reader->held_payload = std::move(payload);
-      reader->held_bytes = bytes;
       held_bytes_ += bytes;
       held_.emplace(key, reader);
       return Next::kWait;
@@ -482,8 +480,7 @@ void CollectiveServiceImpl::UnholdLocked(RingReader* reader) {
       break;
     }
   }
-  held_bytes_ -= reader->held_bytes;
-  reader->held_bytes = 0;
+  held_bytes_ -= static_cast<int64_t>(reader->held_payload.size());
   reader->held = false;
   reader->held_payload = RingMessage();
 }
@@ -525,8 +522,7 @@ absl::StatusOr<std::shared_ptr<CollectiveServiceImpl::Inbox>> CollectiveServiceI
     held_.erase(range.first, range.second);
     for (RingReader* reader : waiting) {
       reader->held = false;
-      held_bytes_ -= reader->held_bytes;
-      reader->held_bytes = 0;
+      held_bytes_ -= static_cast<int64_t>(reader->held_payload.size());
       RingChunk header = std::move(reader->held_header);
       RingMessage payload = std::move(reader->held_payload);
       actions.emplace_back(reader,

@@ -34,13 +34,14 @@ constexpr char kTokenA[] = "token-of-job-a-0123456789";
 constexpr char kTokenB[] = "token-of-job-b-9876543210";
 
 struct Node {
-  std::unique_ptr<CollectiveServiceImpl> service = std::make_unique<CollectiveServiceImpl>();
+  std::unique_ptr<CollectiveServiceImpl> service;
   std::unique_ptr<grpc::Server> server;
   std::string address;
 };
 
-std::unique_ptr<Node> StartNode() {
+std::unique_ptr<Node> StartNode(CollectiveServiceImpl::Options options = {}) {
   auto n = std::make_unique<Node>();
+  n->service = std::make_unique<CollectiveServiceImpl>(options);
   grpc::ServerBuilder b;
   int port = 0;
   b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
@@ -204,16 +205,10 @@ TEST_F(RingAuthTest, HeldStreamsAreCheckedWhenTheInboxOpens) {
 TEST(RingHeldBytesTest, HeldFirstChunksAreBoundedInBytes) {
   CollectiveServiceImpl::Options o;
   o.max_held_bytes = int64_t{1} << 20;
-  Node n;
-  n.service = std::make_unique<CollectiveServiceImpl>(o);
-  grpc::ServerBuilder b;
-  int port = 0;
-  b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-  b.RegisterService(n.service.get());
-  n.server = b.BuildAndStart();
-  ASSERT_NE(n.server, nullptr);
+  std::unique_ptr<Node> n = StartNode(o);
+  ASSERT_NE(n->server, nullptr);
   auto stub = CollectiveService::NewStub(
-      grpc::CreateChannel(absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials()));
+      grpc::CreateChannel(n->address, grpc::InsecureChannelCredentials()));
   // A first chunk of `bytes` for rank 1 of `job` (not served here), without a token; the
   // stream's status once it ends (a held stream waits for its inbox until its deadline).
   const auto send = [&](const std::string& job, size_t bytes) {
@@ -238,7 +233,7 @@ TEST(RingHeldBytesTest, HeldFirstChunksAreBoundedInBytes) {
   // free, and a 2 MiB one is held again.
   absl::SleepFor(absl::Milliseconds(300));
   EXPECT_STATUS(send("ghost3", 2 << 20), absl::StatusCode::kDeadlineExceeded);
-  n.server->Shutdown(absl::ToChronoTime(absl::Now()));
+  n->server->Shutdown(absl::ToChronoTime(absl::Now()));
 }
 
 // A rank that is not the inbox's predecessor in the ring (even with the right token) is
