@@ -99,10 +99,11 @@ absl::Status CheckSizes(const InitJobRequest& r, const ShardLimits& limits) {
   return absl::OkStatus();
 }
 
-// Element types a model tensor may have: parameters are float32 (the shards' optimizers work
-// on them); buffers any type torch.save writes for them (stored as float32 on the shards and
-// written back with this type on export). DType values this build does not know are refused
-// rather than passed on to exports that could not write them.
+// Element types a model tensor may have: parameters a floating type (float32, or the float64 /
+// float16 / bfloat16 of a module the worker trains as float32); buffers any type torch.save
+// writes for them. Both are stored and trained as float32 on the shards and written back with
+// this type on export. DType values this build does not know are refused rather than passed
+// on to exports that could not write them.
 absl::Status CheckDTypes(const InitJobRequest& r) {
   for (int t = 0; t < r.tensors_size(); ++t) {
     const TensorSpec& ts = r.tensors(t);
@@ -111,10 +112,13 @@ absl::Status CheckDTypes(const InitJobRequest& r) {
     if (!DType_IsValid(dtype)) {
       return Invalid(r, absl::StrCat(what, " has unknown dtype ", dtype));
     }
-    if (!ts.buffer() && ts.dtype() != DTYPE_UNSPECIFIED && ts.dtype() != FLOAT32) {
+    const bool floating = ts.dtype() == DTYPE_UNSPECIFIED || ts.dtype() == FLOAT32 ||
+                          ts.dtype() == FLOAT64 || ts.dtype() == FLOAT16 || ts.dtype() == BFLOAT16;
+    if (!ts.buffer() && !floating) {
       return Invalid(r, absl::StrCat(what, " is a parameter of dtype ", DType_Name(ts.dtype()),
-                                     "; parameters must be FLOAT32 (only buffers may have other "
-                                     "element types)"));
+                                     "; parameters must be floating-point (FLOAT32, FLOAT64, "
+                                     "FLOAT16, BFLOAT16; only buffers may have other element "
+                                     "types)"));
     }
   }
   return absl::OkStatus();

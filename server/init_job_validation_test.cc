@@ -388,22 +388,25 @@ TEST(EstimateJobMemoryTest, SaturatesInsteadOfOverflowing) {
 }
 
 TEST(ValidateInitJobTest, TensorDTypes) {
-  // Parameters: unset or FLOAT32. Buffers: any element type torch.save writes.
+  // Parameters: a floating type (trained as float32, written back in it). Buffers: any element
+  // type torch.save writes.
   InitJobRequest r = Valid();
-  r.mutable_tensors(0)->set_dtype(FLOAT32);
-  EXPECT_OK(Validate(r));
+  for (DType d : {DTYPE_UNSPECIFIED, FLOAT32, FLOAT64, FLOAT16, BFLOAT16}) {
+    r.mutable_tensors(0)->set_dtype(d);
+    EXPECT_OK(Validate(r)) << DType_Name(d);
+  }
   r.mutable_tensors(1)->set_buffer(true);
   for (DType d : {DTYPE_UNSPECIFIED, FLOAT32, FLOAT64, FLOAT16, BFLOAT16, INT64, INT32, INT16, INT8,
                   UINT8, BOOL}) {
     r.mutable_tensors(1)->set_dtype(d);
     EXPECT_OK(Validate(r)) << DType_Name(d);
   }
-  for (DType d : {FLOAT64, FLOAT16, BFLOAT16, INT64, BOOL}) {
+  for (DType d : {INT64, INT32, INT16, INT8, UINT8, BOOL}) {
     ExpectInvalid(
         [d](InitJobRequest* r) { r->mutable_tensors(1)->set_dtype(d); },
         absl::StrCat("InitJob: job j tensors[1] (b) is a parameter of dtype ", DType_Name(d),
-                     "; parameters must be FLOAT32 (only buffers may have other element "
-                     "types)"));
+                     "; parameters must be floating-point (FLOAT32, FLOAT64, FLOAT16, BFLOAT16; "
+                     "only buffers may have other element types)"));
   }
   ExpectInvalid(
       [](InitJobRequest* r) {

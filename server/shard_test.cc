@@ -853,7 +853,7 @@ TEST_F(ShardTest, InitJobChecksTensorDTypes) {
   r.mutable_tensors(0)->set_dtype(INT64);
   EXPECT_STATUS_MSG(shard_->InitJob(r), absl::StatusCode::kInvalidArgument,
                     "InitJob: job dt tensors[0] (w) is a parameter of dtype INT64; parameters "
-                    "must be FLOAT32");
+                    "must be floating-point");
   r = BufferInit("dt", "async", 1);
   r.mutable_tensors(2)->set_dtype(static_cast<DType>(77));
   EXPECT_STATUS_MSG(shard_->InitJob(r), absl::StatusCode::kInvalidArgument,

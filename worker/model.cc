@@ -219,7 +219,7 @@ class TorchScriptModel : public NamedModel {
       return absl::InvalidArgumentError(absl::StrCat(Describe(), ": forward on undefined tensor"));
     }
     try {
-      const torch::jit::IValue result = module_.forward({x});
+      const torch::jit::IValue result = module_.forward({AsTrained(x)});
       std::optional<torch::Tensor> out = OutputTensor(result);
       if (!out.has_value()) {
         return absl::InvalidArgumentError(absl::StrCat(
@@ -272,7 +272,7 @@ class TorchScriptModel : public NamedModel {
     }
     torch::jit::IValue result;
     try {
-      result = module_.run_method("loss", x, y);
+      result = module_.run_method("loss", AsTrained(x), AsTrained(y));
     } catch (const std::exception& e) {
       return FromException(absl::StatusCode::kInvalidArgument, call, e);
     }
@@ -322,15 +322,40 @@ class TorchScriptModel : public NamedModel {
   }
 
   absl::Status Save(const std::string& path) override {
-    // Parameters() and Buffers() alias the module's slots, so this writes their current values.
+    // Parameters() and Buffers() alias the module's slots, so this writes their current values,
+    // in the types the module was saved with: a converted module's tensors go back to them for
+    // the write and then to their float32 values (kept, so no rounding is carried on).
+    std::vector<std::pair<torch::Tensor, torch::Tensor>> restore;
     try {
+      torch::NoGradGuard no_grad;
+      std::unordered_set<const c10::TensorImpl*> done;
+      auto to_saved = [&](const std::string& name, torch::Tensor t) {
+        auto it = saved_types_.find(name);
+        if (it == saved_types_.end() || !t.defined() || t.scalar_type() == it->second ||
+            !done.insert(t.unsafeGetTensorImpl()).second) {
+          return;
+        }
+        restore.emplace_back(t, t.data());
+        t.set_data(t.data().to(it->second));
+      };
+      for (const auto& item : module_.named_parameters(/*recurse=*/true)) {
+        to_saved(item.name, item.value);
+      }
+      for (const auto& item : module_.named_buffers(/*recurse=*/true)) {
+        to_saved(item.name, item.value);
+      }
       module_.save(path);
     } catch (const std::exception& e) {
+      RestoreTrainedTypes(restore);
       return FromException(absl::StatusCode::kInternal,
                            absl::StrCat("saving TorchScript model to ", path), e);
     }
+    RestoreTrainedTypes(restore);
     return absl::OkStatus();
   }
+
+  std::vector<torch::ScalarType> SavedParameterTypes() override { return saved_param_types_; }
+  std::vector<torch::ScalarType> SavedBufferTypes() override { return saved_buffer_types_; }
 
  private:
   explicit TorchScriptModel(std::string path) : path_(std::move(path)) {}
@@ -351,6 +376,7 @@ class TorchScriptModel : public NamedModel {
     for (const auto& item : module_.named_parameters(/*recurse=*/true)) {
       any_trainable = any_trainable || item.value.requires_grad();
     }
+    if (NeedsFloat32(any_trainable)) ConvertToFloat32();
     for (const auto& item : module_.named_parameters(/*recurse=*/true)) {
       torch::Tensor p = item.value;
       if (!seen.insert(p.unsafeGetTensorImpl()).second) continue;
@@ -367,14 +393,16 @@ class TorchScriptModel : public NamedModel {
         p.set_data(p.contiguous());
       }
       if (p.scalar_type() != torch::kFloat32 || !p.device().is_cpu() || !p.is_contiguous()) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("TorchScript model ", path_, ": parameter ", item.name, " is ",
-                         TensorString(p), p.is_contiguous() ? "" : " (not contiguous)", " on ",
-                         p.device().str(), "; only float32 CPU parameters are supported"));
+        return absl::InvalidArgumentError(absl::StrCat(
+            "TorchScript model ", path_, ": parameter ", item.name, " is ", TensorString(p),
+            p.is_contiguous() ? "" : " (not contiguous)", " on ", p.device().str(),
+            "; only float32 CPU parameters are supported (float64, float16 and "
+            "bfloat16 ones are trained as float32)"));
       }
       p.requires_grad_(true);  // Off on every parameter: train them all (above).
       names_.push_back(item.name);
       params_.push_back(p);
+      saved_param_types_.push_back(SavedType(item.name, p.scalar_type()));
     }
     for (const auto& item : module_.named_buffers(/*recurse=*/true)) {
       torch::Tensor b = item.value;
@@ -385,8 +413,79 @@ class TorchScriptModel : public NamedModel {
                                                        "; only CPU buffers are supported"));
       }
       buffer_names_.push_back(item.name);
+      saved_buffer_types_.push_back(SavedType(item.name, b.scalar_type()));
     }
     return absl::OkStatus();
+  }
+
+  // Floating types a module may be saved in and is trained in as float32.
+  static bool IsConvertible(torch::ScalarType t) {
+    return t == torch::kFloat64 || t == torch::kFloat16 || t == torch::kBFloat16;
+  }
+
+  // True if a parameter to be trained is float64, float16 or bfloat16 (`model.double()`,
+  // `model.half()` before saving): the shards' optimizers, the codecs and the collectives
+  // work on float32, so such a module is trained as float32 and written back in its types.
+  bool NeedsFloat32(bool any_trainable) {
+    for (const auto& item : module_.named_parameters(/*recurse=*/true)) {
+      const torch::Tensor& p = item.value;
+      if ((!any_trainable || p.requires_grad()) && p.device().is_cpu() &&
+          IsConvertible(p.scalar_type())) {
+        return true;
+      }
+    }
+    return false;
+  }
+
+  // Converts every float64/float16/bfloat16 parameter and buffer (frozen ones too: the forward
+  // mixes them with the others) to float32 in place, as Module.float() does, remembering each
+  // name's type for Save and the exports. Integer and bool tensors stay as they are.
+  void ConvertToFloat32() {
+    torch::NoGradGuard no_grad;
+    auto convert = [&](const std::string& name, torch::Tensor t) {
+      if (!t.defined() || !t.device().is_cpu()) return;
+      if (IsConvertible(t.scalar_type())) {
+        saved_types_[name] = t.scalar_type();
+        t.set_data(t.data().to(torch::kFloat32).contiguous());
+      } else if (t.scalar_type() == torch::kFloat32) {
+        // A tied alias of a tensor converted under its first name.
+        for (const auto& [first, type] : converted_impls_) {
+          if (first == t.unsafeGetTensorImpl()) saved_types_[name] = type;
+        }
+        return;
+      } else {
+        return;
+      }
+      converted_impls_.emplace_back(t.unsafeGetTensorImpl(), saved_types_[name]);
+    };
+    for (const auto& item : module_.named_parameters(/*recurse=*/true)) {
+      convert(item.name, item.value);
+    }
+    for (const auto& item : module_.named_buffers(/*recurse=*/true)) {
+      convert(item.name, item.value);
+    }
+  }
+
+  // The type the tensor under `name` was saved in (`now` if it was not converted).
+  torch::ScalarType SavedType(const std::string& name, torch::ScalarType now) const {
+    auto it = saved_types_.find(name);
+    return it == saved_types_.end() ? now : it->second;
+  }
+
+  // A floating input or target as the trained module takes it: float32, the type of its
+  // parameters (numpy's float64 data, float16 or bfloat16 files); anything else as it is.
+  static torch::Tensor AsTrained(const torch::Tensor& x) {
+    return x.defined() && x.is_floating_point() && x.scalar_type() != torch::kFloat32
+               ? x.to(torch::kFloat32)
+               : x;
+  }
+
+  static void RestoreTrainedTypes(
+      const std::vector<std::pair<torch::Tensor, torch::Tensor>>& restore) {
+    for (const auto& [tensor, trained] : restore) {
+      torch::Tensor t = tensor;
+      t.set_data(trained);
+    }
   }
 
   const std::string path_;
@@ -396,6 +495,12 @@ class TorchScriptModel : public NamedModel {
   std::vector<torch::Tensor> params_;
   std::vector<std::string> buffer_names_;
   std::vector<std::string> frozen_names_;
+  // The types ConvertToFloat32 converted from, by parameter or buffer name (tied aliases
+  // too), and the converted tensors' impls with theirs (to find the aliases).
+  std::map<std::string, torch::ScalarType> saved_types_;
+  std::vector<std::pair<const c10::TensorImpl*, torch::ScalarType>> converted_impls_;
+  std::vector<torch::ScalarType> saved_param_types_;   // Parallel to params_.
+  std::vector<torch::ScalarType> saved_buffer_types_;  // Parallel to buffer_names_.
 };
 
 template <typename Holder>

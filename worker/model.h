@@ -91,6 +91,14 @@ class Model {
   // Dotted names ("bn1.running_mean", ...) of Buffers(), in the same order.
   virtual std::vector<std::string> BufferNames() = 0;
 
+  // The element type each of Parameters() has in the model as the user saved it: float32, or
+  // the float64 / float16 / bfloat16 of a TorchScript module that loading converted to float32
+  // (the shards' optimizers, the codecs and the collectives work on float32); Save and the
+  // exports write that type back. Empty: all float32.
+  virtual std::vector<torch::ScalarType> SavedParameterTypes() { return {}; }
+  // The same for Buffers(), in their order. Empty: the type each buffer has now.
+  virtual std::vector<torch::ScalarType> SavedBufferTypes() { return {}; }
+
   // Parameters the model keeps as they are (not in Parameters(): not trained, not exchanged),
   // in named_parameters() order: a TorchScript module's parameters saved with requires_grad
   // off while others have it on. Built-in models have none.

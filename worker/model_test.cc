@@ -464,6 +464,103 @@ except RuntimeError:
   EXPECT_TRUE(torch::equal(model->Parameters()[0], cpu->Parameters()[0]));
 }
 
+// A module saved in float64, float16 or bfloat16 (`model.double()` before saving) is trained as
+// float32: its parameters and floating buffers are float32 and say the type they were saved in,
+// integer buffers stay as they are, floating inputs of any type are given to it as float32, and
+// Save writes the saved types back while the module keeps its float32 values.
+TEST_F(ModelTest, TorchScriptModuleSavedInAnotherFloatTypeTrainsAsFloat32) {
+  const std::string script = dir_ + "/typed.py";
+  std::ofstream(script) << R"PY(import sys, torch
+for name, dtype in (("f64", torch.float64), ("f16", torch.float16), ("bf16", torch.bfloat16)):
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(),
+                            torch.nn.Linear(8, 3)).to(dtype)
+    torch.jit.script(m).save(sys.argv[1] + "/" + name + ".pt")
+)PY";
+  ASSERT_EQ(std::system(absl::StrCat(kPython, " ", script, " ", dir_).c_str()), 0);
+  const std::vector<std::string> names = {"0.weight", "0.bias", "3.weight", "3.bias"};
+  const std::vector<std::string> buffers = {"1.running_mean", "1.running_var",
+                                            "1.num_batches_tracked"};
+  for (const auto& [file, saved] : std::vector<std::pair<std::string, torch::ScalarType>>{
+           {"f64", torch::kFloat64}, {"f16", torch::kFloat16}, {"bf16", torch::kBFloat16}}) {
+    SCOPED_TRACE(file);
+    const std::string path = dir_ + "/" + file + ".pt";
+    ASSERT_OK_AND_ASSIGN(std::unique_ptr<Model> model, CreateModel(Spec("torchscript", path), 1));
+    // BatchNorm's weight and bias are parameters too.
+    EXPECT_EQ(model->ParameterNames(), (std::vector<std::string>{"0.weight", "0.bias", "1.weight",
+                                                                 "1.bias", "3.weight", "3.bias"}));
+    for (const torch::Tensor& p : model->Parameters()) {
+      EXPECT_EQ(p.scalar_type(), torch::kFloat32);
+      EXPECT_TRUE(p.requires_grad());
+    }
+    EXPECT_EQ(model->SavedParameterTypes(), std::vector<torch::ScalarType>(6, saved));
+    EXPECT_EQ(model->BufferNames(), buffers);
+    EXPECT_EQ(model->SavedBufferTypes(),
+              (std::vector<torch::ScalarType>{saved, saved, torch::kInt64}));
+    const std::vector<torch::Tensor> now = model->Buffers();
+    EXPECT_EQ(now[0].scalar_type(), torch::kFloat32);
+    EXPECT_EQ(now[2].scalar_type(), torch::kInt64);
+
+    // The values are the saved ones (exact: every saved type widens to float32 exactly), and a
+    // forward on float64 input gives what the same input in float32 gives.
+    torch::jit::Module as_saved = torch::jit::load(path);
+    for (const auto& item : as_saved.named_parameters()) {
+      if (item.name == "0.weight") {
+        EXPECT_TRUE(torch::equal(model->Parameters()[0], item.value.to(torch::kFloat32)));
+      }
+    }
+    torch::manual_seed(1);
+    const torch::Tensor x = torch::randn({16, 6}, torch::kFloat64);
+    ASSERT_OK_AND_ASSIGN(torch::Tensor out, model->Forward(x));
+    EXPECT_EQ(out.scalar_type(), torch::kFloat32);
+    ASSERT_OK_AND_ASSIGN(torch::Tensor loss,
+                         ComputeLoss(model.get(), LossKind::kCrossEntropy, x,
+                                     torch::randint(0, 3, {16}, torch::kInt64)));
+    loss.backward();
+    const float* data = model->Parameters()[0].data_ptr<float>();
+    {
+      torch::NoGradGuard no_grad;
+      for (torch::Tensor& p : model->Parameters()) p.sub_(p.grad() * 0.1);
+      ASSERT_OK_AND_ASSIGN(torch::Tensor again, model->Forward(x.to(torch::kFloat32)));
+      ASSERT_OK_AND_ASSIGN(torch::Tensor wide, model->Forward(x));
+      EXPECT_TRUE(torch::equal(again, wide));
+    }
+
+    // Save writes the saved types with the trained values rounded to them; the model keeps
+    // training on its float32 values, in the same storage (the loop's views point there).
+    const torch::Tensor trained = model->Parameters()[0].detach().clone();
+    const std::string out_path = dir_ + "/" + file + "_saved.pt";
+    ASSERT_OK(model->Save(out_path));
+    EXPECT_EQ(model->Parameters()[0].scalar_type(), torch::kFloat32);
+    EXPECT_EQ(model->Parameters()[0].data_ptr<float>(), data);
+    EXPECT_TRUE(torch::equal(model->Parameters()[0], trained));
+    EXPECT_EQ(model->Buffers()[0].scalar_type(), torch::kFloat32);
+    torch::jit::Module written = torch::jit::load(out_path);
+    std::map<std::string, torch::Tensor> got;
+    for (const auto& item : written.named_parameters()) got[item.name] = item.value;
+    for (const auto& item : written.named_buffers()) got[item.name] = item.value;
+    for (const std::string& n : names) EXPECT_EQ(got[n].scalar_type(), saved) << n;
+    EXPECT_EQ(got["1.running_mean"].scalar_type(), saved);
+    EXPECT_EQ(got["1.num_batches_tracked"].scalar_type(), torch::kInt64);
+    EXPECT_TRUE(torch::equal(got["0.weight"], trained.to(saved)));
+  }
+
+  // A float32 module keeps its types, and takes float64 input as float32.
+  const std::string f32 = dir_ + "/f32.pt";
+  ASSERT_EQ(
+      std::system(absl::StrCat(kPython, " -c 'import sys, torch\n",
+                               "torch.jit.script(torch.nn.Linear(6, 3)).save(sys.argv[1])' ", f32)
+                      .c_str()),
+      0);
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Model> plain, CreateModel(Spec("torchscript", f32), 1));
+  EXPECT_EQ(plain->SavedParameterTypes(),
+            (std::vector<torch::ScalarType>{torch::kFloat32, torch::kFloat32}));
+  const torch::Tensor x64 = torch::randn({4, 6}, torch::kFloat64);
+  ASSERT_OK_AND_ASSIGN(torch::Tensor a, plain->Forward(x64));
+  ASSERT_OK_AND_ASSIGN(torch::Tensor b, plain->Forward(x64.to(torch::kFloat32)));
+  EXPECT_TRUE(torch::equal(a, b));
+}
+
 // ---- Any model, any data: the TorchScript modules of testdata/models (made by gen.py). ----
 
 std::string ModelPath(const std::string& name) {

@@ -346,6 +346,9 @@ class TrainingLoop {
 absl::Status TrainingLoop::MakeModelView() {
   params_ = model_->Parameters();
   view_.names = model_->ParameterNames();
+  // The types the model was saved in, which exports write back (float32 unless converted).
+  const std::vector<torch::ScalarType> saved_params = model_->SavedParameterTypes();
+  const std::vector<torch::ScalarType> saved_buffers = model_->SavedBufferTypes();
   for (size_t i = 0; i < params_.size(); ++i) {
     if (params_[i].scalar_type() != torch::kFloat || !params_[i].is_contiguous()) {
       return absl::InvalidArgumentError(absl::StrCat("trainer: parameter ", view_.names[i],
@@ -361,7 +364,11 @@ absl::Status TrainingLoop::MakeModelView() {
       viewed = host_params_.back();
     }
     view_.params.emplace_back(viewed.data_ptr<float>(), viewed.numel());
-    view_.dtypes.push_back(ElemType::kFloat32);
+    ElemType saved = ElemType::kFloat32;
+    if (i < saved_params.size()) {
+      ASSIGN_OR_RETURN(saved, ToElemType(saved_params[i], "parameter " + view_.names[i]));
+    }
+    view_.dtypes.push_back(saved);
   }
   view_.num_params = static_cast<int>(params_.size());
   const std::vector<torch::Tensor> buffers = model_->Buffers();
@@ -370,8 +377,10 @@ absl::Status TrainingLoop::MakeModelView() {
   before_.resize(buffers.size());
   deltas_.resize(buffers.size());
   for (size_t i = 0; i < buffers.size(); ++i) {
-    ASSIGN_OR_RETURN(const ElemType type,
-                     ToElemType(buffers[i].scalar_type(), "buffer " + buffer_names[i]));
+    ASSIGN_OR_RETURN(
+        const ElemType type,
+        ToElemType(i < saved_buffers.size() ? saved_buffers[i] : buffers[i].scalar_type(),
+                   "buffer " + buffer_names[i]));
     const torch::Tensor values = buffers[i].detach().to(torch::kCPU, torch::kFloat32).contiguous();
     mirrors_[i].assign(values.data_ptr<float>(), values.data_ptr<float>() + values.numel());
     before_[i] = mirrors_[i];

@@ -15,6 +15,8 @@
 #     `precision: bf16`, accuracy within 0.5 pt and perplexity within 3% of fp32;
 #   * fine-tuning a model with a frozen part (requires_grad off): in async and allreduce the
 #     frozen parameters keep their values in the output and both exports, the rest train;
+#   * a model saved in float64 on float64 data, in async and allreduce: trained as float32, its
+#     output and exports float64 again, scoring what the job reported;
 #   * bad input fails at job start with the file named: x/y length mismatch, a module without
 #     loss() for `loss: module`, a model whose output does not fit the loss.
 set -euo pipefail
@@ -181,6 +183,48 @@ for label, m in (("output", torch.jit.load(sys.argv[2])), ("torchscript", torch.
 print("frozen kept, trained moved")
 PYEOF
   echo "ok: $name kept its frozen layer and trained the rest"
+done
+
+# --- A model saved in float64 on NumPy's float64 data (`model.double()`, `torch.from_numpy`): it
+# trains as float32, and the job's output and both exports are float64 again (BatchNorm's
+# running statistics too, num_batches_tracked int64), load strictly, and score in Python, in
+# float64, what the job reported. In a ps mode (the shards keep the type for export) and in
+# allreduce (rank 0 publishes it).
+mkdir -p "$tmp/double/data"
+"$PY" - "$tmp/double" <<'PYEOF' || fail "making the float64 model and data"
+import sys, numpy as np, torch
+rng = np.random.default_rng(0)
+for f, n in (("train-0", 6000), ("test-0", 1000)):
+    x = rng.standard_normal((n, 16))                     # float64, as NumPy makes it
+    y = (x[:, :4].sum(1) > 0).astype(np.int64)
+    torch.save({"x": torch.from_numpy(x), "y": torch.from_numpy(y)}, f"{sys.argv[1]}/data/{f}.pt")
+torch.manual_seed(0)
+m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.BatchNorm1d(32), torch.nn.ReLU(),
+                        torch.nn.Linear(32, 2)).double()
+torch.jit.script(m).save(sys.argv[1] + "/model.pt")
+PYEOF
+for mode in async allreduce; do
+  name="double-$mode"
+  run_job "$name" "$mode" "$tmp/double" 100 64 "output: $tmp/$name.out.pt"
+  want="$(reported "$name" accuracy)"
+  [ -n "$want" ] || fail "$name: no accuracy reported"
+  for format in state_dict torchscript; do
+    got="$(export_and_score "$name" "$format" "$tmp/double" accuracy)" || fail "$got"
+    within "$want" "$got" 0.003 ||
+      fail "$name: the $format export scores $got independently, the job reported $want"
+  done
+  "$PY" - "$tmp/$name.out.pt" "$tmp/$name.torchscript.pt" "$tmp/$name.state_dict.pt" <<'PYEOF' ||
+import sys, torch
+for label, state in (("output", torch.jit.load(sys.argv[1]).state_dict()),
+                     ("torchscript", torch.jit.load(sys.argv[2]).state_dict()),
+                     ("state_dict", torch.load(sys.argv[3]))):
+    for k, v in state.items():
+        want = torch.int64 if k.endswith("num_batches_tracked") else torch.float64
+        if v.dtype != want:
+            sys.exit(f"{label}: {k} is {v.dtype}, not {want}")
+PYEOF
+    fail "$name: an exported tensor lost its type"
+  echo "ok: $name reported accuracy $want, its exports are float64 and score the same"
 done
 
 # --- The transformer on KJV text, in a ps mode with bounded staleness and the shard-less ones.
