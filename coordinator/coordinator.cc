@@ -471,10 +471,28 @@ void Coordinator::UpdateGroupLocked(JobEntry* job) {
   for (int i = 0; i < st->workers_size(); ++i) {
     if (job->rank_states[i] != TaskState::kLost) active.push_back(i);
   }
-  if (active.empty()) return;  // Nobody left to train: keep the last group.
   const int n = st->spec().num_workers();
   const bool full = static_cast<int>(active.size()) == n;
   const std::vector<int> current(r.active_ranks().begin(), r.active_ranks().end());
+  if (active.empty()) {
+    // Nobody left to train: keep the last group. A re-formed one is over (its survivors trained
+    // on alone; RefreshLocked fails the job). A whole one lost every rank at once: it waits
+    // for worker nodes, as async ranks do, and each rank resumes from the shards' records.
+    if (current.empty() && !r.awaiting_whole_group()) {
+      r.set_awaiting_whole_group(true);
+      LogWarning(options_.logger, "group_lost",
+                 {Kv("job", st->job_id()), Kv("num_workers", n),
+                  Kv("note",
+                     "every rank lost at once; they are placed again as worker nodes "
+                     "register")});
+    }
+    return;
+  }
+  if (r.awaiting_whole_group()) {
+    // Ranks come back one node at a time: the group stays whole until all are placed.
+    if (full) r.set_awaiting_whole_group(false);
+    return;
+  }
   if (full ? current.empty() : current == active) return;
   r.clear_active_ranks();
   if (full) {
@@ -693,11 +711,13 @@ void Coordinator::CheckNodesLocked() {
   }
   // All of them are out before any rank moves, so no rank moves onto a node that is
   // about to be declared dead in the same sweep.
-  for (NodeEntry* node : expired) node->record.set_alive(false);
+  std::vector<DeadNode> dead;
   for (NodeEntry* node : expired) {
-    MarkDeadLocked(node, absl::StrCat("no heartbeat for ", now - node->last_seen_ms,
-                                      " ms (timeout ", options_.heartbeat_timeout_ms, " ms)"));
+    node->record.set_alive(false);
+    dead.push_back({node, absl::StrCat("no heartbeat for ", now - node->last_seen_ms,
+                                       " ms (timeout ", options_.heartbeat_timeout_ms, " ms)")});
   }
+  if (!dead.empty()) MarkDeadLocked(dead);
 }
 
 std::vector<Coordinator::JobEntry*> Coordinator::JobsInOrderLocked() {
@@ -707,48 +727,67 @@ std::vector<Coordinator::JobEntry*> Coordinator::JobsInOrderLocked() {
   return out;
 }
 
-void Coordinator::MarkDeadLocked(NodeEntry* node, const std::string& reason) {
-  const std::string name = node->record.info().name();
-  const NodeRole role = node->record.info().role();
-  node->record.set_alive(false);
-  persist_nodes_.insert(name);
-  LogWarning(options_.logger, "node_down",
-             {Kv("node_name", name), Kv("node_role", RoleName(role)),
-              Kv("address", node->record.info().address()), Kv("reason", reason)});
+void Coordinator::MarkDeadLocked(const std::vector<DeadNode>& dead) {
+  for (const DeadNode& d : dead) {
+    d.node->record.set_alive(false);
+    persist_nodes_.insert(d.node->record.info().name());
+    LogWarning(options_.logger, "node_down",
+               {Kv("node_name", d.node->record.info().name()),
+                Kv("node_role", RoleName(d.node->record.info().role())),
+                Kv("address", d.node->record.info().address()), Kv("reason", d.reason)});
+  }
   for (JobEntry* job : JobsInOrderLocked()) {
-    JobStatus* st = job->record.mutable_status();
-    if (role == WORKER) {
-      if (!IsActive(st->state())) continue;
-      bool moved = false;
-      for (int r = 0; r < st->workers_size(); ++r) {
-        if (st->workers(r).node() == name && IsUnfinished(job->rank_states[r])) {
-          MoveRankLocked(job, r, absl::StrCat("node ", name, " is down: ", reason));
-          moved = true;
-        }
+    bool moved = false;
+    bool changed = false;
+    for (const DeadNode& d : dead) {
+      if (d.node->record.info().role() == WORKER) {
+        moved = MoveRanksOffLocked(job, *d.node, d.reason) || moved;
+      } else {
+        changed = PauseShardsOnLocked(job, *d.node) || changed;
       }
-      if (moved) {
-        UpdateGroupLocked(job);
-        RefreshLocked(job);
-        ChangedLocked(job, true);
-      }
-    } else {
-      int down = -1;
-      for (int s = 0; s < st->shards_size(); ++s) {
-        ShardPlacement* sp = st->mutable_shards(s);
-        if (sp->node() != name || !sp->alive()) continue;
-        sp->set_alive(false);
-        if (down < 0) down = s;
-      }
-      if (down < 0) continue;
-      if (st->state() == PENDING || st->state() == RUNNING) {
-        const ShardPlacement& sp = st->shards(down);
-        SetStateLocked(job, PAUSED,
-                       absl::StrCat("shard ", down, " on node ", sp.node(), " (", sp.address(),
-                                    ") is down; workers wait for it to come back"));
-      }
-      ChangedLocked(job, true);
+    }
+    if (moved) {
+      // Once for all the nodes: ranks lost together leave no survivor group behind.
+      UpdateGroupLocked(job);
+      RefreshLocked(job);
+    }
+    if (moved || changed) ChangedLocked(job, true);
+  }
+}
+
+bool Coordinator::MoveRanksOffLocked(JobEntry* job, const NodeEntry& node,
+                                     const std::string& reason) {
+  const JobStatus& st = job->record.status();
+  if (!IsActive(st.state())) return false;
+  const std::string& name = node.record.info().name();
+  bool moved = false;
+  for (int r = 0; r < st.workers_size(); ++r) {
+    if (st.workers(r).node() == name && IsUnfinished(job->rank_states[r])) {
+      MoveRankLocked(job, r, absl::StrCat("node ", name, " is down: ", reason));
+      moved = true;
     }
   }
+  return moved;
+}
+
+bool Coordinator::PauseShardsOnLocked(JobEntry* job, const NodeEntry& node) {
+  JobStatus* st = job->record.mutable_status();
+  const std::string& name = node.record.info().name();
+  int down = -1;
+  for (int s = 0; s < st->shards_size(); ++s) {
+    ShardPlacement* sp = st->mutable_shards(s);
+    if (sp->node() != name || !sp->alive()) continue;
+    sp->set_alive(false);
+    if (down < 0) down = s;
+  }
+  if (down < 0) return false;
+  if (st->state() == PENDING || st->state() == RUNNING) {
+    const ShardPlacement& sp = st->shards(down);
+    SetStateLocked(job, PAUSED,
+                   absl::StrCat("shard ", down, " on node ", sp.node(), " (", sp.address(),
+                                ") is down; workers wait for it to come back"));
+  }
+  return true;
 }
 
 void Coordinator::NodeUpLocked(NodeEntry* node, bool address_changed) {
@@ -797,8 +836,15 @@ void Coordinator::NodeUpLocked(NodeEntry* node, bool address_changed) {
           // A sync job that re-formed its group finishes with the survivors: a rank that
           // rejoined would start behind the group's step (its own record is older), and the
           // group's steps cannot wait for it. (Moving a rank with a free slot at once, in
-          // MoveRankLocked, keeps the full group instead.)
-          if (sync) break;
+          // MoveRankLocked, keeps the full group instead.) One that lost every rank at once
+          // has no group ahead of them: its ranks come back as nodes register, each to a free
+          // slot (the barrier runs at the pace of a node doubled up).
+          if (sync && !job->record.awaiting_whole_group()) break;
+          if (sync) {
+            const std::map<std::string, int> used = UsedSlotsLocked("");
+            auto u = used.find(name);
+            if (u != used.end() && u->second >= node->record.info().slots()) break;
+          }
           AssignRankLocked(job, r, *node);
           changed = true;
         }
@@ -1064,7 +1110,7 @@ absl::StatusOr<HeartbeatResponse> Coordinator::Heartbeat(const HeartbeatRequest&
   for (const TaskReport& report : request.tasks()) ApplyReportLocked(*node, report);
   if (request.leaving() && node->record.alive()) {
     node->record.set_alive(false);
-    MarkDeadLocked(node, "leaving");
+    MarkDeadLocked({{node, "leaving"}});
   }
   (void)PersistLocked();
   for (Task& t : TasksForLocked(*node)) *response.add_tasks() = std::move(t);

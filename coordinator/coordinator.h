@@ -413,9 +413,20 @@ class Coordinator {
   int64_t Now() const { return options_.clock->NowMs(); }
   void CheckNodesLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   int64_t last_check_ms_ ABSL_GUARDED_BY(mu_) = 0;  // CheckNodesLocked's last run.
-  // Acts on a node that the caller has just set alive=false.
-  void MarkDeadLocked(NodeEntry* node, const std::string& reason)
+  // Acts on nodes that the caller has just set alive=false, each with why: moves the ranks of
+  // all of them before any job's sync group is re-formed, so nodes lost in one sweep count as
+  // lost together.
+  struct DeadNode {
+    NodeEntry* node;
+    std::string reason;
+  };
+  void MarkDeadLocked(const std::vector<DeadNode>& dead) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // MarkDeadLocked's parts for one job and dead node: moves its unfinished ranks off a worker
+  // node (no group update), or marks its shards on a server node down and pauses it. True if
+  // anything changed.
+  bool MoveRanksOffLocked(JobEntry* job, const NodeEntry& node, const std::string& reason)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool PauseShardsOnLocked(JobEntry* job, const NodeEntry& node) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Node (re)appeared: addresses, paused jobs, lost ranks.
   void NodeUpLocked(NodeEntry* node, bool address_changed) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Moves rank `rank` of `job` off its node (which must not be chosen again). Callers have
@@ -430,7 +441,9 @@ class Coordinator {
                                   const std::string& message) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void AssignRankLocked(JobEntry* job, int rank, const NodeEntry& node)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // sync jobs: re-forms the barrier group from the ranks that are not lost, if it changed.
+  // sync jobs: re-forms the barrier group from the ranks that are not lost, if it changed;
+  // with every rank lost, keeps the group whole (record.awaiting_whole_group) if it was whole,
+  // and re-forms nothing until every rank is placed again.
   void UpdateGroupLocked(JobEntry* job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void BumpGenerationLocked(JobEntry* job, bool all_ranks, bool all_shards, int rank)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

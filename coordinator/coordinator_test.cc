@@ -864,6 +864,72 @@ TEST_F(CoordinatorTest, ASyncGroupThatLosesEveryRankFails) {
       << st.message();
 }
 
+// Every rank of a whole sync group lost at once (their nodes missed their heartbeats in one
+// sweep: a power cut, a restart of everything) leaves no survivors to finish it. The job does
+// not fail and does not re-form a group of nobody: it waits for worker nodes, placing each
+// rank again on a free slot as nodes register, and the group stays whole meanwhile (a group
+// of the first rank back would shut the others out for good). It used to stay RUNNING with no
+// task anywhere, forever; with the nodes expiring one by one in the sweep it used to re-form
+// around the second and then FAIL.
+TEST_F(CoordinatorTest, ASyncGroupThatLosesEveryRankAtOnceWaitsForNodesAndResumesWhole) {
+  Register("s0", SERVER);
+  Register("w0", WORKER);
+  Register("w1", WORKER);
+  ASSERT_OK(Submit(Spec("s", "sync", 2, 1)));
+  Beat("w0", {Report("s", 0, "running", 3)});
+  Beat("w1", {Report("s", 1, "running", 3)});
+  ASSERT_EQ(Get("s").state(), RUNNING);
+  Pass(kTimeoutMs + 500, {"s0"});  // w0 and w1 die in the same sweep.
+  JobStatus st = Get("s");
+  EXPECT_EQ(st.state(), RUNNING) << st.message();
+  EXPECT_EQ(st.workers(0).state(), "lost");
+  EXPECT_EQ(st.workers(1).state(), "lost");
+  EXPECT_EQ(st.active_workers(), 2);
+
+  Register("w0", WORKER);  // One slot: rank 0 only; the group stays whole.
+  st = Get("s");
+  EXPECT_EQ(st.workers(0).node(), "w0");
+  EXPECT_EQ(st.workers(1).state(), "lost");
+  EXPECT_EQ(st.active_workers(), 2);
+  HeartbeatResponse r = Beat("w0");
+  ASSERT_EQ(r.tasks_size(), 1);
+  EXPECT_EQ(r.tasks(0).index(), 0);
+  EXPECT_EQ(r.tasks(0).active_ranks_size(), 0);  // Every rank.
+  EXPECT_DOUBLE_EQ(r.tasks(0).lr_scale(), 1.0);
+  Register("w1", WORKER);
+  st = Get("s");
+  EXPECT_EQ(st.workers(1).node(), "w1");
+  r = Beat("w1");
+  ASSERT_EQ(r.tasks_size(), 1);
+  EXPECT_EQ(r.tasks(0).index(), 1);
+  EXPECT_EQ(r.tasks(0).active_ranks_size(), 0);
+  EXPECT_DOUBLE_EQ(r.tasks(0).lr_scale(), 1.0);
+  Beat("w0", {Report("s", 0, "running", 3)});
+  Beat("w1", {Report("s", 1, "running", 3)});
+  EXPECT_EQ(Get("s").state(), RUNNING);
+
+  // Whole again: a later loss re-forms the group as usual.
+  Pass(kTimeoutMs + 500, {"s0", "w1"});
+  st = Get("s");
+  EXPECT_EQ(st.state(), RUNNING);
+  EXPECT_EQ(st.active_workers(), 1);
+  Beat("w1", {Report("s", 1, "succeeded", 20)});
+  EXPECT_EQ(Get("s").state(), SUCCEEDED);
+
+  // One rank on one node, lost: the same.
+  ASSERT_OK(Submit(Spec("t", "sync", 1, 1)));
+  const std::string node = Get("t").workers(0).node();
+  Beat(node, {Report("t", 0, "running", 3)});
+  Pass(kTimeoutMs + 500, {"s0"});
+  EXPECT_EQ(Get("t").state(), RUNNING);
+  EXPECT_EQ(Get("t").workers(0).state(), "lost");
+  Register("w5", WORKER);
+  EXPECT_EQ(Get("t").workers(0).node(), "w5");
+  ASSERT_EQ(Beat("w5").tasks_size(), 1);
+  Beat("w5", {Report("t", 0, "succeeded", 9)});
+  EXPECT_EQ(Get("t").state(), SUCCEEDED);
+}
+
 // The monitor thread checks liveness every few ms; a gap of more than a heartbeat timeout
 // between two checks means the coordinator itself did not run (SIGSTOP, a frozen machine),
 // so every node gets a timeout from then to be heard from instead of all being declared dead

@@ -274,8 +274,11 @@ void WorkerAgent::Reconcile(const std::vector<Task>& desired) {
     // rank for good (the job then failed).
     // Gossip takes moved peers in place too: a rank restarted for a peer's new address (or
     // a peer that lost its node) started over from step 0 without a checkpoint.
+    // Nor a run asked to stop (its task was withdrawn: a job cancelled and at once resumed
+    // reads the same but for its generation): it is ending, and its "stopped" report under the
+    // new generation would move the rank off this node.
     const bool gossip = SpecMode(next.spec()) == Mode::kGossip;
-    if (next.generation() != generation && !run.ended.load() &&
+    if (next.generation() != generation && !run.ended.load() && !run.stop.load() &&
         SpecMode(next.spec()) != Mode::kAllreduce && OnlyGroupChanged(next, run.task, gossip)) {
       // A sync group re-formed: every rank of a lock-step job must go on from the same step,
       // so the running trainer takes the new group in place (the shards apply it to the

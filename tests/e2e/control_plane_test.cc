@@ -116,15 +116,23 @@ class ControlPlaneTest : public E2eHarness {
     return std::move(p).value();
   }
 
-  // A worker daemon in service mode named `name`.
-  std::unique_ptr<Subprocess> StartServiceWorker(const std::string& name) {
+  // A worker daemon in service mode named `name`, with `extra` flags.
+  std::unique_ptr<Subprocess> StartServiceWorker(const std::string& name,
+                                                 const std::vector<std::string>& extra = {}) {
     const std::string pf = absl::StrCat(dir_, "/", name, ".port", starts_++);
-    auto p = Subprocess::Start(
-        {worker_bin_, "--host=127.0.0.1", "--peer_port=0", "--port_file=" + pf, "--node=" + name,
-         "--coordinator=" + coordinator_, "--auth_token_file=" + token_file_,
-         "--data_dir=" + DataDir(), "--checkpoint_dir=" + dir_ + "/ckpt", "--metrics_port=0",
-         "--metrics_port_file=" + dir_ + "/" + name + ".metrics"},
-        ChildEnv(), NewLog(absl::StrCat(name, "-", starts_)));
+    std::vector<std::string> argv = {worker_bin_,
+                                     "--host=127.0.0.1",
+                                     "--peer_port=0",
+                                     "--port_file=" + pf,
+                                     "--node=" + name,
+                                     "--coordinator=" + coordinator_,
+                                     "--auth_token_file=" + token_file_,
+                                     "--data_dir=" + DataDir(),
+                                     "--checkpoint_dir=" + dir_ + "/ckpt",
+                                     "--metrics_port=0",
+                                     "--metrics_port_file=" + dir_ + "/" + name + ".metrics"};
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    auto p = Subprocess::Start(argv, ChildEnv(), NewLog(absl::StrCat(name, "-", starts_)));
     EXPECT_OK(p);
     if (!p.ok()) return nullptr;
     EXPECT_OK(WaitForPortFile(pf, absl::Seconds(60), p->get()).status());
@@ -615,6 +623,43 @@ TEST_F(ControlPlaneTest, RestartedCoordinatorKnowsTheJobAndItCompletes) {
   CliResult watch = Cli({"watch", "restarted"}, absl::Minutes(5));
   EXPECT_EQ(watch.code, 0) << watch.out;
   EXPECT_EQ(Status("restarted").state(), SUCCEEDED);
+}
+
+// A job cancelled and resumed at once: the worker daemon's run of the cancelled task is still
+// ending (its step is slow) when the resumed task arrives, which reads the same but for its
+// generation. That run must end and a new one start: taken in place, as a re-formed sync group
+// is, the ending run reported "stopped" under the new generation, the coordinator moved the
+// rank off the daemon, found no other, and the job waited for a node forever.
+TEST_F(ControlPlaneTest, CancelledThenResumedAtOnceStartsAFreshRun) {
+  StartCoordinator();
+  s0_ = StartServiceServer("s0");
+  w0_ = StartServiceWorker("w0", {"--step_delay_ms=700"});
+  const std::string spec = WriteYaml("slow", R"(name: slow
+model: {name: mlp}
+dataset: {name: mnist}
+optimizer: {name: sgd, lr: 0.05}
+batch_size: 32
+steps: 12
+mode: async
+num_workers: 1
+num_shards: 1
+log_every: 1
+)");
+  const CliResult submit = SubmitWhenPlaced(spec);
+  ASSERT_EQ(submit.code, 0) << submit.out;
+  ASSERT_TRUE(WaitForStatus(
+      "slow", [](const JobStatus& s) { return s.progress().step() >= 2; }, absl::Minutes(2)));
+  const CliResult cancel = Cli({"cancel", "slow"});
+  ASSERT_EQ(cancel.code, 0) << cancel.out;
+  const CliResult resume = Cli({"submit", spec, "--resume"});
+  ASSERT_EQ(resume.code, 0) << resume.out;
+  const CliResult watch = Cli({"watch", "slow"}, absl::Minutes(2));
+  EXPECT_EQ(watch.code, 0) << watch.out;
+  const JobStatus st = Status("slow");
+  EXPECT_EQ(st.state(), SUCCEEDED) << st.DebugString();
+  EXPECT_EQ(st.workers(0).node(), "w0");
+  // (The coordinator started once: its log is coordinator1.log.)
+  EXPECT_TRUE(LinesWith(ReadFile(dir_ + "/coordinator1.log"), "event=rank_lost").empty());
 }
 
 TEST_F(ControlPlaneTest, FullStopThenResumeFromCheckpoint) {
