@@ -152,7 +152,8 @@ class GrpcParameterClient final : public ParameterClient {
                                                const std::vector<absl::Span<const float>>& grads,
                                                bool nonfinite) override {
     std::vector<grpc::ByteBuffer> resps;
-    RETURN_IF_ERROR(PushImpl(step, grads, nullptr, nonfinite, &resps));
+    RETURN_IF_ERROR(PushImpl(step, grads, nullptr, nonfinite, &resps, nullptr, nullptr,
+                             /*prepared=*/true));
     PreparedFigures f;
     for (int32_t s = 0; s < NumShards(); ++s) {
       PushResponse r;
@@ -191,11 +192,14 @@ class GrpcParameterClient final : public ParameterClient {
   // `nonfinite`: PushRequest.nonfinite; `responses` (may be null) receives each shard's answer.
   // `pulls` (may be null): each shard's encoded PullRequest, sent inside its push
   // (PushRequest.pull); the responses then carry the pulled values.
+  // `prepared`: the first phase of a commit_steps step. Pushed again for the same step (a
+  // shard restarted between the phases), it sends the step's first encodings: the shards that
+  // hold the step keep those, and error feedback must count the step once.
   absl::Status PushImpl(int64_t step, const std::vector<absl::Span<const float>>& grads,
                         const std::vector<int64_t>* base, bool nonfinite = false,
                         std::vector<grpc::ByteBuffer>* responses = nullptr,
                         const std::vector<std::string>* pulls = nullptr,
-                        const std::vector<int32_t>* only = nullptr) {
+                        const std::vector<int32_t>* only = nullptr, bool prepared = false) {
     RETURN_IF_ERROR(CheckSpans("Push", grads));
     const std::vector<int32_t>& shards = ShardsOr(only);
     // Shards reject non-finite gradients, but each only for its own chunks: with several
@@ -235,7 +239,11 @@ class GrpcParameterClient final : public ParameterClient {
       }
       if (device != nullptr && codec != nullptr) device_codec = DeviceCodecOf(*codec);
       const absl::Time t0 = absl::Now();
-      if (device_codec.has_value()) {
+      const bool again = prepared && codec != nullptr && step == prepared_step_ &&
+                         prepared_encoded_.size() == encoded.size();
+      if (again) {
+        encoded = prepared_encoded_;
+      } else if (device_codec.has_value()) {
         RETURN_IF_ERROR(EncodeOnDeviceLocked(step, shards, *device_codec, device, &encoded));
       }
       for (int32_t s : shards) {
@@ -256,8 +264,8 @@ class GrpcParameterClient final : public ParameterClient {
                                   static_cast<uint64_t>(idx);
             // A non-finite step's zeros are discarded by every shard (the step is skipped):
             // going through error feedback they would spend the residual on nothing.
-            absl::Status st;  // Chunks encoded on the device are done already.
-            if (!device_codec.has_value()) {
+            absl::Status st;  // Chunks encoded on the device, or before, are done already.
+            if (!device_codec.has_value() && !again) {
               st = feedback_.empty() || nonfinite
                        ? codec->Encode(g, seed, &encoded[idx])
                        : feedback_[idx]->Compress(*codec, g, seed, &encoded[idx]);
@@ -279,6 +287,10 @@ class GrpcParameterClient final : public ParameterClient {
                                     pulls != nullptr ? absl::string_view((*pulls)[s]) : "");
       }
       codec_seconds_ += absl::ToDoubleSeconds(absl::Now() - t0);
+      if (prepared && codec != nullptr && !again) {
+        prepared_step_ = step;
+        prepared_encoded_ = encoded;
+      }
     }
     send_link_.Acquire(wire);  // The modelled link, if any, carries the payload first.
     std::vector<grpc::ByteBuffer> resps(NumShards());
@@ -854,6 +866,10 @@ class GrpcParameterClient final : public ParameterClient {
   mutable absl::Mutex mu_;
   // Error feedback per partition chunk (biased push codecs), and the warm-up codec in use.
   std::vector<std::unique_ptr<ErrorFeedback>> feedback_ ABSL_GUARDED_BY(mu_);
+  // The last prepared push's step and encodings (PushImpl's `prepared`), sent again as they
+  // were if that step is pushed again.
+  int64_t prepared_step_ ABSL_GUARDED_BY(mu_) = -1;
+  std::vector<std::string> prepared_encoded_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<Compressor> step_codec_ ABSL_GUARDED_BY(mu_);
   // Not null: the parameters' gradients are read and encoded through it (UseDeviceGradients).
   DeviceGradients* device_ ABSL_GUARDED_BY(mu_) = nullptr;

@@ -686,6 +686,45 @@ TEST_F(BufferClientTest, SkippedSyncStepLeavesTheErrorFeedbackResidualAlone) {
   EXPECT_EQ(with_skip[0], without[0]);
 }
 
+// A commit_steps step pushed again (a shard restarted between the two phases: ps_mode's
+// CommittedExchange pushes it again and commits again) sends the step's first encodings: error
+// feedback counts the step once. (Encoded twice, the residual gave out the step's gradient a
+// second time over the next steps: here 4 and 3 applied twice.)
+TEST_F(BufferClientTest, AStepPushedAgainBeforeItsCommitIsEncodedOnce) {
+  layout_.consistency = "sync";
+  layout_.commit_steps = true;
+  const Values zeros = {std::vector<float>(6, 0.0f), std::vector<float>(4, 0.0f), {0.0f}};
+  const Values g1 = {{4, 3, 2, 1, 5, 6}, std::vector<float>(4, 0.0f), {0.0f}};
+  auto run = [&](const std::string& job, int pushes) -> absl::StatusOr<Values> {
+    layout_.job = job;
+    ASSIGN_OR_RETURN(std::unique_ptr<ParameterClient> client,
+                     NewGrpcParameterClient(layout_, Options("topk:0.25", "")));
+    RETURN_IF_ERROR(client->InitJob(Const(zeros)));
+    Values model = zeros;
+    int64_t step = 0;
+    auto exchange = [&](const Values& grad, int times) -> absl::Status {
+      for (int i = 0; i < times; ++i) {
+        RETURN_IF_ERROR(client->PushPrepared(step, Const(grad), false).status());
+      }
+      SyncCommit commit;
+      commit.set_step(step++);
+      commit.set_clip_coef(1.0);
+      ASSIGN_OR_RETURN(const bool held, client->PullCommitted(commit, Mut(model)));
+      return held ? absl::OkStatus() : absl::InternalError("the shards lost the step");
+    };
+    RETURN_IF_ERROR(exchange(g1, pushes));
+    RETURN_IF_ERROR(exchange(zeros, 1));  // The residual's largest elements.
+    RETURN_IF_ERROR(exchange(zeros, 1));  // And the next.
+    return model;
+  };
+  ASSERT_OK_AND_ASSIGN(const Values twice, run("ef-twice", 2));
+  ASSERT_OK_AND_ASSIGN(const Values once, run("ef-once", 1));
+  // lr 1, the largest element of each chunk per step (chunk 0: elements 0-3, chunk 1: 4-5):
+  // 4, 3, 2 and 6, 5 go out once each.
+  EXPECT_EQ(once[0], (std::vector<float>{-4, -3, -2, 0, -5, -6}));
+  EXPECT_EQ(twice[0], once[0]);
+}
+
 // Device gradients (worker/core/device_gradients.h) on the host: the "device" holds the true
 // gradient and encodes it with the host codec and error feedback, as the LibTorch side does.
 class FakeDeviceGradients : public DeviceGradients {
