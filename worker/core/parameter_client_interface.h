@@ -44,6 +44,9 @@ struct PreparedFigures {
   double grad_sq_norm = 0;
   bool nonfinite = false;
   bool value_clipped = false;
+  // Shards that had applied the step but no longer held its figures (restarted since: the
+  // decisions of committed steps are not durable); the figures above leave their parts out.
+  int forgotten = 0;
 };
 
 class ParameterClient {

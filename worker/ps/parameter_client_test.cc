@@ -29,6 +29,7 @@
 #include "rpc/grpc_util.h"
 #include "server/parameter_service.h"
 #include "server/shard.h"
+#include "server/sync_commits.h"
 #include "tests/proxy/delay_proxy.h"
 #include "worker/core/device_gradients.h"
 
@@ -723,6 +724,44 @@ TEST_F(BufferClientTest, AStepPushedAgainBeforeItsCommitIsEncodedOnce) {
   // 4, 3, 2 and 6, 5 go out once each.
   EXPECT_EQ(once[0], (std::vector<float>{-4, -3, -2, 0, -5, -6}));
   EXPECT_EQ(twice[0], once[0]);
+}
+
+// A step pushed again that a shard applied but no longer holds the figures of (they are kept
+// in memory for the last 16 committed steps: a shard restarted after applying it, while
+// another lost it before, forgets them the same way) is answered as a duplicate without them.
+// The client decides from the other shards' parts, and the commit finds the step applied. It
+// used to fail the step with INTERNAL, and the job for good: every retry met the same answer.
+TEST_F(BufferClientTest, AStepAppliedButForgottenByTheShardsIsCommittedWithoutItsFigures) {
+  layout_.consistency = "sync";
+  layout_.commit_steps = true;
+  layout_.job = "forgotten";
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<ParameterClient> client,
+                       NewGrpcParameterClient(layout_, Options("", "")));
+  const Values zeros = {std::vector<float>(6, 0.0f), std::vector<float>(4, 0.0f), {0.0f}};
+  const Values g = {{1, 2, 3, 4, 5, 6}, std::vector<float>(4, 0.0f), {0.0f}};
+  ASSERT_OK(client->InitJob(Const(zeros)));
+  Values model = zeros;
+  auto commit = [&](int64_t step) -> absl::StatusOr<bool> {
+    SyncCommit c;
+    c.set_step(step);
+    c.set_clip_coef(1.0);
+    return client->PullCommitted(c, Mut(model));
+  };
+  for (int64_t step = 0; step <= SyncCommits::kRemembered; ++step) {
+    ASSERT_OK_AND_ASSIGN(PreparedFigures f,
+                         client->PushPrepared(step, Const(step == 0 ? g : zeros), false));
+    EXPECT_EQ(f.forgotten, 0);
+    ASSERT_OK_AND_ASSIGN(const bool held, commit(step));
+    ASSERT_TRUE(held) << step;
+  }
+  const Values trained = model;
+  EXPECT_EQ(trained[0], (std::vector<float>{-1, -2, -3, -4, -5, -6}));
+  ASSERT_OK_AND_ASSIGN(PreparedFigures again, client->PushPrepared(0, Const(g), false));
+  EXPECT_EQ(again.forgotten, 2);
+  EXPECT_EQ(again.grad_sq_norm, 0.0);
+  ASSERT_OK_AND_ASSIGN(const bool held, commit(0));
+  EXPECT_TRUE(held);
+  EXPECT_EQ(model, trained);  // Applied once.
 }
 
 // Device gradients (worker/core/device_gradients.h) on the host: the "device" holds the true

@@ -420,6 +420,15 @@ absl::StatusOr<StepOutcome> PsMode::CommittedExchange(
   constexpr int kAttempts = 4;
   for (int attempt = 1;; ++attempt) {
     ASSIGN_OR_RETURN(const PreparedFigures f, client_->PushPrepared(step, push, !finite));
+    if (f.forgotten > 0) {
+      // A shard applied the step and restarted while another lost it (held steps are not
+      // durable): the others decide from their parts alone, so this one step's clip
+      // coefficient may differ between those shards and the ones that applied it before. The
+      // job goes on rather than refusing the step for good.
+      LogWarning(options_.logger, "step_figures_forgotten",
+                 {Kv("job", spec_.name()), Kv("rank", options_.rank), Kv("step", step),
+                  Kv("shards", f.forgotten)});
+    }
     // Every worker adds the same figures in the same order, so all decide alike.
     const double norm = std::sqrt(f.grad_sq_norm);
     SyncCommit commit;
