@@ -417,7 +417,11 @@ absl::StatusOr<StepOutcome> PsMode::CommittedExchange(
     int64_t step, absl::Span<const absl::Span<const float>> grads, double loss) {
   bool finite = true;
   const std::vector<absl::Span<const float>> push = CommitPayload(grads, &finite);
-  constexpr int kAttempts = 4;
+  // Shards that keep restarting between the phases keep the step going round: each round is
+  // progress (a shard came back), so the bound is time, not a count (4 rounds failed jobs whose
+  // shards were killed every few seconds). A stop ends it through the push.
+  constexpr absl::Duration kRecommitFor = absl::Minutes(30);
+  const absl::Time give_up = absl::Now() + kRecommitFor;
   for (int attempt = 1;; ++attempt) {
     ASSIGN_OR_RETURN(const PreparedFigures f, client_->PushPrepared(step, push, !finite));
     if (f.forgotten > 0) {
@@ -446,10 +450,11 @@ absl::StatusOr<StepOutcome> PsMode::CommittedExchange(
       out.skipped = commit.skip();
       return out;
     }
-    if (attempt == kAttempts) {
+    if (absl::Now() >= give_up) {
       return absl::UnavailableError(
-          absl::StrCat("sync step ", step, " of job ", spec_.name(), ": ", kAttempts,
-                       " commits found a shard that no longer held the step (restarting?)"));
+          absl::StrCat("sync step ", step, " of job ", spec_.name(), ": ", attempt, " commits in ",
+                       absl::FormatDuration(kRecommitFor),
+                       " found a shard that no longer held the step (restarting?)"));
     }
     // A shard restarted between the phases: push the step again (shards that applied it
     // answer duplicate) and commit again.
