@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/cleanup/cleanup.h"
 #include "absl/status/status.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -253,6 +254,7 @@ class SyncPolicy final : public ConsistencyPolicy {
       : job_(config.job),
         num_workers_(config.num_workers),
         timeout_(config.barrier_timeout),
+        logger_(config.logger),
         active_(config.num_workers, true) {}
 
   ~SyncPolicy() override {
@@ -267,11 +269,16 @@ class SyncPolicy final : public ConsistencyPolicy {
     const RequestRef& me = push.requests.at(0);
     Completions completions;
     std::shared_ptr<Step> sealed;
+    std::vector<std::pair<int64_t, std::shared_ptr<Step>>> passed;
+    absl::Cleanup complete_passed = [&] {
+      for (const auto& [number, done] : passed) CompleteStep(number, done);
+    };
     {
       absl::MutexLock lock(&mu_);
       std::shared_ptr<Step> step;
       if (auto it = steps_.find(me.step); it != steps_.end()) step = it->second;
       absl::Status admitted = AdmitLocked(push, step.get());
+      if (admitted.ok()) ReleasePassedLocked(me.worker, me.step, &passed);
       // A push that does not complete its step parks: it needs room to wait.
       if (admitted.ok() && !CompletesLocked(step.get())) {
         // Left by UnparkLocked.
@@ -312,6 +319,8 @@ class SyncPolicy final : public ConsistencyPolicy {
         ParkLocked(me.step, step, w, cancel, &completions);
       }
     }
+    // Earlier steps first.
+    std::move(complete_passed).Invoke();
     if (sealed != nullptr) CompleteStep(me.step, sealed);
   }
 
@@ -402,6 +411,17 @@ class SyncPolicy final : public ConsistencyPolicy {
   // Whether `push` may join `step` (null: none yet): group, repeats and chunk set.
   absl::Status AdmitLocked(const ChunkUpdate& push, const Step* step) const
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // Member `worker` pushes step `number`: it is past every earlier open step it has no push
+  // in, which it got applied before this shard lost it (a restore from an older snapshot: a
+  // periodic job's shard, killed after answering one worker's push of the step and not yet
+  // the other's). Those steps would wait for a push that never comes, and then the next step
+  // for theirs: both time out and the job fails. So they go on without it, as if it had left
+  // the group for them: each then completes with the pushes it has (their mean, as in any
+  // step), appended to `*done` to be completed without the lock, or is forgotten if none is
+  // left.
+  void ReleasePassedLocked(int32_t worker, int64_t number,
+                           std::vector<std::pair<int64_t, std::shared_ptr<Step>>>* done)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Parks member `w`'s push in `step`: deadline, canceller.
   void ParkLocked(int64_t number, const std::shared_ptr<Step>& step, int32_t w, WaitCancel* cancel,
                   Completions* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -425,6 +445,7 @@ class SyncPolicy final : public ConsistencyPolicy {
   const std::string job_;
   const int32_t num_workers_;
   const absl::Duration timeout_;
+  const Logger* const logger_;
   mutable absl::Mutex mu_;
   std::vector<bool> active_ ABSL_GUARDED_BY(mu_);  // The group new steps start with.
   float lr_scale_ ABSL_GUARDED_BY(mu_) = 1.0f;
@@ -472,6 +493,29 @@ absl::Status SyncPolicy::AdmitLocked(const ChunkUpdate& push, const Step* step) 
                      " pushed a different set of chunks than the other workers"));
   }
   return absl::OkStatus();
+}
+
+void SyncPolicy::ReleasePassedLocked(int32_t worker, int64_t number,
+                                     std::vector<std::pair<int64_t, std::shared_ptr<Step>>>* done) {
+  for (auto it = steps_.begin(); it != steps_.end() && it->first < number;) {
+    const int64_t earlier = it->first;
+    std::shared_ptr<Step> step = it->second;
+    ++it;  // Before the step may be erased.
+    if (step->sealed || !step->members[worker] || step->contributions[worker].has_value()) {
+      continue;
+    }
+    step->members[worker] = false;
+    LogWarning(
+        logger_, "sync_step_without_worker",
+        {Kv("job", job_), Kv("step", earlier), Kv("worker", worker), Kv("pushes", step->arrived),
+         Kv("because", absl::StrCat("it pushed step ", number))});
+    if (step->arrived == 0) {
+      EraseLocked(earlier, step.get());
+    } else if (step->Complete()) {
+      step->sealed = true;
+      done->emplace_back(earlier, std::move(step));
+    }
+  }
 }
 
 void SyncPolicy::ParkLocked(int64_t number, const std::shared_ptr<Step>& step, int32_t w,

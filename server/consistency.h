@@ -66,6 +66,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/logging.h"
 #include "common/registry.h"
 #include "server/shard_limits.h"
 #include "server/wait_timer.h"
@@ -103,6 +104,7 @@ struct ConsistencyConfig {
   std::string mode;         // "async", "ssp:3", "sync".
   int32_t num_workers = 1;  // > 0.
   absl::Duration barrier_timeout = absl::Seconds(120);
+  const Logger* logger = nullptr;  // Not owned; may be null.
 };
 
 struct ConsistencyStats {

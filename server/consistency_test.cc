@@ -999,6 +999,40 @@ TEST(WaitWithoutThreadTest, AWorkersSecondWaitingPushIsRefused) {
   EXPECT_EQ(policy->waiting(), 1);
 }
 
+// A shard restored from an older snapshot (periodic durability) after it completed step 5 and
+// answered worker 1 but not worker 0: worker 0 pushes step 5 again, worker 1 is past it and
+// pushes step 6. Step 5 goes on without worker 1 (worker 0's gradient alone, its requests
+// only) instead of waiting for a push that never comes while worker 1 waits at step 6 for
+// worker 0: both used to time out at the barrier, and the job failed. Step 6 then completes
+// as usual. A worker that pushes a step it has a waiting push before is still refused first.
+TEST(WaitWithoutThreadTest, AStepAWorkerIsPastGoesOnWithoutIt) {
+  Outcome w0_step5, w1_step6, w0_step6;
+  FakeApply apply;
+  auto policy = MakePolicy("sync", 2);
+  auto p0 = SimplePush(0, 5, 2.0f);
+  policy->StartPush(p0->update, apply.fn(), w0_step5.fn(), nullptr);
+  EXPECT_EQ(w0_step5.calls(), 0);
+  auto p1 = SimplePush(1, 6, 4.0f);
+  policy->StartPush(p1->update, apply.fn(), w1_step6.fn(), nullptr);
+  ASSERT_EQ(w0_step5.calls(), 1);
+  EXPECT_OK(w0_step5.status());
+  EXPECT_EQ(w1_step6.calls(), 0);  // Waits at step 6 for worker 0.
+  ASSERT_EQ(apply.calls(), 1);
+  const AppliedUpdate step5 = apply.records()[0];
+  EXPECT_EQ(step5.grads, (std::vector<std::vector<float>>{{2.0f, 2.0f}}));
+  ASSERT_EQ(step5.requests.size(), 1u);
+  EXPECT_EQ(step5.requests[0].worker, 0);
+  EXPECT_EQ(step5.requests[0].step, 5);
+  auto p0_next = SimplePush(0, 6, 2.0f);
+  policy->StartPush(p0_next->update, apply.fn(), w0_step6.fn(), nullptr);
+  ASSERT_EQ(w1_step6.calls(), 1);
+  EXPECT_OK(w1_step6.status());
+  EXPECT_OK(w0_step6.status());
+  ASSERT_EQ(apply.calls(), 2);
+  EXPECT_EQ(apply.records()[1].grads, (std::vector<std::vector<float>>{{3.0f, 3.0f}}));
+  EXPECT_EQ(policy->waiting(), 0);
+}
+
 // The step's apply (the log write of a durable job) runs without the policy's lock: while it
 // is blocked, stats(), SetGroup and other workers' pushes of the next step go on.
 TEST(WaitWithoutThreadTest, ApplyRunsWithoutThePolicyLock) {

@@ -101,7 +101,7 @@ InitJobRequest NormalizedLayout(const InitJobRequest& request) {
 absl::StatusOr<std::unique_ptr<JobState>> JobState::Create(const InitJobRequest& layout,
                                                            const OptimizerRegistry& optimizers,
                                                            const ConsistencyRegistry& consistency,
-                                                           bool have_store) {
+                                                           bool have_store, const Logger* logger) {
   std::unique_ptr<JobState> job(new JobState(layout));
   std::vector<int64_t> numels;
   for (const TensorSpec& t : layout.tensors()) numels.push_back(Numel(t));
@@ -116,7 +116,7 @@ absl::StatusOr<std::unique_ptr<JobState>> JobState::Create(const InitJobRequest&
   }
   job->partition_ = std::make_unique<Partition>(std::move(partition).value());
   for (const TensorSpec& t : layout.tensors()) job->buffer_tensors_.push_back(t.buffer());
-  RETURN_IF_ERROR(job->BuildStrategies(optimizers, consistency));
+  RETURN_IF_ERROR(job->BuildStrategies(optimizers, consistency, logger));
   ASSIGN_OR_RETURN(job->durability_, ParseDurability(layout.durability()));
   if (job->durability_ != Durability::kNone && !have_store) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -128,7 +128,8 @@ absl::StatusOr<std::unique_ptr<JobState>> JobState::Create(const InitJobRequest&
 }
 
 absl::Status JobState::BuildStrategies(const OptimizerRegistry& optimizers,
-                                       const ConsistencyRegistry& consistency) {
+                                       const ConsistencyRegistry& consistency,
+                                       const Logger* logger) {
   auto opt = optimizers.Create(layout_.optimizer());
   if (!opt.ok()) return Annotate(opt.status(), absl::StrCat("InitJob: job ", name()));
   optimizer_ = std::move(opt).value();
@@ -137,6 +138,7 @@ absl::Status JobState::BuildStrategies(const OptimizerRegistry& optimizers,
   config.mode = layout_.consistency();
   config.num_workers = layout_.num_workers();
   config.barrier_timeout = absl::Seconds(layout_.barrier_timeout_s());
+  config.logger = logger;
   auto policy = consistency.Create(config);
   if (!policy.ok()) return Annotate(policy.status(), absl::StrCat("InitJob: job ", name()));
   policy_ = std::move(policy).value();

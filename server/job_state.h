@@ -67,7 +67,8 @@ class JobState {
   static absl::StatusOr<std::unique_ptr<JobState>> Create(const InitJobRequest& layout,
                                                           const OptimizerRegistry& optimizers,
                                                           const ConsistencyRegistry& consistency,
-                                                          bool have_store);
+                                                          bool have_store,
+                                                          const Logger* logger = nullptr);
 
   JobState(const JobState&) = delete;
   JobState& operator=(const JobState&) = delete;
@@ -123,7 +124,7 @@ class JobState {
  private:
   explicit JobState(const InitJobRequest& layout) : layout_(layout) {}
   absl::Status BuildStrategies(const OptimizerRegistry& optimizers,
-                               const ConsistencyRegistry& consistency);
+                               const ConsistencyRegistry& consistency, const Logger* logger);
   void BuildChunks();
 
   const InitJobRequest layout_;

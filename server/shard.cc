@@ -134,7 +134,7 @@ absl::StatusOr<std::shared_ptr<Shard::Job>> Shard::BuildJob(const InitJobRequest
                                                             MemoryReservation memory) {
   ASSIGN_OR_RETURN(std::unique_ptr<JobState> state,
                    JobState::Create(layout, options_.optimizers, options_.consistency,
-                                    options_.store != nullptr));
+                                    options_.store != nullptr, options_.logger));
   // Waiting pushes and pulls of every job share the shard's timer and wait limit.
   state->policy().UseTimer(timer_.get());
   state->policy().UseWaitCounter(&waiting_);
@@ -623,6 +623,13 @@ absl::StatusOr<bool> Shard::CommitStep(const std::shared_ptr<Job>& job,
   if (outcome == SyncCommits::Outcome::kApplied) {
     // As after an applied push: a failed periodic snapshot is logged, the step stands.
     (void)job->durability.MaybeSnapshot(/*force=*/false);
+  } else if (outcome == SyncCommits::Outcome::kAppliedOtherwise) {
+    LogWarning(options_.logger, "commit_differs",
+               {Kv("job", request.job()), Kv("worker", worker), Kv("step", request.commit().step()),
+                Kv("skip", request.commit().skip()), Kv("clip_coef", request.commit().clip_coef()),
+                Kv("note",
+                   "the step was committed otherwise before (figures seen after a "
+                   "restart); it stands as applied")});
   }
   return outcome != SyncCommits::Outcome::kMissing;
 }

@@ -88,15 +88,12 @@ absl::StatusOr<SyncCommits::Outcome> SyncCommits::Commit(
     absl::MutexLock lock(&mu_);
     if (auto it = committed_.find(step); it != committed_.end()) {
       const Done& d = it->second;
-      if (d.skip != commit.skip() || (!d.skip && d.clip_coef != commit.clip_coef())) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(where, " says ",
-                         commit.skip() ? "skip" : absl::StrCat("clip_coef ", commit.clip_coef()),
-                         ", but the step was committed with ",
-                         d.skip ? "skip" : absl::StrCat("clip_coef ", d.clip_coef),
-                         " (the workers must add the shards' figures in shard order)"));
-      }
-      return Outcome::kAlreadyApplied;
+      // Workers decide alike from the same figures; after restarts they may not have had the
+      // same (a shard that lost the step and settled it with fewer pushes, one that forgot
+      // its figures). The step stands as it was applied.
+      const bool differs =
+          d.skip != commit.skip() || (!d.skip && d.clip_coef != commit.clip_coef());
+      return differs ? Outcome::kAppliedOtherwise : Outcome::kAlreadyApplied;
     }
     auto it = prepared_.find(step);
     if (it == prepared_.end()) {

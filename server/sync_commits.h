@@ -73,12 +73,13 @@ class SyncCommits {
   // contributed to it.
   std::optional<PreparedStep> Find(int64_t step, int32_t worker) const ABSL_LOCKS_EXCLUDED(mu_);
 
-  enum class Outcome { kApplied, kAlreadyApplied, kMissing };
+  enum class Outcome { kApplied, kAlreadyApplied, kAppliedOtherwise, kMissing };
   // Commits `commit` of `worker`: kApplied (this call applied it through `apply`),
   // kAlreadyApplied (an earlier commit did, or `applied_before(step)` says the shard applied
-  // it before a restart), kMissing (not held: push it again). INVALID_ARGUMENT (nothing
-  // changes) for a clip_coef outside (0, 1] or a decision that contradicts the one the step was
-  // committed with; `apply`'s error (the step is dropped: kMissing from then on).
+  // it before a restart), kAppliedOtherwise (an earlier commit did, with another decision:
+  // workers that saw different figures after restarts; nothing changes, the step stands),
+  // kMissing (not held: push it again). INVALID_ARGUMENT (nothing changes) for a clip_coef
+  // outside (0, 1]; `apply`'s error (the step is dropped: kMissing from then on).
   absl::StatusOr<Outcome> Commit(const SyncCommit& commit, int32_t worker, const ApplyFn& apply,
                                  const std::function<bool(int64_t)>& applied_before)
       ABSL_LOCKS_EXCLUDED(commit_mu_, mu_);
