@@ -278,7 +278,16 @@ class SyncPolicy final : public ConsistencyPolicy {
       std::shared_ptr<Step> step;
       if (auto it = steps_.find(me.step); it != steps_.end()) step = it->second;
       absl::Status admitted = AdmitLocked(push, step.get());
-      if (admitted.ok()) ReleasePassedLocked(me.worker, me.step, &passed);
+      bool created = false;
+      if (admitted.ok()) {
+        ReleasePassedLocked(me.worker, me.step, &passed);
+        if (step == nullptr) {
+          step = std::make_shared<Step>(active_, lr_scale_, std::move(apply));
+          steps_[me.step] = step;
+          created = true;
+        }
+        ExcludeAheadLocked(me.step, step.get(), me.worker);
+      }
       // A push that does not complete its step parks: it needs room to wait.
       if (admitted.ok() && !CompletesLocked(step.get())) {
         // Left by UnparkLocked.
@@ -286,12 +295,9 @@ class SyncPolicy final : public ConsistencyPolicy {
             EnterWait(absl::StrCat("Push: job ", job_, " worker ", me.worker, " step ", me.step));
       }
       if (!admitted.ok()) {
+        if (created) EraseLocked(me.step, step.get());
         completions.Add(std::move(done), std::move(admitted));
         return;
-      }
-      if (step == nullptr) {
-        step = std::make_shared<Step>(active_, lr_scale_, std::move(apply));
-        steps_[me.step] = step;
       }
       // Copy: the caller's buffers are only valid during this call, and the step may complete
       // in another worker's call.
@@ -401,12 +407,11 @@ class SyncPolicy final : public ConsistencyPolicy {
     int32_t worker = 0;
   };
 
-  // Whether one more push completes `step` (null: a new step of the current group).
+  // Whether one more push completes `step`.
   bool CompletesLocked(const Step* step) const ABSL_SHARED_LOCKS_REQUIRED(mu_) {
-    const std::vector<bool>& group = step != nullptr ? step->members : active_;
     int32_t n = 0;
-    for (bool m : group) n += m ? 1 : 0;
-    return (step != nullptr ? step->arrived : 0) + 1 == n;
+    for (bool m : step->members) n += m ? 1 : 0;
+    return step->arrived + 1 == n;
   }
   // Whether `push` may join `step` (null: none yet): group, repeats and chunk set.
   absl::Status AdmitLocked(const ChunkUpdate& push, const Step* step) const
@@ -421,6 +426,10 @@ class SyncPolicy final : public ConsistencyPolicy {
   // left.
   void ReleasePassedLocked(int32_t worker, int64_t number,
                            std::vector<std::pair<int64_t, std::shared_ptr<Step>>>* done)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The same, the other way round: `worker` pushes step `number` (`step`) after members that
+  // are past it already wait at later steps; the step goes on without them.
+  void ExcludeAheadLocked(int64_t number, Step* step, int32_t worker)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Parks member `w`'s push in `step`: deadline, canceller.
   void ParkLocked(int64_t number, const std::shared_ptr<Step>& step, int32_t w, WaitCancel* cancel,
@@ -514,6 +523,20 @@ void SyncPolicy::ReleasePassedLocked(int32_t worker, int64_t number,
     } else if (step->Complete()) {
       step->sealed = true;
       done->emplace_back(earlier, std::move(step));
+    }
+  }
+}
+
+void SyncPolicy::ExcludeAheadLocked(int64_t number, Step* step, int32_t worker) {
+  for (int32_t v = 0; v < num_workers_; ++v) {
+    if (v == worker || !step->members[v] || step->contributions[v].has_value()) continue;
+    for (auto it = steps_.upper_bound(number); it != steps_.end(); ++it) {
+      if (it->second->sealed || !it->second->contributions[v].has_value()) continue;
+      step->members[v] = false;
+      LogWarning(logger_, "sync_step_without_worker",
+                 {Kv("job", job_), Kv("step", number), Kv("worker", v), Kv("pushes", step->arrived),
+                  Kv("because", absl::StrCat("it waits at step ", it->first))});
+      break;
     }
   }
 }

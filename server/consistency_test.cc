@@ -1031,6 +1031,26 @@ TEST(WaitWithoutThreadTest, AStepAWorkerIsPastGoesOnWithoutIt) {
   ASSERT_EQ(apply.calls(), 2);
   EXPECT_EQ(apply.records()[1].grads, (std::vector<std::vector<float>>{{3.0f, 3.0f}}));
   EXPECT_EQ(policy->waiting(), 0);
+
+  // The other order: worker 1's push of step 8 waits when worker 0's push of step 7 arrives.
+  // Step 7 completes at once with worker 0's push alone.
+  Outcome w1_step8, w0_step7, w0_step8;
+  auto q1 = SimplePush(1, 8, 4.0f);
+  policy->StartPush(q1->update, apply.fn(), w1_step8.fn(), nullptr);
+  auto q0 = SimplePush(0, 7, 2.0f);
+  policy->StartPush(q0->update, apply.fn(), w0_step7.fn(), nullptr);
+  ASSERT_EQ(w0_step7.calls(), 1);
+  EXPECT_OK(w0_step7.status());
+  ASSERT_EQ(apply.calls(), 3);
+  EXPECT_EQ(apply.records()[2].requests.size(), 1u);
+  EXPECT_EQ(apply.records()[2].grads, (std::vector<std::vector<float>>{{2.0f, 2.0f}}));
+  EXPECT_EQ(w1_step8.calls(), 0);
+  auto q0_next = SimplePush(0, 8, 2.0f);
+  policy->StartPush(q0_next->update, apply.fn(), w0_step8.fn(), nullptr);
+  ASSERT_EQ(w1_step8.calls(), 1);
+  EXPECT_OK(w1_step8.status());
+  EXPECT_EQ(apply.calls(), 4);
+  EXPECT_EQ(policy->waiting(), 0);
 }
 
 // The step's apply (the log write of a durable job) runs without the policy's lock: while it
