@@ -363,9 +363,36 @@ int RunLogs(Session& s) {
   }
   const bool follow = s.args.Bool("follow");
   int64_t after = 0;
+  bool connected = false;  // An answer came: following, a lost coordinator is waited for.
+  bool outage = false;     // The note about it was printed.
+  absl::Duration backoff = s.options.reconnect_initial_backoff;
   while (true) {
     absl::StatusOr<GetLogsResponse> logs = s.client->GetLogs(job_id, rank, after);
-    if (!logs.ok()) return CoordinatorError(s, logs.status());
+    if (!logs.ok()) {
+      if (!follow || !connected || !Reconnectable(logs.status().code())) {
+        return CoordinatorError(s, logs.status());
+      }
+      if (!outage) {
+        s.err() << "note: lost the coordinator at " << s.coordinator << " ("
+                << StatusCodeName(logs.status().code()) << ": " << logs.status().message()
+                << "); reconnecting until the job ends\n";
+        outage = true;
+      }
+      absl::SleepFor(backoff);
+      backoff = std::min(backoff * 2, s.options.reconnect_max_backoff);
+      continue;
+    }
+    connected = true;
+    backoff = s.options.reconnect_initial_backoff;
+    if (outage) {
+      s.err() << "note: reconnected to the coordinator at " << s.coordinator << "\n";
+      outage = false;
+    }
+    if (logs->has_last_sequence() && logs->last_sequence() < after) {
+      // A restarted coordinator: its lines are numbered from 1 again.
+      after = 0;
+      continue;
+    }
     after = PrintLogLines(s, *logs, rank < 0, after);
     // A full answer may have more behind it: ask again at once.
     if (logs->lines_size() >= 2000) continue;

@@ -608,6 +608,39 @@ TEST_F(CliTest, LogsFollowPollsAfterTheLastLineUntilTheJobEnds) {
   }
 }
 
+// Following, a coordinator that goes away is waited for (notes on stderr), and one that
+// restarted (its in-memory lines numbered from 1 again: last_sequence below what was printed)
+// is read from its first line; before any answer an unreachable coordinator is an error.
+TEST_F(CliTest, LogsFollowReconnectsAndStartsOverAfterACoordinatorRestart) {
+  options_.logs_poll_interval = absl::Milliseconds(1);
+  options_.reconnect_initial_backoff = absl::Milliseconds(1);
+  GetLogsResponse first = Logs(RUNNING, {{0, 5, "a"}});
+  first.set_last_sequence(5);
+  fake().AddLogsAnswer(grpc::Status::OK, first);
+  fake().AddLogsAnswer(grpc::Status(grpc::StatusCode::UNAVAILABLE, "connection refused"));
+  fake().AddLogsAnswer(grpc::Status(grpc::StatusCode::UNAVAILABLE, "connection refused"));
+  GetLogsResponse restarted = Logs(RUNNING, {});
+  restarted.set_last_sequence(2);
+  fake().AddLogsAnswer(grpc::Status::OK, restarted);
+  GetLogsResponse again = Logs(SUCCEEDED, {{0, 1, "b"}, {0, 2, "c"}});
+  again.set_last_sequence(2);
+  fake().AddLogsAnswer(grpc::Status::OK, again);
+  Result r = Run({"logs", "j", "--rank=0", "--follow"});
+  EXPECT_EQ(r.code, kExitOk) << r.err;
+  EXPECT_EQ(r.out, "a\nb\nc\n");
+  EXPECT_NE(r.err.find("note: lost the coordinator at"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("note: reconnected to the coordinator at"), std::string::npos) << r.err;
+  const std::vector<GetLogsRequest> req = fake().logs_requests();
+  ASSERT_EQ(req.size(), 5u);
+  const int64_t after[] = {0, 5, 5, 5, 0};
+  for (int i = 0; i < 5; ++i) EXPECT_EQ(req[i].after_sequence(), after[i]) << i;
+
+  // Unreachable from the start: an error, not a wait.
+  fake().AddLogsAnswer(grpc::Status(grpc::StatusCode::UNAVAILABLE, "connection refused"));
+  r = Run({"logs", "j", "--follow"});
+  EXPECT_EQ(r.code, kExitUnreachable) << r.err;
+}
+
 TEST_F(CliTest, LogsErrors) {
   fake().AddLogsAnswer(grpc::Status(grpc::StatusCode::NOT_FOUND, "job \"nope\" not found"));
   Result r = Run({"logs", "nope"});

@@ -1382,6 +1382,7 @@ absl::StatusOr<GetLogsResponse> Coordinator::GetLogs(const std::string& job_id, 
     *out.add_lines() = std::move(l);
   }
   out.set_state(job.record.status().state());
+  out.set_last_sequence(job.log_sequence);
   return out;
 }
 

@@ -1193,6 +1193,8 @@ TEST_F(CoordinatorTest, LogsArePerRankBoundedAndNumberedAcrossRanks) {
   ASSERT_OK_AND_ASSIGN(GetLogsResponse all, core_->GetLogs("j", -1, 0));
   ASSERT_EQ(all.lines_size(), 3);
   EXPECT_EQ(all.state(), RUNNING);
+  ASSERT_TRUE(all.has_last_sequence());
+  EXPECT_EQ(all.last_sequence(), 3);
   const int ranks[] = {0, 0, 1};
   const char* texts[] = {"r0 a", "r0 b", "r1 a"};
   for (int i = 0; i < 3; ++i) {
