@@ -363,8 +363,9 @@ int RunLogs(Session& s) {
   }
   const bool follow = s.args.Bool("follow");
   int64_t after = 0;
-  bool connected = false;  // An answer came: following, a lost coordinator is waited for.
-  bool outage = false;     // The note about it was printed.
+  bool connected = false;   // An answer came: following, a lost coordinator is waited for.
+  bool outage = false;      // The note about it was printed.
+  int64_t incarnation = 0;  // The coordinator process that numbered the lines printed.
   absl::Duration backoff = s.options.reconnect_initial_backoff;
   while (true) {
     absl::StatusOr<GetLogsResponse> logs = s.client->GetLogs(job_id, rank, after);
@@ -388,8 +389,12 @@ int RunLogs(Session& s) {
       s.err() << "note: reconnected to the coordinator at " << s.coordinator << "\n";
       outage = false;
     }
-    if (logs->has_last_sequence() && logs->last_sequence() < after) {
-      // A restarted coordinator: its lines are numbered from 1 again.
+    // A restarted coordinator numbers its lines from 1 again: start over.
+    const bool restarted =
+        (logs->has_incarnation() && incarnation != 0 && logs->incarnation() != incarnation) ||
+        (logs->has_last_sequence() && logs->last_sequence() < after);
+    if (logs->has_incarnation()) incarnation = logs->incarnation();
+    if (restarted) {
       after = 0;
       continue;
     }

@@ -609,21 +609,25 @@ TEST_F(CliTest, LogsFollowPollsAfterTheLastLineUntilTheJobEnds) {
 }
 
 // Following, a coordinator that goes away is waited for (notes on stderr), and one that
-// restarted (its in-memory lines numbered from 1 again: last_sequence below what was printed)
-// is read from its first line; before any answer an unreachable coordinator is an error.
+// restarted (its in-memory lines numbered from 1 again: another incarnation, even with more
+// lines than were printed) is read from its first line; before any answer an unreachable
+// coordinator is an error.
 TEST_F(CliTest, LogsFollowReconnectsAndStartsOverAfterACoordinatorRestart) {
   options_.logs_poll_interval = absl::Milliseconds(1);
   options_.reconnect_initial_backoff = absl::Milliseconds(1);
   GetLogsResponse first = Logs(RUNNING, {{0, 5, "a"}});
   first.set_last_sequence(5);
+  first.set_incarnation(1);
   fake().AddLogsAnswer(grpc::Status::OK, first);
   fake().AddLogsAnswer(grpc::Status(grpc::StatusCode::UNAVAILABLE, "connection refused"));
   fake().AddLogsAnswer(grpc::Status(grpc::StatusCode::UNAVAILABLE, "connection refused"));
-  GetLogsResponse restarted = Logs(RUNNING, {});
-  restarted.set_last_sequence(2);
+  GetLogsResponse restarted = Logs(RUNNING, {{0, 6, "d"}});
+  restarted.set_last_sequence(6);
+  restarted.set_incarnation(2);
   fake().AddLogsAnswer(grpc::Status::OK, restarted);
   GetLogsResponse again = Logs(SUCCEEDED, {{0, 1, "b"}, {0, 2, "c"}});
   again.set_last_sequence(2);
+  again.set_incarnation(2);
   fake().AddLogsAnswer(grpc::Status::OK, again);
   Result r = Run({"logs", "j", "--rank=0", "--follow"});
   EXPECT_EQ(r.code, kExitOk) << r.err;

@@ -61,7 +61,9 @@ std::string RoleName(NodeRole role) { return NodeRole_Name(role); }
 // Construction, loading, monitor.
 
 Coordinator::Coordinator(Options options)
-    : store_(std::move(options.store)), options_(std::move(options)) {}
+    : store_(std::move(options.store)),
+      options_(std::move(options)),
+      incarnation_(absl::ToUnixMicros(absl::Now())) {}
 
 absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Create(Options options) {
   if (options.store == nullptr) {
@@ -475,16 +477,27 @@ void Coordinator::UpdateGroupLocked(JobEntry* job) {
   const bool full = static_cast<int>(active.size()) == n;
   const std::vector<int> current(r.active_ranks().begin(), r.active_ranks().end());
   if (active.empty()) {
-    // Nobody left to train: keep the last group. A re-formed one is over (its survivors trained
-    // on alone; RefreshLocked fails the job). A whole one lost every rank at once: it waits
-    // for worker nodes, as async ranks do, and each rank resumes from the shards' records.
-    if (current.empty() && !r.awaiting_whole_group()) {
+    // Nobody left to train. A whole group lost every rank at once, or a re-formed one lost
+    // its survivors within a heartbeat timeout of re-forming (nodes that died together
+    // expire in separate checks as their last heartbeats were apart): it waits for worker
+    // nodes, as async ranks do, whole again, and each rank resumes from the shards' records.
+    // A re-formed group whose survivors trained on alone for longer is over (RefreshLocked
+    // fails the job).
+    const bool at_once =
+        current.empty() || Now() - job->reformed_ms <= options_.heartbeat_timeout_ms;
+    if (at_once && !r.awaiting_whole_group()) {
       r.set_awaiting_whole_group(true);
+      if (!current.empty()) {
+        r.clear_active_ranks();
+        r.set_lr_scale(1.0);
+        st->set_active_workers(n);
+        BumpGenerationLocked(job, true, true, -1);
+      }
       LogWarning(options_.logger, "group_lost",
                  {Kv("job", st->job_id()), Kv("num_workers", n),
                   Kv("note",
                      "every rank lost at once; they are placed again as worker nodes "
-                     "register")});
+                     "register, and start once all are")});
     }
     return;
   }
@@ -510,6 +523,7 @@ void Coordinator::UpdateGroupLocked(JobEntry* job) {
   }
   st->set_active_workers(static_cast<int>(active.size()));
   BumpGenerationLocked(job, true, true, -1);
+  if (!full) job->reformed_ms = Now();
   LogInfo(options_.logger, full ? "group_restored" : "group_reformed",
           {Kv("job", st->job_id()), Kv("active_ranks", absl::StrJoin(active, ",")),
            Kv("num_workers", n), Kv("lr_scale", r.lr_scale()), Kv("generation", r.generation())});
@@ -1149,6 +1163,9 @@ std::vector<Task> Coordinator::TasksForLocked(const NodeEntry& node) const {
       return t;
     };
     if (worker) {
+      // A sync group coming back whole starts once every rank is placed: a rank started alone
+      // would wait at the barrier for ranks with no node yet and fail at its timeout.
+      if (r.awaiting_whole_group()) continue;
       for (int i = 0; i < st.workers_size(); ++i) {
         if (st.workers(i).node() == name && IsUnfinished(job->rank_states[i])) {
           tasks.push_back(make(i, r.ranks(i).generation()));
@@ -1383,6 +1400,7 @@ absl::StatusOr<GetLogsResponse> Coordinator::GetLogs(const std::string& job_id, 
   }
   out.set_state(job.record.status().state());
   out.set_last_sequence(job.log_sequence);
+  out.set_incarnation(incarnation_);
   return out;
 }
 

@@ -385,6 +385,8 @@ class Coordinator {
     // A final model (MODEL_STATE, final) was published (read back from the store at Load for
     // active gossip jobs).
     bool final_published = false;
+    // sync: when the group was last re-formed without lost ranks (memory only).
+    int64_t reformed_ms = 0;
   };
   // The rank whose node publishes the job's model: 0; in gossip, with rank 0 lost, the lowest
   // rank not lost (it gathers the finals in rank 0's place: worker/gossip/gossip_mode.cc).
@@ -413,6 +415,8 @@ class Coordinator {
   int64_t Now() const { return options_.clock->NowMs(); }
   void CheckNodesLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   int64_t last_check_ms_ ABSL_GUARDED_BY(mu_) = 0;  // CheckNodesLocked's last run.
+  // This process's start (Unix µs): the in-memory log lines' numbering (GetLogs).
+  const int64_t incarnation_;
   // Acts on nodes that the caller has just set alive=false, each with why: moves the ranks of
   // all of them before any job's sync group is re-formed, so nodes lost in one sweep count as
   // lost together.

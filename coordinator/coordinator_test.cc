@@ -891,14 +891,16 @@ TEST_F(CoordinatorTest, ASyncGroupThatLosesEveryRankAtOnceWaitsForNodesAndResume
   EXPECT_EQ(st.workers(0).node(), "w0");
   EXPECT_EQ(st.workers(1).state(), "lost");
   EXPECT_EQ(st.active_workers(), 2);
+  // Not started yet: alone it would wait at the barrier for rank 1 and fail at its timeout.
+  EXPECT_EQ(Beat("w0").tasks_size(), 0);
+  Register("w1", WORKER);
+  st = Get("s");
+  EXPECT_EQ(st.workers(1).node(), "w1");
   HeartbeatResponse r = Beat("w0");
   ASSERT_EQ(r.tasks_size(), 1);
   EXPECT_EQ(r.tasks(0).index(), 0);
   EXPECT_EQ(r.tasks(0).active_ranks_size(), 0);  // Every rank.
   EXPECT_DOUBLE_EQ(r.tasks(0).lr_scale(), 1.0);
-  Register("w1", WORKER);
-  st = Get("s");
-  EXPECT_EQ(st.workers(1).node(), "w1");
   r = Beat("w1");
   ASSERT_EQ(r.tasks_size(), 1);
   EXPECT_EQ(r.tasks(0).index(), 1);
@@ -915,6 +917,30 @@ TEST_F(CoordinatorTest, ASyncGroupThatLosesEveryRankAtOnceWaitsForNodesAndResume
   EXPECT_EQ(st.active_workers(), 1);
   Beat("w1", {Report("s", 1, "succeeded", 20)});
   EXPECT_EQ(Get("s").state(), SUCCEEDED);
+
+  // Nodes that die together expire in separate checks (their last heartbeats were apart):
+  // the group re-formed around the second for a moment, and losing it too within a heartbeat
+  // timeout counts as losing every rank at once.
+  Register("w0", WORKER);
+  ASSERT_OK(Submit(Spec("u", "sync", 2, 1)));
+  const JobStatus u = Get("u");
+  Beat(u.workers(0).node(), {Report("u", 0, "running", 3)});
+  Beat(u.workers(1).node(), {Report("u", 1, "running", 3)});
+  Pass(500, {"s0", u.workers(1).node()});  // workers(0)'s last heartbeat is 500 ms older.
+  Pass(kTimeoutMs + 1000, {"s0"});
+  st = Get("u");
+  EXPECT_EQ(st.state(), RUNNING) << st.message();
+  EXPECT_EQ(st.workers(0).state(), "lost");
+  EXPECT_EQ(st.workers(1).state(), "lost");
+  EXPECT_EQ(st.active_workers(), 2);
+  Register(u.workers(0).node(), WORKER);
+  Register(u.workers(1).node(), WORKER);
+  r = Beat(u.workers(1).node());
+  ASSERT_EQ(r.tasks_size(), 1);
+  EXPECT_EQ(r.tasks(0).active_ranks_size(), 0);
+  EXPECT_DOUBLE_EQ(r.tasks(0).lr_scale(), 1.0);
+  for (int i = 0; i < 2; ++i) Beat(u.workers(i).node(), {Report("u", i, "succeeded", 9)});
+  EXPECT_EQ(Get("u").state(), SUCCEEDED);
 
   // One rank on one node, lost: the same.
   ASSERT_OK(Submit(Spec("t", "sync", 1, 1)));

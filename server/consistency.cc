@@ -1,6 +1,7 @@
 #include "server/consistency.h"
 
 #include <algorithm>
+#include <limits>
 #include <map>
 #include <optional>
 #include <utility>
@@ -280,7 +281,7 @@ class SyncPolicy final : public ConsistencyPolicy {
       absl::Status admitted = AdmitLocked(push, step.get());
       bool created = false;
       if (admitted.ok()) {
-        ReleasePassedLocked(me.worker, me.step, &passed);
+        ReleasePassedLocked(me.worker, me.step, absl::StrCat("it pushed step ", me.step), &passed);
         if (step == nullptr) {
           step = std::make_shared<Step>(active_, lr_scale_, std::move(apply));
           steps_[me.step] = step;
@@ -333,7 +334,21 @@ class SyncPolicy final : public ConsistencyPolicy {
   absl::Status SetGroup(const std::vector<int32_t>& active, float lr_scale) override;
 
   void StartPull(int32_t, WaitDone done, WaitCancel*) override { done(absl::OkStatus()); }
-  void OnFinish(int32_t) override {}
+
+  // A finished worker pushes no more: open steps go on without it (a shard restored from an
+  // older snapshot lost the job's last step after answering it to this worker, which then
+  // finished, while another worker waits there with that step again). Steps started after
+  // the Finish still count it: a job resumed with more steps pushes again, and which step
+  // a finished worker got to is not known here.
+  void OnFinish(int32_t worker) override {
+    std::vector<std::pair<int64_t, std::shared_ptr<Step>>> passed;
+    {
+      absl::MutexLock lock(&mu_);
+      if (worker < 0 || worker >= num_workers_) return;
+      ReleasePassedLocked(worker, std::numeric_limits<int64_t>::max(), "it finished", &passed);
+    }
+    for (const auto& [number, step] : passed) CompleteStep(number, step);
+  }
   void Restore(const std::vector<int64_t>&, const std::vector<bool>&) override {}
 
   void AbortWaits(const absl::Status& why) override {
@@ -424,7 +439,7 @@ class SyncPolicy final : public ConsistencyPolicy {
   // the group for them: each then completes with the pushes it has (their mean, as in any
   // step), appended to `*done` to be completed without the lock, or is forgotten if none is
   // left.
-  void ReleasePassedLocked(int32_t worker, int64_t number,
+  void ReleasePassedLocked(int32_t worker, int64_t number, const std::string& because,
                            std::vector<std::pair<int64_t, std::shared_ptr<Step>>>* done)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The same, the other way round: `worker` pushes step `number` (`step`) after members that
@@ -504,7 +519,7 @@ absl::Status SyncPolicy::AdmitLocked(const ChunkUpdate& push, const Step* step) 
   return absl::OkStatus();
 }
 
-void SyncPolicy::ReleasePassedLocked(int32_t worker, int64_t number,
+void SyncPolicy::ReleasePassedLocked(int32_t worker, int64_t number, const std::string& because,
                                      std::vector<std::pair<int64_t, std::shared_ptr<Step>>>* done) {
   for (auto it = steps_.begin(); it != steps_.end() && it->first < number;) {
     const int64_t earlier = it->first;
@@ -514,10 +529,9 @@ void SyncPolicy::ReleasePassedLocked(int32_t worker, int64_t number,
       continue;
     }
     step->members[worker] = false;
-    LogWarning(
-        logger_, "sync_step_without_worker",
-        {Kv("job", job_), Kv("step", earlier), Kv("worker", worker), Kv("pushes", step->arrived),
-         Kv("because", absl::StrCat("it pushed step ", number))});
+    LogWarning(logger_, "sync_step_without_worker",
+               {Kv("job", job_), Kv("step", earlier), Kv("worker", worker),
+                Kv("pushes", step->arrived), Kv("because", because)});
     if (step->arrived == 0) {
       EraseLocked(earlier, step.get());
     } else if (step->Complete()) {

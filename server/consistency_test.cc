@@ -1004,7 +1004,8 @@ TEST(WaitWithoutThreadTest, AWorkersSecondWaitingPushIsRefused) {
 // pushes step 6. Step 5 goes on without worker 1 (worker 0's gradient alone, its requests
 // only) instead of waiting for a push that never comes while worker 1 waits at step 6 for
 // worker 0: both used to time out at the barrier, and the job failed. Step 6 then completes
-// as usual. A worker that pushes a step it has a waiting push before is still refused first.
+// as usual; the other order (worker 1 already waiting at the later step) too, and a worker
+// that finishes releases the steps it has no push in.
 TEST(WaitWithoutThreadTest, AStepAWorkerIsPastGoesOnWithoutIt) {
   Outcome w0_step5, w1_step6, w0_step6;
   FakeApply apply;
@@ -1050,6 +1051,17 @@ TEST(WaitWithoutThreadTest, AStepAWorkerIsPastGoesOnWithoutIt) {
   ASSERT_EQ(w1_step8.calls(), 1);
   EXPECT_OK(w1_step8.status());
   EXPECT_EQ(apply.calls(), 4);
+  EXPECT_EQ(policy->waiting(), 0);
+
+  // Worker 1 got step 9 answered and finished; worker 0 waits there with it again.
+  Outcome w0_step9;
+  auto r0 = SimplePush(0, 9, 2.0f);
+  policy->StartPush(r0->update, apply.fn(), w0_step9.fn(), nullptr);
+  EXPECT_EQ(w0_step9.calls(), 0);
+  policy->OnFinish(1);
+  ASSERT_EQ(w0_step9.calls(), 1);
+  EXPECT_OK(w0_step9.status());
+  EXPECT_EQ(apply.calls(), 5);
   EXPECT_EQ(policy->waiting(), 0);
 }
 

@@ -8,6 +8,7 @@
 #include <exception>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <unordered_set>
 #include <utility>
 
@@ -336,7 +337,10 @@ class TorchScriptModel : public NamedModel {
           return;
         }
         restore.emplace_back(t, t.data());
-        t.set_data(t.data().to(it->second));
+        // A frozen parameter goes back as it was (never trained: no rounding through float32).
+        auto original = frozen_originals_.find(name);
+        t.set_data(original != frozen_originals_.end() ? original->second
+                                                       : t.data().to(it->second));
       };
       for (const auto& item : module_.named_parameters(/*recurse=*/true)) {
         to_saved(item.name, item.value);
@@ -376,7 +380,10 @@ class TorchScriptModel : public NamedModel {
     for (const auto& item : module_.named_parameters(/*recurse=*/true)) {
       any_trainable = any_trainable || item.value.requires_grad();
     }
-    if (NeedsFloat32(any_trainable)) ConvertToFloat32();
+    if (NeedsFloat32(any_trainable)) ConvertToFloat32(any_trainable);
+    for (const auto& item : module_.named_parameters(/*recurse=*/true)) {
+      if (item.value.is_floating_point()) param_types_.insert(item.value.scalar_type());
+    }
     for (const auto& item : module_.named_parameters(/*recurse=*/true)) {
       torch::Tensor p = item.value;
       if (!seen.insert(p.unsafeGetTensorImpl()).second) continue;
@@ -439,13 +446,15 @@ class TorchScriptModel : public NamedModel {
 
   // Converts every float64/float16/bfloat16 parameter and buffer (frozen ones too: the forward
   // mixes them with the others) to float32 in place, as Module.float() does, remembering each
-  // name's type for Save and the exports. Integer and bool tensors stay as they are.
-  void ConvertToFloat32() {
+  // name's type for Save and the exports, and a frozen parameter's values as they were.
+  // Integer and bool tensors stay as they are.
+  void ConvertToFloat32(bool any_trainable) {
     torch::NoGradGuard no_grad;
-    auto convert = [&](const std::string& name, torch::Tensor t) {
+    auto convert = [&](const std::string& name, torch::Tensor t, bool frozen) {
       if (!t.defined() || !t.device().is_cpu()) return;
       if (IsConvertible(t.scalar_type())) {
         saved_types_[name] = t.scalar_type();
+        if (frozen) frozen_originals_[name] = t.data();
         t.set_data(t.data().to(torch::kFloat32).contiguous());
       } else if (t.scalar_type() == torch::kFloat32) {
         // A tied alias of a tensor converted under its first name.
@@ -459,10 +468,10 @@ class TorchScriptModel : public NamedModel {
       converted_impls_.emplace_back(t.unsafeGetTensorImpl(), saved_types_[name]);
     };
     for (const auto& item : module_.named_parameters(/*recurse=*/true)) {
-      convert(item.name, item.value);
+      convert(item.name, item.value, any_trainable && !item.value.requires_grad());
     }
     for (const auto& item : module_.named_buffers(/*recurse=*/true)) {
-      convert(item.name, item.value);
+      convert(item.name, item.value, false);
     }
   }
 
@@ -472,10 +481,12 @@ class TorchScriptModel : public NamedModel {
     return it == saved_types_.end() ? now : it->second;
   }
 
-  // A floating input or target as the trained module takes it: float32, the type of its
-  // parameters (numpy's float64 data, float16 or bfloat16 files); anything else as it is.
-  static torch::Tensor AsTrained(const torch::Tensor& x) {
-    return x.defined() && x.is_floating_point() && x.scalar_type() != torch::kFloat32
+  // A floating input or target as the trained module takes it: one of a type none of its
+  // parameters has (NumPy's float64 data for a float32 module, any input of a converted one)
+  // as float32; anything else as it is (a frozen float16 part may take float16 input).
+  torch::Tensor AsTrained(const torch::Tensor& x) const {
+    return x.defined() && x.is_floating_point() && x.scalar_type() != torch::kFloat32 &&
+                   param_types_.count(x.scalar_type()) == 0
                ? x.to(torch::kFloat32)
                : x;
   }
@@ -499,6 +510,10 @@ class TorchScriptModel : public NamedModel {
   // too), and the converted tensors' impls with theirs (to find the aliases).
   std::map<std::string, torch::ScalarType> saved_types_;
   std::vector<std::pair<const c10::TensorImpl*, torch::ScalarType>> converted_impls_;
+  // Frozen parameters' values as the module had them before that conversion, by name.
+  std::map<std::string, torch::Tensor> frozen_originals_;
+  // The floating types of the module's parameters (after any conversion).
+  std::set<torch::ScalarType> param_types_;
   std::vector<torch::ScalarType> saved_param_types_;   // Parallel to params_.
   std::vector<torch::ScalarType> saved_buffer_types_;  // Parallel to buffer_names_.
 };

@@ -476,6 +476,12 @@ for name, dtype in (("f64", torch.float64), ("f16", torch.float16), ("bf16", tor
     m = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(),
                             torch.nn.Linear(8, 3)).to(dtype)
     torch.jit.script(m).save(sys.argv[1] + "/" + name + ".pt")
+torch.manual_seed(0)
+m = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3)).double()
+with torch.no_grad():
+    m[0].weight.copy_(torch.randn(8, 6, dtype=torch.float64))  # Beyond float32's precision.
+m[0].requires_grad_(False)
+torch.jit.script(m).save(sys.argv[1] + "/f64_frozen.pt")
 )PY";
   ASSERT_EQ(std::system(absl::StrCat(kPython, " ", script, " ", dir_).c_str()), 0);
   const std::vector<std::string> names = {"0.weight", "0.bias", "3.weight", "3.bias"};
@@ -543,6 +549,26 @@ for name, dtype in (("f64", torch.float64), ("f16", torch.float16), ("bf16", tor
     EXPECT_EQ(got["1.running_mean"].scalar_type(), saved);
     EXPECT_EQ(got["1.num_batches_tracked"].scalar_type(), torch::kInt64);
     EXPECT_TRUE(torch::equal(got["0.weight"], trained.to(saved)));
+  }
+
+  // A frozen float64 layer is written back bit for bit (never trained: no trip through
+  // float32), the trained one in float64.
+  {
+    const std::string path = dir_ + "/f64_frozen.pt";
+    ASSERT_OK_AND_ASSIGN(std::unique_ptr<Model> model, CreateModel(Spec("torchscript", path), 1));
+    EXPECT_EQ(model->FrozenParameterNames(), (std::vector<std::string>{"0.weight", "0.bias"}));
+    ASSERT_OK(model->Save(dir_ + "/f64_frozen_saved.pt"));
+    torch::jit::Module before = torch::jit::load(path);
+    torch::jit::Module after = torch::jit::load(dir_ + "/f64_frozen_saved.pt");
+    std::map<std::string, torch::Tensor> was, now;
+    for (const auto& item : before.named_parameters()) was[item.name] = item.value;
+    for (const auto& item : after.named_parameters()) now[item.name] = item.value;
+    ASSERT_EQ(now["0.weight"].scalar_type(), torch::kFloat64);
+    EXPECT_TRUE(torch::equal(now["0.weight"], was["0.weight"]));
+    EXPECT_FALSE(torch::equal(
+        was["0.weight"],
+        was["0.weight"].to(torch::kFloat32).to(torch::kFloat64)));  // Not float32 values.
+    EXPECT_EQ(now["2.weight"].scalar_type(), torch::kFloat64);
   }
 
   // A float32 module keeps its types, and takes float64 input as float32.
