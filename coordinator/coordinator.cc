@@ -142,8 +142,10 @@ absl::Status Coordinator::Load() {
     JobEntry& entry = jobs_[record.status().job_id()];
     entry.record = std::move(record);
     entry.rank_states = std::move(rank_states);
-    if (IsActive(entry.record.status().state()) &&
-        SpecMode(entry.record.status().spec()) == Mode::kGossip) {
+    if (entry.record.has_final_published()) {
+      entry.final_published = entry.record.final_published();
+    } else if (IsActive(entry.record.status().state()) &&
+               SpecMode(entry.record.status().spec()) == Mode::kGossip) {
       // Whether a final model is out is read back from the model the store holds (its header
       // only: the callback stops the read).
       const std::string& id = entry.record.status().job_id();
@@ -1339,6 +1341,8 @@ absl::StatusOr<JobStatus> Coordinator::SubmitJob(const SubmitJobRequest& request
                              ? existing->record.rank_secret()
                              : RandomHex(16));
   record.set_sequence(existing != nullptr ? existing->record.sequence() : next_sequence_++);
+  // A resumed job's store may still hold the last run's final model: this run has none yet.
+  record.set_final_published(false);
   RETURN_IF_ERROR(store_->Write({&record}, {}));
   const int64_t version = existing != nullptr ? existing->version + 1 : 1;
   const bool resubmitted = existing != nullptr;

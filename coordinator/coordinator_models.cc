@@ -171,7 +171,13 @@ absl::Status Coordinator::PublishModel(ModelHeader header, absl::string_view pay
     return absl::NotFoundError(absl::StrCat("PublishModel: job ", header.job_id(),
                                             " was removed while its model was written"));
   }
-  if (header.kind() == MODEL_STATE && header.final()) job->second.final_published = true;
+  if (header.kind() == MODEL_STATE && header.final() && !job->second.final_published) {
+    // Kept in the record: a resumed job's new record starts without it, while the store still
+    // holds the last run's final model until this run publishes.
+    job->second.final_published = true;
+    job->second.record.set_final_published(true);
+    ChangedLocked(&job->second, /*persist_now=*/true);
+  }
   // "publisher": the logger's own fields already hold the coordinator's "node".
   if (header.kind() == MODEL_STATE) {
     LogInfo(options_.logger, "model_published",

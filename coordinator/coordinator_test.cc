@@ -810,6 +810,28 @@ TEST_F(CoordinatorTest, AGossipJobWhoseRankZeroIsLostEndsOnceTheFallbackRootPubl
   EXPECT_EQ(g.message(),
             "finished without lost rank(s) 0: the other ranks averaged and published the final "
             "model without them");
+
+  // Resumed with more steps, and the coordinator restarts before this run publishes: the store
+  // still holds the last run's final model, which must not end this run. With rank 0 lost
+  // again and the others done, it waits for the fallback root's new final model.
+  Register("w0", WORKER);
+  JobSpec more = Spec("g", "gossip", 3);
+  more.set_steps(200);
+  ASSERT_OK(Submit(more, /*dry_run=*/false, /*resume=*/true));
+  ASSERT_NO_FATAL_FAILURE(Start());
+  const JobStatus resumed = Get("g");
+  for (int i = 0; i < 3; ++i) Register(resumed.workers(i).node(), WORKER);
+  for (int i = 0; i < 3; ++i) {
+    Beat(resumed.workers(i).node(), {Report("g", i, "running", 120)});
+  }
+  const std::string zero = resumed.workers(0).node();
+  std::vector<std::string> others = {resumed.workers(1).node(), resumed.workers(2).node()};
+  Pass(kTimeoutMs + 500, others);  // Rank 0's node dies; no free node for it.
+  ASSERT_EQ(Get("g").workers(0).state(), "lost");
+  for (int i = 1; i < 3; ++i) {
+    Beat(Get("g").workers(i).node(), {Report("g", i, "succeeded", 200)});
+  }
+  EXPECT_EQ(Get("g").state(), RUNNING) << "the last run's final model ended the resumed run";
 }
 
 // Publishes of a job go one at a time per kind (the service buffers each payload), and who
