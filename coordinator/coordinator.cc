@@ -1051,12 +1051,14 @@ void Coordinator::ApplyReportLocked(const NodeEntry& node, const TaskReport& rep
   w->set_step(std::clamp<int64_t>(report.step(), 0, kMaxReportedSteps));
   rr->set_total_steps(std::clamp<int64_t>(report.total_steps(), 0, kMaxReportedSteps));
   rr->set_epoch(report.epoch());
-  rr->set_loss(report.loss());
+  // A run that has trained no step yet (resumed at its last step) has no figures of its own:
+  // the rank keeps its earlier ones.
+  if (report.has_loss()) rr->set_loss(report.loss());
   rr->set_reported(true);
   rr->set_accuracy(report.accuracy());
   rr->set_test_loss(report.test_loss());
   rr->set_perplexity(report.perplexity());
-  rr->set_samples_per_s(report.samples_per_s());
+  if (report.has_samples_per_s()) rr->set_samples_per_s(report.samples_per_s());
   rr->set_checkpoint_step(report.checkpoint_step());
   // "pending" and "lost" are the coordinator's own states, never a daemon's report.
   const bool reportable = rs.ok() && *rs != TaskState::kPending && *rs != TaskState::kLost;

@@ -441,6 +441,13 @@ TEST_F(CoordinatorTest, ReportsDriveStateAndProgress) {
   EXPECT_EQ(st.progress().checkpoint_step(), 4);
   // Step samples: 0 at the first report, 6 one second later: 6 steps/s, 94 left.
   EXPECT_DOUBLE_EQ(st.progress().eta_s(), 94.0 / 6.0);
+  // A report without a loss or a rate (a run resumed at its last step trains nothing) keeps
+  // the rank's figures: they used to become 0, and the job's mean loss with them.
+  TaskReport bare = Report("j", 1, "running", 6);
+  bare.set_checkpoint_step(4);
+  Beat("w1", {bare});
+  EXPECT_DOUBLE_EQ(Get("j").progress().loss(), 1.5);
+  EXPECT_DOUBLE_EQ(Get("j").progress().samples_per_s(), 150);
 
   // 2 s later rank 1 is at 26 and rank 0, now the slowest, at 10: 10 steps in the 3 s
   // window, 90 left -> 27 s.

@@ -220,14 +220,15 @@ void WorkerAgent::Execute(Run* run) {
     } else {
       run->report.set_state("succeeded");
       // The whole run's rate: the job's final figure sums these (a short run may have ended
-      // before any progress line reported one).
-      run->report.set_samples_per_s(result->samples_per_s);
+      // before any progress line reported one). A run resumed at its last step trained
+      // nothing: it has no rate or loss of its own, and the rank keeps its earlier ones.
+      if (result->steps > 0) run->report.set_samples_per_s(result->samples_per_s);
       if (result->test_accuracy >= 0) run->report.set_accuracy(result->test_accuracy);
       if (result->test_loss >= 0) {
         run->report.set_test_loss(result->test_loss);
         run->report.set_perplexity(result->perplexity);
       }
-      run->report.set_loss(result->final_loss);
+      if (result->steps > 0) run->report.set_loss(result->final_loss);
       run->report.set_step(run->report.total_steps() > 0 ? run->report.total_steps()
                                                          : result->first_step + result->steps);
     }
