@@ -449,15 +449,20 @@ bool Coordinator::RestartAfterPeerLossLocked(JobEntry* job, int rank, const std:
   // checkpoints the job can go on: every rank starts again (a new generation), resuming from
   // the checkpoints (a moved rank is sent them, worker/allreduce/checkpoint.h); the dead
   // node's rank moves once the node is declared dead. Bounded, so a fault that is not a lost
-  // peer still ends the job.
+  // peer still ends the job: at most kMaxPeerLossRestarts restarts in a row without a new
+  // checkpoint between them (a long job meets many independent faults; each that it trained
+  // past is over).
   const JobSpec& spec = job->record.status().spec();
   if (SpecMode(spec) != Mode::kAllreduce || spec.checkpoint().every_steps() <= 0) return false;
   if (!absl::StartsWith(message, "UNAVAILABLE:") &&
       !absl::StartsWith(message, "DEADLINE_EXCEEDED:")) {
     return false;
   }
+  const int64_t checkpoint = job->record.status().progress().checkpoint_step();
+  if (checkpoint > job->restart_checkpoint) job->peer_restarts = 0;
   if (job->peer_restarts >= kMaxPeerLossRestarts) return false;
   ++job->peer_restarts;
+  job->restart_checkpoint = checkpoint;
   SetRankState(job, rank, TaskState::kPending);
   BumpGenerationLocked(job, /*all_ranks=*/true, /*all_shards=*/false, -1);
   LogWarning(

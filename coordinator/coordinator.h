@@ -380,8 +380,10 @@ class Coordinator {
     // Index = rank: each rank's state, parsed once when the record entered (submit, load).
     // record.status().workers(r).state() is its name, kept equal by SetRankState.
     std::vector<TaskState> rank_states;
-    // allreduce: restarts after a rank lost a peer (RestartAfterPeerLossLocked; memory only).
+    // allreduce: restarts after a rank lost a peer since the job's checkpoint last moved, and
+    // that checkpoint step (RestartAfterPeerLossLocked; memory only).
     int peer_restarts = 0;
+    int64_t restart_checkpoint = -1;
     // A final model (MODEL_STATE, final) was published (read back from the store at Load for
     // active gossip jobs).
     bool final_published = false;
@@ -439,8 +441,8 @@ class Coordinator {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // An allreduce job with checkpoints whose rank `rank` (on `node`) failed with `message`:
   // if the failure is a lost peer (UNAVAILABLE / DEADLINE_EXCEEDED) and the job has restarts
-  // left (kMaxPeerLossRestarts), starts every rank again (new generation) and returns true;
-  // false: the job fails.
+  // left (kMaxPeerLossRestarts since its checkpoint last moved), starts every rank again (new
+  // generation) and returns true; false: the job fails.
   bool RestartAfterPeerLossLocked(JobEntry* job, int rank, const std::string& node,
                                   const std::string& message) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void AssignRankLocked(JobEntry* job, int rank, const NodeEntry& node)

@@ -549,6 +549,21 @@ TEST_F(CoordinatorTest, AnAllreduceRankThatLostAPeerRestartsTheRanksBoundedly) {
     EXPECT_GT(generation(0), g0) << restart;
     EXPECT_GT(generation(1), g1) << restart;
   }
+  // A new checkpoint since: the faults before it are over, and the count starts again.
+  TaskReport past0 = Report("ar", 0, "running", 40, generation(0));
+  TaskReport past1 = Report("ar", 1, "running", 40, generation(1));
+  past0.set_checkpoint_step(40);
+  past1.set_checkpoint_step(40);
+  Beat(node0, {past0});
+  Beat(node1, {past1});
+  ASSERT_EQ(Get("ar").progress().checkpoint_step(), 40);
+  for (int restart = 1; restart <= kMaxPeerLossRestarts; ++restart) {
+    TaskReport lost = Report("ar", 0, "failed", 45, generation(0));
+    lost.set_message("UNAVAILABLE: allreduce: ring link from rank 1 (127.0.0.1:9) ended");
+    Beat(node0, {lost});
+    EXPECT_EQ(Get("ar").state(), RUNNING) << restart;
+  }
+  // Then one more without a checkpoint between: the job fails.
   TaskReport lost = Report("ar", 0, "failed", 30, generation(0));
   lost.set_message("DEADLINE_EXCEEDED: allreduce: rank 1 sent nothing for 30 s");
   Beat(node0, {lost});
