@@ -108,6 +108,17 @@ class CoordinatorTest : public ::testing::Test {
     *nodes = {st.workers(0).node(), st.workers(1).node()};
   }
 
+  // Shard node s0, worker nodes w0 and w1, and sync job "s" (2 ranks, 1 shard) running on them.
+  void StartRunningSyncJob() {
+    Register("s0", SERVER);
+    Register("w0", WORKER);
+    Register("w1", WORKER);
+    ASSERT_OK(Submit(Spec("s", "sync", 2, 1)));
+    Beat("w0", {Report("s", 0, "running", 3)});
+    Beat("w1", {Report("s", 1, "running", 3)});
+    ASSERT_EQ(Get("s").state(), RUNNING);
+  }
+
   // Keeps `nodes` alive across `ms` of fake time (heartbeats every 500 ms).
   void Pass(int64_t ms, const std::vector<std::string>& nodes) {
     for (int64_t t = 0; t < ms; t += 500) {
@@ -889,13 +900,7 @@ TEST_F(CoordinatorTest, PublishesGoOneAtATimeAndStrangersAreRefusedFirst) {
 }
 
 TEST_F(CoordinatorTest, ASyncGroupThatLosesEveryRankFails) {
-  Register("s0", SERVER);
-  Register("w0", WORKER);
-  Register("w1", WORKER);
-  ASSERT_OK(Submit(Spec("s", "sync", 2, 1)));
-  Beat("w0", {Report("s", 0, "running", 3)});
-  Beat("w1", {Report("s", 1, "running", 3)});
-  ASSERT_EQ(Get("s").state(), RUNNING);
+  ASSERT_NO_FATAL_FAILURE(StartRunningSyncJob());
   Pass(kTimeoutMs + 500, {"s0", "w1"});  // w0 dies: the group re-forms with rank 1.
   ASSERT_EQ(Get("s").state(), RUNNING);
   ASSERT_EQ(Get("s").active_workers(), 1);
@@ -916,13 +921,7 @@ TEST_F(CoordinatorTest, ASyncGroupThatLosesEveryRankFails) {
 // task anywhere, forever; with the nodes expiring one by one in the sweep it used to re-form
 // around the second and then FAIL.
 TEST_F(CoordinatorTest, ASyncGroupThatLosesEveryRankAtOnceWaitsForNodesAndResumesWhole) {
-  Register("s0", SERVER);
-  Register("w0", WORKER);
-  Register("w1", WORKER);
-  ASSERT_OK(Submit(Spec("s", "sync", 2, 1)));
-  Beat("w0", {Report("s", 0, "running", 3)});
-  Beat("w1", {Report("s", 1, "running", 3)});
-  ASSERT_EQ(Get("s").state(), RUNNING);
+  ASSERT_NO_FATAL_FAILURE(StartRunningSyncJob());
   Pass(kTimeoutMs + 500, {"s0"});  // w0 and w1 die in the same sweep.
   JobStatus st = Get("s");
   EXPECT_EQ(st.state(), RUNNING) << st.message();

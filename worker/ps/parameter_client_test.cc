@@ -116,6 +116,46 @@ class BufferClientTest : public ::testing::Test {
     layout_.num_workers = 1;
   }
 
+  // One step of a commit_steps job: its gradient, pushed `pushes` times (a shard restarted
+  // between the phases makes the worker push it again), flagged non-finite or not, then
+  // committed with clip coefficient 1 (or skipped).
+  struct CommitStep {
+    Values grad;
+    bool skip = false;
+    int pushes = 1;
+  };
+  // w's gradient in the top-k tests: top-k 0.25 keeps 1 element of each chunk per step.
+  static inline const Values kG1 = {{4, 3, 2, 1, 5, 6}, std::vector<float>(4, 0.0f), {0.0f}};
+  static inline const Values kZeros = {
+      std::vector<float>(6, 0.0f), std::vector<float>(4, 0.0f), {0.0f}};
+
+  // Runs `steps` as sync job `job` with commit_steps and top-k 0.25 pushes (error feedback)
+  // from zero values; returns the model after the last commit.
+  absl::StatusOr<Values> RunTopKCommitSteps(const std::string& job,
+                                            const std::vector<CommitStep>& steps) {
+    layout_.consistency = "sync";
+    layout_.commit_steps = true;
+    layout_.job = job;
+    ASSIGN_OR_RETURN(std::unique_ptr<ParameterClient> client,
+                     NewGrpcParameterClient(layout_, Options("topk:0.25", "")));
+    RETURN_IF_ERROR(client->InitJob(Const(kZeros)));
+    Values model = kZeros;
+    for (size_t step = 0; step < steps.size(); ++step) {
+      const CommitStep& s = steps[step];
+      for (int i = 0; i < s.pushes; ++i) {
+        ASSIGN_OR_RETURN(PreparedFigures f, client->PushPrepared(step, Const(s.grad), s.skip));
+        if (f.nonfinite != s.skip) return absl::InternalError("the shards' nonfinite flag differs");
+      }
+      SyncCommit commit;
+      commit.set_step(step);
+      commit.set_clip_coef(1.0);
+      commit.set_skip(s.skip);
+      ASSIGN_OR_RETURN(const bool held, client->PullCommitted(commit, Mut(model)));
+      if (!held) return absl::InternalError("the shards lost the step");
+    }
+    return model;
+  }
+
   GrpcParameterClientOptions Options(const std::string& push_codec,
                                      const std::string& pull_codec) const {
     GrpcParameterClientOptions o;
@@ -654,34 +694,10 @@ TEST_F(SlowLinkTest, AStopCutsShortACallInFlight) {
 // elements, so after g1 the residual holds 3, 2, 1 and 5; spending it on the skipped step
 // would lose the 3 and the 5.
 TEST_F(BufferClientTest, SkippedSyncStepLeavesTheErrorFeedbackResidualAlone) {
-  layout_.consistency = "sync";
-  layout_.commit_steps = true;
-  const Values zeros = {std::vector<float>(6, 0.0f), std::vector<float>(4, 0.0f), {0.0f}};
-  const Values g1 = {{4, 3, 2, 1, 5, 6}, std::vector<float>(4, 0.0f), {0.0f}};
-  auto run = [&](const std::string& job, bool with_skip) -> absl::StatusOr<Values> {
-    layout_.job = job;
-    ASSIGN_OR_RETURN(std::unique_ptr<ParameterClient> client,
-                     NewGrpcParameterClient(layout_, Options("topk:0.25", "")));
-    RETURN_IF_ERROR(client->InitJob(Const(zeros)));
-    Values model = zeros;
-    int64_t step = 0;
-    auto exchange = [&](const Values& grad, bool skip) -> absl::Status {
-      ASSIGN_OR_RETURN(PreparedFigures f, client->PushPrepared(step, Const(grad), skip));
-      if (f.nonfinite != skip) return absl::InternalError("the shards' nonfinite flag differs");
-      SyncCommit commit;
-      commit.set_step(step++);
-      commit.set_clip_coef(1.0);
-      commit.set_skip(skip);
-      ASSIGN_OR_RETURN(const bool held, client->PullCommitted(commit, Mut(model)));
-      return held ? absl::OkStatus() : absl::InternalError("the shards lost the step");
-    };
-    RETURN_IF_ERROR(exchange(g1, false));
-    if (with_skip) RETURN_IF_ERROR(exchange(zeros, true));
-    RETURN_IF_ERROR(exchange(zeros, false));  // Sends the residual's largest elements.
-    return model;
-  };
-  ASSERT_OK_AND_ASSIGN(const Values with_skip, run("ef-skip", true));
-  ASSERT_OK_AND_ASSIGN(const Values without, run("ef-plain", false));
+  ASSERT_OK_AND_ASSIGN(const Values with_skip,
+                       RunTopKCommitSteps("ef-skip", {{kG1}, {kZeros, true}, {kZeros}}));
+  // The last step sends the residual's largest elements.
+  ASSERT_OK_AND_ASSIGN(const Values without, RunTopKCommitSteps("ef-plain", {{kG1}, {kZeros}}));
   // lr 1: w = -(4 + 3) in chunk 0's first two elements, -(6 + 5) in chunk 1.
   EXPECT_EQ(without[0], (std::vector<float>{-4, -3, 0, 0, -5, -6}));
   EXPECT_EQ(with_skip[0], without[0]);
@@ -692,34 +708,11 @@ TEST_F(BufferClientTest, SkippedSyncStepLeavesTheErrorFeedbackResidualAlone) {
 // feedback counts the step once. (Encoded twice, the residual gave out the step's gradient a
 // second time over the next steps: here 4 and 3 applied twice.)
 TEST_F(BufferClientTest, AStepPushedAgainBeforeItsCommitIsEncodedOnce) {
-  layout_.consistency = "sync";
-  layout_.commit_steps = true;
-  const Values zeros = {std::vector<float>(6, 0.0f), std::vector<float>(4, 0.0f), {0.0f}};
-  const Values g1 = {{4, 3, 2, 1, 5, 6}, std::vector<float>(4, 0.0f), {0.0f}};
-  auto run = [&](const std::string& job, int pushes) -> absl::StatusOr<Values> {
-    layout_.job = job;
-    ASSIGN_OR_RETURN(std::unique_ptr<ParameterClient> client,
-                     NewGrpcParameterClient(layout_, Options("topk:0.25", "")));
-    RETURN_IF_ERROR(client->InitJob(Const(zeros)));
-    Values model = zeros;
-    int64_t step = 0;
-    auto exchange = [&](const Values& grad, int times) -> absl::Status {
-      for (int i = 0; i < times; ++i) {
-        RETURN_IF_ERROR(client->PushPrepared(step, Const(grad), false).status());
-      }
-      SyncCommit commit;
-      commit.set_step(step++);
-      commit.set_clip_coef(1.0);
-      ASSIGN_OR_RETURN(const bool held, client->PullCommitted(commit, Mut(model)));
-      return held ? absl::OkStatus() : absl::InternalError("the shards lost the step");
-    };
-    RETURN_IF_ERROR(exchange(g1, pushes));
-    RETURN_IF_ERROR(exchange(zeros, 1));  // The residual's largest elements.
-    RETURN_IF_ERROR(exchange(zeros, 1));  // And the next.
-    return model;
-  };
-  ASSERT_OK_AND_ASSIGN(const Values twice, run("ef-twice", 2));
-  ASSERT_OK_AND_ASSIGN(const Values once, run("ef-once", 1));
+  // After g1, the residual's largest elements, and the next.
+  ASSERT_OK_AND_ASSIGN(const Values twice,
+                       RunTopKCommitSteps("ef-twice", {{kG1, false, 2}, {kZeros}, {kZeros}}));
+  ASSERT_OK_AND_ASSIGN(const Values once,
+                       RunTopKCommitSteps("ef-once", {{kG1}, {kZeros}, {kZeros}}));
   // lr 1, the largest element of each chunk per step (chunk 0: elements 0-3, chunk 1: 4-5):
   // 4, 3, 2 and 6, 5 go out once each.
   EXPECT_EQ(once[0], (std::vector<float>{-4, -3, -2, 0, -5, -6}));
