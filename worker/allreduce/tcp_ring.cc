@@ -138,29 +138,103 @@ absl::Status WriteAll(int fd, const char* data, size_t size, absl::Time deadline
   return absl::OkStatus();
 }
 
-// Reads exactly `size` bytes from a non-blocking socket before `deadline`.
-absl::Status ReadAll(int fd, char* data, size_t size, absl::Time deadline,
-                     const std::string& what) {
-  while (size > 0) {
-    const ssize_t r = recv(fd, data, size, 0);
+// A connection to the listener that has not yet sent its whole hello.
+struct PendingHello {
+  Fd fd;
+  char got[kHelloBytes];
+  size_t have = 0;
+  absl::Time until;  // It is dropped if its hello is not complete by then.
+};
+
+// Reads what `c` has of its hello without blocking: true once complete, false while more may
+// come; a closed or failed connection is an error.
+absl::StatusOr<bool> ReadHelloSome(PendingHello* c) {
+  while (c->have < kHelloBytes) {
+    const ssize_t r = recv(c->fd.get(), c->got + c->have, kHelloBytes - c->have, 0);
     if (r > 0) {
-      data += r;
-      size -= static_cast<size_t>(r);
+      c->have += static_cast<size_t>(r);
       continue;
     }
-    if (r == 0)
-      return absl::UnavailableError(absl::StrCat("ring tcp: ", what, ": connection closed"));
+    if (r == 0) return absl::UnavailableError("hello: connection closed");
     if (errno == EINTR) continue;
-    if (errno == EAGAIN || errno == EWOULDBLOCK) {
-      pollfd p{fd, POLLIN, 0};
-      if (poll(&p, 1, PollTimeoutMs(deadline)) == 0) {
-        return absl::DeadlineExceededError(absl::StrCat("ring tcp: ", what, ": timed out"));
-      }
-      continue;
-    }
-    return absl::UnavailableError(absl::StrCat("ring tcp: ", what, ": ", ErrnoText(errno)));
+    if (errno == EAGAIN || errno == EWOULDBLOCK) return false;
+    return absl::UnavailableError(absl::StrCat("hello: ", ErrnoText(errno)));
   }
-  return absl::OkStatus();
+  return true;
+}
+
+// Accepts connections on `listen_fd` until the previous rank's arrives with its hello: magic,
+// rank `prev`, ring size `n` and this rank's `secret`. Hellos are read side by side, so silent
+// or slow connections (a stranger's port scan, a slowloris) delay nobody: each is dropped 1 s
+// after it was accepted, and beyond kMaxPendingHellos the oldest goes first.
+absl::StatusOr<Fd> AcceptPrevious(int listen_fd, int prev, int n, const std::string& secret,
+                                  absl::Time deadline, absl::Duration timeout,
+                                  const std::string& prev_name) {
+  constexpr size_t kMaxPendingHellos = 64;
+  std::vector<PendingHello> pending;
+  std::string rejected;
+  std::vector<pollfd> polled;
+  while (true) {
+    absl::Time wake = deadline;
+    polled.assign(1, pollfd{listen_fd, POLLIN, 0});
+    for (const PendingHello& c : pending) {
+      polled.push_back(pollfd{c.fd.get(), POLLIN, 0});
+      wake = std::min(wake, c.until);
+    }
+    if (poll(polled.data(), polled.size(), PollTimeoutMs(wake)) < 0 && errno != EINTR) {
+      return absl::UnavailableError(
+          absl::StrCat("ring tcp: waiting for ", prev_name, ": ", ErrnoText(errno)));
+    }
+    const absl::Time now = absl::Now();
+    // Hellos first: `polled` lists the connections pending before this round's accepts.
+    for (size_t i = pending.size(); i-- > 0;) {
+      PendingHello& c = pending[i];
+      absl::StatusOr<bool> whole = false;
+      if (polled[i + 1].revents != 0) whole = ReadHelloSome(&c);
+      if (whole.ok() && *whole) {
+        if (std::memcmp(c.got, kHelloMagic, sizeof(kHelloMagic)) == 0 &&
+            GetU32(c.got + 8) == static_cast<uint32_t>(prev) &&
+            GetU32(c.got + 12) == static_cast<uint32_t>(n) &&
+            ConstantTimeEquals(absl::string_view(c.got + 16, kSecretBytes), secret)) {
+          return std::move(c.fd);
+        }
+        rejected = "a connection without this ring's hello";
+      } else if (!whole.ok()) {
+        rejected = std::string(whole.status().message());
+      } else if (now >= c.until) {
+        rejected = "hello: timed out";
+      } else {
+        continue;
+      }
+      pending.erase(pending.begin() + static_cast<std::ptrdiff_t>(i));
+    }
+    if (now >= deadline) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          "ring tcp: ", prev_name, " did not connect within ", absl::FormatDuration(timeout),
+          rejected.empty() ? "" : absl::StrCat(" (refused: ", rejected, ")")));
+    }
+    if ((polled[0].revents & POLLIN) == 0) continue;
+    while (true) {
+      Fd c(accept4(listen_fd, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
+      if (c.get() < 0) {
+        const int err = errno;
+        if (err == EAGAIN || err == EWOULDBLOCK || err == EINTR || err == ECONNABORTED ||
+            err == EPROTO) {
+          break;
+        }
+        return absl::UnavailableError(
+            absl::StrCat("ring tcp: accepting ", prev_name, ": ", ErrnoText(err)));
+      }
+      if (pending.size() == kMaxPendingHellos) {
+        rejected = "hello: too many connections waiting";
+        pending.erase(pending.begin());
+      }
+      PendingHello& added = pending.emplace_back();
+      added.fd = std::move(c);
+      // The ring's ranks send their hello at once.
+      added.until = std::min(deadline, absl::Now() + absl::Seconds(1));
+    }
+  }
 }
 
 // Connects to host:port before `deadline` (retrying refused connections) and returns a
@@ -567,44 +641,9 @@ absl::StatusOr<std::unique_ptr<RingTransport>> ConnectTcpRing(RingTransport* boo
       WriteAll(out.get(), hello, sizeof(hello), deadline, absl::StrCat("hello to ", next_name)));
 
   // Accept until the previous rank shows up with this rank's secret.
-  const std::string my_secret = mine.substr(8);
-  Fd in;
-  std::string rejected;
-  while (in.get() < 0) {
-    pollfd p{listen_fd.get(), POLLIN, 0};
-    if (poll(&p, 1, PollTimeoutMs(deadline)) == 0) {
-      return absl::DeadlineExceededError(absl::StrCat(
-          "ring tcp: ", prev_name, " did not connect within ", absl::FormatDuration(timeout),
-          rejected.empty() ? "" : absl::StrCat(" (refused: ", rejected, ")")));
-    }
-    Fd c(accept4(listen_fd.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
-    if (c.get() < 0) {
-      const int err = errno;
-      if (err == EAGAIN || err == EWOULDBLOCK || err == EINTR || err == ECONNABORTED ||
-          err == EPROTO) {
-        continue;
-      }
-      return absl::UnavailableError(
-          absl::StrCat("ring tcp: accepting ", prev_name, ": ", ErrnoText(err)));
-    }
-    // The ring's ranks send their hello at once; a silent connection costs at most 1 s.
-    char got[kHelloBytes];
-    absl::Status st = ReadAll(c.get(), got, sizeof(got),
-                              std::min(deadline, absl::Now() + absl::Seconds(1)), "hello");
-    if (!st.ok()) {
-      rejected = std::string(st.message());
-      continue;
-    }
-    if (std::memcmp(got, kHelloMagic, sizeof(kHelloMagic)) != 0 ||
-        GetU32(got + 8) != static_cast<uint32_t>(prev) ||
-        GetU32(got + 12) != static_cast<uint32_t>(n) ||
-        !ConstantTimeEquals(absl::string_view(got + 16, kSecretBytes), my_secret)) {
-      rejected = "a connection without this ring's hello";
-      continue;
-    }
-    TuneSocket(c.get(), buffer_bytes);
-    in = std::move(c);
-  }
+  ASSIGN_OR_RETURN(Fd in, AcceptPrevious(listen_fd.get(), prev, n, mine.substr(8), deadline,
+                                         timeout, prev_name));
+  TuneSocket(in.get(), buffer_bytes);
   return std::unique_ptr<RingTransport>(
       new TcpRingTransport(r, n, std::move(out), std::move(in), next_name, prev_name, timeout));
 }

@@ -310,6 +310,48 @@ TEST(TcpRingTest, StrangersWithoutTheRingsSecretAreRefused) {
   for (int fd : strangers) close(fd);
 }
 
+// Connects to 127.0.0.1:port (the port as a ring rank announces it: u64 little-endian).
+int ConnectTo(const std::string& announced) {
+  uint64_t port = 0;
+  for (int i = 0; i < 8; ++i)
+    port |= static_cast<uint64_t>(static_cast<unsigned char>(announced[i])) << (8 * i);
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  EXPECT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
+  return fd;
+}
+
+TEST(TcpRingTest, SilentConnectionsDoNotDelayTheRing) {
+  // 100 strangers connect to rank 0's data port before rank 1 can, and say nothing or half a
+  // hello: read one at a time (1 s each) they held the ring for 100 s, past its 20 s timeout.
+  std::vector<int> strangers;
+  auto spy = [&](const std::string& msg) {
+    for (int i = 0; i < 100; ++i) {
+      const int fd = ConnectTo(msg);
+      if (i % 2 == 1) {
+        EXPECT_EQ(write(fd, "GMRING01", 8), 8);
+      }
+      strangers.push_back(fd);
+    }
+  };
+  const absl::Time start = absl::Now();
+  std::vector<std::unique_ptr<RingTransport>> ts = ConnectAll(2, {spy, nullptr});
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+  ASSERT_EQ(strangers.size(), 100u);
+  for (auto& t : ts) ASSERT_NE(t, nullptr);
+  RingOptions ro;
+  ro.timeout = absl::Seconds(20);
+  OnEveryRank(ts, [&](int r, RingTransport* t) {
+    std::vector<float> v = {1.0f + r, -2.0f};
+    ASSERT_OK(RingAllreduce(t, absl::MakeSpan(v), ro));
+    EXPECT_EQ(v, (std::vector<float>{3, -4}));
+  });
+  for (int fd : strangers) close(fd);
+}
+
 TEST(TcpRingTest, BadArgumentsAreInvalidArgument) {
   std::vector<std::unique_ptr<RingTransport>> boot = NewLocalRing(2);
   EXPECT_STATUS_MSG(
