@@ -38,6 +38,13 @@ class Trainer {
     mode_->OnStopRequested();  // E.g. a gossip rank lingering after its final leaves.
   }
 
+  // The run is over at once (TrainingMode::Abort): an allreduce rank whose ranks the
+  // coordinator restarts. Also a stop request.
+  void Abort() {
+    stop_requested_.store(true);
+    mode_->Abort();
+  }
+
   // A sync job's barrier group was re-formed by the coordinator while this rank runs: the
   // ranks still in it (empty: all) and whether this rank evaluates at the end (the lowest
   // rank of the group). Used by the final wait.

@@ -16,6 +16,7 @@ struct WorkerAgent::Run {
   Task task;  // As started; read by the run's thread, never changed (see Reconcile).
   std::thread thread;
   std::atomic<bool> stop{false};
+  std::atomic<bool> abort{false};  // Implies stop.
   std::atomic<bool> ended{false};
   // The task's log lines (task_start, the trainer's lines, task_end) for `gradmesh logs`.
   std::shared_ptr<LogTail> log_tail = std::make_shared<LogTail>(LogTail::Options());
@@ -32,6 +33,13 @@ struct WorkerAgent::Run {
     stop.store(true);
     absl::MutexLock lock(&mu);
     if (trainer != nullptr) trainer->RequestStop();
+  }
+  // Over at once, no collective stop (Trainer::Abort): its ranks are being restarted.
+  void RequestAbort() {
+    stop.store(true);
+    abort.store(true);
+    absl::MutexLock lock(&mu);
+    if (trainer != nullptr) trainer->Abort();
   }
 };
 
@@ -177,6 +185,7 @@ void WorkerAgent::Execute(Run* run) {
       if (!run->peers.empty()) run->trainer->SetPeers(run->peers);
     }
     if (run->stop.load()) (*trainer)->RequestStop();
+    if (run->abort.load()) (*trainer)->Abort();
     result = (*trainer)->Run();
     absl::MutexLock lock(&run->mu);
     run->trainer = nullptr;
@@ -307,7 +316,19 @@ void WorkerAgent::Reconcile(const std::vector<Task>& desired) {
       }
       LogInfo(options_.logger, "task_group_changed", fields);
     } else if (next.generation() != generation) {
-      // New placement: stop this run; start the new one once it has ended.
+      // New placement: stop this run; start the new one once it has ended. An allreduce
+      // rank's new generation restarts every rank from the checkpoints (its ring lost a peer,
+      // or a peer moved): the run is aborted, since a collective stop needs the ring it lost
+      // and would wait out the ring's timeout (30 s by default, on a peer that is gone)
+      // before the new run could start.
+      if (SpecMode(next.spec()) == Mode::kAllreduce) {
+        if (!run.abort.load() && !run.ended.load()) {
+          LogInfo(options_.logger, "task_aborting",
+                  {Kv("job", next.job_id()), Kv("rank", next.index()), Kv("generation", generation),
+                   Kv("new_generation", next.generation())});
+        }
+        run.RequestAbort();
+      }
       run.RequestStop();
       if (run.ended.load()) {
         to_join.push_back(it->second);

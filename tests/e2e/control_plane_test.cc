@@ -568,8 +568,9 @@ epochs: 8
 seed: 1
 log_every: 25
 checkpoint: {every_steps: 100}
-allreduce: {timeout_s: 5}
 )");
+  // The ring's default timeout (30 s): a survivor's run that waits on the dead peer must be
+  // ended by the restart, not by the timeout.
   std::string victim_node;
   ASSERT_NO_FATAL_FAILURE(SubmitAndAwaitStep(spec, "ar-killed", 250, 2, 1, &victim_node));
   Subprocess* victim = WorkerDaemon(victim_node, w2.get());
@@ -585,6 +586,15 @@ allreduce: {timeout_s: 5}
   EXPECT_GT(st.progress().accuracy(), 0.95) << st.DebugString();
   const std::string coordinator_log = ReadFile(coord_proc_->log_path());
   EXPECT_GE(LinesWith(coordinator_log, "event=job_restarting").size(), 1u) << coordinator_log;
+  // Rank 0's daemon first restarted its rank with the dead daemon's address (the restart
+  // comes before the dead node is noticed); when rank 1 moved (a new generation) that run,
+  // waiting for the dead peer, was aborted at once. It used to wait out the ring's 30 s
+  // timeout and fail with DEADLINE_EXCEEDED before the ranks could start again.
+  const std::string survivor_log =
+      ReadFile(WorkerDaemon(st.workers(0).node(), w2.get())->log_path());
+  EXPECT_TRUE(LinesWith(survivor_log, "DEADLINE_EXCEEDED").empty()) << survivor_log;
+  std::cout << LinesWith(survivor_log, "event=task_aborting").size()
+            << " runs of rank 0 aborted for a new generation\n";
 }
 
 TEST_F(ControlPlaneTest, RestartedCoordinatorKnowsTheJobAndItCompletes) {

@@ -43,6 +43,8 @@ class AllreduceMode : public TrainingMode {
     reducer_->ParamReady(param, grad.data(), static_cast<int64_t>(grad.size()));
   }
   void AbortStep() override { (void)reducer_->FinishStep(); }
+  // Every wait on the ring (set-up, all-reduces, the checkpoint transfer) ends with ABORTED.
+  void Abort() override { abort_.store(true); }
   ClipCounters TakeClipCounters() override { return updater_->TakeClipCounters(); }
   // Loss scaling: the averaged gradient is unscaled and checked (model_updater.h).
   bool unscales_gradients() const override { return true; }
@@ -71,6 +73,8 @@ class AllreduceMode : public TrainingMode {
   const TrainerOptions& options_;
   const JobSpec& spec_;
   CollectiveServiceImpl* const local_;
+  // Set by Abort; read by the ring's transports, which it outlives (declared before them).
+  RingAbort abort_{false};
   int64_t total_ = 0;
   // Optimizer, slots and buffer averaging; its numels() are the entries' sizes.
   std::unique_ptr<ModelUpdater> updater_;
@@ -191,6 +195,7 @@ absl::StatusOr<int64_t> AllreduceMode::Start(ModelView* model, const LoopInfo& i
   updater_->set_clip(ClipOptions{spec_.clip_grad_norm(), spec_.clip_grad_value()});
 
   CollectiveContext ctx;
+  ctx.abort = &abort_;
   // Under a daemon the ring is the generation's: a rank restarted for a new generation
   // (a lost peer, a moved rank) would otherwise link with a peer still running the old one,
   // whose stop then stopped it too, restarting the ranks again and again.

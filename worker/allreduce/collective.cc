@@ -107,6 +107,7 @@ absl::StatusOr<std::unique_ptr<RingTransport>> ConnectGrpcRing(const CollectiveC
   o.rank_token = c.rank_token;
   o.rank_token_hashes = c.rank_token_hashes;
   o.close_timeout = c.timeout;
+  o.abort = c.abort;
   return NewGrpcRingTransport(o);
 }
 
@@ -398,7 +399,7 @@ NamedRegistry<RingTransportFactory> RingTransportsWithBuiltins() {
     ASSIGN_OR_RETURN(std::unique_ptr<RingTransport> bootstrap, ConnectGrpcRing(c));
     if (bootstrap->size() < 2) return bootstrap;  // No links to connect.
     absl::StatusOr<std::unique_ptr<RingTransport>> t =
-        ConnectTcpRing(bootstrap.get(), c.peers, TcpRingOptions{c.timeout});
+        ConnectTcpRing(bootstrap.get(), c.peers, TcpRingOptions{c.timeout, -1, c.abort});
     if (!t.ok()) {
       return Annotate(t.status(), absl::StrCat("allreduce transport tcp, rank ", c.rank));
     }

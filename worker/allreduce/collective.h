@@ -91,6 +91,9 @@ struct CollectiveContext {
   std::string rank_token;
   std::vector<std::string> rank_token_hashes;
   absl::Duration timeout = absl::Seconds(30);  // Longest wait for a peer.
+  // Ends every wait on the ring's transports early with ABORTED (ring.h RingAbort), set-up
+  // included; not owned, outlives the collective. Null: never. NCCL's own waits ignore it.
+  const RingAbort* abort = nullptr;
   // Ring: what carries the ring's bytes, a name in RingTransportsWithBuiltins(). Empty:
   // "tcp".
   std::string transport = "tcp";

@@ -566,14 +566,22 @@ void CollectiveServiceImpl::FailInbox(const std::shared_ptr<Inbox>& inbox,
 }
 
 absl::StatusOr<RingMessage> CollectiveServiceImpl::Receive(const std::shared_ptr<Inbox>& inbox,
-                                                           absl::Time deadline) {
+                                                           absl::Time deadline,
+                                                           const RingAbort* abort) {
   RingReader* resume = nullptr;
   RingMessage msg;
   {
     absl::MutexLock lock(&mu_);
     const absl::Time start = absl::Now();
     while (inbox->queue.empty() && inbox->failure.ok() && !inbox->closed && !inbox->stream_ended) {
-      if (inbox->cv.WaitWithDeadline(&mu_, deadline)) break;
+      if (RingAborted(abort)) {
+        return RingAbortedError(
+            absl::StrCat("ring: inbox of rank ", inbox->rank, " of job ", inbox->job));
+      }
+      if (inbox->cv.WaitWithDeadline(&mu_, RingAbortSlice(deadline, abort)) &&
+          absl::Now() >= deadline) {
+        break;
+      }
     }
     if (!inbox->failure.ok()) return inbox->failure;
     if (inbox->closed) {

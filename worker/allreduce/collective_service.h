@@ -100,8 +100,10 @@ class CollectiveServiceImpl final
   // The next chunk's payload, in order, waiting until `deadline`. Errors: the FailInbox
   // error; UNAVAILABLE naming the previous rank when its stream ended (after the queued
   // chunks are consumed) or broke the protocol; DEADLINE_EXCEEDED naming it when nothing
-  // arrives in time (saying whether its stream ever connected); CANCELLED once closed.
-  absl::StatusOr<RingMessage> Receive(const std::shared_ptr<Inbox>& inbox, absl::Time deadline);
+  // arrives in time (saying whether its stream ever connected); CANCELLED once closed;
+  // ABORTED once `abort` is set (ring.h RingAbort; null: never).
+  absl::StatusOr<RingMessage> Receive(const std::shared_ptr<Inbox>& inbox, absl::Time deadline,
+                                      const RingAbort* abort = nullptr);
 
  private:
   // Held stream count and parse/deliver steps; see the .cc file.

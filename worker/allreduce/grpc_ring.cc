@@ -78,14 +78,17 @@ class OutLink final : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc::Byt
 
   // Waits until every queued chunk has been written to the socket (so memory sent in place
   // is no longer read), the link failed (its error), or `deadline` (DEADLINE_EXCEEDED).
-  absl::Status WaitWritten(absl::Time deadline) {
+  absl::Status WaitWritten(absl::Time deadline, const RingAbort* abort) {
     absl::MutexLock lock(&mu_);
     auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
       return !writing_ || !error_.ok() || done_;
     };
-    if (!mu_.AwaitWithDeadline(absl::Condition(&idle), deadline)) {
-      return absl::DeadlineExceededError(
-          absl::StrCat(peer_name_, " did not take the last ring messages in time"));
+    while (!mu_.AwaitWithDeadline(absl::Condition(&idle), RingAbortSlice(deadline, abort))) {
+      if (RingAborted(abort)) return RingAbortedError(absl::StrCat("ring link to ", peer_name_));
+      if (absl::Now() >= deadline) {
+        return absl::DeadlineExceededError(
+            absl::StrCat(peer_name_, " did not take the last ring messages in time"));
+      }
     }
     if (!error_.ok()) return error_;
     if (writing_)
@@ -228,7 +231,9 @@ class GrpcRingTransport final : public RingTransport {
   ~GrpcRingTransport() override {
     if (link_ != nullptr) {
       // After a failure the ring is out of step: do not wait for the peer's answer.
-      (void)link_->Close(failed_ ? absl::Now() : absl::Now() + options_.close_timeout);
+      (void)link_->Close(failed_ || RingAborted(options_.abort)
+                             ? absl::Now()
+                             : absl::Now() + options_.close_timeout);
     }
     options_.local->CloseInbox(inbox_);
   }
@@ -242,13 +247,13 @@ class GrpcRingTransport final : public RingTransport {
 
   absl::Status Flush(absl::Time deadline) override {
     if (link_ == nullptr) return absl::OkStatus();
-    absl::Status st = link_->WaitWritten(deadline);
+    absl::Status st = link_->WaitWritten(deadline, options_.abort);
     if (!st.ok()) failed_ = true;
     return st;
   }
 
   absl::StatusOr<RingMessage> Recv(absl::Time deadline) override {
-    absl::StatusOr<RingMessage> msg = options_.local->Receive(inbox_, deadline);
+    absl::StatusOr<RingMessage> msg = options_.local->Receive(inbox_, deadline, options_.abort);
     if (!msg.ok()) failed_ = true;
     return msg;
   }

@@ -57,6 +57,9 @@ struct GrpcRingOptions {
   // Bound on waiting for the next rank's acknowledgement when the transport is destroyed.
   // Default 30 s.
   absl::Duration close_timeout = absl::Seconds(30);
+  // Ends Recv's and Flush's waits early with ABORTED, and closing then waits for nothing
+  // (ring.h RingAbort); not owned, outlives the transport. Null: never.
+  const RingAbort* abort = nullptr;
 };
 
 // INVALID_ARGUMENT for bad options; ALREADY_EXISTS if this rank of this job already has a

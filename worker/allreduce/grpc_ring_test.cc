@@ -56,9 +56,10 @@ class GrpcRingTest : public ::testing::Test {
     }
   }
 
-  std::unique_ptr<RingTransport> Transport(const std::string& job, int rank,
-                                           std::vector<int> nodes) {
+  std::unique_ptr<RingTransport> Transport(const std::string& job, int rank, std::vector<int> nodes,
+                                           const RingAbort* abort = nullptr) {
     GrpcRingOptions o;
+    o.abort = abort;
     o.job = job;
     o.rank = rank;
     for (int i : nodes) o.peers.push_back(addresses_[i]);
@@ -246,6 +247,29 @@ TEST_F(GrpcRingTest, PeerThatNeverStartsTimesOutSayingSo) {
   std::vector<float> b(10, 1);
   EXPECT_STATUS_MSG(RingAllreduce(t0.get(), absl::MakeSpan(b), o),
                     absl::StatusCode::kDeadlineExceeded, "(it never connected)");
+}
+
+TEST_F(GrpcRingTest, AnAbortEndsAWaitAtOnce) {
+  Start(2);
+  RingAbort abort{false};
+  auto t0 = Transport("aborted", 0, {0, 1}, &abort);  // Rank 1 never opens its transport.
+  RingOptions o;
+  o.timeout = absl::Seconds(20);
+  std::vector<float> b(10, 1);
+  std::thread later([&] {
+    absl::SleepFor(absl::Milliseconds(300));
+    abort.store(true);
+  });
+  const absl::Time start = absl::Now();
+  const absl::Status st = RingAllreduce(t0.get(), absl::MakeSpan(b), o);
+  const absl::Duration took = absl::Now() - start;
+  later.join();
+  EXPECT_STATUS_MSG(st, absl::StatusCode::kAborted, "aborted");
+  EXPECT_LT(took, absl::Seconds(3));
+  // Closing it does not wait for rank 1's acknowledgement (close_timeout, 5 s here).
+  const absl::Time closing = absl::Now();
+  t0.reset();
+  EXPECT_LT(absl::Now() - closing, absl::Seconds(3));
 }
 
 TEST_F(GrpcRingTest, SameRankTwiceInOneProcessIsAlreadyExists) {

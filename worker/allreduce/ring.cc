@@ -9,6 +9,11 @@
 #include "compression/float16.h"
 
 namespace gradmesh {
+
+absl::Status RingAbortedError(absl::string_view where) {
+  return absl::AbortedError(
+      absl::StrCat(where, ": aborted: this rank's run is being restarted (a new generation)"));
+}
 namespace {
 
 int Mod(int64_t a, int n) { return static_cast<int>(((a % n) + n) % n); }

@@ -32,6 +32,8 @@
 #ifndef GRADMESH_WORKER_ALLREDUCE_RING_H_
 #define GRADMESH_WORKER_ALLREDUCE_RING_H_
 
+#include <algorithm>
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -96,6 +98,22 @@ class RingTransport {
   // What carries the bytes, for logs and tests: "grpc", "tcp", "local", ...
   virtual std::string kind() const { return "local"; }
 };
+
+// Set by a ring's owner to end its transports' waits early (the coordinator restarts every
+// rank: this ring is over, and a rank waiting on a peer that is gone would otherwise hold its
+// next run back for a whole timeout). Every wait of the TCP and gRPC transports, set-up
+// included, checks it at least every kRingAbortCheck and then fails with ABORTED
+// (RingAbortedError). Null: never set.
+using RingAbort = std::atomic<bool>;
+inline constexpr absl::Duration kRingAbortCheck = absl::Milliseconds(100);
+inline bool RingAborted(const RingAbort* abort) {
+  return abort != nullptr && abort->load(std::memory_order_relaxed);
+}
+// Where a wait until `deadline` next wakes up to check `abort`.
+inline absl::Time RingAbortSlice(absl::Time deadline, const RingAbort* abort) {
+  return abort == nullptr ? deadline : std::min(deadline, absl::Now() + kRingAbortCheck);
+}
+absl::Status RingAbortedError(absl::string_view where);
 
 enum class RingCodec { kNone, kFp16 };
 

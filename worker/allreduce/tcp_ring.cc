@@ -117,7 +117,7 @@ absl::StatusOr<std::pair<Fd, int>> Listen() {
 
 // Writes all of `data` to a non-blocking socket before `deadline`.
 absl::Status WriteAll(int fd, const char* data, size_t size, absl::Time deadline,
-                      const std::string& what) {
+                      const std::string& what, const RingAbort* abort) {
   while (size > 0) {
     const ssize_t w = send(fd, data, size, MSG_NOSIGNAL);
     if (w > 0) {
@@ -128,8 +128,11 @@ absl::Status WriteAll(int fd, const char* data, size_t size, absl::Time deadline
     if (w < 0 && errno == EINTR) continue;
     if (w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
       pollfd p{fd, POLLOUT, 0};
-      if (poll(&p, 1, PollTimeoutMs(deadline)) == 0) {
-        return absl::DeadlineExceededError(absl::StrCat("ring tcp: ", what, ": timed out"));
+      if (poll(&p, 1, PollTimeoutMs(RingAbortSlice(deadline, abort))) == 0) {
+        if (RingAborted(abort)) return RingAbortedError(absl::StrCat("ring tcp: ", what));
+        if (absl::Now() >= deadline) {
+          return absl::DeadlineExceededError(absl::StrCat("ring tcp: ", what, ": timed out"));
+        }
       }
       continue;
     }
@@ -169,13 +172,13 @@ absl::StatusOr<bool> ReadHelloSome(PendingHello* c) {
 // after it was accepted, and beyond kMaxPendingHellos the oldest goes first.
 absl::StatusOr<Fd> AcceptPrevious(int listen_fd, int prev, int n, const std::string& secret,
                                   absl::Time deadline, absl::Duration timeout,
-                                  const std::string& prev_name) {
+                                  const std::string& prev_name, const RingAbort* abort) {
   constexpr size_t kMaxPendingHellos = 64;
   std::vector<PendingHello> pending;
   std::string rejected;
   std::vector<pollfd> polled;
   while (true) {
-    absl::Time wake = deadline;
+    absl::Time wake = RingAbortSlice(deadline, abort);
     polled.assign(1, pollfd{listen_fd, POLLIN, 0});
     for (const PendingHello& c : pending) {
       polled.push_back(pollfd{c.fd.get(), POLLIN, 0});
@@ -184,6 +187,9 @@ absl::StatusOr<Fd> AcceptPrevious(int listen_fd, int prev, int n, const std::str
     if (poll(polled.data(), polled.size(), PollTimeoutMs(wake)) < 0 && errno != EINTR) {
       return absl::UnavailableError(
           absl::StrCat("ring tcp: waiting for ", prev_name, ": ", ErrnoText(errno)));
+    }
+    if (RingAborted(abort)) {
+      return RingAbortedError(absl::StrCat("ring tcp: waiting for ", prev_name));
     }
     const absl::Time now = absl::Now();
     // Hellos first: `polled` lists the connections pending before this round's accepts.
@@ -240,7 +246,7 @@ absl::StatusOr<Fd> AcceptPrevious(int listen_fd, int prev, int n, const std::str
 // Connects to host:port before `deadline` (retrying refused connections) and returns a
 // non-blocking socket.
 absl::StatusOr<Fd> Connect(const std::string& host, int port, absl::Time deadline,
-                           const std::string& name) {
+                           const std::string& name, const RingAbort* abort) {
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
@@ -268,8 +274,9 @@ absl::StatusOr<Fd> Connect(const std::string& host, int port, absl::Time deadlin
         pollfd p{fd.get(), POLLOUT, 0};
         int ready;
         do {
-          ready = poll(&p, 1, PollTimeoutMs(attempt));
-        } while (ready < 0 && errno == EINTR);
+          ready = poll(&p, 1, PollTimeoutMs(RingAbortSlice(attempt, abort)));
+        } while ((ready < 0 && errno == EINTR) ||
+                 (ready == 0 && !RingAborted(abort) && absl::Now() < attempt));
         if (ready <= 0) {
           last = ready == 0 ? "timed out" : ErrnoText(errno);
           continue;
@@ -286,18 +293,19 @@ absl::StatusOr<Fd> Connect(const std::string& host, int port, absl::Time deadlin
       }
       last = ErrnoText(errno);
     }
-    if (absl::Now() + backoff >= deadline) break;
+    if (absl::Now() + backoff >= deadline || RingAborted(abort)) break;
     absl::SleepFor(backoff);
     backoff = std::min(backoff * 2, absl::Milliseconds(500));
   }
   freeaddrinfo(res);
+  if (RingAborted(abort)) return RingAbortedError(absl::StrCat("ring tcp: connecting to ", name));
   return absl::UnavailableError(absl::StrCat("ring tcp: cannot connect to ", name, ": ", last));
 }
 
 class TcpRingTransport final : public RingTransport {
  public:
   TcpRingTransport(int rank, int size, Fd out, Fd in, std::string next_name, std::string prev_name,
-                   absl::Duration close_timeout)
+                   absl::Duration close_timeout, const RingAbort* abort)
       : rank_(rank),
         n_(size),
         out_(std::move(out)),
@@ -305,6 +313,7 @@ class TcpRingTransport final : public RingTransport {
         next_name_(std::move(next_name)),
         prev_name_(std::move(prev_name)),
         close_timeout_(close_timeout),
+        abort_(abort),
         stage_(new char[kStageBytes]) {}
 
   ~TcpRingTransport() override {
@@ -442,13 +451,19 @@ class TcpRingTransport final : public RingTransport {
 
   // Waits until the incoming socket is readable (`read`) or, while messages are queued, the
   // outgoing one writable; false at `deadline`.
+  // False once `deadline` has passed; an abort sets error_ (and returns true).
   bool Wait(bool read, absl::Time deadline) {
     pollfd p[2];
     int count = 0;
     if (read) p[count++] = {in_.get(), POLLIN, 0};
     if (!queue_.empty()) p[count++] = {out_.get(), POLLOUT, 0};
     if (count == 0) return true;
-    const int rc = poll(p, count, PollTimeoutMs(deadline));
+    const int rc = poll(p, count, PollTimeoutMs(RingAbortSlice(deadline, abort_)));
+    if (RingAborted(abort_)) {
+      error_ =
+          RingAbortedError(absl::StrCat("ring tcp link between ", prev_name_, " and ", next_name_));
+      return true;
+    }
     if (rc == 0) return absl::Now() < deadline;
     return true;
   }
@@ -552,6 +567,7 @@ class TcpRingTransport final : public RingTransport {
   const std::string next_name_;
   const std::string prev_name_;
   const absl::Duration close_timeout_;
+  const RingAbort* const abort_;  // Not owned; may be null.
   absl::Status error_;
   uint64_t send_seq_ = 0;
   uint64_t recv_seq_ = 0;
@@ -627,8 +643,9 @@ absl::StatusOr<std::unique_ptr<RingTransport>> ConnectTcpRing(RingTransport* boo
   const std::string prev_name = absl::StrCat("rank ", prev, " (", peers[prev], ")");
 
   // Connect and say hello (the listener's backlog takes it before the peer accepts).
-  ASSIGN_OR_RETURN(Fd out, Connect(next_host, port_of(next), deadline,
-                                   absl::StrCat(next_name, " at data port ", port_of(next))));
+  ASSIGN_OR_RETURN(
+      Fd out, Connect(next_host, port_of(next), deadline,
+                      absl::StrCat(next_name, " at data port ", port_of(next)), options.abort));
   const int64_t buffer_bytes =
       TcpRingSocketBuffer(peers, r, options, static_cast<int>(std::thread::hardware_concurrency()));
   TuneSocket(out.get(), buffer_bytes);
@@ -637,15 +654,15 @@ absl::StatusOr<std::unique_ptr<RingTransport>> ConnectTcpRing(RingTransport* boo
   PutU32(static_cast<uint32_t>(r), hello + 8);
   PutU32(static_cast<uint32_t>(n), hello + 12);
   std::memcpy(hello + 16, all[next].data() + 8, kSecretBytes);
-  RETURN_IF_ERROR(
-      WriteAll(out.get(), hello, sizeof(hello), deadline, absl::StrCat("hello to ", next_name)));
+  RETURN_IF_ERROR(WriteAll(out.get(), hello, sizeof(hello), deadline,
+                           absl::StrCat("hello to ", next_name), options.abort));
 
   // Accept until the previous rank shows up with this rank's secret.
   ASSIGN_OR_RETURN(Fd in, AcceptPrevious(listen_fd.get(), prev, n, mine.substr(8), deadline,
-                                         timeout, prev_name));
+                                         timeout, prev_name, options.abort));
   TuneSocket(in.get(), buffer_bytes);
-  return std::unique_ptr<RingTransport>(
-      new TcpRingTransport(r, n, std::move(out), std::move(in), next_name, prev_name, timeout));
+  return std::unique_ptr<RingTransport>(new TcpRingTransport(
+      r, n, std::move(out), std::move(in), next_name, prev_name, timeout, options.abort));
 }
 
 }  // namespace gradmesh

@@ -16,8 +16,8 @@
 //   3. connect to rank r+1 at the host of its peer address and that port, and send a hello:
 //      "GMRING01", from_rank, world_size and rank r+1's random bytes, which only ranks of this
 //      ring have learned (a stranger that connects first is dropped, not trusted);
-//   4. accept connections until one from rank r-1 presents this rank's bytes (a connection
-//      that sends no hello within 1 s is dropped).
+//   4. accept connections until one from rank r-1 presents this rank's bytes (hellos are
+//      read side by side; a connection that sends no hello within 1 s is dropped).
 //   The all-gather is bounded by `timeout` per step, connecting and accepting together by
 //   `timeout` from when it ends. The bootstrap ring is not used afterwards.
 //
@@ -62,6 +62,9 @@ struct TcpRingOptions {
   // buffers were 5-15% faster at 4-64 MiB (bytes are taken while still in cache); with 2
   // ranks on 2 cores they were 30% slower than auto-tuning.
   int64_t socket_buffer_bytes = -1;
+  // Ends the set-up's and the transport's waits early with ABORTED (ring.h RingAbort); not
+  // owned, must outlive the transport. Null: never.
+  const RingAbort* abort = nullptr;
 };
 constexpr int64_t kOversubscribedSocketBuffer = 512 << 10;
 

@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "common/fd.h"
 #include "common/status_testing.h"
 #include "gtest/gtest.h"
 #include "worker/allreduce/local_ring.h"
@@ -51,7 +52,8 @@ class Spy final : public RingTransport {
 
 // Connects n TCP ring transports at once (rank r's bootstrap wrapped by spies[r] if given).
 std::vector<std::unique_ptr<RingTransport>> ConnectAll(
-    int n, std::vector<std::function<void(const std::string&)>> spies = {}) {
+    int n, std::vector<std::function<void(const std::string&)>> spies = {},
+    const RingAbort* abort = nullptr) {
   spies.resize(n);
   std::vector<std::unique_ptr<RingTransport>> boot = NewLocalRing(n);
   std::vector<std::unique_ptr<RingTransport>> out(n);
@@ -60,7 +62,7 @@ std::vector<std::unique_ptr<RingTransport>> ConnectAll(
     threads.emplace_back([&, r] {
       Spy spy(std::move(boot[r]), spies[r]);
       absl::StatusOr<std::unique_ptr<RingTransport>> t =
-          ConnectTcpRing(&spy, Peers(n), TcpRingOptions{absl::Seconds(20)});
+          ConnectTcpRing(&spy, Peers(n), TcpRingOptions{absl::Seconds(20), -1, abort});
       EXPECT_OK(t.status()) << "rank " << r;
       if (t.ok()) out[r] = *std::move(t);
     });
@@ -350,6 +352,69 @@ TEST(TcpRingTest, SilentConnectionsDoNotDelayTheRing) {
     EXPECT_EQ(v, (std::vector<float>{3, -4}));
   });
   for (int fd : strangers) close(fd);
+}
+
+// Sets `*abort` after `delay` on a thread of its own (joined by the destructor).
+class AbortAfter {
+ public:
+  AbortAfter(RingAbort* abort, absl::Duration delay)
+      : thread_([abort, delay] {
+          absl::SleepFor(delay);
+          abort->store(true);
+        }) {}
+  ~AbortAfter() { thread_.join(); }
+
+ private:
+  std::thread thread_;
+};
+
+TEST(TcpRingTest, AnAbortEndsTheSetUpAtOnce) {
+  // Rank 1 takes part in the rendezvous (its port and secret, over the bootstrap ring), then
+  // never connects: rank 0 waits in accept for it until the 20 s timeout, unless aborted.
+  std::vector<std::unique_ptr<RingTransport>> boot = NewLocalRing(2);
+  Fd listener(socket(AF_INET, SOCK_STREAM, 0));
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(bind(listener.get(), reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
+  ASSERT_EQ(listen(listener.get(), 4), 0);
+  socklen_t len = sizeof(a);
+  ASSERT_EQ(getsockname(listener.get(), reinterpret_cast<sockaddr*>(&a), &len), 0);
+  std::string mine(24, '\0');
+  const uint16_t port = ntohs(a.sin_port);
+  mine[0] = static_cast<char>(port & 0xff);
+  mine[1] = static_cast<char>(port >> 8);
+  std::thread rank1([&] {
+    RingOptions ro;
+    ro.timeout = absl::Seconds(20);
+    EXPECT_OK(RingAllgather(boot[1].get(), mine, ro).status());
+  });
+  RingAbort abort{false};
+  const absl::Time start = absl::Now();
+  absl::Status st;
+  {
+    AbortAfter later(&abort, absl::Milliseconds(300));
+    st = ConnectTcpRing(boot[0].get(), Peers(2), TcpRingOptions{absl::Seconds(20), -1, &abort})
+             .status();
+  }
+  EXPECT_STATUS_MSG(st, absl::StatusCode::kAborted, "aborted");
+  EXPECT_LT(absl::Now() - start, absl::Seconds(3));
+  rank1.join();
+}
+
+TEST(TcpRingTest, AnAbortEndsAWaitingReceiveAndFailsTheTransport) {
+  RingAbort abort{false};
+  std::vector<std::unique_ptr<RingTransport>> ts = ConnectAll(2, {}, &abort);
+  for (auto& t : ts) ASSERT_NE(t, nullptr);
+  const absl::Time start = absl::Now();
+  absl::Status st;
+  {
+    AbortAfter later(&abort, absl::Milliseconds(300));
+    st = ts[0]->Recv(start + absl::Seconds(20)).status();  // Rank 1 sends nothing.
+  }
+  EXPECT_STATUS_MSG(st, absl::StatusCode::kAborted, "aborted");
+  EXPECT_LT(absl::Now() - start, absl::Seconds(3));
+  EXPECT_STATUS(ts[0]->Send(absl::MakeConstSpan("x", 1)), absl::StatusCode::kAborted);
 }
 
 TEST(TcpRingTest, BadArgumentsAreInvalidArgument) {

@@ -209,6 +209,13 @@ class TrainingMode {
   // A stop was requested (SIGTERM, cancel) while the mode may be inside Finish: waits there
   // that are only courtesy to peers should end. Any thread, any time.
   virtual void OnStopRequested() {}
+
+  // The coordinator restarts every rank of this job (a new generation: a peer was lost or
+  // moved), so this run is over at once, without a collective stop: waits on peers end and
+  // the run fails (ABORTED; its report, under the old generation, is not counted). Nothing
+  // of an unfinished step is kept. Any thread, any time; modes without peers to wait on
+  // ignore it (a stop request ends them as promptly).
+  virtual void Abort() {}
 };
 
 // Makes a mode for one rank of one job. `options` (with options.mode parsed) outlives the mode.
