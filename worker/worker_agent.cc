@@ -245,6 +245,34 @@ void WorkerAgent::Execute(Run* run) {
   run->ended.store(true);
 }
 
+void WorkerAgent::TakeGroupInPlace(Run* run, const Task& next, bool gossip) {
+  // A sync group re-formed: every rank of a lock-step job must go on from the same step,
+  // so the running trainer takes the new group in place (the shards apply it to the
+  // barrier) instead of stopping, which could leave a survivor waiting at a barrier the
+  // others have left. run.task stays as started (its thread reads it); the current
+  // generation lives in the report.
+  absl::MutexLock run_lock(&run->mu);
+  run->report.set_generation(next.generation());
+  if (run->trainer != nullptr) {
+    run->trainer->SetGroup(
+        std::vector<int32_t>(next.active_ranks().begin(), next.active_ranks().end()),
+        Evaluates(next));
+  }
+  std::vector<LogField> fields = {Kv("job", next.job_id()), Kv("rank", next.index()),
+                                  Kv("active_ranks", absl::StrJoin(next.active_ranks(), ",")),
+                                  Kv("generation", next.generation())};
+  if (gossip) {
+    run->peers.assign(next.peers().begin(), next.peers().end());
+    if (run->trainer != nullptr) run->trainer->SetPeers(run->peers);
+    // The peers taken in place ("-": a rank without a node).
+    fields.push_back(
+        Kv("peers", absl::StrJoin(next.peers(), ",", [](std::string* out, const std::string& p) {
+             out->append(p.empty() ? "-" : p);
+           })));
+  }
+  LogInfo(options_.logger, "task_group_changed", fields);
+}
+
 void WorkerAgent::Reconcile(const std::vector<Task>& desired) {
   std::vector<std::shared_ptr<Run>> to_join;
   absl::MutexLock lock(&mu_);
@@ -290,31 +318,7 @@ void WorkerAgent::Reconcile(const std::vector<Task>& desired) {
     const bool gossip = SpecMode(next.spec()) == Mode::kGossip;
     if (next.generation() != generation && !run.ended.load() && !run.stop.load() &&
         SpecMode(next.spec()) != Mode::kAllreduce && OnlyGroupChanged(next, run.task, gossip)) {
-      // A sync group re-formed: every rank of a lock-step job must go on from the same step,
-      // so the running trainer takes the new group in place (the shards apply it to the
-      // barrier) instead of stopping, which could leave a survivor waiting at a barrier the
-      // others have left. run.task stays as started (its thread reads it); the current
-      // generation lives in the report.
-      absl::MutexLock run_lock(&run.mu);
-      run.report.set_generation(next.generation());
-      if (run.trainer != nullptr) {
-        run.trainer->SetGroup(
-            std::vector<int32_t>(next.active_ranks().begin(), next.active_ranks().end()),
-            Evaluates(next));
-      }
-      std::vector<LogField> fields = {Kv("job", next.job_id()), Kv("rank", next.index()),
-                                      Kv("active_ranks", absl::StrJoin(next.active_ranks(), ",")),
-                                      Kv("generation", next.generation())};
-      if (gossip) {
-        run.peers.assign(next.peers().begin(), next.peers().end());
-        if (run.trainer != nullptr) run.trainer->SetPeers(run.peers);
-        // The peers taken in place ("-": a rank without a node).
-        fields.push_back(Kv(
-            "peers", absl::StrJoin(next.peers(), ",", [](std::string* out, const std::string& p) {
-              out->append(p.empty() ? "-" : p);
-            })));
-      }
-      LogInfo(options_.logger, "task_group_changed", fields);
+      TakeGroupInPlace(&run, next, gossip);
     } else if (next.generation() != generation) {
       // New placement: stop this run; start the new one once it has ended. An allreduce
       // rank's new generation restarts every rank from the checkpoints (its ring lost a peer,

@@ -84,6 +84,9 @@ class WorkerAgent {
   // per job and job token; failures are logged, training goes on).
   void WirePublishing(const Task& task, const Logger* logger, TrainerOptions* to)
       ABSL_LOCKS_EXCLUDED(mu_);
+  // A live run whose task changed only in its group (and, with `gossip`, its peers) takes
+  // `next`'s group, peers and generation in place.
+  void TakeGroupInPlace(Run* run, const Task& next, bool gossip);
 
   const WorkerAgentOptions options_;
   absl::Mutex mu_;
