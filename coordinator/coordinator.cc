@@ -1053,9 +1053,15 @@ void Coordinator::ApplyReportLocked(const NodeEntry& node, const TaskReport& rep
   const JobState state_before = st->state();
   const TaskState rank_state_before = job->rank_states[index];
   // Clamped to what a job can count: the ETA subtracts and divides these.
-  w->set_step(std::clamp<int64_t>(report.step(), 0, kMaxReportedSteps));
-  rr->set_total_steps(std::clamp<int64_t>(report.total_steps(), 0, kMaxReportedSteps));
-  rr->set_epoch(report.epoch());
+  // A run that does not know its step yet (restarting, before it has restored) keeps the
+  // rank's last figures.
+  if (report.has_step()) {
+    w->set_step(std::clamp<int64_t>(report.step(), 0, kMaxReportedSteps));
+    if (report.epoch() > 0) rr->set_epoch(report.epoch());
+  }
+  if (report.total_steps() > 0) {
+    rr->set_total_steps(std::clamp<int64_t>(report.total_steps(), 0, kMaxReportedSteps));
+  }
   // A run that has trained no step yet (resumed at its last step) has no figures of its own:
   // the rank keeps its earlier ones.
   if (report.has_loss()) rr->set_loss(report.loss());

@@ -459,6 +459,17 @@ TEST_F(CoordinatorTest, ReportsDriveStateAndProgress) {
   Beat("w1", {bare});
   EXPECT_DOUBLE_EQ(Get("j").progress().loss(), 1.5);
   EXPECT_DOUBLE_EQ(Get("j").progress().samples_per_s(), 150);
+  // A restarted run that has not restored yet reports no step, total or epoch: the rank
+  // keeps its last ones (the job's progress used to fall to step 0 at every restart).
+  TaskReport restarting = Report("j", 1, "running");
+  restarting.clear_step();
+  restarting.set_total_steps(0);
+  restarting.set_epoch(0);
+  Beat("w1", {restarting});
+  EXPECT_EQ(Get("j").workers(1).step(), 6);
+  EXPECT_EQ(Get("j").progress().step(), 6);
+  EXPECT_EQ(Get("j").progress().total_steps(), 100);
+  EXPECT_EQ(Get("j").progress().epoch(), 1);
 
   // 2 s later rank 1 is at 26 and rank 0, now the slowest, at 10: 10 steps in the 3 s
   // window, 90 left -> 27 s.

@@ -998,6 +998,7 @@ absl::StatusOr<TrainResult> TrainingLoop::Run() {
     return result_;
   }
   LogStart();
+  if (options_.on_start) options_.on_start(step_, total_);
   model_->SetTraining(true);
   const absl::Time start = absl::Now();
   window_start_ = start;

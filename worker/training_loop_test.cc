@@ -189,8 +189,15 @@ TEST(TrainingLoopTest, ResumesAtTheModesStepAndCallsGradientHooks) {
   FakeMode mode;
   mode.first_step = 3;
   mode.hook = true;
+  // Where the run starts is reported before its first step (a daemon's rank shows it while
+  // it has no progress line yet).
+  std::vector<std::string> starts;
+  o.on_start = [&](int64_t step, int64_t total) {
+    starts.push_back(absl::StrCat(step, "/", total, " after ", mode.calls.size(), " calls"));
+  };
   std::atomic<bool> stop{false};
   ASSERT_OK_AND_ASSIGN(TrainResult r, RunTrainingLoop(o, &mode, stop));
+  EXPECT_EQ(starts, std::vector<std::string>{"3/5 after 1 calls"});  // Just after "start".
   EXPECT_EQ(r.first_step, 3);
   EXPECT_EQ(r.steps, 2);
   EXPECT_EQ(mode.calls[1], "forward 3");

@@ -164,6 +164,11 @@ void WorkerAgent::Execute(Run* run) {
     run->report.set_loss_scale(p.loss_scale);
     if (p.checkpoint_step >= 0) run->report.set_checkpoint_step(p.checkpoint_step);
   };
+  to.on_start = [run](int64_t step, int64_t total_steps) {
+    absl::MutexLock lock(&run->mu);
+    run->report.set_step(step);
+    run->report.set_total_steps(total_steps);
+  };
   WirePublishing(task, run->logger.get(), &to);
   GrpcParameterClientOptions co = options_.client;
   co.servers.assign(task.servers().begin(), task.servers().end());

@@ -133,6 +133,9 @@ struct TrainerOptions {
   std::vector<int32_t> active_ranks;
   // Called with live figures at every progress line and at the end (may be empty).
   std::function<void(const TrainProgress&)> on_progress;
+  // Called once the run knows where it starts, before its first step: the step it resumes
+  // at (0 for a fresh start) and the job's total steps. May be empty.
+  std::function<void(int64_t step, int64_t total_steps)> on_start;
   // gossip/allreduce, rank 0 only: called with the model after every checkpoint, at most every
   // model_publish_interval otherwise, and with the final model (may be empty). Service-mode
   // workers publish it to the coordinator, where `gradmesh export` reads it.

@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <limits>
 
 #include "common/checkpoint.h"
 #include "common/safe_path.h"
@@ -213,6 +214,32 @@ TEST(CheckpointTest, FilesWithoutBufferValuesHaveNoBuffers) {
       {ckpt::ArrayRef::Of<float>("values", values), ckpt::ArrayRef::Of<float>("slots", slots)}));
   EXPECT_STATUS_MSG(ReadGossipCheckpoint(path), absl::StatusCode::kDataLoss,
                     "2 values of which 1 of buffers, 1 slots of 2 floats");
+}
+
+TEST(CheckpointTest, APushSumWeightOutOfBoundsIsDataLoss) {
+  // A replica restored with an infinite or huge weight would swamp its peers' values (and
+  // overflow to NaN); a gossip message with such a weight is refused, so is a checkpoint.
+  const std::string path = TempDir() + "/ckpt_weight/rank-0.ckpt";
+  const std::vector<float> values = {1, 2}, slots = {3, 4};
+  for (double weight : {std::numeric_limits<double>::infinity(), 8.5, 1e300, -1.0, 0.0,
+                        std::numeric_limits<double>::quiet_NaN(), 8.0}) {
+    ckpt::Metadata m;
+    m.SetInt("rank", 0);
+    m.SetInt("num_workers", 2);
+    m.SetInt("num_slots", 1);
+    m.SetInt("step", 8);
+    m.SetDouble("weight", weight);
+    ASSERT_OK(ckpt::WriteCheckpointFile(
+        path, "gossip", m,
+        {ckpt::ArrayRef::Of<float>("values", values), ckpt::ArrayRef::Of<float>("slots", slots)}));
+    if (weight == 8.0) {  // 4x the 2 workers: the largest a weight may be.
+      EXPECT_OK(ReadGossipCheckpoint(path).status());
+    } else {
+      EXPECT_STATUS_MSG(ReadGossipCheckpoint(path), absl::StatusCode::kDataLoss,
+                        "invalid header values")
+          << weight;
+    }
+  }
 }
 
 // Fuzzer findings (tests/fuzz/corpus/checkpoint_fuzz/known-*): a header whose sizes wrap
