@@ -1,15 +1,95 @@
 #include "runtime/node_agent.h"
 
+#include <errno.h>
+#include <fcntl.h>
 #include <grpcpp/grpcpp.h>
+#include <sys/file.h>
+#include <sys/stat.h>
 
 #include <algorithm>
+#include <cstring>
+#include <filesystem>
 
+#include "absl/strings/str_cat.h"
 #include "common/status.h"
 #include "rpc/auth.h"
 #include "rpc/grpc_status.h"
 #include "rpc/grpc_util.h"
 
 namespace gradmesh {
+
+absl::StatusOr<std::unique_ptr<NodeTokenStore>> NodeTokenStore::Open(const std::string& path) {
+  Fd fd(open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600));
+  if (fd.get() < 0) {
+    return absl::InternalError(
+        absl::StrCat("node token store ", path, ": cannot open: ", std::strerror(errno)));
+  }
+  if (flock(fd.get(), LOCK_EX | LOCK_NB) != 0) {
+    const int err = errno;
+    if (err == EWOULDBLOCK) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "node token store ", path,
+          " is held by another daemon (two daemons with one --node name and directory?)"));
+    }
+    return absl::InternalError(
+        absl::StrCat("node token store ", path, ": cannot lock: ", std::strerror(err)));
+  }
+  (void)fchmod(fd.get(), 0600);  // A file made by someone else: the token is a credential.
+  return std::unique_ptr<NodeTokenStore>(new NodeTokenStore(std::move(fd), path));
+}
+
+std::string NodeTokenStore::Load() const {
+  char buf[258];
+  const ssize_t n = pread(fd_.get(), buf, sizeof(buf), 0);
+  if (n <= 0 || n > 256) return "";
+  const std::string token(buf, static_cast<size_t>(n));
+  const bool ok = std::all_of(token.begin(), token.end(), [](char c) {
+    return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '-' ||
+           c == '_';
+  });
+  return ok ? token : "";
+}
+
+absl::Status NodeTokenStore::Save(const std::string& token) {
+  if (ftruncate(fd_.get(), 0) != 0 ||
+      pwrite(fd_.get(), token.data(), token.size(), 0) != static_cast<ssize_t>(token.size()) ||
+      fsync(fd_.get()) != 0) {
+    return absl::InternalError(
+        absl::StrCat("node token store ", path_, ": cannot write: ", std::strerror(errno)));
+  }
+  return absl::OkStatus();
+}
+
+std::string NodeTokenStorePath(const std::string& dir, const std::string& name) {
+  std::string safe = name;
+  for (char& c : safe) {
+    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+                    c == '.' || c == '-' || c == '_';
+    if (!ok) c = '_';
+  }
+  return absl::StrCat(dir, "/node-", safe, ".token");
+}
+
+std::shared_ptr<NodeTokenStore> OpenNodeTokenStore(const std::string& flag,
+                                                   const std::string& default_dir,
+                                                   const std::string& node_name,
+                                                   const Logger* logger) {
+  if (flag == "none" || (flag.empty() && default_dir.empty())) return nullptr;
+  std::string path = flag;
+  if (path.empty()) {
+    std::error_code ec;
+    std::filesystem::create_directories(default_dir, ec);  // Open says what went wrong.
+    path = NodeTokenStorePath(default_dir, node_name);
+  }
+  absl::StatusOr<std::unique_ptr<NodeTokenStore>> store = NodeTokenStore::Open(path);
+  if (!store.ok()) {
+    LogWarning(logger, "node_token_store_unavailable",
+               {Kv("error", store.status().ToString()),
+                Kv("note", "a restart registers again once the old registration is dead")});
+    return nullptr;
+  }
+  return std::move(store).value();
+}
 
 NodeAgent::NodeAgent(NodeAgentOptions options, Reconcile reconcile, Reports reports)
     : options_(std::move(options)),
@@ -29,6 +109,13 @@ void NodeAgent::AddNodeToken(grpc::ClientContext* context) const {
 }
 
 void NodeAgent::Start() {
+  if (options_.token_store != nullptr && node_token_->Get().empty()) {
+    const std::string stored = options_.token_store->Load();
+    if (!stored.empty()) {
+      node_token_->Set(stored);
+      LogInfo(options_.logger, "node_token_restored", {Kv("store", options_.token_store->path())});
+    }
+  }
   started_ = true;
   thread_ = std::thread([this] { Loop(); });
 }
@@ -60,7 +147,16 @@ absl::Status NodeAgent::Register() {
     interval_ = absl::Milliseconds(resp.heartbeat_interval_ms());
   }
   // A new token replaces ours; none means the one we presented stays valid.
-  if (!resp.node_token().empty()) node_token_->Set(resp.node_token());
+  if (!resp.node_token().empty()) {
+    node_token_->Set(resp.node_token());
+    if (options_.token_store != nullptr) {
+      // Without it the next restart waits for this registration to be declared dead, as
+      // without a store: worth a warning, not a failure.
+      if (absl::Status saved = options_.token_store->Save(resp.node_token()); !saved.ok()) {
+        LogWarning(options_.logger, "node_token_not_saved", {Kv("error", saved.ToString())});
+      }
+    }
+  }
   LogInfo(options_.logger, "registered",
           {Kv("coordinator", options_.coordinator), Kv("address", options_.node.address()),
            Kv("heartbeat_ms", absl::ToInt64Milliseconds(interval_))});

@@ -13,7 +13,10 @@
 // (RegisterResponse.node_token); the agent sends it as `x-gradmesh-node-token` on every later
 // call (besides the shared node token in `authorization`). A heartbeat answered
 // PERMISSION_DENIED (the token no longer counts) makes the agent register again, which the
-// coordinator grants once the name's previous registration is dead.
+// coordinator grants once the name's previous registration is dead. With a NodeTokenStore
+// the token outlives the daemon: a restarted daemon proves it is the node at once and
+// registers again without waiting for its previous registration to be declared dead (a
+// heartbeat timeout; the coordinator then sees a restart, as after a re-registration).
 //
 // Thread safety: Start() once; Stop() from any thread, once. The callbacks run on the agent's
 // thread, one at a time.
@@ -30,6 +33,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
+#include "common/fd.h"
 #include "common/logging.h"
 #include "proto/coordinator.grpc.pb.h"
 #include "rpc/rpc_options.h"
@@ -56,6 +60,42 @@ class NodeTokenHolder {
   std::string token_ ABSL_GUARDED_BY(mu_);
 };
 
+// The node's own token in a file (mode 0600), kept across restarts of the daemon (flag
+// --node_token_store). The file is locked (flock) while the store is open, so two daemons
+// cannot share one: the second is refused. Thread safety: Load and Save from one thread at a
+// time (the agent's).
+class NodeTokenStore {
+ public:
+  // Opens, creating it if needed, and locks `path`. FAILED_PRECONDITION naming the path when
+  // another process (or another store in this one) holds it; INTERNAL on other I/O errors.
+  static absl::StatusOr<std::unique_ptr<NodeTokenStore>> Open(const std::string& path);
+  // The stored token; "" when there is none, or when the file holds anything but a token
+  // (1-256 characters of [A-Za-z0-9_-]: a torn or foreign file is ignored, not sent).
+  std::string Load() const;
+  // Replaces the stored token (written in place and synced). INTERNAL naming the path.
+  absl::Status Save(const std::string& token);
+  const std::string& path() const { return path_; }
+
+ private:
+  NodeTokenStore(Fd fd, std::string path) : fd_(std::move(fd)), path_(std::move(path)) {}
+  Fd fd_;
+  const std::string path_;
+};
+
+// The store's file for node `name` in `dir`: <dir>/node-<name>.token, with every character
+// of the name outside [A-Za-z0-9._-] replaced by '_'.
+std::string NodeTokenStorePath(const std::string& dir, const std::string& name);
+
+// A daemon's --node_token_store: "none" keeps the token in memory only; "" (the default) a
+// file in `default_dir` (NodeTokenStorePath, the directory made if needed; none when
+// `default_dir` is empty); anything else is the file's path. A store that cannot be opened
+// or is held by another daemon is logged (event=node_token_store_unavailable) and left out
+// (null): the daemon runs as without one.
+std::shared_ptr<NodeTokenStore> OpenNodeTokenStore(const std::string& flag,
+                                                   const std::string& default_dir,
+                                                   const std::string& node_name,
+                                                   const Logger* logger);
+
 struct NodeAgentOptions {
   std::string coordinator;  // host:port of gradmesh_coordinator.
   std::string auth_token;   // Sent as "authorization: Bearer <token>" when non-empty.
@@ -68,6 +108,9 @@ struct NodeAgentOptions {
   const Logger* logger = nullptr;  // Not owned; may be null.
   // Where the agent keeps the node's own token; null: a holder of its own.
   std::shared_ptr<NodeTokenHolder> node_token;
+  // Where the node's token outlives the daemon; null: in memory only. Its token, if any, is
+  // presented from the first registration, and every token issued is saved to it.
+  std::shared_ptr<NodeTokenStore> token_store;
 };
 
 class NodeAgent {
@@ -95,8 +138,9 @@ class NodeAgent {
   std::unique_ptr<NodeService::Stub> stub_;
   absl::Duration interval_ = absl::Milliseconds(500);  // Agent thread only.
   // The per-node token from the last registration that issued one (options.node_token, or
-  // the agent's own holder). In memory only: a restarted daemon registers again once the
-  // coordinator has declared its previous registration dead.
+  // the agent's own holder), and options.token_store's until then. Without a store a
+  // restarted daemon registers again only once the coordinator has declared its previous
+  // registration dead.
   const std::shared_ptr<NodeTokenHolder> node_token_;
   absl::Notification stop_;
   std::thread thread_;

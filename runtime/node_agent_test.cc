@@ -5,8 +5,10 @@
 #include "runtime/node_agent.h"
 
 #include <grpcpp/grpcpp.h>
+#include <sys/stat.h>
 
 #include <atomic>
+#include <cstdlib>
 #include <memory>
 #include <string>
 #include <vector>
@@ -15,6 +17,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "common/status.h"
+#include "common/status_testing.h"
 #include "gtest/gtest.h"
 #include "rpc/auth.h"
 #include "rpc/grpc_status.h"
@@ -244,6 +247,55 @@ TEST(NodeAgentTest, SendsItsNodeTokenAndRegistersAgainWhenRefused) {
   while (i < beats.size() && beats[i] == "node-tok-1") ++i;
   EXPECT_GE(i, 3u);  // At least two answered, then the refused one.
   for (; i < beats.size(); ++i) EXPECT_EQ(beats[i], "node-tok-2") << i;
+}
+
+// The node's token outlives the agent in a NodeTokenStore: a restarted daemon (a new agent
+// and store on the same file) presents the token issued to the one before from its first
+// registration, which the coordinator takes at once from the node it issued it to.
+TEST(NodeAgentTest, ATokenStoreKeepsTheNodesTokenAcrossRestarts) {
+  auto server = StartServer();
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  const std::string dir = absl::StrCat(tmp != nullptr ? tmp : "/tmp", "/token_store");
+  const std::string path = NodeTokenStorePath(dir, "w/7 x");
+  EXPECT_EQ(path, dir + "/node-w_7_x.token");
+  auto run_agent = [&](std::shared_ptr<NodeTokenStore> store, int registrations) {
+    NodeAgentOptions o = Options(server->port, kToken);
+    o.token_store = std::move(store);
+    Recorder rec;
+    NodeAgent agent(
+        o, [&rec](const std::vector<Task>& t) { rec.Reconcile(t); }, OneReport);
+    agent.Start();
+    ASSERT_TRUE(Eventually([&] { return rec.lists() >= 1; }));
+    EXPECT_EQ(server->service.registrations(), registrations);
+    agent.Stop(/*leaving=*/false);
+  };
+  {
+    std::shared_ptr<NodeTokenStore> store = OpenNodeTokenStore("", dir, "w/7 x", nullptr);
+    ASSERT_NE(store, nullptr);  // The directory is made.
+    EXPECT_EQ(store->Load(), "");
+    // Another daemon of the same name and directory cannot take it while this one runs.
+    EXPECT_STATUS_MSG(NodeTokenStore::Open(path).status(), absl::StatusCode::kFailedPrecondition,
+                      "held by another daemon");
+    EXPECT_EQ(OpenNodeTokenStore("", dir, "w/7 x", nullptr), nullptr);
+    run_agent(store, 1);
+    EXPECT_EQ(store->Load(), "node-tok-1");
+  }
+  struct stat st;
+  ASSERT_EQ(stat(path.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0600);  // A credential.
+  // The restarted daemon's registration presents the stored token (the coordinator takes it
+  // while the node's old registration is still alive, and issues none: this scripted one
+  // issues a new one every time).
+  run_agent(OpenNodeTokenStore(path, "", "ignored", nullptr), 2);
+  EXPECT_EQ(server->service.registration_tokens(), (std::vector<std::string>{"", "node-tok-1"}));
+  // A torn or foreign file is no token: nothing is presented.
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<NodeTokenStore> store, NodeTokenStore::Open(path));
+  ASSERT_OK(store->Save("not a token\n"));
+  EXPECT_EQ(store->Load(), "");
+  ASSERT_OK(store->Save("node-tok-9"));
+  EXPECT_EQ(store->Load(), "node-tok-9");
+  EXPECT_EQ(OpenNodeTokenStore("none", dir, "w7", nullptr), nullptr);
+  EXPECT_EQ(OpenNodeTokenStore("", "", "w7", nullptr), nullptr);  // No directory: none.
 }
 
 TEST(NodeAgentTest, WrongTokenNeverReconcilesAndKeepsTrying) {

@@ -55,6 +55,11 @@ ABSL_FLAG(int64_t, dedupe_window, 4096, "Push request ids remembered per worker.
 ABSL_FLAG(std::string, data_dir, "",
           "RocksDB directory for durable job state (jobs with durability periodic or "
           "every_update). Empty: memory only. A restarted shard restores every job found here.");
+ABSL_FLAG(std::string, node_token_store, "",
+          "Service mode: file keeping this node's coordinator-issued token across restarts, so "
+          "a restarted daemon registers again at once instead of after the coordinator's "
+          "heartbeat timeout. Default: <data_dir>/node-<node>.token (none without "
+          "--data_dir); none: memory only.");
 ABSL_FLAG(std::string, coordinator, "",
           "Service mode: host:port of gradmesh_coordinator to register with. Jobs' shards are "
           "then placed here by the coordinator, and only its tasks' job tokens are accepted.");
@@ -104,6 +109,7 @@ struct ServerMainOptions {
   std::string node;       // Name in logs.
   std::string node_flag;  // --node as given ("" = default).
   std::string data_dir;
+  std::string node_token_store;  // --node_token_store.
   bool fsync = false;
   ShardOptions shard;
 };
@@ -227,6 +233,8 @@ NodeAgentOptions AgentOptions(const ServerMainOptions& options, const Daemon& da
   ao.node.set_cores(static_cast<int>(std::thread::hardware_concurrency()));
   ao.node.set_slots(options.slots);
   ao.node.set_host(HostName());
+  ao.token_store =
+      OpenNodeTokenStore(options.node_token_store, options.data_dir, ao.node.name(), logger);
   return ao;
 }
 
@@ -307,6 +315,7 @@ int main(int argc, char** argv) {
   limits.max_jobs = absl::GetFlag(FLAGS_max_jobs);
   limits.max_waiting_pushes = absl::GetFlag(FLAGS_max_waiting_pushes);
   options.data_dir = absl::GetFlag(FLAGS_data_dir);
+  options.node_token_store = absl::GetFlag(FLAGS_node_token_store);
   options.fsync = absl::GetFlag(FLAGS_fsync);
   options.coordinator = absl::GetFlag(FLAGS_coordinator);
   options.advertise = absl::GetFlag(FLAGS_advertise);

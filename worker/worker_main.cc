@@ -77,6 +77,10 @@ ABSL_FLAG(int, slots, 1, "Service mode: ranks this worker runs at once.");
 ABSL_FLAG(std::string, port_file, "", "Service mode: write the bound peer port here.");
 ABSL_FLAG(std::string, checkpoint_dir, "/var/lib/gradmesh/checkpoints",
           "gossip/allreduce: checkpoint directory when the spec names none.");
+ABSL_FLAG(std::string, node_token_store, "",
+          "Service mode: file keeping this node's coordinator-issued token across restarts, so "
+          "a restarted daemon registers again at once instead of after the coordinator's "
+          "heartbeat timeout. Default: <checkpoint_dir>/node-<node>.token; none: memory only.");
 ABSL_FLAG(int, metrics_port, -1,
           "Port of the Prometheus endpoint (HTTP GET /metrics, /healthz) on --host: 0 = pick a "
           "free one (see --metrics_port_file), -1 = none.");
@@ -546,6 +550,8 @@ int RunService() {
   ao.node.set_gpus(CudaDeviceCount());  // 0 without --config=cuda or without a GPU.
   ao.node.set_slots(absl::GetFlag(FLAGS_slots));
   ao.node.set_host(HostName());
+  ao.token_store = OpenNodeTokenStore(absl::GetFlag(FLAGS_node_token_store),
+                                      absl::GetFlag(FLAGS_checkpoint_dir), node, &logger);
   NodeAgent node_agent(
       ao, [&worker_agent](const std::vector<Task>& desired) { worker_agent.Reconcile(desired); },
       [&worker_agent] { return worker_agent.Reports(); });
