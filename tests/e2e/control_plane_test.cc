@@ -14,6 +14,8 @@
 // * A gossip job whose rank 0's worker daemon is killed with no node to move it to: the
 //   others take the lost peer in place (no restart), rank 1 gathers and publishes in its
 //   place, and the job ends SUCCEEDED without it.
+// * A worker daemon killed and started again at once keeps its rank: it proves it is the
+//   node with the token it kept (no wait for its old registration to be declared dead).
 // * The coordinator killed and restarted mid-job: it still knows the job and its progress,
 //   and the job completes.
 // * Every process stopped mid-job, then restarted: the job resumes from the shards'
@@ -464,6 +466,38 @@ TEST_F(ControlPlaneTest, KilledWorkerRankMovesAndNoDataIsDropped) {
 
 TEST_F(ControlPlaneTest, PreemptedWorkerLeavesCleanlyAndItsRankMoves) {
   LoseWorkerMidJob(SIGTERM, "preempted");
+}
+
+// A worker daemon killed and started again at once under its name (a crash-looping process, a
+// pod restarted with its volume) proves it is the same node with the token it kept
+// (--node_token_store, by default in its --checkpoint_dir): it registers again at once, its
+// rank stays on it and resumes where the shards recorded it. It used to be refused until the
+// old registration was declared dead, and the rank moved away.
+TEST_F(ControlPlaneTest, ACrashedWorkerStartedAgainKeepsItsRank) {
+  StartCluster();
+  const std::string spec = WriteYaml("mlp", MlpSpec("crashed", 2));
+  std::string victim_node;
+  ASSERT_NO_FATAL_FAILURE(SubmitAndAwaitStep(spec, "crashed", 200, 2, 1, &victim_node));
+  std::unique_ptr<Subprocess>& victim = victim_node == "w0" ? w0_ : w1_;
+  ASSERT_OK(victim->Signal(SIGKILL));
+  ASSERT_OK(victim->Wait(absl::Seconds(20)).status());
+  victim = StartServiceWorker(victim_node);
+  ASSERT_NE(victim, nullptr);
+
+  CliResult watch = Cli({"watch", "crashed"}, absl::Minutes(5));
+  EXPECT_EQ(watch.code, 0) << watch.out;
+  const JobStatus st = Status("crashed");
+  ASSERT_EQ(st.state(), SUCCEEDED) << st.DebugString();
+  EXPECT_EQ(st.workers(1).node(), victim_node) << st.DebugString();
+  EXPECT_EQ(st.workers(1).reassignments(), 0) << st.DebugString();
+  EXPECT_GE(st.progress().accuracy(), 0.96) << st.DebugString();
+  const std::string log = ReadFile(victim->log_path());
+  EXPECT_EQ(LinesWith(log, "event=node_token_restored").size(), 1u) << log;
+  EXPECT_TRUE(LinesWith(log, "PERMISSION_DENIED").empty()) << log;
+  EXPECT_EQ(LinesWith(log, "event=task_start").size(), 1u) << log;  // Its rank, resumed.
+  const std::string coordinator_log = ReadFile(coord_proc_->log_path());
+  EXPECT_TRUE(LinesWith(coordinator_log, "event=node_down").empty()) << coordinator_log;
+  EXPECT_EQ(LinesWith(coordinator_log, "event=node_registered").size(), 1u) << coordinator_log;
 }
 
 TEST_F(ControlPlaneTest, SyncJobReformsItsGroupWhenAWorkerDies) {
