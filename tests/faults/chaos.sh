@@ -2,7 +2,8 @@
 # A fault schedule against a real cluster on 127.0.0.1: a coordinator, 2 shard daemons (RocksDB
 # in a data dir) and 2 worker daemons train the MNIST MLP through the CLI while this kills
 # (SIGKILL) a random shard, a random worker daemon or either (TARGET=shard|worker|both), every
-# KILL_EVERY_S seconds, and starts it again under the same name on the same port, until the
+# KILL_EVERY_S seconds, and once it has exited starts it again under the same name on the same
+# port (with its data dir, so with the node token it kept), until the
 # job ends. It prints the number of kills and the job's last line (SUCCEEDED with its accuracy,
 # or why it failed); the daemons' logs stay in $CHAOS_DIR/NAME. Randomised, so a tool, not a
 # test (README, "Fault schedules").
@@ -52,9 +53,9 @@ while kill -0 $wp 2>/dev/null; do
   kill -0 $wp 2>/dev/null || break
   s=$((RANDOM % 2)); port=$([ $s = 0 ] && echo $P0 || echo $P1)
   if [ "${TARGET:-shard}" = worker ] || { [ "${TARGET:-shard}" = both ] && [ $((RANDOM % 2)) = 1 ]; }; then
-    kill -9 $(cat $d/worker$s.pid) 2>/dev/null; k=$((k+1)); sleep 0.$((RANDOM % 9)); start_worker $s
+    v=$(cat $d/worker$s.pid); kill -9 $v 2>/dev/null; wait $v 2>/dev/null; k=$((k+1)); sleep 0.$((RANDOM % 9)); start_worker $s
   else
-    kill -9 $(cat $d/shard$s.pid) 2>/dev/null; k=$((k+1)); sleep 0.$((RANDOM % 9)); start_shard $s $port
+    v=$(cat $d/shard$s.pid); kill -9 $v 2>/dev/null; wait $v 2>/dev/null; k=$((k+1)); sleep 0.$((RANDOM % 9)); start_shard $s $port
   fi
 done
 wait $wp
