@@ -979,14 +979,13 @@ absl::StatusOr<RegisterResponse> Coordinator::Register(const RegisterRequest& re
       }
     }
   }
+  // Every registration gets a new token, also the node's own (a daemon restarted with the
+  // token it kept): whoever else still holds the old one (a copied token file, an instance
+  // that outlived its replacement) is locked out rather than run as the same node.
   RegisterResponse response;
-  const bool keep_token =
-      known && TokenMatchesHash(credentials.token, it->second.record.token_sha256());
   NodeEntry& node = nodes_[info.name()];
-  if (!keep_token) {
-    response.set_node_token(RandomHex(16));
-    node.record.set_token_sha256(Sha256(response.node_token()));
-  }
+  response.set_node_token(RandomHex(16));
+  node.record.set_token_sha256(Sha256(response.node_token()));
   *node.record.mutable_info() = info;
   node.record.set_alive(true);
   node.record.set_registered_ms(Now());

@@ -38,12 +38,14 @@
 // * Register of an unknown name, or of a known name whose node is dead, is accepted (the
 //   service has already checked the shared node token) and issues a new random 128-bit token
 //   (RegisterResponse.node_token); the previous one stops working. Register as node N of a
-//   live node N keeps its token (node_token empty in the answer). Register of a live node's
-//   name not as that node is PERMISSION_DENIED and changes nothing: its address, slots and
-//   tasks cannot be taken over. So a daemon that restarts without its token (NodeAgent keeps
-//   it in memory only) registers again once its previous registration is declared dead (no
-//   heartbeat for heartbeat_timeout_ms; at once after a clean `leaving` heartbeat), and the
-//   NodeAgent retries until then.
+//   live node N is accepted too (a daemon restarted with the token it kept in its
+//   NodeTokenStore, runtime/node_agent.h) and also issues a new token: an older instance
+//   still holding the previous one (a copied token file) is locked out, not run beside it.
+//   Register of a live node's name not as that node is PERMISSION_DENIED and changes
+//   nothing: its address, slots and tasks cannot be taken over. So a daemon that restarts
+//   without its token (no store, or a store that lost it) registers again once its previous
+//   registration is declared dead (no heartbeat for heartbeat_timeout_ms; at once after a
+//   clean `leaving` heartbeat), and the NodeAgent retries until then.
 // * Heartbeat not as the named node: PERMISSION_DENIED, nothing happens (no liveness, no
 //   reports, no tasks, no job tokens). A known node without a stored hash (a record from
 //   before node tokens) is answered register_again; an unknown name too.

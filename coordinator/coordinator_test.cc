@@ -1092,7 +1092,8 @@ TEST_F(CoordinatorTest, DeadServerPausesJobsUntilItComesBack) {
   req.mutable_node()->set_role(SERVER);
   req.mutable_node()->set_address("s1.addr:2");
   req.mutable_node()->set_slots(1);
-  ASSERT_OK(core_->Register(req, Creds(req.node().name())));
+  ASSERT_OK_AND_ASSIGN(RegisterResponse again, core_->Register(req, Creds(req.node().name())));
+  node_tokens_["s1"] = again.node_token();  // Every registration issues a new one.
   st = Get("j");
   EXPECT_EQ(st.state(), RUNNING);
   EXPECT_EQ(st.message(), "");
@@ -1440,12 +1441,19 @@ TEST_F(CoordinatorTest, NodesActOnlyAsThemselves) {
   plain.set_node("w0");
   EXPECT_OK(core_->Heartbeat(plain, {"", "w0"}));
 
-  // w0's own daemon re-registers with its token: kept (the answer issues none).
+  // w0's own daemon re-registers with its token (a restart with a kept token): admitted
+  // while alive, with a new token that locks out the old one.
   RegisterRequest own = take;
   own.mutable_node()->set_address(Addr("w0"));
   own.mutable_node()->set_slots(1);
-  ASSERT_OK_AND_ASSIGN(RegisterResponse kept, core_->Register(own, {w0_token, ""}));
-  EXPECT_EQ(kept.node_token(), "");
+  ASSERT_OK_AND_ASSIGN(RegisterResponse again, core_->Register(own, {w0_token, ""}));
+  ASSERT_EQ(again.node_token().size(), 32u);
+  EXPECT_NE(again.node_token(), w0_token);
+  HeartbeatRequest beat;
+  beat.set_node("w0");
+  EXPECT_STATUS(core_->Heartbeat(beat, {w0_token, ""}), kDenied);
+  EXPECT_OK(core_->Heartbeat(beat, {again.node_token(), ""}));
+  node_tokens_["w0"] = again.node_token();
 
   // A node may fail only its own tasks: s0 fails shard 0.
   Beat("s0", {Report("j", 0, "failed")});

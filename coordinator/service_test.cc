@@ -313,7 +313,7 @@ TEST_F(ServiceTest, NodesCannotImpersonateEachOther) {
   EXPECT_EQ(st.workers(0).state(), "pending");
 
   // Re-registering live w0 with w1's token (to point w0's address at itself) is refused and
-  // changes nothing; w0's own daemon re-registers with its token and keeps it.
+  // changes nothing; w0's own daemon re-registers with its token and gets a new one.
   EXPECT_STATUS_MSG(RegisterAs("w0", WORKER, NodeToken("w1"), "evil:1"), kDenied,
                     "registering as node \"w0\" refused: wrong node token");
   EXPECT_STATUS_MSG(RegisterAs("w0", WORKER, "", "evil:1"), kDenied, "is alive (w0:1)");
@@ -321,8 +321,11 @@ TEST_F(ServiceTest, NodesCannotImpersonateEachOther) {
   EXPECT_EQ(st.workers(0).address(), "w0:1");
   const std::string w0_token = NodeToken("w0");
   ASSERT_OK_AND_ASSIGN(RegisterResponse again, RegisterAs("w0", WORKER, w0_token));
-  EXPECT_EQ(again.node_token(), "");  // Kept.
-  ASSERT_OK(BeatAs("w0", w0_token));
+  // Admitted, with a new token (the old one no longer counts).
+  ASSERT_EQ(again.node_token().size(), 32u);
+  EXPECT_NE(again.node_token(), w0_token);
+  EXPECT_STATUS(BeatAs("w0", w0_token), kDenied);
+  ASSERT_OK(BeatAs("w0", again.node_token()));
 
   // Two token headers are ambiguous: no token.
   auto ctx = Ctx();

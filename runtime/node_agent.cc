@@ -5,11 +5,13 @@
 #include <grpcpp/grpcpp.h>
 #include <sys/file.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstring>
 #include <filesystem>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
 #include "rpc/auth.h"
@@ -19,10 +21,20 @@
 namespace gradmesh {
 
 absl::StatusOr<std::unique_ptr<NodeTokenStore>> NodeTokenStore::Open(const std::string& path) {
-  Fd fd(open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600));
+  // Never through a symbolic link (one planted in a shared directory would make Save
+  // overwrite its target), and only a regular file of this user's, readable by no one else.
+  Fd fd(open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0600));
   if (fd.get() < 0) {
     return absl::InternalError(
         absl::StrCat("node token store ", path, ": cannot open: ", std::strerror(errno)));
+  }
+  struct stat st;
+  if (fstat(fd.get(), &st) != 0 || !S_ISREG(st.st_mode) || st.st_uid != geteuid() ||
+      ((st.st_mode & 077) != 0 && fchmod(fd.get(), 0600) != 0)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("node token store ", path,
+                     " is not a regular file of this user's, or cannot be made "
+                     "private (mode 0600)"));
   }
   if (flock(fd.get(), LOCK_EX | LOCK_NB) != 0) {
     const int err = errno;
@@ -34,7 +46,6 @@ absl::StatusOr<std::unique_ptr<NodeTokenStore>> NodeTokenStore::Open(const std::
     return absl::InternalError(
         absl::StrCat("node token store ", path, ": cannot lock: ", std::strerror(err)));
   }
-  (void)fchmod(fd.get(), 0600);  // A file made by someone else: the token is a credential.
   return std::unique_ptr<NodeTokenStore>(new NodeTokenStore(std::move(fd), path));
 }
 
@@ -51,11 +62,14 @@ std::string NodeTokenStore::Load() const {
 }
 
 absl::Status NodeTokenStore::Save(const std::string& token) {
+  // In place: the file is what is locked. A torn write leaves no valid token (Load), or one
+  // the coordinator refuses: either way a restart then waits as without a store.
+  errno = 0;
   if (ftruncate(fd_.get(), 0) != 0 ||
       pwrite(fd_.get(), token.data(), token.size(), 0) != static_cast<ssize_t>(token.size()) ||
       fsync(fd_.get()) != 0) {
-    return absl::InternalError(
-        absl::StrCat("node token store ", path_, ": cannot write: ", std::strerror(errno)));
+    return absl::InternalError(absl::StrCat("node token store ", path_, ": cannot write: ",
+                                            errno != 0 ? std::strerror(errno) : "short write"));
   }
   return absl::OkStatus();
 }
@@ -82,6 +96,13 @@ std::shared_ptr<NodeTokenStore> OpenNodeTokenStore(const std::string& flag,
     path = NodeTokenStorePath(default_dir, node_name);
   }
   absl::StatusOr<std::unique_ptr<NodeTokenStore>> store = NodeTokenStore::Open(path);
+  // Held: a predecessor that was just killed may still be exiting; give it a few seconds.
+  for (int i = 0; i < 30 && absl::IsFailedPrecondition(store.status()) &&
+                  absl::StrContains(store.status().message(), "held by another daemon");
+       ++i) {
+    absl::SleepFor(absl::Milliseconds(100));
+    store = NodeTokenStore::Open(path);
+  }
   if (!store.ok()) {
     LogWarning(logger, "node_token_store_unavailable",
                {Kv("error", store.status().ToString()),

@@ -67,7 +67,9 @@ class NodeTokenHolder {
 class NodeTokenStore {
  public:
   // Opens, creating it if needed, and locks `path`. FAILED_PRECONDITION naming the path when
-  // another process (or another store in this one) holds it; INTERNAL on other I/O errors.
+  // another process (or another store in this one) holds it, or when it is not a regular
+  // file owned by this user (a symbolic link is never followed; group and other permissions
+  // are removed); INTERNAL on other I/O errors.
   static absl::StatusOr<std::unique_ptr<NodeTokenStore>> Open(const std::string& path);
   // The stored token; "" when there is none, or when the file holds anything but a token
   // (1-256 characters of [A-Za-z0-9_-]: a torn or foreign file is ignored, not sent).
@@ -89,8 +91,9 @@ std::string NodeTokenStorePath(const std::string& dir, const std::string& name);
 // A daemon's --node_token_store: "none" keeps the token in memory only; "" (the default) a
 // file in `default_dir` (NodeTokenStorePath, the directory made if needed; none when
 // `default_dir` is empty); anything else is the file's path. A store that cannot be opened
-// or is held by another daemon is logged (event=node_token_store_unavailable) and left out
-// (null): the daemon runs as without one.
+// or is still held by another daemon after 3 s (a predecessor that was just killed may still
+// be exiting) is logged (event=node_token_store_unavailable) and left out (null): the daemon
+// runs as without one.
 std::shared_ptr<NodeTokenStore> OpenNodeTokenStore(const std::string& flag,
                                                    const std::string& default_dir,
                                                    const std::string& node_name,

@@ -6,9 +6,12 @@
 
 #include <grpcpp/grpcpp.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <cstdlib>
+#include <fstream>
+#include <iterator>
 #include <memory>
 #include <string>
 #include <vector>
@@ -294,6 +297,14 @@ TEST(NodeAgentTest, ATokenStoreKeepsTheNodesTokenAcrossRestarts) {
   EXPECT_EQ(store->Load(), "");
   ASSERT_OK(store->Save("node-tok-9"));
   EXPECT_EQ(store->Load(), "node-tok-9");
+  // Never through a symbolic link (one planted in a shared directory would make Save
+  // overwrite its target).
+  const std::string target = dir + "/target", link = dir + "/link.token";
+  std::ofstream(target) << "precious";
+  ASSERT_EQ(symlink(target.c_str(), link.c_str()), 0);
+  EXPECT_FALSE(NodeTokenStore::Open(link).ok());
+  std::ifstream in(target);
+  EXPECT_EQ(std::string(std::istreambuf_iterator<char>(in), {}), "precious");
   EXPECT_EQ(OpenNodeTokenStore("none", dir, "w7", nullptr), nullptr);
   EXPECT_EQ(OpenNodeTokenStore("", "", "w7", nullptr), nullptr);  // No directory: none.
 }

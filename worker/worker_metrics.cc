@@ -16,13 +16,21 @@ void CollectWorkerMetrics(const std::vector<TaskReport>& reports, MetricsWriter*
   }
   for (const TaskReport& r : reports) {
     const MetricLabels l = {{"job_id", r.job_id()}, {"rank", absl::StrCat(r.index())}};
-    w->Gauge("gradmesh_worker_step", "Steps the rank has done (resumed ones included).", l,
-             static_cast<double>(r.step()));
+    // A run that does not know its step yet (restoring), or has trained none, has no such
+    // figures: no sample rather than a 0 (a restart is not a fall to step 0).
+    if (r.has_step()) {
+      w->Gauge("gradmesh_worker_step", "Steps the rank has done (resumed ones included).", l,
+               static_cast<double>(r.step()));
+    }
     w->Gauge("gradmesh_worker_total_steps", "Steps of the rank in the whole job.", l,
              static_cast<double>(r.total_steps()));
-    w->Gauge("gradmesh_worker_loss", "Mean training loss over the last log window.", l, r.loss());
-    w->Gauge("gradmesh_worker_samples_per_second", "Samples per second, last log window.", l,
-             r.samples_per_s());
+    if (r.has_loss()) {
+      w->Gauge("gradmesh_worker_loss", "Mean training loss over the last log window.", l, r.loss());
+    }
+    if (r.has_samples_per_s()) {
+      w->Gauge("gradmesh_worker_samples_per_second", "Samples per second, last log window.", l,
+               r.samples_per_s());
+    }
     w->Gauge("gradmesh_worker_checkpoint_step", "Step of the latest checkpoint (-1: none).", l,
              static_cast<double>(r.checkpoint_step()));
     if (r.accuracy() >= 0) {

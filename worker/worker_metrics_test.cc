@@ -43,6 +43,18 @@ TEST(WorkerMetricsTest, RanksByStateAndPerRankFigures) {
   EXPECT_FALSE(absl::StrContains(text, "gradmesh_worker_accuracy{job_id=\"mnist\"")) << text;
   // A job that does not clip has no clipping gauges.
   EXPECT_FALSE(absl::StrContains(text, "gradmesh_worker_grad_norm{job_id=\"mnist\"")) << text;
+  // A restarting rank that has not restored yet (no step, loss or rate reported) has no such
+  // samples rather than zeros.
+  TaskReport restarting;
+  restarting.set_job_id("restarting");
+  restarting.set_state("running");
+  MetricsWriter r;
+  CollectWorkerMetrics({restarting}, &r);
+  for (const char* name :
+       {"gradmesh_worker_step{", "gradmesh_worker_loss{", "gradmesh_worker_samples_per_second{"}) {
+    EXPECT_FALSE(absl::StrContains(r.Render(), name)) << name << "\n" << r.Render();
+  }
+  EXPECT_TRUE(absl::StrContains(r.Render(), "gradmesh_worker_total_steps{job_id=\"restarting\""));
   // No ranks: the running count is still there (0), so dashboards see the daemon.
   MetricsWriter empty;
   CollectWorkerMetrics({}, &empty);

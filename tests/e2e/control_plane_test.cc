@@ -89,7 +89,7 @@ class ControlPlaneTest : public E2eHarness {
   }
 
   // Starts (or restarts) the coordinator on coordinator_port_ with its table in <dir>/coord.
-  void StartCoordinator() {
+  void StartCoordinator(int heartbeat_timeout_ms = 2000) {
     const std::string pf = absl::StrCat(dir_, "/coord.port", starts_++);
     ASSERT_OK_AND_ASSIGN(
         coord_proc_,
@@ -97,8 +97,8 @@ class ControlPlaneTest : public E2eHarness {
             {coordinator_bin_, "--host=127.0.0.1", absl::StrCat("--port=", coordinator_port_),
              "--port_file=" + pf, "--data_dir=" + dir_ + "/coord",
              "--auth_token_file=" + token_file_, "--heartbeat_interval_ms=300",
-             "--heartbeat_timeout_ms=2000", "--node=coordinator", "--metrics_port=0",
-             "--metrics_port_file=" + dir_ + "/coordinator.metrics"},
+             absl::StrCat("--heartbeat_timeout_ms=", heartbeat_timeout_ms), "--node=coordinator",
+             "--metrics_port=0", "--metrics_port_file=" + dir_ + "/coordinator.metrics"},
             ChildEnv(), NewLog(absl::StrCat("coordinator", starts_))));
     ASSERT_OK(WaitForPortFile(pf, absl::Seconds(60), coord_proc_.get()).status());
   }
@@ -237,8 +237,8 @@ class ControlPlaneTest : public E2eHarness {
   }
 
   // Starts the coordinator, 2 service-mode shards (s0, s1) and 2 worker daemons (w0, w1).
-  void StartCluster() {
-    StartCoordinator();
+  void StartCluster(int heartbeat_timeout_ms = 2000) {
+    StartCoordinator(heartbeat_timeout_ms);
     s0_ = StartServiceServer("s0");
     s1_ = StartServiceServer("s1");
     w0_ = StartServiceWorker("w0");
@@ -474,7 +474,10 @@ TEST_F(ControlPlaneTest, PreemptedWorkerLeavesCleanlyAndItsRankMoves) {
 // rank stays on it and resumes where the shards recorded it. It used to be refused until the
 // old registration was declared dead, and the rank moved away.
 TEST_F(ControlPlaneTest, ACrashedWorkerStartedAgainKeepsItsRank) {
-  StartCluster();
+  // Time enough for the new process to start (LibTorch's libraries load for seconds on a
+  // busy machine) before its old registration would be declared dead: without the kept token
+  // the new daemon is refused until then, whatever the timeout.
+  StartCluster(/*heartbeat_timeout_ms=*/15000);
   const std::string spec = WriteYaml("mlp", MlpSpec("crashed", 2));
   std::string victim_node;
   ASSERT_NO_FATAL_FAILURE(SubmitAndAwaitStep(spec, "crashed", 200, 2, 1, &victim_node));

@@ -101,7 +101,9 @@ absl::StatusOr<std::pair<Fd, int>> Listen() {
           absl::StrCat("ring tcp: cannot bind a listening socket: ", ErrnoText(errno)));
     }
   }
-  if (listen(fd.get(), 16) != 0) {
+  // Room for the previous rank's connection behind strangers' (their hellos are read side by
+  // side once accepted, AcceptPrevious).
+  if (listen(fd.get(), 128) != 0) {
     return absl::UnavailableError(absl::StrCat("ring tcp: listen: ", ErrnoText(errno)));
   }
   RETURN_IF_ERROR(SetNonBlocking(fd.get()));
@@ -177,6 +179,29 @@ absl::StatusOr<Fd> AcceptPrevious(int listen_fd, int prev, int n, const std::str
   std::vector<PendingHello> pending;
   std::string rejected;
   std::vector<pollfd> polled;
+  // Reads what `c` has sent (when `readable`): kMatch for the previous rank's hello, kDrop for
+  // anything else whole, a broken or a timed-out connection (noting why in `rejected`).
+  enum class Hello { kWait, kMatch, kDrop };
+  const auto settle = [&](PendingHello& c, bool readable, absl::Time now) {
+    absl::StatusOr<bool> whole = false;
+    if (readable) whole = ReadHelloSome(&c);
+    if (whole.ok() && *whole) {
+      if (std::memcmp(c.got, kHelloMagic, sizeof(kHelloMagic)) == 0 &&
+          GetU32(c.got + 8) == static_cast<uint32_t>(prev) &&
+          GetU32(c.got + 12) == static_cast<uint32_t>(n) &&
+          ConstantTimeEquals(absl::string_view(c.got + 16, kSecretBytes), secret)) {
+        return Hello::kMatch;
+      }
+      rejected = "a connection without this ring's hello";
+    } else if (!whole.ok()) {
+      rejected = std::string(whole.status().message());
+    } else if (now >= c.until) {
+      rejected = "hello: timed out";
+    } else {
+      return Hello::kWait;
+    }
+    return Hello::kDrop;
+  };
   while (true) {
     absl::Time wake = RingAbortSlice(deadline, abort);
     polled.assign(1, pollfd{listen_fd, POLLIN, 0});
@@ -194,25 +219,9 @@ absl::StatusOr<Fd> AcceptPrevious(int listen_fd, int prev, int n, const std::str
     const absl::Time now = absl::Now();
     // Hellos first: `polled` lists the connections pending before this round's accepts.
     for (size_t i = pending.size(); i-- > 0;) {
-      PendingHello& c = pending[i];
-      absl::StatusOr<bool> whole = false;
-      if (polled[i + 1].revents != 0) whole = ReadHelloSome(&c);
-      if (whole.ok() && *whole) {
-        if (std::memcmp(c.got, kHelloMagic, sizeof(kHelloMagic)) == 0 &&
-            GetU32(c.got + 8) == static_cast<uint32_t>(prev) &&
-            GetU32(c.got + 12) == static_cast<uint32_t>(n) &&
-            ConstantTimeEquals(absl::string_view(c.got + 16, kSecretBytes), secret)) {
-          return std::move(c.fd);
-        }
-        rejected = "a connection without this ring's hello";
-      } else if (!whole.ok()) {
-        rejected = std::string(whole.status().message());
-      } else if (now >= c.until) {
-        rejected = "hello: timed out";
-      } else {
-        continue;
-      }
-      pending.erase(pending.begin() + static_cast<std::ptrdiff_t>(i));
+      const Hello h = settle(pending[i], polled[i + 1].revents != 0, now);
+      if (h == Hello::kMatch) return std::move(pending[i].fd);
+      if (h == Hello::kDrop) pending.erase(pending.begin() + static_cast<std::ptrdiff_t>(i));
     }
     if (now >= deadline) {
       return absl::DeadlineExceededError(absl::StrCat(
@@ -220,7 +229,8 @@ absl::StatusOr<Fd> AcceptPrevious(int listen_fd, int prev, int n, const std::str
           rejected.empty() ? "" : absl::StrCat(" (refused: ", rejected, ")")));
     }
     if ((polled[0].revents & POLLIN) == 0) continue;
-    while (true) {
+    // At most kMaxPendingHellos per round, so a flood cannot keep this loop from the hellos.
+    for (size_t accepted = 0; accepted < kMaxPendingHellos; ++accepted) {
       Fd c(accept4(listen_fd, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
       if (c.get() < 0) {
         const int err = errno;
@@ -231,14 +241,18 @@ absl::StatusOr<Fd> AcceptPrevious(int listen_fd, int prev, int n, const std::str
         return absl::UnavailableError(
             absl::StrCat("ring tcp: accepting ", prev_name, ": ", ErrnoText(err)));
       }
+      PendingHello added;
+      added.fd = std::move(c);
+      // The ring's ranks send their hello at once: it is usually here already.
+      added.until = std::min(deadline, absl::Now() + absl::Seconds(1));
+      const Hello h = settle(added, /*readable=*/true, absl::Now());
+      if (h == Hello::kMatch) return std::move(added.fd);
+      if (h == Hello::kDrop) continue;
       if (pending.size() == kMaxPendingHellos) {
         rejected = "hello: too many connections waiting";
         pending.erase(pending.begin());
       }
-      PendingHello& added = pending.emplace_back();
-      added.fd = std::move(c);
-      // The ring's ranks send their hello at once.
-      added.until = std::min(deadline, absl::Now() + absl::Seconds(1));
+      pending.push_back(std::move(added));
     }
   }
 }
@@ -293,8 +307,13 @@ absl::StatusOr<Fd> Connect(const std::string& host, int port, absl::Time deadlin
       }
       last = ErrnoText(errno);
     }
-    if (absl::Now() + backoff >= deadline || RingAborted(abort)) break;
-    absl::SleepFor(backoff);
+    if (absl::Now() + backoff >= deadline) break;
+    // In slices, so an abort is seen within kRingAbortCheck.
+    for (const absl::Time until = absl::Now() + backoff; absl::Now() < until;) {
+      if (RingAborted(abort)) break;
+      absl::SleepFor(std::min(until - absl::Now(), kRingAbortCheck));
+    }
+    if (RingAborted(abort)) break;
     backoff = std::min(backoff * 2, absl::Milliseconds(500));
   }
   freeaddrinfo(res);
@@ -450,8 +469,8 @@ class TcpRingTransport final : public RingTransport {
   }
 
   // Waits until the incoming socket is readable (`read`) or, while messages are queued, the
-  // outgoing one writable; false at `deadline`.
-  // False once `deadline` has passed; an abort sets error_ (and returns true).
+  // outgoing one writable; false once `deadline` has passed; an abort sets error_ (and
+  // returns true).
   bool Wait(bool read, absl::Time deadline) {
     pollfd p[2];
     int count = 0;

@@ -1,7 +1,6 @@
 // Gossip checkpoint files (see checkpoint.h).
 #include "worker/gossip/checkpoint.h"
 
-#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -13,12 +12,11 @@
 namespace gradmesh {
 namespace {
 
-// A push-sum weight a checkpoint may bring back: finite, > 0 and at most 4x the number of
-// workers, as for a gossip message (replica.cc: weights start at 1 per worker and are only
-// split and merged). Anything else would swamp the replica's values, or make them inf/NaN.
-bool WeightFits(double weight, int32_t num_workers) {
-  return std::isfinite(weight) && weight > 0 && weight <= 4.0 * std::max(num_workers, 1);
-}
+// A push-sum weight a checkpoint may bring back: finite and > 0. (Not bounded like a gossip
+// message's, replica.cc: a replica sums what it absorbs, and restarts can bring weight back
+// twice, so its own weight may legitimately exceed what one message may carry.) An infinite
+// or NaN one would make the replica's values inf/NaN and spread them.
+bool WeightFits(double weight) { return std::isfinite(weight) && weight > 0; }
 
 constexpr char kKind[] = "gossip";
 constexpr char kLegacyMagic[] = "GMGOSCK1";
@@ -55,7 +53,7 @@ absl::StatusOr<ckpt::Checkpoint> ParseLegacy(const std::string& path, const std:
       !Get(data, end, &pos, &step) || !Get(data, end, &pos, &weight)) {
     return bad("truncated header");
   }
-  if (numel < 0 || num_slots < 0 || step < 0 || !WeightFits(weight, num_workers)) {
+  if (numel < 0 || num_slots < 0 || step < 0 || !WeightFits(weight)) {
     return bad("invalid header values");
   }
   // Sizes are checked by division first: numel * (1 + num_slots) * 4 can wrap around for a
@@ -149,7 +147,7 @@ absl::StatusOr<GossipCheckpoint> FromCheckpoint(ckpt::Checkpoint c) {
     if (!buffer_values.ok()) return bad(buffer_values.status());
     g.buffer_values = *buffer_values;
   }
-  if (g.num_slots < 0 || g.step < 0 || !WeightFits(g.weight, g.num_workers) || !SizesFit(g)) {
+  if (g.num_slots < 0 || g.step < 0 || !WeightFits(g.weight) || !SizesFit(g)) {
     return absl::DataLossError(absl::StrCat("checkpoint ", path, ": invalid header values (step ",
                                             g.step, ", weight ", g.weight, ", ", g.values.size(),
                                             " values of which ", g.buffer_values, " of buffers, ",

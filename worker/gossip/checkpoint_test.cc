@@ -216,13 +216,13 @@ TEST(CheckpointTest, FilesWithoutBufferValuesHaveNoBuffers) {
                     "2 values of which 1 of buffers, 1 slots of 2 floats");
 }
 
-TEST(CheckpointTest, APushSumWeightOutOfBoundsIsDataLoss) {
-  // A replica restored with an infinite or huge weight would swamp its peers' values (and
-  // overflow to NaN); a gossip message with such a weight is refused, so is a checkpoint.
+TEST(CheckpointTest, ANonFinitePushSumWeightIsDataLoss) {
+  // A replica restored with an infinite or NaN weight would make its values, and its peers',
+  // inf/NaN. A large finite one is what a replica may hold (it sums what it absorbs).
   const std::string path = TempDir() + "/ckpt_weight/rank-0.ckpt";
   const std::vector<float> values = {1, 2}, slots = {3, 4};
-  for (double weight : {std::numeric_limits<double>::infinity(), 8.5, 1e300, -1.0, 0.0,
-                        std::numeric_limits<double>::quiet_NaN(), 8.0}) {
+  for (double weight : {std::numeric_limits<double>::infinity(), -1.0, 0.0,
+                        std::numeric_limits<double>::quiet_NaN(), 8.5}) {
     ckpt::Metadata m;
     m.SetInt("rank", 0);
     m.SetInt("num_workers", 2);
@@ -232,7 +232,7 @@ TEST(CheckpointTest, APushSumWeightOutOfBoundsIsDataLoss) {
     ASSERT_OK(ckpt::WriteCheckpointFile(
         path, "gossip", m,
         {ckpt::ArrayRef::Of<float>("values", values), ckpt::ArrayRef::Of<float>("slots", slots)}));
-    if (weight == 8.0) {  // 4x the 2 workers: the largest a weight may be.
+    if (weight == 8.5) {  // More than one message may carry for 2 workers (4x), still fine.
       EXPECT_OK(ReadGossipCheckpoint(path).status());
     } else {
       EXPECT_STATUS_MSG(ReadGossipCheckpoint(path), absl::StatusCode::kDataLoss,
