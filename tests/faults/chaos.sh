@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # A fault schedule against a real cluster on 127.0.0.1: a coordinator, 2 shard daemons (RocksDB
 # in a data dir) and 2 worker daemons train the MNIST MLP through the CLI while this kills
-# (SIGKILL) a random shard, a random worker daemon or either (TARGET=shard|worker|both), every
+# (SIGKILL) a random shard, a random worker daemon, either (TARGET=shard|worker|both) or the
+# coordinator (TARGET=coordinator, on the same port and data dir), every
 # KILL_EVERY_S seconds, and once it has exited starts it again under the same name on the same
 # port (with its data dir, so with the node token it kept), until the
 # job ends. It prints the number of kills and the job's last line (SUCCEEDED with its accuracy,
@@ -19,10 +20,10 @@ B=${GRADMESH_BIN:-$(cd "$(dirname "$0")/../.." && pwd)/bazel-bin}
 export OPENBLAS_NUM_THREADS=1
 d=${CHAOS_DIR:-/tmp/gradmesh-chaos}/$name; rm -rf $d; mkdir -p $d
 head -c 24 /dev/urandom | base64 | tr -d '/+=' > $d/token
-$B/coordinator/gradmesh_coordinator --host=127.0.0.1 --port=0 --port_file=$d/coord.port --data_dir=$d/coord --auth_token_file=$d/token 2>$d/coord.log &
-cp=$!
-while [ ! -s $d/coord.port ]; do sleep 0.1; done
-C=127.0.0.1:$(cat $d/coord.port)
+CPORT=$((7300 + RANDOM % 200))
+start_coord() { rm -f $d/coord.port; $B/coordinator/gradmesh_coordinator --host=127.0.0.1 --port=$CPORT --port_file=$d/coord.port --data_dir=$d/coord --auth_token_file=$d/token 2>>$d/coord.log & cp=$!; while [ ! -s $d/coord.port ]; do sleep 0.1; done; }
+start_coord
+C=127.0.0.1:$CPORT
 start_shard() { $B/server/gradmesh_server --host=127.0.0.1 --port=$2 --node=shard$1 --data_dir=$d/shard$1 --coordinator=$C --auth_token_file=$d/token 2>>$d/shard$1.log & echo $! > $d/shard$1.pid; }
 P0=$((7600 + RANDOM % 300)); P1=$((P0+1))
 start_shard 0 $P0; start_shard 1 $P1
@@ -52,7 +53,9 @@ while kill -0 $wp 2>/dev/null; do
   sleep $every
   kill -0 $wp 2>/dev/null || break
   s=$((RANDOM % 2)); port=$([ $s = 0 ] && echo $P0 || echo $P1)
-  if [ "${TARGET:-shard}" = worker ] || { [ "${TARGET:-shard}" = both ] && [ $((RANDOM % 2)) = 1 ]; }; then
+  if [ "${TARGET:-shard}" = coordinator ]; then
+    kill -9 $cp 2>/dev/null; wait $cp 2>/dev/null; k=$((k+1)); sleep 0.$((RANDOM % 9)); start_coord
+  elif [ "${TARGET:-shard}" = worker ] || { [ "${TARGET:-shard}" = both ] && [ $((RANDOM % 2)) = 1 ]; }; then
     v=$(cat $d/worker$s.pid); kill -9 $v 2>/dev/null; wait $v 2>/dev/null; k=$((k+1)); sleep 0.$((RANDOM % 9)); start_worker $s
   else
     v=$(cat $d/shard$s.pid); kill -9 $v 2>/dev/null; wait $v 2>/dev/null; k=$((k+1)); sleep 0.$((RANDOM % 9)); start_shard $s $port
