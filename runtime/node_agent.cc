@@ -11,6 +11,7 @@
 #include <cstring>
 #include <filesystem>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
@@ -55,8 +56,7 @@ std::string NodeTokenStore::Load() const {
   if (n <= 0 || n > 256) return "";
   const std::string token(buf, static_cast<size_t>(n));
   const bool ok = std::all_of(token.begin(), token.end(), [](char c) {
-    return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '-' ||
-           c == '_';
+    return absl::ascii_isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '_';
   });
   return ok ? token : "";
 }
@@ -77,8 +77,8 @@ absl::Status NodeTokenStore::Save(const std::string& token) {
 std::string NodeTokenStorePath(const std::string& dir, const std::string& name) {
   std::string safe = name;
   for (char& c : safe) {
-    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
-                    c == '.' || c == '-' || c == '_';
+    const bool ok =
+        absl::ascii_isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '-' || c == '_';
     if (!ok) c = '_';
   }
   return absl::StrCat(dir, "/node-", safe, ".token");

@@ -281,7 +281,7 @@ class SyncPolicy final : public ConsistencyPolicy {
       absl::Status admitted = AdmitLocked(push, step.get());
       bool created = false;
       if (admitted.ok()) {
-        ReleasePassedLocked(me.worker, me.step, absl::StrCat("it pushed step ", me.step), &passed);
+        ReleasePassedLocked(me.worker, me.step, /*finished=*/false, &passed);
         if (step == nullptr) {
           step = std::make_shared<Step>(active_, lr_scale_, std::move(apply));
           steps_[me.step] = step;
@@ -345,7 +345,7 @@ class SyncPolicy final : public ConsistencyPolicy {
     {
       absl::MutexLock lock(&mu_);
       if (worker < 0 || worker >= num_workers_) return;
-      ReleasePassedLocked(worker, std::numeric_limits<int64_t>::max(), "it finished", &passed);
+      ReleasePassedLocked(worker, std::numeric_limits<int64_t>::max(), /*finished=*/true, &passed);
     }
     for (const auto& [number, step] : passed) CompleteStep(number, step);
   }
@@ -438,9 +438,15 @@ class SyncPolicy final : public ConsistencyPolicy {
   // for theirs: both time out and the job fails. So they go on without it, as if it had left
   // the group for them: each then completes with the pushes it has (their mean, as in any
   // step), appended to `*done` to be completed without the lock, or is forgotten if none is
-  // left.
-  void ReleasePassedLocked(int32_t worker, int64_t number, const std::string& because,
+  // left. `finished`: the worker finished (`number` is then past every step) rather than
+  // pushed step `number`, as the log line says.
+  void ReleasePassedLocked(int32_t worker, int64_t number, bool finished,
                            std::vector<std::pair<int64_t, std::shared_ptr<Step>>>* done)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // After members left unsealed `step` (number `number`): forgets it when no push is left in
+  // it (the next push starts it again with the group of then); true when the pushes left
+  // complete it, which is then sealed for the caller to complete.
+  bool SettleShrunkLocked(int64_t number, const std::shared_ptr<Step>& step)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The same, the other way round: `worker` pushes step `number` (`step`) after members that
   // are past it already wait at later steps; the step goes on without them.
@@ -519,7 +525,17 @@ absl::Status SyncPolicy::AdmitLocked(const ChunkUpdate& push, const Step* step) 
   return absl::OkStatus();
 }
 
-void SyncPolicy::ReleasePassedLocked(int32_t worker, int64_t number, const std::string& because,
+bool SyncPolicy::SettleShrunkLocked(int64_t number, const std::shared_ptr<Step>& step) {
+  if (step->arrived == 0) {
+    EraseLocked(number, step.get());
+    return false;
+  }
+  if (!step->Complete()) return false;
+  step->sealed = true;
+  return true;
+}
+
+void SyncPolicy::ReleasePassedLocked(int32_t worker, int64_t number, bool finished,
                                      std::vector<std::pair<int64_t, std::shared_ptr<Step>>>* done) {
   for (auto it = steps_.begin(); it != steps_.end() && it->first < number;) {
     const int64_t earlier = it->first;
@@ -529,15 +545,12 @@ void SyncPolicy::ReleasePassedLocked(int32_t worker, int64_t number, const std::
       continue;
     }
     step->members[worker] = false;
-    LogWarning(logger_, "sync_step_without_worker",
-               {Kv("job", job_), Kv("step", earlier), Kv("worker", worker),
-                Kv("pushes", step->arrived), Kv("because", because)});
-    if (step->arrived == 0) {
-      EraseLocked(earlier, step.get());
-    } else if (step->Complete()) {
-      step->sealed = true;
-      done->emplace_back(earlier, std::move(step));
-    }
+    LogWarning(
+        logger_, "sync_step_without_worker",
+        {Kv("job", job_), Kv("step", earlier), Kv("worker", worker), Kv("pushes", step->arrived),
+         Kv("because",
+            finished ? std::string("it finished") : absl::StrCat("it pushed step ", number))});
+    if (SettleShrunkLocked(earlier, step)) done->emplace_back(earlier, std::move(step));
   }
 }
 
@@ -735,13 +748,9 @@ absl::Status SyncPolicy::SetGroup(const std::vector<int32_t>& active, float lr_s
       --step->arrived;
     }
     if (shrunk) step->lr_scale = lr_scale;
-    if (step->arrived == 0) {
-      // Nobody left waiting on it: forget it, so the next push starts it with the new group.
-      EraseLocked(number, step.get());
-    } else if (step->Complete()) {
-      // Its remaining members have all pushed: complete it on the timer's thread (this call
-      // applies nothing itself).
-      step->sealed = true;
+    // Its remaining members have all pushed: complete it on the timer's thread (this call
+    // applies nothing itself).
+    if (SettleShrunkLocked(number, step)) {
       timer()->Schedule(absl::Now(), [this, number, step] { CompleteStep(number, step); });
     }
   }

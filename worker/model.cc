@@ -450,6 +450,8 @@ class TorchScriptModel : public NamedModel {
   // Integer and bool tensors stay as they are.
   void ConvertToFloat32(bool any_trainable) {
     torch::NoGradGuard no_grad;
+    // The converted tensors' impls with their saved types (to find tied aliases).
+    std::vector<std::pair<const c10::TensorImpl*, torch::ScalarType>> converted_impls;
     auto convert = [&](const std::string& name, torch::Tensor t, bool frozen) {
       if (!t.defined() || !t.device().is_cpu()) return;
       if (IsConvertible(t.scalar_type())) {
@@ -458,14 +460,14 @@ class TorchScriptModel : public NamedModel {
         t.set_data(t.data().to(torch::kFloat32).contiguous());
       } else if (t.scalar_type() == torch::kFloat32) {
         // A tied alias of a tensor converted under its first name.
-        for (const auto& [first, type] : converted_impls_) {
+        for (const auto& [first, type] : converted_impls) {
           if (first == t.unsafeGetTensorImpl()) saved_types_[name] = type;
         }
         return;
       } else {
         return;
       }
-      converted_impls_.emplace_back(t.unsafeGetTensorImpl(), saved_types_[name]);
+      converted_impls.emplace_back(t.unsafeGetTensorImpl(), saved_types_[name]);
     };
     for (const auto& item : module_.named_parameters(/*recurse=*/true)) {
       convert(item.name, item.value, any_trainable && !item.value.requires_grad());
@@ -507,9 +509,8 @@ class TorchScriptModel : public NamedModel {
   std::vector<std::string> buffer_names_;
   std::vector<std::string> frozen_names_;
   // The types ConvertToFloat32 converted from, by parameter or buffer name (tied aliases
-  // too), and the converted tensors' impls with theirs (to find the aliases).
+  // too).
   std::map<std::string, torch::ScalarType> saved_types_;
-  std::vector<std::pair<const c10::TensorImpl*, torch::ScalarType>> converted_impls_;
   // Frozen parameters' values as the module had them before that conversion, by name.
   std::map<std::string, torch::Tensor> frozen_originals_;
   // The floating types of the module's parameters (after any conversion).

@@ -41,7 +41,7 @@ class Trainer {
   // The run is over at once (TrainingMode::Abort): an allreduce rank whose ranks the
   // coordinator restarts. Also a stop request.
   void Abort() {
-    stop_requested_.store(true);
+    RequestStop();
     mode_->Abort();
   }
 

@@ -336,9 +336,10 @@ void WorkerAgent::Reconcile(const std::vector<Task>& desired) {
                   {Kv("job", next.job_id()), Kv("rank", next.index()), Kv("generation", generation),
                    Kv("new_generation", next.generation())});
         }
-        run.RequestAbort();
+        run.RequestAbort();  // Also a stop request.
+      } else {
+        run.RequestStop();
       }
-      run.RequestStop();
       if (run.ended.load()) {
         to_join.push_back(it->second);
         it = runs_.erase(it);

@@ -274,22 +274,35 @@ TEST(TcpRingTest, BuffersOfDifferentLengthsAreInternalNamingThePeer) {
 // Strangers connect to rank 1's listener before rank 0 does (they learn the port, and rank 1's
 // secret, from rank 0's bootstrap message): without the secret, with garbage, with the secret
 // but the wrong rank or ring size. All are dropped and the real ring works.
+// Connects to 127.0.0.1:port (the port as a ring rank announces it: u64 little-endian); the
+// socket, or -1 (a failure recorded) when the connection is refused.
+int ConnectTo(const std::string& announced) {
+  uint64_t port = 0;
+  for (int i = 0; i < 8; ++i)
+    port |= static_cast<uint64_t>(static_cast<unsigned char>(announced[i])) << (8 * i);
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  const int connected = connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
+  EXPECT_EQ(connected, 0);
+  if (connected != 0) {
+    close(fd);
+    return -1;
+  }
+  return fd;
+}
+
 TEST(TcpRingTest, StrangersWithoutTheRingsSecretAreRefused) {
   std::vector<int> strangers;
   auto spy = [&](const std::string& msg) {
     ASSERT_EQ(msg.size(), 24u);  // port (u64) + 16 secret bytes.
-    uint64_t port = 0;
-    for (int i = 0; i < 8; ++i)
-      port |= static_cast<uint64_t>(static_cast<unsigned char>(msg[i])) << (8 * i);
     // kind 0: no secret; 1: garbage; 2: rank 1's secret but claiming to be rank 1;
     // 3: the secret and rank 0, but a ring of 3.
     for (int kind = 0; kind < 4; ++kind) {
-      const int fd = socket(AF_INET, SOCK_STREAM, 0);
-      sockaddr_in a{};
-      a.sin_family = AF_INET;
-      a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-      a.sin_port = htons(static_cast<uint16_t>(port));
-      ASSERT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
+      const int fd = ConnectTo(msg);
+      ASSERT_GE(fd, 0);
       char hello[32] = {'G', 'M', 'R', 'I', 'N', 'G', '0', '1', 0, 0, 0, 0, 2, 0, 0, 0};
       if (kind == 1) std::memset(hello, 'z', sizeof(hello));
       if (kind >= 2) std::memcpy(hello + 16, msg.data() + 8, 16);
@@ -310,20 +323,6 @@ TEST(TcpRingTest, StrangersWithoutTheRingsSecretAreRefused) {
     EXPECT_EQ(v, (std::vector<float>{3, 30, -6}));
   });
   for (int fd : strangers) close(fd);
-}
-
-// Connects to 127.0.0.1:port (the port as a ring rank announces it: u64 little-endian).
-int ConnectTo(const std::string& announced) {
-  uint64_t port = 0;
-  for (int i = 0; i < 8; ++i)
-    port |= static_cast<uint64_t>(static_cast<unsigned char>(announced[i])) << (8 * i);
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  a.sin_port = htons(static_cast<uint16_t>(port));
-  EXPECT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
-  return fd;
 }
 
 TEST(TcpRingTest, SilentConnectionsDoNotDelayTheRing) {
