@@ -1,5 +1,7 @@
 #include "server/parameter_service.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <deque>
 #include <memory>
@@ -13,7 +15,9 @@
 #include "common/status.h"
 #include "common/token_hash.h"
 #include "rpc/grpc_status.h"
+#include "rpc/shm_region.h"
 #include "rpc/tensor_wire.h"
+#include "server/shm_op_server.h"
 
 namespace gradmesh {
 namespace {
@@ -406,7 +410,140 @@ void StreamReactor::CancelAll() {
   for (const auto& op : ops) op->cancel.Cancel();
 }
 
+// One OpenShm call: the first request makes the channel (a ShmOpServer) and answers where its
+// region is; the second says the worker mapped it; the channel then lives until the worker
+// half-closes or cancels the call, or the server shuts down. Every reaction takes mu_; the
+// call finishes once no write is outstanding. Deletes itself (and the channel, joining its
+// thread) when gRPC is done with it.
+class ShmOpenReactor final : public grpc::ServerBidiReactor<ShmOpenRequest, ShmOpenResponse> {
+ public:
+  ShmOpenReactor(Shard* shard, const JobTokens* tokens, const ShmChannelOptions& options,
+                 std::atomic<int32_t>* open, grpc::CallbackServerContext* ctx)
+      : shard_(shard), tokens_(tokens), options_(options), open_(open), peer_(ctx->peer()) {
+    const auto& md = ctx->client_metadata();
+    auto it = md.find("x-gradmesh-job-token");
+    if (it != md.end()) token_.assign(it->second.data(), it->second.size());
+    absl::MutexLock lock(&mu_);
+    if (!IsLocalPeer(peer_)) {
+      FinishLocked(absl::FailedPreconditionError(
+          absl::StrCat("OpenShm: ", peer_, " is not on this machine (loopback or Unix socket)")));
+      return;
+    }
+    if (open_->fetch_add(1) >= options_.max_channels) {
+      open_->fetch_sub(1);
+      FinishLocked(absl::FailedPreconditionError(
+          absl::StrCat("OpenShm: this shard takes at most ", options_.max_channels,
+                       " shared-memory channels (--shm_channels), all open; use the Stream")));
+      return;
+    }
+    counted_ = true;
+    reading_ = true;
+    StartRead(&in_);
+  }
+
+  void OnReadDone(bool ok) override {
+    absl::MutexLock lock(&mu_);
+    reading_ = false;
+    if (!ok || finishing_) {  // Half-closed or cancelled: the channel ends.
+      FinishLocked(absl::OkStatus());
+      return;
+    }
+    absl::Status st;
+    if (server_ == nullptr) {
+      st = OpenLocked();
+    } else if (in_.attached() && !attached_) {
+      attached_ = true;
+      server_->Attached();
+    } else {
+      st = absl::InvalidArgumentError("OpenShm: only an area request, then attached, are taken");
+    }
+    if (!st.ok()) {
+      FinishLocked(st);
+      return;
+    }
+    reading_ = true;
+    StartRead(&in_);
+  }
+
+  void OnWriteDone(bool /*ok*/) override {
+    absl::MutexLock lock(&mu_);
+    writing_ = false;
+    if (finishing_) FinishLocked(end_);
+  }
+
+  void OnDone() override {
+    if (server_ != nullptr) {
+      LogInfo(options_.logger, "shm_channel_closed",
+              {{"peer", peer_}, {"operations", absl::StrCat(server_->served())}});
+    }
+    server_.reset();  // Closes the channel and joins its thread.
+    if (counted_) open_->fetch_sub(1);
+    delete this;
+  }
+
+ private:
+  absl::Status OpenLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const int64_t area = in_.area_bytes();
+    if (area < static_cast<int64_t>(kShmMinAreaBytes) || area > options_.max_area_bytes) {
+      return absl::InvalidArgumentError(absl::StrCat("OpenShm: an area of ", area,
+                                                     " bytes is outside [", kShmMinAreaBytes, ", ",
+                                                     options_.max_area_bytes, "]"));
+    }
+    ShmOpServer::Options o;
+    o.area_bytes = static_cast<size_t>(area);
+    o.token = token_;
+    o.tokens = tokens_;
+    o.peer = peer_;
+    o.logger = options_.logger;
+    absl::StatusOr<std::unique_ptr<ShmOpServer>> server = ShmOpServer::Start(shard_, o);
+    if (!server.ok()) return server.status();
+    server_ = std::move(server).value();
+    out_.set_pid(static_cast<int32_t>(getpid()));
+    out_.set_fd(server_->region().fd());
+    out_.set_nonce(server_->region().nonce());
+    out_.set_area_bytes(static_cast<int64_t>(server_->region().area_bytes()));
+    LogInfo(options_.logger, "shm_channel_opened",
+            {{"peer", peer_}, {"area_bytes", absl::StrCat(out_.area_bytes())}});
+    writing_ = true;
+    StartWrite(&out_);
+    return absl::OkStatus();
+  }
+
+  // Finishes once no write is outstanding (the read may be: gRPC ends it).
+  void FinishLocked(absl::Status st) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (finished_) return;
+    finishing_ = true;
+    end_ = std::move(st);
+    if (writing_) return;
+    finished_ = true;
+    Finish(ToGrpcStatus(end_));
+  }
+
+  Shard* const shard_;
+  const JobTokens* const tokens_;
+  const ShmChannelOptions options_;
+  std::atomic<int32_t>* const open_;
+  const std::string peer_;
+  std::string token_;
+  bool counted_ = false;  // Holds one of max_channels (set in the constructor only).
+  absl::Mutex mu_;
+  ShmOpenRequest in_ ABSL_GUARDED_BY(mu_);
+  ShmOpenResponse out_ ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<ShmOpServer> server_;  // Set under mu_; read in OnDone (no reaction runs).
+  bool reading_ ABSL_GUARDED_BY(mu_) = false;
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;
+  bool attached_ ABSL_GUARDED_BY(mu_) = false;
+  bool finishing_ ABSL_GUARDED_BY(mu_) = false;
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Status end_ ABSL_GUARDED_BY(mu_);
+};
+
 }  // namespace
+
+grpc::ServerBidiReactor<ShmOpenRequest, ShmOpenResponse>* ParameterServiceImpl::OpenShm(
+    grpc::CallbackServerContext* ctx) {
+  return new ShmOpenReactor(shard_, tokens_, shm_, &shm_open_, ctx);
+}
 
 absl::Status ParameterServiceImpl::CheckToken(grpc::ServerContextBase* ctx,
                                               const std::string& job) const {

@@ -16,25 +16,44 @@
 // StreamRequest ends the stream with INVALID_ARGUMENT (operations in flight are withdrawn).
 // Cancelling the stream withdraws its waiting operations, as cancelling unary calls would.
 //
+// OpenShm gives a worker on the same machine a shared-memory channel
+// (server/shm_op_server.h): the same operations as Stream, one at a time, through memory both
+// processes map, for as long as the call stays open.
+//
 // Thread safety: as Shard; gRPC calls the methods from its threads.
 #ifndef GRADMESH_SERVER_PARAMETER_SERVICE_H_
 #define GRADMESH_SERVER_PARAMETER_SERVICE_H_
 
+#include <atomic>
+#include <cstdint>
+
+#include "common/logging.h"
 #include "proto/gradmesh.grpc.pb.h"
 #include "server/job_tokens.h"
 #include "server/shard.h"
 
 namespace gradmesh {
 
+// Shared-memory channels (OpenShm, server/shm_op_server.h).
+struct ShmChannelOptions {
+  int32_t max_channels = 64;  // Open at once; 0 refuses every OpenShm.
+  // Largest area a channel may ask for (each of its two); a worker whose messages are larger
+  // keeps the Stream.
+  int64_t max_area_bytes = int64_t{256} << 20;
+  const Logger* logger = nullptr;  // Not owned; may be null.
+};
+
 class ParameterServiceImpl final
-    : public ParameterService::WithRawCallbackMethod_Stream<
-          ParameterService::WithRawCallbackMethod_Push<
-              ParameterService::WithRawCallbackMethod_Pull<ParameterService::Service>>> {
+    : public ParameterService::WithCallbackMethod_OpenShm<
+          ParameterService::WithRawCallbackMethod_Stream<
+              ParameterService::WithRawCallbackMethod_Push<
+                  ParameterService::WithRawCallbackMethod_Pull<ParameterService::Service>>>> {
  public:
   // `shard` and `tokens` are not owned and must outlive the service; null `tokens` means no
   // per-job access check (every call's job is checked against it otherwise).
-  explicit ParameterServiceImpl(Shard* shard, const JobTokens* tokens = nullptr)
-      : shard_(shard), tokens_(tokens) {}
+  explicit ParameterServiceImpl(Shard* shard, const JobTokens* tokens = nullptr,
+                                ShmChannelOptions shm = {})
+      : shard_(shard), tokens_(tokens), shm_(shm) {}
 
   grpc::Status InitJob(grpc::ServerContext*, const InitJobRequest* request,
                        InitJobResponse* response) override;
@@ -49,6 +68,13 @@ class ParameterServiceImpl final
                                  grpc::ByteBuffer* response) override;
   grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* Stream(
       grpc::CallbackServerContext* context) override;
+  // A worker on this machine opens a shared-memory channel: FAILED_PRECONDITION for a peer
+  // that is not loopback or a Unix socket, or once max_channels are open; INVALID_ARGUMENT for
+  // an area outside [4 KiB, max_area_bytes]. The channel lives as long as the call.
+  grpc::ServerBidiReactor<ShmOpenRequest, ShmOpenResponse>* OpenShm(
+      grpc::CallbackServerContext* context) override;
+  // Shared-memory channels open now.
+  int32_t shm_channels() const { return shm_open_.load(); }
   grpc::Status Finish(grpc::ServerContext*, const FinishRequest* request,
                       FinishResponse* response) override;
   grpc::Status GetJobInfo(grpc::ServerContext*, const JobInfoRequest* request,
@@ -61,6 +87,8 @@ class ParameterServiceImpl final
 
   Shard* const shard_;
   const JobTokens* const tokens_;
+  const ShmChannelOptions shm_;
+  std::atomic<int32_t> shm_open_{0};
 };
 
 }  // namespace gradmesh

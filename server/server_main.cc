@@ -7,6 +7,7 @@
 //
 // Serves ParameterService until SIGTERM/SIGINT, then stops accepting calls, lets calls in
 // flight finish (up to --shutdown_grace_s) and exits 0.
+#include <algorithm>
 #include <cstdio>
 #include <memory>
 #include <string>
@@ -84,6 +85,9 @@ ABSL_FLAG(int32_t, max_num_workers, 4096, "Largest num_workers of a job.");
 ABSL_FLAG(int32_t, max_jobs, 1024, "Most jobs this shard holds at once.");
 ABSL_FLAG(int32_t, max_waiting_pushes, 4096,
           "Most pushes (sync barrier) and pulls (ssp) waiting on this shard at once.");
+ABSL_FLAG(int32_t, shm_channels, 64,
+          "Shared-memory channels (ParameterService.OpenShm) open at once, for workers on this "
+          "machine run with --ps_transport=shm; 0 refuses them (they keep the Stream).");
 ABSL_FLAG(bool, fsync, false,
           "Sync RocksDB's WAL on every write (survive machine crashes, not just process "
           "crashes); costs an fsync per update.");
@@ -112,6 +116,7 @@ struct ServerMainOptions {
   std::string node_token_store;  // --node_token_store.
   bool fsync = false;
   ShardOptions shard;
+  ShmChannelOptions shm;  // Its logger is set in Run.
 };
 
 // Service mode: applies the coordinator's task list (job tokens, sync barrier groups) to the
@@ -255,7 +260,9 @@ int Run(ServerMainOptions options) {
        Kv("max_waiting_pushes", limits.max_waiting_pushes)});
   // Service mode: the coordinator's tasks say which jobs (and tokens) this server serves.
   JobTokens tokens(/*required=*/true);
-  ParameterServiceImpl service(shard.get(), options.coordinator.empty() ? nullptr : &tokens);
+  options.shm.logger = &logger;
+  ParameterServiceImpl service(shard.get(), options.coordinator.empty() ? nullptr : &tokens,
+                               options.shm);
   MetricsRegistry metrics;
   Shard* const shard_ptr = shard.get();
   metrics.AddCollector([shard_ptr](MetricsWriter* w) { CollectShardMetrics(shard_ptr, w); });
@@ -317,6 +324,9 @@ int main(int argc, char** argv) {
   options.data_dir = absl::GetFlag(FLAGS_data_dir);
   options.node_token_store = absl::GetFlag(FLAGS_node_token_store);
   options.fsync = absl::GetFlag(FLAGS_fsync);
+  options.shm.max_channels = std::max(0, absl::GetFlag(FLAGS_shm_channels));
+  options.shm.max_area_bytes = std::min(
+      options.shm.max_area_bytes, std::max<int64_t>(options.daemon.rpc.max_message_bytes, 4096));
   options.coordinator = absl::GetFlag(FLAGS_coordinator);
   options.advertise = absl::GetFlag(FLAGS_advertise);
   options.slots = absl::GetFlag(FLAGS_slots);

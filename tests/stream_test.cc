@@ -99,8 +99,9 @@ grpc::ByteBuffer Encode(const google::protobuf::MessageLite& m) {
 
 using StreamTest = TwoShardFixture;
 
-// The default (stream) and unary transports, and a mix (one shard's messages over its stream,
-// the other's too large for it), produce bit-identical values, versions and shard state.
+// The default (stream) and unary transports, a mix (one shard's messages over its stream,
+// the other's too large for it) and shared memory produce bit-identical values, versions and
+// shard state.
 TEST_F(StreamTest, StreamAndUnaryGiveExactlyTheSameResults) {
   std::vector<std::unique_ptr<ParameterClient>> clients;
   std::vector<Values> pulled;
@@ -108,9 +109,10 @@ TEST_F(StreamTest, StreamAndUnaryGiveExactlyTheSameResults) {
   const Partition p = MakePartition(Layout("x"), 2);
   for (const ChunkInfo& c : p.chunks()) shard_bytes[c.shard] += c.numel * 4;
   ASSERT_GT(std::abs(shard_bytes[0] - shard_bytes[1]), 200);
-  for (const std::string transport : {"stream", "unary", "mixed"}) {
+  const std::vector<std::string> transports = {"stream", "unary", "mixed", "shm"};
+  for (const std::string& transport : transports) {
     const JobLayout l = Layout("same-" + transport);
-    GrpcParameterClientOptions o = Options(Addrs(), transport == "unary" ? "unary" : "stream");
+    GrpcParameterClientOptions o = Options(Addrs(), transport == "mixed" ? "stream" : transport);
     if (transport == "mixed") o.stream_max_bytes = std::min(shard_bytes[0], shard_bytes[1]) + 100;
     clients.push_back(Client(l, o));
     ASSERT_NE(clients.back(), nullptr);
@@ -124,7 +126,8 @@ TEST_F(StreamTest, StreamAndUnaryGiveExactlyTheSameResults) {
     ASSERT_OK(c.Pull(Spans(v)));
     pulled.push_back(v);
   }
-  for (int i = 1; i < 3; ++i) {
+  for (size_t i = 1; i < transports.size(); ++i) {
+    SCOPED_TRACE(transports[i]);
     EXPECT_TRUE(SameBits(pulled[0], pulled[i]));
     EXPECT_EQ(clients[0]->PulledVersions(), clients[i]->PulledVersions());
     EXPECT_EQ(clients[0]->bytes_pushed(), clients[i]->bytes_pushed());
@@ -133,18 +136,23 @@ TEST_F(StreamTest, StreamAndUnaryGiveExactlyTheSameResults) {
   for (auto& stub : stubs_) {
     EXPECT_EQ(Snapshot(stub.get(), "same-stream"), Snapshot(stub.get(), "same-unary"));
     EXPECT_EQ(Snapshot(stub.get(), "same-stream"), Snapshot(stub.get(), "same-mixed"));
+    EXPECT_EQ(Snapshot(stub.get(), "same-stream"), Snapshot(stub.get(), "same-shm"));
   }
+  // The shm client went through its channels (one per shard, open while it lives).
+  for (const auto& server : servers_) EXPECT_EQ(server->service->shm_channels(), 1);
 }
 
 // Many threads share one client (one stream per shard): a pushing thread (as a pipelined
 // worker's) and pulling threads, all at once; every push is applied once, and the values are
 // those of the same pushes made one by one over unary calls.
+// The same over shared memory: an operation that finds the channel busy takes the stream.
 TEST_F(StreamTest, ManyConcurrentOperationsShareOneStream) {
   constexpr int kPullers = 7, kSteps = 40;
-  Values result[2];
-  for (int t = 0; t < 2; ++t) {
-    const JobLayout l = Layout(t == 0 ? "many" : "many-ref");
-    auto client = Client(l, Options(Addrs(), t == 0 ? "stream" : "unary"));
+  const char* const transports[3] = {"stream", "shm", "unary"};
+  Values result[3];
+  for (int t = 0; t < 3; ++t) {
+    const JobLayout l = Layout(absl::StrCat("many-", transports[t]));
+    auto client = Client(l, Options(Addrs(), transports[t]));
     ASSERT_NE(client, nullptr);
     ASSERT_OK(client->InitJob(ConstSpans(OddInit(l))));
     std::atomic<int> failures{0};
@@ -156,7 +164,7 @@ TEST_F(StreamTest, ManyConcurrentOperationsShareOneStream) {
       }
       pushing = false;
     });
-    for (int p = 0; p < (t == 0 ? kPullers : 0); ++p) {
+    for (int p = 0; p < (t < 2 ? kPullers : 0); ++p) {
       threads.emplace_back([&] {
         Values v = Zeros(l);
         while (pushing.load()) {
@@ -174,7 +182,8 @@ TEST_F(StreamTest, ManyConcurrentOperationsShareOneStream) {
       EXPECT_EQ(info.duplicates_dropped(), 0);
     }
   }
-  EXPECT_TRUE(SameBits(result[0], result[1]));
+  EXPECT_TRUE(SameBits(result[0], result[2]));
+  EXPECT_TRUE(SameBits(result[1], result[2]));
 }
 
 // On one stream, a sync push waits at the barrier while later pulls are answered; the push is
@@ -269,7 +278,13 @@ TEST_F(StreamTest, APushRetriedOnANewStreamIsAppliedOnce) {
 // A sync push waiting at the barrier when its server restarts (same shard state, as a durable
 // shard would recover it) is withdrawn, retried by the client over a new stream with the same
 // request id, and applied exactly once when the other worker arrives.
-TEST(StreamRestartTest, AStreamBrokenMidPushIsRetriedAndThePushAppliedOnce) {
+class StreamRestartTest : public ::testing::TestWithParam<const char*> {};
+
+// The same over a shared-memory channel: the restart closes it; the retry opens a new one.
+INSTANTIATE_TEST_SUITE_P(Transports, StreamRestartTest, ::testing::Values("stream", "shm"));
+
+TEST_P(StreamRestartTest, AStreamBrokenMidPushIsRetriedAndThePushAppliedOnce) {
+  const std::string transport = GetParam();
   ASSERT_OK_AND_ASSIGN(std::unique_ptr<Shard> shard, Shard::Create(ShardOptions()));
   auto serve = [&](int port, int* bound) {
     auto service = std::make_unique<ParameterServiceImpl>(shard.get());
@@ -285,12 +300,12 @@ TEST(StreamRestartTest, AStreamBrokenMidPushIsRetriedAndThePushAppliedOnce) {
   ASSERT_NE(server, nullptr);
   const std::string addr = absl::StrCat("127.0.0.1:", port);
   const JobLayout l = Layout("restart", /*num_workers=*/2, "sync");
-  GrpcParameterClientOptions o0 = Options({addr}, "stream", 0);
+  GrpcParameterClientOptions o0 = Options({addr}, transport, 0);
   o0.max_attempts = 20;
   o0.initial_backoff = absl::Milliseconds(20);
   o0.max_backoff = absl::Milliseconds(100);
   auto c0 = Client(l, o0);
-  auto c1 = Client(l, Options({addr}, "stream", 1));
+  auto c1 = Client(l, Options({addr}, transport, 1));
   ASSERT_NE(c0, nullptr);
   ASSERT_NE(c1, nullptr);
   ASSERT_OK(c0->InitJob(ConstSpans(OddInit(l))));
@@ -312,6 +327,14 @@ TEST(StreamRestartTest, AStreamBrokenMidPushIsRetriedAndThePushAppliedOnce) {
   ASSERT_OK(c1->Push(0, ConstSpans(Grad(l, 0, 2))));
   t0.join();
   ASSERT_OK(pushed0);
+  if (transport == "shm") {
+    // Each client has its channel to the new server: c1's from its push, and c0's reopened by
+    // its first call once a second has passed since the try that found the server down.
+    absl::SleepFor(absl::Milliseconds(1100));
+    Values v = Zeros(l);
+    ASSERT_OK(c0->Pull(Spans(v)));
+    EXPECT_EQ(service2->shm_channels(), 2);
+  }
   auto stub = ParameterService::NewStub(MakeChannel(addr, RpcOptions()));
   const JobInfoResponse info = RawInfo(stub.get(), "restart");
   EXPECT_EQ(info.pushes_applied(), 2);
@@ -339,8 +362,8 @@ TEST(StreamRestartTest, AStreamBrokenMidPushIsRetriedAndThePushAppliedOnce) {
   server2->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
 }
 
-// With per-job tokens, a streamed push or pull with a wrong or missing token fails with the
-// code the unary call gives, and changes nothing.
+// With per-job tokens, a streamed push or pull (or one through shared memory) with a wrong or
+// missing token fails with the code the unary call gives, and changes nothing.
 TEST(StreamTokenTest, AnUnauthorisedJobIsRefusedAsUnaryRefusesIt) {
   ASSERT_OK_AND_ASSIGN(std::unique_ptr<Shard> shard, Shard::Create(ShardOptions()));
   JobTokens tokens(/*required=*/true);
@@ -371,9 +394,10 @@ TEST(StreamTokenTest, AnUnauthorisedJobIsRefusedAsUnaryRefusesIt) {
   };
   const std::string before = snapshot();
   for (const std::string token : {"bad-token", ""}) {
-    absl::StatusCode codes[2][2];
-    for (int t = 0; t < 2; ++t) {
-      GrpcParameterClientOptions o = Options({addr}, t == 0 ? "stream" : "unary");
+    absl::StatusCode codes[3][2];
+    const char* const transports[3] = {"stream", "shm", "unary"};
+    for (int t = 0; t < 3; ++t) {
+      GrpcParameterClientOptions o = Options({addr}, transports[t]);
       o.job_token = token;
       o.max_attempts = 1;
       auto c = Client(l, o);
@@ -386,7 +410,8 @@ TEST(StreamTokenTest, AnUnauthorisedJobIsRefusedAsUnaryRefusesIt) {
       EXPECT_TRUE(codes[0][op] == absl::StatusCode::kPermissionDenied ||
                   codes[0][op] == absl::StatusCode::kUnauthenticated)
           << "token '" << token << "' op " << op << ": " << codes[0][op];
-      EXPECT_EQ(codes[0][op], codes[1][op]) << "token '" << token << "' op " << op;
+      EXPECT_EQ(codes[0][op], codes[2][op]) << "token '" << token << "' op " << op;
+      EXPECT_EQ(codes[1][op], codes[2][op]) << "shm, token '" << token << "' op " << op;
     }
   }
   EXPECT_EQ(snapshot(), before);

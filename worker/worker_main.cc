@@ -175,6 +175,10 @@ ABSL_FLAG(int64_t, ps_spin_wait_us, 300,
           "ps modes: waiting for its shards' answers, the worker first spins (yielding the CPU) "
           "for up to this many µs while its recent waits were under half of it; 0 = always "
           "block (GrpcParameterClientOptions.spin_wait).");
+ABSL_FLAG(std::string, ps_transport, "stream",
+          "ps modes: how pushes and pulls reach the shards: stream (one gRPC stream per shard), "
+          "unary (a call per operation) or shm (shared memory with each shard on this machine, "
+          "run by the same user; the stream for the others).");
 ABSL_FLAG(int32_t, ps_max_attempts, 0,
           "ps modes: attempts of each call to the shards (first included; 100 ms backoff "
           "doubling to 5 s) before the rank fails. 0: 40 standalone (a shard down for about 3 "
@@ -225,6 +229,16 @@ absl::StatusOr<absl::Duration> SpinWaitFlag() {
   return absl::Microseconds(us);
 }
 
+// --ps_transport, checked: InvalidArgument listing the known transports otherwise.
+absl::StatusOr<std::string> TransportFlag() {
+  const std::string t = absl::GetFlag(FLAGS_ps_transport);
+  if (t != "stream" && t != "unary" && t != "shm") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--ps_transport: \"", t, "\" is not one of stream, unary, shm"));
+  }
+  return t;
+}
+
 // --ps_max_attempts, checked; 0 is the default for how the worker runs.
 absl::StatusOr<int32_t> MaxAttemptsFlag(bool standalone) {
   const int32_t n = absl::GetFlag(FLAGS_ps_max_attempts);
@@ -233,6 +247,15 @@ absl::StatusOr<int32_t> MaxAttemptsFlag(bool standalone) {
         absl::StrCat("--ps_max_attempts must be >= 0 (0: the default), got ", n));
   }
   return n > 0 ? n : standalone ? 40 : 400;
+}
+
+// The parameter client's flags of a standalone worker (--ps_*, RPC), checked.
+absl::Status StandaloneClientFlags(GrpcParameterClientOptions* client) {
+  ASSIGN_OR_RETURN(client->spin_wait, SpinWaitFlag());
+  ASSIGN_OR_RETURN(client->transport, TransportFlag());
+  ASSIGN_OR_RETURN(client->max_attempts, MaxAttemptsFlag(/*standalone=*/true));
+  ASSIGN_OR_RETURN(client->rpc, RpcFlags());
+  return absl::OkStatus();
 }
 
 struct WorkerMainOptions {
@@ -401,9 +424,7 @@ absl::StatusOr<WorkerMainOptions> ParseOptions() {
   }
   o.client.worker = o.trainer.rank;
   SetClientOptionsFromSpec(spec, &o.client);
-  ASSIGN_OR_RETURN(o.client.spin_wait, SpinWaitFlag());
-  ASSIGN_OR_RETURN(o.client.max_attempts, MaxAttemptsFlag(/*standalone=*/true));
-  ASSIGN_OR_RETURN(o.client.rpc, RpcFlags());
+  RETURN_IF_ERROR(StandaloneClientFlags(&o.client));
   o.trainer.peer_rpc = o.client.rpc;
   o.trainer.peer_rpc.link_bits_per_s = 0;
   o.node = NodeNameOrHostName(absl::GetFlag(FLAGS_node));
@@ -435,6 +456,7 @@ struct ServiceFlags {
   ComputeDevice device = ComputeDevice::kCpu;
   DeviceCodecUse device_codec = DeviceCodecUse::kAuto;
   absl::Duration spin_wait;
+  std::string transport;
   int32_t max_attempts = 400;
 };
 
@@ -449,6 +471,7 @@ absl::StatusOr<ServiceFlags> CheckServiceFlags(const std::string& node, const st
   f.device = *device;
   ASSIGN_OR_RETURN(f.device_codec, DeviceCodecFlag());
   ASSIGN_OR_RETURN(f.spin_wait, SpinWaitFlag());
+  ASSIGN_OR_RETURN(f.transport, TransportFlag());
   ASSIGN_OR_RETURN(f.max_attempts, MaxAttemptsFlag(/*standalone=*/false));
   return f;
 }
@@ -513,6 +536,7 @@ int RunService() {
   wo.client.rpc = rpc;
   wo.client.logger = &logger;
   wo.client.spin_wait = flags->spin_wait;
+  wo.client.transport = flags->transport;
   // A shard that is down pauses the job (the coordinator says PAUSED) until it is back: keep
   // retrying for about half an hour (5 s apart) by default.
   wo.client.max_attempts = flags->max_attempts;

@@ -147,7 +147,9 @@ TEST_F(E2eTest, MlpAsyncTwoShardsTwoWorkers) {
                      absl::StrCat("--num_workers=", kWorkers), absl::StrCat("--epochs=", kEpochs),
                      "--model=mlp", "--dataset=mnist", "--mode=async", "--lr_schedule=cosine",
                      "--name=" + job, "--data_dir=" + DataDir(), "--log_every=100",
-                     "--output=" + model_path, absl::StrCat("--node=worker", r)}));
+                     "--output=" + model_path, absl::StrCat("--node=worker", r),
+                     // Rank 1 reaches the shards through shared memory, rank 0 by the Stream.
+                     r == 1 ? "--ps_transport=shm" : "--ps_transport=stream"}));
     ASSERT_NE(workers.back(), nullptr);
   }
 
@@ -274,8 +276,19 @@ TEST_F(E2eTest, MlpAsyncTwoShardsTwoWorkers) {
   EXPECT_EQ(elements_seen, total_numel);
   EXPECT_STATUS(GetJobInfo(addresses_[0], "no-such-job"), absl::StatusCode::kNotFound);
 
+  {
+    const std::string log = ReadFile(workers[1]->log_path());
+    EXPECT_EQ(LinesWith(log, "event=shm_channel_opened").size(), static_cast<size_t>(kShards));
+    EXPECT_TRUE(LinesWith(log, "event=shm_unavailable").empty()) << log;
+    EXPECT_TRUE(LinesWith(ReadFile(workers[0]->log_path()), "event=shm_").empty());
+  }
   for (int s = 0; s < kShards; ++s) {
     const std::string log = ReadFile(servers_[s]->log_path());
+    // Rank 1's channel: every step of it went through shared memory (one fused exchange per
+    // step, nothing else in flight), and it closed when rank 1 exited.
+    const std::vector<std::string> closed = LinesWith(log, "event=shm_channel_closed");
+    ASSERT_EQ(closed.size(), 1u) << "shard " << s;
+    EXPECT_GE(ToInt(LogField(closed[0], "operations")), kStepsPerWorker) << closed[0];
     EXPECT_EQ(LinesWith(log, "event=job_created").size(), 1u) << "shard " << s;
     EXPECT_EQ(LinesWith(log, "event=worker_finished").size(), static_cast<size_t>(kWorkers))
         << "shard " << s;
@@ -466,6 +479,14 @@ TEST_F(E2eTest, BadFlagsAndSpecExitTwo) {
     WorkerRun run = RunWorker("bad_spin", {"--servers=127.0.0.1:1", "--ps_spin_wait_us=-1", data});
     EXPECT_EQ(run.exit_code, 2);
     EXPECT_NE(run.error.find("--ps_spin_wait_us must be >= 0 (0: always block), got -1"),
+              std::string::npos)
+        << run.log;
+  }
+  {
+    WorkerRun run =
+        RunWorker("bad_transport", {"--servers=127.0.0.1:1", "--ps_transport=tcp", data});
+    EXPECT_EQ(run.exit_code, 2);
+    EXPECT_NE(run.error.find("--ps_transport: \"tcp\" is not one of stream, unary, shm"),
               std::string::npos)
         << run.log;
   }

@@ -26,6 +26,7 @@
 #include "proto/gradmesh.grpc.pb.h"
 #include "rpc/grpc_status.h"
 #include "rpc/op_stream.h"
+#include "rpc/shm_op_channel.h"
 #include "rpc/tensor_wire.h"
 #include "rpc/token_transport.h"
 #include "worker/core/device_gradients.h"
@@ -73,12 +74,21 @@ class GrpcParameterClient final : public ParameterClient {
       auto channel = MakeChannel(addr, options_.rpc);
       stubs_.push_back(ParameterService::NewStub(channel));
       generic_stubs_.push_back(std::make_unique<grpc::GenericStub>(channel));
-      if (options_.transport == "stream") {
+      if (options_.transport == "stream" || options_.transport == "shm") {
         std::vector<std::pair<std::string, std::string>> md;
         if (!options_.job_token.empty())
           md.emplace_back("x-gradmesh-job-token", options_.job_token);
-        streams_.push_back(std::make_unique<OpStream>(
-            generic_stubs_.back().get(), "/gradmesh.ParameterService/Stream", std::move(md)));
+        streams_.push_back(std::make_unique<OpStream>(generic_stubs_.back().get(),
+                                                      "/gradmesh.ParameterService/Stream", md));
+        if (options_.transport == "shm") {
+          const int32_t s = static_cast<int32_t>(shm_.size());
+          ShmOpChannel::Options so;
+          so.area_bytes = ShmAreaBytes(s);
+          so.metadata = std::move(md);
+          so.shard = absl::StrCat("shard ", s, " (", addr, ")");
+          so.logger = options_.logger;
+          shm_.push_back(std::make_unique<ShmOpChannel>(stubs_.back().get(), std::move(so)));
+        }
       }
     }
   }
@@ -308,12 +318,7 @@ class GrpcParameterClient final : public ParameterClient {
           // A fused push's answer carries the shard's values.
           const int64_t bytes = std::max(static_cast<int64_t>(req->Length()),
                                          fused ? shard_bytes_[shard] : int64_t{0});
-          if (Streamed(bytes)) {
-            streams_[shard]->Call(StreamOp::kPush, *req, resp, std::move(done));
-            return;
-          }
-          generic_stubs_[shard]->UnaryCall(ctx, "/gradmesh.ParameterService/Push",
-                                           grpc::StubOptions(), req, resp, std::move(done));
+          Send(StreamOp::kPush, shard, bytes, ctx, req, resp, std::move(done));
         },
         &shards)));
     bytes_pushed_ += wire;
@@ -391,12 +396,7 @@ class GrpcParameterClient final : public ParameterClient {
         "Pull", reqs, &resps,
         [this](int32_t shard, grpc::ClientContext* ctx, const grpc::ByteBuffer* req,
                grpc::ByteBuffer* resp, std::function<void(grpc::Status)> done) {
-          if (Streamed(shard_bytes_[shard])) {
-            streams_[shard]->Call(StreamOp::kPull, *req, resp, std::move(done));
-            return;
-          }
-          generic_stubs_[shard]->UnaryCall(ctx, "/gradmesh.ParameterService/Pull",
-                                           grpc::StubOptions(), req, resp, std::move(done));
+          Send(StreamOp::kPull, shard, shard_bytes_[shard], ctx, req, resp, std::move(done));
         },
         &shards)));
     return DecodePulled(resps, params, commit, missing, &shards);
@@ -615,6 +615,28 @@ class GrpcParameterClient final : public ParameterClient {
   const std::vector<int32_t>& ShardsOr(const std::vector<int32_t>* only) const {
     return only != nullptr ? *only : all_shards_;
   }
+  // Sends a push or pull (`op`) carrying `bytes` of tensor data to or from `shard` by its
+  // shared-memory channel if it takes it, else its stream if the size allows, else a unary
+  // call (with `ctx`).
+  void Send(StreamOp op, int32_t shard, int64_t bytes, grpc::ClientContext* ctx,
+            const grpc::ByteBuffer* req, grpc::ByteBuffer* resp,
+            std::function<void(grpc::Status)> done) {
+    if (!shm_.empty() && shm_[shard]->Call(op, *req, resp, &done)) return;
+    if (Streamed(bytes)) {
+      streams_[shard]->Call(op, *req, resp, std::move(done));
+      return;
+    }
+    generic_stubs_[shard]->UnaryCall(ctx,
+                                     op == StreamOp::kPush ? "/gradmesh.ParameterService/Push"
+                                                           : "/gradmesh.ParameterService/Pull",
+                                     grpc::StubOptions(), req, resp, std::move(done));
+  }
+  // The area a shared-memory channel to shard `s` asks for: its dense float32 values (the
+  // largest push and the largest answer) plus room for the framing of each chunk.
+  size_t ShmAreaBytes(int32_t s) const {
+    return static_cast<size_t>(shard_bytes_[s]) + 64 * partition_.shard_chunks(s).size() +
+           (size_t{64} << 10);
+  }
   // Whether an operation carrying `bytes` of tensor data to or from a shard takes its stream.
   bool Streamed(int64_t bytes) const {
     return !streams_.empty() && bytes <= options_.stream_max_bytes;
@@ -709,6 +731,7 @@ class GrpcParameterClient final : public ParameterClient {
       for (size_t i : cut) {
         contexts[i]->TryCancel();
         if (!streams_.empty()) streams_[pending[i]]->Abort();
+        if (!shm_.empty()) shm_[pending[i]]->Abort();
       }
       mu->Lock();
       mu->Await(all_done);
@@ -846,6 +869,8 @@ class GrpcParameterClient final : public ParameterClient {
   std::vector<int32_t> all_shards_;   // 0, 1, ..., NumShards() - 1.
   // transport "stream": one per shard (after the stubs they use, so destroyed first).
   std::vector<std::unique_ptr<OpStream>> streams_;
+  // transport "shm": one shared-memory channel per shard, tried before its stream.
+  std::vector<std::unique_ptr<ShmOpChannel>> shm_;
   // Error feedback per chunk for a biased push codec (none otherwise), from zero.
   void ResetFeedbackLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     feedback_.clear();
@@ -909,9 +934,10 @@ absl::StatusOr<std::unique_ptr<ParameterClient>> NewGrpcParameterClient(
     return absl::InvalidArgumentError(absl::StrCat("parameter client: worker ", options.worker,
                                                    " not in [0, ", layout.num_workers, ")"));
   }
-  if (options.transport != "stream" && options.transport != "unary") {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "parameter client: transport \"", options.transport, "\" is not one of stream, unary"));
+  if (options.transport != "stream" && options.transport != "unary" && options.transport != "shm") {
+    return absl::InvalidArgumentError(absl::StrCat("parameter client: transport \"",
+                                                   options.transport,
+                                                   "\" is not one of stream, unary, shm"));
   }
   if (options.max_attempts < 1) {
     return absl::InvalidArgumentError("parameter client: max_attempts must be >= 1");

@@ -16,10 +16,12 @@
 // Transport: by default each shard's pushes and pulls go over one long-lived
 // ParameterService.Stream call (rpc/op_stream.h), shared by concurrent callers, which costs
 // far less per operation than a unary call; options.transport = "unary" uses one unary call
-// per operation instead, and so do large messages (options.stream_max_bytes). Other RPCs are unary
-// either way. A stream that breaks fails its operations UNAVAILABLE (retried below, over a new
-// stream); an operation past its deadline breaks its stream (the other operations on it are retried
-// too).
+// per operation instead, and so do large messages (options.stream_max_bytes). With "shm" a shard
+// on the same machine gets the operations through shared memory (BytePS's inter-process path:
+// no loopback TCP, HTTP/2 or gRPC thread hops; the Stream's framing, checks and codes), any
+// size that fits the channel's area. Other RPCs are unary either way. A stream that breaks fails
+// its operations UNAVAILABLE (retried below, over a new stream); an operation past its deadline
+// breaks its stream (the other operations on it are retried too).
 //
 // Retries: UNAVAILABLE, DEADLINE_EXCEEDED and ABORTED are retried with exponential backoff
 // (bounded and logged); a retried push reuses its request id, so a shard that already applied
@@ -68,7 +70,10 @@ struct GrpcParameterClientOptions {
   uint64_t seed = 1;           // Stochastic codecs: mixed with worker, step and chunk.
   // Per-job secret the shards check (metadata x-gradmesh-job-token; server/job_tokens.h).
   std::string job_token;
-  // How pushes and pulls travel: "stream" (one ParameterService.Stream per shard) or "unary".
+  // How pushes and pulls travel: "stream" (one ParameterService.Stream per shard), "unary",
+  // or "shm": a shared-memory channel per shard (rpc/shm_op_channel.h) for shards on this
+  // machine, one operation at a time, and the Stream for whatever it cannot take (a shard on
+  // another machine, user or PID namespace, or an operation while one is in flight).
   std::string transport = "stream";
   // With "stream": a push or pull whose tensor payload for a shard exceeds this many bytes
   // takes a unary call instead. A call's fixed cost is small next to such a message (both

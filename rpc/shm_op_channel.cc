@@ -1,0 +1,340 @@
+#include "rpc/shm_op_channel.h"
+
+#include <grpcpp/client_context.h>
+#include <grpcpp/support/client_callback.h>
+
+#include <atomic>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
+#include "rpc/grpc_status.h"
+#include "rpc/shm_region.h"
+
+namespace gradmesh {
+namespace {
+
+// How often the answering thread looks at the channel's state while it waits.
+constexpr absl::Duration kStateCheck = absl::Milliseconds(50);
+
+}  // namespace
+
+// The OpenShm call: writes the area request, reads the shard's answer, writes `attached`,
+// then keeps a read outstanding, whose end says the call (and so the channel) is gone.
+// OnDone only notifies `ended_` (shared): the object is destroyed on the channel's threads,
+// never on gRPC's (see OpStream's Conn for why).
+class ShmOpChannel::Control final
+    : public grpc::ClientBidiReactor<ShmOpenRequest, ShmOpenResponse> {
+ public:
+  Control(ParameterService::Stub* stub, const Options& options) {
+    for (const auto& [key, value] : options.metadata) ctx_.AddMetadata(key, value);
+    first_.set_area_bytes(static_cast<int64_t>(options.area_bytes));
+    second_.set_attached(true);
+    stub->async()->OpenShm(&ctx_, this);
+    writing_ = true;
+    StartWrite(&first_);
+    StartRead(&answer_);
+    StartCall();
+  }
+
+  // The shard's answer, once it came (false: the call ended or `timeout` passed first).
+  bool WaitAnswer(absl::Duration timeout, ShmOpenResponse* answer, grpc::Status* why) {
+    if (!answered_.WaitForNotificationWithTimeout(timeout)) {
+      *why = grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, "no answer to OpenShm in time");
+      return false;
+    }
+    absl::MutexLock lock(&mu_);
+    if (!answer_ok_) {
+      mu_.Unlock();
+      ended_->WaitForNotification();  // The call's status says why.
+      mu_.Lock();
+      *why = status_;
+      return false;
+    }
+    *answer = answer_;
+    return true;
+  }
+
+  void SendAttached() {
+    absl::MutexLock lock(&mu_);
+    if (writing_) {
+      attach_pending_ = true;
+    } else {
+      writing_ = true;
+      StartWrite(&second_);
+    }
+  }
+
+  bool gone() const { return gone_.load(); }
+  // Ends the call and waits for gRPC to be done with it.
+  void Close() {
+    ctx_.TryCancel();
+    ended_->WaitForNotification();
+  }
+
+  void OnWriteDone(bool ok) override {
+    absl::MutexLock lock(&mu_);
+    writing_ = false;
+    if (ok && attach_pending_) {
+      attach_pending_ = false;
+      writing_ = true;
+      StartWrite(&second_);
+    }
+  }
+
+  void OnReadDone(bool ok) override {
+    absl::MutexLock lock(&mu_);
+    if (!answered_.HasBeenNotified()) {
+      answer_ok_ = ok;
+      answered_.Notify();
+      if (ok) {
+        StartRead(&rest_);  // Ends when the call does.
+        return;
+      }
+    }
+    gone_.store(true);
+  }
+
+  void OnDone(const grpc::Status& status) override {
+    {
+      absl::MutexLock lock(&mu_);
+      status_ = status;
+      gone_.store(true);
+      if (!answered_.HasBeenNotified()) answered_.Notify();
+    }
+    const std::shared_ptr<absl::Notification> ended = ended_;
+    ended->Notify();  // *this may be destroyed from here on.
+  }
+
+ private:
+  grpc::ClientContext ctx_;
+  ShmOpenRequest first_;
+  ShmOpenRequest second_;
+  ShmOpenResponse rest_;
+  absl::Notification answered_;
+  const std::shared_ptr<absl::Notification> ended_ = std::make_shared<absl::Notification>();
+  std::atomic<bool> gone_{false};
+  mutable absl::Mutex mu_;
+  ShmOpenResponse answer_ ABSL_GUARDED_BY(mu_);
+  bool answer_ok_ ABSL_GUARDED_BY(mu_) = false;
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;
+  bool attach_pending_ ABSL_GUARDED_BY(mu_) = false;
+  grpc::Status status_ ABSL_GUARDED_BY(mu_);
+};
+
+// One open channel: the OpenShm call and the mapped region.
+struct ShmOpChannel::Conn {
+  std::unique_ptr<Control> control;
+  std::unique_ptr<ShmRegion> region;
+  uint32_t seq = 0;                 // Of the last request sent.
+  std::atomic<bool> broken{false};  // Abort, or a bad answer: close it.
+  std::atomic<bool> closed{false};  // Close has run.
+
+  bool Usable() const {
+    return !broken.load() && !control->gone() && region->header()->closed.load() == 0;
+  }
+  void Close() {
+    if (closed.exchange(true)) return;
+    region->header()->closed.store(1);
+    ShmWake(&region->header()->request_seq);
+    control->Close();
+  }
+};
+
+ShmOpChannel::ShmOpChannel(ParameterService::Stub* stub, Options options)
+    : stub_(stub), options_(std::move(options)) {
+  thread_ = std::thread([this] { Run(); });
+}
+
+ShmOpChannel::~ShmOpChannel() {
+  std::shared_ptr<Conn> conn;
+  {
+    absl::MutexLock lock(&mu_);
+    stop_ = true;
+    conn = conn_;
+    if (in_flight_.has_value()) in_flight_->conn->broken.store(true);
+  }
+  if (conn != nullptr) ShmWake(&conn->region->header()->response_seq);
+  thread_.join();
+  absl::MutexLock lock(&mu_);
+  if (conn_ != nullptr) conn_->Close();
+  conn_.reset();
+}
+
+absl::Status ShmOpChannel::OpenLocked() {
+  auto conn = std::make_shared<Conn>();
+  conn->control = std::make_unique<Control>(stub_, options_);
+  ShmOpenResponse answer;
+  grpc::Status why;
+  if (!conn->control->WaitAnswer(options_.open_timeout, &answer, &why)) {
+    conn->control->Close();
+    return FromGrpcStatus(why);
+  }
+  absl::StatusOr<std::unique_ptr<ShmRegion>> region = ShmRegion::Attach(
+      answer.pid(), answer.fd(), answer.nonce(), static_cast<size_t>(answer.area_bytes()));
+  if (!region.ok() || (*region)->area_bytes() < options_.area_bytes) {
+    conn->control->Close();
+    return region.ok() ? absl::FailedPreconditionError(absl::StrCat(
+                             "shared memory: the shard granted areas of ", answer.area_bytes(),
+                             " bytes, under the ", options_.area_bytes, " asked"))
+                       : region.status();
+  }
+  conn->region = std::move(region).value();
+  conn->seq = conn->region->header()->request_seq.load();
+  conn->control->SendAttached();
+  conn_ = std::move(conn);
+  ++opened_;
+  LogInfo(options_.logger, "shm_channel_opened",
+          {{"shard", options_.shard}, {"area_bytes", absl::StrCat(options_.area_bytes)}});
+  return absl::OkStatus();
+}
+
+void ShmOpChannel::DisableLocked(const absl::Status& why) {
+  if (disabled_) return;
+  disabled_ = true;
+  LogInfo(options_.logger, "shm_unavailable",
+          {{"shard", options_.shard}, {"reason", why.ToString()}, {"using", "stream"}});
+}
+
+bool ShmOpChannel::Call(StreamOp op, const grpc::ByteBuffer& body, grpc::ByteBuffer* response,
+                        Done* done) {
+  absl::MutexLock lock(&mu_);
+  if (disabled_ || stop_ || in_flight_.has_value()) return false;
+  if (conn_ == nullptr || !conn_->Usable()) {
+    if (conn_ != nullptr) {
+      conn_->Close();
+      conn_.reset();
+    }
+    if (absl::Now() < next_open_) return false;
+    if (absl::Status st = OpenLocked(); !st.ok()) {
+      next_open_ = absl::Now() + absl::Seconds(1);
+      // Refusals that another try would meet again turn the channel off.
+      if (st.code() == absl::StatusCode::kFailedPrecondition ||
+          st.code() == absl::StatusCode::kUnimplemented ||
+          st.code() == absl::StatusCode::kInvalidArgument ||
+          st.code() == absl::StatusCode::kPermissionDenied ||
+          st.code() == absl::StatusCode::kUnauthenticated) {
+        DisableLocked(st);
+      }
+      return false;
+    }
+  }
+  const uint64_t call = next_call_++;
+  const grpc::ByteBuffer framed = FrameStreamRequest(call, op, body);
+  if (framed.Length() > conn_->region->area_bytes()) return false;
+  std::vector<grpc::Slice> slices;
+  if (!framed.Dump(&slices).ok()) return false;
+  char* out = conn_->region->request_area();
+  for (const grpc::Slice& s : slices) {
+    std::memcpy(out, s.begin(), s.size());
+    out += s.size();
+  }
+  ShmHeader* h = conn_->region->header();
+  h->request_bytes.store(framed.Length(), std::memory_order_relaxed);
+  const uint32_t seq = ++conn_->seq;
+  h->request_seq.store(seq, std::memory_order_release);
+  ShmWake(&h->request_seq);
+  in_flight_ = Pending{conn_, seq, call, response, std::move(*done)};
+  return true;
+}
+
+void ShmOpChannel::Abort() {
+  absl::MutexLock lock(&mu_);
+  if (conn_ == nullptr) return;
+  conn_->broken.store(true);
+  ShmWake(&conn_->region->header()->response_seq);
+}
+
+int64_t ShmOpChannel::opened() const {
+  absl::MutexLock lock(&mu_);
+  return opened_;
+}
+
+bool ShmOpChannel::disabled() const {
+  absl::MutexLock lock(&mu_);
+  return disabled_;
+}
+
+void ShmOpChannel::Run() {
+  while (true) {
+    Pending p;
+    {
+      absl::MutexLock lock(&mu_);
+      mu_.Await(absl::Condition(
+          +[](ShmOpChannel* c)
+               ABSL_NO_THREAD_SAFETY_ANALYSIS { return c->stop_ || c->in_flight_.has_value(); },
+          this));
+      if (!in_flight_.has_value()) return;  // Stopping, nothing in flight.
+      p.conn = in_flight_->conn;
+      p.seq = in_flight_->seq;
+    }
+    ShmHeader* h = p.conn->region->header();
+    bool answered = false;
+    while (true) {
+      const uint32_t seen = h->response_seq.load(std::memory_order_acquire);
+      if (seen == p.seq) {
+        answered = true;
+        break;
+      }
+      if (!p.conn->Usable()) break;
+      ShmWait(&h->response_seq, seen, kStateCheck);
+    }
+    {
+      absl::MutexLock lock(&mu_);
+      p.call = in_flight_->call;
+      p.response = in_flight_->response;
+      p.done = std::move(in_flight_->done);
+    }
+    const grpc::Status status = Complete(&p, answered);
+    std::shared_ptr<Conn> closing;
+    {
+      absl::MutexLock lock(&mu_);
+      in_flight_.reset();
+      if (!p.conn->Usable() && conn_ == p.conn) closing = std::move(conn_);
+    }
+    if (closing != nullptr) closing->Close();  // Off the lock: it waits for the call's end.
+    p.done(status);
+  }
+}
+
+grpc::Status ShmOpChannel::Complete(Pending* p, bool answered) {
+  const std::string where = absl::StrCat("shared-memory channel to ", options_.shard);
+  *p->response = grpc::ByteBuffer();
+  if (!answered) {
+    p->conn->broken.store(true);
+    return grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                        absl::StrCat(where, " closed before the answer came"));
+  }
+  const ShmHeader* h = p->conn->region->header();
+  const uint64_t bytes = h->response_bytes.load(std::memory_order_relaxed);
+  if (bytes == kShmAnswerTooLarge) {
+    p->conn->broken.store(true);
+    absl::MutexLock lock(&mu_);
+    DisableLocked(absl::ResourceExhaustedError(
+        absl::StrCat("an answer did not fit the area of ", p->conn->region->area_bytes())));
+    return grpc::Status(
+        grpc::StatusCode::UNAVAILABLE,
+        absl::StrCat(where, ": the answer did not fit; sent again over the Stream"));
+  }
+  absl::Status st;
+  StreamResponseHead head;
+  grpc::ByteBuffer body;
+  if (bytes > p->conn->region->area_bytes()) {
+    st = absl::DataLossError(absl::StrCat("an answer of ", bytes, " bytes, past the area"));
+  } else {
+    grpc::Slice copy(p->conn->region->response_area(), static_cast<size_t>(bytes));
+    st = SplitStreamResponse(grpc::ByteBuffer(&copy, 1), &head, &body);
+    if (st.ok() && head.call != p->call) {
+      st = absl::DataLossError(
+          absl::StrCat("the answer to call ", head.call, " for call ", p->call));
+    }
+  }
+  if (!st.ok()) {
+    p->conn->broken.store(true);
+    return grpc::Status(grpc::StatusCode::UNAVAILABLE, absl::StrCat(where, ": ", st.message()));
+  }
+  *p->response = std::move(body);
+  return grpc::Status(static_cast<grpc::StatusCode>(head.code), head.message);
+}
+
+}  // namespace gradmesh

@@ -1,0 +1,106 @@
+// ShmOpChannel: the worker's side of one shared-memory channel to a shard on the same machine
+// (ParameterService.OpenShm; the region and its protocol: rpc/shm_region.h). It carries the
+// same framed operations as the shard's Stream (rpc/op_stream.h), one at a time: Call copies
+// the request into the region and wakes the shard's thread, and a thread of this object waits
+// for the answer and completes the call with the status and encoded PushResponse or
+// PullResponse the Stream would have given.
+//
+// The channel is opened by the first Call (a gRPC round trip and an open of the shard's memfd,
+// at most `open_timeout`) and lives as long as its OpenShm call. Call returns false, and the
+// caller sends the operation over the Stream instead, whenever the channel cannot take it: an
+// operation is already in flight on it, the message is larger than its area, it is not open
+// and opening failed in the last second, or the shard refused it for good (another machine,
+// user or PID namespace, an old shard, --shm_channels reached or 0, an answer too large for the
+// area): then the channel stays off, and this is logged once (event=shm_unavailable).
+// When the channel breaks (the shard restarted, Abort) the operation in flight fails
+// UNAVAILABLE, like a broken Stream's, and is retried by the caller; the next Call reopens it.
+//
+// Thread safety: all methods may be called concurrently; completions run on this object's
+// thread and must not block.
+#ifndef GRADMESH_RPC_SHM_OP_CHANNEL_H_
+#define GRADMESH_RPC_SHM_OP_CHANNEL_H_
+
+#include <grpcpp/support/byte_buffer.h>
+#include <grpcpp/support/status.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "common/logging.h"
+#include "proto/gradmesh.grpc.pb.h"
+#include "rpc/tensor_wire.h"
+
+namespace gradmesh {
+
+class ShmOpChannel {
+ public:
+  using Done = std::function<void(grpc::Status)>;
+
+  struct Options {
+    size_t area_bytes = 0;  // Asked of the shard for each area: the largest message either way.
+    std::vector<std::pair<std::string, std::string>> metadata;  // Sent with OpenShm.
+    std::string shard;               // Named in logs and errors ("shard 1 (host:port)").
+    const Logger* logger = nullptr;  // Not owned; may be null.
+    absl::Duration open_timeout = absl::Seconds(5);
+  };
+
+  // `stub` is not owned and must outlive this object.
+  ShmOpChannel(ParameterService::Stub* stub, Options options);
+  // Fails an operation in flight UNAVAILABLE, closes the channel and joins the thread.
+  ~ShmOpChannel();
+  ShmOpChannel(const ShmOpChannel&) = delete;
+  ShmOpChannel& operator=(const ShmOpChannel&) = delete;
+
+  // Sends `body` (an encoded PushRequest or PullRequest, as `op` says) through the channel and,
+  // when the answer arrives, fills `*response` and runs `*done` (moved from) with its status.
+  // False if the channel cannot take it now (see above): nothing was sent, `*done` is untouched.
+  bool Call(StreamOp op, const grpc::ByteBuffer& body, grpc::ByteBuffer* response, Done* done);
+  // Breaks the open channel: the operation in flight fails UNAVAILABLE; the next Call reopens.
+  void Abort();
+
+  // Channels opened so far; whether the channel is off for good.
+  int64_t opened() const;
+  bool disabled() const;
+
+ private:
+  class Control;
+  struct Conn;
+  struct Pending {
+    std::shared_ptr<Conn> conn;
+    uint32_t seq = 0;
+    uint64_t call = 0;
+    grpc::ByteBuffer* response = nullptr;
+    Done done;
+  };
+
+  absl::Status OpenLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void DisableLocked(const absl::Status& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Run();  // The thread: waits for each answer and completes its call.
+  // The answer to `p` (answered) or why it has none; breaks the channel on a bad answer.
+  grpc::Status Complete(Pending* p, bool answered);
+
+  ParameterService::Stub* const stub_;
+  const Options options_;
+  mutable absl::Mutex mu_;
+  std::shared_ptr<Conn> conn_ ABSL_GUARDED_BY(mu_);
+  std::optional<Pending> in_flight_ ABSL_GUARDED_BY(mu_);
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  bool disabled_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Time next_open_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
+  uint64_t next_call_ ABSL_GUARDED_BY(mu_) = 1;
+  int64_t opened_ ABSL_GUARDED_BY(mu_) = 0;
+  std::thread thread_;
+};
+
+}  // namespace gradmesh
+
+#endif  // GRADMESH_RPC_SHM_OP_CHANNEL_H_

@@ -1,0 +1,131 @@
+#include "rpc/shm_region.h"
+
+#include <fcntl.h>
+#include <linux/futex.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <ctime>
+#include <random>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+
+namespace gradmesh {
+namespace {
+
+constexpr size_t kPage = 4096;
+
+size_t RoundUpToPage(size_t n) { return (n + kPage - 1) / kPage * kPage; }
+
+std::string Errno(const char* what) { return absl::StrCat(what, ": ", std::strerror(errno)); }
+
+absl::StatusOr<char*> Map(int fd, size_t bytes) {
+  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED) return absl::InternalError(Errno("shared memory: mmap"));
+  return static_cast<char*>(p);
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<ShmRegion>> ShmRegion::Create(size_t area_bytes) {
+  if (area_bytes < kShmMinAreaBytes || area_bytes > kShmMaxAreaBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("shared memory: an area of ", area_bytes,
+                                                   " bytes is outside [", kShmMinAreaBytes, ", ",
+                                                   kShmMaxAreaBytes, "]"));
+  }
+  area_bytes = RoundUpToPage(area_bytes);
+  const size_t total = kShmHeaderBytes + 2 * area_bytes;
+  const int fd =
+      static_cast<int>(syscall(SYS_memfd_create, "gradmesh-shm", MFD_CLOEXEC | MFD_ALLOW_SEALING));
+  if (fd < 0) return absl::UnavailableError(Errno("shared memory: memfd_create"));
+  if (ftruncate(fd, static_cast<off_t>(total)) != 0 ||
+      fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
+    const std::string error = Errno("shared memory: sizing and sealing the memfd");
+    close(fd);
+    return absl::UnavailableError(error);
+  }
+  absl::StatusOr<char*> base = Map(fd, total);
+  if (!base.ok()) {
+    close(fd);
+    return base.status();
+  }
+  std::unique_ptr<ShmRegion> region(new ShmRegion(*base, total, area_bytes, fd));
+  ShmHeader* h = new (*base) ShmHeader{};
+  h->magic = kShmMagic;
+  h->area_bytes = area_bytes;
+  std::random_device random;
+  for (size_t i = 0; i < kShmNonceBytes; ++i) h->nonce[i] = static_cast<unsigned char>(random());
+  return region;
+}
+
+absl::StatusOr<std::unique_ptr<ShmRegion>> ShmRegion::Attach(pid_t pid, int fd,
+                                                             absl::string_view nonce,
+                                                             size_t area_bytes) {
+  const std::string path = absl::StrCat("/proc/", pid, "/fd/", fd);
+  const int mine = open(path.c_str(), O_RDWR | O_CLOEXEC);
+  if (mine < 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("shared memory: cannot open ", path, " (", std::strerror(errno),
+                     "): the shard is not a process of this user on this machine"));
+  }
+  const size_t total = kShmHeaderBytes + area_bytes;  // + the second area, checked below.
+  struct stat st;
+  const int seals = fcntl(mine, F_GET_SEALS);
+  const bool sealed = seals >= 0 && (seals & F_SEAL_SHRINK) != 0 && (seals & F_SEAL_GROW) != 0;
+  if (area_bytes == 0 || area_bytes > kShmMaxAreaBytes || fstat(mine, &st) != 0 || !sealed ||
+      static_cast<size_t>(st.st_size) != total + area_bytes) {
+    close(mine);
+    return absl::FailedPreconditionError(absl::StrCat(
+        "shared memory: ", path, " is not a sealed region of two ", area_bytes, "-byte areas"));
+  }
+  absl::StatusOr<char*> base = Map(mine, total + area_bytes);
+  if (!base.ok()) {
+    close(mine);
+    return base.status();
+  }
+  std::unique_ptr<ShmRegion> region(new ShmRegion(*base, total + area_bytes, area_bytes, mine));
+  region->CloseFd();  // The mapping keeps the memory.
+  const ShmHeader* h = region->header();
+  if (h->magic != kShmMagic || h->area_bytes != area_bytes || nonce.size() != kShmNonceBytes ||
+      std::memcmp(h->nonce, nonce.data(), kShmNonceBytes) != 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("shared memory: ", path, " is not the region the shard announced"));
+  }
+  return region;
+}
+
+ShmRegion::~ShmRegion() {
+  munmap(base_, map_bytes_);
+  CloseFd();
+}
+
+void ShmRegion::CloseFd() {
+  if (fd_ >= 0) close(fd_);
+  fd_ = -1;
+}
+
+std::string ShmRegion::nonce() const {
+  return std::string(reinterpret_cast<const char*>(header()->nonce), kShmNonceBytes);
+}
+
+void ShmWait(std::atomic<uint32_t>* word, uint32_t expected, absl::Duration timeout) {
+  const struct timespec ts = absl::ToTimespec(timeout);
+  // Not FUTEX_PRIVATE_FLAG: the word is in memory shared with another process.
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT, expected, &ts, nullptr, 0);
+}
+
+void ShmWake(std::atomic<uint32_t>* word) {
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0);
+}
+
+bool IsLocalPeer(absl::string_view peer) {
+  return absl::StartsWith(peer, "ipv4:127.") || absl::StartsWith(peer, "ipv6:[::1]") ||
+         absl::StartsWith(peer, "ipv6:%5B::1%5D") || absl::StartsWith(peer, "unix:");
+}
+
+}  // namespace gradmesh

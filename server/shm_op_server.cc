@@ -1,0 +1,165 @@
+#include "server/shm_op_server.h"
+
+#include <cstring>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "proto/gradmesh.pb.h"
+#include "rpc/tensor_wire.h"
+
+namespace gradmesh {
+namespace {
+
+// What the serving thread and an operation's completion share: the completion may run on
+// another thread (a sync push released by another worker's push) and outlive the wait.
+struct OpState {
+  absl::Mutex mu;
+  bool done ABSL_GUARDED_BY(mu) = false;
+  absl::Status status ABSL_GUARDED_BY(mu);
+  StreamResponse response;  // Filled by the shard before `done`.
+};
+
+// How often a thread waiting for a request or for an operation's completion looks at stop_.
+constexpr absl::Duration kStopCheck = absl::Milliseconds(100);
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<ShmOpServer>> ShmOpServer::Start(Shard* shard, Options options) {
+  absl::StatusOr<std::unique_ptr<ShmRegion>> region = ShmRegion::Create(options.area_bytes);
+  if (!region.ok()) return region.status();
+  return std::unique_ptr<ShmOpServer>(
+      new ShmOpServer(shard, std::move(options), std::move(region).value()));
+}
+
+ShmOpServer::ShmOpServer(Shard* shard, Options options, std::unique_ptr<ShmRegion> region)
+    : shard_(shard), options_(std::move(options)), region_(std::move(region)) {
+  thread_ = std::thread([this] { Run(); });
+}
+
+ShmOpServer::~ShmOpServer() {
+  stop_.store(true);
+  ShmHeader* h = region_->header();
+  h->closed.store(1);
+  ShmWake(&h->request_seq);
+  thread_.join();
+  ShmWake(&h->response_seq);  // A worker still waiting sees `closed`.
+}
+
+void ShmOpServer::Run() {
+  ShmHeader* h = region_->header();
+  // The region is new: 0 is the number before the first request (reading the word here could
+  // already see the first request if the worker was quick, which would then never be served).
+  uint32_t seen = 0;
+  while (!stop_.load() && h->closed.load() == 0) {
+    const uint32_t seq = h->request_seq.load(std::memory_order_acquire);
+    if (seq == seen) {
+      ShmWait(&h->request_seq, seen, kStopCheck);
+      continue;
+    }
+    seen = seq;
+    const uint64_t bytes = h->request_bytes.load(std::memory_order_relaxed);  // Read once.
+    if (bytes > region_->area_bytes()) {
+      LogWarning(options_.logger, "shm_channel_closed",
+                 {{"peer", options_.peer},
+                  {"reason", absl::StrCat("request of ", bytes, " bytes past the area of ",
+                                          region_->area_bytes())}});
+      break;
+    }
+    grpc::ByteBuffer answer = Serve(bytes, seq);
+    uint64_t length = answer.Length();
+    if (length > region_->area_bytes()) {
+      length = kShmAnswerTooLarge;
+    } else {
+      std::vector<grpc::Slice> slices;
+      (void)answer.Dump(&slices);
+      char* out = region_->response_area();
+      for (const grpc::Slice& s : slices) {
+        std::memcpy(out, s.begin(), s.size());
+        out += s.size();
+      }
+    }
+    h->response_bytes.store(length, std::memory_order_relaxed);
+    h->response_seq.store(seq, std::memory_order_release);
+    ShmWake(&h->response_seq);
+    served_.fetch_add(1);
+  }
+  h->closed.store(1);
+  ShmWake(&h->response_seq);
+}
+
+grpc::ByteBuffer ShmOpServer::Serve(uint64_t bytes, uint32_t seq) {
+  // The request stays in the region: the decoder copies what it keeps (a push's values into
+  // `dense`, the rest into `request`) and is memory-safe however the bytes change meanwhile.
+  grpc::Slice slice(region_->request_area(), static_cast<size_t>(bytes), grpc::Slice::STATIC_SLICE);
+  const grpc::ByteBuffer in(&slice, 1);
+  StreamRequest request;
+  DenseChunks dense;
+  auto state = std::make_shared<OpState>();
+  const int64_t max_chunks = shard_->limits().max_chunks_per_job;
+  absl::Status st = DecodeStreamRequest(in, &request, &dense, max_chunks);
+  const std::string where = absl::StrCat("OpenShm: request ", seq);
+  if (!st.ok()) {
+    st = absl::InvalidArgumentError(
+        st.code() == absl::StatusCode::kInvalidArgument
+            ? absl::StrCat(where, ": more than ", max_chunks,
+                           " chunks, more than a job has (--max_chunks_per_job)")
+            : absl::StrCat(where, ": the request is not a StreamRequest: ", st.message()));
+  } else if (request.batch_size() > 0) {
+    st = absl::InvalidArgumentError(
+        absl::StrCat(where, ": a batch; a shared-memory channel carries one operation at a time"));
+  } else if (request.op_case() == StreamRequest::OP_NOT_SET) {
+    st = absl::InvalidArgumentError(
+        absl::StrCat(where, " (call ", request.call(), ") carries neither a push nor a pull"));
+  } else if (options_.tokens != nullptr) {
+    st = options_.tokens->Check(request.has_push() ? request.push().job() : request.pull().job(),
+                                options_.token);
+  }
+  if (st.ok()) {
+    WaitCancel cancel;
+    if (request.has_push()) {
+      shard_->PushAsync(
+          request.push(),
+          [state](absl::StatusOr<PushResponse> result) {
+            absl::MutexLock lock(&state->mu);
+            if (result.ok()) *state->response.mutable_push() = std::move(result).value();
+            state->status = result.status();
+            state->done = true;
+          },
+          &cancel, &dense);
+    } else {
+      shard_->PullAsync(
+          request.pull(), state->response.mutable_pull(),
+          [state](absl::Status result) {
+            absl::MutexLock lock(&state->mu);
+            state->status = std::move(result);
+            state->done = true;
+          },
+          &cancel);
+    }
+    absl::MutexLock lock(&state->mu);
+    bool cancelled = false;
+    while (!state->mu.AwaitWithTimeout(absl::Condition(&state->done), kStopCheck)) {
+      if (stop_.load() && !cancelled) {
+        cancelled = true;
+        state->mu.Unlock();  // A cancelled wait completes on this thread.
+        cancel.Cancel();
+        state->mu.Lock();
+      }
+    }
+    st = state->status;
+  }
+  StreamResponse& response = state->response;
+  if (!st.ok()) {
+    response.Clear();
+    response.set_code(static_cast<int32_t>(st.code()));
+    response.set_message(std::string(st.message()));
+  } else if (request.has_push() && !response.has_push()) {
+    response.mutable_push();  // The oneof says which operation this answers.
+  }
+  response.set_call(request.call());
+  return EncodeStreamResponse(&response);
+}
+
+}  // namespace gradmesh

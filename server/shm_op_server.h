@@ -1,0 +1,70 @@
+// ShmOpServer: the shard's side of one shared-memory channel (rpc/shm_region.h), opened by a
+// worker on the same machine through ParameterService.OpenShm. A thread of its own takes each
+// request the worker writes into the region and runs it as a Stream operation would run: the
+// Stream's decoder (a push's values copied once into the shard's memory and scanned there, so
+// nothing the worker changes afterwards reaches the optimizer), the job-token check against the
+// token the opening call presented, the shard's limits, waits (a sync push at its barrier, an
+// ssp pull) and status codes. It then writes the encoded StreamResponse into the response area.
+// A request that does not decode is answered INVALID_ARGUMENT and the channel goes on; a
+// length past the area closes the channel. Nothing a worker writes can crash the shard or
+// change it other than through operations its token may perform.
+//
+// Thread safety: the constructor starts the thread; the destructor closes the channel,
+// withdraws an operation still waiting (CANCELLED, nothing of it applied) and joins.
+#ifndef GRADMESH_SERVER_SHM_OP_SERVER_H_
+#define GRADMESH_SERVER_SHM_OP_SERVER_H_
+
+#include <grpcpp/support/byte_buffer.h>
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/status/statusor.h"
+#include "rpc/shm_region.h"
+#include "server/job_tokens.h"
+#include "server/shard.h"
+
+namespace gradmesh {
+
+class ShmOpServer {
+ public:
+  struct Options {
+    size_t area_bytes = 0;              // Of each area (ShmRegion::Create's bounds).
+    std::string token;                  // The job token the opening call presented ("" if none).
+    const JobTokens* tokens = nullptr;  // Not owned; null: no per-job check.
+    std::string peer;                   // For logs.
+    const Logger* logger = nullptr;     // Not owned; may be null.
+  };
+
+  // Makes the region and starts serving it. Errors: ShmRegion::Create's.
+  static absl::StatusOr<std::unique_ptr<ShmOpServer>> Start(Shard* shard, Options options);
+  ~ShmOpServer();
+  ShmOpServer(const ShmOpServer&) = delete;
+  ShmOpServer& operator=(const ShmOpServer&) = delete;
+
+  const ShmRegion& region() const { return *region_; }
+  // The worker has mapped the region: no other process may open it from now on.
+  void Attached() { region_->CloseFd(); }
+  // Operations answered so far.
+  int64_t served() const { return served_.load(); }
+
+ private:
+  ShmOpServer(Shard* shard, Options options, std::unique_ptr<ShmRegion> region);
+  void Run();
+  // Runs the request of `bytes` bytes in the request area; returns the encoded answer.
+  grpc::ByteBuffer Serve(uint64_t bytes, uint32_t seq);
+
+  Shard* const shard_;
+  const Options options_;
+  const std::unique_ptr<ShmRegion> region_;
+  std::atomic<bool> stop_{false};
+  std::atomic<int64_t> served_{0};
+  std::thread thread_;
+};
+
+}  // namespace gradmesh
+
+#endif  // GRADMESH_SERVER_SHM_OP_SERVER_H_

@@ -1,0 +1,291 @@
+// ParameterService.OpenShm over real gRPC on 127.0.0.1, driven raw: what a worker that does
+// not follow the protocol (or writes garbage into the region) can and cannot do to a shard.
+// A request that does not decode is answered INVALID_ARGUMENT and the channel goes on; a length
+// past the area closes the channel; an answer larger than the area is flagged, not written; a
+// worker that goes away withdraws its waiting push; bad area sizes and a full shard are
+// refused, and the worker's client then keeps to the Stream. The shard keeps serving through
+// all of it and changes only through valid operations.
+#include <grpcpp/grpcpp.h>
+
+#include <cstring>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "common/status_testing.h"
+#include "rpc/shm_region.h"
+#include "rpc/tensor_wire.h"
+#include "tests/testing/loopback.h"
+
+namespace gradmesh {
+namespace {
+
+using namespace loopback;  // NOLINT: test helpers.
+
+JobLayout Layout(const std::string& job, int32_t num_workers = 1,
+                 const std::string& consistency = "async") {
+  JobLayout l;
+  l.job = job;
+  l.tensors = {Tensor("a", {10}), Tensor("c", {3001})};
+  l.chunk_elems = 1000;
+  l.optimizer.set_name("sgd");
+  l.optimizer.set_lr(0.5);
+  l.num_workers = num_workers;
+  l.consistency = consistency;
+  l.barrier_timeout_s = 60;
+  return l;
+}
+
+// A channel opened by hand: the OpenShm call and the mapped region.
+struct RawChannel {
+  std::unique_ptr<grpc::ClientContext> ctx;
+  std::unique_ptr<grpc::ClientReaderWriter<ShmOpenRequest, ShmOpenResponse>> call;
+  std::unique_ptr<ShmRegion> region;
+  uint32_t seq = 0;
+
+  // Writes `bytes` as the next request and waits (up to 10 s) for its answer: the answer's
+  // bytes, or nullopt-like "" with *closed set if the shard closed the channel instead.
+  std::string Exchange(const std::string& bytes, bool* closed, uint64_t length_override = 0) {
+    ShmHeader* h = region->header();
+    std::memcpy(region->request_area(), bytes.data(), bytes.size());
+    h->request_bytes.store(length_override != 0 ? length_override : bytes.size());
+    h->request_seq.store(++seq);
+    ShmWake(&h->request_seq);
+    const absl::Time give_up = absl::Now() + absl::Seconds(10);
+    while (h->response_seq.load() != seq && h->closed.load() == 0 && absl::Now() < give_up) {
+      ShmWait(&h->response_seq, h->response_seq.load(), absl::Milliseconds(20));
+    }
+    *closed = h->response_seq.load() != seq;
+    if (*closed) return "";
+    const uint64_t n = h->response_bytes.load();
+    if (n == kShmAnswerTooLarge) return "too large";
+    return std::string(region->response_area(), n);
+  }
+
+  void Close() {
+    if (call == nullptr) return;
+    call->WritesDone();
+    (void)call->Finish();
+    call.reset();
+  }
+};
+
+// Opens a channel with areas of `area_bytes` (and the job token, if any); the status of the
+// call if the shard refused it.
+absl::StatusOr<RawChannel> OpenRaw(Stub* stub, int64_t area_bytes, const std::string& token = "") {
+  RawChannel c;
+  c.ctx = std::make_unique<grpc::ClientContext>();
+  if (!token.empty()) c.ctx->AddMetadata("x-gradmesh-job-token", token);
+  c.call = stub->OpenShm(c.ctx.get());
+  ShmOpenRequest first;
+  first.set_area_bytes(area_bytes);
+  ShmOpenResponse answer;
+  if (!c.call->Write(first) || !c.call->Read(&answer)) {
+    c.call->WritesDone();
+    const grpc::Status st = c.call->Finish();
+    return absl::Status(static_cast<absl::StatusCode>(st.error_code()), st.error_message());
+  }
+  ASSIGN_OR_RETURN(c.region, ShmRegion::Attach(answer.pid(), answer.fd(), answer.nonce(),
+                                               static_cast<size_t>(answer.area_bytes())));
+  ShmOpenRequest attached;
+  attached.set_attached(true);
+  c.call->Write(attached);
+  return c;
+}
+
+std::string PullRequestBytes(const std::string& job, uint64_t call) {
+  StreamRequest r;
+  r.set_call(call);
+  r.mutable_pull()->set_job(job);
+  return r.SerializeAsString();
+}
+
+::testing::AssertionResult HasCodeAndText(const absl::Status& st, absl::StatusCode code,
+                                          const std::string& text) {
+  if (st.code() == code && st.message().find(text) != std::string::npos) {
+    return ::testing::AssertionSuccess();
+  }
+  return ::testing::AssertionFailure() << st << " is not " << code << " with \"" << text << "\"";
+}
+
+StreamResponse Parse(const std::string& bytes) {
+  StreamResponse r;
+  EXPECT_TRUE(r.ParseFromString(bytes));
+  return r;
+}
+
+class ShmTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    server_ = StartServer();
+    ASSERT_NE(server_, nullptr);
+    stub_ = ParameterService::NewStub(MakeChannel(server_->addr, RpcOptions()));
+    auto c = NewGrpcParameterClient(layout_, ClientOptions({server_->addr}));
+    ASSERT_OK(c.status());
+    client_ = std::move(c).value();
+    ASSERT_OK(client_->InitJob(ConstSpans(OddInit(layout_))));
+  }
+
+  const JobLayout layout_ = Layout("raw");
+  std::unique_ptr<TestServer> server_;
+  std::unique_ptr<Stub> stub_;
+  std::unique_ptr<ParameterClient> client_;
+};
+
+// Garbage is answered INVALID_ARGUMENT, as are a batch and an empty operation; the channel
+// then still serves a good pull, whose answer is the unary Pull's.
+TEST_F(ShmTest, GarbageIsAnsweredInvalidArgumentAndTheChannelGoesOn) {
+  const std::string before = Snapshot(stub_.get(), "raw");
+  ASSERT_OK_AND_ASSIGN(RawChannel ch, OpenRaw(stub_.get(), 1 << 20));
+  EXPECT_EQ(server_->service->shm_channels(), 1);
+  StreamRequest empty;
+  empty.set_call(9);
+  for (const std::string& bad : {std::string("\xff\xff\xff\xff\x0f garbage", 14),
+                                 [] {
+                                   StreamRequest b;
+                                   StreamRequest* e = b.add_batch();
+                                   e->set_call(1);
+                                   e->mutable_pull()->set_job("raw");
+                                   return b.SerializeAsString();
+                                 }(),
+                                 empty.SerializeAsString()}) {
+    bool closed = false;
+    const StreamResponse r = Parse(ch.Exchange(bad, &closed));
+    ASSERT_FALSE(closed);
+    EXPECT_EQ(r.code(), static_cast<int32_t>(grpc::StatusCode::INVALID_ARGUMENT)) << r.message();
+    EXPECT_NE(r.message().find("OpenShm: request"), std::string::npos) << r.message();
+  }
+  bool closed = false;
+  const StreamResponse pulled = Parse(ch.Exchange(PullRequestBytes("raw", 42), &closed));
+  ASSERT_FALSE(closed);
+  EXPECT_EQ(pulled.code(), 0) << pulled.message();
+  EXPECT_EQ(pulled.call(), 42u);
+  PullRequest req;
+  req.set_job("raw");
+  PullResponse unary;
+  ASSERT_TRUE(RawPull(stub_.get(), req, &unary).ok());
+  EXPECT_EQ(pulled.pull().SerializeAsString(), unary.SerializeAsString());
+  EXPECT_EQ(Snapshot(stub_.get(), "raw"), before);
+  ch.Close();
+}
+
+// A length past the area closes the channel (nothing is read past it); an answer larger than
+// the area is flagged instead of written; the shard serves other callers throughout.
+TEST_F(ShmTest, ALengthPastTheAreaClosesTheChannelAndALargeAnswerIsFlagged) {
+  ASSERT_OK_AND_ASSIGN(RawChannel ch, OpenRaw(stub_.get(), 4096));
+  bool closed = false;
+  // The job's values are 3011 floats (12 KB): the pull's answer cannot fit 4 KiB.
+  EXPECT_EQ(ch.Exchange(PullRequestBytes("raw", 1), &closed), "too large");
+  EXPECT_FALSE(closed);
+  EXPECT_EQ(ch.Exchange(PullRequestBytes("raw", 2), &closed, /*length_override=*/1 << 30), "");
+  EXPECT_TRUE(closed);
+  EXPECT_EQ(ch.region->header()->closed.load(), 1u);
+  Values v = Zeros(layout_);
+  EXPECT_OK(client_->Pull(Spans(v)));
+  ch.Close();
+}
+
+// Areas under a page or over the shard's bound are INVALID_ARGUMENT; with max_channels
+// reached the shard answers FAILED_PRECONDITION, and a worker's shm client keeps to the Stream
+// (its results are the same).
+TEST(ShmLimitsTest, BadAreasAndAFullShardAreRefusedAndTheClientKeepsTheStream) {
+  ShardOptions so;
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Shard> shard, Shard::Create(so));
+  ShmChannelOptions shm;
+  shm.max_channels = 1;
+  shm.max_area_bytes = 1 << 20;
+  ParameterServiceImpl service(shard.get(), nullptr, shm);
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  ASSERT_NE(server, nullptr);
+  const std::string addr = absl::StrCat("127.0.0.1:", port);
+  auto stub = ParameterService::NewStub(MakeChannel(addr, RpcOptions()));
+  for (int64_t area : {int64_t{0}, int64_t{100}, int64_t{2} << 20}) {
+    EXPECT_TRUE(HasCodeAndText(OpenRaw(stub.get(), area).status(),
+                               absl::StatusCode::kInvalidArgument, "outside"))
+        << area;
+  }
+  ASSERT_OK_AND_ASSIGN(RawChannel first, OpenRaw(stub.get(), 1 << 16));
+  EXPECT_TRUE(HasCodeAndText(OpenRaw(stub.get(), 1 << 16).status(),
+                             absl::StatusCode::kFailedPrecondition,
+                             "at most 1 shared-memory channels"));
+  const JobLayout l = Layout("full");
+  GrpcParameterClientOptions o = ClientOptions({addr});
+  o.transport = "shm";
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<ParameterClient> c, NewGrpcParameterClient(l, o));
+  ASSERT_OK(c->InitJob(ConstSpans(OddInit(l))));
+  Values v = Zeros(l);
+  for (int step = 0; step < 3; ++step) {
+    ASSERT_OK(c->Pull(Spans(v)));
+    ASSERT_OK(c->Push(step, ConstSpans(OddInit(l))));
+  }
+  EXPECT_EQ(RawInfo(stub.get(), "full").pushes_applied(), 3);
+  EXPECT_EQ(service.shm_channels(), 1);  // Still only the raw one.
+  first.Close();
+  c.reset();
+  server->Shutdown();
+}
+
+// A worker whose OpenShm call ends while its sync push waits at the barrier: the push is
+// withdrawn (nothing applied, the step still open for the others) and the channel closed.
+TEST(ShmLifetimeTest, AWorkerThatGoesAwayWithdrawsItsWaitingPush) {
+  auto server = StartServer();
+  ASSERT_NE(server, nullptr);
+  auto stub = ParameterService::NewStub(MakeChannel(server->addr, RpcOptions()));
+  const JobLayout l = Layout("gone", /*num_workers=*/2, "sync");
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<ParameterClient> init,
+                       NewGrpcParameterClient(l, ClientOptions({server->addr})));
+  ASSERT_OK(init->InitJob(ConstSpans(OddInit(l))));
+  ASSERT_OK_AND_ASSIGN(RawChannel ch, OpenRaw(stub.get(), 1 << 20));
+  // A sync push of step 0 by worker 0, written raw: it waits for worker 1.
+  const Values g = OddInit(l);
+  const Partition p = MakePartition(l, 1);
+  std::vector<PushChunkRef> refs;
+  for (const ChunkInfo& c : p.chunks()) {
+    PushChunkRef r;
+    r.tensor = c.tensor;
+    r.chunk = c.chunk;
+    r.data = g[c.tensor].data() + c.offset;
+    r.numel = c.numel;
+    refs.push_back(r);
+  }
+  const grpc::ByteBuffer framed =
+      FrameStreamRequest(7, StreamOp::kPush, EncodePushRequest("gone", 0, 0, 99, refs));
+  std::vector<grpc::Slice> slices;
+  ASSERT_TRUE(framed.Dump(&slices).ok());
+  std::string bytes;
+  for (const grpc::Slice& s : slices)
+    bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  ShmHeader* h = ch.region->header();
+  std::memcpy(ch.region->request_area(), bytes.data(), bytes.size());
+  h->request_bytes.store(bytes.size());
+  h->request_seq.store(1);
+  ShmWake(&h->request_seq);
+  for (int i = 0; i < 1000 && server->shard->waiting() != 1; ++i) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  ASSERT_EQ(server->shard->waiting(), 1);
+  ch.ctx->TryCancel();
+  ch.Close();
+  for (int i = 0; i < 1000 && server->shard->waiting() != 0; ++i) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  EXPECT_EQ(server->shard->waiting(), 0);
+  for (int i = 0; i < 1000 && server->service->shm_channels() != 0; ++i) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  EXPECT_EQ(server->service->shm_channels(), 0);
+  EXPECT_EQ(h->closed.load(), 1u);
+  const JobInfoResponse info = RawInfo(stub.get(), "gone");
+  EXPECT_EQ(info.pushes_applied(), 0);
+  EXPECT_EQ(info.updates_applied(), 0);
+}
+
+}  // namespace
+}  // namespace gradmesh
