@@ -142,7 +142,7 @@ struct ShmOpChannel::Conn {
 };
 
 ShmOpChannel::ShmOpChannel(ParameterService::Stub* stub, Options options)
-    : stub_(stub), options_(std::move(options)) {
+    : stub_(stub), options_(std::move(options)), spin_(options_.spin) {
   thread_ = std::thread([this] { Run(); });
 }
 
@@ -270,6 +270,8 @@ void ShmOpChannel::Run() {
     }
     ShmHeader* h = p.conn->region->header();
     bool answered = false;
+    const absl::Time start = absl::Now();
+    const absl::Time spin_until = start + spin_.SpinFor();
     while (true) {
       const uint32_t seen = h->response_seq.load(std::memory_order_acquire);
       if (seen == p.seq) {
@@ -277,8 +279,13 @@ void ShmOpChannel::Run() {
         break;
       }
       if (!p.conn->Usable()) break;
-      ShmWait(&h->response_seq, seen, kStateCheck);
+      if (absl::Now() < spin_until) {
+        SpinYield();
+      } else {
+        ShmWait(&h->response_seq, seen, kStateCheck);
+      }
     }
+    spin_.Record(absl::Now() - start);
     {
       absl::MutexLock lock(&mu_);
       p.call = in_flight_->call;

@@ -36,6 +36,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/logging.h"
+#include "common/spin_wait.h"
 #include "proto/gradmesh.grpc.pb.h"
 #include "rpc/tensor_wire.h"
 
@@ -51,6 +52,9 @@ class ShmOpChannel {
     std::string shard;               // Named in logs and errors ("shard 1 (host:port)").
     const Logger* logger = nullptr;  // Not owned; may be null.
     absl::Duration open_timeout = absl::Seconds(5);
+    // Waiting for an answer, the channel's thread first spins (yielding the CPU) for up to
+    // this long while recent answers came within half of it (common/spin_wait.h).
+    absl::Duration spin = absl::Microseconds(300);
   };
 
   // `stub` is not owned and must outlive this object.
@@ -98,6 +102,7 @@ class ShmOpChannel {
   absl::Time next_open_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   uint64_t next_call_ ABSL_GUARDED_BY(mu_) = 1;
   int64_t opened_ ABSL_GUARDED_BY(mu_) = 0;
+  AdaptiveSpin spin_;
   std::thread thread_;
 };
 

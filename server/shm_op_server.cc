@@ -34,7 +34,10 @@ absl::StatusOr<std::unique_ptr<ShmOpServer>> ShmOpServer::Start(Shard* shard, Op
 }
 
 ShmOpServer::ShmOpServer(Shard* shard, Options options, std::unique_ptr<ShmRegion> region)
-    : shard_(shard), options_(std::move(options)), region_(std::move(region)) {
+    : shard_(shard),
+      options_(std::move(options)),
+      region_(std::move(region)),
+      spin_(options_.spin) {
   thread_ = std::thread([this] { Run(); });
 }
 
@@ -52,13 +55,20 @@ void ShmOpServer::Run() {
   // The region is new: 0 is the number before the first request (reading the word here could
   // already see the first request if the worker was quick, which would then never be served).
   uint32_t seen = 0;
+  absl::Time idle_since = absl::Now();
+  absl::Time spin_until = idle_since + spin_.SpinFor();
   while (!stop_.load() && h->closed.load() == 0) {
     const uint32_t seq = h->request_seq.load(std::memory_order_acquire);
     if (seq == seen) {
-      ShmWait(&h->request_seq, seen, kStopCheck);
+      if (absl::Now() < spin_until) {
+        SpinYield();
+      } else {
+        ShmWait(&h->request_seq, seen, kStopCheck);
+      }
       continue;
     }
     seen = seq;
+    spin_.Record(absl::Now() - idle_since);
     const uint64_t bytes = h->request_bytes.load(std::memory_order_relaxed);  // Read once.
     if (bytes > region_->area_bytes()) {
       LogWarning(options_.logger, "shm_channel_closed",
@@ -84,6 +94,8 @@ void ShmOpServer::Run() {
     h->response_seq.store(seq, std::memory_order_release);
     ShmWake(&h->response_seq);
     served_.fetch_add(1);
+    idle_since = absl::Now();
+    spin_until = idle_since + spin_.SpinFor();
   }
   h->closed.store(1);
   ShmWake(&h->response_seq);

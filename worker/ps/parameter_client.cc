@@ -87,6 +87,7 @@ class GrpcParameterClient final : public ParameterClient {
           so.metadata = std::move(md);
           so.shard = absl::StrCat("shard ", s, " (", addr, ")");
           so.logger = options_.logger;
+          so.spin = options_.spin_wait;
           shm_.push_back(std::make_unique<ShmOpChannel>(stubs_.back().get(), std::move(so)));
         }
       }
