@@ -19,50 +19,44 @@ constexpr absl::Duration kStateCheck = absl::Milliseconds(50);
 
 }  // namespace
 
-// The OpenShm call: writes the area request, reads the shard's answer, writes `attached`,
-// then keeps a read outstanding, whose end says the call (and so the channel) is gone.
-// OnDone only notifies `ended_` (shared): the object is destroyed on the channel's threads,
-// never on gRPC's (see OpStream's Conn for why).
+// The OpenShm call: writes the one request, reads the shard's answer, then keeps a read
+// outstanding, whose end says the call (and so the channel) is gone. Every Start* is issued
+// before StartCall or from a reaction, never after OnDone. OnDone only notifies `ended_`
+// (shared): the object is destroyed on the channel's thread, never on gRPC's (see OpStream's
+// Conn for why).
 class ShmOpChannel::Control final
     : public grpc::ClientBidiReactor<ShmOpenRequest, ShmOpenResponse> {
  public:
-  Control(ParameterService::Stub* stub, const Options& options) {
+  Control(ParameterService::Stub* stub, const Options& options, size_t area_bytes) {
     for (const auto& [key, value] : options.metadata) ctx_.AddMetadata(key, value);
-    first_.set_area_bytes(static_cast<int64_t>(options.area_bytes));
-    second_.set_attached(true);
+    request_.set_area_bytes(static_cast<int64_t>(area_bytes));
+    request_.set_job(options.job);
     stub->async()->OpenShm(&ctx_, this);
-    writing_ = true;
-    StartWrite(&first_);
+    StartWrite(&request_);
     StartRead(&answer_);
     StartCall();
   }
 
-  // The shard's answer, once it came (false: the call ended or `timeout` passed first).
+  // The shard's answer, once it came (false: the call ended or `timeout` passed first; *why
+  // says which, with the shard's status).
   bool WaitAnswer(absl::Duration timeout, ShmOpenResponse* answer, grpc::Status* why) {
     if (!answered_.WaitForNotificationWithTimeout(timeout)) {
-      *why = grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, "no answer to OpenShm in time");
+      *why =
+          grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                       absl::StrCat("no answer to OpenShm within ", absl::FormatDuration(timeout)));
       return false;
     }
-    absl::MutexLock lock(&mu_);
-    if (!answer_ok_) {
-      mu_.Unlock();
-      ended_->WaitForNotification();  // The call's status says why.
-      mu_.Lock();
-      *why = status_;
-      return false;
+    {
+      absl::MutexLock lock(&mu_);
+      if (answer_ok_) {
+        *answer = answer_;
+        return true;
+      }
     }
-    *answer = answer_;
-    return true;
-  }
-
-  void SendAttached() {
+    ended_->WaitForNotification();  // The call's status says why.
     absl::MutexLock lock(&mu_);
-    if (writing_) {
-      attach_pending_ = true;
-    } else {
-      writing_ = true;
-      StartWrite(&second_);
-    }
+    *why = status_;
+    return false;
   }
 
   bool gone() const { return gone_.load(); }
@@ -70,16 +64,6 @@ class ShmOpChannel::Control final
   void Close() {
     ctx_.TryCancel();
     ended_->WaitForNotification();
-  }
-
-  void OnWriteDone(bool ok) override {
-    absl::MutexLock lock(&mu_);
-    writing_ = false;
-    if (ok && attach_pending_) {
-      attach_pending_ = false;
-      writing_ = true;
-      StartWrite(&second_);
-    }
   }
 
   void OnReadDone(bool ok) override {
@@ -108,8 +92,7 @@ class ShmOpChannel::Control final
 
  private:
   grpc::ClientContext ctx_;
-  ShmOpenRequest first_;
-  ShmOpenRequest second_;
+  ShmOpenRequest request_;
   ShmOpenResponse rest_;
   absl::Notification answered_;
   const std::shared_ptr<absl::Notification> ended_ = std::make_shared<absl::Notification>();
@@ -117,8 +100,6 @@ class ShmOpChannel::Control final
   mutable absl::Mutex mu_;
   ShmOpenResponse answer_ ABSL_GUARDED_BY(mu_);
   bool answer_ok_ ABSL_GUARDED_BY(mu_) = false;
-  bool writing_ ABSL_GUARDED_BY(mu_) = false;
-  bool attach_pending_ ABSL_GUARDED_BY(mu_) = false;
   grpc::Status status_ ABSL_GUARDED_BY(mu_);
 };
 
@@ -126,7 +107,7 @@ class ShmOpChannel::Control final
 struct ShmOpChannel::Conn {
   std::unique_ptr<Control> control;
   std::unique_ptr<ShmRegion> region;
-  uint32_t seq = 0;                 // Of the last request sent.
+  uint32_t seq = 0;                 // Of the last request sent (under the channel's mu_).
   std::atomic<bool> broken{false};  // Abort, or a bad answer: close it.
   std::atomic<bool> closed{false};  // Close has run.
 
@@ -142,9 +123,10 @@ struct ShmOpChannel::Conn {
 };
 
 ShmOpChannel::ShmOpChannel(ParameterService::Stub* stub, Options options)
-    : stub_(stub), options_(std::move(options)), spin_(options_.spin) {
-  thread_ = std::thread([this] { Run(); });
-}
+    : stub_(stub),
+      options_(std::move(options)),
+      area_bytes_(options_.area_bytes),
+      spin_(options_.spin) {}
 
 ShmOpChannel::~ShmOpChannel() {
   std::shared_ptr<Conn> conn;
@@ -155,38 +137,37 @@ ShmOpChannel::~ShmOpChannel() {
     if (in_flight_.has_value()) in_flight_->conn->broken.store(true);
   }
   if (conn != nullptr) ShmWake(&conn->region->header()->response_seq);
-  thread_.join();
+  if (thread_.joinable()) thread_.join();
   absl::MutexLock lock(&mu_);
   if (conn_ != nullptr) conn_->Close();
   conn_.reset();
 }
 
-absl::Status ShmOpChannel::OpenLocked() {
+absl::StatusOr<std::shared_ptr<ShmOpChannel::Conn>> ShmOpChannel::Open(size_t area_bytes) {
   auto conn = std::make_shared<Conn>();
-  conn->control = std::make_unique<Control>(stub_, options_);
+  conn->control = std::make_unique<Control>(stub_, options_, area_bytes);
   ShmOpenResponse answer;
   grpc::Status why;
   if (!conn->control->WaitAnswer(options_.open_timeout, &answer, &why)) {
     conn->control->Close();
     return FromGrpcStatus(why);
   }
-  absl::StatusOr<std::unique_ptr<ShmRegion>> region = ShmRegion::Attach(
-      answer.pid(), answer.fd(), answer.nonce(), static_cast<size_t>(answer.area_bytes()));
-  if (!region.ok() || (*region)->area_bytes() < options_.area_bytes) {
+  absl::StatusOr<std::unique_ptr<ShmRegion>> region =
+      answer.area_bytes() < static_cast<int64_t>(area_bytes)
+          ? absl::FailedPreconditionError(absl::StrCat("shared memory: the shard granted areas of ",
+                                                       answer.area_bytes(), " bytes, under the ",
+                                                       area_bytes, " asked"))
+          : ShmRegion::Attach(answer.pid(), answer.fd(), answer.nonce(),
+                              static_cast<size_t>(answer.area_bytes()));
+  if (!region.ok()) {
     conn->control->Close();
-    return region.ok() ? absl::FailedPreconditionError(absl::StrCat(
-                             "shared memory: the shard granted areas of ", answer.area_bytes(),
-                             " bytes, under the ", options_.area_bytes, " asked"))
-                       : region.status();
+    return region.status();
   }
   conn->region = std::move(region).value();
   conn->seq = conn->region->header()->request_seq.load();
-  conn->control->SendAttached();
-  conn_ = std::move(conn);
-  ++opened_;
   LogInfo(options_.logger, "shm_channel_opened",
-          {{"shard", options_.shard}, {"area_bytes", absl::StrCat(options_.area_bytes)}});
-  return absl::OkStatus();
+          {{"shard", options_.shard}, {"area_bytes", absl::StrCat(answer.area_bytes())}});
+  return conn;
 }
 
 void ShmOpChannel::DisableLocked(const absl::Status& why) {
@@ -201,29 +182,14 @@ bool ShmOpChannel::Call(StreamOp op, const grpc::ByteBuffer& body, grpc::ByteBuf
   absl::MutexLock lock(&mu_);
   if (disabled_ || stop_ || in_flight_.has_value()) return false;
   if (conn_ == nullptr || !conn_->Usable()) {
-    if (conn_ != nullptr) {
-      conn_->Close();
-      conn_.reset();
-    }
-    if (absl::Now() < next_open_) return false;
-    if (absl::Status st = OpenLocked(); !st.ok()) {
-      next_open_ = absl::Now() + absl::Seconds(1);
-      // Refusals that another try would meet again turn the channel off.
-      if (st.code() == absl::StatusCode::kFailedPrecondition ||
-          st.code() == absl::StatusCode::kUnimplemented ||
-          st.code() == absl::StatusCode::kInvalidArgument ||
-          st.code() == absl::StatusCode::kPermissionDenied ||
-          st.code() == absl::StatusCode::kUnauthenticated) {
-        DisableLocked(st);
-      }
-      return false;
-    }
+    want_open_ = true;  // The thread closes a broken channel and opens a new one when due.
+    if (!thread_.joinable()) thread_ = std::thread([this] { Run(); });
+    return false;
   }
   const uint64_t call = next_call_++;
   const grpc::ByteBuffer framed = FrameStreamRequest(call, op, body);
-  if (framed.Length() > conn_->region->area_bytes()) return false;
   std::vector<grpc::Slice> slices;
-  if (!framed.Dump(&slices).ok()) return false;
+  if (framed.Length() > conn_->region->area_bytes() || !framed.Dump(&slices).ok()) return false;
   char* out = conn_->region->request_area();
   for (const grpc::Slice& s : slices) {
     std::memcpy(out, s.begin(), s.size());
@@ -240,9 +206,9 @@ bool ShmOpChannel::Call(StreamOp op, const grpc::ByteBuffer& body, grpc::ByteBuf
 
 void ShmOpChannel::Abort() {
   absl::MutexLock lock(&mu_);
-  if (conn_ == nullptr) return;
-  conn_->broken.store(true);
-  ShmWake(&conn_->region->header()->response_seq);
+  if (!in_flight_.has_value()) return;
+  in_flight_->conn->broken.store(true);
+  ShmWake(&in_flight_->conn->region->header()->response_seq);
 }
 
 int64_t ShmOpChannel::opened() const {
@@ -257,51 +223,103 @@ bool ShmOpChannel::disabled() const {
 
 void ShmOpChannel::Run() {
   while (true) {
-    Pending p;
     {
       absl::MutexLock lock(&mu_);
       mu_.Await(absl::Condition(
-          +[](ShmOpChannel* c)
-               ABSL_NO_THREAD_SAFETY_ANALYSIS { return c->stop_ || c->in_flight_.has_value(); },
+          +[](ShmOpChannel* c) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+            return c->stop_ || c->in_flight_.has_value() || (c->want_open_ && !c->disabled_);
+          },
           this));
-      if (!in_flight_.has_value()) return;  // Stopping, nothing in flight.
-      p.conn = in_flight_->conn;
-      p.seq = in_flight_->seq;
-    }
-    ShmHeader* h = p.conn->region->header();
-    bool answered = false;
-    const absl::Time start = absl::Now();
-    const absl::Time spin_until = start + spin_.SpinFor();
-    while (true) {
-      const uint32_t seen = h->response_seq.load(std::memory_order_acquire);
-      if (seen == p.seq) {
-        answered = true;
-        break;
-      }
-      if (!p.conn->Usable()) break;
-      if (absl::Now() < spin_until) {
-        SpinYield();
-      } else {
-        ShmWait(&h->response_seq, seen, kStateCheck);
+      if (!in_flight_.has_value() && stop_) return;
+      if (!in_flight_.has_value()) {
+        mu_.Unlock();
+        Reopen();
+        mu_.Lock();
+        continue;
       }
     }
-    spin_.Record(absl::Now() - start);
-    {
-      absl::MutexLock lock(&mu_);
-      p.call = in_flight_->call;
-      p.response = in_flight_->response;
-      p.done = std::move(in_flight_->done);
-    }
-    const grpc::Status status = Complete(&p, answered);
-    std::shared_ptr<Conn> closing;
-    {
-      absl::MutexLock lock(&mu_);
-      in_flight_.reset();
-      if (!p.conn->Usable() && conn_ == p.conn) closing = std::move(conn_);
-    }
-    if (closing != nullptr) closing->Close();  // Off the lock: it waits for the call's end.
-    p.done(status);
+    Answer();
   }
+}
+
+void ShmOpChannel::Reopen() {
+  std::shared_ptr<Conn> old;
+  size_t area;
+  absl::Time due;
+  {
+    absl::MutexLock lock(&mu_);
+    if (conn_ != nullptr && !conn_->Usable()) old = std::move(conn_);
+    area = area_bytes_;
+    due = next_open_;
+  }
+  if (old != nullptr) old->Close();
+  {
+    // At most one try a second; Stop ends the wait.
+    absl::MutexLock lock(&mu_);
+    mu_.AwaitWithDeadline(absl::Condition(&stop_), due);
+    if (stop_ || conn_ != nullptr) {
+      want_open_ = false;
+      return;
+    }
+  }
+  absl::StatusOr<std::shared_ptr<Conn>> conn = Open(area);
+  absl::MutexLock lock(&mu_);
+  want_open_ = false;
+  if (conn.ok()) {
+    conn_ = std::move(conn).value();
+    ++opened_;
+    return;
+  }
+  next_open_ = absl::Now() + absl::Seconds(1);
+  const absl::StatusCode code = conn.status().code();
+  // Refusals that another try would meet again turn the channel off.
+  if (code == absl::StatusCode::kFailedPrecondition || code == absl::StatusCode::kUnimplemented ||
+      code == absl::StatusCode::kInvalidArgument || code == absl::StatusCode::kPermissionDenied ||
+      code == absl::StatusCode::kUnauthenticated) {
+    DisableLocked(conn.status());
+  }
+}
+
+void ShmOpChannel::Answer() {
+  Pending p;
+  {
+    absl::MutexLock lock(&mu_);
+    p.conn = in_flight_->conn;
+    p.seq = in_flight_->seq;
+  }
+  ShmHeader* h = p.conn->region->header();
+  bool answered = false;
+  const absl::Time start = absl::Now();
+  const absl::Time spin_until = start + spin_.SpinFor();
+  while (true) {
+    const uint32_t seen = h->response_seq.load(std::memory_order_acquire);
+    if (seen == p.seq) {
+      answered = true;
+      break;
+    }
+    if (!p.conn->Usable()) break;
+    if (absl::Now() < spin_until) {
+      SpinYield();
+    } else {
+      ShmWait(&h->response_seq, seen, kStateCheck);
+    }
+  }
+  spin_.Record(absl::Now() - start);
+  {
+    absl::MutexLock lock(&mu_);
+    p.call = in_flight_->call;
+    p.response = in_flight_->response;
+    p.done = std::move(in_flight_->done);
+  }
+  const grpc::Status status = Complete(&p, answered);
+  std::shared_ptr<Conn> closing;
+  {
+    absl::MutexLock lock(&mu_);
+    in_flight_.reset();
+    if (!p.conn->Usable() && conn_ == p.conn) closing = std::move(conn_);
+  }
+  if (closing != nullptr) closing->Close();  // Off the lock: it waits for the call's end.
+  p.done(status);
 }
 
 grpc::Status ShmOpChannel::Complete(Pending* p, bool answered) {
@@ -317,11 +335,11 @@ grpc::Status ShmOpChannel::Complete(Pending* p, bool answered) {
   if (bytes == kShmAnswerTooLarge) {
     p->conn->broken.store(true);
     absl::MutexLock lock(&mu_);
-    DisableLocked(absl::ResourceExhaustedError(
-        absl::StrCat("an answer did not fit the area of ", p->conn->region->area_bytes())));
+    area_bytes_ = std::min(2 * p->conn->region->area_bytes(), kShmMaxAreaBytes);
     return grpc::Status(
         grpc::StatusCode::UNAVAILABLE,
-        absl::StrCat(where, ": the answer did not fit; sent again over the Stream"));
+        absl::StrCat(where, ": the answer did not fit the area of ", p->conn->region->area_bytes(),
+                     " bytes; reopening with ", area_bytes_));
   }
   absl::Status st;
   StreamResponseHead head;
@@ -331,7 +349,9 @@ grpc::Status ShmOpChannel::Complete(Pending* p, bool answered) {
   } else {
     grpc::Slice copy(p->conn->region->response_area(), static_cast<size_t>(bytes));
     st = SplitStreamResponse(grpc::ByteBuffer(&copy, 1), &head, &body);
-    if (st.ok() && head.call != p->call) {
+    // Answers are matched by sequence number (one operation at a time); the call id must agree,
+    // except in the error answer to a request the shard could not decode (it has no call id).
+    if (st.ok() && head.call != p->call && !(head.call == 0 && head.code != 0)) {
       st = absl::DataLossError(
           absl::StrCat("the answer to call ", head.call, " for call ", p->call));
     }

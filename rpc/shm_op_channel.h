@@ -5,15 +5,18 @@
 // for the answer and completes the call with the status and encoded PushResponse or
 // PullResponse the Stream would have given.
 //
-// The channel is opened by the first Call (a gRPC round trip and an open of the shard's memfd,
-// at most `open_timeout`) and lives as long as its OpenShm call. Call returns false, and the
-// caller sends the operation over the Stream instead, whenever the channel cannot take it: an
-// operation is already in flight on it, the message is larger than its area, it is not open
-// and opening failed in the last second, or the shard refused it for good (another machine,
-// user or PID namespace, an old shard, --shm_channels reached or 0, an answer too large for the
-// area): then the channel stays off, and this is logged once (event=shm_unavailable).
-// When the channel breaks (the shard restarted, Abort) the operation in flight fails
+// The first Call asks this object's thread to open the channel (a gRPC round trip and an
+// open of the shard's memfd, at most `open_timeout`), which then lives as long as its OpenShm
+// call. Call never blocks on the shard: it returns false, and the caller sends the operation
+// over the Stream instead, whenever the channel cannot take it: not open (yet), an operation
+// already in flight on it, the message larger than its area. A refusal another try would meet
+// again (another machine, user or PID namespace; an old shard; --shm_channels=0; the token;
+// the area) turns the channel off for good, logged once (event=shm_unavailable); after any
+// other failure (the shard down, its channels all open) opening is tried again at most once a
+// second. When the channel breaks (the shard restarted, Abort) the operation in flight fails
 // UNAVAILABLE, like a broken Stream's, and is retried by the caller; the next Call reopens it.
+// An answer larger than the area (a "changes" pull can be) also fails UNAVAILABLE, and the
+// channel is reopened with areas twice as large.
 //
 // Thread safety: all methods may be called concurrently; completions run on this object's
 // thread and must not block.
@@ -48,6 +51,7 @@ class ShmOpChannel {
 
   struct Options {
     size_t area_bytes = 0;  // Asked of the shard for each area: the largest message either way.
+    std::string job;        // Whose token `metadata` carries.
     std::vector<std::pair<std::string, std::string>> metadata;  // Sent with OpenShm.
     std::string shard;               // Named in logs and errors ("shard 1 (host:port)").
     const Logger* logger = nullptr;  // Not owned; may be null.
@@ -68,7 +72,8 @@ class ShmOpChannel {
   // when the answer arrives, fills `*response` and runs `*done` (moved from) with its status.
   // False if the channel cannot take it now (see above): nothing was sent, `*done` is untouched.
   bool Call(StreamOp op, const grpc::ByteBuffer& body, grpc::ByteBuffer* response, Done* done);
-  // Breaks the open channel: the operation in flight fails UNAVAILABLE; the next Call reopens.
+  // Breaks the open channel if an operation is in flight on it (it fails UNAVAILABLE); the
+  // next Call reopens it. Does nothing to an idle channel.
   void Abort();
 
   // Channels opened so far; whether the channel is off for good.
@@ -86,9 +91,13 @@ class ShmOpChannel {
     Done done;
   };
 
-  absl::Status OpenLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Opens a channel with areas of `area_bytes` (blocking; no lock held).
+  absl::StatusOr<std::shared_ptr<Conn>> Open(size_t area_bytes);
+  // On the thread: replaces a broken channel by a new one, as Call asked (want_open_).
+  void Reopen();
   void DisableLocked(const absl::Status& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void Run();  // The thread: waits for each answer and completes its call.
+  void Run();     // The thread: opens channels and waits for each answer, completing its call.
+  void Answer();  // Waits for the answer of in_flight_ and completes its call.
   // The answer to `p` (answered) or why it has none; breaks the channel on a bad answer.
   grpc::Status Complete(Pending* p, bool answered);
 
@@ -99,11 +108,13 @@ class ShmOpChannel {
   std::optional<Pending> in_flight_ ABSL_GUARDED_BY(mu_);
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   bool disabled_ ABSL_GUARDED_BY(mu_) = false;
+  bool want_open_ ABSL_GUARDED_BY(mu_) = false;  // A Call found no usable channel.
   absl::Time next_open_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
+  size_t area_bytes_ ABSL_GUARDED_BY(mu_);  // Asked at the next open (grows on overflow).
   uint64_t next_call_ ABSL_GUARDED_BY(mu_) = 1;
   int64_t opened_ ABSL_GUARDED_BY(mu_) = 0;
   AdaptiveSpin spin_;
-  std::thread thread_;
+  std::thread thread_;  // Started by the first Call.
 };
 
 }  // namespace gradmesh

@@ -1,7 +1,10 @@
 #include "rpc/shm_region.h"
 
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <ifaddrs.h>
 #include <linux/futex.h>
+#include <netinet/in.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -13,7 +16,9 @@
 #include <random>
 
 #include "absl/strings/match.h"
+#include "absl/strings/strip.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
 
 namespace gradmesh {
 namespace {
@@ -69,9 +74,14 @@ absl::StatusOr<std::unique_ptr<ShmRegion>> ShmRegion::Attach(pid_t pid, int fd,
   const std::string path = absl::StrCat("/proc/", pid, "/fd/", fd);
   const int mine = open(path.c_str(), O_RDWR | O_CLOEXEC);
   if (mine < 0) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("shared memory: cannot open ", path, " (", std::strerror(errno),
-                     "): the shard is not a process of this user on this machine"));
+    const int error = errno;
+    const std::string what =
+        absl::StrCat("shared memory: cannot open ", path, " (", std::strerror(error), ")");
+    if (error == EACCES || error == EPERM) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(what, ": the shard is not a process of this user and PID namespace"));
+    }
+    return absl::UnavailableError(what);
   }
   const size_t total = kShmHeaderBytes + area_bytes;  // + the second area, checked below.
   struct stat st;
@@ -124,8 +134,43 @@ void ShmWake(std::atomic<uint32_t>* word) {
 }
 
 bool IsLocalPeer(absl::string_view peer) {
-  return absl::StartsWith(peer, "ipv4:127.") || absl::StartsWith(peer, "ipv6:[::1]") ||
-         absl::StartsWith(peer, "ipv6:%5B::1%5D") || absl::StartsWith(peer, "unix:");
+  if (absl::StartsWith(peer, "unix:") || absl::StartsWith(peer, "unix-abstract:")) return true;
+  int family;
+  std::string host;
+  if (absl::ConsumePrefix(&peer, "ipv4:")) {
+    family = AF_INET;
+    host = std::string(peer.substr(0, peer.rfind(':')));
+  } else if (absl::ConsumePrefix(&peer, "ipv6:")) {
+    family = AF_INET6;
+    // "[addr]:port", brackets possibly percent-encoded; a zone ("%25eth0") is dropped.
+    std::string p = absl::StrReplaceAll(peer, {{"%5B", "["}, {"%5D", "]"}});
+    const size_t open = p.find('['), close = p.find(']');
+    if (open == std::string::npos || close == std::string::npos || close < open) return false;
+    host = p.substr(open + 1, close - open - 1);
+    host = host.substr(0, host.find('%'));
+  } else {
+    return false;
+  }
+  unsigned char want[16];
+  if (inet_pton(family, host.c_str(), want) != 1) return false;
+  if (family == AF_INET && want[0] == 127) return true;
+  static const unsigned char kLoopback6[16] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1};
+  if (family == AF_INET6 && std::memcmp(want, kLoopback6, 16) == 0) return true;
+  struct ifaddrs* all = nullptr;
+  if (getifaddrs(&all) != 0) return false;
+  bool found = false;
+  for (const struct ifaddrs* a = all; a != nullptr && !found; a = a->ifa_next) {
+    if (a->ifa_addr == nullptr || a->ifa_addr->sa_family != family) continue;
+    const void* have =
+        family == AF_INET
+            ? static_cast<const void*>(
+                  &reinterpret_cast<const struct sockaddr_in*>(a->ifa_addr)->sin_addr)
+            : static_cast<const void*>(
+                  &reinterpret_cast<const struct sockaddr_in6*>(a->ifa_addr)->sin6_addr);
+    found = std::memcmp(have, want, family == AF_INET ? 4 : 16) == 0;
+  }
+  freeifaddrs(all);
+  return found;
 }
 
 }  // namespace gradmesh

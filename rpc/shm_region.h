@@ -10,16 +10,18 @@
 // pages from under the shard (a shrunk file would raise SIGBUS in the shard). The worker opens
 // it through /proc/<shard pid>/fd/<fd>, which the kernel allows only to a process that may
 // inspect the shard (same user, same PID namespace), and checks a 16-byte random nonce that the
-// shard wrote into the header and sent over the (authenticated, possibly TLS) gRPC call; the
-// shard then closes its descriptor, so no other process can open the region afterwards.
+// shard wrote into the header and sent over the (authenticated, possibly TLS) gRPC call. The
+// shard closes its descriptor when the first request arrives (the worker has mapped the region
+// by then) or after kShmAttachWindow: from then on no other process can open the region.
 //
 // Layout: a header page, then the request area, then the response area, each `area_bytes`.
 // One operation at a time: the worker writes the request bytes, then publishes them by
 // incrementing request_seq (release) and waking the shard's futex on it; the shard answers
 // into the response area and sets response_seq to the request's sequence number. Either side
 // sets `closed` to end the channel. The shard treats everything in the region as untrusted:
-// it reads each length once, bounds it by the area, and decodes the request with the Stream's
-// decoder, which copies a push's values into the shard's own memory before checking them.
+// it reads each length once, bounds it by the area and copies the request into its own memory
+// before decoding it with the Stream's decoder, so nothing the worker writes meanwhile reaches
+// the decoder, the checks or the optimizer.
 //
 // Thread safety: a ShmRegion is a mapping; the header's words are atomics shared by both
 // processes, the areas belong to whichever side the protocol above says.
@@ -46,6 +48,8 @@ inline constexpr size_t kShmNonceBytes = 16;
 // Bounds on an area (each of the two): at least a page, at most 1 GiB.
 inline constexpr size_t kShmMinAreaBytes = 4096;
 inline constexpr size_t kShmMaxAreaBytes = size_t{1} << 30;
+// How long the shard keeps its descriptor open for the worker to open the region.
+inline constexpr absl::Duration kShmAttachWindow = absl::Seconds(10);
 
 struct ShmHeader {
   uint64_t magic;
@@ -76,8 +80,9 @@ class ShmRegion {
   static absl::StatusOr<std::unique_ptr<ShmRegion>> Create(size_t area_bytes);
   // The worker's side: opens /proc/<pid>/fd/<fd>, checks that it is a region of `area_bytes`
   // areas sealed against resizing whose header carries `nonce`, and maps it.
-  // FailedPrecondition naming what did not hold (not the same machine, user or PID namespace;
-  // another file; another nonce).
+  // FailedPrecondition naming what did not hold (not the same user or PID namespace: EACCES or
+  // EPERM; another file; another nonce); Unavailable when the descriptor is gone (the shard
+  // exited or closed it) or this process is out of descriptors or memory.
   static absl::StatusOr<std::unique_ptr<ShmRegion>> Attach(pid_t pid, int fd,
                                                            absl::string_view nonce,
                                                            size_t area_bytes);
@@ -109,8 +114,9 @@ void ShmWait(std::atomic<uint32_t>* word, uint32_t expected, absl::Duration time
 // Wakes every thread, in any process, blocked in ShmWait on `word`.
 void ShmWake(std::atomic<uint32_t>* word);
 
-// Whether a gRPC peer string (grpc::ServerContext::peer()) is a connection from this machine:
-// loopback IPv4 or IPv6, or a Unix domain socket.
+// Whether a gRPC peer string (grpc::ServerContext::peer(), e.g. "ipv4:10.1.2.3:5555") is a
+// connection from this machine: a Unix domain socket, a loopback address, or an address of one
+// of this machine's interfaces (a worker reaching a shard by the host's name).
 bool IsLocalPeer(absl::string_view peer);
 
 }  // namespace gradmesh

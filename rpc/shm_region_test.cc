@@ -36,8 +36,9 @@ TEST(ShmRegionTest, AttachChecksNonceSizeAndSeals) {
   EXPECT_EQ(r->request_area()[100], 'x');  // The same memory.
   const int fd = r->fd();
   r->CloseFd();
+  // Gone: the region can no longer be opened (UNAVAILABLE, as when the shard exited).
   EXPECT_EQ((ShmRegion::Attach(pid, fd, r->nonce(), 8192).status()).code(),
-            absl::StatusCode::kFailedPrecondition);
+            absl::StatusCode::kUnavailable);
   EXPECT_EQ((ShmRegion::Create(100).status()).code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ((ShmRegion::Create(kShmMaxAreaBytes + 1).status()).code(),
             absl::StatusCode::kInvalidArgument);

@@ -410,59 +410,50 @@ void StreamReactor::CancelAll() {
   for (const auto& op : ops) op->cancel.Cancel();
 }
 
-// One OpenShm call: the first request makes the channel (a ShmOpServer) and answers where its
-// region is; the second says the worker mapped it; the channel then lives until the worker
-// half-closes or cancels the call, or the server shuts down. Every reaction takes mu_; the
-// call finishes once no write is outstanding. Deletes itself (and the channel, joining its
-// thread) when gRPC is done with it.
+// One OpenShm call: its one request (checked: the area's bounds, the job's token) makes the
+// channel (a ShmOpServer), whose location is the one answer; the channel then lives until the
+// worker half-closes or cancels the call, or the server shuts down. A further message ends the
+// call with INVALID_ARGUMENT. Every reaction takes mu_; the call finishes once the answer's
+// write is done (a read is always outstanding until then, so OnCancel needs no override).
+// Deletes itself when gRPC is done with it, and with it the channel: ~ShmOpServer withdraws a
+// waiting operation at once and returns once one being applied has finished.
 class ShmOpenReactor final : public grpc::ServerBidiReactor<ShmOpenRequest, ShmOpenResponse> {
  public:
   ShmOpenReactor(Shard* shard, const JobTokens* tokens, const ShmChannelOptions& options,
                  std::atomic<int32_t>* open, grpc::CallbackServerContext* ctx)
-      : shard_(shard), tokens_(tokens), options_(options), open_(open), peer_(ctx->peer()) {
-    const auto& md = ctx->client_metadata();
-    auto it = md.find("x-gradmesh-job-token");
-    if (it != md.end()) token_.assign(it->second.data(), it->second.size());
+      : shard_(shard),
+        tokens_(tokens),
+        options_(options),
+        open_(open),
+        ctx_(ctx),
+        peer_(ctx->peer()) {
     absl::MutexLock lock(&mu_);
-    if (!IsLocalPeer(peer_)) {
+    if (options_.max_channels <= 0 || !IsLocalPeer(peer_)) {
       FinishLocked(absl::FailedPreconditionError(
-          absl::StrCat("OpenShm: ", peer_, " is not on this machine (loopback or Unix socket)")));
+          options_.max_channels <= 0
+              ? std::string("OpenShm: this shard takes no shared-memory channels "
+                            "(--shm_channels=0); use the Stream")
+              : absl::StrCat("OpenShm: ", peer_, " is not on this machine")));
       return;
     }
-    if (open_->fetch_add(1) >= options_.max_channels) {
-      open_->fetch_sub(1);
-      FinishLocked(absl::FailedPreconditionError(
-          absl::StrCat("OpenShm: this shard takes at most ", options_.max_channels,
-                       " shared-memory channels (--shm_channels), all open; use the Stream")));
-      return;
-    }
-    counted_ = true;
-    reading_ = true;
     StartRead(&in_);
   }
 
   void OnReadDone(bool ok) override {
     absl::MutexLock lock(&mu_);
-    reading_ = false;
     if (!ok || finishing_) {  // Half-closed or cancelled: the channel ends.
       FinishLocked(absl::OkStatus());
       return;
     }
-    absl::Status st;
-    if (server_ == nullptr) {
-      st = OpenLocked();
-    } else if (in_.attached() && !attached_) {
-      attached_ = true;
-      server_->Attached();
-    } else {
-      st = absl::InvalidArgumentError("OpenShm: only an area request, then attached, are taken");
-    }
+    const absl::Status st =
+        server_ == nullptr
+            ? OpenLocked()
+            : absl::InvalidArgumentError("OpenShm: one request opens a channel; nothing follows");
     if (!st.ok()) {
       FinishLocked(st);
       return;
     }
-    reading_ = true;
-    StartRead(&in_);
+    StartRead(&in_);  // Ends when the call does.
   }
 
   void OnWriteDone(bool /*ok*/) override {
@@ -489,9 +480,19 @@ class ShmOpenReactor final : public grpc::ServerBidiReactor<ShmOpenRequest, ShmO
                                                      " bytes is outside [", kShmMinAreaBytes, ", ",
                                                      options_.max_area_bytes, "]"));
     }
+    RETURN_IF_ERROR(CheckJobToken(tokens_, ctx_, in_.job()));
+    if (open_->fetch_add(1) >= options_.max_channels) {
+      open_->fetch_sub(1);
+      return absl::ResourceExhaustedError(
+          absl::StrCat("OpenShm: this shard's ", options_.max_channels,
+                       " shared-memory channels (--shm_channels) are all open; use the Stream"));
+    }
+    counted_ = true;
     ShmOpServer::Options o;
     o.area_bytes = static_cast<size_t>(area);
-    o.token = token_;
+    const auto& md = ctx_->client_metadata();
+    auto it = md.find("x-gradmesh-job-token");
+    if (it != md.end()) o.token.assign(it->second.data(), it->second.size());
     o.tokens = tokens_;
     o.peer = peer_;
     o.logger = options_.logger;
@@ -499,17 +500,17 @@ class ShmOpenReactor final : public grpc::ServerBidiReactor<ShmOpenRequest, ShmO
     if (!server.ok()) return server.status();
     server_ = std::move(server).value();
     out_.set_pid(static_cast<int32_t>(getpid()));
-    out_.set_fd(server_->region().fd());
+    out_.set_fd(server_->fd());
     out_.set_nonce(server_->region().nonce());
     out_.set_area_bytes(static_cast<int64_t>(server_->region().area_bytes()));
     LogInfo(options_.logger, "shm_channel_opened",
-            {{"peer", peer_}, {"area_bytes", absl::StrCat(out_.area_bytes())}});
+            {{"peer", peer_}, {"job", in_.job()}, {"area_bytes", absl::StrCat(out_.area_bytes())}});
     writing_ = true;
     StartWrite(&out_);
     return absl::OkStatus();
   }
 
-  // Finishes once no write is outstanding (the read may be: gRPC ends it).
+  // Finishes once the answer's write is done.
   void FinishLocked(absl::Status st) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (finished_) return;
     finishing_ = true;
@@ -523,16 +524,15 @@ class ShmOpenReactor final : public grpc::ServerBidiReactor<ShmOpenRequest, ShmO
   const JobTokens* const tokens_;
   const ShmChannelOptions options_;
   std::atomic<int32_t>* const open_;
+  grpc::CallbackServerContext* const ctx_;
   const std::string peer_;
-  std::string token_;
-  bool counted_ = false;  // Holds one of max_channels (set in the constructor only).
   absl::Mutex mu_;
   ShmOpenRequest in_ ABSL_GUARDED_BY(mu_);
   ShmOpenResponse out_ ABSL_GUARDED_BY(mu_);
-  std::unique_ptr<ShmOpServer> server_;  // Set under mu_; read in OnDone (no reaction runs).
-  bool reading_ ABSL_GUARDED_BY(mu_) = false;
+  // Set under mu_ by the one read; OnDone reads them after every reaction has run.
+  std::unique_ptr<ShmOpServer> server_;
+  bool counted_ = false;  // Holds one of max_channels.
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
-  bool attached_ ABSL_GUARDED_BY(mu_) = false;
   bool finishing_ ABSL_GUARDED_BY(mu_) = false;
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
   absl::Status end_ ABSL_GUARDED_BY(mu_);

@@ -37,7 +37,9 @@ ShmOpServer::ShmOpServer(Shard* shard, Options options, std::unique_ptr<ShmRegio
     : shard_(shard),
       options_(std::move(options)),
       region_(std::move(region)),
-      spin_(options_.spin) {
+      spin_(options_.spin),
+      fd_(region_->fd()),
+      request_copy_(new char[region_->area_bytes()]) {
   thread_ = std::thread([this] { Run(); });
 }
 
@@ -45,7 +47,14 @@ ShmOpServer::~ShmOpServer() {
   stop_.store(true);
   ShmHeader* h = region_->header();
   h->closed.store(1);
+  // The thread waits on request_seq: changing the word makes a wait that starts after stop_
+  // was checked return at once (a wake-up alone could come before it).
+  h->request_seq.fetch_add(1);
   ShmWake(&h->request_seq);
+  {
+    absl::MutexLock lock(&cancel_mu_);
+    if (cancel_ != nullptr) cancel_->Cancel();  // A waiting operation completes now.
+  }
   thread_.join();
   ShmWake(&h->response_seq);  // A worker still waiting sees `closed`.
 }
@@ -55,6 +64,7 @@ void ShmOpServer::Run() {
   // The region is new: 0 is the number before the first request (reading the word here could
   // already see the first request if the worker was quick, which would then never be served).
   uint32_t seen = 0;
+  const absl::Time attach_by = absl::Now() + kShmAttachWindow;
   absl::Time idle_since = absl::Now();
   absl::Time spin_until = idle_since + spin_.SpinFor();
   while (!stop_.load() && h->closed.load() == 0) {
@@ -63,11 +73,14 @@ void ShmOpServer::Run() {
       if (absl::Now() < spin_until) {
         SpinYield();
       } else {
+        if (region_->fd() >= 0 && absl::Now() > attach_by) region_->CloseFd();
         ShmWait(&h->request_seq, seen, kStopCheck);
       }
       continue;
     }
+    if (stop_.load()) break;
     seen = seq;
+    region_->CloseFd();  // The worker has mapped the region: nobody else may open it now.
     spin_.Record(absl::Now() - idle_since);
     const uint64_t bytes = h->request_bytes.load(std::memory_order_relaxed);  // Read once.
     if (bytes > region_->area_bytes()) {
@@ -77,13 +90,15 @@ void ShmOpServer::Run() {
                                           region_->area_bytes())}});
       break;
     }
+    // The request is copied out before anything reads it: the worker may change the area
+    // meanwhile, and the decoder reads its input more than once (chunk limit, then content).
+    std::memcpy(request_copy_.get(), region_->request_area(), static_cast<size_t>(bytes));
     grpc::ByteBuffer answer = Serve(bytes, seq);
     uint64_t length = answer.Length();
-    if (length > region_->area_bytes()) {
+    std::vector<grpc::Slice> slices;
+    if (length > region_->area_bytes() || !answer.Dump(&slices).ok()) {
       length = kShmAnswerTooLarge;
     } else {
-      std::vector<grpc::Slice> slices;
-      (void)answer.Dump(&slices);
       char* out = region_->response_area();
       for (const grpc::Slice& s : slices) {
         std::memcpy(out, s.begin(), s.size());
@@ -102,9 +117,7 @@ void ShmOpServer::Run() {
 }
 
 grpc::ByteBuffer ShmOpServer::Serve(uint64_t bytes, uint32_t seq) {
-  // The request stays in the region: the decoder copies what it keeps (a push's values into
-  // `dense`, the rest into `request`) and is memory-safe however the bytes change meanwhile.
-  grpc::Slice slice(region_->request_area(), static_cast<size_t>(bytes), grpc::Slice::STATIC_SLICE);
+  grpc::Slice slice(request_copy_.get(), static_cast<size_t>(bytes), grpc::Slice::STATIC_SLICE);
   const grpc::ByteBuffer in(&slice, 1);
   StreamRequest request;
   DenseChunks dense;
@@ -130,6 +143,11 @@ grpc::ByteBuffer ShmOpServer::Serve(uint64_t bytes, uint32_t seq) {
   }
   if (st.ok()) {
     WaitCancel cancel;
+    {
+      absl::MutexLock lock(&cancel_mu_);
+      cancel_ = &cancel;
+      if (stop_.load()) cancel.Cancel();
+    }
     if (request.has_push()) {
       shard_->PushAsync(
           request.push(),
@@ -150,17 +168,13 @@ grpc::ByteBuffer ShmOpServer::Serve(uint64_t bytes, uint32_t seq) {
           },
           &cancel);
     }
-    absl::MutexLock lock(&state->mu);
-    bool cancelled = false;
-    while (!state->mu.AwaitWithTimeout(absl::Condition(&state->done), kStopCheck)) {
-      if (stop_.load() && !cancelled) {
-        cancelled = true;
-        state->mu.Unlock();  // A cancelled wait completes on this thread.
-        cancel.Cancel();
-        state->mu.Lock();
-      }
+    {
+      absl::MutexLock lock(&state->mu);
+      state->mu.Await(absl::Condition(&state->done));  // ~ShmOpServer cancels a wait.
+      st = state->status;
     }
-    st = state->status;
+    absl::MutexLock lock(&cancel_mu_);
+    cancel_ = nullptr;
   }
   StreamResponse& response = state->response;
   if (!st.ok()) {

@@ -6,11 +6,13 @@
 // token the opening call presented, the shard's limits, waits (a sync push at its barrier, an
 // ssp pull) and status codes. It then writes the encoded StreamResponse into the response area.
 // A request that does not decode is answered INVALID_ARGUMENT and the channel goes on; a
-// length past the area closes the channel. Nothing a worker writes can crash the shard or
-// change it other than through operations its token may perform.
+// length past the area closes the channel. Each request is copied out of the region before it
+// is read, so nothing a worker writes can crash the shard or change it other than through
+// operations its token may perform.
 //
 // Thread safety: the constructor starts the thread; the destructor closes the channel,
-// withdraws an operation still waiting (CANCELLED, nothing of it applied) and joins.
+// withdraws an operation still waiting (CANCELLED, nothing of it applied) and joins: it returns
+// once an operation being applied has finished (a wait ends at once).
 #ifndef GRADMESH_SERVER_SHM_OP_SERVER_H_
 #define GRADMESH_SERVER_SHM_OP_SERVER_H_
 
@@ -22,7 +24,9 @@
 #include <string>
 #include <thread>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "common/spin_wait.h"
 #include "rpc/shm_region.h"
 #include "server/job_tokens.h"
@@ -51,8 +55,9 @@ class ShmOpServer {
   ShmOpServer& operator=(const ShmOpServer&) = delete;
 
   const ShmRegion& region() const { return *region_; }
-  // The worker has mapped the region: no other process may open it from now on.
-  void Attached() { region_->CloseFd(); }
+  // The region's descriptor, for the worker to open (closed by the serving thread once the
+  // first request came, or after kShmAttachWindow).
+  int fd() const { return fd_; }
   // Operations answered so far.
   int64_t served() const { return served_.load(); }
 
@@ -68,6 +73,10 @@ class ShmOpServer {
   std::atomic<bool> stop_{false};
   std::atomic<int64_t> served_{0};
   AdaptiveSpin spin_;
+  const int fd_;
+  const std::unique_ptr<char[]> request_copy_;  // The request being served, out of the region.
+  absl::Mutex cancel_mu_;
+  WaitCancel* cancel_ ABSL_GUARDED_BY(cancel_mu_) = nullptr;  // The operation in flight's.
   std::thread thread_;
 };
 

@@ -44,6 +44,7 @@ struct RawChannel {
   std::unique_ptr<grpc::ClientContext> ctx;
   std::unique_ptr<grpc::ClientReaderWriter<ShmOpenRequest, ShmOpenResponse>> call;
   std::unique_ptr<ShmRegion> region;
+  ShmOpenResponse answer;
   uint32_t seq = 0;
 
   // Writes `bytes` as the next request and waits (up to 10 s) for its answer: the answer's
@@ -73,26 +74,24 @@ struct RawChannel {
   }
 };
 
-// Opens a channel with areas of `area_bytes` (and the job token, if any); the status of the
-// call if the shard refused it.
-absl::StatusOr<RawChannel> OpenRaw(Stub* stub, int64_t area_bytes, const std::string& token = "") {
+// Opens a channel for `job` with areas of `area_bytes` (and the job token, if any); the status
+// of the call if the shard refused it.
+absl::StatusOr<RawChannel> OpenRaw(Stub* stub, int64_t area_bytes, const std::string& job = "raw",
+                                   const std::string& token = "") {
   RawChannel c;
   c.ctx = std::make_unique<grpc::ClientContext>();
   if (!token.empty()) c.ctx->AddMetadata("x-gradmesh-job-token", token);
   c.call = stub->OpenShm(c.ctx.get());
-  ShmOpenRequest first;
-  first.set_area_bytes(area_bytes);
-  ShmOpenResponse answer;
-  if (!c.call->Write(first) || !c.call->Read(&answer)) {
+  ShmOpenRequest request;
+  request.set_area_bytes(area_bytes);
+  request.set_job(job);
+  if (!c.call->Write(request) || !c.call->Read(&c.answer)) {
     c.call->WritesDone();
     const grpc::Status st = c.call->Finish();
     return absl::Status(static_cast<absl::StatusCode>(st.error_code()), st.error_message());
   }
-  ASSIGN_OR_RETURN(c.region, ShmRegion::Attach(answer.pid(), answer.fd(), answer.nonce(),
-                                               static_cast<size_t>(answer.area_bytes())));
-  ShmOpenRequest attached;
-  attached.set_attached(true);
-  c.call->Write(attached);
+  ASSIGN_OR_RETURN(c.region, ShmRegion::Attach(c.answer.pid(), c.answer.fd(), c.answer.nonce(),
+                                               static_cast<size_t>(c.answer.area_bytes())));
   return c;
 }
 
@@ -158,6 +157,10 @@ TEST_F(ShmTest, GarbageIsAnsweredInvalidArgumentAndTheChannelGoesOn) {
     EXPECT_EQ(r.code(), static_cast<int32_t>(grpc::StatusCode::INVALID_ARGUMENT)) << r.message();
     EXPECT_NE(r.message().find("OpenShm: request"), std::string::npos) << r.message();
   }
+  // Once a request came, the shard's descriptor is closed: nobody else can open the region.
+  EXPECT_FALSE(ShmRegion::Attach(ch.answer.pid(), ch.answer.fd(), ch.answer.nonce(),
+                                 static_cast<size_t>(ch.answer.area_bytes()))
+                   .ok());
   bool closed = false;
   const StreamResponse pulled = Parse(ch.Exchange(PullRequestBytes("raw", 42), &closed));
   ASSERT_FALSE(closed);
@@ -188,9 +191,9 @@ TEST_F(ShmTest, ALengthPastTheAreaClosesTheChannelAndALargeAnswerIsFlagged) {
   ch.Close();
 }
 
-// Areas under a page or over the shard's bound are INVALID_ARGUMENT; with max_channels
-// reached the shard answers FAILED_PRECONDITION, and a worker's shm client keeps to the Stream
-// (its results are the same).
+// Areas under a page or over the shard's bound are INVALID_ARGUMENT; with max_channels open
+// the shard answers RESOURCE_EXHAUSTED, and a worker's shm client keeps to the Stream (its
+// results are the same) until a channel is free; a wrong job token is refused at open.
 TEST(ShmLimitsTest, BadAreasAndAFullShardAreRefusedAndTheClientKeepsTheStream) {
   ShardOptions so;
   ASSERT_OK_AND_ASSIGN(std::unique_ptr<Shard> shard, Shard::Create(so));
@@ -213,8 +216,8 @@ TEST(ShmLimitsTest, BadAreasAndAFullShardAreRefusedAndTheClientKeepsTheStream) {
   }
   ASSERT_OK_AND_ASSIGN(RawChannel first, OpenRaw(stub.get(), 1 << 16));
   EXPECT_TRUE(HasCodeAndText(OpenRaw(stub.get(), 1 << 16).status(),
-                             absl::StatusCode::kFailedPrecondition,
-                             "at most 1 shared-memory channels"));
+                             absl::StatusCode::kResourceExhausted,
+                             "shared-memory channels (--shm_channels) are all open"));
   const JobLayout l = Layout("full");
   GrpcParameterClientOptions o = ClientOptions({addr});
   o.transport = "shm";
@@ -228,7 +231,43 @@ TEST(ShmLimitsTest, BadAreasAndAFullShardAreRefusedAndTheClientKeepsTheStream) {
   EXPECT_EQ(RawInfo(stub.get(), "full").pushes_applied(), 3);
   EXPECT_EQ(service.shm_channels(), 1);  // Still only the raw one.
   first.Close();
+  for (int i = 0; i < 200 && service.shm_channels() != 0; ++i)
+    absl::SleepFor(absl::Milliseconds(5));
+  ASSERT_EQ(service.shm_channels(), 0);
+  // A slot is free: the client opens its channel (at most a second after its last try).
+  for (int i = 0; i < 300 && service.shm_channels() != 1; ++i) {
+    ASSERT_OK(c->Pull(Spans(v)));
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  EXPECT_EQ(service.shm_channels(), 1);
   c.reset();
+  server->Shutdown();
+}
+
+// With per-job tokens, a channel opens only for a job the presented token may act on.
+TEST(ShmLimitsTest, AChannelOpensOnlyWithTheJobsToken) {
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Shard> shard, Shard::Create(ShardOptions()));
+  JobTokens tokens(/*required=*/true);
+  tokens.Set("secret", "good-token");
+  ParameterServiceImpl service(shard.get(), &tokens);
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  ASSERT_NE(server, nullptr);
+  auto stub =
+      ParameterService::NewStub(MakeChannel(absl::StrCat("127.0.0.1:", port), RpcOptions()));
+  for (const std::string token : {"bad-token", ""}) {
+    const absl::StatusCode code = OpenRaw(stub.get(), 1 << 16, "secret", token).status().code();
+    EXPECT_TRUE(code == absl::StatusCode::kPermissionDenied ||
+                code == absl::StatusCode::kUnauthenticated)
+        << "token '" << token << "': " << code;
+  }
+  EXPECT_EQ(service.shm_channels(), 0);
+  ASSERT_OK_AND_ASSIGN(RawChannel ch, OpenRaw(stub.get(), 1 << 16, "secret", "good-token"));
+  EXPECT_EQ(service.shm_channels(), 1);
+  ch.Close();
   server->Shutdown();
 }
 
@@ -242,7 +281,7 @@ TEST(ShmLifetimeTest, AWorkerThatGoesAwayWithdrawsItsWaitingPush) {
   ASSERT_OK_AND_ASSIGN(std::unique_ptr<ParameterClient> init,
                        NewGrpcParameterClient(l, ClientOptions({server->addr})));
   ASSERT_OK(init->InitJob(ConstSpans(OddInit(l))));
-  ASSERT_OK_AND_ASSIGN(RawChannel ch, OpenRaw(stub.get(), 1 << 20));
+  ASSERT_OK_AND_ASSIGN(RawChannel ch, OpenRaw(stub.get(), 1 << 20, "gone"));
   // A sync push of step 0 by worker 0, written raw: it waits for worker 1.
   const Values g = OddInit(l);
   const Partition p = MakePartition(l, 1);

@@ -84,6 +84,7 @@ class GrpcParameterClient final : public ParameterClient {
           const int32_t s = static_cast<int32_t>(shm_.size());
           ShmOpChannel::Options so;
           so.area_bytes = ShmAreaBytes(s);
+          so.job = layout_.job;
           so.metadata = std::move(md);
           so.shard = absl::StrCat("shard ", s, " (", addr, ")");
           so.logger = options_.logger;
@@ -633,10 +634,12 @@ class GrpcParameterClient final : public ParameterClient {
                                      grpc::StubOptions(), req, resp, std::move(done));
   }
   // The area a shared-memory channel to shard `s` asks for: its dense float32 values (the
-  // largest push and the largest answer) plus room for the framing of each chunk.
+  // largest push and the largest answer; twice that with "changes" pulls, whose payload can
+  // outgrow the values) plus room for the framing of each chunk. A larger push takes the Stream;
+  // a larger answer makes the channel reopen with twice the area (rpc/shm_op_channel.h).
   size_t ShmAreaBytes(int32_t s) const {
-    return static_cast<size_t>(shard_bytes_[s]) + 64 * partition_.shard_chunks(s).size() +
-           (size_t{64} << 10);
+    return static_cast<size_t>(shard_bytes_[s]) * (changes_ ? 2 : 1) +
+           64 * partition_.shard_chunks(s).size() + (size_t{64} << 10);
   }
   // Whether an operation carrying `bytes` of tensor data to or from a shard takes its stream.
   bool Streamed(int64_t bytes) const {
