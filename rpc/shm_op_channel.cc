@@ -1,5 +1,6 @@
 #include "rpc/shm_op_channel.h"
 
+#include <grpc/slice.h>
 #include <grpcpp/client_context.h>
 #include <grpcpp/support/client_callback.h>
 
@@ -110,6 +111,9 @@ struct ShmOpChannel::Conn {
   uint32_t seq = 0;                 // Of the last request sent (under the channel's mu_).
   std::atomic<bool> broken{false};  // Abort, or a bad answer: close it.
   std::atomic<bool> closed{false};  // Close has run.
+  // The last answer is still read in place (its slice is alive): no request until it is not,
+  // since the next answer would overwrite it.
+  std::atomic<bool> lent{false};
 
   bool Usable() const {
     return !broken.load() && !control->gone() && region->header()->closed.load() == 0;
@@ -181,6 +185,7 @@ bool ShmOpChannel::Call(StreamOp op, const grpc::ByteBuffer& body, grpc::ByteBuf
                         Done* done) {
   absl::MutexLock lock(&mu_);
   if (disabled_ || stop_ || in_flight_.has_value()) return false;
+  if (conn_ != nullptr && conn_->lent.load()) return false;
   if (conn_ == nullptr || !conn_->Usable()) {
     want_open_ = true;  // The thread closes a broken channel and opens a new one when due.
     if (!thread_.joinable()) thread_ = std::thread([this] { Run(); });
@@ -188,12 +193,8 @@ bool ShmOpChannel::Call(StreamOp op, const grpc::ByteBuffer& body, grpc::ByteBuf
   }
   const uint64_t call = next_call_++;
   const grpc::ByteBuffer framed = FrameStreamRequest(call, op, body);
-  std::vector<grpc::Slice> slices;
-  if (framed.Length() > conn_->region->area_bytes() || !framed.Dump(&slices).ok()) return false;
-  char* out = conn_->region->request_area();
-  for (const grpc::Slice& s : slices) {
-    std::memcpy(out, s.begin(), s.size());
-    out += s.size();
+  if (!CopyBufferTo(framed, conn_->region->request_area(), conn_->region->area_bytes())) {
+    return false;  // Too large for the area: the caller sends it over the Stream.
   }
   ShmHeader* h = conn_->region->header();
   h->request_bytes.store(framed.Length(), std::memory_order_relaxed);
@@ -347,8 +348,19 @@ grpc::Status ShmOpChannel::Complete(Pending* p, bool answered) {
   if (bytes > p->conn->region->area_bytes()) {
     st = absl::DataLossError(absl::StrCat("an answer of ", bytes, " bytes, past the area"));
   } else {
-    grpc::Slice copy(p->conn->region->response_area(), static_cast<size_t>(bytes));
-    st = SplitStreamResponse(grpc::ByteBuffer(&copy, 1), &head, &body);
+    // The answer is read where it lies: the slice keeps the region mapped and the area lent
+    // until the caller drops the last reference to it (Call sends nothing meanwhile).
+    p->conn->lent.store(true);
+    grpc::Slice in_place(grpc_slice_new_with_user_data(
+                             p->conn->region->response_area(), static_cast<size_t>(bytes),
+                             +[](void* keep) {
+                               auto* conn = static_cast<std::shared_ptr<Conn>*>(keep);
+                               (*conn)->lent.store(false);
+                               delete conn;
+                             },
+                             new std::shared_ptr<Conn>(p->conn)),
+                         grpc::Slice::STEAL_REF);
+    st = SplitStreamResponse(grpc::ByteBuffer(&in_place, 1), &head, &body);
     // Answers are matched by sequence number (one operation at a time); the call id must agree,
     // except in the error answer to a request the shard could not decode (it has no call id).
     if (st.ok() && head.call != p->call && !(head.call == 0 && head.code != 0)) {

@@ -3,7 +3,9 @@
 // same framed operations as the shard's Stream (rpc/op_stream.h), one at a time: Call copies
 // the request into the region and wakes the shard's thread, and a thread of this object waits
 // for the answer and completes the call with the status and encoded PushResponse or
-// PullResponse the Stream would have given.
+// PullResponse the Stream would have given. That response is not copied: it refers to the
+// region, and the channel takes no further operation (they go over the Stream) until the
+// caller has released it.
 //
 // The first Call asks this object's thread to open the channel (a gRPC round trip and an
 // open of the shard's memfd, at most `open_timeout`), which then lives as long as its OpenShm

@@ -725,4 +725,14 @@ absl::Status DecodeStreamRequest(const grpc::ByteBuffer& buffer, StreamRequest* 
       });
 }
 
+bool CopyBufferTo(const grpc::ByteBuffer& buffer, char* out, size_t capacity) {
+  std::vector<grpc::Slice> slices;
+  if (buffer.Length() > capacity || !buffer.Dump(&slices).ok()) return false;
+  for (const grpc::Slice& s : slices) {
+    std::memcpy(out, s.begin(), s.size());
+    out += s.size();
+  }
+  return true;
+}
+
 }  // namespace gradmesh

@@ -165,6 +165,10 @@ void AppendStreamBatchElement(const grpc::ByteBuffer& message, std::vector<grpc:
 absl::Status SplitStreamBatch(const grpc::ByteBuffer& buffer, size_t max_parts,
                               std::vector<grpc::ByteBuffer>* parts, bool* is_batch);
 
+// Copies the bytes of `buffer` to `out` (shared-memory channels, rpc/shm_region.h). False
+// (nothing copied) if they are more than `capacity` or the buffer cannot be read.
+bool CopyBufferTo(const grpc::ByteBuffer& buffer, char* out, size_t capacity);
+
 // "changes" pull payloads: the codec lives in compression/changes.h (EncodeChanges on spans,
 // DecodeChanges), which this header includes so that its users keep compiling. Transitional:
 // new code includes compression/changes.h directly. This overload keeps the older

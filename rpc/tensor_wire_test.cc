@@ -891,5 +891,16 @@ TEST(TensorWireTest, MalformedStreamBatchesAreRefused) {
             absl::StatusCode::kDataLoss);
 }
 
+// CopyBufferTo copies every slice in order, and nothing when the bytes exceed the capacity.
+TEST(TensorWireTest, CopyBufferToCopiesAllSlicesOrNothing) {
+  grpc::Slice parts[2] = {grpc::Slice(std::string("abc")), grpc::Slice(std::string("defg"))};
+  const grpc::ByteBuffer buffer(parts, 2);
+  std::string out(8, '.');
+  EXPECT_FALSE(CopyBufferTo(buffer, out.data(), 6));
+  EXPECT_EQ(out, "........");
+  EXPECT_TRUE(CopyBufferTo(buffer, out.data(), 7));
+  EXPECT_EQ(out, "abcdefg.");
+}
+
 }  // namespace
 }  // namespace gradmesh

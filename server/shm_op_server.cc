@@ -94,17 +94,9 @@ void ShmOpServer::Run() {
     // meanwhile, and the decoder reads its input more than once (chunk limit, then content).
     std::memcpy(request_copy_.get(), region_->request_area(), static_cast<size_t>(bytes));
     grpc::ByteBuffer answer = Serve(bytes, seq);
-    uint64_t length = answer.Length();
-    std::vector<grpc::Slice> slices;
-    if (length > region_->area_bytes() || !answer.Dump(&slices).ok()) {
-      length = kShmAnswerTooLarge;
-    } else {
-      char* out = region_->response_area();
-      for (const grpc::Slice& s : slices) {
-        std::memcpy(out, s.begin(), s.size());
-        out += s.size();
-      }
-    }
+    const uint64_t length = CopyBufferTo(answer, region_->response_area(), region_->area_bytes())
+                                ? answer.Length()
+                                : kShmAnswerTooLarge;
     h->response_bytes.store(length, std::memory_order_relaxed);
     h->response_seq.store(seq, std::memory_order_release);
     ShmWake(&h->response_seq);
