@@ -61,7 +61,8 @@ class ShmOpChannel::Control final
   }
 
   bool gone() const { return gone_.load(); }
-  // Ends the call and waits for gRPC to be done with it.
+  // Ends the call (a wait for the answer returns); Close also waits for gRPC to be done.
+  void Cancel() { ctx_.TryCancel(); }
   void Close() {
     ctx_.TryCancel();
     ended_->WaitForNotification();
@@ -139,6 +140,7 @@ ShmOpChannel::~ShmOpChannel() {
     stop_ = true;
     conn = conn_;
     if (in_flight_.has_value()) in_flight_->conn->broken.store(true);
+    if (opening_ != nullptr) opening_->control->Cancel();  // An open in progress ends now.
   }
   if (conn != nullptr) ShmWake(&conn->region->header()->response_seq);
   if (thread_.joinable()) thread_.join();
@@ -150,9 +152,19 @@ ShmOpChannel::~ShmOpChannel() {
 absl::StatusOr<std::shared_ptr<ShmOpChannel::Conn>> ShmOpChannel::Open(size_t area_bytes) {
   auto conn = std::make_shared<Conn>();
   conn->control = std::make_unique<Control>(stub_, options_, area_bytes);
+  {
+    absl::MutexLock lock(&mu_);
+    opening_ = stop_ ? nullptr : conn;
+    if (stop_) conn->control->Cancel();
+  }
   ShmOpenResponse answer;
   grpc::Status why;
-  if (!conn->control->WaitAnswer(options_.open_timeout, &answer, &why)) {
+  const bool answered = conn->control->WaitAnswer(options_.open_timeout, &answer, &why);
+  {
+    absl::MutexLock lock(&mu_);
+    opening_ = nullptr;
+  }
+  if (!answered) {
     conn->control->Close();
     return FromGrpcStatus(why);
   }

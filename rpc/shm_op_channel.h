@@ -60,7 +60,7 @@ class ShmOpChannel {
     absl::Duration open_timeout = absl::Seconds(5);
     // Waiting for an answer, the channel's thread first spins (yielding the CPU) for up to
     // this long while recent answers came within half of it (common/spin_wait.h).
-    absl::Duration spin = absl::Microseconds(300);
+    absl::Duration spin = absl::Microseconds(100);
   };
 
   // `stub` is not owned and must outlive this object.
@@ -107,6 +107,7 @@ class ShmOpChannel {
   const Options options_;
   mutable absl::Mutex mu_;
   std::shared_ptr<Conn> conn_ ABSL_GUARDED_BY(mu_);
+  std::shared_ptr<Conn> opening_ ABSL_GUARDED_BY(mu_);  // While the thread opens one.
   std::optional<Pending> in_flight_ ABSL_GUARDED_BY(mu_);
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   bool disabled_ ABSL_GUARDED_BY(mu_) = false;

@@ -496,6 +496,7 @@ class ShmOpenReactor final : public grpc::ServerBidiReactor<ShmOpenRequest, ShmO
     o.tokens = tokens_;
     o.peer = peer_;
     o.logger = options_.logger;
+    o.spin = options_.spin;
     absl::StatusOr<std::unique_ptr<ShmOpServer>> server = ShmOpServer::Start(shard_, o);
     if (!server.ok()) return server.status();
     server_ = std::move(server).value();

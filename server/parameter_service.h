@@ -41,6 +41,8 @@ struct ShmChannelOptions {
   // keeps the Stream.
   int64_t max_area_bytes = int64_t{256} << 20;
   const Logger* logger = nullptr;  // Not owned; may be null.
+  // ShmOpServer::Options.spin of every channel (--shm_spin_us; 0: block at once).
+  absl::Duration spin = absl::ZeroDuration();
 };
 
 class ParameterServiceImpl final

@@ -88,6 +88,10 @@ ABSL_FLAG(int32_t, max_waiting_pushes, 4096,
 ABSL_FLAG(int32_t, shm_channels, 64,
           "Shared-memory channels (ParameterService.OpenShm) open at once, for workers on this "
           "machine run with --ps_transport=shm; 0 refuses them (they keep the Stream).");
+ABSL_FLAG(int64_t, shm_spin_us, 0,
+          "A shared-memory channel's thread waiting for its worker's next request first spins "
+          "(yielding the CPU) for up to this many us while recent gaps were under half of it: "
+          "for many small back-to-back operations with cores to spare; 0 = always block.");
 ABSL_FLAG(bool, fsync, false,
           "Sync RocksDB's WAL on every write (survive machine crashes, not just process "
           "crashes); costs an fsync per update.");
@@ -325,6 +329,7 @@ int main(int argc, char** argv) {
   options.node_token_store = absl::GetFlag(FLAGS_node_token_store);
   options.fsync = absl::GetFlag(FLAGS_fsync);
   options.shm.max_channels = std::max(0, absl::GetFlag(FLAGS_shm_channels));
+  options.shm.spin = absl::Microseconds(std::max<int64_t>(0, absl::GetFlag(FLAGS_shm_spin_us)));
   options.shm.max_area_bytes = std::min(
       options.shm.max_area_bytes, std::max<int64_t>(options.daemon.rpc.max_message_bytes, 4096));
   options.coordinator = absl::GetFlag(FLAGS_coordinator);

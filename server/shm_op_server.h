@@ -44,8 +44,9 @@ class ShmOpServer {
     const Logger* logger = nullptr;     // Not owned; may be null.
     // Waiting for the next request, the thread first spins (yielding the CPU) for up to this
     // long while its recent waits were under half of it (common/spin_wait.h): back-to-back
-    // small operations then find it running; a training step's gap of milliseconds never spins.
-    absl::Duration spin = absl::Microseconds(200);
+    // small operations then find it running. Off by default: measured in training on 2 shared
+    // cores, it cost some runs a fifth of their speed (--shm_spin_us).
+    absl::Duration spin = absl::ZeroDuration();
   };
 
   // Makes the region and starts serving it. Errors: ShmRegion::Create's.

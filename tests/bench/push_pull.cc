@@ -81,8 +81,12 @@ ABSL_FLAG(std::string, durability, "none",
           "Durable shards keep RocksDB state in a temporary directory.");
 ABSL_FLAG(int64_t, snapshot_every_updates, 1000, "Snapshot interval for durable settings.");
 ABSL_FLAG(bool, fsync, false, "fsync the RocksDB WAL on every write.");
+ABSL_FLAG(int64_t, shm_spin_us, 0,
+          "transport shm: the shards' --shm_spin_us (how long a channel's thread spins for the "
+          "next request; 0 = block at once).");
 ABSL_FLAG(std::string, transports, "stream,unary",
-          "Client transports to measure (GrpcParameterClientOptions.transport), in turn.");
+          "Client transports to measure (GrpcParameterClientOptions.transport: stream, unary, "
+          "shm), in turn.");
 ABSL_FLAG(int64_t, stream_max_bytes, -1,
           "GrpcParameterClientOptions.stream_max_bytes (-1: the client's default).");
 ABSL_FLAG(int64_t, spin_wait_us, -1,
@@ -115,7 +119,9 @@ std::unique_ptr<ShardServer> StartShard(const RpcOptions& rpc, const std::string
     options.store = std::move(ShardStore::Open(data_dir, so).value());
   }
   s->shard = std::move(Shard::Create(options).value());
-  s->service = std::make_unique<ParameterServiceImpl>(s->shard.get());
+  ShmChannelOptions shm;
+  shm.spin = absl::Microseconds(absl::GetFlag(FLAGS_shm_spin_us));
+  s->service = std::make_unique<ParameterServiceImpl>(s->shard.get(), nullptr, shm);
   grpc::ServerBuilder builder;
   int port = 0;
   builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);

@@ -88,7 +88,9 @@ class GrpcParameterClient final : public ParameterClient {
           so.metadata = std::move(md);
           so.shard = absl::StrCat("shard ", s, " (", addr, ")");
           so.logger = options_.logger;
-          so.spin = options_.spin_wait;
+          // Only answers of small operations come within half of this: a training step's
+          // exchange of hundreds of KB never spins this thread (the caller may, in WaitAll).
+          so.spin = std::min(options_.spin_wait, absl::Microseconds(100));
           shm_.push_back(std::make_unique<ShmOpChannel>(stubs_.back().get(), std::move(so)));
         }
       }
