@@ -131,7 +131,11 @@ ShmOpChannel::ShmOpChannel(ParameterService::Stub* stub, Options options)
     : stub_(stub),
       options_(std::move(options)),
       area_bytes_(options_.area_bytes),
-      spin_(options_.spin) {}
+      spin_(options_.spin) {
+  absl::MutexLock lock(&mu_);
+  want_open_ = true;  // Opened ahead of the first Call, which would otherwise take the Stream.
+  thread_ = std::thread([this] { Run(); });
+}
 
 ShmOpChannel::~ShmOpChannel() {
   std::shared_ptr<Conn> conn;
@@ -200,7 +204,6 @@ bool ShmOpChannel::Call(StreamOp op, const grpc::ByteBuffer& body, grpc::ByteBuf
   if (conn_ != nullptr && conn_->lent.load()) return false;
   if (conn_ == nullptr || !conn_->Usable()) {
     want_open_ = true;  // The thread closes a broken channel and opens a new one when due.
-    if (!thread_.joinable()) thread_ = std::thread([this] { Run(); });
     return false;
   }
   const uint64_t call = next_call_++;

@@ -7,13 +7,13 @@
 // region, and the channel takes no further operation (they go over the Stream) until the
 // caller has released it.
 //
-// The first Call asks this object's thread to open the channel (a gRPC round trip and an
-// open of the shard's memfd, at most `open_timeout`), which then lives as long as its OpenShm
-// call. Call never blocks on the shard: it returns false, and the caller sends the operation
-// over the Stream instead, whenever the channel cannot take it: not open (yet), an operation
-// already in flight on it, the message larger than its area. A refusal another try would meet
-// again (another machine, user or PID namespace; an old shard; --shm_channels=0; the token;
-// the area) turns the channel off for good, logged once (event=shm_unavailable); after any
+// This object's thread opens the channel when it is made (a gRPC round trip and an open of
+// the shard's memfd, at most `open_timeout`), and again when a Call finds it broken; a channel
+// lives as long as its OpenShm call. Call never blocks on the shard: it returns false, and the
+// caller sends the operation over the Stream instead, whenever the channel cannot take it: not open
+// (yet), an operation already in flight on it, the message larger than its area. A refusal another
+// try would meet again (another machine, user or PID namespace; an old shard; --shm_channels=0; the
+// token; the area) turns the channel off for good, logged once (event=shm_unavailable); after any
 // other failure (the shard down, its channels all open) opening is tried again at most once a
 // second. When the channel breaks (the shard restarted, Abort) the operation in flight fails
 // UNAVAILABLE, like a broken Stream's, and is retried by the caller; the next Call reopens it.
@@ -117,7 +117,7 @@ class ShmOpChannel {
   uint64_t next_call_ ABSL_GUARDED_BY(mu_) = 1;
   int64_t opened_ ABSL_GUARDED_BY(mu_) = 0;
   AdaptiveSpin spin_;
-  std::thread thread_;  // Started by the first Call.
+  std::thread thread_;
 };
 
 }  // namespace gradmesh

@@ -153,6 +153,12 @@ bool IsLocalPeer(absl::string_view peer) {
   }
   unsigned char want[16];
   if (inet_pton(family, host.c_str(), want) != 1) return false;
+  static const unsigned char kMappedPrefix[12] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff};
+  if (family == AF_INET6 && std::memcmp(want, kMappedPrefix, 12) == 0) {
+    // An IPv4 client of a dual-stack listener ("ipv6:[::ffff:10.1.2.3]:port").
+    family = AF_INET;
+    std::memmove(want, want + 12, 4);
+  }
   if (family == AF_INET && want[0] == 127) return true;
   static const unsigned char kLoopback6[16] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1};
   if (family == AF_INET6 && std::memcmp(want, kLoopback6, 16) == 0) return true;

@@ -2,6 +2,9 @@
 // attaches to it through /proc), its futex waits and the local-peer check.
 #include "rpc/shm_region.h"
 
+#include <arpa/inet.h>
+#include <ifaddrs.h>
+#include <netinet/in.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -9,6 +12,7 @@
 #include <string>
 #include <thread>
 
+#include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/status_testing.h"
 #include "gtest/gtest.h"
@@ -48,9 +52,25 @@ TEST(ShmRegionTest, LocalPeers) {
   EXPECT_TRUE(IsLocalPeer("ipv4:127.0.0.1:5000"));
   EXPECT_TRUE(IsLocalPeer("ipv6:[::1]:5000"));
   EXPECT_TRUE(IsLocalPeer("unix:/tmp/sock"));
+  EXPECT_TRUE(IsLocalPeer("ipv6:%5B::ffff:127.0.0.1%5D:5000"));
+  EXPECT_FALSE(IsLocalPeer("ipv6:[::ffff:10.255.1.7]:5000"));
+  EXPECT_FALSE(IsLocalPeer("ipv4:not-an-address:5000"));
   EXPECT_FALSE(IsLocalPeer("ipv4:10.0.0.7:5000"));
   EXPECT_FALSE(IsLocalPeer("ipv6:[fe80::1]:5000"));
   EXPECT_FALSE(IsLocalPeer(""));
+  // Every IPv4 address of this machine's interfaces is local (a worker reaching its shard by
+  // the host's name connects from one of them).
+  struct ifaddrs* all = nullptr;
+  ASSERT_EQ(getifaddrs(&all), 0);
+  for (const struct ifaddrs* a = all; a != nullptr; a = a->ifa_next) {
+    if (a->ifa_addr == nullptr || a->ifa_addr->sa_family != AF_INET) continue;
+    char text[INET_ADDRSTRLEN];
+    ASSERT_NE(inet_ntop(AF_INET, &reinterpret_cast<const sockaddr_in*>(a->ifa_addr)->sin_addr, text,
+                        sizeof(text)),
+              nullptr);
+    EXPECT_TRUE(IsLocalPeer(absl::StrCat("ipv4:", text, ":7001"))) << text;
+  }
+  freeifaddrs(all);
 }
 
 // A wake-up ends a wait at once; without one the wait lasts its timeout.

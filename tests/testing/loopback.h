@@ -248,14 +248,17 @@ inline std::string Snapshot(Stub* stub, const std::string& job) {
 
 // Starts a server over a shard made with `options` on 127.0.0.1:`port` (0 = any free port).
 // Returns null on failure (a shard that cannot be made is also a test failure).
+// `tokens` (not owned, may be null: no per-job check) and `shm` configure the service.
 inline std::unique_ptr<TestServer> StartShardServer(ShardOptions options,
-                                                    RpcOptions rpc = RpcOptions(), int port = 0) {
+                                                    RpcOptions rpc = RpcOptions(), int port = 0,
+                                                    const JobTokens* tokens = nullptr,
+                                                    ShmChannelOptions shm = {}) {
   auto s = std::make_unique<TestServer>();
   auto shard = Shard::Create(std::move(options));
   EXPECT_TRUE(shard.ok()) << shard.status();
   if (!shard.ok()) return nullptr;
   s->shard = std::move(shard).value();
-  s->service = std::make_unique<ParameterServiceImpl>(s->shard.get());
+  s->service = std::make_unique<ParameterServiceImpl>(s->shard.get(), tokens, shm);
   grpc::ServerBuilder builder;
   builder.AddListeningPort(absl::StrCat("127.0.0.1:", port), grpc::InsecureServerCredentials(),
                            &s->port);
