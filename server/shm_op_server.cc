@@ -94,6 +94,9 @@ void ShmOpServer::Run() {
     // meanwhile, and the decoder reads its input more than once (chunk limit, then content).
     std::memcpy(request_copy_.get(), region_->request_area(), static_cast<size_t>(bytes));
     grpc::ByteBuffer answer = Serve(bytes, seq);
+    // Closing: the operation may have been withdrawn (CANCELLED, nothing applied). Its worker
+    // sees the channel close instead, UNAVAILABLE, and retries it as after a broken Stream.
+    if (stop_.load()) break;
     const uint64_t length = CopyBufferTo(answer, region_->response_area(), region_->area_bytes())
                                 ? answer.Length()
                                 : kShmAnswerTooLarge;

@@ -11,8 +11,9 @@
 // operations its token may perform.
 //
 // Thread safety: the constructor starts the thread; the destructor closes the channel,
-// withdraws an operation still waiting (CANCELLED, nothing of it applied) and joins: it returns
-// once an operation being applied has finished (a wait ends at once).
+// withdraws an operation still waiting (nothing of it applied; its answer is not written, so
+// the worker sees the channel close and retries it, as after a broken Stream) and joins: it
+// returns once an operation being applied has finished (a wait ends at once).
 #ifndef GRADMESH_SERVER_SHM_OP_SERVER_H_
 #define GRADMESH_SERVER_SHM_OP_SERVER_H_
 

@@ -14,6 +14,8 @@
 #   STEPS=4000 TARGET=shard tests/faults/chaos.sh NAME MODE "EXTRA SPEC LINES" KILL_EVERY_S
 #   e.g. tests/faults/chaos.sh clipped sync $'clip_grad_norm: 1.0\ndurability: {mode: every_update}' 5
 #
+#   WORKER_FLAGS="--ps_transport=shm" adds flags to every worker daemon.
+#
 # usage: chaos.sh NAME MODE EXTRA_SPEC KILL_EVERY_S
 name=$1; mode=$2; extra=$3; every=${4:-6}
 B=${GRADMESH_BIN:-$(cd "$(dirname "$0")/../.." && pwd)/bazel-bin}
@@ -27,7 +29,7 @@ C=127.0.0.1:$CPORT
 start_shard() { $B/server/gradmesh_server --host=127.0.0.1 --port=$2 --node=shard$1 --data_dir=$d/shard$1 --coordinator=$C --auth_token_file=$d/token 2>>$d/shard$1.log & echo $! > $d/shard$1.pid; }
 P0=$((7600 + RANDOM % 300)); P1=$((P0+1))
 start_shard 0 $P0; start_shard 1 $P1
-start_worker() { $B/worker/gradmesh_worker --host=127.0.0.1 --peer_port=0 --node=worker$1 --coordinator=$C --auth_token_file=$d/token --data_dir=${GRADMESH_DATA:-/var/lib/gradmesh/data} --checkpoint_dir=$d/ckpt$1 2>>$d/worker$1.log & echo $! > $d/worker$1.pid; }
+start_worker() { $B/worker/gradmesh_worker --host=127.0.0.1 --peer_port=0 --node=worker$1 --coordinator=$C --auth_token_file=$d/token --data_dir=${GRADMESH_DATA:-/var/lib/gradmesh/data} --checkpoint_dir=$d/ckpt$1 ${WORKER_FLAGS:-} 2>>$d/worker$1.log & echo $! > $d/worker$1.pid; }
 for r in 0 1 ${EXTRA_WORKERS:-}; do start_worker $r; done
 cat > $d/job.yaml <<Y
 name: $name
