@@ -29,14 +29,19 @@ grpc::Status Reply(absl::StatusOr<T> result, T* response) {
   return grpc::Status::OK;
 }
 
+// The job token a call presented (metadata x-gradmesh-job-token; empty if none), valid for
+// the call's lifetime.
+absl::string_view PresentedToken(grpc::ServerContextBase* ctx) {
+  const auto& md = ctx->client_metadata();
+  auto it = md.find("x-gradmesh-job-token");
+  return it == md.end() ? absl::string_view()
+                        : absl::string_view(it->second.data(), it->second.size());
+}
+
 absl::Status CheckJobToken(const JobTokens* tokens, grpc::ServerContextBase* ctx,
                            const std::string& job) {
   if (tokens == nullptr) return absl::OkStatus();
-  absl::string_view presented;
-  const auto& md = ctx->client_metadata();
-  auto it = md.find("x-gradmesh-job-token");
-  if (it != md.end()) presented = absl::string_view(it->second.data(), it->second.size());
-  return tokens->Check(job, presented);
+  return tokens->Check(job, PresentedToken(ctx));
 }
 
 // Parses a request's bytes: a push with its raw chunk data decoded outside protobuf (copied
@@ -490,9 +495,7 @@ class ShmOpenReactor final : public grpc::ServerBidiReactor<ShmOpenRequest, ShmO
     counted_ = true;
     ShmOpServer::Options o;
     o.area_bytes = static_cast<size_t>(area);
-    const auto& md = ctx_->client_metadata();
-    auto it = md.find("x-gradmesh-job-token");
-    if (it != md.end()) o.token.assign(it->second.data(), it->second.size());
+    o.token = std::string(PresentedToken(ctx_));
     o.tokens = tokens_;
     o.peer = peer_;
     o.logger = options_.logger;
@@ -553,10 +556,8 @@ absl::Status ParameterServiceImpl::CheckToken(grpc::ServerContextBase* ctx,
 
 std::string ParameterServiceImpl::Incarnation(grpc::ServerContextBase* ctx) const {
   if (tokens_ == nullptr) return "";
-  const auto& md = ctx->client_metadata();
-  auto it = md.find("x-gradmesh-job-token");
-  if (it == md.end() || it->second.empty()) return "";
-  return HexOf(Sha256(absl::string_view(it->second.data(), it->second.size())));
+  const absl::string_view token = PresentedToken(ctx);
+  return token.empty() ? "" : HexOf(Sha256(token));
 }
 
 grpc::Status ParameterServiceImpl::InitJob(grpc::ServerContext* ctx, const InitJobRequest* request,
