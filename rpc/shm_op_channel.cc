@@ -199,6 +199,15 @@ void ShmOpChannel::DisableLocked(const absl::Status& why) {
 
 bool ShmOpChannel::Call(StreamOp op, const grpc::ByteBuffer& body, grpc::ByteBuffer* response,
                         Done* done) {
+  std::vector<Item> one(1);
+  one[0] = Item{op, &body, response, std::move(*done)};
+  if (CallBatch(&one)) return true;
+  *done = std::move(one[0].done);
+  return false;
+}
+
+bool ShmOpChannel::CallBatch(std::vector<Item>* items) {
+  if (items->empty() || items->size() > kMaxStreamBatch) return false;
   absl::MutexLock lock(&mu_);
   if (disabled_ || stop_ || in_flight_.has_value()) return false;
   if (conn_ != nullptr && conn_->lent.load()) return false;
@@ -206,18 +215,31 @@ bool ShmOpChannel::Call(StreamOp op, const grpc::ByteBuffer& body, grpc::ByteBuf
     want_open_ = true;  // The thread closes a broken channel and opens a new one when due.
     return false;
   }
-  const uint64_t call = next_call_++;
-  const grpc::ByteBuffer framed = FrameStreamRequest(call, op, body);
+  Pending p{conn_, 0, items->size() > 1, {}};
+  std::vector<grpc::Slice> slices;
+  grpc::ByteBuffer framed;
+  for (const Item& item : *items) {
+    p.calls.push_back(Outstanding{next_call_++, item.response, nullptr});
+    framed = FrameStreamRequest(p.calls.back().call, item.op, *item.body);
+    if (p.batch) AppendStreamBatchElement(framed, &slices);
+  }
+  if (p.batch) framed = grpc::ByteBuffer(slices.data(), slices.size());
   if (!CopyBufferTo(framed, conn_->region->request_area(), conn_->region->area_bytes())) {
     return false;  // Too large for the area: the caller sends it over the Stream.
   }
   ShmHeader* h = conn_->region->header();
   h->request_bytes.store(framed.Length(), std::memory_order_relaxed);
-  const uint32_t seq = ++conn_->seq;
-  h->request_seq.store(seq, std::memory_order_release);
+  p.seq = ++conn_->seq;
+  h->request_seq.store(p.seq, std::memory_order_release);
   ShmWake(&h->request_seq);
-  in_flight_ = Pending{conn_, seq, call, response, std::move(*done)};
+  for (size_t i = 0; i < items->size(); ++i) p.calls[i].done = std::move((*items)[i].done);
+  in_flight_ = std::move(p);
   return true;
+}
+
+size_t ShmOpChannel::area_bytes() const {
+  absl::MutexLock lock(&mu_);
+  return conn_ != nullptr && conn_->Usable() ? conn_->region->area_bytes() : 0;
 }
 
 void ShmOpChannel::Abort() {
@@ -297,23 +319,24 @@ void ShmOpChannel::Reopen() {
 }
 
 void ShmOpChannel::Answer() {
-  Pending p;
+  std::shared_ptr<Conn> conn;
+  uint32_t seq;
   {
     absl::MutexLock lock(&mu_);
-    p.conn = in_flight_->conn;
-    p.seq = in_flight_->seq;
+    conn = in_flight_->conn;
+    seq = in_flight_->seq;
   }
-  ShmHeader* h = p.conn->region->header();
+  ShmHeader* h = conn->region->header();
   bool answered = false;
   const absl::Time start = absl::Now();
   const absl::Time spin_until = start + spin_.SpinFor();
   while (true) {
     const uint32_t seen = h->response_seq.load(std::memory_order_acquire);
-    if (seen == p.seq) {
+    if (seen == seq) {
       answered = true;
       break;
     }
-    if (!p.conn->Usable()) break;
+    if (!conn->Usable()) break;
     if (absl::Now() < spin_until) {
       SpinYield();
     } else {
@@ -321,13 +344,16 @@ void ShmOpChannel::Answer() {
     }
   }
   spin_.Record(absl::Now() - start);
+  Pending p;
   {
+    // in_flight_ keeps its channel until reset: the destructor and Abort break it through it.
     absl::MutexLock lock(&mu_);
-    p.call = in_flight_->call;
-    p.response = in_flight_->response;
-    p.done = std::move(in_flight_->done);
+    p.conn = in_flight_->conn;
+    p.seq = in_flight_->seq;
+    p.batch = in_flight_->batch;
+    p.calls = std::move(in_flight_->calls);
   }
-  const grpc::Status status = Complete(&p, answered);
+  const std::vector<grpc::Status> statuses = Complete(&p, answered);
   std::shared_ptr<Conn> closing;
   {
     absl::MutexLock lock(&mu_);
@@ -335,16 +361,18 @@ void ShmOpChannel::Answer() {
     if (!p.conn->Usable() && conn_ == p.conn) closing = std::move(conn_);
   }
   if (closing != nullptr) closing->Close();  // Off the lock: it waits for the call's end.
-  p.done(status);
+  for (size_t i = 0; i < p.calls.size(); ++i) p.calls[i].done(statuses[i]);
 }
 
-grpc::Status ShmOpChannel::Complete(Pending* p, bool answered) {
+std::vector<grpc::Status> ShmOpChannel::Complete(Pending* p, bool answered) {
   const std::string where = absl::StrCat("shared-memory channel to ", options_.shard);
-  *p->response = grpc::ByteBuffer();
+  const size_t n = p->calls.size();
+  for (Outstanding& c : p->calls) *c.response = grpc::ByteBuffer();
   if (!answered) {
     p->conn->broken.store(true);
-    return grpc::Status(grpc::StatusCode::UNAVAILABLE,
-                        absl::StrCat(where, " closed before the answer came"));
+    return std::vector<grpc::Status>(
+        n, grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                        absl::StrCat(where, " closed before the answer came")));
   }
   const ShmHeader* h = p->conn->region->header();
   const uint64_t bytes = h->response_bytes.load(std::memory_order_relaxed);
@@ -352,19 +380,19 @@ grpc::Status ShmOpChannel::Complete(Pending* p, bool answered) {
     p->conn->broken.store(true);
     absl::MutexLock lock(&mu_);
     area_bytes_ = std::min(2 * p->conn->region->area_bytes(), kShmMaxAreaBytes);
-    return grpc::Status(
-        grpc::StatusCode::UNAVAILABLE,
-        absl::StrCat(where, ": the answer did not fit the area of ", p->conn->region->area_bytes(),
-                     " bytes; reopening with ", area_bytes_));
+    return std::vector<grpc::Status>(
+        n, grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                        absl::StrCat(where, ": the answer did not fit the area of ",
+                                     p->conn->region->area_bytes(), " bytes; reopening with ",
+                                     area_bytes_)));
   }
   absl::Status st;
-  StreamResponseHead head;
-  grpc::ByteBuffer body;
+  std::vector<grpc::Status> statuses;
   if (bytes > p->conn->region->area_bytes()) {
     st = absl::DataLossError(absl::StrCat("an answer of ", bytes, " bytes, past the area"));
   } else {
     // The answer is read where it lies: the slice keeps the region mapped and the area lent
-    // until the caller drops the last reference to it (Call sends nothing meanwhile).
+    // until the caller drops the last reference to it (no request is sent meanwhile).
     p->conn->lent.store(true);
     grpc::Slice in_place(grpc_slice_new_with_user_data(
                              p->conn->region->response_area(), static_cast<size_t>(bytes),
@@ -375,20 +403,54 @@ grpc::Status ShmOpChannel::Complete(Pending* p, bool answered) {
                              },
                              new std::shared_ptr<Conn>(p->conn)),
                          grpc::Slice::STEAL_REF);
-    st = SplitStreamResponse(grpc::ByteBuffer(&in_place, 1), &head, &body);
-    // Answers are matched by sequence number (one operation at a time); the call id must agree,
-    // except in the error answer to a request the shard could not decode (it has no call id).
-    if (st.ok() && head.call != p->call && !(head.call == 0 && head.code != 0)) {
-      st = absl::DataLossError(
-          absl::StrCat("the answer to call ", head.call, " for call ", p->call));
-    }
+    st = ReadAnswers(grpc::ByteBuffer(&in_place, 1), p, &statuses);
   }
   if (!st.ok()) {
     p->conn->broken.store(true);
-    return grpc::Status(grpc::StatusCode::UNAVAILABLE, absl::StrCat(where, ": ", st.message()));
+    return std::vector<grpc::Status>(
+        n, grpc::Status(grpc::StatusCode::UNAVAILABLE, absl::StrCat(where, ": ", st.message())));
   }
-  *p->response = std::move(body);
-  return grpc::Status(static_cast<grpc::StatusCode>(head.code), head.message);
+  return statuses;
+}
+
+absl::Status ShmOpChannel::ReadAnswers(const grpc::ByteBuffer& whole, Pending* p,
+                                       std::vector<grpc::Status>* statuses) {
+  std::vector<grpc::ByteBuffer> parts;
+  bool batch = false;
+  if (absl::Status st = SplitStreamBatch(whole, kMaxStreamBatch, &parts, &batch); !st.ok()) {
+    return st;
+  }
+  if (!batch) parts.push_back(whole);
+  std::vector<StreamResponseHead> heads(parts.size());
+  std::vector<grpc::ByteBuffer> bodies(parts.size());
+  for (size_t i = 0; i < parts.size(); ++i) {
+    if (absl::Status st = SplitStreamResponse(parts[i], &heads[i], &bodies[i]); !st.ok()) {
+      return st;
+    }
+  }
+  const size_t n = p->calls.size();
+  // A request the shard refused whole (it could not decode it) has one error answer, call 0.
+  if (!batch && heads[0].call == 0 && heads[0].code != 0) {
+    statuses->assign(n, grpc::Status(static_cast<grpc::StatusCode>(heads[0].code),
+                                     heads[0].message));
+    return absl::OkStatus();
+  }
+  // Answers come in the request's order (one request at a time): the call ids must agree.
+  if (parts.size() != n || batch != p->batch) {
+    return absl::DataLossError(absl::StrCat(parts.size(), " answers to ", n, " calls"));
+  }
+  for (size_t i = 0; i < n; ++i) {
+    if (heads[i].call != p->calls[i].call) {
+      return absl::DataLossError(
+          absl::StrCat("the answer to call ", heads[i].call, " for call ", p->calls[i].call));
+    }
+  }
+  statuses->clear();
+  for (size_t i = 0; i < n; ++i) {
+    *p->calls[i].response = std::move(bodies[i]);
+    statuses->emplace_back(static_cast<grpc::StatusCode>(heads[i].code), heads[i].message);
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace gradmesh

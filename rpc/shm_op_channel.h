@@ -1,11 +1,11 @@
 // ShmOpChannel: the worker's side of one shared-memory channel to a shard on the same machine
 // (ParameterService.OpenShm; the region and its protocol: rpc/shm_region.h). It carries the
-// same framed operations as the shard's Stream (rpc/op_stream.h), one at a time: Call copies
-// the request into the region and wakes the shard's thread, and a thread of this object waits
-// for the answer and completes the call with the status and encoded PushResponse or
-// PullResponse the Stream would have given. That response is not copied: it refers to the
-// region, and the channel takes no further operation (they go over the Stream) until the
-// caller has released it.
+// same framed operations as the shard's Stream (rpc/op_stream.h), one request at a time: Call
+// copies one operation into the region (CallBatch several, as one Stream batch) and wakes the
+// shard's thread, and a thread of this object waits for the answer and completes each call
+// with the status and encoded PushResponse or PullResponse the Stream would have given. Those
+// responses are not copied: they refer to the region, and the channel takes no further request
+// (the operations go over the Stream) until the caller has released every one of them.
 //
 // This object's thread opens the channel when it is made (a gRPC round trip and an open of
 // the shard's memfd, at most `open_timeout`), and again when a Call finds it broken; a channel
@@ -74,6 +74,24 @@ class ShmOpChannel {
   // when the answer arrives, fills `*response` and runs `*done` (moved from) with its status.
   // False if the channel cannot take it now (see above): nothing was sent, `*done` is untouched.
   bool Call(StreamOp op, const grpc::ByteBuffer& body, grpc::ByteBuffer* response, Done* done);
+
+  // One operation of CallBatch: as Call's arguments. `body` must stay alive until CallBatch
+  // returns; `response` until `done` ran.
+  struct Item {
+    StreamOp op = StreamOp::kPull;
+    const grpc::ByteBuffer* body = nullptr;
+    grpc::ByteBuffer* response = nullptr;
+    Done done;
+  };
+  // Sends `items` (1 to kMaxStreamBatch) as one request, the shard starting them in order
+  // without waiting for each other (a Stream batch), and completes each as Call does, in order,
+  // once the shard has answered all. All or nothing: false if the channel cannot take them
+  // all now (as Call; or more than kMaxStreamBatch), and then nothing was sent and every
+  // `done` is untouched. A batch the shard refuses whole fails each of them with its status.
+  bool CallBatch(std::vector<Item>* items);
+  // The largest request the open channel takes (0 while none is open), for a caller that
+  // packs batches to fit.
+  size_t area_bytes() const;
   // Breaks the open channel if an operation is in flight on it (it fails UNAVAILABLE); the
   // next Call reopens it. Does nothing to an idle channel.
   void Abort();
@@ -85,12 +103,16 @@ class ShmOpChannel {
  private:
   class Control;
   struct Conn;
-  struct Pending {
-    std::shared_ptr<Conn> conn;
-    uint32_t seq = 0;
+  struct Outstanding {  // One call of a request.
     uint64_t call = 0;
     grpc::ByteBuffer* response = nullptr;
     Done done;
+  };
+  struct Pending {
+    std::shared_ptr<Conn> conn;
+    uint32_t seq = 0;
+    bool batch = false;  // Sent as a batch (more than one call).
+    std::vector<Outstanding> calls;
   };
 
   // Opens a channel with areas of `area_bytes` (blocking; no lock held).
@@ -99,9 +121,14 @@ class ShmOpChannel {
   void Reopen();
   void DisableLocked(const absl::Status& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Run();     // The thread: opens channels and waits for each answer, completing its call.
-  void Answer();  // Waits for the answer of in_flight_ and completes its call.
-  // The answer to `p` (answered) or why it has none; breaks the channel on a bad answer.
-  grpc::Status Complete(Pending* p, bool answered);
+  void Answer();  // Waits for the answer of in_flight_ and completes its calls.
+  // Fills the responses of `p`'s calls and their statuses from the answer (answered), or says
+  // why there is none; breaks the channel on a bad answer.
+  std::vector<grpc::Status> Complete(Pending* p, bool answered);
+  // Reads the answer `whole` to `p` into its calls' responses and `*statuses`; DataLoss (and
+  // nothing filled) if it does not answer them.
+  static absl::Status ReadAnswers(const grpc::ByteBuffer& whole, Pending* p,
+                                  std::vector<grpc::Status>* statuses);
 
   ParameterService::Stub* const stub_;
   const Options options_;

@@ -197,6 +197,16 @@ grpc::ByteBuffer EncodeStreamResponse(StreamResponse* response) {
   return out.Finish();
 }
 
+absl::Status UndecodableRequest(const absl::Status& decoded, absl::string_view where,
+                                absl::string_view type, int64_t max_chunks) {
+  if (decoded.code() == absl::StatusCode::kInvalidArgument) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, ": more than ", max_chunks, " chunks, more than a job has (--max_chunks_per_job)"));
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat(where, ": the request is not a ", type, ": ", decoded.message()));
+}
+
 grpc::ByteBuffer FrameStreamRequest(uint64_t call, StreamOp op, const grpc::ByteBuffer& body) {
   std::string head;
   if (call != 0) {

@@ -107,6 +107,12 @@ absl::Status DecodePushRequest(const grpc::ByteBuffer& buffer, PushRequest* requ
 absl::Status DecodeStreamRequest(const grpc::ByteBuffer& buffer, StreamRequest* request,
                                  DenseChunks* dense, int64_t max_chunks = kNoChunkLimit);
 
+// The INVALID_ARGUMENT a shard answers for a request that `decoded` (the failed status of one
+// of the decoders above) refused, at `where` ("Stream: message 3"): more than `max_chunks`
+// chunks (the decoders' InvalidArgument), or not a `type` ("PushRequest") at all.
+absl::Status UndecodableRequest(const absl::Status& decoded, absl::string_view where,
+                                absl::string_view type, int64_t max_chunks);
+
 // Which operation a StreamRequest carries: its oneof field number.
 enum class StreamOp : int32_t { kPush = 2, kPull = 3 };
 

@@ -59,19 +59,6 @@ absl::Status ParseRequest(const grpc::ByteBuffer& bytes, int64_t /*max_chunks*/,
   return st.ok() ? absl::OkStatus() : absl::DataLossError("PullRequest: malformed");
 }
 
-// What the caller of a request that did not decode is told, `where` naming the call (and the
-// message of a stream): more than `max_chunks` chunks, more than a job can have
-// (INVALID_ARGUMENT from the decoder), or not a `type` at all, with the decoder's reason.
-absl::Status Undecodable(const absl::Status& decoded, absl::string_view where,
-                         absl::string_view type, int64_t max_chunks) {
-  if (decoded.code() == absl::StatusCode::kInvalidArgument) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        where, ": more than ", max_chunks, " chunks, more than a job has (--max_chunks_per_job)"));
-  }
-  return absl::InvalidArgumentError(
-      absl::StrCat(where, ": the request is not a ", type, ": ", decoded.message()));
-}
-
 // One Push or Pull in the callback API, on raw bytes: the parsed request and the response
 // live with the call. It finishes when the shard completes the call; if gRPC cancels the call
 // first (client cancellation, deadline, server shutdown), the shard withdraws its wait and
@@ -90,7 +77,7 @@ class RawUnaryReactor final : public grpc::ServerUnaryReactor {
     const int64_t max_chunks = shard.limits().max_chunks_per_job;
     absl::Status st = ParseRequest(bytes, max_chunks, &request, &dense);
     st = st.ok() ? CheckJobToken(tokens, ctx, request.job())
-                 : Undecodable(st, rpc, Request::descriptor()->name(), max_chunks);
+                 : UndecodableRequest(st, rpc, Request::descriptor()->name(), max_chunks);
     if (!st.ok()) Complete(st);
     return st.ok();
   }
@@ -258,7 +245,7 @@ absl::Status StreamReactor::DecodeLocked(std::vector<std::shared_ptr<Op>>* ops) 
   std::vector<grpc::ByteBuffer> parts;
   bool batch = false;
   if (absl::Status st = SplitStreamBatch(in_, kMaxStreamBatch, &parts, &batch); !st.ok()) {
-    return Undecodable(st, absl::StrCat("Stream: message ", received_), "StreamRequest", 0);
+    return UndecodableRequest(st, absl::StrCat("Stream: message ", received_), "StreamRequest", 0);
   }
   if (!batch) parts.push_back(in_);  // Shares the slices.
   absl::flat_hash_set<uint64_t> calls;
@@ -274,7 +261,7 @@ absl::Status StreamReactor::DecodeLocked(std::vector<std::shared_ptr<Op>>* ops) 
     if (absl::Status st =
             DecodeStreamRequest(parts[i], &op->request, &op->dense, max_chunks - chunks);
         !st.ok()) {
-      return Undecodable(st, absl::StrCat("Stream: ", where), "StreamRequest", max_chunks);
+      return UndecodableRequest(st, absl::StrCat("Stream: ", where), "StreamRequest", max_chunks);
     }
     if (op->request.has_push()) chunks += op->request.push().chunks_size();
     const uint64_t call = op->request.call();

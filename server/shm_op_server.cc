@@ -4,24 +4,36 @@
 #include <utility>
 #include <vector>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "proto/gradmesh.pb.h"
 #include "rpc/tensor_wire.h"
 
 namespace gradmesh {
-namespace {
 
-// What the serving thread and an operation's completion share: the completion may run on
-// another thread (a sync push released by another worker's push) and outlive the wait.
-struct OpState {
-  absl::Mutex mu;
-  bool done ABSL_GUARDED_BY(mu) = false;
-  absl::Status status ABSL_GUARDED_BY(mu);
-  StreamResponse response;  // Filled by the shard before `done`.
+// One operation of a request: what the serving thread and its completion share. The
+// completion may run on another thread (a sync push released by another worker's push); it
+// fills `response` and `status`, then counts itself done in the request's Tally, after which
+// it touches neither.
+struct ShmOpServer::Op {
+  StreamRequest request;
+  DenseChunks dense;  // Its push's raw chunk data (rpc/tensor_wire.h DecodeStreamRequest).
+  StreamResponse response;
+  absl::Status status;
+  WaitCancel cancel;
 };
 
-// How often a thread waiting for a request or for an operation's completion looks at stop_.
+// Shared with the completions: the last one may still be unlocking `mu` when the serving
+// thread goes on.
+struct ShmOpServer::Tally {
+  absl::Mutex mu;
+  size_t left ABSL_GUARDED_BY(mu) = 0;
+};
+
+namespace {
+
+// How often a thread waiting for a request looks at stop_.
 constexpr absl::Duration kStopCheck = absl::Milliseconds(100);
 
 }  // namespace
@@ -53,7 +65,8 @@ ShmOpServer::~ShmOpServer() {
   ShmWake(&h->request_seq);
   {
     absl::MutexLock lock(&cancel_mu_);
-    if (cancel_ != nullptr) cancel_->Cancel();  // A waiting operation completes now.
+    stopping_ = true;
+    for (WaitCancel* c : cancels_) c->Cancel();  // Waiting operations complete now.
   }
   thread_.join();
   ShmWake(&h->response_seq);  // A worker still waiting sees `closed`.
@@ -93,8 +106,9 @@ void ShmOpServer::Run() {
     // The request is copied out before anything reads it: the worker may change the area
     // meanwhile, and the decoder reads its input more than once (chunk limit, then content).
     std::memcpy(request_copy_.get(), region_->request_area(), static_cast<size_t>(bytes));
-    grpc::ByteBuffer answer = Serve(bytes, seq);
-    // Closing: the operation may have been withdrawn (CANCELLED, nothing applied). Its worker
+    int64_t operations = 0;
+    grpc::ByteBuffer answer = Serve(bytes, seq, &operations);
+    // Closing: operations may have been withdrawn (CANCELLED, nothing applied). Its worker
     // sees the channel close instead, UNAVAILABLE, and retries it as after a broken Stream.
     if (stop_.load()) break;
     const uint64_t length = CopyBufferTo(answer, region_->response_area(), region_->area_bytes())
@@ -103,7 +117,7 @@ void ShmOpServer::Run() {
     h->response_bytes.store(length, std::memory_order_relaxed);
     h->response_seq.store(seq, std::memory_order_release);
     ShmWake(&h->response_seq);
-    served_.fetch_add(1);
+    served_.fetch_add(operations);
     idle_since = absl::Now();
     spin_until = idle_since + spin_.SpinFor();
   }
@@ -111,76 +125,130 @@ void ShmOpServer::Run() {
   ShmWake(&h->response_seq);
 }
 
-grpc::ByteBuffer ShmOpServer::Serve(uint64_t bytes, uint32_t seq) {
-  grpc::Slice slice(request_copy_.get(), static_cast<size_t>(bytes), grpc::Slice::STATIC_SLICE);
-  const grpc::ByteBuffer in(&slice, 1);
-  StreamRequest request;
-  DenseChunks dense;
-  auto state = std::make_shared<OpState>();
-  const int64_t max_chunks = shard_->limits().max_chunks_per_job;
-  absl::Status st = DecodeStreamRequest(in, &request, &dense, max_chunks);
-  const std::string where = absl::StrCat("OpenShm: request ", seq);
-  if (!st.ok()) {
-    st = absl::InvalidArgumentError(
-        st.code() == absl::StatusCode::kInvalidArgument
-            ? absl::StrCat(where, ": more than ", max_chunks,
-                           " chunks, more than a job has (--max_chunks_per_job)")
-            : absl::StrCat(where, ": the request is not a StreamRequest: ", st.message()));
-  } else if (request.batch_size() > 0) {
-    st = absl::InvalidArgumentError(
-        absl::StrCat(where, ": a batch; a shared-memory channel carries one operation at a time"));
-  } else if (request.op_case() == StreamRequest::OP_NOT_SET) {
-    st = absl::InvalidArgumentError(
-        absl::StrCat(where, " (call ", request.call(), ") carries neither a push nor a pull"));
-  } else if (options_.tokens != nullptr) {
-    st = options_.tokens->Check(request.has_push() ? request.push().job() : request.pull().job(),
-                                options_.token);
-  }
-  if (st.ok()) {
-    WaitCancel cancel;
-    {
-      absl::MutexLock lock(&cancel_mu_);
-      cancel_ = &cancel;
-      if (stop_.load()) cancel.Cancel();
-    }
-    if (request.has_push()) {
-      shard_->PushAsync(
-          request.push(),
-          [state](absl::StatusOr<PushResponse> result) {
-            absl::MutexLock lock(&state->mu);
-            if (result.ok()) *state->response.mutable_push() = std::move(result).value();
-            state->status = result.status();
-            state->done = true;
-          },
-          &cancel, &dense);
-    } else {
-      shard_->PullAsync(
-          request.pull(), state->response.mutable_pull(),
-          [state](absl::Status result) {
-            absl::MutexLock lock(&state->mu);
-            state->status = std::move(result);
-            state->done = true;
-          },
-          &cancel);
-    }
-    {
-      absl::MutexLock lock(&state->mu);
-      state->mu.Await(absl::Condition(&state->done));  // ~ShmOpServer cancels a wait.
-      st = state->status;
-    }
-    absl::MutexLock lock(&cancel_mu_);
-    cancel_ = nullptr;
-  }
-  StreamResponse& response = state->response;
-  if (!st.ok()) {
+void ShmOpServer::Completed(Op* op, const std::shared_ptr<Tally>& tally, absl::Status status) {
+  absl::MutexLock lock(&tally->mu);
+  op->status = std::move(status);
+  --tally->left;
+}
+
+grpc::ByteBuffer ShmOpServer::AnswerOf(Op* op) {
+  StreamResponse& response = op->response;
+  if (!op->status.ok()) {
     response.Clear();
-    response.set_code(static_cast<int32_t>(st.code()));
-    response.set_message(std::string(st.message()));
-  } else if (request.has_push() && !response.has_push()) {
+    response.set_code(static_cast<int32_t>(op->status.code()));
+    response.set_message(std::string(op->status.message()));
+  } else if (op->request.has_push() && !response.has_push()) {
     response.mutable_push();  // The oneof says which operation this answers.
   }
-  response.set_call(request.call());
+  response.set_call(op->request.call());
   return EncodeStreamResponse(&response);
+}
+
+grpc::ByteBuffer ShmOpServer::Serve(uint64_t bytes, uint32_t seq, int64_t* operations) {
+  grpc::Slice slice(request_copy_.get(), static_cast<size_t>(bytes), grpc::Slice::STATIC_SLICE);
+  const grpc::ByteBuffer in(&slice, 1);
+  std::vector<std::unique_ptr<Op>> ops;
+  bool batch = false;
+  if (absl::Status st = Decode(in, absl::StrCat("OpenShm: request ", seq), &ops, &batch);
+      !st.ok()) {
+    *operations = 1;
+    StreamResponse refused;  // Call 0: it answers the request, whatever its calls were.
+    refused.set_code(static_cast<int32_t>(st.code()));
+    refused.set_message(std::string(st.message()));
+    return EncodeStreamResponse(&refused);
+  }
+  RunAll(ops);
+  *operations = static_cast<int64_t>(ops.size());
+  if (!batch) return AnswerOf(ops[0].get());
+  std::vector<grpc::Slice> slices;
+  for (const std::unique_ptr<Op>& op : ops) AppendStreamBatchElement(AnswerOf(op.get()), &slices);
+  return grpc::ByteBuffer(slices.data(), slices.size());
+}
+
+absl::Status ShmOpServer::Decode(const grpc::ByteBuffer& in, const std::string& where,
+                                 std::vector<std::unique_ptr<Op>>* ops, bool* batch) const {
+  std::vector<grpc::ByteBuffer> parts;
+  if (absl::Status st = SplitStreamBatch(in, kMaxStreamBatch, &parts, batch); !st.ok()) {
+    return UndecodableRequest(st, where, "StreamRequest", 0);
+  }
+  if (!*batch) parts.push_back(in);
+  const int64_t max_chunks = shard_->limits().max_chunks_per_job;
+  int64_t chunks = 0;  // One budget for the whole request, as on the Stream.
+  absl::flat_hash_set<uint64_t> calls;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const std::string at =
+        *batch ? absl::StrCat(where, " (batch element ", i + 1, " of ", parts.size(), ")") : where;
+    auto op = std::make_unique<Op>();
+    if (absl::Status st =
+            DecodeStreamRequest(parts[i], &op->request, &op->dense, max_chunks - chunks);
+        !st.ok()) {
+      return UndecodableRequest(st, at, "StreamRequest", max_chunks);
+    }
+    const StreamRequest& r = op->request;
+    if (r.has_push()) chunks += r.push().chunks_size();
+    if (r.batch_size() > 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          at, " sets batch (field ", kStreamBatchField,
+          ") beside other fields, or inside a batch: a batch message carries nothing else"));
+    }
+    if (r.op_case() == StreamRequest::OP_NOT_SET) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(at, " (call ", r.call(), ") carries neither a push nor a pull"));
+    }
+    if (!calls.insert(r.call()).second) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(at, " reuses call id ", r.call(), " of the same batch"));
+    }
+    ops->push_back(std::move(op));
+  }
+  return absl::OkStatus();
+}
+
+void ShmOpServer::RunAll(const std::vector<std::unique_ptr<Op>>& ops) {
+  auto tally = std::make_shared<Tally>();
+  {
+    absl::MutexLock lock(&tally->mu);
+    tally->left = ops.size();
+  }
+  {
+    absl::MutexLock lock(&cancel_mu_);
+    for (const std::unique_ptr<Op>& op : ops) {
+      cancels_.push_back(&op->cancel);
+      if (stopping_) op->cancel.Cancel();
+    }
+  }
+  for (const std::unique_ptr<Op>& owned : ops) {
+    Op* op = owned.get();
+    const StreamRequest& r = op->request;
+    if (options_.tokens != nullptr) {
+      absl::Status st =
+          options_.tokens->Check(r.has_push() ? r.push().job() : r.pull().job(), options_.token);
+      if (!st.ok()) {
+        Completed(op, tally, std::move(st));
+        continue;
+      }
+    }
+    if (r.has_push()) {
+      shard_->PushAsync(
+          r.push(),
+          [op, tally](absl::StatusOr<PushResponse> result) {
+            if (result.ok()) *op->response.mutable_push() = std::move(result).value();
+            Completed(op, tally, result.status());
+          },
+          &op->cancel, &op->dense);
+    } else {
+      shard_->PullAsync(
+          r.pull(), op->response.mutable_pull(),
+          [op, tally](absl::Status st) { Completed(op, tally, std::move(st)); }, &op->cancel);
+    }
+  }
+  {
+    absl::MutexLock lock(&tally->mu);
+    tally->mu.Await(absl::Condition(
+        +[](size_t* left) { return *left == 0; }, &tally->left));  // ~ShmOpServer cancels waits.
+  }
+  absl::MutexLock lock(&cancel_mu_);
+  cancels_.clear();
 }
 
 }  // namespace gradmesh

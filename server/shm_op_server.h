@@ -1,18 +1,24 @@
 // ShmOpServer: the shard's side of one shared-memory channel (rpc/shm_region.h), opened by a
 // worker on the same machine through ParameterService.OpenShm. A thread of its own takes each
-// request the worker writes into the region and runs it as a Stream operation would run: the
+// request the worker writes into the region (one operation, or a batch of up to
+// kMaxStreamBatch as on the Stream, rpc/tensor_wire.h) and runs it as a Stream operation would
+// run: the
 // Stream's decoder (a push's values copied once into the shard's memory and scanned there, so
 // nothing the worker changes afterwards reaches the optimizer), the job-token check against the
 // token the opening call presented, the shard's limits, waits (a sync push at its barrier, an
-// ssp pull) and status codes. It then writes the encoded StreamResponse into the response area.
-// A request that does not decode is answered INVALID_ARGUMENT and the channel goes on; a
-// length past the area closes the channel. Each request is copied out of the region before it
+// ssp pull) and status codes. A batch's operations start in order without waiting for each
+// other, as the Stream starts them; once all have completed, the thread writes the encoded
+// StreamResponse (for a batch, a batch of them in the same order) into the response area.
+// A request that does not decode is answered INVALID_ARGUMENT and the channel goes on; a batch
+// is checked whole first (each element decodes, one chunk budget for all, no nested batch, no
+// call id twice, each a push or a pull), and one bad element refuses it all, nothing of it
+// started. A length past the area closes the channel. Each request is copied out of the region before it
 // is read, so nothing a worker writes can crash the shard or change it other than through
 // operations its token may perform.
 //
 // Thread safety: the constructor starts the thread; the destructor closes the channel,
-// withdraws an operation still waiting (nothing of it applied; its answer is not written, so
-// the worker sees the channel close and retries it, as after a broken Stream) and joins: it
+// withdraws the operations still waiting (nothing of them applied; no answer is written, so
+// the worker sees the channel close and retries them, as after a broken Stream) and joins: it
 // returns once an operation being applied has finished (a wait ends at once).
 #ifndef GRADMESH_SERVER_SHM_OP_SERVER_H_
 #define GRADMESH_SERVER_SHM_OP_SERVER_H_
@@ -24,6 +30,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
@@ -64,10 +71,24 @@ class ShmOpServer {
   int64_t served() const { return served_.load(); }
 
  private:
+  struct Op;     // One operation of a request.
+  struct Tally;  // The operations of a request not yet completed.
+
   ShmOpServer(Shard* shard, Options options, std::unique_ptr<ShmRegion> region);
   void Run();
-  // Runs the request of `bytes` bytes in the request area; returns the encoded answer.
-  grpc::ByteBuffer Serve(uint64_t bytes, uint32_t seq);
+  // Runs the request of `bytes` bytes copied out of the request area; returns the encoded
+  // answer and, in `*operations`, how many operations it answered.
+  grpc::ByteBuffer Serve(uint64_t bytes, uint32_t seq, int64_t* operations);
+  // Decodes `in` (one operation or a batch) into `ops`, or says why it is refused whole.
+  absl::Status Decode(const grpc::ByteBuffer& in, const std::string& where,
+                      std::vector<std::unique_ptr<Op>>* ops, bool* batch) const;
+  // Starts each of `ops` on the shard in order (the token checked first), then waits until all
+  // have completed; ~ShmOpServer withdraws those still waiting.
+  void RunAll(const std::vector<std::unique_ptr<Op>>& ops);
+  // Records `status` as `op`'s outcome and counts it done in `tally`.
+  static void Completed(Op* op, const std::shared_ptr<Tally>& tally, absl::Status status);
+  // The encoded StreamResponse answering `op` once it completed.
+  static grpc::ByteBuffer AnswerOf(Op* op);
 
   Shard* const shard_;
   const Options options_;
@@ -78,7 +99,9 @@ class ShmOpServer {
   const int fd_;
   const std::unique_ptr<char[]> request_copy_;  // The request being served, out of the region.
   absl::Mutex cancel_mu_;
-  WaitCancel* cancel_ ABSL_GUARDED_BY(cancel_mu_) = nullptr;  // The operation in flight's.
+  // The operations in flight's (not owned), cancelled by the destructor.
+  std::vector<WaitCancel*> cancels_ ABSL_GUARDED_BY(cancel_mu_);
+  bool stopping_ ABSL_GUARDED_BY(cancel_mu_) = false;  // The destructor cancelled cancels_.
   std::thread thread_;
 };
 

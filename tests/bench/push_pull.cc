@@ -28,7 +28,9 @@
 // waiting, then waits for all D (one "round"), as ps-lite's benchmark issues its 40 keys and
 // then waits for them. pushpull then issues each push and pull together, as ps-lite does.
 // It drives the transport (rpc/op_stream.h) directly, the layer ps-lite's KVWorker is; pulled
-// values are decoded into per-operation buffers. p50_us / p99_us are per round.
+// values are decoded into per-operation buffers. p50_us / p99_us are per round. With transport
+// shm (unary is not measured at depth) the round goes through --shm_lanes shared-memory
+// channels per shard (rpc/shm_op_channel.h) as batches of up to --shm_batch_kb.
 //
 // Durability cost: --durability=none,periodic,every_update --ops=push
 #include <grpcpp/generic/generic_stub.h>
@@ -37,6 +39,7 @@
 #include <stdlib.h>
 
 #include <algorithm>
+#include <deque>
 #include <atomic>
 #include <cstdio>
 #include <filesystem>
@@ -57,6 +60,7 @@
 #include "rpc/grpc_util.h"
 #include "rpc/op_stream.h"
 #include "rpc/rpc_options.h"
+#include "rpc/shm_op_channel.h"
 #include "rpc/tensor_wire.h"
 #include "server/parameter_service.h"
 #include "server/shard.h"
@@ -84,6 +88,12 @@ ABSL_FLAG(bool, fsync, false, "fsync the RocksDB WAL on every write.");
 ABSL_FLAG(int64_t, shm_spin_us, 0,
           "transport shm: the shards' --shm_spin_us (how long a channel's thread spins for the "
           "next request; 0 = block at once).");
+ABSL_FLAG(int, shm_lanes, 2,
+          "--depth with transport shm: shared-memory channels per client and shard, each "
+          "carrying one batch of the round at a time.");
+ABSL_FLAG(int64_t, shm_batch_kb, 1024,
+          "--depth with transport shm: the most bytes of requests (or of answers) per batch, KiB "
+          "(a larger operation goes alone).");
 ABSL_FLAG(std::string, transports, "stream,unary",
           "Client transports to measure (GrpcParameterClientOptions.transport: stream, unary, "
           "shm), in turn.");
@@ -211,14 +221,23 @@ Measured Measure(const std::vector<std::unique_ptr<ParameterClient>>& clients, a
   });
 }
 
-// One --depth client: a stream per shard, `depth` operations in flight per round.
+// One --depth client: a stream per shard, `depth` operations in flight per round; with
+// `shm_lanes` > 0, also that many shared-memory channels per shard (rpc/shm_op_channel.h),
+// which then carry the round as batches of up to `shm_batch_bytes` (at least one operation),
+// each lane one batch at a time: while the shard serves one lane's batch, the client writes
+// the next lane's. An operation a lane cannot take goes over the stream.
 class DepthClient {
  public:
   DepthClient(const std::vector<std::string>& addresses, const RpcOptions& rpc,
-              const JobLayout& layout, const Partition& partition, int32_t worker)
-      : layout_(layout), partition_(partition), worker_(worker) {
-    for (const std::string& addr : addresses) {
-      stubs_.push_back(std::make_unique<grpc::GenericStub>(MakeChannel(addr, rpc)));
+              const JobLayout& layout, const Partition& partition, int32_t worker, int shm_lanes,
+              size_t shm_batch_bytes)
+      : layout_(layout),
+        partition_(partition),
+        worker_(worker),
+        shm_batch_bytes_(shm_batch_bytes) {
+    for (size_t s = 0; s < addresses.size(); ++s) {
+      std::shared_ptr<grpc::Channel> channel = MakeChannel(addresses[s], rpc);
+      stubs_.push_back(std::make_unique<grpc::GenericStub>(channel));
       streams_.push_back(
           std::make_unique<OpStream>(stubs_.back().get(), "/gradmesh.ParameterService/Stream",
                                      std::vector<std::pair<std::string, std::string>>()));
@@ -226,63 +245,186 @@ class DepthClient {
       pull.set_job(layout.job);
       pull.set_worker(worker);
       pulls_.push_back(pull.SerializeAsString());
+      lanes_.emplace_back();
+      if (shm_lanes == 0) continue;
+      shm_stubs_.push_back(ParameterService::NewStub(channel));
+      ShmOpChannel::Options o;
+      // A batch of requests, or of answers: each of this shard's messages is at most its part
+      // of the tensor plus framing.
+      o.area_bytes = std::max(shm_batch_bytes, AnswerBytes(static_cast<int32_t>(s)));
+      o.job = layout.job;
+      o.shard = absl::StrCat("shard ", s, " (", addresses[s], ")");
+      for (int l = 0; l < shm_lanes; ++l) {
+        lanes_.back().push_back(std::make_unique<ShmOpChannel>(shm_stubs_.back().get(), o));
+      }
     }
+  }
+
+  // Waits until every shared-memory lane is open; false if one is not within `timeout`.
+  bool WaitLanesOpen(absl::Duration timeout) {
+    const absl::Time give_up = absl::Now() + timeout;
+    for (const auto& lanes : lanes_) {
+      for (const auto& lane : lanes) {
+        while (lane->area_bytes() == 0) {
+          if (absl::Now() > give_up || lane->disabled()) return false;
+          absl::SleepFor(absl::Milliseconds(5));
+        }
+      }
+    }
+    return true;
   }
 
   // Issues `depth` operations `op` on every shard, waits for all; false if one failed.
   bool Round(absl::string_view op, int depth, const float* grad, std::vector<float>* params) {
     const bool push = op != "pull", pull = op == "pull" || op == "pushpull";
     const bool fused = op == "fused";
-    const int per = static_cast<int>(push) + static_cast<int>(pull);  // Messages per shard.
     const int shards = static_cast<int>(streams_.size());
-    // Shared with the completions: the last one may still be unlocking `mu` as this returns.
-    struct State {
-      absl::Mutex mu;
-      int left = 0;
-      bool ok = true;
-      std::vector<grpc::ByteBuffer> reqs, resps;
-    };
     auto st = std::make_shared<State>();
-    st->reqs.resize(static_cast<size_t>(depth) * shards * per);
-    st->resps.resize(st->reqs.size());
-    st->left = static_cast<int>(st->reqs.size());
-    size_t i = 0;
     for (int d = 0; d < depth; ++d) {
       float* out = params->data() + static_cast<int64_t>(d) * partition_.tensor_numel(0);
       for (int32_t s = 0; s < shards; ++s) {
-        auto done = [this, st, out, s](size_t at, bool decode) {
-          return [this, st, out, s, at, decode](grpc::Status status) {
-            const bool good = status.ok() && (!decode || Decode(st->resps[at], s, out));
-            absl::MutexLock lock(&st->mu);
-            st->ok = st->ok && good;
-            --st->left;
-          };
-        };
         if (push) {
           std::vector<PushChunkRef> refs;
           for (int64_t idx : partition_.shard_chunks(s)) {
             const ChunkInfo& c = partition_.chunks()[idx];
             refs.push_back({c.tensor, c.chunk, 0, grad + c.offset, c.numel, "", {}});
           }
-          st->reqs[i] = EncodePushRequest(layout_.job, worker_, step_++, next_id_++, refs, false,
-                                          fused ? absl::string_view(pulls_[s]) : "");
-          streams_[s]->Call(StreamOp::kPush, st->reqs[i], &st->resps[i], done(i, fused),
-                            pull || d + 1 < depth);
-          ++i;
+          st->msgs.push_back({s, StreamOp::kPush, fused, out});
+          st->reqs.push_back(EncodePushRequest(layout_.job, worker_, step_++, next_id_++, refs,
+                                               false, fused ? absl::string_view(pulls_[s]) : ""));
         }
         if (pull) {
+          st->msgs.push_back({s, StreamOp::kPull, true, out});
           grpc::Slice slice(pulls_[s].data(), pulls_[s].size());
-          st->reqs[i] = grpc::ByteBuffer(&slice, 1);
-          streams_[s]->Call(StreamOp::kPull, st->reqs[i], &st->resps[i], done(i, true),
-                            d + 1 < depth);
-          ++i;
+          st->reqs.push_back(grpc::ByteBuffer(&slice, 1));
         }
       }
     }
+    st->resps.resize(st->reqs.size());
+    st->left = st->reqs.size();
+    for (auto& lanes : lanes_) st->lane_busy.emplace_back(lanes.size(), 0);
+    if (lanes_.empty() || lanes_[0].empty()) {
+      std::vector<size_t> last(shards, 0);  // Each shard's last message: it ends the burst.
+      for (size_t i = 0; i < st->msgs.size(); ++i) last[st->msgs[i].shard] = i;
+      for (size_t i = 0; i < st->msgs.size(); ++i) SendOnStream(st, i, i != last[st->msgs[i].shard]);
+    } else {
+      SendOnLanes(st);
+    }
     absl::MutexLock lock(&st->mu);
     st->mu.Await(absl::Condition(
-        +[](int* n) { return *n == 0; }, &st->left));
+        +[](size_t* n) { return *n == 0; }, &st->left));
     return st->ok;
+  }
+
+ private:
+  struct Msg {
+    int32_t shard;
+    StreamOp op;
+    bool decode;  // Its answer carries pulled values, for `out`.
+    float* out;
+  };
+  // A round's messages, shared with their completions: the last one may still be unlocking
+  // `mu` as Round returns.
+  struct State {
+    std::vector<Msg> msgs;
+    std::vector<grpc::ByteBuffer> reqs, resps;
+    absl::Mutex mu;
+    size_t left ABSL_GUARDED_BY(mu) = 0;
+    int64_t completed ABSL_GUARDED_BY(mu) = 0;
+    bool ok ABSL_GUARDED_BY(mu) = true;
+    // Per shard and lane: operations of its batch not yet completed.
+    std::vector<std::vector<size_t>> lane_busy ABSL_GUARDED_BY(mu);
+  };
+
+  // The completion of message `at` (of lane `lane` of its shard, or -1: the stream).
+  std::function<void(grpc::Status)> Done(const std::shared_ptr<State>& st, size_t at, int lane) {
+    return [this, st, at, lane](grpc::Status status) {
+      const Msg& m = st->msgs[at];
+      const bool good = status.ok() && (!m.decode || Decode(st->resps[at], m.shard, m.out));
+      st->resps[at] = grpc::ByteBuffer();  // A lane's answers are lent until all are dropped.
+      absl::MutexLock lock(&st->mu);
+      st->ok = st->ok && good;
+      --st->left;
+      ++st->completed;
+      if (lane >= 0) --st->lane_busy[m.shard][lane];
+    };
+  }
+
+  void SendOnStream(const std::shared_ptr<State>& st, size_t at, bool more) {
+    const Msg& m = st->msgs[at];
+    streams_[m.shard]->Call(m.op, st->reqs[at], &st->resps[at], Done(st, at, -1), more);
+  }
+
+  // The largest answer shard `s` gives one message (its part of the tensor, pulled).
+  size_t AnswerBytes(int32_t s) const {
+    size_t bytes = 256;
+    for (int64_t idx : partition_.shard_chunks(s)) {
+      bytes += static_cast<size_t>(partition_.chunks()[idx].numel) * 4 + 64;
+    }
+    return bytes;
+  }
+
+  // Hands the round's messages to the lanes as they become free, each shard's in order.
+  void SendOnLanes(const std::shared_ptr<State>& st) {
+    std::vector<std::deque<size_t>> queues(lanes_.size());
+    for (size_t i = 0; i < st->msgs.size(); ++i) queues[st->msgs[i].shard].push_back(i);
+    while (true) {
+      bool queued = false;
+      int64_t completed;
+      {
+        absl::MutexLock lock(&st->mu);
+        completed = st->completed;
+      }
+      for (size_t s = 0; s < lanes_.size(); ++s) {
+        for (size_t l = 0; l < lanes_[s].size() && !queues[s].empty(); ++l) {
+          SendBatch(st, static_cast<int32_t>(s), static_cast<int>(l), &queues[s]);
+        }
+        queued = queued || !queues[s].empty();
+      }
+      if (!queued) return;
+      std::pair<State*, int64_t> seen(st.get(), completed);
+      absl::MutexLock lock(&st->mu);
+      st->mu.Await(absl::Condition(
+          +[](std::pair<State*, int64_t>* w) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+            return w->first->completed != w->second;  // A lane may have come free.
+          },
+          &seen));
+    }
+  }
+
+  // Sends the front of `queue` as one batch on lane `l` of shard `s` if it is free: as many
+  // messages as fit the batch bytes (at least one); over the stream if the lane cannot take them.
+  void SendBatch(const std::shared_ptr<State>& st, int32_t s, int l, std::deque<size_t>* queue) {
+    {
+      absl::MutexLock lock(&st->mu);
+      if (st->lane_busy[s][l] > 0) return;
+    }
+    const size_t room = std::max(shm_batch_bytes_, AnswerBytes(s));
+    std::vector<ShmOpChannel::Item> items;
+    std::vector<size_t> taken;
+    size_t request_bytes = 0, answer_bytes = 0;
+    while (!queue->empty() && items.size() < kMaxStreamBatch) {
+      const size_t at = queue->front();
+      const size_t req = st->reqs[at].Length() + 32;
+      const size_t ans = st->msgs[at].decode ? AnswerBytes(s) : 64;
+      if (!items.empty() && (request_bytes + req > room || answer_bytes + ans > room)) break;
+      request_bytes += req;
+      answer_bytes += ans;
+      items.push_back({st->msgs[at].op, &st->reqs[at], &st->resps[at], Done(st, at, l)});
+      taken.push_back(at);
+      queue->pop_front();
+    }
+    {
+      absl::MutexLock lock(&st->mu);
+      st->lane_busy[s][l] = items.size();  // Before its completions can run.
+    }
+    if (lanes_[s][l]->CallBatch(&items)) return;
+    {
+      absl::MutexLock lock(&st->mu);
+      st->lane_busy[s][l] = 0;
+    }
+    // Not open, or broken: the lane's batch goes over the stream.
+    for (size_t i = 0; i < taken.size(); ++i) SendOnStream(st, taken[i], i + 1 < taken.size());
   }
 
  private:
@@ -314,6 +456,9 @@ class DepthClient {
   const int32_t worker_;
   std::vector<std::unique_ptr<grpc::GenericStub>> stubs_;
   std::vector<std::unique_ptr<OpStream>> streams_;
+  std::vector<std::unique_ptr<ParameterService::Stub>> shm_stubs_;
+  std::vector<std::vector<std::unique_ptr<ShmOpChannel>>> lanes_;  // Per shard.
+  const size_t shm_batch_bytes_;
   std::vector<std::string> pulls_;  // Each shard's encoded PullRequest.
   int64_t step_ = 0;
   uint64_t next_id_ = uint64_t{1} << 40;  // Apart from ParameterClient's request ids.
@@ -388,6 +533,11 @@ int Run() {
         layout.durability.set_snapshot_every_updates(absl::GetFlag(FLAGS_snapshot_every_updates));
         layout.durability.set_snapshot_every_seconds(30);
         std::vector<std::string> transports = absl::StrSplit(absl::GetFlag(FLAGS_transports), ',');
+        if (absl::GetFlag(FLAGS_depth) > 0) {  // Unary calls cannot keep operations in flight.
+          transports.erase(std::remove(transports.begin(), transports.end(), "unary"),
+                           transports.end());
+          if (transports.empty()) transports = {"stream"};
+        }
         std::vector<std::vector<std::unique_ptr<ParameterClient>>> clients(transports.size());
         for (size_t t = 0; t < transports.size(); ++t) {
           for (int w = 0; w < inflight; ++w) {
@@ -414,16 +564,22 @@ int Run() {
         }
         const int depth = absl::GetFlag(FLAGS_depth);
         const Partition partition = Partition::Create({n}, layout.chunk_elems, num_shards).value();
-        std::vector<std::unique_ptr<DepthClient>> depth_clients;
-        if (depth > 0) {
-          transports = {"stream"};
+        // Per transport: the depth clients (stream, or shm: lanes of shared memory).
+        std::vector<std::vector<std::unique_ptr<DepthClient>>> depth_clients(transports.size());
+        for (size_t t = 0; depth > 0 && t < transports.size(); ++t) {
+          const int lanes = transports[t] == "shm" ? absl::GetFlag(FLAGS_shm_lanes) : 0;
           for (int w = 0; w < inflight; ++w) {
-            depth_clients.push_back(
-                std::make_unique<DepthClient>(addresses, rpc, layout, partition, w));
+            depth_clients[t].push_back(std::make_unique<DepthClient>(
+                addresses, rpc, layout, partition, w, lanes,
+                static_cast<size_t>(absl::GetFlag(FLAGS_shm_batch_kb)) << 10));
+            if (!depth_clients[t].back()->WaitLanesOpen(absl::Seconds(10))) {
+              std::fprintf(stderr, "shared-memory lanes did not open\n");
+              return 1;
+            }
           }
         }
         auto measure = [&](size_t t, absl::string_view op, double secs) {
-          return depth > 0 ? MeasureDepth(&depth_clients, op, n, depth, secs)
+          return depth > 0 ? MeasureDepth(&depth_clients[t], op, n, depth, secs)
                            : Measure(clients[t], op, n, keys, secs);
         };
         for (absl::string_view op : absl::StrSplit(absl::GetFlag(FLAGS_ops), ',')) {
