@@ -431,8 +431,8 @@ absl::Status ShmOpChannel::ReadAnswers(const grpc::ByteBuffer& whole, Pending* p
   const size_t n = p->calls.size();
   // A request the shard refused whole (it could not decode it) has one error answer, call 0.
   if (!batch && heads[0].call == 0 && heads[0].code != 0) {
-    statuses->assign(n, grpc::Status(static_cast<grpc::StatusCode>(heads[0].code),
-                                     heads[0].message));
+    statuses->assign(n,
+                     grpc::Status(static_cast<grpc::StatusCode>(heads[0].code), heads[0].message));
     return absl::OkStatus();
   }
   // Answers come in the request's order (one request at a time): the call ids must agree.

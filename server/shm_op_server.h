@@ -12,8 +12,8 @@
 // A request that does not decode is answered INVALID_ARGUMENT and the channel goes on; a batch
 // is checked whole first (each element decodes, one chunk budget for all, no nested batch, no
 // call id twice, each a push or a pull), and one bad element refuses it all, nothing of it
-// started. A length past the area closes the channel. Each request is copied out of the region before it
-// is read, so nothing a worker writes can crash the shard or change it other than through
+// started. A length past the area closes the channel. Each request is copied out of the region
+// before it is read, so nothing a worker writes can crash the shard or change it other than through
 // operations its token may perform.
 //
 // Thread safety: the constructor starts the thread; the destructor closes the channel,

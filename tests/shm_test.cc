@@ -11,11 +11,13 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/status_testing.h"
+#include "rpc/shm_op_channel.h"
 #include "rpc/shm_region.h"
 #include "rpc/tensor_wire.h"
 #include "tests/testing/loopback.h"
@@ -102,6 +104,45 @@ std::string PullRequestBytes(const std::string& job, uint64_t call) {
   return r.SerializeAsString();
 }
 
+// The chunks of `g` (values of every tensor of `l`) as one shard's push.
+std::vector<PushChunkRef> Refs(const JobLayout& l, const Values& g) {
+  std::vector<PushChunkRef> refs;
+  const Partition p = MakePartition(l, 1);
+  for (const ChunkInfo& c : p.chunks()) {
+    PushChunkRef r;
+    r.tensor = c.tensor;
+    r.chunk = c.chunk;
+    r.data = g[c.tensor].data() + c.offset;
+    r.numel = c.numel;
+    refs.push_back(r);
+  }
+  return refs;
+}
+
+std::string Flatten(const grpc::ByteBuffer& b) {
+  std::vector<grpc::Slice> slices;
+  EXPECT_TRUE(b.Dump(&slices).ok());
+  std::string bytes;
+  for (const grpc::Slice& s : slices) {
+    bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  }
+  return bytes;
+}
+
+// A framed StreamRequest `call` carrying worker 0's push of `g` at `step` (request id `id`).
+std::string PushBytes(const JobLayout& l, const Values& g, int64_t step, uint64_t id,
+                      uint64_t call) {
+  return Flatten(
+      FrameStreamRequest(call, StreamOp::kPush, EncodePushRequest(l.job, 0, step, id, Refs(l, g))));
+}
+
+// A batch StreamRequest of `elements` (each an encoded StreamRequest).
+std::string BatchBytes(const std::vector<std::string>& elements) {
+  StreamRequest b;
+  for (const std::string& e : elements) EXPECT_TRUE(b.add_batch()->ParseFromString(e));
+  return b.SerializeAsString();
+}
+
 ::testing::AssertionResult HasCodeAndText(const absl::Status& st, absl::StatusCode code,
                                           const std::string& text) {
   if (st.code() == code && st.message().find(text) != std::string::npos) {
@@ -134,23 +175,16 @@ class ShmTest : public ::testing::Test {
   std::unique_ptr<ParameterClient> client_;
 };
 
-// Garbage is answered INVALID_ARGUMENT, as are a batch and an empty operation; the channel
-// then still serves a good pull, whose answer is the unary Pull's.
+// Garbage is answered INVALID_ARGUMENT, as is an empty operation; the channel then still serves
+// a good pull, whose answer is the unary Pull's.
 TEST_F(ShmTest, GarbageIsAnsweredInvalidArgumentAndTheChannelGoesOn) {
   const std::string before = Snapshot(stub_.get(), "raw");
   ASSERT_OK_AND_ASSIGN(RawChannel ch, OpenRaw(stub_.get(), 1 << 20));
   EXPECT_EQ(server_->service->shm_channels(), 1);
   StreamRequest empty;
   empty.set_call(9);
-  for (const std::string& bad : {std::string("\xff\xff\xff\xff\x0f garbage", 14),
-                                 [] {
-                                   StreamRequest b;
-                                   StreamRequest* e = b.add_batch();
-                                   e->set_call(1);
-                                   e->mutable_pull()->set_job("raw");
-                                   return b.SerializeAsString();
-                                 }(),
-                                 empty.SerializeAsString()}) {
+  for (const std::string& bad :
+       {std::string("\xff\xff\xff\xff\x0f garbage", 14), empty.SerializeAsString()}) {
     bool closed = false;
     const StreamResponse r = Parse(ch.Exchange(bad, &closed));
     ASSERT_FALSE(closed);
@@ -189,6 +223,188 @@ TEST_F(ShmTest, ALengthPastTheAreaClosesTheChannelAndALargeAnswerIsFlagged) {
   Values v = Zeros(layout_);
   EXPECT_OK(client_->Pull(Spans(v)));
   ch.Close();
+}
+
+// A batch's operations run in order and are answered together, one answer per element in the
+// same order; the pushes are applied exactly as the same pushes sent one by one over the Stream.
+TEST_F(ShmTest, ABatchRunsInOrderAndIsAnsweredTogether) {
+  ASSERT_OK_AND_ASSIGN(RawChannel ch, OpenRaw(stub_.get(), 1 << 20));
+  const Values g = OddInit(layout_);
+  bool closed = false;
+  const StreamResponse r =
+      Parse(ch.Exchange(BatchBytes({PushBytes(layout_, g, 0, 101, 1), PullRequestBytes("raw", 2),
+                                    PushBytes(layout_, g, 1, 102, 3)}),
+                        &closed));
+  ASSERT_FALSE(closed);
+  ASSERT_EQ(r.batch_size(), 3) << r.DebugString();
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(r.batch(i).call(), static_cast<uint64_t>(i + 1));
+    EXPECT_EQ(r.batch(i).code(), 0) << r.batch(i).message();
+  }
+  EXPECT_TRUE(r.batch(0).has_push());
+  EXPECT_TRUE(r.batch(1).has_pull());
+  EXPECT_TRUE(r.batch(2).has_push());
+  EXPECT_EQ(RawInfo(stub_.get(), "raw").pushes_applied(), 2);
+  // The same two pushes to another job, over the Stream: bit-identical values.
+  const JobLayout ref_layout = Layout("ref");
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<ParameterClient> ref,
+                       NewGrpcParameterClient(ref_layout, ClientOptions({server_->addr})));
+  ASSERT_OK(ref->InitJob(ConstSpans(OddInit(ref_layout))));
+  ASSERT_OK(ref->Push(0, ConstSpans(g)));
+  ASSERT_OK(ref->Push(1, ConstSpans(g)));
+  Values mine = Zeros(layout_), theirs = Zeros(ref_layout);
+  ASSERT_OK(client_->Pull(Spans(mine)));
+  ASSERT_OK(ref->Pull(Spans(theirs)));
+  EXPECT_EQ(mine, theirs);
+  // A batch of one push already applied (same request id): answered, not applied again.
+  const StreamResponse again = Parse(ch.Exchange(
+      BatchBytes({PushBytes(layout_, g, 1, 102, 4), PullRequestBytes("raw", 5)}), &closed));
+  ASSERT_EQ(again.batch_size(), 2);
+  EXPECT_EQ(again.batch(0).code(), 0) << again.batch(0).message();
+  EXPECT_EQ(RawInfo(stub_.get(), "raw").pushes_applied(), 2);
+  ch.Close();
+}
+
+// A batch with one bad element is refused whole, INVALID_ARGUMENT naming the element, with
+// nothing of it applied; the channel goes on.
+TEST_F(ShmTest, ABatchWithABadElementIsRefusedWhole) {
+  const std::string before = Snapshot(stub_.get(), "raw");
+  ASSERT_OK_AND_ASSIGN(RawChannel ch, OpenRaw(stub_.get(), 1 << 20));
+  const Values g = OddInit(layout_);
+  const std::string push = PushBytes(layout_, g, 0, 301, 1);
+  StreamRequest empty;
+  empty.set_call(2);
+  const std::string nested = BatchBytes({PullRequestBytes("raw", 2)});
+  const std::vector<std::pair<std::string, std::string>> bad = {
+      {BatchBytes({push, PushBytes(layout_, g, 1, 302, 1)}), "reuses call id 1"},
+      {BatchBytes({push, empty.SerializeAsString()}), "carries neither a push nor a pull"},
+      {BatchBytes({push, nested}), "inside a batch"},
+  };
+  for (const auto& [bytes, text] : bad) {
+    bool closed = false;
+    const StreamResponse r = Parse(ch.Exchange(bytes, &closed));
+    ASSERT_FALSE(closed);
+    EXPECT_EQ(r.batch_size(), 0);
+    EXPECT_EQ(r.call(), 0u);
+    EXPECT_EQ(r.code(), static_cast<int32_t>(grpc::StatusCode::INVALID_ARGUMENT)) << r.message();
+    EXPECT_NE(r.message().find("(batch element 2 of 2)"), std::string::npos) << r.message();
+    EXPECT_NE(r.message().find(text), std::string::npos) << r.message();
+  }
+  EXPECT_EQ(Snapshot(stub_.get(), "raw"), before);
+  bool closed = false;
+  EXPECT_EQ(Parse(ch.Exchange(BatchBytes({push}), &closed)).batch(0).code(), 0);
+  EXPECT_EQ(RawInfo(stub_.get(), "raw").pushes_applied(), 1);
+  ch.Close();
+}
+
+// One batch's pushes share the shard's chunk budget (--max_chunks_per_job), as on the Stream:
+// two pushes within it alone but over it together are refused whole.
+TEST(ShmBatchLimitsTest, ABatchSharesOneChunkBudget) {
+  ShardOptions options;
+  options.limits.max_chunks_per_job = 5;  // The job has 1 + 4 = 5 chunks.
+  auto server = StartShardServer(options, RpcOptions(), 0, nullptr);
+  ASSERT_NE(server, nullptr);
+  auto stub = ParameterService::NewStub(MakeChannel(server->addr, RpcOptions()));
+  const JobLayout l = Layout("budget");
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<ParameterClient> c,
+                       NewGrpcParameterClient(l, ClientOptions({server->addr})));
+  ASSERT_OK(c->InitJob(ConstSpans(OddInit(l))));
+  ASSERT_OK_AND_ASSIGN(RawChannel ch, OpenRaw(stub.get(), 1 << 20, "budget"));
+  const Values g = OddInit(l);
+  bool closed = false;
+  const StreamResponse r =
+      Parse(ch.Exchange(BatchBytes({PushBytes(l, g, 0, 1, 1), PushBytes(l, g, 1, 2, 2)}), &closed));
+  ASSERT_FALSE(closed);
+  EXPECT_EQ(r.code(), static_cast<int32_t>(grpc::StatusCode::INVALID_ARGUMENT)) << r.message();
+  EXPECT_NE(r.message().find("more than 5 chunks"), std::string::npos) << r.message();
+  EXPECT_EQ(RawInfo(stub.get(), "budget").pushes_applied(), 0);
+  const StreamResponse one = Parse(ch.Exchange(PushBytes(l, g, 0, 1, 3), &closed));
+  EXPECT_EQ(one.code(), 0) << one.message();
+  EXPECT_EQ(RawInfo(stub.get(), "budget").pushes_applied(), 1);
+  ch.Close();
+}
+
+// The worker's channel carries a batch (CallBatch): each call completes in order with the
+// Stream's answer; the answers are lent until released, and meanwhile the channel takes
+// nothing; a batch the shard refuses whole fails every call with its status.
+TEST_F(ShmTest, TheClientsBatchCompletesEachCallAndLendsTheAnswers) {
+  ShmOpChannel::Options o;
+  o.area_bytes = 1 << 20;
+  o.job = "raw";
+  o.shard = "shard 0";
+  ShmOpChannel channel(stub_.get(), o);
+  for (int i = 0; i < 500 && channel.area_bytes() == 0; ++i) absl::SleepFor(absl::Milliseconds(5));
+  ASSERT_GE(channel.area_bytes(), size_t{1} << 20);
+  const Values g = OddInit(layout_);
+  PullRequest pull;
+  pull.set_job("raw");
+  const std::string pull_bytes = pull.SerializeAsString();
+  grpc::Slice pull_slice(pull_bytes.data(), pull_bytes.size());
+  const grpc::ByteBuffer pull_body(&pull_slice, 1);
+  const grpc::ByteBuffer push_body = EncodePushRequest("raw", 0, 0, 401, Refs(layout_, g));
+  const grpc::ByteBuffer garbage = [] {
+    grpc::Slice s(std::string("\xff\xff\xff\xff\x0f", 5));
+    return grpc::ByteBuffer(&s, 1);
+  }();
+  // Runs one batch of `bodies` and waits for every call; false if the channel refused it.
+  absl::Mutex mu;
+  std::vector<grpc::Status> statuses;
+  std::vector<grpc::ByteBuffer> responses;
+  const auto run = [&](const std::vector<std::pair<StreamOp, const grpc::ByteBuffer*>>& bodies) {
+    statuses.assign(bodies.size(), grpc::Status(grpc::StatusCode::UNKNOWN, "not completed"));
+    responses.assign(bodies.size(), grpc::ByteBuffer());
+    std::vector<ShmOpChannel::Item> items;
+    auto left = std::make_shared<size_t>(bodies.size());
+    for (size_t i = 0; i < bodies.size(); ++i) {
+      items.push_back(
+          {bodies[i].first, bodies[i].second, &responses[i], [&, i, left](grpc::Status st) {
+             absl::MutexLock lock(&mu);
+             EXPECT_EQ(*left, bodies.size() - i);  // In order.
+             statuses[i] = st;
+             --*left;
+           }});
+    }
+    if (!channel.CallBatch(&items)) return false;
+    absl::MutexLock lock(&mu);
+    mu.Await(absl::Condition(
+        +[](size_t* n) { return *n == 0; }, left.get()));
+    return true;
+  };
+  ASSERT_TRUE(run({{StreamOp::kPush, &push_body}, {StreamOp::kPull, &pull_body}}));
+  ASSERT_TRUE(statuses[0].ok()) << statuses[0].error_message();
+  ASSERT_TRUE(statuses[1].ok()) << statuses[1].error_message();
+  PushResponse pushed;
+  EXPECT_TRUE(pushed.ParseFromString(Flatten(responses[0])));
+  PullResponse pulled, unary;
+  EXPECT_TRUE(pulled.ParseFromString(Flatten(responses[1])));
+  ASSERT_TRUE(RawPull(stub_.get(), pull, &unary).ok());
+  EXPECT_EQ(pulled.SerializeAsString(), unary.SerializeAsString());
+  EXPECT_EQ(RawInfo(stub_.get(), "raw").pushes_applied(), 1);
+  // The answers still refer to the region: nothing more goes until they are released.
+  std::vector<ShmOpChannel::Item> one(1);
+  grpc::ByteBuffer unused;
+  one[0] = {StreamOp::kPull, &pull_body, &unused, [](grpc::Status) {}};
+  EXPECT_FALSE(channel.CallBatch(&one));
+  ASSERT_NE(one[0].done, nullptr);  // Untouched.
+  responses.clear();
+  // More than a batch holds is refused, nothing sent.
+  std::vector<ShmOpChannel::Item> many(kMaxStreamBatch + 1);
+  for (auto& item : many) item = {StreamOp::kPull, &pull_body, &unused, [](grpc::Status) {}};
+  EXPECT_FALSE(channel.CallBatch(&many));
+  // A batch the shard refuses whole: every call fails INVALID_ARGUMENT, nothing applied.
+  const std::string before = Snapshot(stub_.get(), "raw");
+  const grpc::ByteBuffer push2 = EncodePushRequest("raw", 0, 1, 402, Refs(layout_, g));
+  ASSERT_TRUE(run({{StreamOp::kPush, &push2}, {StreamOp::kPush, &garbage}}));
+  for (const grpc::Status& st : statuses) {
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << st.error_message();
+    EXPECT_NE(st.error_message().find("batch element 2 of 2"), std::string::npos)
+        << st.error_message();
+  }
+  EXPECT_EQ(Snapshot(stub_.get(), "raw"), before);
+  responses.clear();
+  ASSERT_TRUE(run({{StreamOp::kPush, &push2}}));
+  EXPECT_TRUE(statuses[0].ok()) << statuses[0].error_message();
+  EXPECT_EQ(RawInfo(stub_.get(), "raw").pushes_applied(), 2);
 }
 
 // Areas under a page or over the shard's bound are INVALID_ARGUMENT; with max_channels open
@@ -269,24 +485,7 @@ TEST(ShmLifetimeTest, AWorkerThatGoesAwayWithdrawsItsWaitingPush) {
   ASSERT_OK(init->InitJob(ConstSpans(OddInit(l))));
   ASSERT_OK_AND_ASSIGN(RawChannel ch, OpenRaw(stub.get(), 1 << 20, "gone"));
   // A sync push of step 0 by worker 0, written raw: it waits for worker 1.
-  const Values g = OddInit(l);
-  const Partition p = MakePartition(l, 1);
-  std::vector<PushChunkRef> refs;
-  for (const ChunkInfo& c : p.chunks()) {
-    PushChunkRef r;
-    r.tensor = c.tensor;
-    r.chunk = c.chunk;
-    r.data = g[c.tensor].data() + c.offset;
-    r.numel = c.numel;
-    refs.push_back(r);
-  }
-  const grpc::ByteBuffer framed =
-      FrameStreamRequest(7, StreamOp::kPush, EncodePushRequest("gone", 0, 0, 99, refs));
-  std::vector<grpc::Slice> slices;
-  ASSERT_TRUE(framed.Dump(&slices).ok());
-  std::string bytes;
-  for (const grpc::Slice& s : slices)
-    bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  const std::string bytes = PushBytes(l, OddInit(l), 0, 99, 7);
   ShmHeader* h = ch.region->header();
   std::memcpy(ch.region->request_area(), bytes.data(), bytes.size());
   h->request_bytes.store(bytes.size());

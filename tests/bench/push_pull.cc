@@ -39,9 +39,9 @@
 #include <stdlib.h>
 
 #include <algorithm>
-#include <deque>
 #include <atomic>
 #include <cstdio>
+#include <deque>
 #include <filesystem>
 #include <functional>
 #include <memory>
@@ -231,10 +231,7 @@ class DepthClient {
   DepthClient(const std::vector<std::string>& addresses, const RpcOptions& rpc,
               const JobLayout& layout, const Partition& partition, int32_t worker, int shm_lanes,
               size_t shm_batch_bytes)
-      : layout_(layout),
-        partition_(partition),
-        worker_(worker),
-        shm_batch_bytes_(shm_batch_bytes) {
+      : layout_(layout), partition_(partition), worker_(worker), shm_batch_bytes_(shm_batch_bytes) {
     for (size_t s = 0; s < addresses.size(); ++s) {
       std::shared_ptr<grpc::Channel> channel = MakeChannel(addresses[s], rpc);
       stubs_.push_back(std::make_unique<grpc::GenericStub>(channel));
@@ -306,7 +303,8 @@ class DepthClient {
     if (lanes_.empty() || lanes_[0].empty()) {
       std::vector<size_t> last(shards, 0);  // Each shard's last message: it ends the burst.
       for (size_t i = 0; i < st->msgs.size(); ++i) last[st->msgs[i].shard] = i;
-      for (size_t i = 0; i < st->msgs.size(); ++i) SendOnStream(st, i, i != last[st->msgs[i].shard]);
+      for (size_t i = 0; i < st->msgs.size(); ++i)
+        SendOnStream(st, i, i != last[st->msgs[i].shard]);
     } else {
       SendOnLanes(st);
     }
