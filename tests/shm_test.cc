@@ -6,7 +6,12 @@
 // refused, and the worker's client then keeps to the Stream. The shard keeps serving through
 // all of it and changes only through valid operations.
 #include <grpcpp/grpcpp.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -294,6 +299,94 @@ TEST_F(ShmTest, ABatchWithABadElementIsRefusedWhole) {
   bool closed = false;
   EXPECT_EQ(Parse(ch.Exchange(BatchBytes({push}), &closed)).batch(0).code(), 0);
   EXPECT_EQ(RawInfo(stub_.get(), "raw").pushes_applied(), 1);
+  ch.Close();
+}
+
+// A worker that rewrites its request area while the shard reads it (another process writing
+// two requests of one length by turns: a push of one chunk, and a push of more chunks than the
+// shard allows) cannot crash the shard or pass its limits: every request is answered, OK or
+// refused, and the channel and the shard go on. (Decoding straight from the area failed this
+// at once: protobuf's reader CHECKs that a byte it reads twice is the same.)
+TEST(ShmHostileTest, ARequestRewrittenWhileTheShardReadsItIsAnsweredSafely) {
+  ShardOptions options;
+  options.limits.max_chunks_per_job = 10;
+  auto server = StartShardServer(options, RpcOptions(), 0, nullptr);
+  ASSERT_NE(server, nullptr);
+  auto stub = ParameterService::NewStub(MakeChannel(server->addr, RpcOptions()));
+  const JobLayout l = Layout("race");
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<ParameterClient> c,
+                       NewGrpcParameterClient(l, ClientOptions({server->addr})));
+  ASSERT_OK(c->InitJob(ConstSpans(OddInit(l))));
+  StreamRequest many;
+  many.set_call(1);
+  many.mutable_push()->set_job("race");
+  for (int i = 0; i < 8000; ++i) many.mutable_push()->add_chunks();  // 16 KB.
+  const std::string b = many.SerializeAsString();
+  const Values g = OddInit(l);
+  const std::string push = PushBytes(l, g, 0, 1, 1);
+  ASSERT_LT(push.size() + 4, b.size());
+  std::string a;  // The push, padded with an unknown field (100) to b's length.
+  for (size_t pad = 0; pad < b.size() && a.size() != b.size(); ++pad) {
+    a = push + std::string("\xa2\x06", 2);  // Tag of field 100, length-delimited.
+    size_t v = pad;
+    while (v >= 0x80) {
+      a += static_cast<char>((v & 0x7f) | 0x80);
+      v >>= 7;
+    }
+    a += static_cast<char>(v);
+    a += std::string(pad, 'p');
+  }
+  ASSERT_EQ(a.size(), b.size());
+  ASSERT_OK_AND_ASSIGN(RawChannel ch, OpenRaw(stub.get(), 1 << 16, "race"));
+  bool closed = false;
+  EXPECT_EQ(Parse(ch.Exchange(a, &closed)).code(), 0);  // Each alone: applied, refused.
+  EXPECT_EQ(Parse(ch.Exchange(b, &closed)).code(),
+            static_cast<int32_t>(grpc::StatusCode::INVALID_ARGUMENT));
+  ASSERT_EQ(RawInfo(stub.get(), "race").pushes_applied(), 1);
+  char* area = ch.region->request_area();
+  const size_t len = a.size();
+  auto* stop = static_cast<std::atomic<int>*>(
+      mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0));
+  ASSERT_NE(static_cast<void*>(stop), MAP_FAILED);
+  stop->store(0);
+  const pid_t writer = fork();
+  ASSERT_GE(writer, 0);
+  if (writer == 0) {  // Rewrites the area by turns, a byte range at a time.
+    for (uint64_t i = 0; stop->load() == 0; ++i) {
+      const std::string& next = (i & 1) != 0 ? a : b;
+      const size_t at = (i * 7) % len, n = std::min(len - at, size_t{1} + (i % 97));
+      std::memcpy(area + at, next.data() + at, n);
+      if (i % 5 == 0) std::memcpy(area, next.data(), len);
+    }
+    _exit(0);
+  }
+  ShmHeader* h = ch.region->header();
+  int answered = 0, applied = 0;
+  const absl::Time end = absl::Now() + absl::Milliseconds(500);
+  while (absl::Now() < end) {
+    h->request_bytes.store(len);
+    h->request_seq.store(++ch.seq);
+    ShmWake(&h->request_seq);
+    const absl::Time give_up = absl::Now() + absl::Seconds(10);
+    while (h->response_seq.load() != ch.seq && h->closed.load() == 0 && absl::Now() < give_up) {
+      ShmWait(&h->response_seq, h->response_seq.load(), absl::Milliseconds(20));
+    }
+    ASSERT_EQ(h->response_seq.load(), ch.seq) << "no answer; closed=" << h->closed.load();
+    StreamResponse r;
+    ASSERT_TRUE(
+        r.ParseFromArray(ch.region->response_area(), static_cast<int>(h->response_bytes.load())));
+    ++answered;
+    if (r.code() == 0) ++applied;
+  }
+  stop->store(1);
+  int status = 0;
+  ASSERT_EQ(waitpid(writer, &status, 0), writer);
+  munmap(static_cast<void*>(stop), 4096);
+  EXPECT_GT(answered, 50);
+  // Push request id 1 again each time it decoded: applied once (exactly-once), never more.
+  EXPECT_EQ(RawInfo(stub.get(), "race").pushes_applied(), 1) << applied << " answered OK";
+  Values v = Zeros(l);
+  EXPECT_OK(c->Pull(Spans(v)));
   ch.Close();
 }
 
