@@ -6,6 +6,7 @@
 #include <grpcpp/support/proto_buffer_reader.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 
 #include "absl/status/statusor.h"
@@ -220,6 +221,62 @@ grpc::ByteBuffer FrameStreamRequest(uint64_t call, StreamOp op, const grpc::Byte
 
 void AppendStreamBatchElement(const grpc::ByteBuffer& message, std::vector<grpc::Slice>* slices) {
   AppendMessageField("", kStreamBatchField, message, slices);
+}
+
+namespace {
+
+// `message` (an encoded StreamRequest) preceded by a kStreamPadField field sized so that its
+// largest slice starts at a multiple of kShmAlignment once the message starts at offset `at`;
+// as it is if that slice is small.
+grpc::ByteBuffer PadStreamRequest(const grpc::ByteBuffer& message, size_t at) {
+  std::vector<grpc::Slice> slices;
+  if (message.Length() < kShmAlignFromBytes || !message.Dump(&slices).ok()) return message;
+  size_t offset = 0, largest_at = 0, largest = 0;
+  for (const grpc::Slice& s : slices) {
+    if (s.size() > largest) {
+      largest = s.size();
+      largest_at = offset;
+    }
+    offset += s.size();
+  }
+  if (largest < kShmAlignFromBytes / 2) return message;
+  // The field is its one-byte tag, a one-byte length n (< 128) and n bytes: 2 to 65 in all.
+  size_t pad = (kShmAlignment - (at + largest_at) % kShmAlignment) % kShmAlignment;
+  if (pad < 2) pad += kShmAlignment;
+  std::string field(pad, '\0');
+  field[0] = static_cast<char>(Tag(kStreamPadField, kLengthDelimited));
+  field[1] = static_cast<char>(pad - 2);
+  slices.insert(slices.begin(), grpc::Slice(field));
+  return grpc::ByteBuffer(slices.data(), slices.size());
+}
+
+}  // namespace
+
+grpc::ByteBuffer JoinAlignedStreamRequests(const std::vector<grpc::ByteBuffer>& messages) {
+  static_assert(kShmAlignment <= 64 && (kShmAlignment & (kShmAlignment - 1)) == 0, "");
+  static_assert(Tag(kStreamPadField, kLengthDelimited) < 0x80, "a one-byte tag");
+  if (messages.size() == 1) return PadStreamRequest(messages[0], 0);
+  std::vector<grpc::Slice> slices;
+  if (std::none_of(messages.begin(), messages.end(),
+                   [](const grpc::ByteBuffer& m) { return m.Length() >= kShmAlignFromBytes; })) {
+    for (const grpc::ByteBuffer& m : messages) AppendStreamBatchElement(m, &slices);
+    return grpc::ByteBuffer(slices.data(), slices.size());
+  }
+  size_t offset = 0;  // Where the next element's tag goes.
+  for (const grpc::ByteBuffer& m : messages) {
+    // The element starts after its tag and length, whose size depends on the padding.
+    grpc::ByteBuffer element = m;
+    for (size_t header = 2; header <= 6; ++header) {
+      grpc::ByteBuffer padded = PadStreamRequest(m, offset + header);
+      if (1 + CodedOutputStream::VarintSize64(padded.Length()) == header) {
+        element = std::move(padded);
+        break;
+      }
+    }
+    offset += 1 + CodedOutputStream::VarintSize64(element.Length()) + element.Length();
+    AppendStreamBatchElement(element, &slices);
+  }
+  return grpc::ByteBuffer(slices.data(), slices.size());
 }
 
 grpc::ByteBuffer TakeStreamMessages(std::deque<grpc::ByteBuffer>* queue, bool batch) {
@@ -518,11 +575,23 @@ namespace {
 // floats), each scanned while it is still in cache.
 constexpr int64_t kDenseBlockBytes = int64_t{64} << 10;
 
-// Reads a data field's `bytes` bytes (known to be within the message) into `d`.
-bool ReadDense(CodedInputStream* in, int64_t bytes, DenseData* d) {
+// Reads a data field's `bytes` bytes (known to be within the message) into `d`; with
+// `reference`, whole floats lying float-aligned in one piece of the input are scanned where
+// they lie and referenced instead of copied.
+bool ReadDense(CodedInputStream* in, int64_t bytes, DenseData* d, bool reference) {
   d->present = true;
   d->bytes = bytes;
   d->first_nonfinite = -1;
+  d->view = nullptr;
+  const void* at = nullptr;
+  int size = 0;
+  if (reference && bytes > 0 && bytes % 4 == 0 && in->GetDirectBufferPointer(&at, &size) &&
+      size >= bytes && reinterpret_cast<uintptr_t>(at) % alignof(float) == 0) {
+    d->values.reset();
+    d->view = static_cast<const float*>(at);
+    d->first_nonfinite = FirstNonFinite(d->view, bytes / 4);
+    return in->Skip(static_cast<int>(bytes));
+  }
   const int64_t floats = (bytes + 3) / 4;
   d->values.reset(floats > 0 ? new float[floats] : nullptr);
   if (floats > 0) d->values[floats - 1] = 0.0f;  // The padding after a partial last float.
@@ -558,7 +627,7 @@ bool InField(CodedInputStream* in, Body body) {
 // One ChunkData (the stream limited to it), written to `out` without its raw data, which goes
 // to `d`. Only raw chunks come here: a push with an encoded chunk is parsed by protobuf
 // (ScanPush), and a codec found here anyway refuses the message.
-bool StripChunk(CodedInputStream* in, std::string* out, DenseData* d) {
+bool StripChunk(CodedInputStream* in, std::string* out, DenseData* d, bool reference) {
   std::string codec;
   DenseData data;
   {
@@ -569,7 +638,7 @@ bool StripChunk(CodedInputStream* in, std::string* out, DenseData* d) {
       if (tag == 0) break;
       uint32_t len;
       if (tag == Tag(6, kLengthDelimited)) {  // data: protobuf keeps the last one.
-        if (!ReadLength(in, &len) || !ReadDense(in, len, &data)) return false;
+        if (!ReadLength(in, &len) || !ReadDense(in, len, &data, reference)) return false;
       } else if (tag == Tag(5, kLengthDelimited)) {  // codec: kept, and remembered.
         if (!ReadLength(in, &len) || !in->ReadString(&codec, static_cast<int>(len))) return false;
         WireFormatLite::WriteString(5, codec, &os);
@@ -585,7 +654,7 @@ bool StripChunk(CodedInputStream* in, std::string* out, DenseData* d) {
 
 // The PushRequest fields up to the current limit, written to `out` with each chunk stripped by
 // StripChunk; appends one DenseData per chunk to `dense`.
-bool StripPush(CodedInputStream* in, std::string* out, DenseChunks* dense) {
+bool StripPush(CodedInputStream* in, std::string* out, DenseChunks* dense, bool reference) {
   StringOutputStream stream(out);
   CodedOutputStream os(&stream);
   while (true) {
@@ -597,7 +666,7 @@ bool StripPush(CodedInputStream* in, std::string* out, DenseChunks* dense) {
     }
     std::string chunk;
     DenseData d;
-    if (!InField(in, [&] { return StripChunk(in, &chunk, &d); })) return false;
+    if (!InField(in, [&] { return StripChunk(in, &chunk, &d, reference); })) return false;
     WireFormatLite::WriteBytes(5, chunk, &os);
     dense->push_back(std::move(d));
   }
@@ -694,11 +763,11 @@ absl::Status DecodePushRequest(const grpc::ByteBuffer& buffer, PushRequest* requ
                                DenseChunks* dense, int64_t max_chunks) {
   return DecodeStripped(
       buffer, "PushRequest", request, dense, max_chunks, ScanPush,
-      [dense](CodedInputStream* in, std::string* out) { return StripPush(in, out, dense); });
+      [dense](CodedInputStream* in, std::string* out) { return StripPush(in, out, dense, false); });
 }
 
 absl::Status DecodeStreamRequest(const grpc::ByteBuffer& buffer, StreamRequest* request,
-                                 DenseChunks* dense, int64_t max_chunks) {
+                                 DenseChunks* dense, int64_t max_chunks, bool reference_input) {
   // Every push field counts: protobuf merges repeated ones, chunks and all.
   const auto scan = [](CodedInputStream* in, int64_t max, int64_t* chunks, bool* codec) {
     while (true) {
@@ -713,7 +782,7 @@ absl::Status DecodeStreamRequest(const grpc::ByteBuffer& buffer, StreamRequest* 
   };
   return DecodeStripped(
       buffer, "StreamRequest", request, dense, max_chunks, scan,
-      [dense](CodedInputStream* in, std::string* out) {
+      [dense, reference_input](CodedInputStream* in, std::string* out) {
         StringOutputStream stream(out);
         CodedOutputStream os(&stream);
         while (true) {
@@ -722,7 +791,9 @@ absl::Status DecodeStreamRequest(const grpc::ByteBuffer& buffer, StreamRequest* 
           if (tag == Tag(static_cast<uint32_t>(StreamOp::kPush), kLengthDelimited)) {
             // A second push merges into the first (protobuf): its chunks follow.
             std::string push;
-            if (!InField(in, [&] { return StripPush(in, &push, dense); })) return false;
+            if (!InField(in, [&] { return StripPush(in, &push, dense, reference_input); })) {
+              return false;
+            }
             WireFormatLite::WriteBytes(static_cast<int>(StreamOp::kPush), push, &os);
             continue;
           }

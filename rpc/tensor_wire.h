@@ -103,9 +103,12 @@ inline constexpr int64_t kNoChunkLimit = INT64_MAX;
 absl::Status DecodePushRequest(const grpc::ByteBuffer& buffer, PushRequest* request,
                                DenseChunks* dense, int64_t max_chunks = kNoChunkLimit);
 // The same for a StreamRequest: its push's chunks as DecodePushRequest decodes them (none for
-// a pull).
+// a pull). `reference_input`: `buffer` stays unchanged and alive for as long as `dense` (a
+// shared-memory channel's private copy of a request), so raw data lying float-aligned in one
+// of its slices is referenced (DenseData.view) and scanned there rather than copied.
 absl::Status DecodeStreamRequest(const grpc::ByteBuffer& buffer, StreamRequest* request,
-                                 DenseChunks* dense, int64_t max_chunks = kNoChunkLimit);
+                                 DenseChunks* dense, int64_t max_chunks = kNoChunkLimit,
+                                 bool reference_input = false);
 
 // The INVALID_ARGUMENT a shard answers for a request that `decoded` (the failed status of one
 // of the decoders above) refused, at `where` ("Stream: message 3"): more than `max_chunks`
@@ -164,6 +167,19 @@ grpc::ByteBuffer TakeStreamMessages(std::deque<grpc::ByteBuffer>* queue, bool ba
 // Appends `message` (an encoded StreamRequest or StreamResponse) to a batch being built in
 // `slices` as one more element, sharing its slices (the header is copied).
 void AppendStreamBatchElement(const grpc::ByteBuffer& message, std::vector<grpc::Slice>* slices);
+
+// Shared-memory channels (rpc/shm_op_channel.h): `messages` (encoded StreamRequests, at least
+// one) as one request, a batch if more than one, each preceded by a kStreamPadField field
+// (StreamRequest.pad, which the shard ignores) sized so that its largest
+// slice (a push's largest chunk of data) starts at a multiple of kShmAlignment from the
+// request's start, when it is kShmAlignFromBytes / 2 or more. The shard, which reads its private
+// copy of the request in place (DecodeStreamRequest's reference_input), then finds that data
+// float-aligned and does not copy it again. (Smaller messages go as they are: a copy of a few
+// KiB costs less than finding their slices.)
+inline constexpr uint32_t kStreamPadField = 14;
+inline constexpr size_t kShmAlignment = 64;
+inline constexpr size_t kShmAlignFromBytes = size_t{32} << 10;
+grpc::ByteBuffer JoinAlignedStreamRequests(const std::vector<grpc::ByteBuffer>& messages);
 
 // Whether `buffer` is a batch (its first field is kStreamBatchField; false for an empty
 // message). If so, `parts` receives its elements in order, sharing `buffer`'s slices, and a

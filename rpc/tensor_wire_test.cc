@@ -4,6 +4,7 @@
 #include <cstring>
 #include <deque>
 #include <limits>
+#include <memory>
 #include <random>
 #include <vector>
 
@@ -129,7 +130,8 @@ TEST(TensorWireTest, HandEncodedMessagesHaveTheFieldsTheEncodersKnow) {
   // batch (15) is never set on a message object: batches are built from encoded messages
   // (TakeStreamMessages) and taken apart before decoding (SplitStreamBatch).
   EXPECT_EQ(numbers(StreamResponse::descriptor()), (std::vector<int>{1, 2, 3, 4, 5, 15}));
-  EXPECT_EQ(numbers(StreamRequest::descriptor()), (std::vector<int>{1, 2, 3, 15}));
+  // pad (14) is written by JoinAlignedStreamRequests only, and read by nobody.
+  EXPECT_EQ(numbers(StreamRequest::descriptor()), (std::vector<int>{1, 2, 3, 14, 15}));
   EXPECT_EQ(numbers(PushResponse::descriptor()), (std::vector<int>{1, 2, 3, 4}));
   EXPECT_EQ(numbers(PullResponse::descriptor()), (std::vector<int>{1, 2}));
   EXPECT_EQ(numbers(ChunkData::descriptor()), (std::vector<int>{1, 2, 3, 4, 5, 6}));
@@ -494,7 +496,7 @@ PushRequest Restored(const PushRequest& request, const DenseChunks& dense) {
     if (!dense[i].present) continue;
     EXPECT_TRUE(r.chunks(i).data().empty()) << "chunk " << i;
     r.mutable_chunks(i)->set_data(
-        std::string(reinterpret_cast<const char*>(dense[i].values.get()), dense[i].bytes));
+        std::string(reinterpret_cast<const char*>(dense[i].data()), dense[i].bytes));
   }
   return r;
 }
@@ -599,6 +601,88 @@ TEST(TensorWireTest, PushDecodingRefusesMoreChunksThanAllowed) {
   EXPECT_EQ(st.message(), "StreamRequest: more than 5 chunks");
   ASSERT_OK(DecodeStreamRequest(FromString(twice), &got, &dense, 6));
   EXPECT_EQ(got.push().chunks_size(), 6);
+}
+
+// Shared-memory requests: JoinAlignedStreamRequests puts each large push's data 64-byte
+// aligned (a pad field first; a batch's elements each), the request decodes to the same
+// operations, and with reference_input the shard's decoder scans the data where it lies instead
+// of copying it (and copies it when it is not float-aligned there).
+TEST(TensorWireTest, AlignedSharedMemoryRequestsAreReadInPlace) {
+  std::vector<std::vector<float>> grads;
+  for (int64_t n : {int64_t{10000}, int64_t{12345}, int64_t{9000}}) {
+    std::vector<float> g(n);
+    for (int64_t i = 0; i < n; ++i) g[i] = static_cast<float>(i) * 0.5f;
+    grads.push_back(std::move(g));
+  }
+  grads[1][7] = std::numeric_limits<float>::infinity();
+  std::vector<grpc::ByteBuffer> framed;
+  std::vector<PushRequest> want;
+  for (size_t k = 0; k < grads.size(); ++k) {
+    PushChunkRef r;
+    r.tensor = static_cast<int32_t>(k);
+    r.chunk = 3;
+    r.version = 200 + k;  // Varints of different lengths ahead of the data.
+    r.data = grads[k].data();
+    r.numel = static_cast<int64_t>(grads[k].size());
+    const grpc::ByteBuffer body = EncodePushRequest("job", 1, 5, 10 + k, {r});
+    PushRequest p;
+    ASSERT_TRUE(p.ParseFromString(Flatten(body)));
+    want.push_back(p);
+    framed.push_back(FrameStreamRequest(k + 1, StreamOp::kPush, body));
+  }
+  for (const bool batch : {false, true}) {
+    const std::vector<grpc::ByteBuffer> messages =
+        batch ? framed : std::vector<grpc::ByteBuffer>{framed[1]};
+    const std::string wire = Flatten(JoinAlignedStreamRequests(messages));
+    // The request as the shard holds it: at the start of an aligned buffer, then shifted by 1.
+    for (const size_t shift : {size_t{0}, size_t{1}}) {
+      std::unique_ptr<char[]> owned(new char[wire.size() + 128]);
+      char* base = owned.get() + (64 - reinterpret_cast<uintptr_t>(owned.get()) % 64) + shift;
+      std::memcpy(base, wire.data(), wire.size());
+      grpc::Slice in_place(base, wire.size(), grpc::Slice::STATIC_SLICE);
+      std::vector<grpc::ByteBuffer> parts;
+      bool is_batch = false;
+      ASSERT_OK(SplitStreamBatch(grpc::ByteBuffer(&in_place, 1), 256, &parts, &is_batch));
+      EXPECT_EQ(is_batch, batch);
+      if (!is_batch) parts.push_back(grpc::ByteBuffer(&in_place, 1));
+      ASSERT_EQ(parts.size(), messages.size());
+      for (size_t i = 0; i < parts.size(); ++i) {
+        const size_t k = batch ? i : 1;
+        StreamRequest got;
+        DenseChunks dense;
+        ASSERT_OK(DecodeStreamRequest(parts[i], &got, &dense, kNoChunkLimit, true));
+        EXPECT_EQ(got.call(), k + 1);
+        ASSERT_EQ(dense.size(), 1u);
+        EXPECT_EQ(Restored(got.push(), dense).SerializeAsString(), want[k].SerializeAsString());
+        EXPECT_EQ(dense[0].first_nonfinite, k == 1 ? 7 : -1);
+        if (shift == 0) {  // In place, 64-byte aligned from the request's start.
+          const char* at = reinterpret_cast<const char*>(dense[0].view);
+          ASSERT_NE(at, nullptr) << "message " << k;
+          EXPECT_TRUE(at >= base && at < base + wire.size());
+          EXPECT_EQ((at - base) % 64, 0) << "message " << k;
+          EXPECT_EQ(dense[0].values, nullptr);
+        } else {  // Not float-aligned there: copied.
+          EXPECT_EQ(dense[0].view, nullptr);
+          EXPECT_NE(dense[0].values, nullptr);
+        }
+        // Without reference_input: always a copy.
+        DenseChunks copied;
+        ASSERT_OK(DecodeStreamRequest(parts[i], &got, &copied));
+        EXPECT_EQ(copied[0].view, nullptr);
+      }
+    }
+  }
+  // Small messages are joined as they are.
+  StreamRequest small;
+  small.set_call(1);
+  small.mutable_pull()->set_job("job");
+  const grpc::ByteBuffer one = FromString(small.SerializeAsString());
+  EXPECT_EQ(Flatten(JoinAlignedStreamRequests({one})), small.SerializeAsString());
+  std::vector<grpc::Slice> plain;
+  AppendStreamBatchElement(one, &plain);
+  AppendStreamBatchElement(one, &plain);
+  EXPECT_EQ(Flatten(JoinAlignedStreamRequests({one, one})),
+            Flatten(grpc::ByteBuffer(plain.data(), plain.size())));
 }
 
 TEST(TensorWireTest, PushDecodingKeepsTheLastDataAndCodecAsProtobufDoes) {

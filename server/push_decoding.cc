@@ -88,9 +88,9 @@ absl::StatusOr<const float*> DecodePushedChunk(CodecCache& codecs, const ChunkDa
     // Copied and scanned as it was received (rpc/tensor_wire.h DecodePushRequest).
     RETURN_IF_ERROR(CheckDenseLayout(c, dense->bytes, numel, where));
     if (dense->first_nonfinite >= 0) {
-      return NonFinite(where, dense->first_nonfinite, dense->values[dense->first_nonfinite]);
+      return NonFinite(where, dense->first_nonfinite, dense->data()[dense->first_nonfinite]);
     }
-    return static_cast<const float*>(dense->values.get());
+    return dense->data();
   }
   if (c.codec().empty()) {
     RETURN_IF_ERROR(CheckDenseFloats(c, numel, where));

@@ -179,8 +179,10 @@ absl::Status ShmOpServer::Decode(const grpc::ByteBuffer& in, const std::string& 
     const std::string at =
         *batch ? absl::StrCat(where, " (batch element ", i + 1, " of ", parts.size(), ")") : where;
     auto op = std::make_unique<Op>();
-    if (absl::Status st =
-            DecodeStreamRequest(parts[i], &op->request, &op->dense, max_chunks - chunks);
+    // The copy stays unchanged until every operation of the request has completed: aligned
+    // raw data in it is referenced rather than copied again.
+    if (absl::Status st = DecodeStreamRequest(parts[i], &op->request, &op->dense,
+                                              max_chunks - chunks, /*reference_input=*/true);
         !st.ok()) {
       return UndecodableRequest(st, at, "StreamRequest", max_chunks);
     }

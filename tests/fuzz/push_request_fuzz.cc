@@ -30,7 +30,7 @@ void CheckDense(const DenseData& d) {
   if (!d.present) return;
   int64_t first = -1;
   for (int64_t i = 0; i < d.bytes / 4 && first < 0; ++i) {
-    if (!std::isfinite(d.values[i])) first = i;
+    if (!std::isfinite(d.data()[i])) first = i;
   }
   FUZZ_CHECK(d.first_nonfinite == first,
              absl::StrCat("first_nonfinite ", d.first_nonfinite, ", scan says ", first));
