@@ -1,6 +1,9 @@
 // Fuzz target: the shard's push decoders (rpc/tensor_wire.h DecodePushRequest and
 // DecodeStreamRequest), which a shard runs on every push straight out of gRPC's buffers.
 //
+// A StreamRequest is decoded twice, copying the raw data and referencing it where it lies
+// (reference_input, as a shared-memory channel's shard does); both must agree with protobuf.
+//
 // Input: byte 0 picks the message (bit 0: StreamRequest, else PushRequest) and, with byte 1,
 // where the rest is cut into up to 3 slices (as gRPC may deliver them); the rest is the
 // serialised message. Checked against protobuf's own parser: whatever protobuf parses, the
@@ -45,7 +48,7 @@ void Restore(const DenseChunks& dense, PushRequest* r) {
     if (!dense[i].present) continue;
     FUZZ_CHECK(r->chunks(i).data().empty(), "a raw chunk's data stayed in the message");
     r->mutable_chunks(i)->set_data(
-        std::string(reinterpret_cast<const char*>(dense[i].values.get()), dense[i].bytes));
+        std::string(reinterpret_cast<const char*>(dense[i].data()), dense[i].bytes));
   }
 }
 
@@ -80,12 +83,15 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string bytes(in.Rest());
   const grpc::ByteBuffer buffer = SlicedBuffer(bytes, {static_cast<size_t>(mode >> 1), cuts});
   if (mode & 1) {
-    CheckAgainstProtobuf<StreamRequest>(bytes, [&](StreamRequest* got, DenseChunks* dense) {
-      const absl::Status st = DecodeStreamRequest(buffer, got, dense);
-      if (st.ok() && got->has_push()) Restore(*dense, got->mutable_push());
-      if (st.ok() && !got->has_push()) FUZZ_CHECK(dense->empty(), "dense data without a push");
-      return st;
-    });
+    // Both ways: copied, and referenced where it lies (as a shared-memory channel decodes).
+    for (const bool reference : {false, true}) {
+      CheckAgainstProtobuf<StreamRequest>(bytes, [&](StreamRequest* got, DenseChunks* dense) {
+        const absl::Status st = DecodeStreamRequest(buffer, got, dense, kNoChunkLimit, reference);
+        if (st.ok() && got->has_push()) Restore(*dense, got->mutable_push());
+        if (st.ok() && !got->has_push()) FUZZ_CHECK(dense->empty(), "dense data without a push");
+        return st;
+      });
+    }
   } else {
     CheckAgainstProtobuf<PushRequest>(bytes, [&](PushRequest* got, DenseChunks* dense) {
       const absl::Status st = DecodePushRequest(buffer, got, dense);
