@@ -12,7 +12,9 @@
 # run per round, 1 shard, stream: each operation one step of a 40-tensor model, the payload of
 # one ps-lite round; empty: none), DEPTH (40: also a --inflight=1 --depth=40 run per round,
 # ps-lite's own workload: one client, 40 single-tensor operations issued, then awaited; empty:
-# none), PIN (passed to ps-lite).
+# none), DEPTH_TRANSPORTS (stream,shm: the depth run's transports; shm goes through
+# --shm_lanes shared-memory channels per shard), PINS ("0 1": ps-lite runs once per value, as
+# its PIN: unpinned, then pinned).
 set -u -o pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
@@ -24,6 +26,8 @@ SHARDS=${SHARDS:-1,2}
 LONE=${LONE:-1}
 KEYS=${KEYS-40}
 DEPTH=${DEPTH-40}
+DEPTH_TRANSPORTS=${DEPTH_TRANSPORTS:-stream,shm}
+PINS=${PINS:-0 1}
 [ -x "$BIN" ] || { echo "build it first: bazel build -c opt //tests/bench:push_pull" >&2; exit 1; }
 for r in $(seq 1 "$ROUNDS"); do
   echo "round $r uptime $(uptime)"
@@ -40,8 +44,10 @@ for r in $(seq 1 "$ROUNDS"); do
       sed "s/^/round $r gradmesh-keys /"
   fi
   if [ -n "$DEPTH" ]; then
-    "$BIN" --seconds="$SECONDS_PER" --shards="$SHARDS" --inflight=1 --depth="$DEPTH" "$@" |
-      sed "s/^/round $r gradmesh-depth /"
+    "$BIN" --seconds="$SECONDS_PER" --shards="$SHARDS" --inflight=1 --depth="$DEPTH" \
+      --transports="$DEPTH_TRANSPORTS" "$@" | sed "s/^/round $r gradmesh-depth /"
   fi
-  PIN=${PIN:-0} bash "$PEERS/pslite_bench.sh" 2>/dev/null | sed "s/^/round $r ps-lite /"
+  for pin in $PINS; do
+    PIN=$pin bash "$PEERS/pslite_bench.sh" 2>/dev/null | sed "s/^/round $r ps-lite-pin$pin /"
+  done
 done
