@@ -575,21 +575,33 @@ namespace {
 // floats), each scanned while it is still in cache.
 constexpr int64_t kDenseBlockBytes = int64_t{64} << 10;
 
+// The first NaN/Inf among the `n` floats at `at` (in `copy`'s private bytes), from its scan.
+int64_t FirstNonFiniteIn(const ScannedCopy& copy, const float* at, int64_t n) {
+  if (!copy.complete) return FirstNonFinite(at, n);
+  const uint64_t from = static_cast<uint64_t>(reinterpret_cast<const char*>(at) - copy.base);
+  const auto it = std::lower_bound(copy.nonfinite.begin(), copy.nonfinite.end(), from);
+  if (it == copy.nonfinite.end() || *it >= from + static_cast<uint64_t>(n) * 4) return -1;
+  return static_cast<int64_t>((*it - from) / 4);
+}
+
 // Reads a data field's `bytes` bytes (known to be within the message) into `d`; with
-// `reference`, whole floats lying float-aligned in one piece of the input are scanned where
-// they lie and referenced instead of copied.
-bool ReadDense(CodedInputStream* in, int64_t bytes, DenseData* d, bool reference) {
+// `in_place`, whole floats lying float-aligned in one piece of that private copy are referenced
+// where they lie instead of copied.
+bool ReadDense(CodedInputStream* in, int64_t bytes, DenseData* d, const ScannedCopy* in_place) {
   d->present = true;
   d->bytes = bytes;
   d->first_nonfinite = -1;
   d->view = nullptr;
   const void* at = nullptr;
   int size = 0;
-  if (reference && bytes > 0 && bytes % 4 == 0 && in->GetDirectBufferPointer(&at, &size) &&
-      size >= bytes && reinterpret_cast<uintptr_t>(at) % alignof(float) == 0) {
+  if (in_place != nullptr && bytes > 0 && bytes % 4 == 0 &&
+      in->GetDirectBufferPointer(&at, &size) && size >= bytes &&
+      reinterpret_cast<uintptr_t>(at) % alignof(float) == 0 &&
+      static_cast<const char*>(at) >= in_place->base &&
+      static_cast<const char*>(at) + bytes <= in_place->base + in_place->bytes) {
     d->values.reset();
     d->view = static_cast<const float*>(at);
-    d->first_nonfinite = FirstNonFinite(d->view, bytes / 4);
+    d->first_nonfinite = FirstNonFiniteIn(*in_place, d->view, bytes / 4);
     return in->Skip(static_cast<int>(bytes));
   }
   const int64_t floats = (bytes + 3) / 4;
@@ -627,7 +639,7 @@ bool InField(CodedInputStream* in, Body body) {
 // One ChunkData (the stream limited to it), written to `out` without its raw data, which goes
 // to `d`. Only raw chunks come here: a push with an encoded chunk is parsed by protobuf
 // (ScanPush), and a codec found here anyway refuses the message.
-bool StripChunk(CodedInputStream* in, std::string* out, DenseData* d, bool reference) {
+bool StripChunk(CodedInputStream* in, std::string* out, DenseData* d, const ScannedCopy* in_place) {
   std::string codec;
   DenseData data;
   {
@@ -638,7 +650,7 @@ bool StripChunk(CodedInputStream* in, std::string* out, DenseData* d, bool refer
       if (tag == 0) break;
       uint32_t len;
       if (tag == Tag(6, kLengthDelimited)) {  // data: protobuf keeps the last one.
-        if (!ReadLength(in, &len) || !ReadDense(in, len, &data, reference)) return false;
+        if (!ReadLength(in, &len) || !ReadDense(in, len, &data, in_place)) return false;
       } else if (tag == Tag(5, kLengthDelimited)) {  // codec: kept, and remembered.
         if (!ReadLength(in, &len) || !in->ReadString(&codec, static_cast<int>(len))) return false;
         WireFormatLite::WriteString(5, codec, &os);
@@ -654,7 +666,8 @@ bool StripChunk(CodedInputStream* in, std::string* out, DenseData* d, bool refer
 
 // The PushRequest fields up to the current limit, written to `out` with each chunk stripped by
 // StripChunk; appends one DenseData per chunk to `dense`.
-bool StripPush(CodedInputStream* in, std::string* out, DenseChunks* dense, bool reference) {
+bool StripPush(CodedInputStream* in, std::string* out, DenseChunks* dense,
+               const ScannedCopy* in_place) {
   StringOutputStream stream(out);
   CodedOutputStream os(&stream);
   while (true) {
@@ -666,7 +679,7 @@ bool StripPush(CodedInputStream* in, std::string* out, DenseChunks* dense, bool 
     }
     std::string chunk;
     DenseData d;
-    if (!InField(in, [&] { return StripChunk(in, &chunk, &d, reference); })) return false;
+    if (!InField(in, [&] { return StripChunk(in, &chunk, &d, in_place); })) return false;
     WireFormatLite::WriteBytes(5, chunk, &os);
     dense->push_back(std::move(d));
   }
@@ -761,13 +774,15 @@ absl::Status DecodeStripped(const grpc::ByteBuffer& buffer, const char* what, Me
 
 absl::Status DecodePushRequest(const grpc::ByteBuffer& buffer, PushRequest* request,
                                DenseChunks* dense, int64_t max_chunks) {
-  return DecodeStripped(
-      buffer, "PushRequest", request, dense, max_chunks, ScanPush,
-      [dense](CodedInputStream* in, std::string* out) { return StripPush(in, out, dense, false); });
+  return DecodeStripped(buffer, "PushRequest", request, dense, max_chunks, ScanPush,
+                        [dense](CodedInputStream* in, std::string* out) {
+                          return StripPush(in, out, dense, nullptr);
+                        });
 }
 
 absl::Status DecodeStreamRequest(const grpc::ByteBuffer& buffer, StreamRequest* request,
-                                 DenseChunks* dense, int64_t max_chunks, bool reference_input) {
+                                 DenseChunks* dense, int64_t max_chunks,
+                                 const ScannedCopy* in_place) {
   // Every push field counts: protobuf merges repeated ones, chunks and all.
   const auto scan = [](CodedInputStream* in, int64_t max, int64_t* chunks, bool* codec) {
     while (true) {
@@ -782,7 +797,7 @@ absl::Status DecodeStreamRequest(const grpc::ByteBuffer& buffer, StreamRequest* 
   };
   return DecodeStripped(
       buffer, "StreamRequest", request, dense, max_chunks, scan,
-      [dense, reference_input](CodedInputStream* in, std::string* out) {
+      [dense, in_place](CodedInputStream* in, std::string* out) {
         StringOutputStream stream(out);
         CodedOutputStream os(&stream);
         while (true) {
@@ -791,7 +806,7 @@ absl::Status DecodeStreamRequest(const grpc::ByteBuffer& buffer, StreamRequest* 
           if (tag == Tag(static_cast<uint32_t>(StreamOp::kPush), kLengthDelimited)) {
             // A second push merges into the first (protobuf): its chunks follow.
             std::string push;
-            if (!InField(in, [&] { return StripPush(in, &push, dense, reference_input); })) {
+            if (!InField(in, [&] { return StripPush(in, &push, dense, in_place); })) {
               return false;
             }
             WireFormatLite::WriteBytes(static_cast<int>(StreamOp::kPush), push, &os);
@@ -804,6 +819,30 @@ absl::Status DecodeStreamRequest(const grpc::ByteBuffer& buffer, StreamRequest* 
         }
         return in->ConsumedEntireMessage() && !os.HadError();
       });
+}
+
+void CopyAndScan(const char* from, char* to, size_t bytes, ScannedCopy* out) {
+  out->base = to;
+  out->bytes = bytes;
+  out->nonfinite.clear();
+  out->complete = true;
+  const float* words = reinterpret_cast<const float*>(to);
+  for (size_t off = 0; off < bytes; off += static_cast<size_t>(kDenseBlockBytes)) {
+    const size_t n = std::min(static_cast<size_t>(kDenseBlockBytes), bytes - off);
+    std::memcpy(to + off, from + off, n);
+    // The block's whole words, scanned while they are in cache.
+    const int64_t first = static_cast<int64_t>(off / 4), end = first + static_cast<int64_t>(n / 4);
+    for (int64_t w = first; w < end && out->complete;) {
+      const int64_t bad = FirstNonFinite(words + w, end - w);
+      if (bad < 0) break;
+      if (out->nonfinite.size() == ScannedCopy::kMaxListed) {
+        out->complete = false;  // The decoder scans each payload itself.
+        break;
+      }
+      out->nonfinite.push_back(static_cast<uint32_t>((w + bad) * 4));
+      w += bad + 1;
+    }
+  }
 }
 
 bool CopyBufferTo(const grpc::ByteBuffer& buffer, char* out, size_t capacity) {

@@ -102,13 +102,28 @@ absl::Status DecodePullResponse(const grpc::ByteBuffer& buffer, const PullChunkS
 inline constexpr int64_t kNoChunkLimit = INT64_MAX;
 absl::Status DecodePushRequest(const grpc::ByteBuffer& buffer, PushRequest* request,
                                DenseChunks* dense, int64_t max_chunks = kNoChunkLimit);
+// A request copied out of memory that another process may write (a shared-memory channel's
+// request area) into private memory, and scanned on the way, each 64 KiB block while it is in
+// cache, for the 4-byte words that as floats are NaN or Inf.
+struct ScannedCopy {
+  static constexpr size_t kMaxListed = 64;
+  const char* base = nullptr;  // The private copy.
+  size_t bytes = 0;
+  // Offsets from `base` (multiples of 4, ascending) of the words that are not finite floats;
+  // all of them when `complete`, else only the first kMaxListed.
+  std::vector<uint32_t> nonfinite;
+  bool complete = true;
+};
+// Copies `bytes` bytes from `from` to `to` (float-aligned; bytes < 4 GiB) and fills `*out`.
+void CopyAndScan(const char* from, char* to, size_t bytes, ScannedCopy* out);
+
 // The same for a StreamRequest: its push's chunks as DecodePushRequest decodes them (none for
-// a pull). `reference_input`: `buffer` stays unchanged and alive for as long as `dense` (a
-// shared-memory channel's private copy of a request), so raw data lying float-aligned in one
-// of its slices is referenced (DenseData.view) and scanned there rather than copied.
+// a pull). `in_place` (a shared-memory channel's private copy of the request, `buffer` lying
+// in it, both unchanged and alive for as long as `dense`): raw data lying float-aligned there
+// is referenced (DenseData.view) rather than copied, its NaN/Inf found in the copy's scan.
 absl::Status DecodeStreamRequest(const grpc::ByteBuffer& buffer, StreamRequest* request,
                                  DenseChunks* dense, int64_t max_chunks = kNoChunkLimit,
-                                 bool reference_input = false);
+                                 const ScannedCopy* in_place = nullptr);
 
 // The INVALID_ARGUMENT a shard answers for a request that `decoded` (the failed status of one
 // of the decoders above) refused, at `where` ("Stream: message 3"): more than `max_chunks`
@@ -173,7 +188,7 @@ void AppendStreamBatchElement(const grpc::ByteBuffer& message, std::vector<grpc:
 // (StreamRequest.pad, which the shard ignores) sized so that its largest
 // slice (a push's largest chunk of data) starts at a multiple of kShmAlignment from the
 // request's start, when it is kShmAlignFromBytes / 2 or more. The shard, which reads its private
-// copy of the request in place (DecodeStreamRequest's reference_input), then finds that data
+// copy of the request in place (DecodeStreamRequest's in_place), then finds that data
 // float-aligned and does not copy it again. (Smaller messages go as they are: a copy of a few
 // KiB costs less than finding their slices.)
 inline constexpr uint32_t kStreamPadField = 14;

@@ -1,6 +1,7 @@
 #include "rpc/tensor_wire.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <deque>
 #include <limits>
@@ -605,8 +606,9 @@ TEST(TensorWireTest, PushDecodingRefusesMoreChunksThanAllowed) {
 
 // Shared-memory requests: JoinAlignedStreamRequests puts each large push's data 64-byte
 // aligned (a pad field first; a batch's elements each), the request decodes to the same
-// operations, and with reference_input the shard's decoder scans the data where it lies instead
-// of copying it (and copies it when it is not float-aligned there).
+// operations, and with in_place (the request copied and scanned by CopyAndScan) the shard's
+// decoder uses the data where it lies in the copy, its NaN/Inf found by that scan, instead of
+// copying it (and copies it when it is not float-aligned there).
 TEST(TensorWireTest, AlignedSharedMemoryRequestsAreReadInPlace) {
   std::vector<std::vector<float>> grads;
   for (int64_t n : {int64_t{10000}, int64_t{12345}, int64_t{9000}}) {
@@ -638,7 +640,8 @@ TEST(TensorWireTest, AlignedSharedMemoryRequestsAreReadInPlace) {
     for (const size_t shift : {size_t{0}, size_t{1}}) {
       std::unique_ptr<char[]> owned(new char[wire.size() + 128]);
       char* base = owned.get() + (64 - reinterpret_cast<uintptr_t>(owned.get()) % 64) + shift;
-      std::memcpy(base, wire.data(), wire.size());
+      ScannedCopy scanned;
+      CopyAndScan(wire.data(), base, wire.size(), &scanned);
       grpc::Slice in_place(base, wire.size(), grpc::Slice::STATIC_SLICE);
       std::vector<grpc::ByteBuffer> parts;
       bool is_batch = false;
@@ -650,7 +653,7 @@ TEST(TensorWireTest, AlignedSharedMemoryRequestsAreReadInPlace) {
         const size_t k = batch ? i : 1;
         StreamRequest got;
         DenseChunks dense;
-        ASSERT_OK(DecodeStreamRequest(parts[i], &got, &dense, kNoChunkLimit, true));
+        ASSERT_OK(DecodeStreamRequest(parts[i], &got, &dense, kNoChunkLimit, &scanned));
         EXPECT_EQ(got.call(), k + 1);
         ASSERT_EQ(dense.size(), 1u);
         EXPECT_EQ(Restored(got.push(), dense).SerializeAsString(), want[k].SerializeAsString());
@@ -665,7 +668,7 @@ TEST(TensorWireTest, AlignedSharedMemoryRequestsAreReadInPlace) {
           EXPECT_EQ(dense[0].view, nullptr);
           EXPECT_NE(dense[0].values, nullptr);
         }
-        // Without reference_input: always a copy.
+        // Without in_place: always a copy.
         DenseChunks copied;
         ASSERT_OK(DecodeStreamRequest(parts[i], &got, &copied));
         EXPECT_EQ(copied[0].view, nullptr);
@@ -683,6 +686,54 @@ TEST(TensorWireTest, AlignedSharedMemoryRequestsAreReadInPlace) {
   AppendStreamBatchElement(one, &plain);
   EXPECT_EQ(Flatten(JoinAlignedStreamRequests({one, one})),
             Flatten(grpc::ByteBuffer(plain.data(), plain.size())));
+}
+
+// CopyAndScan copies every byte and lists the offsets of the non-finite words, all of them up
+// to kMaxListed (across its 64 KiB blocks); past that it says the list is incomplete, and a
+// push's data referenced in the copy is then scanned by the decoder itself: the same
+// first_nonfinite either way.
+TEST(TensorWireTest, CopyAndScanListsTheNonFiniteWords) {
+  for (const int bad_words : {0, 3, 64, 65, 200}) {
+    std::vector<float> values(50000, 1.5f);  // 200,000 bytes: four blocks.
+    std::vector<uint32_t> want;
+    for (int b = 0; b < bad_words; ++b) {
+      const size_t at = 1000 + static_cast<size_t>(b) * 240;
+      values[at] = b % 2 == 0 ? std::numeric_limits<float>::infinity()
+                              : std::numeric_limits<float>::quiet_NaN();
+      want.push_back(static_cast<uint32_t>(at * 4));
+    }
+    std::vector<float> copy(values.size() + 1, 0.0f);
+    ScannedCopy scanned;
+    CopyAndScan(reinterpret_cast<const char*>(values.data()), reinterpret_cast<char*>(copy.data()),
+                values.size() * 4 + 2, &scanned);  // And two bytes of a last, partial word.
+    EXPECT_EQ(std::memcmp(copy.data(), values.data(), values.size() * 4), 0);
+    EXPECT_EQ(scanned.complete, bad_words <= 64) << bad_words;
+    if (scanned.complete) {
+      EXPECT_EQ(scanned.nonfinite, want);
+    } else {
+      EXPECT_EQ(scanned.nonfinite.size(), ScannedCopy::kMaxListed);
+    }
+    // One chunk of the 40,000 floats from index 9,000 on, decoded from the scanned copy.
+    PushChunkRef r;
+    r.data = values.data() + 9000;
+    r.numel = 40000;
+    const std::string wire = Flatten(JoinAlignedStreamRequests(
+        {FrameStreamRequest(1, StreamOp::kPush, EncodePushRequest("job", 0, 1, 1, {r}))}));
+    std::vector<float> held(wire.size() / 4 + 1);
+    CopyAndScan(wire.data(), reinterpret_cast<char*>(held.data()), wire.size(), &scanned);
+    grpc::Slice in_place(scanned.base, wire.size(), grpc::Slice::STATIC_SLICE);
+    StreamRequest got;
+    DenseChunks dense;
+    ASSERT_OK(
+        DecodeStreamRequest(grpc::ByteBuffer(&in_place, 1), &got, &dense, kNoChunkLimit, &scanned));
+    ASSERT_EQ(dense.size(), 1u);
+    EXPECT_NE(dense[0].view, nullptr);
+    int64_t first = -1;
+    for (int64_t i = 0; i < 40000 && first < 0; ++i) {
+      if (!std::isfinite(values[9000 + i])) first = i;
+    }
+    EXPECT_EQ(dense[0].first_nonfinite, first) << bad_words;
+  }
 }
 
 TEST(TensorWireTest, PushDecodingKeepsTheLastDataAndCodecAsProtobufDoes) {

@@ -105,7 +105,9 @@ void ShmOpServer::Run() {
     }
     // The request is copied out before anything reads it: the worker may change the area
     // meanwhile, and the decoder reads its input more than once (chunk limit, then content).
-    std::memcpy(request_copy_.get(), region_->request_area(), static_cast<size_t>(bytes));
+    // The copy is scanned for NaN/Inf on the way, so that a push's data is not read again.
+    CopyAndScan(region_->request_area(), request_copy_.get(), static_cast<size_t>(bytes),
+                &scanned_);
     int64_t operations = 0;
     grpc::ByteBuffer answer = Serve(bytes, seq, &operations);
     // Closing: operations may have been withdrawn (CANCELLED, nothing applied). Its worker
@@ -181,8 +183,8 @@ absl::Status ShmOpServer::Decode(const grpc::ByteBuffer& in, const std::string& 
     auto op = std::make_unique<Op>();
     // The copy stays unchanged until every operation of the request has completed: aligned
     // raw data in it is referenced rather than copied again.
-    if (absl::Status st = DecodeStreamRequest(parts[i], &op->request, &op->dense,
-                                              max_chunks - chunks, /*reference_input=*/true);
+    if (absl::Status st =
+            DecodeStreamRequest(parts[i], &op->request, &op->dense, max_chunks - chunks, &scanned_);
         !st.ok()) {
       return UndecodableRequest(st, at, "StreamRequest", max_chunks);
     }

@@ -37,6 +37,7 @@
 #include "absl/synchronization/mutex.h"
 #include "common/spin_wait.h"
 #include "rpc/shm_region.h"
+#include "rpc/tensor_wire.h"
 #include "server/job_tokens.h"
 #include "server/shard.h"
 
@@ -98,6 +99,7 @@ class ShmOpServer {
   AdaptiveSpin spin_;
   const int fd_;
   const std::unique_ptr<char[]> request_copy_;  // The request being served, out of the region.
+  ScannedCopy scanned_;                         // Of request_copy_ (the serving thread's).
   absl::Mutex cancel_mu_;
   // The operations in flight's (not owned), cancelled by the destructor.
   std::vector<WaitCancel*> cancels_ ABSL_GUARDED_BY(cancel_mu_);

@@ -1,8 +1,9 @@
 // Fuzz target: the shard's push decoders (rpc/tensor_wire.h DecodePushRequest and
 // DecodeStreamRequest), which a shard runs on every push straight out of gRPC's buffers.
 //
-// A StreamRequest is decoded twice, copying the raw data and referencing it where it lies
-// (reference_input, as a shared-memory channel's shard does); both must agree with protobuf.
+// A StreamRequest is decoded twice, copying the raw data and referencing it where it lies in a
+// scanned private copy (in_place, as a shared-memory channel's shard does); both must agree
+// with protobuf.
 //
 // Input: byte 0 picks the message (bit 0: StreamRequest, else PushRequest) and, with byte 1,
 // where the rest is cut into up to 3 slices (as gRPC may deliver them); the rest is the
@@ -83,10 +84,18 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string bytes(in.Rest());
   const grpc::ByteBuffer buffer = SlicedBuffer(bytes, {static_cast<size_t>(mode >> 1), cuts});
   if (mode & 1) {
-    // Both ways: copied, and referenced where it lies (as a shared-memory channel decodes).
+    // Both ways: copied, and referenced where it lies in a scanned private copy, in one slice
+    // (as a shared-memory channel's shard decodes; CheckDense checks its first_nonfinite).
+    std::unique_ptr<float[]> copy(new float[bytes.size() / 4 + 1]);
+    ScannedCopy scanned;
+    CopyAndScan(bytes.data(), reinterpret_cast<char*>(copy.get()), bytes.size(), &scanned);
+    grpc::Slice in_place(scanned.base, bytes.size(), grpc::Slice::STATIC_SLICE);
+    const grpc::ByteBuffer scanned_buffer(&in_place, 1);
     for (const bool reference : {false, true}) {
       CheckAgainstProtobuf<StreamRequest>(bytes, [&](StreamRequest* got, DenseChunks* dense) {
-        const absl::Status st = DecodeStreamRequest(buffer, got, dense, kNoChunkLimit, reference);
+        const absl::Status st =
+            reference ? DecodeStreamRequest(scanned_buffer, got, dense, kNoChunkLimit, &scanned)
+                      : DecodeStreamRequest(buffer, got, dense);
         if (st.ok() && got->has_push()) Restore(*dense, got->mutable_push());
         if (st.ok() && !got->has_push()) FUZZ_CHECK(dense->empty(), "dense data without a push");
         return st;
