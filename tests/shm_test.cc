@@ -302,21 +302,45 @@ TEST_F(ShmTest, ABatchWithABadElementIsRefusedWhole) {
   ch.Close();
 }
 
+// A shard whose --max_chunks_per_job is `max_chunks`, serving a job initialised with
+// OddInit; a stub and a client for it.
+struct LimitedShard {
+  LimitedShard(int64_t max_chunks, const std::string& job) : layout(Layout(job)) {
+    options.limits.max_chunks_per_job = max_chunks;
+  }
+  // False (with a test failure) if the shard or the job could not be made.
+  bool Start() {
+    server = StartShardServer(options, RpcOptions(), 0, nullptr);
+    if (server == nullptr) return false;
+    stub = ParameterService::NewStub(MakeChannel(server->addr, RpcOptions()));
+    absl::StatusOr<std::unique_ptr<ParameterClient>> made =
+        NewGrpcParameterClient(layout, ClientOptions({server->addr}));
+    EXPECT_OK(made.status());
+    if (!made.ok()) return false;
+    client = std::move(made).value();
+    const absl::Status st = client->InitJob(ConstSpans(OddInit(layout)));
+    EXPECT_OK(st);
+    return st.ok();
+  }
+
+  ShardOptions options;
+  const JobLayout layout;
+  std::unique_ptr<TestServer> server;
+  std::unique_ptr<Stub> stub;
+  std::unique_ptr<ParameterClient> client;
+};
+
 // A worker that rewrites its request area while the shard reads it (another process writing
 // two requests of one length by turns: a push of one chunk, and a push of more chunks than the
 // shard allows) cannot crash the shard or pass its limits: every request is answered, OK or
 // refused, and the channel and the shard go on. (Decoding straight from the area failed this
 // at once: protobuf's reader CHECKs that a byte it reads twice is the same.)
 TEST(ShmHostileTest, ARequestRewrittenWhileTheShardReadsItIsAnsweredSafely) {
-  ShardOptions options;
-  options.limits.max_chunks_per_job = 10;
-  auto server = StartShardServer(options, RpcOptions(), 0, nullptr);
-  ASSERT_NE(server, nullptr);
-  auto stub = ParameterService::NewStub(MakeChannel(server->addr, RpcOptions()));
-  const JobLayout l = Layout("race");
-  ASSERT_OK_AND_ASSIGN(std::unique_ptr<ParameterClient> c,
-                       NewGrpcParameterClient(l, ClientOptions({server->addr})));
-  ASSERT_OK(c->InitJob(ConstSpans(OddInit(l))));
+  LimitedShard shard(/*max_chunks_per_job=*/10, "race");
+  ASSERT_TRUE(shard.Start());
+  Stub* stub = shard.stub.get();
+  const JobLayout& l = shard.layout;
+  ParameterClient* c = shard.client.get();
   StreamRequest many;
   many.set_call(1);
   many.mutable_push()->set_job("race");
@@ -337,12 +361,12 @@ TEST(ShmHostileTest, ARequestRewrittenWhileTheShardReadsItIsAnsweredSafely) {
     a += std::string(pad, 'p');
   }
   ASSERT_EQ(a.size(), b.size());
-  ASSERT_OK_AND_ASSIGN(RawChannel ch, OpenRaw(stub.get(), 1 << 16, "race"));
+  ASSERT_OK_AND_ASSIGN(RawChannel ch, OpenRaw(stub, 1 << 16, "race"));
   bool closed = false;
   EXPECT_EQ(Parse(ch.Exchange(a, &closed)).code(), 0);  // Each alone: applied, refused.
   EXPECT_EQ(Parse(ch.Exchange(b, &closed)).code(),
             static_cast<int32_t>(grpc::StatusCode::INVALID_ARGUMENT));
-  ASSERT_EQ(RawInfo(stub.get(), "race").pushes_applied(), 1);
+  ASSERT_EQ(RawInfo(stub, "race").pushes_applied(), 1);
   char* area = ch.region->request_area();
   const size_t len = a.size();
   auto* stop = static_cast<std::atomic<int>*>(
@@ -384,7 +408,7 @@ TEST(ShmHostileTest, ARequestRewrittenWhileTheShardReadsItIsAnsweredSafely) {
   munmap(static_cast<void*>(stop), 4096);
   EXPECT_GT(answered, 50);
   // Push request id 1 again each time it decoded: applied once (exactly-once), never more.
-  EXPECT_EQ(RawInfo(stub.get(), "race").pushes_applied(), 1) << applied << " answered OK";
+  EXPECT_EQ(RawInfo(stub, "race").pushes_applied(), 1) << applied << " answered OK";
   Values v = Zeros(l);
   EXPECT_OK(c->Pull(Spans(v)));
   ch.Close();
@@ -393,16 +417,11 @@ TEST(ShmHostileTest, ARequestRewrittenWhileTheShardReadsItIsAnsweredSafely) {
 // One batch's pushes share the shard's chunk budget (--max_chunks_per_job), as on the Stream:
 // two pushes within it alone but over it together are refused whole.
 TEST(ShmBatchLimitsTest, ABatchSharesOneChunkBudget) {
-  ShardOptions options;
-  options.limits.max_chunks_per_job = 5;  // The job has 1 + 4 = 5 chunks.
-  auto server = StartShardServer(options, RpcOptions(), 0, nullptr);
-  ASSERT_NE(server, nullptr);
-  auto stub = ParameterService::NewStub(MakeChannel(server->addr, RpcOptions()));
-  const JobLayout l = Layout("budget");
-  ASSERT_OK_AND_ASSIGN(std::unique_ptr<ParameterClient> c,
-                       NewGrpcParameterClient(l, ClientOptions({server->addr})));
-  ASSERT_OK(c->InitJob(ConstSpans(OddInit(l))));
-  ASSERT_OK_AND_ASSIGN(RawChannel ch, OpenRaw(stub.get(), 1 << 20, "budget"));
+  LimitedShard shard(/*max_chunks_per_job=*/5, "budget");  // The job has 1 + 4 = 5 chunks.
+  ASSERT_TRUE(shard.Start());
+  Stub* stub = shard.stub.get();
+  const JobLayout& l = shard.layout;
+  ASSERT_OK_AND_ASSIGN(RawChannel ch, OpenRaw(stub, 1 << 20, "budget"));
   const Values g = OddInit(l);
   bool closed = false;
   const StreamResponse r =
@@ -410,10 +429,10 @@ TEST(ShmBatchLimitsTest, ABatchSharesOneChunkBudget) {
   ASSERT_FALSE(closed);
   EXPECT_EQ(r.code(), static_cast<int32_t>(grpc::StatusCode::INVALID_ARGUMENT)) << r.message();
   EXPECT_NE(r.message().find("more than 5 chunks"), std::string::npos) << r.message();
-  EXPECT_EQ(RawInfo(stub.get(), "budget").pushes_applied(), 0);
+  EXPECT_EQ(RawInfo(stub, "budget").pushes_applied(), 0);
   const StreamResponse one = Parse(ch.Exchange(PushBytes(l, g, 0, 1, 3), &closed));
   EXPECT_EQ(one.code(), 0) << one.message();
-  EXPECT_EQ(RawInfo(stub.get(), "budget").pushes_applied(), 1);
+  EXPECT_EQ(RawInfo(stub, "budget").pushes_applied(), 1);
   ch.Close();
 }
 
