@@ -115,6 +115,7 @@ struct ShmOpChannel::Conn {
   // The last answer is still read in place (its slice is alive): no request until it is not,
   // since the next answer would overwrite it.
   std::atomic<bool> lent{false};
+  bool batches = false;  // The shard takes batches (ShmOpenResponse.batches).
 
   bool Usable() const {
     return !broken.load() && !control->gone() && region->header()->closed.load() == 0;
@@ -184,6 +185,7 @@ absl::StatusOr<std::shared_ptr<ShmOpChannel::Conn>> ShmOpChannel::Open(size_t ar
     return region.status();
   }
   conn->region = std::move(region).value();
+  conn->batches = answer.batches();
   conn->seq = conn->region->header()->request_seq.load();
   LogInfo(options_.logger, "shm_channel_opened",
           {{"shard", options_.shard}, {"area_bytes", absl::StrCat(answer.area_bytes())}});
@@ -215,6 +217,7 @@ bool ShmOpChannel::CallBatch(std::vector<Item>* items) {
     want_open_ = true;  // The thread closes a broken channel and opens a new one when due.
     return false;
   }
+  if (items->size() > 1 && !conn_->batches) return false;  // A shard from before batches.
   Pending p{conn_, 0, items->size() > 1, {}};
   std::vector<grpc::ByteBuffer> messages;
   for (const Item& item : *items) {

@@ -86,8 +86,13 @@ class ShmOpChannel {
   // Sends `items` (1 to kMaxStreamBatch) as one request, the shard starting them in order
   // without waiting for each other (a Stream batch), and completes each as Call does, in order,
   // once the shard has answered all. All or nothing: false if the channel cannot take them
-  // all now (as Call; or more than kMaxStreamBatch), and then nothing was sent and every
-  // `done` is untouched. A batch the shard refuses whole fails each of them with its status.
+  // all now (as Call; or more than kMaxStreamBatch; or a shard from before batches), and then
+  // nothing was sent and every `done` is untouched. A batch the shard refuses whole fails each
+  // of them with its status. The answers come only once every operation of the batch has
+  // completed: an operation that waits (a sync push at its barrier, an ssp pull) holds the
+  // others' answers until it is released, so a caller must not batch an operation with one
+  // whose release depends on those answers. The shard starts no operation of a batch once the
+  // answers of those before it pass the response area (RESOURCE_EXHAUSTED).
   bool CallBatch(std::vector<Item>* items);
   // The largest request the open channel takes (0 while none is open), for a caller that
   // packs batches to fit.

@@ -598,7 +598,8 @@ bool ReadDense(CodedInputStream* in, int64_t bytes, DenseData* d, const ScannedC
       in->GetDirectBufferPointer(&at, &size) && size >= bytes &&
       reinterpret_cast<uintptr_t>(at) % alignof(float) == 0 &&
       static_cast<const char*>(at) >= in_place->base &&
-      static_cast<const char*>(at) + bytes <= in_place->base + in_place->bytes) {
+      static_cast<const char*>(at) + bytes <= in_place->base + in_place->bytes &&
+      (static_cast<const char*>(at) - in_place->base) % 4 == 0) {  // On the scan's words.
     d->values.reset();
     d->view = static_cast<const float*>(at);
     d->first_nonfinite = FirstNonFiniteIn(*in_place, d->view, bytes / 4);

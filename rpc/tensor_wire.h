@@ -115,6 +115,7 @@ struct ScannedCopy {
   bool complete = true;
 };
 // Copies `bytes` bytes from `from` to `to` (float-aligned; bytes < 4 GiB) and fills `*out`.
+// The scan's words start at `to`.
 void CopyAndScan(const char* from, char* to, size_t bytes, ScannedCopy* out);
 
 // The same for a StreamRequest: its push's chunks as DecodePushRequest decodes them (none for

@@ -636,12 +636,15 @@ TEST(TensorWireTest, AlignedSharedMemoryRequestsAreReadInPlace) {
     const std::vector<grpc::ByteBuffer> messages =
         batch ? framed : std::vector<grpc::ByteBuffer>{framed[1]};
     const std::string wire = Flatten(JoinAlignedStreamRequests(messages));
-    // The request as the shard holds it: at the start of an aligned buffer, then shifted by 1.
+    // The request as the shard holds it: at the start of its aligned, scanned copy; then one
+    // byte further in (the worker's alignment broken).
     for (const size_t shift : {size_t{0}, size_t{1}}) {
-      std::unique_ptr<char[]> owned(new char[wire.size() + 128]);
-      char* base = owned.get() + (64 - reinterpret_cast<uintptr_t>(owned.get()) % 64) + shift;
+      const std::string held = std::string(shift, 'x') + wire;
+      std::unique_ptr<char[]> owned(new char[held.size() + 64]);
+      char* copy = owned.get() + (64 - reinterpret_cast<uintptr_t>(owned.get()) % 64) % 64;
       ScannedCopy scanned;
-      CopyAndScan(wire.data(), base, wire.size(), &scanned);
+      CopyAndScan(held.data(), copy, held.size(), &scanned);
+      char* base = copy + shift;
       grpc::Slice in_place(base, wire.size(), grpc::Slice::STATIC_SLICE);
       std::vector<grpc::ByteBuffer> parts;
       bool is_batch = false;
@@ -694,7 +697,7 @@ TEST(TensorWireTest, AlignedSharedMemoryRequestsAreReadInPlace) {
 // first_nonfinite either way.
 TEST(TensorWireTest, CopyAndScanListsTheNonFiniteWords) {
   for (const int bad_words : {0, 3, 64, 65, 200}) {
-    std::vector<float> values(50000, 1.5f);  // 200,000 bytes: four blocks.
+    std::vector<float> values(50001, 1.5f);  // 200,000 bytes scanned (four blocks), then more.
     std::vector<uint32_t> want;
     for (int b = 0; b < bad_words; ++b) {
       const size_t at = 1000 + static_cast<size_t>(b) * 240;
@@ -702,11 +705,11 @@ TEST(TensorWireTest, CopyAndScanListsTheNonFiniteWords) {
                               : std::numeric_limits<float>::quiet_NaN();
       want.push_back(static_cast<uint32_t>(at * 4));
     }
-    std::vector<float> copy(values.size() + 1, 0.0f);
+    std::vector<float> copy(values.size(), 0.0f);
     ScannedCopy scanned;
     CopyAndScan(reinterpret_cast<const char*>(values.data()), reinterpret_cast<char*>(copy.data()),
-                values.size() * 4 + 2, &scanned);  // And two bytes of a last, partial word.
-    EXPECT_EQ(std::memcmp(copy.data(), values.data(), values.size() * 4), 0);
+                50000 * 4 + 2, &scanned);  // And two bytes of a last, partial word.
+    EXPECT_EQ(std::memcmp(copy.data(), values.data(), 50000 * 4 + 2), 0);
     EXPECT_EQ(scanned.complete, bad_words <= 64) << bad_words;
     if (scanned.complete) {
       EXPECT_EQ(scanned.nonfinite, want);

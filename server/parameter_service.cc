@@ -494,6 +494,7 @@ class ShmOpenReactor final : public grpc::ServerBidiReactor<ShmOpenRequest, ShmO
     out_.set_fd(server_->fd());
     out_.set_nonce(server_->region().nonce());
     out_.set_area_bytes(static_cast<int64_t>(server_->region().area_bytes()));
+    out_.set_batches(true);
     LogInfo(options_.logger, "shm_channel_opened",
             {{"peer", peer_}, {"job", in_.job()}, {"area_bytes", absl::StrCat(out_.area_bytes())}});
     writing_ = true;

@@ -29,6 +29,7 @@ struct ShmOpServer::Op {
 struct ShmOpServer::Tally {
   absl::Mutex mu;
   size_t left ABSL_GUARDED_BY(mu) = 0;
+  size_t held ABSL_GUARDED_BY(mu) = 0;  // Bytes of the answers of those completed.
 };
 
 namespace {
@@ -51,7 +52,12 @@ ShmOpServer::ShmOpServer(Shard* shard, Options options, std::unique_ptr<ShmRegio
       region_(std::move(region)),
       spin_(options_.spin),
       fd_(region_->fd()),
-      request_copy_(new char[region_->area_bytes()]) {
+      request_copy_(new char[region_->area_bytes() + kShmAlignment]),
+      // 64-byte aligned, as the worker aligns a push's data from the request's start.
+      request_at_(
+          request_copy_.get() +
+          (kShmAlignment - reinterpret_cast<uintptr_t>(request_copy_.get()) % kShmAlignment) %
+              kShmAlignment) {
   thread_ = std::thread([this] { Run(); });
 }
 
@@ -106,8 +112,7 @@ void ShmOpServer::Run() {
     // The request is copied out before anything reads it: the worker may change the area
     // meanwhile, and the decoder reads its input more than once (chunk limit, then content).
     // The copy is scanned for NaN/Inf on the way, so that a push's data is not read again.
-    CopyAndScan(region_->request_area(), request_copy_.get(), static_cast<size_t>(bytes),
-                &scanned_);
+    CopyAndScan(region_->request_area(), request_at_, static_cast<size_t>(bytes), &scanned_);
     int64_t operations = 0;
     grpc::ByteBuffer answer = Serve(bytes, seq, &operations);
     // Closing: operations may have been withdrawn (CANCELLED, nothing applied). Its worker
@@ -128,8 +133,10 @@ void ShmOpServer::Run() {
 }
 
 void ShmOpServer::Completed(Op* op, const std::shared_ptr<Tally>& tally, absl::Status status) {
+  const size_t bytes = status.ok() ? op->response.ByteSizeLong() : 0;
   absl::MutexLock lock(&tally->mu);
   op->status = std::move(status);
+  tally->held += bytes;
   --tally->left;
 }
 
@@ -147,7 +154,7 @@ grpc::ByteBuffer ShmOpServer::AnswerOf(Op* op) {
 }
 
 grpc::ByteBuffer ShmOpServer::Serve(uint64_t bytes, uint32_t seq, int64_t* operations) {
-  grpc::Slice slice(request_copy_.get(), static_cast<size_t>(bytes), grpc::Slice::STATIC_SLICE);
+  grpc::Slice slice(request_at_, static_cast<size_t>(bytes), grpc::Slice::STATIC_SLICE);
   const grpc::ByteBuffer in(&slice, 1);
   std::vector<std::unique_ptr<Op>> ops;
   bool batch = false;
@@ -224,6 +231,19 @@ void ShmOpServer::RunAll(const std::vector<std::unique_ptr<Op>>& ops) {
   for (const std::unique_ptr<Op>& owned : ops) {
     Op* op = owned.get();
     const StreamRequest& r = op->request;
+    {
+      // The answers must fit the response area together: once those held pass it, the rest
+      // are not started (a batch of many pulls would otherwise hold many copies of a job).
+      absl::ReleasableMutexLock lock(&tally->mu);
+      if (tally->held > region_->area_bytes()) {
+        lock.Release();
+        Completed(op, tally,
+                  absl::ResourceExhaustedError(absl::StrCat(
+                      "OpenShm: call ", r.call(), " not started: the answers before it already ",
+                      "pass the response area of ", region_->area_bytes(), " bytes")));
+        continue;
+      }
+    }
     if (options_.tokens != nullptr) {
       absl::Status st =
           options_.tokens->Check(r.has_push() ? r.push().job() : r.pull().job(), options_.token);

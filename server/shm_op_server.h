@@ -98,8 +98,9 @@ class ShmOpServer {
   std::atomic<int64_t> served_{0};
   AdaptiveSpin spin_;
   const int fd_;
-  const std::unique_ptr<char[]> request_copy_;  // The request being served, out of the region.
-  ScannedCopy scanned_;                         // Of request_copy_ (the serving thread's).
+  const std::unique_ptr<char[]> request_copy_;  // The request being served, out of the region,
+  char* const request_at_;                      // at this place in it.
+  ScannedCopy scanned_;                         // Of that copy (the serving thread's).
   absl::Mutex cancel_mu_;
   // The operations in flight's (not owned), cancelled by the destructor.
   std::vector<WaitCancel*> cancels_ ABSL_GUARDED_BY(cancel_mu_);

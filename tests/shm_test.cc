@@ -19,6 +19,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/status_testing.h"
@@ -230,9 +231,9 @@ TEST_F(ShmTest, ALengthPastTheAreaClosesTheChannelAndALargeAnswerIsFlagged) {
   ch.Close();
 }
 
-// A batch's operations run in order and are answered together, one answer per element in the
-// same order; the pushes are applied exactly as the same pushes sent one by one over the Stream.
-TEST_F(ShmTest, ABatchRunsInOrderAndIsAnsweredTogether) {
+// A batch's operations are answered together, one answer per element in the request's order;
+// the pushes are applied exactly as the same pushes sent one by one over the Stream.
+TEST_F(ShmTest, ABatchIsAnsweredTogetherInItsOrder) {
   ASSERT_OK_AND_ASSIGN(RawChannel ch, OpenRaw(stub_.get(), 1 << 20));
   const Values g = OddInit(layout_);
   bool closed = false;
@@ -375,6 +376,13 @@ TEST(ShmHostileTest, ARequestRewrittenWhileTheShardReadsItIsAnsweredSafely) {
   stop->store(0);
   const pid_t writer = fork();
   ASSERT_GE(writer, 0);
+  // However the test ends, the writer stops and is reaped.
+  absl::Cleanup stop_writer = [&] {
+    stop->store(1);
+    int status = 0;
+    waitpid(writer, &status, 0);
+    munmap(static_cast<void*>(stop), 4096);
+  };
   if (writer == 0) {  // Rewrites the area by turns, a byte range at a time.
     for (uint64_t i = 0; stop->load() == 0; ++i) {
       const std::string& next = (i & 1) != 0 ? a : b;
@@ -402,15 +410,28 @@ TEST(ShmHostileTest, ARequestRewrittenWhileTheShardReadsItIsAnsweredSafely) {
     ++answered;
     if (r.code() == 0) ++applied;
   }
-  stop->store(1);
-  int status = 0;
-  ASSERT_EQ(waitpid(writer, &status, 0), writer);
-  munmap(static_cast<void*>(stop), 4096);
+  std::move(stop_writer).Invoke();
   EXPECT_GT(answered, 50);
   // Push request id 1 again each time it decoded: applied once (exactly-once), never more.
   EXPECT_EQ(RawInfo(stub, "race").pushes_applied(), 1) << applied << " answered OK";
   Values v = Zeros(l);
   EXPECT_OK(c->Pull(Spans(v)));
+  ch.Close();
+}
+
+// A batch whose answers pass the response area: once the answers held do, the shard starts
+// none of the rest (a push after them is not applied), and the answer is flagged too large.
+TEST_F(ShmTest, ABatchStopsOnceItsAnswersPassTheArea) {
+  ASSERT_OK_AND_ASSIGN(RawChannel ch, OpenRaw(stub_.get(), 1 << 16));
+  std::vector<std::string> elements;
+  for (int i = 0; i < 8; ++i) elements.push_back(PullRequestBytes("raw", 1 + i));  // 12 KB each.
+  elements.push_back(PushBytes(layout_, OddInit(layout_), 0, 501, 9));
+  bool closed = false;
+  EXPECT_EQ(ch.Exchange(BatchBytes(elements), &closed), "too large");
+  EXPECT_FALSE(closed);
+  EXPECT_EQ(RawInfo(stub_.get(), "raw").pushes_applied(), 0);
+  const StreamResponse one = Parse(ch.Exchange(PullRequestBytes("raw", 10), &closed));
+  EXPECT_EQ(one.code(), 0) << one.message();
   ch.Close();
 }
 

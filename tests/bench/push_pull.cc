@@ -403,7 +403,9 @@ class DepthClient {
     size_t request_bytes = 0, answer_bytes = 0;
     while (!queue->empty() && items.size() < kMaxStreamBatch) {
       const size_t at = queue->front();
-      const size_t req = st->reqs[at].Length() + 32;
+      // Framing (call, tag, length), the alignment pad (up to 65) and the batch element's tag
+      // and length.
+      const size_t req = st->reqs[at].Length() + 96;
       const size_t ans = st->msgs[at].decode ? AnswerBytes(s) : 64;
       if (!items.empty() && (request_bytes + req > room || answer_bytes + ans > room)) break;
       request_bytes += req;
