@@ -276,7 +276,7 @@ absl::Status ValidateOverlap(const JobSpec& spec) {
         "placement", absl::StrCat("\"", placement, "\""),
         absl::StrCat("applies to the ps modes (async, ssp, sync, diloco), not ", spec.mode()));
   }
-  RETURN_IF_ERROR(CheckInt("overlap", spec.overlap(), 0, 1));
+  RETURN_IF_ERROR(CheckInt("overlap", spec.overlap(), 0, 2));
   if (spec.overlap() == 0) return absl::OkStatus();
   const std::string value = absl::StrCat(spec.overlap());
   if (mode != Mode::kAsync && mode != Mode::kSsp && mode != Mode::kSync) {

@@ -65,15 +65,25 @@ absl::Status CheckMnistInput(const std::string& model, const torch::Tensor& x) {
   return absl::OkStatus();
 }
 
+// Layer `layer` of a built-in model: its weight and bias are parameters 2 * layer and
+// 2 * layer + 1 (registration order).
+void OpenLayer(const ParameterGate& gate, int layer) {
+  if (gate) gate(2 * layer, 2 * layer + 2);
+}
+
 struct MlpImpl : torch::nn::Module {
   MlpImpl()
       : fc1(register_module("fc1", torch::nn::Linear(784, 256))),
         fc2(register_module("fc2", torch::nn::Linear(256, 256))),
         fc3(register_module("fc3", torch::nn::Linear(256, 10))) {}
 
-  torch::Tensor forward(const torch::Tensor& x) {
+  // `gate` (may be empty) opens each layer's parameters (weight, bias) before it runs.
+  torch::Tensor forward(const torch::Tensor& x, const ParameterGate& gate = {}) {
+    OpenLayer(gate, 0);
     torch::Tensor h = torch::relu(fc1(x.flatten(1)));
+    OpenLayer(gate, 1);
     h = torch::relu(fc2(h));
+    OpenLayer(gate, 2);
     return fc3(h);
   }
 
@@ -92,11 +102,16 @@ struct LeNetImpl : torch::nn::Module {
         fc2(register_module("fc2", torch::nn::Linear(120, 84))),
         fc3(register_module("fc3", torch::nn::Linear(84, 10))) {}
 
-  torch::Tensor forward(const torch::Tensor& x) {
+  torch::Tensor forward(const torch::Tensor& x, const ParameterGate& gate = {}) {
+    OpenLayer(gate, 0);
     torch::Tensor h = torch::max_pool2d(torch::relu(conv1(x)), 2);  // [N, 6, 14, 14]
-    h = torch::max_pool2d(torch::relu(conv2(h)), 2);                // [N, 16, 5, 5]
+    OpenLayer(gate, 1);
+    h = torch::max_pool2d(torch::relu(conv2(h)), 2);  // [N, 16, 5, 5]
+    OpenLayer(gate, 2);
     h = torch::relu(fc1(h.flatten(1)));
+    OpenLayer(gate, 3);
     h = torch::relu(fc2(h));
+    OpenLayer(gate, 4);
     return fc3(h);
   }
 
@@ -124,10 +139,15 @@ class BuiltinModel : public NamedModel {
 
   std::string Describe() const override { return absl::StrCat("model ", name_); }
 
+  bool SetParameterGate(ParameterGate gate) override {
+    gate_ = std::move(gate);
+    return true;
+  }
+
   absl::StatusOr<torch::Tensor> Forward(const torch::Tensor& x) override {
     if (absl::Status s = CheckMnistInput(name_, x); !s.ok()) return s;
     try {
-      return module_->forward(x);
+      return module_->forward(x, gate_);
     } catch (const std::exception& e) {
       return FromException(absl::StatusCode::kInvalidArgument,
                            absl::StrCat("model ", name_, ": forward on ", TensorString(x)), e);
@@ -170,6 +190,7 @@ class BuiltinModel : public NamedModel {
  private:
   const std::string name_;
   Holder module_;
+  ParameterGate gate_;  // Empty: none.
   std::vector<std::string> names_;
   std::vector<torch::Tensor> params_;
 };

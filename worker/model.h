@@ -53,6 +53,11 @@ enum class LossKind {
 absl::StatusOr<LossKind> ParseLoss(const std::string& name);
 const char* LossName(LossKind kind);
 
+// Called by a model's forward before it reads parameters [begin, end) (Parameters() order);
+// returns once they hold the values to use (JobSpec overlap: 2, where the previous step's
+// pulled values arrive while the next forward runs).
+using ParameterGate = std::function<void(int begin, int end)>;
+
 // A trainable model.
 class Model {
  public:
@@ -103,6 +108,12 @@ class Model {
   // in named_parameters() order: a TorchScript module's parameters saved with requires_grad
   // off while others have it on. Built-in models have none.
   virtual std::vector<std::string> FrozenParameterNames() { return {}; }
+
+  // Installs `gate` (empty: none) for every later Forward. A model that calls it before each
+  // layer, first layer first, with that layer's parameters (the built-in models) returns
+  // true; one that cannot (a TorchScript module: no forward pre-hook reaches its layers)
+  // returns false and ignores it, and the caller waits for every parameter before Forward.
+  virtual bool SetParameterGate(ParameterGate gate) { return false; }
 
   // Switches between training and evaluation behaviour (matters for modules with dropout or
   // batch norm).

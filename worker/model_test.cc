@@ -12,6 +12,7 @@
 #include <map>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -254,6 +255,38 @@ std::string DataPath(const std::string& relative) {
 
 constexpr char kPython[] = "/usr/bin/python3";
 
+// overlap: 2: a built-in model's forward opens each layer's parameters, first layer first,
+// just before it runs. A gate that writes another model's values into each layer as it opens
+// (as the previous step's answers arrive) gives that model's output exactly.
+TEST_F(ModelTest, BuiltinForwardOpensEachLayerBeforeItRuns) {
+  for (const auto& [name, layers] :
+       std::vector<std::pair<std::string, int>>{{"mlp", 3}, {"lenet", 5}}) {
+    SCOPED_TRACE(name);
+    ASSERT_OK_AND_ASSIGN(std::unique_ptr<Model> model, CreateModel(Spec(name), 3));
+    ASSERT_OK_AND_ASSIGN(std::unique_ptr<Model> fresh, CreateModel(Spec(name), 4));
+    const torch::Tensor x = torch::randn({5, 1, 28, 28});
+    ASSERT_OK_AND_ASSIGN(torch::Tensor before, model->Forward(x));
+    ASSERT_OK_AND_ASSIGN(torch::Tensor expected, fresh->Forward(x));
+    std::vector<std::pair<int, int>> opened;
+    std::vector<torch::Tensor> params = model->Parameters(), next = fresh->Parameters();
+    ASSERT_TRUE(model->SetParameterGate([&](int begin, int end) {
+      opened.emplace_back(begin, end);
+      torch::NoGradGuard no_grad;
+      for (int i = begin; i < end; ++i) params[i].copy_(next[i]);
+    }));
+    ASSERT_OK_AND_ASSIGN(torch::Tensor gated, model->Forward(x));
+    std::vector<std::pair<int, int>> want;
+    for (int l = 0; l < layers; ++l) want.emplace_back(2 * l, 2 * l + 2);
+    EXPECT_EQ(opened, want);
+    EXPECT_TRUE(torch::equal(gated, expected));
+    EXPECT_FALSE(torch::equal(before, expected));  // The values did change.
+    // Removed: the forward calls nothing.
+    ASSERT_TRUE(model->SetParameterGate(nullptr));
+    ASSERT_OK(model->Forward(x).status());
+    EXPECT_EQ(opened.size(), want.size());
+  }
+}
+
 TEST_F(ModelTest, TorchScriptTrainSaveReload) {
   if (std::system(absl::StrCat(kPython, " -c 'import torch' >/dev/null 2>&1").c_str()) != 0) {
     GTEST_SKIP() << kPython << " cannot import torch (install python3-torch)";
@@ -265,6 +298,8 @@ TEST_F(ModelTest, TorchScriptTrainSaveReload) {
 
   ASSERT_OK_AND_ASSIGN(std::unique_ptr<Model> model, CreateModel(Spec("torchscript", path), 1));
   EXPECT_EQ(NumParameters(model.get()), 784 * 64 + 64 + 64 * 10 + 10);
+  // No forward pre-hook reaches a TorchScript module's layers: the caller waits for all.
+  EXPECT_FALSE(model->SetParameterGate([](int, int) {}));
   EXPECT_EQ(model->ParameterNames(),
             (std::vector<std::string>{"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"}));
   for (const torch::Tensor& p : model->Parameters()) {

@@ -9,6 +9,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -341,6 +342,15 @@ class TrainingLoop {
   int64_t window_steps_ = 0;
   int64_t window_loss_steps_ = 0;  // Steps in window_loss_ (skipped steps' losses are not).
   std::vector<absl::Span<const float>> grads_;
+  // ps overlap: 2: the model's forward opens each layer through mode_->AwaitParameters (a
+  // built-in model on the CPU without buffers); otherwise the loop waits for every entry
+  // before the forward. gate_status_: the first error a gate met (the step then ends with
+  // it); gate_wait_s_: the step's wait in the gates, counted as communication.
+  bool gated_ = false;
+  absl::Status gate_status_;
+  double gate_wait_s_ = 0;
+  // Waits for entries [begin, end) (mode_->AwaitParameters), timing the wait.
+  absl::Status AwaitParameters(int begin, int end);
 };
 
 absl::Status TrainingLoop::MakeModelView() {
@@ -568,6 +578,14 @@ absl::Status TrainingLoop::Setup() {
   OfferDeviceGradients();
   RETURN_IF_ERROR(
       BuffersIn(/*remember=*/true));  // The mode may have set them (shards, checkpoint, rank 0).
+  // A gate inside the forward only where the view's spans are the parameters the forward
+  // reads (the CPU) and no buffer (copied in before the forward) is owed.
+  if (!on_gpu_ && view_.size() == view_.num_params) {
+    gated_ = model_->SetParameterGate([this](int begin, int end) {
+      const absl::Status st = AwaitParameters(begin, end);
+      if (!st.ok() && gate_status_.ok()) gate_status_ = st;
+    });
+  }
   if (mode_->wants_gradient_hook()) {
     for (size_t i = 0; i < params_.size(); ++i) {
       const int index = static_cast<int>(i);
@@ -647,6 +665,8 @@ void TrainingLoop::LogStart() const {
   // Why the push codec does not run where the gradients are: flag, cpu, gradient_hook, or mode
   // (its exchange or codec).
   if (!device_encoded_) f.push_back(Kv("device_codec_off", device_codec_why_));
+  // overlap: 2: whether the forward waits layer by layer or for the whole model.
+  if (spec_.overlap() == 2) f.push_back(Kv("forward_gate", gated_ ? "layers" : "model"));
   for (LogField& e : mode_->StartFields()) f.push_back(std::move(e));
   log_->Info("train_start", f);
 }
@@ -667,6 +687,10 @@ absl::Status TrainingLoop::MicroStep(Batch& batch, int k, double* loss_sum) {
     }
     loss = *std::move(computed);
   }
+  // overlap: 2: what a gate met ends the step; every entry is in before backward (a parameter
+  // the forward did not read is copied now, while nothing reads it).
+  RETURN_IF_ERROR(std::exchange(gate_status_, absl::OkStatus()));
+  RETURN_IF_ERROR(AwaitParameters(0, view_.size()));
   if (loss.scalar_type() != torch::kFloat) loss = loss.to(torch::kFloat);
   const double value = loss.item<double>();
   // With loss scaling a non-finite step is skipped (and the scale lowered); without, it would
@@ -806,9 +830,18 @@ void TrainingLoop::RestoreBuffers() {
   }
 }
 
+absl::Status TrainingLoop::AwaitParameters(int begin, int end) {
+  const absl::Time start = absl::Now();
+  absl::Status st = mode_->AwaitParameters(begin, end);
+  gate_wait_s_ += SecondsSince(start);
+  return st;
+}
+
 absl::Status TrainingLoop::Step(std::vector<Batch>& micro, StepOutcome* outcome) {
   RETURN_IF_ERROR(mode_->BeforeForward(step_));
   const absl::Time compute_start = absl::Now();
+  gate_wait_s_ = 0;
+  if (!gated_) RETURN_IF_ERROR(AwaitParameters(0, view_.size()));
   ParamsIn();
   RETURN_IF_ERROR(BuffersIn(/*remember=*/true));
   for (torch::Tensor& p : params_) p.mutable_grad() = torch::Tensor();
@@ -844,8 +877,10 @@ absl::Status TrainingLoop::Step(std::vector<Batch>& micro, StepOutcome* outcome)
   // waiting here keeps their time in compute, not in the exchange's codec time.
   if (device_encoded_ && on_gpu_) torch::cuda::synchronize();
   StepTiming timing;
-  timing.compute_s = SecondsSince(compute_start);
+  // The wait for the previous step's values (overlap: 2) is communication, not compute.
+  timing.compute_s = std::max(0.0, SecondsSince(compute_start) - gate_wait_s_);
   result_.compute_s += timing.compute_s;
+  result_.comm_s += gate_wait_s_;
 
   const absl::Time comm_start = absl::Now();
   torch::NoGradGuard no_grad;

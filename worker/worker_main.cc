@@ -134,7 +134,8 @@ ABSL_FLAG(int32_t, pipeline, 0,
           "Job spec pipeline (async/ssp): 1 = step t's exchange overlaps step t+1's compute.");
 ABSL_FLAG(int32_t, overlap, 0,
           "Job spec overlap (async/ssp/sync): 1 = each shard's part of the push leaves as soon "
-          "as backward produced it.");
+          "as backward produced it; 2 = also start the next forward at once, each layer "
+          "waiting only for its own values (built-in models).");
 ABSL_FLAG(std::string, placement, "",
           "Job spec placement (ps modes): greedy (default) or ordered (contiguous ranges of "
           "the model; pair with --overlap=1).");

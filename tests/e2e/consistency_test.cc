@@ -125,9 +125,12 @@ class ConsistencyTest : public E2eHarness {
 // k2_overlap runs k2 with overlap: 1 and placement "ordered" (JobSpec.overlap: each shard's
 // part leaves as soon as backward produced it) and 1 MiB chunks: fc1.weight alone on shard 0,
 // the other tensors on shard 1. The pushes and the averages are the same, so is the result.
+// k2_priority runs the same with overlap: 2: each step returns before its answers and the
+// next forward waits layer by layer (fc1 needs both shards, fc2 and fc3 shard 1 only); the
+// values each layer computes on are the same, so is the result.
 struct SyncEquivalence {
   int accumulation = 1;
-  bool overlap = false;
+  int overlap = 0;  // JobSpec.overlap.
 };
 class SyncEquivalenceTest : public ConsistencyTest,
                             public ::testing::WithParamInterface<SyncEquivalence> {};
@@ -136,13 +139,14 @@ TEST_P(SyncEquivalenceTest, SyncMatchesSingleProcessSgd) {
   if (!HaveMnist()) GTEST_SKIP() << "MNIST files not found under " << DataDir() << "/mnist";
   constexpr int64_t kSteps = 50;
   const int accumulation = GetParam().accumulation;
-  const bool overlap = GetParam().overlap;
+  const bool overlap = GetParam().overlap > 0;
   const int kBatch = 32 / accumulation;  // Per micro-batch; 32 per worker per step.
   constexpr uint64_t kSeed = 7;
   constexpr double kLr = 0.05;
   constexpr double kTolerance = 1e-5;
   const std::string job =
-      absl::StrCat("e2e-sync-equivalence-k", accumulation, overlap ? "-overlap" : "");
+      absl::StrCat("e2e-sync-equivalence-k", accumulation, overlap ? "-overlap" : "",
+                   overlap ? absl::StrCat(GetParam().overlap) : "");
 
   ASSERT_NO_FATAL_FAILURE(StartServers(kShards));
   std::vector<std::unique_ptr<Subprocess>> workers;
@@ -158,7 +162,8 @@ TEST_P(SyncEquivalenceTest, SyncMatchesSingleProcessSgd) {
          "--lr_schedule=constant", absl::StrCat("--batch_size=", kBatch),
          absl::StrCat("--steps=", kSteps), absl::StrCat("--accumulation_steps=", accumulation),
          "--model=mlp", "--dataset=mnist", absl::StrCat("--seed=", kSeed), "--evaluate=false",
-         "--log_every=10", "--data_dir=" + DataDir(), overlap ? "--overlap=1" : "--overlap=0",
+         "--log_every=10", "--data_dir=" + DataDir(),
+         absl::StrCat("--overlap=", GetParam().overlap),
          overlap ? "--placement=ordered" : "--placement=greedy",
          overlap ? "--chunk_bytes=1048576" : "--chunk_bytes=0"}));
     ASSERT_NE(workers.back(), nullptr);
@@ -183,7 +188,8 @@ TEST_P(SyncEquivalenceTest, SyncMatchesSingleProcessSgd) {
       const std::string log = ReadFile(workers[r]->log_path());
       const std::vector<std::string> start = LinesWith(log, "event=train_start");
       ASSERT_EQ(start.size(), 1u);
-      EXPECT_EQ(LogField(start[0], "overlap"), "1");
+      EXPECT_EQ(LogField(start[0], "overlap"), absl::StrCat(GetParam().overlap));
+      if (GetParam().overlap == 2) EXPECT_EQ(LogField(start[0], "forward_gate"), "layers");
       EXPECT_EQ(LogField(start[0], "placement"), "ordered");
       // The timeline: what share of the shards' parts left during backward (how much depends
       // on scheduling: both shards hold only parameters, so it may be all of them).
@@ -311,11 +317,14 @@ TEST_P(SyncEquivalenceTest, SyncMatchesSingleProcessSgd) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Accumulation, SyncEquivalenceTest,
-                         ::testing::Values(SyncEquivalence{1, false}, SyncEquivalence{2, false},
-                                           SyncEquivalence{2, true}),
+                         ::testing::Values(SyncEquivalence{1, 0}, SyncEquivalence{2, 0},
+                                           SyncEquivalence{2, 1}, SyncEquivalence{2, 2}),
                          [](const ::testing::TestParamInfo<SyncEquivalence>& info) {
+                           const int overlap = info.param.overlap;
                            return absl::StrCat("k", info.param.accumulation,
-                                               info.param.overlap ? "_overlap" : "");
+                                               overlap == 1   ? "_overlap"
+                                               : overlap == 2 ? "_priority"
+                                                              : "");
                          });
 
 // mode diloco (#14): 2 workers x 4 rounds of H = 5 inner SGD steps (lr 0.05, batch 32), outer

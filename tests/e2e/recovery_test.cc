@@ -2,10 +2,11 @@
 // SIGKILL in the middle of training, restart on the same port and directory (see
 // tests/e2e/e2e_harness.h and the durability contract in server/shard.h).
 //
-// * EveryUpdateShardCrashLosesNothing: durability every_update; shard 1 is SIGKILLed and
-//   restarted while two async workers train. Nothing acknowledged is lost and nothing is
-//   applied twice: each shard ends with exactly 2 x steps pushes applied; the workers ride
-//   over the outage with retries and still reach the accuracy target.
+// * EveryUpdateCrashTest.ShardCrashLosesNothing: durability every_update; shard 1 is
+//   SIGKILLed and restarted while two async workers train. Nothing acknowledged is lost and
+//   nothing is applied twice: each shard ends with exactly 2 x steps pushes applied; the
+//   workers ride over the outage with retries and still reach the accuracy target. Run
+//   serial and with overlap: 2 (a step's answers awaited by the next forward, layer by layer).
 // * PeriodicShardCrashLosesAtMostOneInterval: durability periodic (snapshot every 200
 //   updates); the restarted shard lost the pushes acknowledged after its last snapshot, and
 //   that number is bounded by the snapshot interval.
@@ -168,15 +169,30 @@ class RecoveryTest : public E2eHarness {
   std::vector<std::string> data_dirs_;
 };
 
-TEST_F(RecoveryTest, EveryUpdateShardCrashLosesNothing) {
+// every_update: the crash loses nothing and applies nothing twice. Also with overlap: 2
+// (each step returns before its answers; the next forward waits layer by layer): a step whose
+// answer the crash delays is retried by the client while the next forward waits for it.
+class EveryUpdateCrashTest : public RecoveryTest, public ::testing::WithParamInterface<int> {};
+
+TEST_P(EveryUpdateCrashTest, ShardCrashLosesNothing) {
   if (!HaveMnist()) GTEST_SKIP() << "MNIST files not found under " << DataDir() << "/mnist";
-  const std::string job = "e2e-crash-every-update";
+  const int overlap = GetParam();
+  const std::string job = absl::StrCat("e2e-crash-every-update-overlap", overlap);
   CrashRun run;
   // No time-triggered snapshots: on a slow machine one could land just before the kill and
   // leave nothing to replay, which this test means to exercise (snapshots still come every
   // 1000 updates).
-  ASSERT_NO_FATAL_FAILURE(
-      RunWithShardCrash(job, {"--durability=every_update", "--snapshot_every_seconds=0"}, &run));
+  std::vector<std::string> flags = {"--durability=every_update", "--snapshot_every_seconds=0"};
+  if (overlap > 0) {
+    flags.push_back(absl::StrCat("--overlap=", overlap));
+    flags.push_back("--placement=ordered");
+  }
+  ASSERT_NO_FATAL_FAILURE(RunWithShardCrash(job, flags, &run));
+  if (overlap == 2) {
+    const std::vector<std::string> start = LinesWith(run.worker_logs[0], "event=train_start");
+    ASSERT_EQ(start.size(), 1u);
+    EXPECT_EQ(LogField(start[0], "forward_gate"), "layers") << start[0];
+  }
 
   // The restarted shard restored the job: its last snapshot plus the logged updates since.
   EXPECT_GT(ToInt(LogField(run.restored_line, "replayed_updates")), 0) << run.restored_line;
@@ -206,6 +222,12 @@ TEST_F(RecoveryTest, EveryUpdateShardCrashLosesNothing) {
   }
   ASSERT_NO_FATAL_FAILURE(StopServers());
 }
+
+INSTANTIATE_TEST_SUITE_P(Overlap, EveryUpdateCrashTest, ::testing::Values(0, 2),
+                         [](const ::testing::TestParamInfo<int>& info) {
+                           return info.param == 0 ? std::string("serial")
+                                                  : absl::StrCat("overlap", info.param);
+                         });
 
 TEST_F(RecoveryTest, PeriodicShardCrashLosesAtMostOneInterval) {
   if (!HaveMnist()) GTEST_SKIP() << "MNIST files not found under " << DataDir() << "/mnist";

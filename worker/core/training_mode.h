@@ -9,6 +9,7 @@
 //   UseDeviceGradients(g)         once, after Start, where the gradients stay on a device
 //   per step:
 //     BeforeForward(step)         e.g. gossip copies the latest mixed values into the model
+//     AwaitParameters(b, e)       before the forward reads entries [b, e) (ps overlap: 2)
 //     BeforeBackward(step, ...)   e.g. allreduce opens the step's buckets
 //     OnBufferDeltas(deltas)      the buffers' deltas, known after the last forward
 //                                 (only if wants_gradient_hook() and the model has buffers)
@@ -121,6 +122,15 @@ class TrainingMode {
 
   // Before the forward pass of `step` (0-based).
   virtual absl::Status BeforeForward(int64_t step) { return absl::OkStatus(); }
+
+  // The previous step's Exchange may return before its pulled values have all arrived (ps
+  // overlap: 2). Waits until entries [begin, end) of the model view hold them; returns that
+  // exchange's first error (the loop then ends the run). OK at once when nothing is owed.
+  // The loop calls it before a forward reads those entries: layer by layer from inside the
+  // forward where the model can (Model::SetParameterGate), else for every entry before the
+  // forward; and for every entry after the step's first forward (before backward and
+  // BeforeBackward). Finish and MaybeCheckpoint settle what is still owed themselves.
+  virtual absl::Status AwaitParameters(int begin, int end) { return absl::OkStatus(); }
 
   // After the forward pass of `step`, before backward: its local loss and whether a stop was
   // requested (only meaningful when collective_stop()).

@@ -15,8 +15,16 @@
 // parameters) and are copied into the model once every shard answered. The staging copy is
 // what the client last pulled, as "changes" pulls need.
 //
+// Deferred (JobSpec overlap: 2, BytePS's priority scheduling): Finish sends the rest on a
+// second thread and returns at once, so the next step's forward can start while the later
+// layers' answers are still on their way. AwaitEntries (the forward, layer by layer, first
+// layers first) waits only for the shards holding the entries it names and copies those
+// entries into the model; Settle waits for the whole step. Every entry is copied once per
+// step, before anything reads it.
+//
 // Per step: BeginStep (before backward), OnGradient for every parameter (during backward, in
-// any order, each once), then Finish or Abort.
+// any order, each once), then Finish or Abort; deferred, then AwaitEntries (any number) and
+// Settle (BeginStep, Abort and the destructor settle a step left open).
 //
 // Thread safety: one step at a time; OnGradient may run on LibTorch's autograd thread while
 // the training thread waits in backward. The background thread reads the gradient copies of
@@ -50,13 +58,17 @@ class BackwardOverlap {
     // gradients, or just after it, before the exchange began), and all.
     int64_t shards_early = 0;
     int64_t shards_total = 0;
-    double hidden_s = 0;   // Sends in flight while backward still ran.
-    double exposed_s = 0;  // From the end of backward to the step's last answer.
+    // Sends in flight while backward still ran (deferred: the step's exchange, from its
+    // first send to its last answer, less exposed_s).
+    double hidden_s = 0;
+    // From the end of backward to the step's last answer (deferred: the time AwaitEntries and
+    // Settle waited for answers).
+    double exposed_s = 0;
   };
 
   // `client` and `model` outlive this object; `model` holds the values the client last
-  // pulled (the staging copy starts from them).
-  BackwardOverlap(ParameterClient* client, const ModelView* model);
+  // pulled (the staging copy starts from them). `deferred`: see above.
+  BackwardOverlap(ParameterClient* client, ModelView* model, bool deferred = false);
   ~BackwardOverlap();
   BackwardOverlap(const BackwardOverlap&) = delete;
   BackwardOverlap& operator=(const BackwardOverlap&) = delete;
@@ -70,12 +82,24 @@ class BackwardOverlap {
 
   // After backward: sends the shards not sent yet, from the same copies as the others (an
   // entry never produced is taken from `grads`, every entry of the model: parameters, then
-  // buffer deltas), waits for all, and copies the pulled values into `model`. The
+  // buffer deltas), waits for all, and copies the pulled values into the model. The
   // first error of any send (then the model is not written, and after a failed background
   // send the shards not sent yet are not sent). A step that fails part-way may have been
   // applied on some shards only, as a failed PushPull may: a retry of the step (a resumed
   // worker) is a duplicate there and applied on the others.
-  absl::Status Finish(absl::Span<const absl::Span<const float>> grads, ModelView* model);
+  // Deferred: starts those sends and returns without waiting (the error of a background
+  // send that already failed; later ones come from AwaitEntries and Settle).
+  absl::Status Finish(absl::Span<const absl::Span<const float>> grads);
+
+  // Deferred: waits until every shard holding a chunk of entries [begin, end) answered the
+  // step, copies those entries' pulled values into the model (each once per step), and
+  // returns OK, or the first error of the step's sends (then nothing more is copied; the
+  // run is over). OK at once when no step is open. Clamped to the model's entries.
+  absl::Status AwaitEntries(int begin, int end);
+
+  // Waits for every send of an open step and copies what AwaitEntries has not; the first
+  // error of its sends. OK at once when no step is open (overlap: 1 never leaves one).
+  absl::Status Settle();
 
   // Backward failed: waits for the sends in flight and discards the step.
   void Abort();
@@ -88,10 +112,16 @@ class BackwardOverlap {
  private:
   // The background half: sends batches of ready shards until the step is closed.
   absl::Status SendReady();
-  // Marks `param` produced; queues the shards it completes. Returns whether any were queued.
-  bool ProduceLocked(int param) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Sends `shards` (one call), then records the send and its answers.
+  absl::Status Send(int64_t step, std::vector<int32_t> shards) ABSL_LOCKS_EXCLUDED(mu_);
+  // Whether every shard holding entries [begin, end) answered, or a send failed.
+  bool AnsweredLocked(int begin, int end) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Adds the closed step to totals_ (`waited_s`: the training thread's wait for it).
+  void CountStepLocked(absl::Time closed_at, double waited_s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   ParameterClient* const client_;
+  ModelView* const model_;
+  const bool deferred_;
   const int num_shards_;
   const int num_entries_;                            // Parameters and buffers.
   std::vector<std::vector<int32_t>> tensor_shards_;  // Shards holding each entry's chunks.
@@ -107,14 +137,28 @@ class BackwardOverlap {
   std::vector<int32_t> ready_ ABSL_GUARDED_BY(mu_);    // Complete, not yet taken.
   std::vector<bool> taken_ ABSL_GUARDED_BY(mu_);       // Per shard: sent (or being sent).
   bool closed_ ABSL_GUARDED_BY(mu_) = false;           // Finish/Abort took the rest.
-  bool failed_ ABSL_GUARDED_BY(mu_) = false;           // A background send failed.
+  bool failed_ ABSL_GUARDED_BY(mu_) = false;           // A send failed.
+  absl::Status failure_ ABSL_GUARDED_BY(mu_);          // The first failed send's status.
+  std::vector<bool> answered_ ABSL_GUARDED_BY(mu_);    // Per shard: its send succeeded.
+  absl::CondVar answer_cv_;                            // answered_ or failed_ changed.
   // The background sends of the step: (start, end) of each.
   std::vector<std::pair<absl::Time, absl::Time>> sends_ ABSL_GUARDED_BY(mu_);
   int64_t early_ ABSL_GUARDED_BY(mu_) = 0;
 
   Totals totals_ ABSL_GUARDED_BY(mu_);
-  // Last: destroyed (waiting for a running send) before the buffers it uses.
+
+  // Deferred, training thread only: a step is open (Finish returned, Settle not yet), when
+  // Finish closed it, how long the training thread waited for it, and the entries copied.
+  bool open_ = false;
+  absl::Time closed_at_;
+  double waited_s_ = 0;
+  std::vector<bool> copied_;
+  int copied_count_ = 0;
+
+  // Last: destroyed (waiting for a running send) before the buffers they use. background_
+  // sends during backward; rest_ the shards left at Finish (deferred).
   std::unique_ptr<BackgroundTask> background_;
+  std::unique_ptr<BackgroundTask> rest_;
 };
 
 }  // namespace gradmesh

@@ -62,8 +62,12 @@ class PsMode : public TrainingMode {
     return client_->UseDeviceGradients(gradients);
   }
 
-  // overlap: 1 (JobSpec.overlap): each shard's part leaves as backward produces it.
+  // overlap: 1 (JobSpec.overlap): each shard's part leaves as backward produces it; 2: and
+  // Exchange returns before the answers, which the next forward awaits entry by entry.
   bool wants_gradient_hook() const override { return overlap_ != nullptr; }
+  absl::Status AwaitParameters(int begin, int end) override {
+    return overlap_ != nullptr ? overlap_->AwaitEntries(begin, end) : absl::OkStatus();
+  }
   void BeforeBackward(int64_t step, double loss, bool stop_requested) override {
     if (overlap_ != nullptr) overlap_begin_ = overlap_->BeginStep(step);
   }
@@ -278,7 +282,9 @@ absl::StatusOr<int64_t> PsMode::Start(ModelView* model, const LoopInfo& info) {
              Kv("step", std::min(first_step * steps_per_push(), info.total_steps)),
              Kv("pushes_done", first_step)});
   }
-  if (spec_.overlap() > 0) overlap_ = std::make_unique<BackwardOverlap>(client_.get(), model);
+  if (spec_.overlap() > 0) {
+    overlap_ = std::make_unique<BackwardOverlap>(client_.get(), model, spec_.overlap() == 2);
+  }
   if (spec_.pipeline() > 0) {
     pipelined_ = true;
     // staging_ holds what the client last pulled ("changes" pulls update it in place).
@@ -297,7 +303,7 @@ std::vector<LogField> PsMode::StartFields() const {
       Kv("pull_codec",
          spec_.compression().pull().empty() ? "float32" : spec_.compression().pull())};
   if (commit_) f.push_back(Kv("commit_steps", 1));
-  if (overlap_ != nullptr) f.push_back(Kv("overlap", 1));
+  if (overlap_ != nullptr) f.push_back(Kv("overlap", spec_.overlap()));
   if (spec_.placement() == "ordered") f.push_back(Kv("placement", "ordered"));
   // Every gradient is computed on parameters one exchange older than without the pipeline.
   if (pipelined_) {
@@ -372,7 +378,7 @@ absl::StatusOr<StepOutcome> PsMode::Exchange(int64_t step,
   const absl::Time start = absl::Now();
   if (overlap_ != nullptr) {
     RETURN_IF_ERROR(std::exchange(overlap_begin_, absl::OkStatus()));
-    RETURN_IF_ERROR(overlap_->Finish(grads, model_));
+    RETURN_IF_ERROR(overlap_->Finish(grads));
   } else {
     RETURN_IF_ERROR(
         client_->PushPull(step, std::vector<absl::Span<const float>>(grads.begin(), grads.end()),
@@ -467,7 +473,10 @@ absl::StatusOr<StepOutcome> PsMode::CommittedExchange(
 absl::StatusOr<bool> PsMode::MaybeCheckpoint(int64_t steps_done) {
   // The shards snapshot durably every checkpoint.every_steps steps of every worker.
   const int64_t every = spec_.checkpoint().every_steps();
-  return every > 0 && steps_done % every == 0;
+  if (every <= 0 || steps_done % every != 0) return false;
+  // overlap: 2: the step is reported once the shards acknowledged its push.
+  if (overlap_ != nullptr) RETURN_IF_ERROR(overlap_->Settle());
+  return true;
 }
 
 std::vector<LogField> PsMode::ProgressFields(int64_t done, int64_t window) {
@@ -548,6 +557,10 @@ absl::StatusOr<bool> PsMode::Finish(int64_t step, TrainResult* result) {
   if (pipelined_) {
     const absl::Status drained = DrainPipeline();
     if (!drained.ok() && !(result->stopped_early && absl::IsCancelled(drained))) return drained;
+  }
+  if (overlap_ != nullptr) {
+    const absl::Status settled = overlap_->Settle();  // overlap: 2 leaves the last step open.
+    if (!settled.ok() && !(result->stopped_early && absl::IsCancelled(settled))) return settled;
   }
   result->bytes_pushed = client_->bytes_pushed();
   result->bytes_pulled = client_->bytes_pulled();

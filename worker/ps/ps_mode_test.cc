@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <functional>
 #include <limits>
+#include <map>
 #include <memory>
 #include <string>
 #include <utility>
@@ -63,6 +64,8 @@ class FakeClient : public ParameterClient {
     // Shared so that State stays assignable; guards shard_calls.
     std::shared_ptr<absl::Mutex> calls_mu = std::make_shared<absl::Mutex>();
     std::vector<std::pair<int64_t, std::vector<int32_t>>> shard_calls;
+    // A call that names shard s waits (at most 5 s) for shard_gates[s] first, if set.
+    std::map<int32_t, absl::Notification*> shard_gates;
     // UseDeviceGradients: what the client was offered (it accepts).
     DeviceGradients* device = nullptr;
   };
@@ -182,8 +185,20 @@ class FakeClient : public ParameterClient {
   absl::Status PushPullShards(int64_t step, const std::vector<absl::Span<const float>>& grads,
                               const std::vector<absl::Span<float>>& params,
                               const std::vector<int32_t>& shards) override {
+    // A gated call is recorded before it waits (so a test can see it held).
+    std::vector<absl::Notification*> gates;
+    for (int32_t s : shards) {
+      if (const auto gate = s_->shard_gates.find(s); gate != s_->shard_gates.end()) {
+        gates.push_back(gate->second);
+      }
+    }
+    if (!gates.empty()) {
+      absl::MutexLock lock(s_->calls_mu.get());
+      s_->shard_calls.emplace_back(step, shards);
+    }
+    for (absl::Notification* gate : gates) gate->WaitForNotificationWithTimeout(absl::Seconds(5));
     absl::MutexLock lock(s_->calls_mu.get());
-    s_->shard_calls.emplace_back(step, shards);
+    if (gates.empty()) s_->shard_calls.emplace_back(step, shards);
     if (step == s_->fail_step) return absl::UnavailableError("shard 1 is down");
     for (size_t t = 0; t < grads.size(); ++t) {
       if (std::find(shards.begin(), shards.end(), ShardOf(t)) == shards.end()) continue;
@@ -728,6 +743,69 @@ TEST_F(PsModeTest, OverlapReportsAFailedEarlySendAtTheExchange) {
   EXPECT_STATUS_MSG(mode->Exchange(0, grads, 1.0, StepTiming()).status(),
                     absl::StatusCode::kUnavailable, "shard 1 is down");
   EXPECT_EQ(m.a, (std::vector<float>{1.0f, 2.0f}));  // The model is not written.
+}
+
+// overlap: 2 (BytePS's priority): Exchange returns before the answers; the next forward's
+// first layer (a, on shard 0) is in as soon as shard 0 answered, while shard 1 (b) is still
+// held; b arrives when it answers. Nothing is copied before its shard answered.
+TEST_F(PsModeTest, DeferredOverlapHandsEachLayerOverAsItsShardAnswers) {
+  options_.spec.set_overlap(2);
+  options_.spec.set_placement("ordered");
+  options_.spec.set_num_shards(2);
+  state_.shards = 2;
+  state_.tensor_shard = {0, 1, 0};
+  absl::Notification hold_b;
+  state_.shard_gates[1] = &hold_b;
+  TwoLayerModel m;
+  std::unique_ptr<TrainingMode> mode = MakeMode();
+  ASSERT_NE(mode, nullptr);
+  ASSERT_OK(mode->Start(&m.view, Steps(2)).status());
+  std::vector<float> gb = {0.5f, 0.25f}, ga = {1.0f, 1.0f}, drm = {0.25f};
+  const std::vector<absl::Span<const float>> deltas = {drm};
+  const std::vector<absl::Span<const float>> grads = {ga, gb, drm};
+  mode->BeforeBackward(0, 1.0, false);
+  mode->OnBufferDeltas(deltas);
+  mode->OnGradient(1, gb);  // Shard 1 leaves and is held.
+  ASSERT_EQ(AwaitCalls(&state_, 1), (Calls{{0, {1}}}));
+  mode->OnGradient(0, ga);  // Shard 0 is ready behind it.
+  ASSERT_OK(mode->Exchange(0, grads, 1.0, StepTiming()).status());
+  // Returned with shard 1 still held: nothing is in the model yet.
+  EXPECT_EQ(m.a, (std::vector<float>{1.0f, 2.0f}));
+  EXPECT_EQ(m.b, (std::vector<float>{3.0f, 4.0f}));
+  // The first layer: shard 0 went on the second thread, and answers.
+  ASSERT_OK(mode->AwaitParameters(0, 1));
+  EXPECT_EQ(m.a, (std::vector<float>{0.0f, 1.0f}));
+  EXPECT_EQ(m.b, (std::vector<float>{3.0f, 4.0f}));
+  EXPECT_EQ(m.rm, (std::vector<float>{0.5f}));  // On shard 0, but not asked for yet.
+  hold_b.Notify();
+  ASSERT_OK(mode->AwaitParameters(1, 3));
+  EXPECT_EQ(m.b, (std::vector<float>{2.5f, 3.75f}));
+  EXPECT_EQ(m.rm, (std::vector<float>{0.75f}));
+  ASSERT_OK(mode->AwaitParameters(0, 3));  // Nothing owed: at once.
+  std::map<std::string, std::string> fields;
+  for (const LogField& f : mode->ProgressFields(1, 1)) fields[f.first] = f.second;
+  EXPECT_EQ(fields["early_shards"], "0.50");  // Shard 1 during backward; shard 0 at Exchange.
+  EXPECT_TRUE(fields.count("exposed_ms") == 1 && fields.count("hidden") == 1);
+
+  // Step 1 fails on its shards: the error comes from the wait, and Finish (which settles)
+  // reports it too; the model keeps step 0's values.
+  state_.fail_step = 1;
+  mode->BeforeBackward(1, 1.0, false);
+  mode->OnBufferDeltas(deltas);
+  mode->OnGradient(1, gb);
+  mode->OnGradient(0, ga);
+  const absl::Status exchanged = mode->Exchange(1, grads, 1.0, StepTiming()).status();
+  if (exchanged.ok()) {
+    EXPECT_STATUS_MSG(mode->AwaitParameters(0, 3), absl::StatusCode::kUnavailable,
+                      "shard 1 is down");
+    TrainResult result;
+    EXPECT_STATUS_MSG(mode->Finish(2, &result).status(), absl::StatusCode::kUnavailable,
+                      "shard 1 is down");
+  } else {  // The early send had already failed when Exchange began.
+    EXPECT_STATUS_MSG(exchanged, absl::StatusCode::kUnavailable, "shard 1 is down");
+  }
+  EXPECT_EQ(m.a, (std::vector<float>{0.0f, 1.0f}));
+  EXPECT_EQ(m.b, (std::vector<float>{2.5f, 3.75f}));
 }
 
 // Device gradients (worker/core/device_gradients.h) are passed on to the client for the plain
