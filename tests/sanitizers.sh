@@ -30,7 +30,7 @@ shift || true
 TSAN_TARGETS=(
   //server:shard_test //server:consistency_test //server:wait_timer_test
   //server:shard_durability_test //server:request_ledger_test //tests:waiting_calls_test
-  //tests:stream_test //tests:shm_test
+  //tests:stream_test //tests:shm_test //worker/ps:ps_mode_test
   //worker/gossip:replica_test //worker/gossip:gossiper_test //worker/gossip:gossip_service_test
   //worker/gossip:peer_auth_test
   //worker/allreduce:ring_test //worker/allreduce:tcp_ring_test //worker/allreduce:grpc_ring_test

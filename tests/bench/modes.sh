@@ -29,6 +29,10 @@
 #     runs prebuilt binaries (<path>/server/gradmesh_server, <path>/worker/gradmesh_worker),
 #     e.g. another commit's, for a before/after comparison in one session.
 #
+#   WORKLOAD=lenet bash tests/bench/modes.sh
+#     the built-in LeNet-5 (two conv layers, three fc layers) on MNIST, as the MLP is trained;
+#     no DDP peer (tests/bench/ddp_baseline.py trains the MLP). With PS_FLAGS="--overlap=2
+#     --placement=ordered" its forward waits layer by layer for the previous step's answers.
 #   WORKLOAD=resnet bash tests/bench/modes.sh       # or WORKLOAD=transformer
 #     the shipped TorchScript workloads (examples/: ResNet-style CNN with BatchNorm on
 #     Fashion-MNIST, character-level transformer on KJV; made once into WORKLOAD_DIR, default
@@ -50,6 +54,8 @@ WORKERS="${WORKERS:-2}"
 WORKLOAD="${WORKLOAD:-mlp}"
 if [ "$WORKLOAD" = mlp ]; then
   MODES="${MODES:-ps gossip allreduce ddp_gloo}"
+elif [ "$WORKLOAD" = lenet ]; then
+  MODES="${MODES:-ps gossip allreduce}"
 else
   MODES="${MODES:-ps gossip allreduce torch_1thread}"
 fi
@@ -71,8 +77,8 @@ export OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1
 
 # What the workers train: the MLP on MNIST, or a shipped TorchScript workload.
 case "$WORKLOAD" in
-  mlp)
-    TRAIN=(--model=mlp --dataset=mnist --epochs="$EPOCHS" --batch_size=64 --optimizer=adam
+  mlp | lenet)
+    TRAIN=(--model="$WORKLOAD" --dataset=mnist --epochs="$EPOCHS" --batch_size=64 --optimizer=adam
       --lr=0.001 --lr_schedule=cosine --log_every=100)
     BATCH=64
     ;;
@@ -98,7 +104,7 @@ case "$WORKLOAD" in
       --dataset_path="$WL/data" --steps="$STEPS" --batch_size="$BATCH" --optimizer=adam
       --lr="$LR" --log_every=10)
     ;;
-  *) echo "WORKLOAD must be mlp, resnet or transformer" >&2; exit 2 ;;
+  *) echo "WORKLOAD must be mlp, lenet, resnet or transformer" >&2; exit 2 ;;
 esac
 PIDS=()
 cleanup() { for p in "${PIDS[@]:-}"; do [ -n "$p" ] && kill "$p" 2>/dev/null || true; done; }
