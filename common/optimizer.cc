@@ -84,8 +84,9 @@ struct AdamScalars {
 // time by the CPU (GCC function multi-versioning): a shard spends a fifth of its cycles here
 // on the baseline's 4-wide SSE. Every lane computes what the scalar loop does, in the same
 // order (no fused multiply-add: -ffp-contract=off), so the results are bit-identical
-// whichever version runs.
-#if defined(__x86_64__) && defined(__GNUC__)
+// whichever version runs. Not under ThreadSanitizer: the clones' resolver runs while the
+// library is relocated, before TSan is set up, and its instrumentation would crash there.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__SANITIZE_THREAD__)
 #define GRADMESH_X86_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 #else
 #define GRADMESH_X86_CLONES

@@ -612,6 +612,78 @@ TEST(TrainingLoopTest, AnExchangeCutShortByAStopEndsTheRunAsStopped) {
   EXPECT_EQ(failed.status().code(), absl::StatusCode::kCancelled) << failed.status();
 }
 
+// overlap: 2, as the loop sees it: Exchange returns owing the model zeros, and hands each
+// entry over only when AwaitParameters names it. A built-in model's forward asks layer by
+// layer, then the loop asks for everything before backward; a model that cannot gate (a
+// TorchScript module with buffers) is waited for whole before its forward. Either way the
+// forward computes on what was handed over (all zeros: an MLP's loss is then exactly ln 10),
+// and a failed wait ends the run with its status.
+class DeferringMode : public FakeMode {
+ public:
+  std::vector<bool> owed;  // Per entry: Exchange's zeros not yet handed over.
+  bool fail = false;       // Waits fail once something is owed.
+  absl::Status AwaitParameters(int begin, int end) override {
+    calls.push_back(absl::StrCat("await ", begin, "-", end));
+    for (int i = begin; i < end && i < static_cast<int>(owed.size()); ++i) {
+      if (fail && owed[i]) return absl::UnavailableError("shard 1 is down");
+      if (owed[i]) std::fill(view->params[i].begin(), view->params[i].end(), 0.0f);
+      owed[i] = false;
+    }
+    return absl::OkStatus();
+  }
+  absl::StatusOr<StepOutcome> Exchange(int64_t step,
+                                       absl::Span<const absl::Span<const float>> grads, double loss,
+                                       const StepTiming& timing) override {
+    owed.assign(view->params.size(), true);
+    return FakeMode::Exchange(step, grads, loss, timing);
+  }
+};
+
+TEST(TrainingLoopTest, TheForwardAwaitsEachLayersValuesWhereTheModelCan) {
+  {
+    SCOPED_TRACE("mlp: layer by layer");
+    TrainerOptions o = Options(2);
+    DeferringMode mode;
+    std::atomic<bool> stop{false};
+    ASSERT_OK_AND_ASSIGN(TrainResult r, RunTrainingLoop(o, &mode, stop));
+    const auto at = std::find(mode.calls.begin(), mode.calls.end(), "forward 1");
+    ASSERT_LE(at + 7, mode.calls.end()) << absl::StrJoin(mode.calls, ", ");
+    EXPECT_EQ(std::vector<std::string>(at, at + 7),
+              (std::vector<std::string>{"forward 1", "await 0-2", "await 2-4", "await 4-6",
+                                        "await 0-6", "backward 1", "exchange 1"}))
+        << absl::StrJoin(mode.calls, ", ");
+    ASSERT_EQ(mode.losses.size(), 2u);
+    EXPECT_NEAR(mode.losses[1], std::log(10.0), 1e-6);  // The zeros handed over were used.
+    EXPECT_GT(mode.losses[0], 0);
+    EXPECT_NE(mode.losses[0], mode.losses[1]);
+  }
+  {
+    SCOPED_TRACE("torchscript with buffers: the whole model first");
+    TrainerOptions o = Options(2);
+    o.spec.mutable_model()->set_name("torchscript");
+    o.spec.mutable_model()->set_path("worker/testdata/bn_mnist.pt");
+    DeferringMode mode;
+    std::atomic<bool> stop{false};
+    ASSERT_OK_AND_ASSIGN(TrainResult r, RunTrainingLoop(o, &mode, stop));
+    const auto at = std::find(mode.calls.begin(), mode.calls.end(), "forward 1");
+    ASSERT_LE(at + 4, mode.calls.end()) << absl::StrJoin(mode.calls, ", ");
+    // 6 parameters and 3 buffers, before the forward; again (nothing owed) before backward.
+    EXPECT_EQ(std::vector<std::string>(at, at + 4),
+              (std::vector<std::string>{"forward 1", "await 0-9", "await 0-9", "backward 1"}))
+        << absl::StrJoin(mode.calls, ", ");
+  }
+  {
+    SCOPED_TRACE("a failed wait");
+    TrainerOptions o = Options(3);
+    DeferringMode mode;
+    mode.fail = true;
+    std::atomic<bool> stop{false};
+    absl::StatusOr<TrainResult> r = RunTrainingLoop(o, &mode, stop);
+    EXPECT_STATUS_MSG(r.status(), absl::StatusCode::kUnavailable, "shard 1 is down");
+    EXPECT_EQ(mode.losses.size(), 1u);  // Step 1 never reached its exchange.
+  }
+}
+
 // The same before the first step (Start cut short) and at the end (Finish cut short: rank 0
 // stopped while waiting for the others): stopped, not failed, so the rank can move.
 class CancelledStartOrFinishMode : public FakeMode {
