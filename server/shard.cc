@@ -114,6 +114,11 @@ absl::StatusOr<std::shared_ptr<Shard::Job>> Shard::FindJob(const std::string& na
   return it->second;
 }
 
+absl::StatusOr<MemoryReservation> Shard::ReserveBytes(int64_t bytes, const std::string& what) {
+  RETURN_IF_ERROR(budget_.Reserve(bytes, what));
+  return MemoryReservation(&budget_, bytes);
+}
+
 absl::StatusOr<MemoryReservation> Shard::ReserveMemory(const InitJobRequest& layout,
                                                        const Partition& partition, bool restore) {
   const std::string context = absl::StrCat("InitJob: job ", layout.job());

@@ -165,6 +165,10 @@ class Shard {
   // Bytes reserved by the jobs held (InitJob estimates plus grown pull caches) and the
   // budget's limit.
   int64_t memory_reserved() const { return budget_.used(); }
+  // Reserves `bytes` of the --max_memory_bytes budget for something other than a job (a
+  // shared-memory channel's areas) until the reservation is destroyed (the shard outlives
+  // it). RESOURCE_EXHAUSTED naming `what` and what is left when it does not fit.
+  absl::StatusOr<MemoryReservation> ReserveBytes(int64_t bytes, const std::string& what);
   int64_t memory_limit() const { return budget_.limit(); }
 
   // Sets the barrier group of sync job `job`: the ranks whose pushes complete a step (empty:

@@ -40,15 +40,27 @@ constexpr absl::Duration kStopCheck = absl::Milliseconds(100);
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<ShmOpServer>> ShmOpServer::Start(Shard* shard, Options options) {
+  // The region (a header page and two page-rounded areas) and the shard's copy of a request
+  // count against --max_memory_bytes while the channel is open: a worker cannot grow the
+  // shard past it by opening channels.
+  const int64_t page = static_cast<int64_t>(kShmHeaderBytes);
+  const int64_t area = (static_cast<int64_t>(options.area_bytes) + page - 1) / page * page;
+  const int64_t bytes = page + 3 * area + static_cast<int64_t>(kShmAlignment);
+  absl::StatusOr<MemoryReservation> memory = shard->ReserveBytes(
+      bytes,
+      absl::StrCat("OpenShm: a shared-memory channel with two ", FormatBytes(area), " areas"));
+  if (!memory.ok()) return memory.status();
   absl::StatusOr<std::unique_ptr<ShmRegion>> region = ShmRegion::Create(options.area_bytes);
   if (!region.ok()) return region.status();
-  return std::unique_ptr<ShmOpServer>(
-      new ShmOpServer(shard, std::move(options), std::move(region).value()));
+  return std::unique_ptr<ShmOpServer>(new ShmOpServer(
+      shard, std::move(options), std::move(region).value(), std::move(memory).value()));
 }
 
-ShmOpServer::ShmOpServer(Shard* shard, Options options, std::unique_ptr<ShmRegion> region)
+ShmOpServer::ShmOpServer(Shard* shard, Options options, std::unique_ptr<ShmRegion> region,
+                         MemoryReservation memory)
     : shard_(shard),
       options_(std::move(options)),
+      memory_(std::move(memory)),
       region_(std::move(region)),
       spin_(options_.spin),
       fd_(region_->fd()),

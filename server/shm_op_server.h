@@ -40,6 +40,7 @@
 #include "rpc/tensor_wire.h"
 #include "server/job_tokens.h"
 #include "server/shard.h"
+#include "server/shard_limits.h"
 
 namespace gradmesh {
 
@@ -58,7 +59,9 @@ class ShmOpServer {
     absl::Duration spin = absl::ZeroDuration();
   };
 
-  // Makes the region and starts serving it. Errors: ShmRegion::Create's.
+  // Makes the region and starts serving it. The region and the shard's request copy (about
+  // three areas) are reserved in the shard's --max_memory_bytes budget until the server is
+  // destroyed: RESOURCE_EXHAUSTED when they do not fit; otherwise ShmRegion::Create's errors.
   static absl::StatusOr<std::unique_ptr<ShmOpServer>> Start(Shard* shard, Options options);
   ~ShmOpServer();
   ShmOpServer(const ShmOpServer&) = delete;
@@ -75,7 +78,8 @@ class ShmOpServer {
   struct Op;     // One operation of a request.
   struct Tally;  // The operations of a request not yet completed.
 
-  ShmOpServer(Shard* shard, Options options, std::unique_ptr<ShmRegion> region);
+  ShmOpServer(Shard* shard, Options options, std::unique_ptr<ShmRegion> region,
+              MemoryReservation memory);
   void Run();
   // Runs the request of `bytes` bytes copied out of the request area; returns the encoded
   // answer and, in `*operations`, how many operations it answered.
@@ -93,6 +97,7 @@ class ShmOpServer {
 
   Shard* const shard_;
   const Options options_;
+  const MemoryReservation memory_;  // The region and request copy, in the shard's budget.
   const std::unique_ptr<ShmRegion> region_;
   std::atomic<bool> stop_{false};
   std::atomic<int64_t> served_{0};

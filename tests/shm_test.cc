@@ -586,6 +586,39 @@ TEST(ShmLimitsTest, BadAreasAndAFullShardAreRefusedAndTheClientKeepsTheStream) {
   c.reset();
 }
 
+// A channel's region and the shard's copy of a request count against --max_memory_bytes while
+// it is open: a worker cannot grow the shard past its budget by opening channels. A refused
+// channel reserves nothing; a closed one gives its bytes back.
+TEST(ShmLimitsTest, AChannelsMemoryCountsAgainstTheShardsBudget) {
+  ShardOptions options;
+  options.limits.max_memory_bytes = 5 << 20;  // Room for one channel of 1 MiB areas.
+  ShmChannelOptions shm;
+  shm.max_area_bytes = 1 << 20;
+  auto server = StartShardServer(options, RpcOptions(), 0, nullptr, shm);
+  ASSERT_NE(server, nullptr);
+  const ParameterServiceImpl& service = *server->service;
+  auto stub = ParameterService::NewStub(MakeChannel(server->addr, RpcOptions()));
+  const int64_t before = server->shard->memory_reserved();
+  absl::StatusOr<RawChannel> first = OpenRaw(stub.get(), 1 << 20);
+  ASSERT_OK(first.status());
+  const int64_t channel = server->shard->memory_reserved() - before;
+  EXPECT_EQ(channel, 4096 + 3 * (1 << 20) + 64);  // Header page, two areas, the copy.
+  EXPECT_TRUE(HasCodeAndText(OpenRaw(stub.get(), 1 << 20).status(),
+                             absl::StatusCode::kResourceExhausted, "--max_memory_bytes"));
+  EXPECT_EQ(server->shard->memory_reserved() - before, channel);
+  // The refused call stops counting once it is done.
+  for (int i = 0; i < 200 && service.shm_channels() != 1; ++i) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  EXPECT_EQ(service.shm_channels(), 1);
+  first->Close();
+  for (int i = 0; i < 200 && server->shard->memory_reserved() != before; ++i) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  EXPECT_EQ(server->shard->memory_reserved(), before);
+  ASSERT_OK(OpenRaw(stub.get(), 1 << 20).status());  // The bytes came back.
+}
+
 // With per-job tokens, a channel opens only for a job the presented token may act on.
 TEST(ShmLimitsTest, AChannelOpensOnlyWithTheJobsToken) {
   JobTokens tokens(/*required=*/true);
