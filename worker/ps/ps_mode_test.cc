@@ -250,6 +250,16 @@ class PsModeTest : public ::testing::Test {
     options_.rank = 0;
   }
 
+  // JobSpec overlap `overlap` over two ordered shards, the TwoLayerModel's a and rm on shard
+  // 0 and b on shard 1.
+  void TwoOrderedShards(int overlap) {
+    options_.spec.set_overlap(overlap);
+    options_.spec.set_placement("ordered");
+    options_.spec.set_num_shards(2);
+    state_.shards = 2;
+    state_.tensor_shard = {0, 1, 0};
+  }
+
   std::unique_ptr<TrainingMode> MakeMode() {
     auto mode = NewPsMode(options_, [this](JobLayout layout) {
       state_.layout = layout;
@@ -666,11 +676,7 @@ std::vector<std::pair<int64_t, std::vector<int32_t>>> AwaitCalls(FakeClient::Sta
 using Calls = std::vector<std::pair<int64_t, std::vector<int32_t>>>;
 
 TEST_F(PsModeTest, OverlapSendsAShardsPartOnceBackwardProducedItAndTheRestAfter) {
-  options_.spec.set_overlap(1);
-  options_.spec.set_placement("ordered");
-  options_.spec.set_num_shards(2);
-  state_.shards = 2;
-  state_.tensor_shard = {0, 1, 0};
+  TwoOrderedShards(1);
   TwoLayerModel m;
   std::unique_ptr<TrainingMode> mode = MakeMode();
   ASSERT_NE(mode, nullptr);
@@ -749,11 +755,7 @@ TEST_F(PsModeTest, OverlapReportsAFailedEarlySendAtTheExchange) {
 // first layer (a, on shard 0) is in as soon as shard 0 answered, while shard 1 (b) is still
 // held; b arrives when it answers. Nothing is copied before its shard answered.
 TEST_F(PsModeTest, DeferredOverlapHandsEachLayerOverAsItsShardAnswers) {
-  options_.spec.set_overlap(2);
-  options_.spec.set_placement("ordered");
-  options_.spec.set_num_shards(2);
-  state_.shards = 2;
-  state_.tensor_shard = {0, 1, 0};
+  TwoOrderedShards(2);
   absl::Notification hold_b;
   state_.shard_gates[1] = &hold_b;
   TwoLayerModel m;
