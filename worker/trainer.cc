@@ -57,7 +57,7 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerOptions options,
   if (spec.overlap() > 0 && !options.nonfinite_steps.empty()) {
     return absl::InvalidArgumentError(
         "trainer: --fault_nonfinite_steps poisons the gradient after backward, which overlap: 1 "
-        "has already sent; run the fault injection without overlap");
+        "or 2 has already sent; run the fault injection without overlap");
   }
   // Names are checked here, before any work, so a bad spec fails as bad arguments.
   if (absl::Status st = CheckModelName(spec.model().name()); !st.ok()) {

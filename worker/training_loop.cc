@@ -578,9 +578,9 @@ absl::Status TrainingLoop::Setup() {
   OfferDeviceGradients();
   RETURN_IF_ERROR(
       BuffersIn(/*remember=*/true));  // The mode may have set them (shards, checkpoint, rank 0).
-  // A gate inside the forward only where the view's spans are the parameters the forward
-  // reads (the CPU) and no buffer (copied in before the forward) is owed.
-  if (!on_gpu_ && view_.size() == view_.num_params) {
+  // overlap: 2: a gate inside the forward only where the view's spans are the parameters the
+  // forward reads (the CPU) and no buffer (copied in before the forward) is owed.
+  if (spec_.overlap() == 2 && !on_gpu_ && view_.size() == view_.num_params) {
     gated_ = model_->SetParameterGate([this](int begin, int end) {
       const absl::Status st = AwaitParameters(begin, end);
       if (!st.ok() && gate_status_.ok()) gate_status_ = st;
@@ -1078,9 +1078,18 @@ absl::StatusOr<TrainResult> TrainingLoop::Run() {
       ++window_loss_steps_;
     }
     ++window_steps_;
-    ASSIGN_OR_RETURN(const bool checkpointed, mode_->MaybeCheckpoint(step_));
-    if (checkpointed) checkpoint_step_ = step_;
-    if (checkpointed || absl::Now() - last_publish_ >= options_.model_publish_interval) {
+    absl::StatusOr<bool> checkpointed = mode_->MaybeCheckpoint(step_);
+    // overlap: 2 waits there for the step's answers: a stop that cuts that wait short stops.
+    if (StoppedBy(checkpointed.status())) {
+      result_.stopped_early = true;
+      LogInfo(log_, "stop_requested",
+              {Kv("job", spec_.name()), Kv("rank", options_.rank), Kv("step", step_),
+               Kv("step_interrupted", checkpointed.status().ToString())});
+      break;
+    }
+    if (!checkpointed.ok()) return checkpointed.status();
+    if (*checkpointed) checkpoint_step_ = step_;
+    if (*checkpointed || absl::Now() - last_publish_ >= options_.model_publish_interval) {
       PublishModel(/*final=*/false);
     }
     const bool last = step_ == total_ || outcome.stop;

@@ -643,6 +643,7 @@ TEST(TrainingLoopTest, TheForwardAwaitsEachLayersValuesWhereTheModelCan) {
   {
     SCOPED_TRACE("mlp: layer by layer");
     TrainerOptions o = Options(2);
+    o.spec.set_overlap(2);
     DeferringMode mode;
     std::atomic<bool> stop{false};
     ASSERT_OK_AND_ASSIGN(TrainResult r, RunTrainingLoop(o, &mode, stop));
@@ -662,6 +663,7 @@ TEST(TrainingLoopTest, TheForwardAwaitsEachLayersValuesWhereTheModelCan) {
     TrainerOptions o = Options(2);
     o.spec.mutable_model()->set_name("torchscript");
     o.spec.mutable_model()->set_path("worker/testdata/bn_mnist.pt");
+    o.spec.set_overlap(2);
     DeferringMode mode;
     std::atomic<bool> stop{false};
     ASSERT_OK_AND_ASSIGN(TrainResult r, RunTrainingLoop(o, &mode, stop));
@@ -675,6 +677,7 @@ TEST(TrainingLoopTest, TheForwardAwaitsEachLayersValuesWhereTheModelCan) {
   {
     SCOPED_TRACE("a failed wait");
     TrainerOptions o = Options(3);
+    o.spec.set_overlap(2);
     DeferringMode mode;
     mode.fail = true;
     std::atomic<bool> stop{false};

@@ -138,7 +138,7 @@ ABSL_FLAG(int32_t, overlap, 0,
           "waiting only for its own values (built-in models).");
 ABSL_FLAG(std::string, placement, "",
           "Job spec placement (ps modes): greedy (default) or ordered (contiguous ranges of "
-          "the model; pair with --overlap=1).");
+          "the model; pair with --overlap=1 or 2).");
 ABSL_FLAG(std::string, lr_scaling, "",
           "Job spec lr_scaling.rule: none, linear or sqrt (needs --lr_base_batch_size).");
 ABSL_FLAG(int32_t, lr_base_batch_size, 0, "Job spec lr_scaling.base_batch_size.");

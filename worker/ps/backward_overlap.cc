@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <utility>
 
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "common/status.h"
 
@@ -81,6 +83,11 @@ absl::Status BackwardOverlap::Send(int64_t step, std::vector<int32_t> shards) {
   std::sort(shards.begin(), shards.end());
   const absl::Time start = absl::Now();
   absl::Status st = client_->PushPullShards(step, grads, into, shards);
+  // Deferred, the error surfaces during the next step: say which step's exchange it was.
+  if (deferred_ && !st.ok()) {
+    st = Annotate(
+        st, absl::StrCat("step ", step, "'s exchange with shards ", absl::StrJoin(shards, ",")));
+  }
   const absl::Time end = absl::Now();
   absl::MutexLock lock(&mu_);
   sends_.emplace_back(start, end);

@@ -172,9 +172,10 @@ class PsMode : public TrainingMode {
   double clip_norm_ = 0;  // clip_grad_norm (0: off).
   ClipCounters clip_counters_;
   std::vector<std::vector<float>> zeros_;  // The payload of a non-finite step.
-  // overlap: 1 only (after client_, which it uses).
+  // overlap: 1 and 2 only (after client_, which it uses).
   std::unique_ptr<BackwardOverlap> overlap_;
-  absl::Status overlap_begin_;  // What the step's BeginStep returned.
+  absl::Status overlap_begin_;       // What the step's BeginStep returned.
+  double overlap_exposed_seen_ = 0;  // overlap: 2: exposed_s at the last auto-codec probe.
   // Last: destroyed (waiting for a running exchange) before the buffers it uses.
   std::unique_ptr<BackgroundTask> background_;
 };
@@ -385,8 +386,14 @@ absl::StatusOr<StepOutcome> PsMode::Exchange(int64_t step,
                           model_->params, nullptr));
   }
   if (auto_codec_.has_value()) {
-    RETURN_IF_ERROR(
-        MaybeSwitchCodec(step, loss, timing.compute_s, absl::ToDoubleSeconds(absl::Now() - start)));
+    double waited = absl::ToDoubleSeconds(absl::Now() - start);
+    if (spec_.overlap() == 2) {
+      // Exchange did not wait: the step's wait is the forward's for the previous answers.
+      const double exposed = overlap_->totals().exposed_s;
+      waited = exposed - overlap_exposed_seen_;
+      overlap_exposed_seen_ = exposed;
+    }
+    RETURN_IF_ERROR(MaybeSwitchCodec(step, loss, timing.compute_s, waited));
   }
   StepOutcome out;
   out.loss = loss;

@@ -66,6 +66,7 @@ class FakeClient : public ParameterClient {
     std::vector<std::pair<int64_t, std::vector<int32_t>>> shard_calls;
     // A call that names shard s waits (at most 5 s) for shard_gates[s] first, if set.
     std::map<int32_t, absl::Notification*> shard_gates;
+    std::vector<std::vector<int32_t>> shards_answered;  // Every call's shards, as it returns.
     // UseDeviceGradients: what the client was offered (it accepts).
     DeviceGradients* device = nullptr;
   };
@@ -207,6 +208,7 @@ class FakeClient : public ParameterClient {
       std::copy(s_->values[t].begin(), s_->values[t].end(), params[t].begin());
     }
     s_->last_step = step;
+    s_->shards_answered.push_back(shards);
     return absl::OkStatus();
   }
   int64_t bytes_pushed() const override { return 0; }
@@ -771,7 +773,13 @@ TEST_F(PsModeTest, DeferredOverlapHandsEachLayerOverAsItsShardAnswers) {
   ASSERT_EQ(AwaitCalls(&state_, 1), (Calls{{0, {1}}}));
   mode->OnGradient(0, ga);  // Shard 0 is ready behind it.
   ASSERT_OK(mode->Exchange(0, grads, 1.0, StepTiming()).status());
-  // Returned with shard 1 still held: nothing is in the model yet.
+  {  // Returned while shard 1's call is still held.
+    absl::MutexLock lock(state_.calls_mu.get());
+    for (const std::vector<int32_t>& answered : state_.shards_answered) {
+      EXPECT_EQ(std::count(answered.begin(), answered.end(), 1), 0);
+    }
+  }
+  // Nothing is in the model yet.
   EXPECT_EQ(m.a, (std::vector<float>{1.0f, 2.0f}));
   EXPECT_EQ(m.b, (std::vector<float>{3.0f, 4.0f}));
   // The first layer: shard 0 went on the second thread, and answers.
