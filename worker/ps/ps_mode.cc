@@ -34,6 +34,12 @@ class PsMode : public TrainingMode {
         client_factory_(std::move(client_factory)),
         active_ranks_(options.active_ranks),
         evaluate_(options.evaluate) {}
+  // A run that ended between a step's exchange and its wait (overlap: 2, pipeline: 1; e.g. a
+  // failed forward) leaves sends in flight: they stop retrying, so the mode's end does not
+  // wait out their retry budget against a dead shard. After Finish nothing is in flight.
+  ~PsMode() override {
+    if (client_ != nullptr && (pipelined_ || spec_.overlap() == 2)) client_->StopRetrying();
+  }
 
   absl::StatusOr<int64_t> Start(ModelView* model, const LoopInfo& info) override;
   std::vector<LogField> StartFields() const override;
