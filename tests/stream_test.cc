@@ -14,6 +14,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
@@ -300,17 +301,26 @@ TEST_P(StreamRestartTest, AStreamBrokenMidPushIsRetriedAndThePushAppliedOnce) {
   ASSERT_NE(server, nullptr);
   const std::string addr = absl::StrCat("127.0.0.1:", port);
   const JobLayout l = Layout("restart", /*num_workers=*/2, "sync");
-  GrpcParameterClientOptions o0 = Options({addr}, transport, 0);
-  o0.max_attempts = 20;
-  o0.initial_backoff = absl::Milliseconds(20);
-  o0.max_backoff = absl::Milliseconds(100);
-  auto c0 = Client(l, o0);
-  auto c1 = Client(l, Options({addr}, transport, 1));
+  // Both clients ride over the restart: c1 may have tried its channel (shm opens at once)
+  // while the server was down, and gRPC then refuses its first calls until it reconnects.
+  const auto patient = [&](int32_t worker) {
+    GrpcParameterClientOptions o = Options({addr}, transport, worker);
+    o.max_attempts = 20;
+    o.initial_backoff = absl::Milliseconds(20);
+    o.max_backoff = absl::Milliseconds(100);
+    return o;
+  };
+  auto c0 = Client(l, patient(0));
+  auto c1 = Client(l, patient(1));
   ASSERT_NE(c0, nullptr);
   ASSERT_NE(c1, nullptr);
   ASSERT_OK(c0->InitJob(ConstSpans(OddInit(l))));
   absl::Status pushed0;
   std::thread t0([&] { pushed0 = c0->Push(0, ConstSpans(Grad(l, 0))); });
+  // Joined on every path (a failed ASSERT returns early), after c0's retries end.
+  absl::Cleanup join_t0 = [&t0] {
+    if (t0.joinable()) t0.join();
+  };
   auto wait_for = [&](int64_t n) {
     for (int i = 0; i < 1000 && shard->waiting() != n; ++i) absl::SleepFor(absl::Milliseconds(5));
     return shard->waiting();
@@ -325,7 +335,7 @@ TEST_P(StreamRestartTest, AStreamBrokenMidPushIsRetriedAndThePushAppliedOnce) {
   ASSERT_EQ(again, port);
   ASSERT_EQ(wait_for(1), 1);  // The retry, waiting again.
   ASSERT_OK(c1->Push(0, ConstSpans(Grad(l, 0, 2))));
-  t0.join();
+  std::move(join_t0).Invoke();
   ASSERT_OK(pushed0);
   if (transport == "shm") {
     // Each client has its channel to the new server: c1's from its push, and c0's reopened by
