@@ -488,7 +488,12 @@ class ShmOpenReactor final : public grpc::ServerBidiReactor<ShmOpenRequest, ShmO
     o.logger = options_.logger;
     o.spin = options_.spin;
     absl::StatusOr<std::unique_ptr<ShmOpServer>> server = ShmOpServer::Start(shard_, o);
-    if (!server.ok()) return server.status();
+    if (!server.ok()) {
+      // Refused (no memory for it): the slot is free again at once, not when the call ends.
+      open_->fetch_sub(1);
+      counted_ = false;
+      return server.status();
+    }
     server_ = std::move(server).value();
     out_.set_pid(static_cast<int32_t>(getpid()));
     out_.set_fd(server_->fd());

@@ -162,8 +162,8 @@ class Shard {
   absl::StatusOr<JobInfoResponse> GetJobInfo(const JobInfoRequest& request);
   // Names of the jobs this shard holds, sorted.
   std::vector<std::string> JobNames() const;
-  // Bytes reserved by the jobs held (InitJob estimates plus grown pull caches) and the
-  // budget's limit.
+  // Bytes reserved by the jobs held (InitJob estimates plus grown pull caches) and by the
+  // open shared-memory channels (ReserveBytes), and the budget's limit.
   int64_t memory_reserved() const { return budget_.used(); }
   // Reserves `bytes` of the --max_memory_bytes budget for something other than a job (a
   // shared-memory channel's areas) until the reservation is destroyed (the shard outlives

@@ -1,6 +1,7 @@
 // Resource limits of one parameter-server shard (issue #15 item 3): what a single InitJob may
 // ask for, how many jobs and waiting pushes the shard holds, and a memory budget that every
-// job reserves from before anything of it is allocated.
+// job (and every open shared-memory channel) reserves from before anything of it is
+// allocated.
 //
 // ShardLimits is plain data (part of ShardOptions; server/server_main.cc fills it from flags).
 // MemoryBudget counts bytes reserved against `max_memory_bytes`; a job holds a
@@ -29,7 +30,8 @@ namespace gradmesh {
 struct ShardLimits {
   // Bytes of job state the shard may hold: every job's values, optimizer slots, sync barrier
   // copies, durable-snapshot buffers, request ledgers, per-chunk and per-worker bookkeeping,
-  // and the "changes" pull caches. InitJob beyond it is RESOURCE_EXHAUSTED. Default here: no
+  // and the "changes" pull caches; and the open shared-memory channels' regions and request
+  // copies (OpenShm). InitJob or OpenShm beyond it is RESOURCE_EXHAUSTED. Default here: no
   // budget (int64 max); gradmesh_server's --max_memory_bytes defaults to 80% of physical RAM
   // (DefaultMaxMemoryBytes()).
   int64_t max_memory_bytes = std::numeric_limits<int64_t>::max();

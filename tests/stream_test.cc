@@ -317,9 +317,21 @@ TEST_P(StreamRestartTest, AStreamBrokenMidPushIsRetriedAndThePushAppliedOnce) {
   ASSERT_OK(c0->InitJob(ConstSpans(OddInit(l))));
   absl::Status pushed0;
   std::thread t0([&] { pushed0 = c0->Push(0, ConstSpans(Grad(l, 0))); });
-  // Joined on every path (a failed ASSERT returns early), after c0's retries end.
-  absl::Cleanup join_t0 = [&t0] {
-    if (t0.joinable()) t0.join();
+  grpc::Server* first = server.get();
+  grpc::Server* second = nullptr;  // The restarted server, once it runs.
+  // A failed ASSERT returns early: t0's push must not be left retrying or parked at the
+  // barrier. c0 stops retrying, the servers end its calls, and t0 is joined; then the clients
+  // go, so that no server's destructor waits for their open calls.
+  absl::Cleanup end_early = [&] {
+    if (!t0.joinable()) return;
+    c0->StopRetrying();
+    c1->StopRetrying();
+    const auto soon = std::chrono::system_clock::now() + std::chrono::milliseconds(100);
+    first->Shutdown(soon);
+    if (second != nullptr) second->Shutdown(soon);
+    t0.join();
+    c0.reset();
+    c1.reset();
   };
   auto wait_for = [&](int64_t n) {
     for (int i = 0; i < 1000 && shard->waiting() != n; ++i) absl::SleepFor(absl::Milliseconds(5));
@@ -332,10 +344,21 @@ TEST_P(StreamRestartTest, AStreamBrokenMidPushIsRetriedAndThePushAppliedOnce) {
   int again = 0;
   auto [service2, server2] = serve(port, &again);
   ASSERT_NE(server2, nullptr);
+  second = server2.get();
+  // Runs before server2's destructor (declared after it): the clients' calls end first.
+  absl::Cleanup end_clients = [&] {
+    if (c0 == nullptr) return;
+    c0->StopRetrying();
+    c1->StopRetrying();
+    second->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(100));
+    if (t0.joinable()) t0.join();
+    c0.reset();
+    c1.reset();
+  };
   ASSERT_EQ(again, port);
   ASSERT_EQ(wait_for(1), 1);  // The retry, waiting again.
   ASSERT_OK(c1->Push(0, ConstSpans(Grad(l, 0, 2))));
-  std::move(join_t0).Invoke();
+  t0.join();
   ASSERT_OK(pushed0);
   if (transport == "shm") {
     // Each client has its channel to the new server: c1's from its push, and c0's reopened by
@@ -357,6 +380,12 @@ TEST_P(StreamRestartTest, AStreamBrokenMidPushIsRetriedAndThePushAppliedOnce) {
   ASSERT_OK(r0->InitJob(ConstSpans(OddInit(r))));
   absl::Status ref0;
   std::thread u0([&] { ref0 = r0->Push(0, ConstSpans(Grad(r, 0))); });
+  absl::Cleanup end_u0 = [&] {  // As for t0: never left running past a failed ASSERT.
+    if (!u0.joinable()) return;
+    r0->StopRetrying();
+    second->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(100));
+    u0.join();
+  };
   ASSERT_EQ(wait_for(1), 1);
   ASSERT_OK(r1->Push(0, ConstSpans(Grad(r, 0, 2))));
   u0.join();
